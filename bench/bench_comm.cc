@@ -1,0 +1,359 @@
+// bench_comm: an nccl-tests style harness for the Communicator backends.
+//
+// For each operation (ring step, all_to_all, all_gather, all_reduce) and each size of a sweep
+// (doubling from --min-bytes to --max-bytes) every rank runs --warmup untimed and --iters timed
+// calls between two barriers; the time of a size is the slowest rank's mean per call. Then, with
+// the check on (the default, as nccl-tests' -c 1), one more call on fresh data is compared
+// with the expected result and the wrong elements are counted over all ranks.
+//
+// Sizes and bandwidths follow nccl-tests (doc/PERFORMANCE.md there), in GB/s = 1e9 bytes/s:
+//   ring_step   size = bytes each rank sends to its successor     busbw = algbw
+//   all_to_all  size = bytes of one rank's send buffer (P parts)  busbw = algbw * (P-1)/P
+//   all_gather  size = bytes of one rank's receive buffer         busbw = algbw * (P-1)/P
+//   all_reduce  size = bytes of the buffer                        busbw = algbw * 2(P-1)/P
+// with algbw = size / time. Data are f32 small integers, so sums are exact.
+//
+//   bench_comm --ranks 2                      local backend, 2 ranks (threads)
+//   mpirun -n 2 bench_comm                    MPI backend
+//   bench_comm --ranks 4 --ops all_reduce --min-bytes 1K --max-bytes 1M --json out.json
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "loom/comm.h"
+#include "loom/error.h"
+#include "loom/timer.h"
+
+namespace loom {
+namespace {
+
+struct Options {
+  int ranks = 2;
+  std::string backend = "auto";
+  std::string min_bytes = "1K", max_bytes = "64M";
+  int iters = 20, warmup = 5;
+  std::vector<std::string> ops = {"ring_step", "all_to_all", "all_gather", "all_reduce"};
+  bool no_check = false;
+  std::string json;
+  double timeout_s = -1;
+};
+
+struct Result {
+  std::string op;
+  size_t bytes = 0;  // nccl-tests "size"
+  size_t count = 0;  // f32 elements per rank buffer the size describes
+  double time_us = 0;
+  double algbw = 0, busbw = 0;  // GB/s
+  int64_t wrong = -1;           // -1: not checked
+};
+
+size_t parse_size(const std::string& text) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  LOOM_CHECK(used > 0 && v > 0, InvalidArgument, "size '" << text << "' is not a positive size");
+  const std::string unit = text.substr(used);
+  double scale = 1;
+  if (unit == "K" || unit == "KiB") {
+    scale = 1024;
+  } else if (unit == "M" || unit == "MiB") {
+    scale = 1024.0 * 1024;
+  } else if (unit == "G" || unit == "GiB") {
+    scale = 1024.0 * 1024 * 1024;
+  } else {
+    LOOM_CHECK(unit.empty() || unit == "B", InvalidArgument,
+               "size '" << text << "': unknown unit '" << unit << "' (B, K, M, G)");
+  }
+  return static_cast<size_t>(v * scale);
+}
+
+float value(int rank, size_t i) {
+  return static_cast<float>((rank * 3 + i) % 11);
+}
+
+// One operation on preallocated buffers: post, run, check.
+class Op {
+ public:
+  virtual ~Op() = default;
+  // Elements of f32 per rank buffer for a given size; 0 if the size is too small.
+  virtual size_t count_for(size_t bytes, int ranks) const = 0;
+  virtual double bus_factor(int ranks) const = 0;
+  virtual void prepare(Communicator& c, size_t count) = 0;  // fills inputs with check data
+  virtual void run(Communicator& c, size_t count) = 0;
+  virtual int64_t wrong(Communicator& c, size_t count) const = 0;
+  // nccl-tests size of `count` elements.
+  virtual size_t size_of(size_t count, int ranks) const = 0;
+};
+
+class RingStep final : public Op {
+ public:
+  size_t count_for(size_t bytes, int) const override { return bytes / 4; }
+  double bus_factor(int) const override { return 1; }
+  size_t size_of(size_t count, int) const override { return count * 4; }
+  void prepare(Communicator& c, size_t count) override {
+    send_.resize(count);
+    recv_.assign(count, -1.0f);
+    for (size_t i = 0; i < count; ++i) send_[i] = value(c.rank(), i);
+  }
+  void run(Communicator& c, size_t count) override {
+    const int n = c.size(), r = c.rank();
+    std::vector<P2POp> ops = {{P2POp::send, send_.data(), count * 4, (r + 1) % n},
+                              {P2POp::recv, recv_.data(), count * 4, (r - 1 + n) % n}};
+    for (auto& w : c.batch_p2p(ops)) w->wait();
+  }
+  int64_t wrong(Communicator& c, size_t count) const override {
+    const int prev = (c.rank() - 1 + c.size()) % c.size();
+    int64_t bad = 0;
+    for (size_t i = 0; i < count; ++i) bad += recv_[i] != value(prev, i);
+    return bad;
+  }
+
+ private:
+  std::vector<float> send_, recv_;
+};
+
+class AllToAll final : public Op {
+ public:
+  size_t count_for(size_t bytes, int ranks) const override { return bytes / 4 / ranks; }
+  double bus_factor(int ranks) const override { return double(ranks - 1) / ranks; }
+  size_t size_of(size_t count, int ranks) const override { return count * 4 * ranks; }
+  void prepare(Communicator& c, size_t count) override {
+    const int n = c.size();
+    send_.resize(count * n);
+    recv_.assign(count * n, -1.0f);
+    for (int p = 0; p < n; ++p) {
+      for (size_t i = 0; i < count; ++i) send_[p * count + i] = value(c.rank() * n + p, i);
+    }
+  }
+  void run(Communicator& c, size_t count) override {
+    c.all_to_all(send_.data(), recv_.data(), count * 4);
+  }
+  int64_t wrong(Communicator& c, size_t count) const override {
+    const int n = c.size();
+    int64_t bad = 0;
+    for (int p = 0; p < n; ++p) {
+      for (size_t i = 0; i < count; ++i) bad += recv_[p * count + i] != value(p * n + c.rank(), i);
+    }
+    return bad;
+  }
+
+ private:
+  std::vector<float> send_, recv_;
+};
+
+class AllGather final : public Op {
+ public:
+  size_t count_for(size_t bytes, int ranks) const override { return bytes / 4 / ranks; }
+  double bus_factor(int ranks) const override { return double(ranks - 1) / ranks; }
+  size_t size_of(size_t count, int ranks) const override { return count * 4 * ranks; }
+  void prepare(Communicator& c, size_t count) override {
+    send_.resize(count);
+    recv_.assign(count * c.size(), -1.0f);
+    for (size_t i = 0; i < count; ++i) send_[i] = value(c.rank(), i);
+  }
+  void run(Communicator& c, size_t count) override {
+    c.all_gather(send_.data(), count * 4, recv_.data());
+  }
+  int64_t wrong(Communicator& c, size_t count) const override {
+    int64_t bad = 0;
+    for (int p = 0; p < c.size(); ++p) {
+      for (size_t i = 0; i < count; ++i) bad += recv_[p * count + i] != value(p, i);
+    }
+    return bad;
+  }
+
+ private:
+  std::vector<float> send_, recv_;
+};
+
+class AllReduce final : public Op {
+ public:
+  size_t count_for(size_t bytes, int) const override { return bytes / 4; }
+  double bus_factor(int ranks) const override { return 2.0 * (ranks - 1) / ranks; }
+  size_t size_of(size_t count, int) const override { return count * 4; }
+  void prepare(Communicator& c, size_t count) override {
+    buf_.resize(count);
+    for (size_t i = 0; i < count; ++i) buf_[i] = value(c.rank(), i);
+  }
+  // Timed calls keep reducing the same buffer (as nccl-tests' in-place runs do); only the
+  // call after prepare() is checked.
+  void run(Communicator& c, size_t count) override {
+    c.all_reduce(buf_.data(), count, DType::f32, ReduceOp::sum);
+  }
+  int64_t wrong(Communicator& c, size_t count) const override {
+    int64_t bad = 0;
+    for (size_t i = 0; i < count; ++i) {
+      float want = 0;
+      for (int p = 0; p < c.size(); ++p) want += value(p, i);
+      bad += buf_[i] != want;
+    }
+    return bad;
+  }
+
+ private:
+  std::vector<float> buf_;
+};
+
+std::unique_ptr<Op> make_op(const std::string& name) {
+  if (name == "ring_step") return std::make_unique<RingStep>();
+  if (name == "all_to_all") return std::make_unique<AllToAll>();
+  if (name == "all_gather") return std::make_unique<AllGather>();
+  if (name == "all_reduce") return std::make_unique<AllReduce>();
+  throw InvalidArgument("unknown op '" + name + "' (ring_step, all_to_all, all_gather, all_reduce)",
+                        __FILE__, __LINE__);
+}
+
+// The whole sweep on one rank; rank 0 returns the results.
+std::vector<Result> sweep(Communicator& c, const Options& o) {
+  const size_t lo = parse_size(o.min_bytes), hi = parse_size(o.max_bytes);
+  LOOM_CHECK_LE(lo, hi, InvalidArgument, "--min-bytes must not exceed --max-bytes");
+  const int n = c.size();
+  std::vector<Result> results;
+  for (const std::string& name : o.ops) {
+    auto op = make_op(name);
+    for (size_t bytes = lo; bytes <= hi; bytes *= 2) {
+      const size_t count = op->count_for(bytes, n);
+      if (count == 0) continue;
+      op->prepare(c, count);
+      for (int i = 0; i < o.warmup; ++i) op->run(c, count);
+      c.barrier();
+      const double start = now_s();
+      for (int i = 0; i < o.iters; ++i) op->run(c, count);
+      double per_call = (now_s() - start) / std::max(1, o.iters);
+      c.all_reduce(&per_call, 1, DType::f64, ReduceOp::max);
+      int64_t wrong = -1;
+      if (!o.no_check) {
+        op->prepare(c, count);
+        op->run(c, count);
+        wrong = op->wrong(c, count);
+        c.all_reduce(&wrong, 1, DType::i64, ReduceOp::sum);
+      }
+      Result r;
+      r.op = name;
+      r.count = count;
+      r.bytes = op->size_of(count, n);
+      r.time_us = per_call * 1e6;
+      r.algbw = r.bytes / per_call / 1e9;
+      r.busbw = r.algbw * op->bus_factor(n);
+      r.wrong = wrong;
+      results.push_back(r);
+    }
+  }
+  return results;
+}
+
+void print(const std::vector<Result>& results, const Options& o, const std::string& backend,
+           int ranks) {
+  std::printf("# bench_comm: backend %s, %d ranks, %d iters, %d warmup, check %s\n",
+              backend.c_str(), ranks, o.iters, o.warmup, o.no_check ? "off" : "on");
+  std::string last;
+  for (const Result& r : results) {
+    if (r.op != last) {
+      std::printf("#\n# %-10s %12s %12s %12s %12s %12s %8s\n", "op", "size(B)", "count(f32)",
+                  "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+      last = r.op;
+    }
+    const std::string wrong = r.wrong < 0 ? "N/A" : std::to_string(r.wrong);
+    std::printf("  %-10s %12zu %12zu %12.1f %12.3f %12.3f %8s\n", r.op.c_str(), r.bytes, r.count,
+                r.time_us, r.algbw, r.busbw, wrong.c_str());
+  }
+  std::fflush(stdout);
+}
+
+void write_json(const std::vector<Result>& results, const Options& o, const std::string& backend,
+                int ranks) {
+  nlohmann::json j;
+  j["bench"] = "comm";
+  j["backend"] = backend;
+  j["ranks"] = ranks;
+  j["iters"] = o.iters;
+  j["warmup"] = o.warmup;
+  j["check"] = !o.no_check;
+  j["results"] = nlohmann::json::array();
+  for (const Result& r : results) {
+    j["results"].push_back({{"op", r.op},
+                            {"bytes", r.bytes},
+                            {"count", r.count},
+                            {"time_us", r.time_us},
+                            {"algbw_gbs", r.algbw},
+                            {"busbw_gbs", r.busbw},
+                            {"wrong", r.wrong}});
+  }
+  std::ofstream out(o.json);
+  LOOM_CHECK(out.good(), IoError, "cannot write '" << o.json << "'");
+  out << j.dump(2) << "\n";
+  LOOM_CHECK(out.good(), IoError, "error writing '" << o.json << "'");
+}
+
+int run(const Options& o) {
+  const bool use_mpi = o.backend == "mpi" || (o.backend == "auto" && launched_by_mpirun());
+  LOOM_CHECK(o.iters >= 1 && o.warmup >= 0, InvalidArgument,
+             "--iters must be >= 1 and --warmup >= 0, got " << o.iters << " and " << o.warmup);
+  std::vector<Result> results;
+  int ranks = 0;
+  bool failed = false;
+  int64_t wrong = 0;
+  if (use_mpi) {
+    auto world = mpi_world();
+    if (o.timeout_s > 0) world->set_timeout_s(o.timeout_s);
+    ranks = world->size();
+    results = sweep(*world, o);
+    if (world->rank() != 0) return 0;
+  } else {
+    LOOM_CHECK_GE(o.ranks, 1, InvalidArgument, "--ranks must be positive");
+    ranks = o.ranks;
+    run_local(
+        o.ranks,
+        [&](Communicator& c) {
+          auto mine = sweep(c, o);
+          if (c.rank() == 0) results = std::move(mine);
+        },
+        {}, o.timeout_s);
+  }
+  const std::string backend = use_mpi ? "mpi" : "local";
+  print(results, o, backend, ranks);
+  if (!o.json.empty()) write_json(results, o, backend, ranks);
+  for (const Result& r : results) wrong += std::max<int64_t>(r.wrong, 0);
+  failed = wrong > 0;
+  if (failed) std::fprintf(stderr, "bench_comm: %lld wrong elements\n", (long long)wrong);
+  return failed ? 2 : 0;
+}
+
+}  // namespace
+}  // namespace loom
+
+int main(int argc, char** argv) {
+  loom::Options o;
+  CLI::App app{"bench_comm: nccl-tests style benchmark of loom's communication backends"};
+  app.add_option("--ranks", o.ranks, "ranks of the local backend (threads)");
+  app.add_option("--backend", o.backend, "auto (mpi under mpirun, else local), local or mpi")
+      ->check(CLI::IsMember({"auto", "local", "mpi"}));
+  app.add_option("--min-bytes,-b", o.min_bytes, "smallest size (B, K, M, G)");
+  app.add_option("--max-bytes,-e", o.max_bytes, "largest size (B, K, M, G)");
+  app.add_option("--iters,-n", o.iters, "timed calls per size");
+  app.add_option("--warmup,-w", o.warmup, "untimed calls per size");
+  app.add_option("--ops", o.ops, "ring_step, all_to_all, all_gather, all_reduce")->delimiter(',');
+  app.add_flag("--no-check", o.no_check, "skip the correctness check");
+  app.add_option("--json", o.json, "also write the results to this JSON file");
+  app.add_option("--timeout", o.timeout_s, "seconds before a wait fails (default LOOM_TIMEOUT_S)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return loom::run(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_comm: %s\n", e.what());
+    if (loom::launched_by_mpirun()) loom::mpi_abort(1);
+    return 1;
+  }
+}

@@ -1,0 +1,25 @@
+# bench_kernels: forward/backward GFLOP/s of the blockwise kernels next to a measured sgemm rate.
+# See docs/performance.md, "Kernels: first numbers (issue 2)".
+add_executable(bench_kernels ${CMAKE_CURRENT_LIST_DIR}/bench_kernels.cc)
+target_link_libraries(bench_kernels PRIVATE loom_kernels CLI11::CLI11 nlohmann_json::nlohmann_json)
+
+# The sgemm comparison uses OpenBLAS's cblas_sgemm when BLAS is OpenBLAS and its own cblas.h is
+# found (its thread count is set with openblas_set_num_threads); otherwise a naive blocked sgemm.
+set(loom_bench_openblas OFF)
+if(BLAS_FOUND AND BLAS_LIBRARIES MATCHES "openblas")
+  find_path(LOOM_OPENBLAS_INCLUDE_DIR NAMES openblas_config.h
+            PATHS /usr/include/x86_64-linux-gnu/openblas-pthread
+                  /usr/include/x86_64-linux-gnu/openblas-openmp
+                  /usr/include/aarch64-linux-gnu/openblas-pthread
+                  /usr/include/openblas /usr/local/include/openblas /opt/homebrew/opt/openblas/include
+            NO_DEFAULT_PATH)
+  if(LOOM_OPENBLAS_INCLUDE_DIR AND EXISTS "${LOOM_OPENBLAS_INCLUDE_DIR}/cblas.h")
+    set(loom_bench_openblas ON)
+  endif()
+endif()
+if(loom_bench_openblas)
+  target_include_directories(bench_kernels PRIVATE ${LOOM_OPENBLAS_INCLUDE_DIR})
+  target_link_libraries(bench_kernels PRIVATE ${BLAS_LIBRARIES})
+  target_compile_definitions(bench_kernels PRIVATE LOOM_BENCH_OPENBLAS=1)
+endif()
+message(STATUS "loom: bench_kernels sgemm from OpenBLAS: ${loom_bench_openblas}")

@@ -1,0 +1,168 @@
+// loom/attention.h: attention on one rank. The fp64 reference, the blockwise fp32 forward on a
+// running softmax state, the blockwise backward, and the merge of finished partial results.
+//
+// Shapes. q, out, dout, dq: [Sq, H, D]; k, v, dk, dv: [Sk, Hkv, D]; lse and delta: [H, Sq]
+// (a head-major array with an explicit stride between heads, ml_stride >= Sq). GQA/MQA: query
+// head h reads KV head h / (H / Hkv); H % Hkv == 0 is checked at every entry point.
+//
+// Masks. Rows carry global token positions (int64) and, optionally, document ids (int32; a null
+// pointer means "all one document"). Query i may see key j iff
+//     same document  and  (!causal or pos_j <= pos_i)  and  (window == 0 or |pos_i - pos_j| <
+//     window).
+// The rule never looks at local offsets, so contiguous, zigzag and stripe shards and packed
+// documents are all the same code.
+//
+// Rows that see no key. A query row that sees no key at all (possible with windows, documents or
+// arbitrary positions) has out = 0 and lse = -inf, and contributes nothing to dq/dk/dv; never NaN.
+//
+// Precision. Storage fp32; every accumulation (scores, m, l, acc, lse, dq/dk/dv) is fp32.
+//
+// Threads. Each call uses up to `threads` OpenMP threads (0: the OpenMP default). Forward splits
+// work over (head, q-tile); backward over (kv-head, k-tile) for dk/dv, with dq reduced without
+// races. Calls on disjoint outputs may run concurrently from different threads.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "loom/tensor.h"
+
+namespace loom {
+
+struct Mask {
+  bool causal = true;
+  int64_t window = 0;  // 0: unlimited; else keys with |pos_i - pos_j| < window
+};
+
+// Token metadata of a block of rows: global position of each row and, optionally, its document.
+struct Tokens {
+  const int64_t* pos = nullptr;  // n entries, required
+  const int32_t* doc = nullptr;  // n entries, or nullptr for a single document
+  int64_t n = 0;
+  Tokens sub(int64_t begin, int64_t count) const {
+    return Tokens{pos + begin, doc ? doc + begin : nullptr, count};
+  }
+};
+
+inline bool visible(const Mask& m, int64_t qpos, int32_t qdoc, int64_t kpos, int32_t kdoc) {
+  if (qdoc != kdoc) return false;
+  if (m.causal && kpos > qpos) return false;
+  if (m.window > 0 && (qpos - kpos >= m.window || kpos - qpos >= m.window)) return false;
+  return true;
+}
+
+// Options of the blockwise kernels.
+struct KernelConfig {
+  Mask mask;
+  float scale = 0.0f;    // softmax scale; must be set (usually 1/sqrt(D))
+  int threads = 0;       // OpenMP threads for this call; 0: OpenMP default
+  int64_t block_q = 64;  // tile rows (queries)
+  int64_t block_k = 64;  // tile columns (keys)
+};
+
+// What one kernel call did. A tile is a block_q x block_k block of (query, key) pairs for one
+// query head; it is empty (skipped), full (no mask work) or partial.
+struct KernelStats {
+  int64_t tiles = 0;          // tiles computed (full + partial)
+  int64_t tiles_skipped = 0;  // empty tiles
+  int64_t visible_pairs = 0;  // (query, key, head) triples the mask allows, for useful FLOPs
+  KernelStats& operator+=(const KernelStats& o) {
+    tiles += o.tiles;
+    tiles_skipped += o.tiles_skipped;
+    visible_pairs += o.visible_pairs;
+    return *this;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// fp64 reference: plain loops, any mask, GQA. Small and obviously right; never optimised.
+
+// out [Sq,H,D], lse [H,Sq] (lse[h*Sq + i]).
+void reference_forward(View3<const double> q, View3<const double> k, View3<const double> v,
+                       Tokens qt, Tokens kt, const Mask& mask, double scale, View3<double> out,
+                       double* lse);
+
+// Gradients of sum(out * dout) with respect to q, k, v. dq [Sq,H,D], dk, dv [Sk,Hkv,D] are
+// overwritten (not accumulated).
+void reference_backward(View3<const double> q, View3<const double> k, View3<const double> v,
+                        View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
+                        double scale, View3<double> dq, View3<double> dk, View3<double> dv);
+
+// Number of (query, key, head) triples the mask allows: useful-FLOP accounting
+// (forward = 4 * D * pairs, backward = 2.5x that).
+int64_t count_visible_pairs(Tokens qt, Tokens kt, const Mask& mask, int64_t heads);
+
+// ---------------------------------------------------------------------------------------------
+// Blockwise forward on a running softmax state.
+
+// A view of a running softmax state for `rows` query rows:
+//   acc [rows, heads, dim] fp32 (row stride acc_ss, head stride dim),
+//   m, l [heads, rows] fp32 with stride ml_stride between heads.
+// m is the running row max of the scaled scores (-inf before any key), l the running sum of
+// exp(score - m); acc the running sum of exp(score - m) * v.
+struct StateView {
+  float* acc = nullptr;
+  float* m = nullptr;
+  float* l = nullptr;
+  int64_t rows = 0, heads = 0, dim = 0;
+  int64_t acc_ss = 0;     // row stride of acc (>= heads * dim)
+  int64_t ml_stride = 0;  // head stride of m and l (>= rows)
+  StateView sub_rows(int64_t begin, int64_t count) const {
+    return StateView{
+        acc + begin * acc_ss, m + begin, l + begin, count, heads, dim, acc_ss, ml_stride};
+  }
+};
+
+// Owning softmax state, initialised empty (m = -inf, l = 0, acc = 0).
+class SoftmaxState {
+ public:
+  SoftmaxState() = default;
+  SoftmaxState(int64_t rows, int64_t heads, int64_t dim);
+  void reset();  // back to empty
+  StateView view();
+  int64_t rows() const { return rows_; }
+
+  Tensor<float> acc;   // [rows, heads, dim]
+  Tensor<float> m, l;  // [heads, rows]
+
+ private:
+  int64_t rows_ = 0;
+};
+
+// Folds the KV block (k, v with tokens kt) into the state of the query rows q (tokens qt).
+// q: [st.rows, H, D] with H == st.heads, D == st.dim; k, v: [Sk, Hkv, D]. D <= 256.
+KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,
+                   Tokens qt, Tokens kt, const KernelConfig& cfg);
+
+// out[i, h, :] = acc / l, lse[h * lse_stride + i] = m + log(l); rows with l == 0 give out = 0
+// and lse = -inf.
+void finish(StateView st, View3<float> out, float* lse, int64_t lse_stride);
+
+// ---------------------------------------------------------------------------------------------
+// Blockwise backward. Uses the FINAL lse of each query row, so partial gradients from different
+// KV blocks (ring steps) simply add.
+
+// delta[h * stride + i] = sum_d dout[i,h,d] * out[i,h,d].
+void compute_delta(View3<const float> out, View3<const float> dout, float* delta, int64_t stride);
+
+// Accumulates (+=) into dq [Sq,H,D], dk, dv [Sk,Hkv,D] the gradient contributions of the pairs
+// (q rows, this KV block):
+//   S = scale q k^T, P = exp(S - lse), dv += P^T dout, dP = dout v^T, dS = P (dP - delta),
+//   dq += scale dS k, dk += scale dS^T q.
+// Rows with lse = -inf contribute nothing.
+KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<const float> v,
+                            View3<const float> dout, const float* lse, const float* delta,
+                            int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
+                            View3<float> dq, View3<float> dk, View3<float> dv);
+
+// ---------------------------------------------------------------------------------------------
+// Merge of finished partial results (overflow-free): for each row and head,
+//   lse = max(lse_a, lse_b) + log1p(exp(-|lse_a - lse_b|)),
+//   out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse).
+// Writes the result into (out_a, lse_a). Both -inf: out_a = 0, lse_a = -inf.
+void merge(View3<float> out_a, float* lse_a, View3<const float> out_b, const float* lse_b,
+           int64_t lse_stride);
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+}  // namespace loom

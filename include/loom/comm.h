@@ -1,0 +1,185 @@
+// loom/comm.h: the Communicator interface. Everything that crosses ranks goes through it;
+// context-parallel algorithms see only this header, never MPI or NCCL types.
+//
+// Buffers are bytes; a dtype appears only where a reduction needs one. Every blocking call takes
+// a timeout in seconds (a negative value means "the communicator's default", which comes from
+// LOOM_TIMEOUT_S, or 60 s when that is unset). A wait that runs past its deadline throws
+// loom::Timeout; a failed peer or backend error throws loom::CommError. Both messages name this
+// rank and the peer(s) involved.
+//
+// Thread-safety. A Communicator is used by one thread at a time (its rank's thread); Work handles
+// are used by the thread that created them. Different Communicators (ranks, or groups made by
+// split) may be used concurrently from different threads.
+//
+// Collectives must be called by every rank of the group in the same order (as MPI requires).
+// Buffers handed to isend/irecv must stay valid until the Work completes (wait/test true) or the
+// Work is destroyed; destroying an unfinished Work cancels it where the backend can and otherwise
+// waits for it (bounded by the timeout).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace loom {
+
+enum class DType { f32, f64, i64 };
+enum class ReduceOp { sum, max };
+size_t dtype_size(DType t);
+
+// Counters every backend keeps per communicator (and its splits share nothing).
+struct CommStats {
+  int64_t bytes_sent = 0;
+  int64_t bytes_recv = 0;
+  int64_t messages_sent = 0;
+  double wait_s = 0;  // seconds spent blocked in wait() / collectives
+};
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  // True when the operation finished; throws CommError if it failed.
+  virtual bool test() = 0;
+  // Blocks until done. timeout_s < 0: the communicator's default.
+  virtual void wait(double timeout_s = -1) = 0;
+};
+using WorkPtr = std::unique_ptr<Work>;
+
+// One side of a point-to-point exchange for batch_p2p.
+struct P2POp {
+  enum Kind { send, recv } kind;
+  void* buf;  // const for sends
+  size_t bytes;
+  int peer;
+  int tag = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "local" or "mpi".
+  virtual std::string backend() const = 0;
+
+  // New communicator over the ranks that pass the same color, ordered by (key, old rank).
+  // Collective over this communicator. color < 0 gives nullptr for that rank.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  // Point to point. Messages between one (sender, receiver, tag) arrive in posting order.
+  // A receive whose message is longer than `bytes` fails with CommError.
+  virtual WorkPtr isend(const void* buf, size_t bytes, int peer, int tag = 0) = 0;
+  virtual WorkPtr irecv(void* buf, size_t bytes, int peer, int tag = 0) = 0;
+
+  // Posts all operations together (a ring step's send and receive) and returns their handles.
+  virtual std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops);
+
+  // Each rank sends send_bytes[p] bytes at send + send_offsets[p] to rank p and receives
+  // recv_bytes[p] bytes from rank p into recv + recv_offsets[p]. Sizes may differ per peer and
+  // may be zero; send_bytes[p] on rank r must equal recv_bytes[r] on rank p.
+  virtual void all_to_all(const void* send, const size_t* send_bytes, const size_t* send_offsets,
+                          void* recv, const size_t* recv_bytes, const size_t* recv_offsets,
+                          double timeout_s = -1) = 0;
+  // Equal splits: `bytes_per_rank` bytes to and from each rank, packed by rank.
+  void all_to_all(const void* send, void* recv, size_t bytes_per_rank, double timeout_s = -1);
+
+  // recv holds size() * bytes: rank p's contribution at p * bytes.
+  virtual void all_gather(const void* send, size_t bytes, void* recv, double timeout_s = -1) = 0;
+  // send holds size() * count elements; rank p receives the reduction of block p into recv
+  // (count elements).
+  virtual void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                              double timeout_s = -1) = 0;
+  // In place over count elements.
+  virtual void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op,
+                          double timeout_s = -1) = 0;
+  virtual void barrier(double timeout_s = -1) = 0;
+
+  // Default timeout of this communicator's waits, seconds.
+  double timeout_s() const { return timeout_s_; }
+  void set_timeout_s(double t) { timeout_s_ = t; }
+
+  CommStats& stats() { return stats_; }
+  const CommStats& stats() const { return stats_; }
+
+ protected:
+  double resolve_timeout(double t) const { return t < 0 ? timeout_s_ : t; }
+  double timeout_s_ = default_timeout_s();
+  CommStats stats_;
+
+ public:
+  // LOOM_TIMEOUT_S if set and positive, else 60.
+  static double default_timeout_s();
+};
+
+// ---------------------------------------------------------------------------------------------
+// local backend: ranks are threads of one process sharing mailboxes.
+
+// Fault injection for tests and `loom attn --fault` (local backend only).
+struct FaultPlan {
+  int kill_rank = -1;      // this rank fails (throws CommError "rank R was killed") ...
+  int64_t kill_at_op = 0;  // ... at its kill_at_op-th communication operation (0-based)
+  int drop_rank = -1;      // this rank's drop_at_op-th send is silently lost
+  int64_t drop_at_op = 0;
+  int delay_rank = -1;  // every send of this rank is delivered delay_ms late
+  int delay_ms = 0;
+  bool any() const { return kill_rank >= 0 || drop_rank >= 0 || delay_rank >= 0; }
+};
+
+// Parses "kill:R", "drop:R", "delay:R:MS" (optionally ",at=K" for kill/drop). Without ",at=K",
+// K = 1: the rank's second op (kill) or second message (drop), so the fault lands mid-run. An op
+// is any isend, irecv, collective, barrier or split call of that rank on any of its
+// communicators; messages include those sent inside collectives. Throws InvalidArgument naming
+// the text.
+FaultPlan parse_fault(const std::string& text);
+
+// Runs fn(comm) on `ranks` threads, one local Communicator each. When any rank throws, the world
+// is poisoned: every other rank's pending and future waits fail at once with CommError naming the
+// failed rank, so nothing waits forever. Returns when all threads have ended; rethrows the first
+// error (the failed rank's own, not the follow-on errors). timeout_s < 0: default.
+void run_local(int ranks, const std::function<void(Communicator&)>& fn,
+               const FaultPlan& faults = {}, double timeout_s = -1);
+
+// ---------------------------------------------------------------------------------------------
+// mpi backend (a stub that throws NotSupported in builds without MPI).
+
+// True if this build has the MPI backend.
+bool mpi_available();
+// True if the process looks like it was started by mpirun/mpiexec with more than one process
+// (checks OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK ...) without initialising MPI.
+bool launched_by_mpirun();
+// Initialises MPI (once; finalised at exit) and returns the world communicator. MPI errors are
+// returned to loom (MPI_ERRORS_RETURN) and become CommError.
+std::unique_ptr<Communicator> mpi_world();
+// Ends the whole MPI job at once after a fatal error on this rank (MPI_Abort); no-op without MPI.
+void mpi_abort(int code);
+
+// ---------------------------------------------------------------------------------------------
+// Mesh: dp x tp x cp groups with cp = ulysses x ring. Rank order: tp innermost, then ulysses,
+// then ring, then dp: world rank = ((dp_i * ring + ring_i) * ulysses + uly_i) * tp + tp_i.
+struct MeshShape {
+  int dp = 1, tp = 1, ulysses = 1, ring = 1;
+  int cp() const { return ulysses * ring; }
+  int world() const { return dp * tp * ulysses * ring; }
+};
+
+struct Mesh {
+  MeshShape shape;
+  int dp_rank = 0, tp_rank = 0, uly_rank = 0, ring_rank = 0;
+  std::unique_ptr<Communicator> tp;       // tp ranks sharing (dp, ring, ulysses)
+  std::unique_ptr<Communicator> ulysses;  // ulysses ranks sharing (dp, ring, tp)
+  std::unique_ptr<Communicator> ring;     // ring ranks sharing (dp, ulysses, tp)
+  std::unique_ptr<Communicator> cp;       // ulysses x ring ranks sharing (dp, tp); cp rank =
+                                          // ring_rank * ulysses + uly_rank
+  std::unique_ptr<Communicator> dp;       // dp ranks sharing (tp, cp)
+  int cp_rank() const { return ring_rank * shape.ulysses + uly_rank; }
+};
+
+// Collective over world. Throws InvalidArgument when shape.world() != world.size() or any
+// size < 1, naming all five numbers.
+Mesh build_mesh(Communicator& world, const MeshShape& shape);
+
+}  // namespace loom

@@ -1,0 +1,37 @@
+// loom/npy.h: reading and writing NumPy .npy files (format 1.0-3.0).
+//
+// Accepted on read: dtype '<f4' or '<f8' (also '|' byte order for neither), C order. Anything
+// else (Fortran order, big-endian, another dtype, a truncated file, a header whose shape does
+// not match the data size, a malformed header) raises IoError with one line naming the file.
+// Writes are atomic: data goes to "<path>.tmp.<pid>" and is renamed over path only when complete,
+// so a failed run never leaves a file that looks whole.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/tensor.h"
+
+namespace loom {
+
+// Reads an f4 or f8 array, converting to float. Returns the array with its shape.
+Tensor<float> read_npy_f32(const std::string& path);
+// Reads an f4 or f8 array, converting to double.
+Tensor<double> read_npy_f64(const std::string& path);
+
+// Parses an in-memory .npy image (used by the reader and the fuzz target); `what` names the
+// source in error messages.
+Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& what);
+
+// Reads and checks the shape for a role: e.g. expect_rank = 3 for q/k/v. Throws IoError naming
+// the role ("q.npy has shape [4, 2] but q must be [S, H, D]").
+Tensor<float> read_npy_role(const std::string& path, const std::string& role, int expect_rank);
+
+void write_npy(const std::string& path, const Tensor<float>& x);
+void write_npy(const std::string& path, const Tensor<double>& x);
+
+// Writes `bytes` to path atomically (temp file + rename). Throws IoError.
+void write_file_atomic(const std::string& path, const std::string& bytes);
+
+}  // namespace loom

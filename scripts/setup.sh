@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what loom needs from Debian's archive (idempotent: installs only what is missing),
+# then configures and builds loom in build/ (Release).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(g++ cmake make libgtest-dev libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
+          libopenblas-dev python3 python3-numpy bible-kjv)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+jobs=$(nproc 2>/dev/null || echo 2)
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$jobs"
+
+# The default corpus of `loom train`: the King James Bible, one verse per line (written once).
+if [ ! -s data/kjv.txt ]; then
+  mkdir -p data
+  bible -f gen1:1-rev22:21 > data/kjv.txt.tmp && mv data/kjv.txt.tmp data/kjv.txt
+fi

@@ -1,0 +1,701 @@
+// The local backend: the ranks of a world are threads of one process.
+//
+// Each world keeps one inbox per receiving rank (a mutex, a condition variable and one channel
+// per (source, tag)). A channel holds two FIFO queues: messages that arrived before their
+// receive, and receives posted before their message. A send matches the oldest posted receive
+// and copies straight into its buffer; otherwise it copies the bytes into a new message, so an
+// isend is complete when it returns. A receive takes the oldest message, or queues itself and
+// waits. Delayed messages (fault injection) carry a delivery time and are matched by the
+// receiver once that time has passed; all sends of a delayed rank are delayed alike, so FIFO
+// order per channel holds.
+//
+// Failure. All worlds made from one run_local call (the world and every split of it) share a
+// Universe. When a rank's function throws, run_local poisons the universe and wakes every inbox
+// of every world: waits then fail at once with CommError "rank R failed: <reason>". A wait also
+// fails at once when its peer's thread has already returned without sending. Everything else is
+// bounded by the wait's timeout.
+//
+// Fault injection (FaultPlan): ops are counted per world rank over all its communicators (every
+// isend, irecv, collective, barrier and split call is one op); sends are counted per world rank
+// over all messages, those inside collectives included.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "../collectives.h"
+#include "loom/comm.h"
+#include "loom/error.h"
+#include "loom/timer.h"
+
+namespace loom {
+namespace {
+
+// Per world rank; each entry is touched only by that rank's thread.
+struct RankFaultState {
+  int64_t ops = 0;
+  int64_t sends = 0;
+  bool killed = false;
+};
+
+struct PendingRecv {
+  void* buf = nullptr;
+  size_t capacity = 0;
+  bool exact = false;
+  bool done = false;
+  bool bad_size = false;
+  size_t received = 0;
+};
+
+struct Message {
+  std::unique_ptr<char[]> data;
+  size_t bytes = 0;
+  size_t capacity = 0;    // of data
+  double deliver_at = 0;  // now_s() time; 0: at once
+};
+
+// Message buffers for reuse: a fresh large allocation costs a page fault per 4 KiB, which is
+// more than the copy itself. Small buffers come from malloc directly.
+class BufferPool {
+ public:
+  std::unique_ptr<char[]> acquire(size_t bytes, size_t& capacity) {
+    if (bytes >= kMinPooled) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first <= 2 * bytes) {
+        capacity = it->first;
+        cached_ -= capacity;
+        auto buf = std::move(it->second);
+        free_.erase(it);
+        return buf;
+      }
+    }
+    capacity = std::max<size_t>(bytes, 1);
+    return std::unique_ptr<char[]>(new char[capacity]);
+  }
+
+  void release(std::unique_ptr<char[]> buf, size_t capacity) {
+    if (capacity < kMinPooled) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cached_ + capacity > kMaxCached) return;
+    cached_ += capacity;
+    free_.emplace(capacity, std::move(buf));
+  }
+
+ private:
+  static constexpr size_t kMinPooled = size_t{64} << 10;
+  static constexpr size_t kMaxCached = size_t{512} << 20;
+  std::mutex mu_;  // a leaf: taken under an inbox lock, never the other way round
+  std::multimap<size_t, std::unique_ptr<char[]>> free_;
+  size_t cached_ = 0;
+};
+
+struct Channel {
+  std::deque<Message> messages;
+  std::deque<std::shared_ptr<PendingRecv>> recvs;
+};
+
+struct Inbox {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::pair<int, int>, Channel> channels;  // (source group rank, tag)
+};
+
+class World;
+
+class Universe {
+ public:
+  Universe(int size, const FaultPlan& faults)
+      : size_(size), faults_(faults), fault_state_(size), finished_(new std::atomic<bool>[size]) {
+    for (int r = 0; r < size; ++r) finished_[r].store(false);
+  }
+
+  int size() const { return size_; }
+  const FaultPlan& faults() const { return faults_; }
+  RankFaultState& fault_state(int world_rank) { return fault_state_[world_rank]; }
+  BufferPool& pool() { return pool_; }
+
+  bool poisoned() const { return poisoned_.load(std::memory_order_acquire); }
+  // Valid once poisoned() is true (written once, before the flag).
+  int failed_rank() const { return failed_rank_; }
+  const std::string& reason() const { return reason_; }
+
+  // Marks the universe failed because of `world_rank`; the first call wins. Wakes every wait.
+  void poison(int world_rank, const std::string& reason);
+  void mark_finished(int world_rank);
+  bool finished(int world_rank) const { return finished_[world_rank].load(); }
+  void add_world(const std::shared_ptr<World>& world);
+
+ private:
+  void wake_all_locked();
+
+  const int size_;
+  const FaultPlan faults_;
+  std::vector<RankFaultState> fault_state_;
+  BufferPool pool_;
+  std::unique_ptr<std::atomic<bool>[]> finished_;
+  std::atomic<bool> poisoned_{false};
+  int failed_rank_ = -1;
+  std::string reason_;
+  std::mutex mu_;  // guards poisoning and worlds_
+  std::vector<std::weak_ptr<World>> worlds_;
+};
+
+class World {
+ public:
+  World(std::shared_ptr<Universe> universe, std::vector<int> members)
+      : universe_(std::move(universe)), members_(std::move(members)) {
+    for (size_t i = 0; i < members_.size(); ++i) inboxes_.push_back(std::make_unique<Inbox>());
+    is_root_ = true;
+    for (size_t i = 0; i < members_.size(); ++i) is_root_ = is_root_ && members_[i] == int(i);
+    is_root_ = is_root_ && int(members_.size()) == universe_->size();
+  }
+
+  Universe& universe() { return *universe_; }
+  int size() const { return static_cast<int>(members_.size()); }
+  int world_rank(int group_rank) const { return members_[group_rank]; }
+  Inbox& inbox(int group_rank) { return *inboxes_[group_rank]; }
+
+  // "rank 3", or "rank 3 (world rank 7)" in a split.
+  std::string who(int group_rank) const {
+    std::string s = "rank " + std::to_string(group_rank);
+    if (!is_root_) s += " (world rank " + std::to_string(members_[group_rank]) + ")";
+    return s;
+  }
+
+  void wake() {
+    for (auto& box : inboxes_) {
+      std::lock_guard<std::mutex> lock(box->mu);
+      box->cv.notify_all();
+    }
+  }
+
+  // The sub-world of split number `seq` and `color`: the first member to arrive creates it,
+  // the last one to take it removes the entry.
+  std::shared_ptr<World> join_split(int64_t seq, int color, const std::vector<int>& members) {
+    std::shared_ptr<World> world;
+    {
+      std::lock_guard<std::mutex> lock(split_mu_);
+      SplitEntry& entry = splits_[{seq, color}];
+      if (!entry.world) {
+        entry.world = std::make_shared<World>(universe_, members);
+        entry.remaining = static_cast<int>(members.size());
+      }
+      world = entry.world;
+      if (--entry.remaining == 0) splits_.erase({seq, color});
+    }
+    universe_->add_world(world);
+    return world;
+  }
+
+ private:
+  struct SplitEntry {
+    std::shared_ptr<World> world;
+    int remaining = 0;
+  };
+  std::shared_ptr<Universe> universe_;
+  std::vector<int> members_;  // world rank of each group rank
+  std::vector<std::unique_ptr<Inbox>> inboxes_;
+  bool is_root_ = false;
+  std::mutex split_mu_;
+  std::map<std::pair<int64_t, int>, SplitEntry> splits_;
+};
+
+void Universe::poison(int world_rank, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (poisoned_.load()) return;
+  failed_rank_ = world_rank;
+  reason_ = reason;
+  poisoned_.store(true, std::memory_order_release);
+  wake_all_locked();
+}
+
+void Universe::mark_finished(int world_rank) {
+  finished_[world_rank].store(true);
+  std::lock_guard<std::mutex> lock(mu_);
+  wake_all_locked();
+}
+
+void Universe::add_world(const std::shared_ptr<World>& world) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& w : worlds_) {
+    if (w.lock() == world) return;
+  }
+  std::erase_if(worlds_, [](const std::weak_ptr<World>& w) { return w.expired(); });
+  worlds_.push_back(world);
+}
+
+void Universe::wake_all_locked() {
+  for (const auto& w : worlds_) {
+    if (auto world = w.lock()) world->wake();
+  }
+}
+
+// Copies a message into a posted receive (inbox lock held).
+void deliver(PendingRecv& recv, const char* data, size_t bytes) {
+  recv.received = bytes;
+  if (bytes > recv.capacity || (recv.exact && bytes != recv.capacity)) {
+    recv.bad_size = true;
+  } else if (bytes > 0) {
+    std::memcpy(recv.buf, data, bytes);
+  }
+  recv.done = true;
+}
+
+// Matches queued messages whose time has come with posted receives (inbox lock held).
+void progress(Channel& ch, double now, BufferPool& pool) {
+  while (!ch.recvs.empty() && !ch.messages.empty() && ch.messages.front().deliver_at <= now) {
+    Message& m = ch.messages.front();
+    deliver(*ch.recvs.front(), m.data.get(), m.bytes);
+    pool.release(std::move(m.data), m.capacity);
+    ch.recvs.pop_front();
+    ch.messages.pop_front();
+  }
+}
+
+class DoneWork final : public Work {
+ public:
+  bool test() override { return true; }
+  void wait(double) override {}
+};
+
+class LocalComm;
+
+class LocalRecvWork final : public Work {
+ public:
+  LocalRecvWork(LocalComm& comm, std::shared_ptr<World> world, Channel& channel, int peer, int tag,
+                const char* op, std::shared_ptr<PendingRecv> recv);
+  ~LocalRecvWork() override;
+  bool test() override;
+  void wait(double timeout_s) override;
+
+ private:
+  // Throws when the receive can never complete (inbox lock held, receive not done).
+  void check_alive(const Channel& ch) const;
+  // Books the received bytes once; throws if the message did not fit.
+  void finish();
+  std::string describe() const;
+
+  LocalComm& comm_;
+  std::shared_ptr<World> world_;
+  Inbox& inbox_;
+  Channel& channel_;
+  int peer_, tag_;
+  const char* op_;
+  std::shared_ptr<PendingRecv> recv_;
+  bool booked_ = false;
+};
+
+class LocalComm final : public Communicator, public detail::Transport {
+ public:
+  LocalComm(std::shared_ptr<World> world, int rank, double timeout_s)
+      : world_(std::move(world)), rank_(rank) {
+    timeout_s_ = timeout_s;
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return world_->size(); }
+  std::string backend() const override { return "local"; }
+  int transport_rank() const override { return rank_; }
+  int transport_size() const override { return world_->size(); }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    tick("split");
+    const int n = size();
+    // (color, key) of every rank, exchanged with the group's all_gather.
+    const int64_t mine[2] = {color, key};
+    std::vector<int64_t> all(2 * n);
+    detail::all_gather(*this, mine, sizeof mine, all.data(), deadline(-1));
+    const int64_t seq = split_seq_++;
+    if (color < 0) return nullptr;
+    std::vector<int> order;  // old ranks of my color, by (key, old rank)
+    for (int p = 0; p < n; ++p) {
+      if (all[2 * p] == color) order.push_back(p);
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+    std::vector<int> members;
+    int new_rank = -1;
+    for (size_t i = 0; i < order.size(); ++i) {
+      members.push_back(world_->world_rank(order[i]));
+      if (order[i] == rank_) new_rank = static_cast<int>(i);
+    }
+    auto sub = world_->join_split(seq, color, members);
+    return std::make_unique<LocalComm>(std::move(sub), new_rank, timeout_s_);
+  }
+
+  WorkPtr isend(const void* buf, size_t bytes, int peer, int tag) override {
+    check_p2p("isend", buf, bytes, peer, tag);
+    tick("isend");
+    return post_send(buf, bytes, peer, tag, nullptr);
+  }
+
+  WorkPtr irecv(void* buf, size_t bytes, int peer, int tag) override {
+    check_p2p("irecv", buf, bytes, peer, tag);
+    tick("irecv");
+    return post_recv(buf, bytes, peer, tag, nullptr, false);
+  }
+
+  // Receives first: a send that finds its receive posted copies once, straight into it.
+  std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops) override {
+    std::vector<WorkPtr> works(ops.size());
+    for (P2POp::Kind pass : {P2POp::recv, P2POp::send}) {
+      for (size_t i = 0; i < ops.size(); ++i) {
+        const P2POp& op = ops[i];
+        if (op.kind != pass) continue;
+        works[i] = pass == P2POp::recv ? irecv(op.buf, op.bytes, op.peer, op.tag)
+                                       : isend(op.buf, op.bytes, op.peer, op.tag);
+      }
+    }
+    return works;
+  }
+
+  WorkPtr post_send(const void* buf, size_t bytes, int peer, int tag, const char*) override {
+    Universe& u = world_->universe();
+    const int me = world_->world_rank(rank_);
+    const FaultPlan& f = u.faults();
+    const int64_t index = u.fault_state(me).sends++;
+    stats_.bytes_sent += static_cast<int64_t>(bytes);
+    stats_.messages_sent += 1;
+    if (f.drop_rank == me && index == f.drop_at_op) return std::make_unique<DoneWork>();
+    const double deliver_at = f.delay_rank == me ? now_s() + f.delay_ms * 1e-3 : 0.0;
+
+    Inbox& box = world_->inbox(peer);
+    const char* data = static_cast<const char*>(buf);
+    {
+      std::lock_guard<std::mutex> lock(box.mu);
+      Channel& ch = box.channels[{rank_, tag}];
+      if (deliver_at == 0 && ch.messages.empty() && !ch.recvs.empty()) {
+        deliver(*ch.recvs.front(), data, bytes);  // straight into the posted receive
+        ch.recvs.pop_front();
+        box.cv.notify_all();
+        return std::make_unique<DoneWork>();
+      }
+    }
+    // No receive waiting: copy outside the lock, then queue (or match one posted meanwhile).
+    Message m;
+    m.bytes = bytes;
+    m.deliver_at = deliver_at;
+    m.data = u.pool().acquire(bytes, m.capacity);
+    if (bytes > 0) std::memcpy(m.data.get(), data, bytes);
+    {
+      std::lock_guard<std::mutex> lock(box.mu);
+      Channel& ch = box.channels[{rank_, tag}];
+      ch.messages.push_back(std::move(m));
+      progress(ch, now_s(), u.pool());
+      box.cv.notify_all();
+    }
+    return std::make_unique<DoneWork>();
+  }
+
+  WorkPtr post_recv(void* buf, size_t bytes, int peer, int tag, const char* op,
+                    bool exact) override {
+    auto recv = std::make_shared<PendingRecv>();
+    recv->buf = buf;
+    recv->capacity = bytes;
+    recv->exact = exact;
+    Inbox& box = world_->inbox(rank_);
+    std::lock_guard<std::mutex> lock(box.mu);
+    Channel& ch = box.channels[{peer, tag}];  // map nodes never move: the Work keeps &ch
+    ch.recvs.push_back(recv);
+    progress(ch, now_s(), world_->universe().pool());
+    return std::make_unique<LocalRecvWork>(*this, world_, ch, peer, tag, op, std::move(recv));
+  }
+
+  void all_to_all(const void* send, const size_t* send_bytes, const size_t* send_offsets,
+                  void* recv, const size_t* recv_bytes, const size_t* recv_offsets,
+                  double timeout_s) override {
+    LOOM_CHECK(send_bytes && send_offsets && recv_bytes && recv_offsets, InvalidArgument,
+               "all_to_all: size and offset arrays must not be null");
+    tick("all_to_all");
+    detail::all_to_all(*this, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
+                       deadline(timeout_s));
+  }
+
+  void all_gather(const void* send, size_t bytes, void* recv, double timeout_s) override {
+    LOOM_CHECK(bytes == 0 || (send && recv), InvalidArgument,
+               "all_gather: null buffer for " << bytes << " bytes");
+    tick("all_gather");
+    detail::all_gather(*this, send, bytes, recv, deadline(timeout_s));
+  }
+
+  void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                      double timeout_s) override {
+    LOOM_CHECK(count == 0 || (send && recv), InvalidArgument,
+               "reduce_scatter: null buffer for " << count << " elements");
+    tick("reduce_scatter");
+    detail::reduce_scatter(*this, send, recv, count, dtype, op, deadline(timeout_s));
+  }
+
+  void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, double timeout_s) override {
+    LOOM_CHECK(count == 0 || buf, InvalidArgument,
+               "all_reduce: null buffer for " << count << " elements");
+    tick("all_reduce");
+    detail::all_reduce(*this, buf, count, dtype, op, deadline(timeout_s));
+  }
+
+  void barrier(double timeout_s) override {
+    tick("barrier");
+    detail::barrier(*this, deadline(timeout_s));
+  }
+
+  double timeout_for(double t) const { return resolve_timeout(t); }
+
+ private:
+  double deadline(double timeout_s) const { return now_s() + resolve_timeout(timeout_s); }
+
+  void check_p2p(const char* what, const void* buf, size_t bytes, int peer, int tag) const {
+    LOOM_CHECK(peer >= 0 && peer < size(), InvalidArgument,
+               what << " on " << world_->who(rank_) << ": peer " << peer
+                    << " is outside the group of " << size() << " ranks");
+    LOOM_CHECK(tag >= 0, InvalidArgument,
+               what << " on " << world_->who(rank_) << ": tag " << tag
+                    << " is negative (negative tags are reserved for collectives)");
+    LOOM_CHECK(bytes == 0 || buf, InvalidArgument,
+               what << " on " << world_->who(rank_) << ": null buffer for " << bytes << " bytes");
+  }
+
+  // Counts one communication op of this rank; a kill fault fires here.
+  void tick(const char* what) {
+    Universe& u = world_->universe();
+    const int me = world_->world_rank(rank_);
+    RankFaultState& fs = u.fault_state(me);
+    if (u.faults().kill_rank != me) return;
+    const std::string killed = "rank " + std::to_string(me) + " was killed (fault injection)";
+    if (fs.killed) throw CommError(killed + ", then called " + what, __FILE__, __LINE__);
+    if (fs.ops++ == u.faults().kill_at_op) {
+      fs.killed = true;
+      u.poison(me, killed);
+      throw CommError(killed, __FILE__, __LINE__);
+    }
+  }
+
+  std::shared_ptr<World> world_;
+  int rank_;
+  int64_t split_seq_ = 0;
+};
+
+LocalRecvWork::LocalRecvWork(LocalComm& comm, std::shared_ptr<World> world, Channel& channel,
+                             int peer, int tag, const char* op, std::shared_ptr<PendingRecv> recv)
+    : comm_(comm),
+      world_(std::move(world)),
+      inbox_(world_->inbox(comm.rank())),
+      channel_(channel),
+      peer_(peer),
+      tag_(tag),
+      op_(op),
+      recv_(std::move(recv)) {}
+
+LocalRecvWork::~LocalRecvWork() {
+  std::lock_guard<std::mutex> lock(inbox_.mu);
+  if (!recv_->done) std::erase(channel_.recvs, recv_);  // cancel: no sender touches buf now
+}
+
+std::string LocalRecvWork::describe() const {
+  std::ostringstream os;
+  os << world_->who(comm_.rank()) << ": ";
+  if (op_) os << op_ << ": ";
+  os << "recv from " << world_->who(peer_);
+  if (!op_) os << " (tag " << tag_ << ", " << recv_->capacity << " bytes)";
+  return os.str();
+}
+
+void LocalRecvWork::check_alive(const Channel& ch) const {
+  Universe& u = world_->universe();
+  if (u.poisoned()) {
+    throw CommError(
+        describe() + " aborted: rank " + std::to_string(u.failed_rank()) + " failed: " + u.reason(),
+        __FILE__, __LINE__);
+  }
+  if (ch.messages.empty() && u.finished(world_->world_rank(peer_))) {
+    throw CommError(describe() + " can never complete: " + world_->who(peer_) +
+                        " has returned without sending it",
+                    __FILE__, __LINE__);
+  }
+}
+
+void LocalRecvWork::finish() {
+  if (!booked_) {
+    booked_ = true;
+    comm_.stats().bytes_recv += static_cast<int64_t>(recv_->received);
+  }
+  if (recv_->bad_size) {
+    std::ostringstream os;
+    os << describe() << ": the message has " << recv_->received << " bytes, "
+       << (recv_->exact ? "expected exactly " : "more than the receive's ") << recv_->capacity;
+    throw CommError(os.str(), __FILE__, __LINE__);
+  }
+}
+
+bool LocalRecvWork::test() {
+  {
+    std::lock_guard<std::mutex> lock(inbox_.mu);
+    progress(channel_, now_s(), world_->universe().pool());
+    if (!recv_->done) {
+      check_alive(channel_);
+      return false;
+    }
+  }
+  finish();
+  return true;
+}
+
+void LocalRecvWork::wait(double timeout_s) {
+  const double timeout = comm_.timeout_for(timeout_s);
+  ScopedTimer timer(comm_.stats().wait_s);
+  const double deadline = now_s() + timeout;
+  {
+    std::unique_lock<std::mutex> lock(inbox_.mu);
+    for (;;) {
+      const double now = now_s();
+      progress(channel_, now, world_->universe().pool());
+      if (recv_->done) break;
+      check_alive(channel_);
+      if (now >= deadline) {
+        std::ostringstream os;
+        os << describe() << " timed out after " << timeout << " s";
+        throw Timeout(os.str(), __FILE__, __LINE__);
+      }
+      double wake = deadline;
+      if (!channel_.messages.empty()) wake = std::min(wake, channel_.messages.front().deliver_at);
+      inbox_.cv.wait_for(lock, std::chrono::duration<double>(std::max(0.0, wake - now)));
+    }
+  }
+  finish();
+}
+
+std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+int64_t parse_int(const char* name, const std::string& field, const std::string& whole) {
+  size_t used = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(field, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  LOOM_CHECK(used > 0 && used == field.size() && v >= 0, InvalidArgument,
+             "fault '" << whole << "': '" << field << "' is not a non-negative " << name);
+  return v;
+}
+
+}  // namespace
+
+FaultPlan parse_fault(const std::string& text) {
+  const std::string usage = "expected kill:R, drop:R, delay:R:MS, optionally ,at=K for kill/drop";
+  FaultPlan plan;
+  std::string spec = text, at;
+  if (const size_t comma = text.find(','); comma != std::string::npos) {
+    spec = text.substr(0, comma);
+    const std::string rest = text.substr(comma + 1);
+    LOOM_CHECK(rest.rfind("at=", 0) == 0, InvalidArgument,
+               "fault '" << text << "': unknown option '" << rest << "'; " << usage);
+    at = rest.substr(3);
+    LOOM_CHECK(!at.empty(), InvalidArgument, "fault '" << text << "': empty at=; " << usage);
+  }
+  std::vector<std::string> parts;
+  for (size_t start = 0;;) {
+    const size_t colon = spec.find(':', start);
+    parts.push_back(spec.substr(start, colon - start));
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  const std::string& kind = parts[0];
+  if (kind == "kill" || kind == "drop") {
+    LOOM_CHECK(parts.size() == 2, InvalidArgument, "fault '" << text << "': " << usage);
+    const int rank = static_cast<int>(parse_int("rank", parts[1], text));
+    // Default: the rank's second op / second send, so the fault strikes mid-run.
+    const int64_t when = at.empty() ? 1 : parse_int("at", at, text);
+    if (kind == "kill") {
+      plan.kill_rank = rank;
+      plan.kill_at_op = when;
+    } else {
+      plan.drop_rank = rank;
+      plan.drop_at_op = when;
+    }
+  } else if (kind == "delay") {
+    LOOM_CHECK(parts.size() == 3 && at.empty(), InvalidArgument,
+               "fault '" << text << "': " << usage);
+    plan.delay_rank = static_cast<int>(parse_int("rank", parts[1], text));
+    plan.delay_ms = static_cast<int>(parse_int("milliseconds", parts[2], text));
+  } else {
+    throw InvalidArgument("fault '" + text + "': unknown kind '" + kind + "'; " + usage, __FILE__,
+                          __LINE__);
+  }
+  return plan;
+}
+
+void run_local(int ranks, const std::function<void(Communicator&)>& fn, const FaultPlan& faults,
+               double timeout_s) {
+  LOOM_CHECK_GE(ranks, 1, InvalidArgument, "run_local needs at least one rank");
+  for (const auto& [what, rank] : {std::pair<const char*, int>{"kill", faults.kill_rank},
+                                   {"drop", faults.drop_rank},
+                                   {"delay", faults.delay_rank}}) {
+    LOOM_CHECK(
+        rank < ranks, InvalidArgument,
+        "fault " << what << " names rank " << rank << " but the world has " << ranks << " ranks");
+  }
+  LOOM_CHECK(faults.delay_ms >= 0, InvalidArgument,
+             "fault delay must be non-negative, got " << faults.delay_ms << " ms");
+  const double timeout = timeout_s < 0 ? Communicator::default_timeout_s() : timeout_s;
+
+  auto universe = std::make_shared<Universe>(ranks, faults);
+  std::vector<int> members(ranks);
+  for (int r = 0; r < ranks; ++r) members[r] = r;
+  auto world = std::make_shared<World>(universe, members);
+  universe->add_world(world);
+
+  std::vector<std::exception_ptr> errors(ranks);
+  auto body = [&](int r) {
+    try {
+      LocalComm comm(world, r, timeout);
+      fn(comm);
+    } catch (...) {
+      errors[r] = std::current_exception();
+      universe->poison(r, what_of(errors[r]));
+    }
+    universe->mark_finished(r);
+  };
+
+  std::vector<std::thread> threads;
+  threads.reserve(ranks);
+  std::exception_ptr start_error;
+  for (int r = 0; r < ranks && !start_error; ++r) {
+    try {
+      threads.emplace_back(body, r);
+    } catch (...) {
+      start_error = std::current_exception();
+      universe->poison(r, "could not start the thread of rank " + std::to_string(r) + ": " +
+                              what_of(start_error));
+    }
+  }
+  for (auto& t : threads) t.join();
+  if (start_error) std::rethrow_exception(start_error);
+  if (!universe->poisoned()) return;
+  const int failed = universe->failed_rank();
+  if (failed >= 0 && errors[failed]) std::rethrow_exception(errors[failed]);
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace loom

@@ -1,0 +1,460 @@
+// The MPI backend: a Communicator over an MPI communicator.
+//
+// Every operation is non-blocking underneath (MPI_Isend/Irecv, MPI_Ialltoallv, MPI_Iallgather,
+// MPI_Ireduce_scatter_block, MPI_Iallreduce, MPI_Ibarrier), and every wait polls MPI_Test until
+// the request completes or the deadline passes, yielding and then sleeping a little between
+// polls so oversubscribed ranks leave each other the cores. Errors are returned, not fatal
+// (MPI_ERRORS_RETURN), and become CommError with MPI's own text; a deadline becomes Timeout.
+// Both name this rank and the peer (or the group, for collectives).
+//
+// MPI is initialised once (MPI_Init_thread, MPI_THREAD_SERIALIZED) by the first mpi_world()
+// and finalised at exit if loom initialised it. All MPI calls of the process go through one
+// mutex, so communicators may be used from different threads (comm.h) with SERIALIZED MPI.
+// After a collective times out its request cannot be cancelled: the communicator is then
+// unusable and the job should end (tools call mpi_abort).
+//
+// Traffic (CommStats) of collectives is booked as the local backend's algorithms would cause it
+// (collectives.h), so the counters compare across backends.
+#include <mpi.h>
+
+#include <climits>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../collectives.h"
+#include "loom/comm.h"
+#include "loom/error.h"
+#include "loom/timer.h"
+
+namespace loom {
+namespace {
+
+// Seconds a wait polls without sleeping.
+constexpr double kSpinS = 1.0;
+// More ranks on this node than cores (set once at initialisation).
+bool g_oversubscribed = false;
+
+std::mutex& mpi_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+using Lock = std::lock_guard<std::mutex>;
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS)
+    return "MPI error " + std::to_string(code);
+  return std::string(text, length);
+}
+
+bool mpi_finalized() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  return finalized != 0;
+}
+
+void finalize_at_exit() {
+  Lock lock(mpi_mutex());
+  if (!mpi_finalized()) MPI_Finalize();
+}
+
+void ensure_initialized() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    Lock lock(mpi_mutex());
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+      int provided = 0;
+      const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+      if (rc != MPI_SUCCESS) {
+        throw CommError("MPI_Init_thread failed: " + mpi_error_text(rc), __FILE__, __LINE__);
+      }
+      std::atexit(finalize_at_exit);
+    }
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Comm node = MPI_COMM_NULL;
+    int node_ranks = 1;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
+        MPI_SUCCESS) {
+      MPI_Comm_size(node, &node_ranks);
+      MPI_Comm_free(&node);
+    }
+    const unsigned cores = std::thread::hardware_concurrency();
+    g_oversubscribed = cores == 0 || static_cast<unsigned>(node_ranks) > cores;
+  });
+  LOOM_CHECK(!mpi_finalized(), CommError, "mpi_world: MPI has already been finalised");
+}
+
+// Between two MPI_Test polls. MPI moves large messages and non-blocking collectives forward only
+// inside MPI calls, so a sleeping poller stalls the transfer: poll again at once, as MPI_Wait
+// does, yielding the core first when this node runs more ranks than it has cores (Open MPI's
+// yield_when_idle rule). Only after kSpinS without completion, when the peer is evidently busy
+// elsewhere, sleep a little between polls.
+void back_off(double waited_s) {
+  if (waited_s < kSpinS) {
+    if (g_oversubscribed) std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(waited_s < 10 * kSpinS ? 50 : 500));
+  }
+}
+
+class MpiComm;
+
+class MpiP2PWork final : public Work {
+ public:
+  MpiP2PWork(MpiComm& comm, MPI_Request request, bool is_send, int peer, int tag, size_t bytes)
+      : comm_(comm), request_(request), is_send_(is_send), peer_(peer), tag_(tag), bytes_(bytes) {}
+  ~MpiP2PWork() override;
+  bool test() override;
+  void wait(double timeout_s) override;
+
+ private:
+  std::string describe() const;
+  void finish(const MPI_Status& status);
+
+  MpiComm& comm_;
+  MPI_Request request_;
+  bool is_send_;
+  int peer_, tag_;
+  size_t bytes_;
+  bool done_ = false;
+};
+
+class MpiComm final : public Communicator {
+ public:
+  // Takes ownership of `comm` (freed on destruction).
+  explicit MpiComm(MPI_Comm comm) : comm_(comm) {
+    Lock lock(mpi_mutex());
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    // World ranks of the members, for error messages.
+    MPI_Group group, world_group;
+    MPI_Comm_group(comm_, &group);
+    MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+    std::vector<int> mine(size_);
+    for (int p = 0; p < size_; ++p) mine[p] = p;
+    world_ranks_.resize(size_);
+    MPI_Group_translate_ranks(group, size_, mine.data(), world_group, world_ranks_.data());
+    MPI_Group_free(&group);
+    MPI_Group_free(&world_group);
+    int world_size = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    is_world_ = size_ == world_size;
+    for (int p = 0; p < size_; ++p) is_world_ = is_world_ && world_ranks_[p] == p;
+    void* value = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &value, &found);
+    tag_ub_ = found ? *static_cast<int*>(value) : 32767;
+  }
+
+  ~MpiComm() override {
+    Lock lock(mpi_mutex());
+    if (!mpi_finalized()) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "mpi"; }
+
+  std::string who(int p) const {
+    std::string s = "rank " + std::to_string(p);
+    if (!is_world_) s += " (world rank " + std::to_string(world_ranks_[p]) + ")";
+    return s;
+  }
+  std::string group() const {
+    return "the group of " + std::to_string(size_) + " ranks" +
+           (is_world_ ? std::string() : " (split)");
+  }
+
+  // Throws CommError for a failed MPI call.
+  void check(int rc, const std::string& what) const {
+    if (rc != MPI_SUCCESS) {
+      throw CommError(who(rank_) + ": " + what + " failed: " + mpi_error_text(rc), __FILE__,
+                      __LINE__);
+    }
+  }
+
+  // Polls `request` until it completes; Timeout after `timeout` seconds.
+  void poll(MPI_Request& request, MPI_Status& status, double timeout,
+            const std::function<std::string()>& describe) {
+    ScopedTimer timer(stats_.wait_s);
+    const double deadline = now_s() + timeout;
+    for (;;) {
+      int flag = 0, rc = 0;
+      {
+        Lock lock(mpi_mutex());
+        rc = MPI_Test(&request, &flag, &status);
+      }
+      if (rc != MPI_SUCCESS) {
+        throw CommError(describe() + " failed: " + mpi_error_text(rc), __FILE__, __LINE__);
+      }
+      if (flag) return;
+      const double now = now_s();
+      if (now >= deadline) {
+        std::ostringstream os;
+        os << describe() << " timed out after " << timeout << " s";
+        throw Timeout(os.str(), __FILE__, __LINE__);
+      }
+      back_off(now - (deadline - timeout));
+    }
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    // Exchange (color, key) with a timed all_gather first: once it completes every rank has
+    // reached split, so the blocking MPI_Comm_split that follows cannot hang.
+    const int mine[2] = {color, key};
+    std::vector<int> all(2 * size_);
+    collective("split", resolve_timeout(-1), [&](MPI_Request* r) {
+      return MPI_Iallgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, comm_, r);
+    });
+    detail::add_traffic(stats_, detail::traffic_all_gather(size_, sizeof mine));
+    MPI_Comm sub = MPI_COMM_NULL;
+    {
+      Lock lock(mpi_mutex());
+      check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "MPI_Comm_split");
+    }
+    if (sub == MPI_COMM_NULL) return nullptr;
+    auto result = std::make_unique<MpiComm>(sub);
+    result->set_timeout_s(timeout_s_);
+    return result;
+  }
+
+  WorkPtr isend(const void* buf, size_t bytes, int peer, int tag) override {
+    check_p2p("isend", buf, bytes, peer, tag);
+    MPI_Request request;
+    {
+      Lock lock(mpi_mutex());
+      check(MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &request),
+            "MPI_Isend to " + who(peer));
+    }
+    stats_.bytes_sent += static_cast<int64_t>(bytes);
+    stats_.messages_sent += 1;
+    return std::make_unique<MpiP2PWork>(*this, request, true, peer, tag, bytes);
+  }
+
+  WorkPtr irecv(void* buf, size_t bytes, int peer, int tag) override {
+    check_p2p("irecv", buf, bytes, peer, tag);
+    MPI_Request request;
+    {
+      Lock lock(mpi_mutex());
+      check(MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &request),
+            "MPI_Irecv from " + who(peer));
+    }
+    return std::make_unique<MpiP2PWork>(*this, request, false, peer, tag, bytes);
+  }
+
+  void all_to_all(const void* send, const size_t* send_bytes, const size_t* send_offsets,
+                  void* recv, const size_t* recv_bytes, const size_t* recv_offsets,
+                  double timeout_s) override {
+    LOOM_CHECK(send_bytes && send_offsets && recv_bytes && recv_offsets, InvalidArgument,
+               "all_to_all: size and offset arrays must not be null");
+    LOOM_CHECK_EQ(send_bytes[rank_], recv_bytes[rank_], InvalidArgument,
+                  "all_to_all on rank " << rank_ << ": the part a rank sends to itself must "
+                                        << "equal the part it receives from itself");
+    std::vector<int> sc(size_), sd(size_), rc(size_), rd(size_);
+    for (int p = 0; p < size_; ++p) {
+      sc[p] = as_int(send_bytes[p], "all_to_all send size");
+      sd[p] = as_int(send_offsets[p], "all_to_all send offset");
+      rc[p] = as_int(recv_bytes[p], "all_to_all receive size");
+      rd[p] = as_int(recv_offsets[p], "all_to_all receive offset");
+    }
+    collective("all_to_all", resolve_timeout(timeout_s), [&](MPI_Request* r) {
+      return MPI_Ialltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(),
+                            MPI_BYTE, comm_, r);
+    });
+    detail::add_traffic(stats_, detail::traffic_all_to_all(rank_, size_, send_bytes, recv_bytes));
+  }
+
+  void all_gather(const void* send, size_t bytes, void* recv, double timeout_s) override {
+    LOOM_CHECK(bytes == 0 || (send && recv), InvalidArgument,
+               "all_gather: null buffer for " << bytes << " bytes");
+    const int n = as_int(bytes, "all_gather size");
+    as_int(bytes * size_, "all_gather receive size");
+    const bool in_place = bytes > 0 && send == static_cast<char*>(recv) + rank_ * bytes;
+    collective("all_gather", resolve_timeout(timeout_s), [&](MPI_Request* r) {
+      return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_,
+                            r);
+    });
+    detail::add_traffic(stats_, detail::traffic_all_gather(size_, bytes));
+  }
+
+  void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                      double timeout_s) override {
+    LOOM_CHECK(count == 0 || (send && recv), InvalidArgument,
+               "reduce_scatter: null buffer for " << count << " elements");
+    const int n = as_int(count, "reduce_scatter count");
+    as_int(count * size_, "reduce_scatter send count");
+    collective("reduce_scatter", resolve_timeout(timeout_s), [&](MPI_Request* r) {
+      return MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype), mpi_op(op), comm_, r);
+    });
+    detail::add_traffic(stats_, detail::traffic_reduce_scatter(size_, count, dtype));
+  }
+
+  void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, double timeout_s) override {
+    LOOM_CHECK(count == 0 || buf, InvalidArgument,
+               "all_reduce: null buffer for " << count << " elements");
+    const int n = as_int(count, "all_reduce count");
+    collective("all_reduce", resolve_timeout(timeout_s), [&](MPI_Request* r) {
+      return MPI_Iallreduce(MPI_IN_PLACE, buf, n, mpi_type(dtype), mpi_op(op), comm_, r);
+    });
+    detail::add_traffic(stats_, detail::traffic_all_reduce(rank_, size_, count, dtype));
+  }
+
+  void barrier(double timeout_s) override {
+    collective("barrier", resolve_timeout(timeout_s),
+               [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
+    detail::add_traffic(stats_, detail::traffic_barrier(size_));
+  }
+
+  double timeout_for(double t) const { return resolve_timeout(t); }
+
+ private:
+  static MPI_Datatype mpi_type(DType t) {
+    switch (t) {
+      case DType::f32:
+        return MPI_FLOAT;
+      case DType::f64:
+        return MPI_DOUBLE;
+      case DType::i64:
+        return MPI_INT64_T;
+    }
+    return MPI_DATATYPE_NULL;
+  }
+  static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::sum ? MPI_SUM : MPI_MAX; }
+
+  int as_int(size_t v, const char* what) const {
+    LOOM_CHECK(v <= static_cast<size_t>(INT_MAX), NotSupported,
+               who(rank_) << ": " << what << " of " << v << " is over the MPI backend's limit of "
+                          << INT_MAX << " (MPI-3 int counts)");
+    return static_cast<int>(v);
+  }
+
+  void check_p2p(const char* what, const void* buf, size_t bytes, int peer, int tag) const {
+    LOOM_CHECK(peer >= 0 && peer < size_, InvalidArgument,
+               what << " on " << who(rank_) << ": peer " << peer << " is outside " << group());
+    LOOM_CHECK(
+        tag >= 0 && tag <= tag_ub_, InvalidArgument,
+        what << " on " << who(rank_) << ": tag " << tag << " is outside [0, " << tag_ub_ << "]");
+    LOOM_CHECK(bytes == 0 || buf, InvalidArgument,
+               what << " on " << who(rank_) << ": null buffer for " << bytes << " bytes");
+    as_int(bytes, "message size");
+  }
+
+  // Starts a non-blocking collective and polls it to completion.
+  void collective(const char* op, double timeout, const std::function<int(MPI_Request*)>& start) {
+    MPI_Request request = MPI_REQUEST_NULL;
+    {
+      Lock lock(mpi_mutex());
+      check(start(&request), op);
+    }
+    MPI_Status status;
+    poll(request, status, timeout, [&] { return who(rank_) + ": " + op + " over " + group(); });
+  }
+
+  MPI_Comm comm_;
+  int rank_ = 0, size_ = 0, tag_ub_ = 32767;
+  bool is_world_ = true;
+  std::vector<int> world_ranks_;
+};
+
+std::string MpiP2PWork::describe() const {
+  std::ostringstream os;
+  os << comm_.who(comm_.rank()) << ": " << (is_send_ ? "send to " : "recv from ")
+     << comm_.who(peer_) << " (tag " << tag_ << ", " << bytes_ << " bytes)";
+  return os.str();
+}
+
+void MpiP2PWork::finish(const MPI_Status& status) {
+  done_ = true;
+  if (!is_send_) {
+    int count = 0;
+    MPI_Get_count(&status, MPI_BYTE, &count);
+    comm_.stats().bytes_recv += count;
+  }
+}
+
+bool MpiP2PWork::test() {
+  if (done_) return true;
+  int flag = 0, rc = 0;
+  MPI_Status status;
+  {
+    Lock lock(mpi_mutex());
+    rc = MPI_Test(&request_, &flag, &status);
+  }
+  if (rc != MPI_SUCCESS) {
+    done_ = true;  // a failed request is complete (and freed)
+    throw CommError(describe() + " failed: " + mpi_error_text(rc), __FILE__, __LINE__);
+  }
+  if (flag) finish(status);
+  return flag != 0;
+}
+
+void MpiP2PWork::wait(double timeout_s) {
+  if (done_) return;
+  MPI_Status status;
+  try {
+    comm_.poll(request_, status, comm_.timeout_for(timeout_s), [&] { return describe(); });
+  } catch (const Timeout&) {
+    throw;
+  } catch (const CommError&) {
+    done_ = true;
+    throw;
+  }
+  finish(status);
+}
+
+MpiP2PWork::~MpiP2PWork() {
+  if (done_) return;
+  std::unique_lock<std::mutex> lock(mpi_mutex());
+  if (mpi_finalized() || request_ == MPI_REQUEST_NULL) return;
+  // A receive can be cancelled; a send is given until the timeout to finish, then let go.
+  if (!is_send_) MPI_Cancel(&request_);
+  const double start = now_s(), deadline = start + comm_.timeout_for(-1);
+  while (request_ != MPI_REQUEST_NULL) {
+    int flag = 0;
+    if (MPI_Test(&request_, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) return;
+    const double now = now_s();
+    if (now >= deadline) {
+      MPI_Request_free(&request_);
+      return;
+    }
+    lock.unlock();
+    back_off(now - start);
+    lock.lock();
+  }
+}
+
+}  // namespace
+
+bool mpi_available() {
+  return true;
+}
+
+std::unique_ptr<Communicator> mpi_world() {
+  ensure_initialized();
+  MPI_Comm comm = MPI_COMM_NULL;
+  {
+    Lock lock(mpi_mutex());
+    const int rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+    if (rc != MPI_SUCCESS) {
+      throw CommError("mpi_world: MPI_Comm_dup failed: " + mpi_error_text(rc), __FILE__, __LINE__);
+    }
+  }
+  return std::make_unique<MpiComm>(comm);
+}
+
+void mpi_abort(int code) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized && !mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, code);
+}
+
+}  // namespace loom

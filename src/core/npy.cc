@@ -1,0 +1,239 @@
+// NumPy .npy reading and writing.
+//
+// The format: magic "\x93NUMPY", major and minor version bytes, a little-endian header length
+// (2 bytes in version 1, 4 bytes in versions 2 and 3), then an ASCII Python dict literal
+//   {'descr': '<f4', 'fortran_order': False, 'shape': (4, 8, 64), }
+// padded with spaces to a multiple of 64 bytes and ending in '\n', then the raw data. We accept
+// only little-endian f4/f8 in C order and refuse anything else with one line naming the file.
+#include "loom/npy.h"
+
+#include <unistd.h>
+
+#include <cctype>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+namespace loom {
+
+namespace {
+
+struct Header {
+  std::string descr;
+  bool fortran = false;
+  std::vector<int64_t> shape;
+  size_t data_offset = 0;
+};
+
+[[noreturn]] void fail(const std::string& what, const std::string& why) {
+  throw IoError(what + ": " + why);
+}
+
+// Finds the value text after 'key': in the dict literal.
+std::string dict_value(const std::string& dict, const std::string& key, const std::string& what) {
+  const std::string k1 = "'" + key + "'", k2 = "\"" + key + "\"";
+  size_t p = dict.find(k1);
+  size_t klen = k1.size();
+  if (p == std::string::npos) {
+    p = dict.find(k2);
+    klen = k2.size();
+  }
+  if (p == std::string::npos) fail(what, "npy header has no '" + key + "' entry");
+  p += klen;
+  while (p < dict.size() && std::isspace(static_cast<unsigned char>(dict[p]))) ++p;
+  if (p >= dict.size() || dict[p] != ':') fail(what, "malformed npy header near '" + key + "'");
+  ++p;
+  while (p < dict.size() && std::isspace(static_cast<unsigned char>(dict[p]))) ++p;
+  size_t end = p;
+  if (p < dict.size() && dict[p] == '(') {
+    end = dict.find(')', p);
+    if (end == std::string::npos) fail(what, "malformed shape in npy header");
+    return dict.substr(p, end - p + 1);
+  }
+  if (p < dict.size() && (dict[p] == '\'' || dict[p] == '"')) {
+    end = dict.find(dict[p], p + 1);
+    if (end == std::string::npos) fail(what, "malformed '" + key + "' in npy header");
+    return dict.substr(p + 1, end - p - 1);
+  }
+  while (end < dict.size() && dict[end] != ',' && dict[end] != '}') ++end;
+  std::string v = dict.substr(p, end - p);
+  while (!v.empty() && std::isspace(static_cast<unsigned char>(v.back()))) v.pop_back();
+  return v;
+}
+
+std::vector<int64_t> parse_shape(const std::string& text, const std::string& what) {
+  // text is "(a, b, c)" or "(a,)" or "()"
+  std::vector<int64_t> shape;
+  size_t p = 1;
+  while (p < text.size() - 1) {
+    while (p < text.size() && (std::isspace(static_cast<unsigned char>(text[p])) || text[p] == ','))
+      ++p;
+    if (p >= text.size() - 1) break;
+    if (!std::isdigit(static_cast<unsigned char>(text[p])))
+      fail(what, "malformed shape " + text + " in npy header");
+    int64_t v = 0;
+    while (p < text.size() && std::isdigit(static_cast<unsigned char>(text[p]))) {
+      if (v > (std::numeric_limits<int64_t>::max() - 9) / 10)
+        fail(what, "shape " + text + " is too large");
+      v = v * 10 + (text[p] - '0');
+      ++p;
+    }
+    if (p < text.size() - 1 && text[p] == 'L') ++p;  // Python 2 long suffix
+    shape.push_back(v);
+  }
+  return shape;
+}
+
+Header parse_header(const uint8_t* bytes, size_t size, const std::string& what) {
+  static const char kMagic[] = "\x93NUMPY";
+  if (size < 10 || std::memcmp(bytes, kMagic, 6) != 0) fail(what, "not a .npy file (bad magic)");
+  const int major = bytes[6];
+  size_t hlen = 0, start = 0;
+  if (major == 1) {
+    hlen = bytes[8] | (static_cast<size_t>(bytes[9]) << 8);
+    start = 10;
+  } else if (major == 2 || major == 3) {
+    if (size < 12) fail(what, "truncated npy header");
+    hlen = bytes[8] | (static_cast<size_t>(bytes[9]) << 8) |
+           (static_cast<size_t>(bytes[10]) << 16) | (static_cast<size_t>(bytes[11]) << 24);
+    start = 12;
+  } else {
+    fail(what, "unsupported npy format version " + std::to_string(major));
+  }
+  if (hlen > size - start) fail(what, "truncated npy header");
+  Header h;
+  const std::string dict(reinterpret_cast<const char*>(bytes + start), hlen);
+  if (dict.find('{') == std::string::npos || dict.find('}') == std::string::npos)
+    fail(what, "malformed npy header (no dict)");
+  h.descr = dict_value(dict, "descr", what);
+  const std::string fo = dict_value(dict, "fortran_order", what);
+  if (fo == "True") {
+    h.fortran = true;
+  } else if (fo != "False") {
+    fail(what, "malformed fortran_order '" + fo + "' in npy header");
+  }
+  const std::string shape = dict_value(dict, "shape", what);
+  if (shape.size() < 2 || shape.front() != '(') fail(what, "malformed shape in npy header");
+  h.shape = parse_shape(shape, what);
+  h.data_offset = start + hlen;
+  return h;
+}
+
+}  // namespace
+
+Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& what) {
+  const Header h = parse_header(bytes, size, what);
+  if (h.fortran) fail(what, "Fortran-order arrays are not supported (save with C order)");
+  size_t esize = 0;
+  if (h.descr == "<f4") {
+    esize = 4;
+  } else if (h.descr == "<f8") {
+    esize = 8;
+  } else if (h.descr == ">f4" || h.descr == ">f8") {
+    fail(what, "big-endian arrays are not supported (dtype " + h.descr + ")");
+  } else {
+    fail(what, "dtype " + h.descr + " is not supported (need float32 '<f4' or float64 '<f8')");
+  }
+  size_t n = 1;
+  for (int64_t d : h.shape) {
+    if (d != 0 && n > std::numeric_limits<size_t>::max() / 16 / static_cast<size_t>(d))
+      fail(what, "shape " + shape_str(h.shape) + " is too large");
+    n *= static_cast<size_t>(d);
+  }
+  const size_t have = size - h.data_offset;
+  if (have < n * esize)
+    fail(what, "truncated: header says shape " + shape_str(h.shape) + " (" +
+                   std::to_string(n * esize) + " bytes of data) but the file has " +
+                   std::to_string(have));
+  if (have > n * esize)
+    fail(what, "header says shape " + shape_str(h.shape) + " (" + std::to_string(n * esize) +
+                   " bytes of data) but the file has " + std::to_string(have));
+  Tensor<double> t(h.shape);
+  const uint8_t* src = bytes + h.data_offset;
+  if (esize == 4) {
+    for (size_t i = 0; i < n; ++i) {
+      float f;
+      std::memcpy(&f, src + 4 * i, 4);
+      t[static_cast<int64_t>(i)] = f;
+    }
+  } else {
+    std::memcpy(t.data(), src, n * 8);
+  }
+  return t;
+}
+
+namespace {
+std::vector<uint8_t> read_all(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw IoError(path + ": cannot open (" + std::strerror(errno) + ")");
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (f.bad()) throw IoError(path + ": read error");
+  return bytes;
+}
+
+std::string header_for(const std::vector<int64_t>& shape, const char* descr) {
+  std::ostringstream d;
+  d << "{'descr': '" << descr << "', 'fortran_order': False, 'shape': (";
+  for (size_t i = 0; i < shape.size(); ++i)
+    d << shape[i] << (shape.size() == 1 ? "," : (i + 1 < shape.size() ? ", " : ""));
+  d << "), }";
+  std::string dict = d.str();
+  const size_t total = 10 + dict.size() + 1;
+  dict.append((64 - total % 64) % 64, ' ');
+  dict.push_back('\n');
+  std::string out("\x93NUMPY\x01\x00", 8);
+  out.push_back(static_cast<char>(dict.size() & 0xff));
+  out.push_back(static_cast<char>(dict.size() >> 8));
+  return out + dict;
+}
+
+template <class T>
+void write_npy_impl(const std::string& path, const Tensor<T>& x, const char* descr) {
+  std::string bytes = header_for(x.shape(), descr);
+  bytes.append(reinterpret_cast<const char*>(x.data()), sizeof(T) * static_cast<size_t>(x.numel()));
+  write_file_atomic(path, bytes);
+}
+}  // namespace
+
+Tensor<double> read_npy_f64(const std::string& path) {
+  const std::vector<uint8_t> bytes = read_all(path);
+  return parse_npy(bytes.data(), bytes.size(), path);
+}
+
+Tensor<float> read_npy_f32(const std::string& path) {
+  return convert<float>(read_npy_f64(path));
+}
+
+Tensor<float> read_npy_role(const std::string& path, const std::string& role, int expect_rank) {
+  Tensor<float> t = read_npy_f32(path);
+  if (t.dim() != expect_rank) {
+    const char* want = expect_rank == 3 ? "[S, H, D]" : expect_rank == 2 ? "[H, S]" : "";
+    throw IoError(path + ": has shape " + shape_str(t.shape()) + " but " + role + " must be " +
+                  (want[0] ? want : std::to_string(expect_rank) + "-dimensional"));
+  }
+  return t;
+}
+
+void write_npy(const std::string& path, const Tensor<float>& x) {
+  write_npy_impl(path, x, "<f4");
+}
+void write_npy(const std::string& path, const Tensor<double>& x) {
+  write_npy_impl(path, x, "<f8");
+}
+
+void write_file_atomic(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) throw IoError(path + ": cannot write (" + std::strerror(errno) + ")");
+  const size_t wrote = std::fwrite(bytes.data(), 1, bytes.size(), f);
+  const bool ok = wrote == bytes.size() && std::fflush(f) == 0;
+  std::fclose(f);
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw IoError(path + ": write failed (" + std::strerror(errno) + ")");
+  }
+}
+
+}  // namespace loom

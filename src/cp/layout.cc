@@ -1,0 +1,189 @@
+// Layouts: how a global sequence (optionally packed documents) is split over P ranks.
+//
+// Every layout is described by the same ShardPlan: for each rank, the global token index of each
+// local row, its document, and the segments (chunks) of local rows. Chunk sizes follow one rule
+// everywhere: a run of L tokens cut into c chunks gives the first L mod c chunks one more token.
+#include <algorithm>
+#include <cctype>
+#include <sstream>
+
+#include "loom/cp.h"
+
+namespace loom {
+
+Layout parse_layout(const std::string& name) {
+  if (name == "contiguous") return Layout::contiguous;
+  if (name == "zigzag") return Layout::zigzag;
+  if (name == "stripe") return Layout::stripe;
+  throw InvalidArgument("unknown layout '" + name + "' (choose contiguous, zigzag or stripe)");
+}
+
+Strategy parse_strategy(const std::string& name) {
+  if (name == "ring") return Strategy::ring;
+  if (name == "ulysses") return Strategy::ulysses;
+  if (name == "hybrid") return Strategy::hybrid;
+  if (name == "allgather") return Strategy::allgather;
+  throw InvalidArgument("unknown strategy '" + name +
+                        "' (choose ring, ulysses, hybrid or allgather)");
+}
+
+std::string to_string(Layout l) {
+  switch (l) {
+    case Layout::contiguous:
+      return "contiguous";
+    case Layout::zigzag:
+      return "zigzag";
+    case Layout::stripe:
+      return "stripe";
+  }
+  return "?";
+}
+
+std::string to_string(Strategy s) {
+  switch (s) {
+    case Strategy::ring:
+      return "ring";
+    case Strategy::ulysses:
+      return "ulysses";
+    case Strategy::hybrid:
+      return "hybrid";
+    case Strategy::allgather:
+      return "allgather";
+  }
+  return "?";
+}
+
+std::vector<int64_t> parse_doc_lengths(const std::string& text) {
+  std::vector<int64_t> out;
+  if (text.empty()) throw InvalidArgument("--docs is empty (expected lengths like 100,200,50)");
+  size_t p = 0;
+  while (p <= text.size()) {
+    const size_t end = std::min(text.find(',', p), text.size());
+    const std::string item = text.substr(p, end - p);
+    bool digits = !item.empty() && item.size() <= 18;
+    for (char c : item) digits = digits && std::isdigit(static_cast<unsigned char>(c));
+    if (!digits)
+      throw InvalidArgument("--docs: '" + item + "' in '" + text +
+                            "' is not a positive integer (expected lengths like 100,200,50)");
+    const int64_t v = std::stoll(item);
+    if (v <= 0) throw InvalidArgument("--docs: document lengths must be positive, got " + item);
+    out.push_back(v);
+    if (end == text.size()) break;
+    p = end + 1;
+  }
+  return out;
+}
+
+namespace {
+// Start of chunk c when L tokens are cut into n chunks, the first L mod n one longer.
+int64_t chunk_begin(int64_t len, int64_t n, int64_t c) {
+  const int64_t base = len / n, extra = len % n;
+  return c * base + std::min(c, extra);
+}
+}  // namespace
+
+ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
+                          const std::vector<int64_t>& doc_lengths) {
+  LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
+  LOOM_CHECK(ranks >= 1, InvalidArgument, "ranks must be >= 1, got " << ranks);
+  ShardPlan p;
+  p.layout = layout;
+  p.seq = seq;
+  p.ranks = ranks;
+  p.doc_lengths = doc_lengths;
+  std::vector<int64_t> docs = doc_lengths;
+  if (docs.empty()) docs.push_back(seq);
+  int64_t total = 0;
+  for (int64_t l : docs) {
+    LOOM_CHECK(l >= 1, InvalidArgument, "document lengths must be positive, got " << l);
+    total += l;
+  }
+  LOOM_CHECK(total == seq, InvalidArgument,
+             "document lengths sum to " << total << " but the sequence has " << seq << " tokens");
+  const bool with_docs = !doc_lengths.empty();
+  p.tokens.assign(ranks, {});
+  p.docs.assign(ranks, {});
+  p.segments.assign(ranks, {});
+  auto add_run = [&](int r, int64_t first, int64_t count, int32_t doc) {
+    if (count <= 0) return;
+    auto& t = p.tokens[r];
+    p.segments[r].push_back(Segment{static_cast<int64_t>(t.size()), count});
+    for (int64_t i = 0; i < count; ++i) {
+      t.push_back(first + i);
+      if (with_docs) p.docs[r].push_back(doc);
+    }
+  };
+  int64_t start = 0;
+  for (size_t d = 0; d < docs.size(); ++d) {
+    const int64_t len = docs[d];
+    const int32_t doc = static_cast<int32_t>(d);
+    switch (layout) {
+      case Layout::contiguous:
+        for (int r = 0; r < ranks; ++r) {
+          const int64_t b = chunk_begin(len, ranks, r), e = chunk_begin(len, ranks, r + 1);
+          add_run(r, start + b, e - b, doc);
+        }
+        break;
+      case Layout::zigzag:
+        for (int r = 0; r < ranks; ++r) {
+          for (int64_t c : {static_cast<int64_t>(r), static_cast<int64_t>(2 * ranks - 1 - r)}) {
+            const int64_t b = chunk_begin(len, 2 * ranks, c);
+            const int64_t e = chunk_begin(len, 2 * ranks, c + 1);
+            add_run(r, start + b, e - b, doc);
+          }
+        }
+        break;
+      case Layout::stripe:
+        for (int r = 0; r < ranks; ++r) {
+          // Token t of the document goes to rank (start + t) mod P; one segment per document.
+          auto& t = p.tokens[r];
+          const int64_t before = static_cast<int64_t>(t.size());
+          for (int64_t g = start; g < start + len; ++g) {
+            if (g % ranks == r) {
+              t.push_back(g);
+              if (with_docs) p.docs[r].push_back(doc);
+            }
+          }
+          const int64_t n = static_cast<int64_t>(t.size()) - before;
+          if (n > 0) p.segments[r].push_back(Segment{before, n});
+        }
+        break;
+    }
+    start += len;
+  }
+  return p;
+}
+
+int64_t ShardPlan::max_rows() const {
+  int64_t m = 0;
+  for (int r = 0; r < ranks; ++r) m = std::max(m, rows(r));
+  return m;
+}
+
+Tokens ShardPlan::token_info(int r) const {
+  return Tokens{tokens[r].data(), docs[r].empty() ? nullptr : docs[r].data(), rows(r)};
+}
+
+Tensor<float> ShardPlan::shard(const Tensor<float>& global, int r) const {
+  LOOM_CHECK(global.dim() == 3 && global.size(0) == seq, InvalidArgument,
+             "shard: expected a [" << seq << ", H, D] tensor, got " << shape_str(global.shape()));
+  const int64_t w = global.size(1) * global.size(2);
+  Tensor<float> out({rows(r), global.size(1), global.size(2)});
+  for (int64_t i = 0; i < rows(r); ++i)
+    std::copy_n(global.data() + tokens[r][i] * w, w, out.data() + i * w);
+  return out;
+}
+
+void ShardPlan::unshard(const Tensor<float>& local, int r, Tensor<float>& global) const {
+  LOOM_CHECK(local.dim() == 3 && local.size(0) == rows(r) && global.dim() == 3 &&
+                 global.size(0) == seq && global.size(1) == local.size(1) &&
+                 global.size(2) == local.size(2),
+             InvalidArgument,
+             "unshard: local " << shape_str(local.shape()) << " does not fit global "
+                               << shape_str(global.shape()) << " for rank " << r);
+  const int64_t w = local.size(1) * local.size(2);
+  for (int64_t i = 0; i < rows(r); ++i)
+    std::copy_n(local.data() + i * w, w, global.data() + tokens[r][i] * w);
+}
+
+}  // namespace loom

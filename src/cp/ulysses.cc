@@ -1,0 +1,172 @@
+// Ulysses: all-to-all between "my tokens, all heads" and "all tokens, my heads".
+//
+// Attention heads are independent. In a group of U ranks, member u sends to member p the rows it
+// holds for p's slice of heads; after the exchange member u holds every row of the group for its
+// own heads, stacked in member order, and a single local attend computes them exactly (the
+// positions travel implicitly: every member knows every member's token list from the plan).
+// The inverse all-to-all returns outputs (and gradients) to the members that own the tokens.
+// GQA: KV heads are scattered like query heads when Hkv % U == 0; when U % Hkv == 0 each KV head
+// is replicated to the U / Hkv members whose query heads read it, and in backward the members'
+// gradients for a replicated head are summed on the way back.
+#include "ulysses.h"
+
+#include <cstring>
+
+#include "loom/timer.h"
+
+namespace loom::cp_detail {
+
+int64_t UlyssesGroup::total() const {
+  int64_t t = 0;
+  for (int64_t r : rows) t += r;
+  return t;
+}
+
+int64_t UlyssesGroup::offset(int p) const {
+  int64_t t = 0;
+  for (int i = 0; i < p; ++i) t += rows[i];
+  return t;
+}
+
+namespace {
+
+// all_to_all of float counts, with timing.
+void a2a(const UlyssesGroup& g, const std::vector<float>& send, const std::vector<size_t>& scount,
+         std::vector<float>& recv, const std::vector<size_t>& rcount, CpMetrics& m) {
+  const int U = static_cast<int>(g.rows.size());
+  std::vector<size_t> sb(U), so(U), rb(U), ro(U);
+  size_t s_off = 0, r_off = 0;
+  for (int p = 0; p < U; ++p) {
+    sb[p] = scount[p] * sizeof(float);
+    so[p] = s_off;
+    s_off += sb[p];
+    rb[p] = rcount[p] * sizeof(float);
+    ro[p] = r_off;
+    r_off += rb[p];
+  }
+  recv.assign(r_off / sizeof(float), 0.0f);
+  const double t0 = now_s();
+  g.comm->all_to_all(send.data(), sb.data(), so.data(), recv.data(), rb.data(), ro.data());
+  const double t1 = now_s();
+  m.comm_s += t1 - t0;
+  m.wait_s += t1 - t0;  // a blocking collective: all of it is exposed
+  if (m.record_spans) m.spans.push_back(CpMetrics::Span{"a2a", -1, t0, t1});
+}
+
+}  // namespace
+
+Tensor<float> seq_to_head(const UlyssesGroup& g, View3<const float> x, CpMetrics& m) {
+  const int U = static_cast<int>(g.rows.size());
+  const int64_t hl = x.h / U, d = x.d, n = x.s;
+  std::vector<float> send(static_cast<size_t>(n * x.h * d));
+  std::vector<size_t> sc(U), rc(U);
+  // send block p: [n, hl, d] of heads [p hl, (p+1) hl)
+  for (int p = 0; p < U; ++p) {
+    pack(x.heads(p * hl, hl), send.data() + p * n * hl * d);
+    sc[p] = static_cast<size_t>(n * hl * d);
+    rc[p] = static_cast<size_t>(g.rows[p] * hl * d);
+  }
+  std::vector<float> recv;
+  a2a(g, send, sc, recv, rc, m);
+  Tensor<float> out({g.total(), hl, d});
+  out.vec() = std::move(recv);  // [member][rows][hl][d] == [N][hl][d]
+  return out;
+}
+
+Tensor<float> seq_to_head_replicated(const UlyssesGroup& g, View3<const float> x, CpMetrics& m) {
+  const int U = static_cast<int>(g.rows.size());
+  const int64_t hkv = x.h, d = x.d, n = x.s, per = U / hkv;
+  std::vector<float> send(static_cast<size_t>(U * n * d));
+  std::vector<size_t> sc(U), rc(U);
+  for (int p = 0; p < U; ++p) {
+    pack(x.heads(p / per, 1), send.data() + p * n * d);
+    sc[p] = static_cast<size_t>(n * d);
+    rc[p] = static_cast<size_t>(g.rows[p] * d);
+  }
+  std::vector<float> recv;
+  a2a(g, send, sc, recv, rc, m);
+  Tensor<float> out({g.total(), 1, d});
+  out.vec() = std::move(recv);
+  return out;
+}
+
+void head_to_seq(const UlyssesGroup& g, const Tensor<float>& y, View3<float> x, CpMetrics& m) {
+  const int U = static_cast<int>(g.rows.size());
+  const int64_t hl = y.size(1), d = y.size(2), n = x.s;
+  std::vector<size_t> sc(U), rc(U);
+  for (int p = 0; p < U; ++p) {
+    sc[p] = static_cast<size_t>(g.rows[p] * hl * d);
+    rc[p] = static_cast<size_t>(n * hl * d);
+  }
+  std::vector<float> recv;
+  a2a(g, y.vec(), sc, recv, rc, m);
+  for (int p = 0; p < U; ++p) unpack(recv.data() + p * n * hl * d, x.heads(p * hl, hl));
+}
+
+void head_to_seq_replicated(const UlyssesGroup& g, const Tensor<float>& y, View3<float> x,
+                            CpMetrics& m) {
+  const int U = static_cast<int>(g.rows.size());
+  const int64_t hkv = x.h, d = x.d, n = x.s, per = U / hkv;
+  std::vector<size_t> sc(U), rc(U);
+  for (int p = 0; p < U; ++p) {
+    sc[p] = static_cast<size_t>(g.rows[p] * d);
+    rc[p] = static_cast<size_t>(n * d);
+  }
+  std::vector<float> recv;
+  a2a(g, y.vec(), sc, recv, rc, m);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < hkv; ++h) std::fill_n(x.row(i, h), d, 0.0f);
+  for (int p = 0; p < U; ++p) {
+    const float* src = recv.data() + p * n * d;
+    const int64_t h = p / per;
+    for (int64_t i = 0; i < n; ++i) {
+      float* dst = x.row(i, h);
+      for (int64_t c = 0; c < d; ++c) dst[c] += src[i * d + c];
+    }
+  }
+}
+
+std::vector<float> lse_to_head(const UlyssesGroup& g, const float* lse, int64_t heads,
+                               CpMetrics& m) {
+  const int U = static_cast<int>(g.rows.size());
+  const int64_t hl = heads / U, n = g.rows[g.comm->rank()], N = g.total();
+  // send to p: [hl][n] for heads [p hl, (p+1) hl) -- contiguous in lse [H, n]
+  std::vector<float> send(lse, lse + heads * n);
+  std::vector<size_t> sc(U), rc(U);
+  for (int p = 0; p < U; ++p) {
+    sc[p] = static_cast<size_t>(hl * n);
+    rc[p] = static_cast<size_t>(hl * g.rows[p]);
+  }
+  std::vector<float> recv;
+  a2a(g, send, sc, recv, rc, m);
+  std::vector<float> out(static_cast<size_t>(hl * N));
+  size_t at = 0;
+  for (int p = 0; p < U; ++p) {
+    const int64_t off = g.offset(p);
+    for (int64_t h = 0; h < hl; ++h)
+      for (int64_t i = 0; i < g.rows[p]; ++i) out[h * N + off + i] = recv[at++];
+  }
+  return out;
+}
+
+void lse_to_seq(const UlyssesGroup& g, const std::vector<float>& lsel, int64_t heads, float* lse,
+                CpMetrics& m) {
+  const int U = static_cast<int>(g.rows.size());
+  const int64_t hl = heads / U, n = g.rows[g.comm->rank()], N = g.total();
+  std::vector<float> send;
+  send.reserve(static_cast<size_t>(hl * N));
+  std::vector<size_t> sc(U), rc(U);
+  for (int p = 0; p < U; ++p) {
+    const int64_t off = g.offset(p);
+    for (int64_t h = 0; h < hl; ++h)
+      for (int64_t i = 0; i < g.rows[p]; ++i) send.push_back(lsel[h * N + off + i]);
+    sc[p] = static_cast<size_t>(hl * g.rows[p]);
+    rc[p] = static_cast<size_t>(hl * n);
+  }
+  std::vector<float> recv;
+  a2a(g, send, sc, recv, rc, m);
+  // from p: [hl][n] for heads [p hl, (p+1) hl) == lse[p hl .. ] rows, contiguous
+  std::memcpy(lse, recv.data(), sizeof(float) * static_cast<size_t>(heads * n));
+}
+
+}  // namespace loom::cp_detail

@@ -1,0 +1,69 @@
+// Argument checks shared by the kernel entry points (internal to src/kernels).
+//
+// Every public kernel function checks its arguments once, here, and then trusts them: the hot
+// loops assert nothing. The messages carry both values of a failed comparison (LOOM_CHECK_OP).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "loom/attention.h"
+#include "loom/error.h"
+#include "loom/tensor.h"
+
+namespace loom::kernels {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+// A view's sizes are non-negative and its strides leave room for its rows and heads.
+template <class T>
+void check_view(const View3<T>& x, const char* name) {
+  LOOM_CHECK(x.s >= 0 && x.h >= 0 && x.d >= 0, InvalidArgument,
+             name << ": negative size [" << x.s << ", " << x.h << ", " << x.d << "]");
+  LOOM_CHECK(x.s == 0 || x.h == 0 || x.d == 0 || x.data != nullptr, InvalidArgument,
+             name << ": null data for a non-empty view");
+  if (x.h > 1) LOOM_CHECK_GE(x.hs, x.d, InvalidArgument, name << ": head stride too small");
+  if (x.s > 1) LOOM_CHECK_GE(x.ss, x.h * x.d, InvalidArgument, name << ": row stride too small");
+}
+
+template <class T>
+void check_same_shape(const View3<T>& a, const View3<T>& b, const char* what) {
+  LOOM_CHECK(a.s == b.s && a.h == b.h && a.d == b.d, InvalidArgument,
+             what << ": shapes differ, [" << a.s << ", " << a.h << ", " << a.d << "] vs [" << b.s
+                  << ", " << b.h << ", " << b.d << "]");
+}
+
+inline void check_tokens(const Tokens& t, int64_t rows, const char* name) {
+  LOOM_CHECK_EQ(t.n, rows, InvalidArgument, name << ": token count must equal the rows");
+  LOOM_CHECK(t.n == 0 || t.pos != nullptr, InvalidArgument, name << ": positions are required");
+}
+
+inline void check_mask(const Mask& mask) {
+  LOOM_CHECK_GE(mask.window, 0, InvalidArgument, "mask window must be >= 0");
+}
+
+// q [Sq, H, D], k and v [Sk, Hkv, D], with their tokens.
+template <class T>
+void check_qkv(const View3<const T>& q, const View3<const T>& k, const View3<const T>& v,
+               const Tokens& qt, const Tokens& kt) {
+  check_view(q, "q");
+  check_view(k, "k");
+  check_view(v, "v");
+  check_same_shape(k, v, "k and v");
+  LOOM_CHECK_EQ(q.d, k.d, InvalidArgument, "q and k must have the same head dim");
+  LOOM_CHECK(q.d >= 1 && q.d <= kMaxHeadDim, InvalidArgument,
+             "head dim must be in [1, " << kMaxHeadDim << "], got " << q.d);
+  LOOM_CHECK_GT(k.h, 0, InvalidArgument, "kv heads must be positive");
+  LOOM_CHECK_GT(q.h, 0, InvalidArgument, "query heads must be positive");
+  LOOM_CHECK_EQ(q.h % k.h, 0, InvalidArgument, "query heads must be a multiple of kv heads");
+  check_tokens(qt, q.s, "query tokens");
+  check_tokens(kt, k.s, "key tokens");
+}
+
+template <class S>
+void check_scale(S scale) {
+  LOOM_CHECK(std::isfinite(scale) && scale > 0, InvalidArgument,
+             "softmax scale must be positive and finite, got " << scale);
+}
+
+}  // namespace loom::kernels

@@ -1,0 +1,145 @@
+// The byte corpus: documents, the validation split, and the sequences of a step.
+#include "data.h"
+
+#include <algorithm>
+#include <cctype>
+#include <fstream>
+#include <iterator>
+
+#include "loom/error.h"
+#include "loom/rng.h"
+
+namespace loom::model {
+
+namespace {
+
+// True when the line at `p` starts with a KJV reference "<book>1:1 " (a book's first verse).
+bool is_book_start(const std::string& t, size_t p) {
+  size_t i = p;
+  while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) ++i;  // "1Sm"
+  const size_t letters = i;
+  while (i < t.size() && std::isalpha(static_cast<unsigned char>(t[i]))) ++i;
+  if (i == letters) return false;
+  return t.compare(i, 4, "1:1 ") == 0;
+}
+
+std::vector<size_t> find_documents(const std::string& t) {
+  std::vector<size_t> kjv;
+  for (size_t p = 0; p < t.size();) {
+    if (is_book_start(t, p)) kjv.push_back(p);
+    const size_t nl = t.find('\n', p);
+    if (nl == std::string::npos) break;
+    p = nl + 1;
+  }
+  if (kjv.size() >= 2) {
+    kjv[0] = 0;  // anything before Genesis belongs to the first book
+    return kjv;
+  }
+  std::vector<size_t> starts{0};
+  for (size_t p = t.find("\n\n"); p != std::string::npos; p = t.find("\n\n", p + 1)) {
+    size_t s = p + 2;
+    while (s < t.size() && t[s] == '\n') ++s;
+    if (s < t.size() && s > starts.back()) starts.push_back(s);
+    p = s - 1;
+  }
+  return starts;
+}
+
+void append(Split& s, const std::string& t, size_t begin, size_t end) {
+  if (end <= begin) return;
+  s.doc_starts.push_back(s.size());
+  s.bytes.insert(s.bytes.end(), t.begin() + static_cast<std::ptrdiff_t>(begin),
+                 t.begin() + static_cast<std::ptrdiff_t>(end));
+}
+
+}  // namespace
+
+Corpus make_corpus(const std::string& text, const std::string& source) {
+  LOOM_CHECK(!text.empty(), IoError, "--data " << source << " is empty");
+  Corpus c;
+  c.source = source;
+  std::vector<size_t> starts = find_documents(text);
+  c.documents = static_cast<int64_t>(starts.size());
+  starts.push_back(text.size());
+  for (size_t d = 0; d + 1 < starts.size(); ++d) {
+    const size_t b = starts[d], e = starts[d + 1], len = e - b;
+    size_t cut = e - static_cast<size_t>(static_cast<double>(len) * kValFraction);
+    // Move the cut forward to the next line start inside the held-out tail, if there is one.
+    const size_t nl = text.find('\n', cut);
+    if (cut > b && nl != std::string::npos && nl + 1 < e) cut = nl + 1;
+    append(c.train, text, b, cut);
+    append(c.val, text, cut, e);
+  }
+  return c;
+}
+
+Corpus load_corpus(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  LOOM_CHECK(f.good(), IoError, "cannot read --data " << path);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  LOOM_CHECK(!f.bad(), IoError, "error while reading --data " << path);
+  return make_corpus(text, path);
+}
+
+int64_t Sequence::predicted() const {
+  return std::count_if(target.begin(), target.end(), [](int32_t t) { return t >= 0; });
+}
+
+Sequence make_sequence(const Split& split, int64_t offset, int64_t seq, bool pack_documents) {
+  Sequence s;
+  s.input.resize(static_cast<size_t>(seq));
+  s.target.resize(static_cast<size_t>(seq));
+  s.rope_pos.resize(static_cast<size_t>(seq));
+  // Document of each of the seq + 1 window bytes (all 0 without packing).
+  std::vector<int64_t> doc(static_cast<size_t>(seq + 1), 0);
+  std::vector<int64_t> doc_begin(static_cast<size_t>(seq + 1), offset);
+  if (pack_documents) {
+    auto it = std::upper_bound(split.doc_starts.begin(), split.doc_starts.end(), offset);
+    int64_t d = static_cast<int64_t>(it - split.doc_starts.begin()) - 1;
+    for (int64_t t = 0; t <= seq; ++t) {
+      while (d + 1 < static_cast<int64_t>(split.doc_starts.size()) &&
+             split.doc_starts[d + 1] <= offset + t)
+        ++d;
+      doc[t] = d;
+      doc_begin[t] = std::max(split.doc_starts[d], offset);
+    }
+  }
+  for (int64_t t = 0; t < seq; ++t) {
+    s.input[t] = split.bytes[offset + t];
+    s.target[t] = doc[t + 1] == doc[t] ? split.bytes[offset + t + 1] : -1;
+    s.rope_pos[t] = offset + t - doc_begin[t];
+  }
+  if (pack_documents) {
+    int64_t run = 1;
+    for (int64_t t = 1; t < seq; ++t) {
+      if (doc[t] != doc[t - 1]) {
+        s.doc_lengths.push_back(run);
+        run = 0;
+      }
+      ++run;
+    }
+    s.doc_lengths.push_back(run);
+    if (s.doc_lengths.size() == 1) s.doc_lengths.clear();
+  }
+  return s;
+}
+
+int64_t train_offset(const Split& split, int64_t seq, uint64_t seed, int64_t step, int64_t index) {
+  const uint64_t starts = static_cast<uint64_t>(split.size() - seq);  // offsets 0 .. size-seq-1
+  const auto w = philox4x32({static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32),
+                             static_cast<uint32_t>(index), 0x7a17u},
+                            rng_key(seed, "train-data"));
+  const uint64_t r = (static_cast<uint64_t>(w[0]) << 32) | w[1];
+  return static_cast<int64_t>(r % starts);
+}
+
+std::vector<int64_t> val_offsets(const Split& split, int64_t seq, int64_t count) {
+  std::vector<int64_t> out;
+  const int64_t last = split.size() - seq - 1;
+  if (last < 0 || count <= 0) return out;
+  for (int64_t i = 0; i < count; ++i) out.push_back(count == 1 ? 0 : last * i / (count - 1));
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+}  // namespace loom::model

@@ -1,0 +1,124 @@
+// model/trainer.h: the training loop of `loom train` on one rank of a mesh.
+//
+// One step: every rank draws the same global batch (--batch sequences, split evenly over the dp
+// ranks; the draw depends only on (seed, step)), runs forward and backward on its part, and the
+// gradients are summed (replicated parameters over the whole world, tp-split ones over the
+// ranks holding the same tp piece). The loss is the mean cross-entropy over every predicted token
+// of the global batch: each rank divides its sum by the global count, which every rank knows
+// because every rank holds the whole token sequence. Then: global gradient norm over all ranks,
+// clipping, AdamW (fp32 master weights and fp32 moments) with a warmup + cosine learning rate.
+//
+// Checkpoints hold the FULL (unsplit) parameters and AdamW moments, the step and the run's
+// configuration, so a run may resume on another mesh. File: "LOOMCKP1", a little-endian u64
+// header length, a JSON header, the fp32 payload, and a u64 FNV-1a checksum of header and
+// payload. Written atomically by world rank 0; read by every rank. A file that is short, has
+// another magic or a wrong checksum is refused with IoError; one from a different model, data or
+// schedule with InvalidArgument naming the field. Since the data draw and the schedule depend
+// only on the step, resuming reproduces the uninterrupted run's losses exactly (same mesh) or to
+// fp32 rounding (another mesh).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data.h"
+#include "gpt.h"
+#include "loom/comm.h"
+
+namespace loom::model {
+
+struct TrainConfig {
+  ModelConfig model;
+  ParallelConfig par;
+  int64_t seq = 256;
+  int64_t batch = 4;  // sequences per step, global (divisible by dp)
+  int64_t steps = 200;
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
+  int64_t warmup = -1;        // steps; < 0: min(100, steps / 10)
+  double weight_decay = 0.1;
+  double beta1 = 0.9, beta2 = 0.95, adam_eps = 1e-8;
+  double clip = 1.0;  // global gradient norm; 0: no clipping
+  uint64_t seed = 1;
+  Precision precision = Precision::fp32;
+  bool checkpoint_activations = false;
+  bool pack_documents = false;
+  int64_t eval_batches = 4;  // validation windows per evaluation
+  int64_t warmup_steps() const { return warmup >= 0 ? warmup : std::min<int64_t>(100, steps / 10); }
+};
+
+// The learning rate of step `step` (0-based).
+double learning_rate(const TrainConfig& c, int64_t step);
+
+struct StepResult {
+  int64_t step = 0;  // 1-based number of the step just done
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;  // before clipping
+  int64_t tokens = 0;    // predicted tokens of the global batch
+  double seconds = 0;    // wall time of the step on this rank
+};
+
+// Per-rank figures for the summary (gathered to every rank).
+struct RankReport {
+  double attention_s = 0, total_s = 0;  // CpAttention; all of forward + backward
+  double update_s = 0;                  // gradient reductions, clipping and AdamW
+  double act_bytes_peak = 0;            // activations kept for backward, peak
+  double state_bytes = 0;               // params + grads + AdamW moments (+ bf16 copies)
+  double comm_bytes_sent = 0;
+};
+
+class Trainer {
+ public:
+  // Collective over world. Validates the configuration (InvalidArgument) and the corpus size.
+  Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corpus);
+  ~Trainer();
+
+  StepResult train_step();
+  // Mean validation loss over the fixed validation windows; NaN when the split is too short.
+  double evaluate();
+  int64_t step() const { return step_; }
+  const TrainConfig& config() const { return cfg_; }
+  Gpt& model() { return *model_; }
+  const Mesh& mesh() const { return mesh_; }
+
+  // Full parameters (or gradients) in spec order, unsplit; the same on every mesh. Collective.
+  std::vector<float> full_params();
+  std::vector<float> full_grads();
+
+  // Collective: world rank 0 writes DIR/step-NNNNNNNN.ckpt and then DIR/latest atomically.
+  // Returns the checkpoint path.
+  std::string save_checkpoint(const std::string& dir);
+  // Collective: every rank reads `path` (or DIR/latest's target when path is a directory).
+  void load_checkpoint(const std::string& path);
+
+  std::vector<RankReport> reports();  // collective
+  double seconds_training() const { return train_s_; }
+  int64_t tokens_trained() const { return tokens_; }
+
+ private:
+  std::vector<float> gather_full(const std::vector<float>& flat);
+  void scatter_full(const std::vector<float>& full, std::vector<float>& flat);
+  std::vector<Sequence> batch_sequences(int64_t step);
+
+  Communicator& world_;
+  TrainConfig cfg_;
+  const Corpus& corpus_;
+  Mesh mesh_;
+  std::unique_ptr<Communicator> same_tp_;  // ranks holding the same tp piece (cp x dp)
+  std::unique_ptr<Gpt> model_;
+  std::vector<float> adam_m_, adam_v_;
+  int64_t step_ = 0;
+  double train_s_ = 0;
+  double update_s_ = 0;
+  int64_t tokens_ = 0;
+  uint64_t data_hash_ = 0;
+};
+
+// FNV-1a 64 of bytes (checkpoint checksums).
+uint64_t fnv1a64(const void* data, size_t bytes, uint64_t h = 0xcbf29ce484222325ull);
+
+}  // namespace loom::model

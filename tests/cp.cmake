@@ -1,0 +1,29 @@
+loom_test(test_layout SOURCES unit/test_layout.cc LIBS loom_cp TIMEOUT 60)
+loom_test(test_cp_local SOURCES dist/test_cp_local.cc dist/cp_bodies.cc LIBS loom_cp TIMEOUT 600)
+
+# A subset under mpirun (label mpi), and the loom command under mpirun.
+if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
+  add_executable(test_cp_mpi ${CMAKE_CURRENT_LIST_DIR}/mpi/test_cp_mpi.cc
+                             ${CMAKE_CURRENT_LIST_DIR}/dist/cp_bodies.cc)
+  target_include_directories(test_cp_mpi PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+  target_link_libraries(test_cp_mpi PRIVATE loom_cp GTest::gtest)
+  # As in comm.cmake: CI runs as root on 2 cores.
+  set(loom_cp_mpi_flags --oversubscribe --allow-run-as-root)
+  set(loom_cp_mpi_env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+                      OMPI_MCA_rmaps_base_oversubscribe=1)
+  foreach(np 4 3)
+    add_test(NAME cp_mpi_np${np}
+             COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${loom_cp_mpi_flags}
+                     $<TARGET_FILE:test_cp_mpi>)
+    set_tests_properties(cp_mpi_np${np} PROPERTIES LABELS "mpi;cp" TIMEOUT 120 PROCESSORS ${np}
+                                                   ENVIRONMENT "${loom_cp_mpi_env}")
+  endforeach()
+  add_test(NAME loom_attn_mpi_hybrid_np4
+           COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 4 ${loom_cp_mpi_flags}
+                   $<TARGET_FILE:loom> attn --strategy hybrid --ulysses 2 --layout zigzag
+                   --seq 1024 --heads 8 --kv-heads 2 --head-dim 64 --backward --check
+                   --iters 1 --warmup 0 --quiet)
+  set_tests_properties(loom_attn_mpi_hybrid_np4 PROPERTIES LABELS "mpi;tool" TIMEOUT 120
+                       PROCESSORS 4 ENVIRONMENT "${loom_cp_mpi_env}"
+                       PASS_REGULAR_EXPRESSION "check     passed")
+endif()

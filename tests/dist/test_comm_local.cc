@@ -1,0 +1,475 @@
+// The local backend: every shared communicator body on world sizes 1, 2, 3, 4, 7 and 8; failure
+// propagation through run_local; fault injection (kill, drop, delay) proving that every rank
+// gets an error within twice the timeout; the mesh for every factorisation of 8; parsing and
+// environment helpers.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dist/comm_bodies.h"
+#include "loom/comm.h"
+#include "loom/error.h"
+#include "loom/timer.h"
+
+namespace loom {
+namespace {
+
+constexpr double kTestTimeout = 10;  // generous: a body that hangs still ends
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// --- the shared bodies ---------------------------------------------------------------------------
+
+struct BodyCase {
+  size_t body;
+  int ranks;
+};
+
+void PrintTo(const BodyCase& c, std::ostream* os) {
+  *os << test::comm_bodies()[c.body].name << " on " << c.ranks << " ranks";
+}
+
+class CommLocal : public ::testing::TestWithParam<BodyCase> {};
+
+TEST_P(CommLocal, Body) {
+  const test::CommBody& body = test::comm_bodies()[GetParam().body];
+  run_local(
+      GetParam().ranks,
+      [&](Communicator& c) {
+        EXPECT_EQ(c.backend(), "local");
+        EXPECT_EQ(c.timeout_s(), kTestTimeout);
+        body.fn(c);
+      },
+      {}, kTestTimeout);
+}
+
+std::vector<BodyCase> all_cases() {
+  std::vector<BodyCase> cases;
+  for (size_t b = 0; b < test::comm_bodies().size(); ++b) {
+    for (int ranks : {1, 2, 3, 4, 7, 8}) cases.push_back({b, ranks});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Bodies, CommLocal, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<BodyCase>& info) {
+                           return test::comm_bodies()[info.param.body].name + "_ranks" +
+                                  std::to_string(info.param.ranks);
+                         });
+
+// --- run_local failure propagation
+// -----------------------------------------------------------------
+
+// What each rank saw: whether it failed, when (seconds after start), and the message.
+struct Outcome {
+  bool failed = false;
+  double at = 0;
+  std::string what;
+};
+
+struct RunResult {
+  std::vector<Outcome> ranks;
+  std::exception_ptr root;
+  std::string root_what;
+  double elapsed = 0;
+};
+
+RunResult run_recorded(int ranks, const std::function<void(Communicator&)>& fn,
+                       const FaultPlan& plan, double timeout) {
+  RunResult run;
+  run.ranks.resize(ranks);
+  std::mutex mu;
+  const double start = now_s();
+  try {
+    run_local(
+        ranks,
+        [&](Communicator& c) {
+          try {
+            fn(c);
+          } catch (const std::exception& e) {
+            std::lock_guard<std::mutex> lock(mu);
+            run.ranks[c.rank()] = {true, now_s() - start, e.what()};
+            throw;
+          }
+        },
+        plan, timeout);
+  } catch (const std::exception& e) {
+    run.root = std::current_exception();
+    run.root_what = e.what();
+  }
+  run.elapsed = now_s() - start;
+  return run;
+}
+
+TEST(RunLocal, RethrowsTheRootCauseAndFailsOthersFast) {
+  const RunResult run = run_recorded(
+      4,
+      [](Communicator& c) {
+        if (c.rank() == 2) throw std::runtime_error("boom on purpose");
+        int64_t x = 0;
+        c.irecv(&x, sizeof x, (c.rank() + 1) % 4, 0)->wait();  // nobody sends
+      },
+      {}, kTestTimeout);
+  ASSERT_TRUE(run.root);
+  EXPECT_THROW(std::rethrow_exception(run.root), std::runtime_error);
+  EXPECT_EQ(run.root_what, "boom on purpose");
+  for (int r : {0, 1, 3}) {
+    EXPECT_TRUE(run.ranks[r].failed) << r;
+    EXPECT_TRUE(contains(run.ranks[r].what, "rank 2 failed: boom on purpose")) << run.ranks[r].what;
+    EXPECT_TRUE(contains(run.ranks[r].what, "rank " + std::to_string(r))) << run.ranks[r].what;
+  }
+  EXPECT_LT(run.elapsed, kTestTimeout / 2);
+}
+
+TEST(RunLocal, ReceiveFromReturnedRankFailsAtOnce) {
+  const RunResult run = run_recorded(
+      2,
+      [](Communicator& c) {
+        if (c.rank() == 1) return;
+        int64_t x = 0;
+        c.irecv(&x, sizeof x, 1, 0)->wait();
+      },
+      {}, kTestTimeout);
+  ASSERT_TRUE(run.root);
+  EXPECT_TRUE(contains(run.root_what, "rank 0")) << run.root_what;
+  EXPECT_TRUE(contains(run.root_what, "rank 1 has returned")) << run.root_what;
+  EXPECT_LT(run.elapsed, kTestTimeout / 2);
+}
+
+TEST(RunLocal, SplitGroupsArePoisonedWithTheWorld) {
+  const RunResult run = run_recorded(
+      4,
+      [](Communicator& c) {
+        auto pair = c.split(c.rank() / 2, 0);  // {0, 1} and {2, 3}
+        if (c.rank() == 3) throw std::runtime_error("rank three gives up");
+        if (c.rank() < 2) {
+          int64_t x = 0;  // both wait for each other inside the pair: only poisoning ends this
+          pair->irecv(&x, sizeof x, 1 - pair->rank(), 5)->wait();
+        } else {
+          c.barrier();
+        }
+      },
+      {}, kTestTimeout);
+  EXPECT_EQ(run.root_what, "rank three gives up");
+  for (int r : {0, 1, 2}) {
+    EXPECT_TRUE(contains(run.ranks[r].what, "rank 3 failed")) << run.ranks[r].what;
+  }
+  EXPECT_TRUE(contains(run.ranks[0].what, "(world rank 0)")) << run.ranks[0].what;
+  EXPECT_LT(run.elapsed, kTestTimeout / 2);
+}
+
+TEST(RunLocal, CollectiveTimesOutOnEveryWaitingRank) {
+  constexpr double kT = 1.0;
+  const RunResult run = run_recorded(
+      4,
+      [](Communicator& c) {
+        if (c.rank() == 0) {  // late, but still alive
+          std::this_thread::sleep_for(std::chrono::duration<double>(2.1 * kT));
+          return;
+        }
+        std::vector<char> recv(4);
+        const char mine = 'a';
+        c.all_gather(&mine, 1, recv.data());
+      },
+      {}, kT);
+  ASSERT_TRUE(run.root);
+  EXPECT_THROW(std::rethrow_exception(run.root), Timeout);
+  EXPECT_TRUE(contains(run.root_what, "all_gather")) << run.root_what;
+  EXPECT_TRUE(contains(run.root_what, "rank 0")) << run.root_what;
+  for (int r = 1; r < 4; ++r) {
+    EXPECT_TRUE(run.ranks[r].failed);
+    EXPECT_GE(run.ranks[r].at, kT * 0.95) << run.ranks[r].what;
+    EXPECT_LT(run.ranks[r].at, 2 * kT) << run.ranks[r].what;
+  }
+}
+
+TEST(RunLocal, RejectsBadArguments) {
+  EXPECT_THROW(run_local(0, [](Communicator&) {}), InvalidArgument);
+  FaultPlan plan;
+  plan.kill_rank = 4;
+  EXPECT_THROW(run_local(
+                   4, [](Communicator&) {}, plan),
+               InvalidArgument);
+  int calls = 0;
+  run_local(1, [&](Communicator& c) {
+    ++calls;
+    EXPECT_EQ(c.size(), 1);
+    EXPECT_EQ(c.split(-1, 0), nullptr);
+  });
+  EXPECT_EQ(calls, 1);
+}
+
+// --- fault injection ----------------------------------------------------------------------------
+
+// A training-like loop: a ring step and an all_reduce per iteration.
+void training_loop(Communicator& c) {
+  const int n = c.size(), r = c.rank();
+  std::vector<char> block(1024, static_cast<char>(r)), next(1024);
+  std::vector<float> grad(16, 1.0f);
+  for (int it = 0; it < 20; ++it) {
+    std::vector<P2POp> ops = {{P2POp::send, block.data(), block.size(), (r + 1) % n},
+                              {P2POp::recv, next.data(), next.size(), (r - 1 + n) % n}};
+    for (auto& w : c.batch_p2p(ops)) w->wait();
+    std::swap(block, next);
+    c.all_reduce(grad.data(), grad.size(), DType::f32, ReduceOp::sum);
+  }
+}
+
+void expect_all_failed_within(const RunResult& run, double limit) {
+  for (size_t r = 0; r < run.ranks.size(); ++r) {
+    EXPECT_TRUE(run.ranks[r].failed) << "rank " << r << " saw no error";
+    EXPECT_LT(run.ranks[r].at, limit) << "rank " << r << ": " << run.ranks[r].what;
+  }
+}
+
+TEST(Faults, KillFailsEveryRankFast) {
+  constexpr double kT = 1.0;
+  for (int ranks : {2, 4, 7}) {
+    for (const std::string& spec :
+         std::vector<std::string>{"kill:0", "kill:1,at=5", "kill:" + std::to_string(ranks - 1)}) {
+      SCOPED_TRACE(spec + " on " + std::to_string(ranks) + " ranks");
+      const FaultPlan plan = parse_fault(spec);
+      const RunResult run = run_recorded(ranks, training_loop, plan, kT);
+      const std::string killed = "rank " + std::to_string(plan.kill_rank);
+      ASSERT_TRUE(run.root);
+      EXPECT_THROW(std::rethrow_exception(run.root), CommError);
+      EXPECT_EQ(run.root_what, killed + " was killed (fault injection)");
+      expect_all_failed_within(run, 2 * kT);
+      for (int r = 0; r < ranks; ++r) {
+        if (r == plan.kill_rank) continue;
+        EXPECT_TRUE(contains(run.ranks[r].what, killed + " failed")) << run.ranks[r].what;
+      }
+    }
+  }
+}
+
+TEST(Faults, DroppedMessageTimesOutItsReceiverAndFailsTheRest) {
+  constexpr double kT = 1.0;
+  // Rank 1's first send is its ring message to rank 2: rank 2 times out after kT, the others
+  // (waiting in a barrier with a longer timeout) fail as soon as rank 2 does.
+  const RunResult run = run_recorded(
+      4,
+      [](Communicator& c) {
+        const int n = c.size(), r = c.rank();
+        char out = static_cast<char>(r), in = 0;
+        std::vector<P2POp> ops = {{P2POp::send, &out, 1, (r + 1) % n},
+                                  {P2POp::recv, &in, 1, (r - 1 + n) % n}};
+        for (auto& w : c.batch_p2p(ops)) w->wait();
+        c.barrier(3 * kT);
+      },
+      parse_fault("drop:1,at=0"), kT);
+  ASSERT_TRUE(run.root);
+  EXPECT_THROW(std::rethrow_exception(run.root), Timeout);
+  EXPECT_TRUE(contains(run.root_what, "rank 2")) << run.root_what;
+  EXPECT_TRUE(contains(run.root_what, "rank 1")) << run.root_what;
+  EXPECT_GE(run.ranks[2].at, 0.95 * kT);
+  expect_all_failed_within(run, 2 * kT);
+  for (int r : {0, 1, 3}) {
+    EXPECT_TRUE(contains(run.ranks[r].what, "rank 2 failed")) << run.ranks[r].what;
+  }
+}
+
+TEST(Faults, DropMidRunNeverHangs) {
+  constexpr double kT = 1.0;
+  for (const char* spec : {"drop:2", "drop:0,at=7"}) {
+    SCOPED_TRACE(spec);
+    const RunResult run = run_recorded(3, training_loop, parse_fault(spec), kT);
+    ASSERT_TRUE(run.root);
+    EXPECT_THROW(std::rethrow_exception(run.root), Timeout);
+    EXPECT_TRUE(contains(run.root_what, "timed out")) << run.root_what;
+    expect_all_failed_within(run, 2 * kT);
+  }
+}
+
+TEST(Faults, DelayedRankStillGivesCorrectResults) {
+  constexpr int kDelayMs = 150;
+  std::atomic<double> slowest_recv{0};
+  run_local(
+      3,
+      [&](Communicator& c) {
+        const int n = c.size(), r = c.rank();
+        int64_t out = 10 + r, in = -1;
+        WorkPtr recv = c.irecv(&in, sizeof in, (r - 1 + n) % n, 0);
+        const double start = now_s();
+        c.isend(&out, sizeof out, (r + 1) % n, 0)->wait();
+        recv->wait();
+        if (r == 2) slowest_recv = now_s() - start;  // the message from the delayed rank 1
+        EXPECT_EQ(in, 10 + (r - 1 + n) % n);
+        int64_t sum = r;
+        c.all_reduce(&sum, 1, DType::i64, ReduceOp::sum);
+        EXPECT_EQ(sum, 3);
+      },
+      parse_fault("delay:1:" + std::to_string(kDelayMs)), kTestTimeout);
+  EXPECT_GE(slowest_recv.load(), kDelayMs * 1e-3 * 0.95);
+}
+
+TEST(Faults, DelayPastTheTimeoutBecomesTimeout) {
+  constexpr double kT = 1.0;
+  const RunResult run = run_recorded(2, training_loop, parse_fault("delay:1:3000"), kT);
+  ASSERT_TRUE(run.root);
+  EXPECT_THROW(std::rethrow_exception(run.root), Timeout);
+  EXPECT_TRUE(contains(run.root_what, "rank 0")) << run.root_what;
+  EXPECT_TRUE(contains(run.root_what, "rank 1")) << run.root_what;
+  expect_all_failed_within(run, 2 * kT);
+}
+
+TEST(Faults, ParseFault) {
+  FaultPlan p = parse_fault("kill:3");
+  EXPECT_EQ(p.kill_rank, 3);
+  EXPECT_EQ(p.kill_at_op, 1);  // default: the second op
+  EXPECT_TRUE(p.any());
+  p = parse_fault("kill:0,at=0");
+  EXPECT_EQ(p.kill_rank, 0);
+  EXPECT_EQ(p.kill_at_op, 0);
+  p = parse_fault("drop:2,at=12");
+  EXPECT_EQ(p.drop_rank, 2);
+  EXPECT_EQ(p.drop_at_op, 12);
+  EXPECT_EQ(p.kill_rank, -1);
+  p = parse_fault("drop:5");
+  EXPECT_EQ(p.drop_at_op, 1);
+  p = parse_fault("delay:1:250");
+  EXPECT_EQ(p.delay_rank, 1);
+  EXPECT_EQ(p.delay_ms, 250);
+  EXPECT_FALSE(FaultPlan{}.any());
+  for (const char* bad :
+       {"", "kill", "kill:", "kill:x", "kill:-1", "kill:1:2", "kill:1,at=", "kill:1,when=3",
+        "drop:1,at=-2", "delay:1", "delay:1:2,at=3", "delay:a:5", "explode:1"}) {
+    try {
+      parse_fault(bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_TRUE(contains(e.what(), "'" + std::string(bad) + "'")) << e.what();
+    }
+  }
+}
+
+// --- mesh ---------------------------------------------------------------------------------------
+
+TEST(Mesh, EveryFactorisationOfEight) {
+  const auto shapes = test::mesh_factorisations(8);
+  EXPECT_EQ(shapes.size(), 20u);  // 2^3 over four factors: C(6, 3)
+  for (const MeshShape& shape : shapes) {
+    run_local(
+        8, [&](Communicator& c) { test::check_mesh(c, shape); }, {}, kTestTimeout);
+  }
+}
+
+TEST(Mesh, RefusesShapesThatDoNotTileTheWorld) {
+  for (MeshShape shape : {MeshShape{2, 2, 2, 2}, MeshShape{1, 1, 3, 3}, MeshShape{0, 8, 1, 1},
+                          MeshShape{2, -1, -2, 2}, MeshShape{1, 1, 1, 1}}) {
+    run_local(
+        8,
+        [&](Communicator& c) {
+          try {
+            build_mesh(c, shape);
+            ADD_FAILURE() << "accepted a mesh of " << shape.world() << " ranks";
+          } catch (const InvalidArgument& e) {
+            const std::string msg = e.what();
+            for (const std::string& part : std::vector<std::string>{
+                     "dp=" + std::to_string(shape.dp), "tp=" + std::to_string(shape.tp),
+                     "ulysses=" + std::to_string(shape.ulysses),
+                     "ring=" + std::to_string(shape.ring), "world of 8"}) {
+              EXPECT_TRUE(contains(msg, part)) << msg;
+            }
+          }
+        },
+        {}, kTestTimeout);
+  }
+}
+
+// --- helpers ------------------------------------------------------------------------------------
+
+TEST(CommHelpers, DtypeSize) {
+  EXPECT_EQ(dtype_size(DType::f32), 4u);
+  EXPECT_EQ(dtype_size(DType::f64), 8u);
+  EXPECT_EQ(dtype_size(DType::i64), 8u);
+}
+
+// Sets an environment variable for one scope.
+class EnvVar {
+ public:
+  EnvVar(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    if (value) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~EnvVar() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+TEST(CommHelpers, DefaultTimeoutFromEnvironment) {
+  {
+    EnvVar e("LOOM_TIMEOUT_S", nullptr);
+    EXPECT_EQ(Communicator::default_timeout_s(), 60);
+  }
+  {
+    EnvVar e("LOOM_TIMEOUT_S", "2.5");
+    EXPECT_EQ(Communicator::default_timeout_s(), 2.5);
+    run_local(2, [](Communicator& c) { EXPECT_EQ(c.timeout_s(), 2.5); });
+    run_local(
+        2, [](Communicator& c) { EXPECT_EQ(c.timeout_s(), 0.75); }, {}, 0.75);
+  }
+  for (const char* bad : {"0", "-3", "abc", "5s", ""}) {
+    EnvVar e("LOOM_TIMEOUT_S", bad);
+    EXPECT_EQ(Communicator::default_timeout_s(), 60) << "'" << bad << "'";
+  }
+}
+
+TEST(CommHelpers, LaunchedByMpirun) {
+  EnvVar a("OMPI_COMM_WORLD_SIZE", nullptr), b("PMI_SIZE", nullptr), c("PMIX_RANK", nullptr),
+      d("PMI_RANK", nullptr), e("MV2_COMM_WORLD_SIZE", nullptr), f("MPI_LOCALNRANKS", nullptr);
+  EXPECT_FALSE(launched_by_mpirun());
+  {
+    EnvVar one("OMPI_COMM_WORLD_SIZE", "1");
+    EXPECT_FALSE(launched_by_mpirun());
+  }
+  {
+    EnvVar four("OMPI_COMM_WORLD_SIZE", "4");
+    EXPECT_TRUE(launched_by_mpirun());
+  }
+  {
+    EnvVar pmi("PMI_SIZE", "2");
+    EXPECT_TRUE(launched_by_mpirun());
+  }
+  {
+    EnvVar pmix("PMIX_RANK", "3");
+    EXPECT_TRUE(launched_by_mpirun());
+  }
+}
+
+TEST(CommHelpers, StubRefusesClearly) {
+  if (mpi_available()) GTEST_SKIP() << "this build has the MPI backend (tested under mpirun)";
+  try {
+    mpi_world();
+    ADD_FAILURE() << "mpi_world() returned without MPI";
+  } catch (const NotSupported& e) {
+    EXPECT_TRUE(contains(e.what(), "no MPI backend")) << e.what();
+  }
+  mpi_abort(1);  // a no-op without MPI
+}
+
+}  // namespace
+}  // namespace loom

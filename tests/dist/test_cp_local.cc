@@ -1,0 +1,203 @@
+// Every strategy x layout x P x mask x head layout on the local backend, forward and backward,
+// against the one-process fp64 reference; zigzag balance; clear errors for invalid head counts.
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <tuple>
+
+#include "cp_bodies.h"
+
+namespace loom::testing {
+namespace {
+
+struct MaskCase {
+  const char* name;
+  bool causal;
+  int64_t window;
+  std::vector<int64_t> docs;  // for S = 51
+};
+
+const std::vector<MaskCase>& masks() {
+  static const std::vector<MaskCase> m = {
+      {"causal", true, 0, {}},
+      {"full", false, 0, {}},
+      {"window", true, 7, {}},
+      {"full_window", false, 5, {}},
+      {"documents", true, 0, {20, 1, 30}},
+  };
+  return m;
+}
+
+// Heads for a world of P ranks: ulysses needs H % P == 0.
+int64_t heads_for(int P) {
+  return P % 3 == 0 ? 6 : P == 7 ? 7 : 8;
+}
+
+std::vector<int64_t> kv_heads_for(Strategy s, int64_t H, int U) {
+  std::vector<int64_t> out;
+  for (int64_t hkv : {H, int64_t{2}, int64_t{1}}) {
+    if (H % hkv) continue;
+    if (s == Strategy::ulysses || s == Strategy::hybrid) {
+      if (!(hkv % U == 0 || U % hkv == 0)) continue;
+    }
+    if (std::find(out.begin(), out.end(), hkv) == out.end()) out.push_back(hkv);
+  }
+  return out;
+}
+
+using Param = std::tuple<Strategy, int /*P*/, int /*U*/>;
+
+class CpAll : public ::testing::TestWithParam<Param> {};
+
+TEST_P(CpAll, MatchesReference) {
+  const auto [strategy, P, U] = GetParam();
+  const int64_t H = heads_for(P);
+  const int uly = strategy == Strategy::ulysses ? P : U;
+  int cases = 0;
+  for (Layout layout : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
+    for (const MaskCase& mc : masks()) {
+      for (int64_t hkv : kv_heads_for(strategy, H, uly)) {
+        CpCase c;
+        c.strategy = strategy;
+        c.layout = layout;
+        c.ulysses = U;
+        c.S = 51;
+        c.H = H;
+        c.HKV = hkv;
+        c.D = 16;
+        c.causal = mc.causal;
+        c.window = mc.window;
+        c.docs = mc.docs;
+        SCOPED_TRACE(c.name() + " P=" + std::to_string(P));
+        EXPECT_NO_THROW(run_local(P, [&](Communicator& w) { run_cp_case(w, c); })) << c.name();
+        ++cases;
+      }
+    }
+  }
+  EXPECT_GT(cases, 0);
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  return to_string(std::get<0>(info.param)) + "_P" + std::to_string(std::get<1>(info.param)) +
+         "_U" + std::to_string(std::get<2>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ring, CpAll,
+                         ::testing::Values(Param{Strategy::ring, 1, 1}, Param{Strategy::ring, 2, 1},
+                                           Param{Strategy::ring, 3, 1}, Param{Strategy::ring, 4, 1},
+                                           Param{Strategy::ring, 7, 1},
+                                           Param{Strategy::ring, 8, 1}),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(
+    Ulysses, CpAll,
+    ::testing::Values(Param{Strategy::ulysses, 1, 1}, Param{Strategy::ulysses, 2, 1},
+                      Param{Strategy::ulysses, 3, 1}, Param{Strategy::ulysses, 4, 1},
+                      Param{Strategy::ulysses, 7, 1}, Param{Strategy::ulysses, 8, 1}),
+    param_name);
+INSTANTIATE_TEST_SUITE_P(Hybrid, CpAll,
+                         ::testing::Values(Param{Strategy::hybrid, 2, 2},
+                                           Param{Strategy::hybrid, 4, 2},
+                                           Param{Strategy::hybrid, 6, 3},
+                                           Param{Strategy::hybrid, 8, 2},
+                                           Param{Strategy::hybrid, 8, 4}),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(
+    AllGather, CpAll,
+    ::testing::Values(Param{Strategy::allgather, 1, 1}, Param{Strategy::allgather, 2, 1},
+                      Param{Strategy::allgather, 3, 1}, Param{Strategy::allgather, 4, 1},
+                      Param{Strategy::allgather, 7, 1}, Param{Strategy::allgather, 8, 1}),
+    param_name);
+
+// More ranks than tokens: some shards are empty, and the result is still exact.
+TEST(CpEdge, EmptyShards) {
+  for (Strategy s : {Strategy::ring, Strategy::ulysses, Strategy::allgather}) {
+    for (Layout l : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
+      CpCase c;
+      c.strategy = s;
+      c.layout = l;
+      c.S = 5;
+      c.H = 8;
+      c.HKV = 8;
+      c.D = 8;
+      SCOPED_TRACE(c.name());
+      EXPECT_NO_THROW(run_local(8, [&](Communicator& w) { run_cp_case(w, c); }));
+      c.S = 1;
+      EXPECT_NO_THROW(run_local(4, [&](Communicator& w) { run_cp_case(w, c); }));
+    }
+  }
+}
+
+// Larger head dim and a longer sequence through the tiled path with several tiles per shard.
+TEST(CpEdge, LargerShapes) {
+  CpCase c;
+  c.S = 300;
+  c.H = 4;
+  c.HKV = 2;
+  c.D = 48;
+  c.window = 50;
+  for (Strategy s : {Strategy::ring, Strategy::ulysses, Strategy::allgather}) {
+    c.strategy = s;
+    SCOPED_TRACE(c.name());
+    EXPECT_NO_THROW(run_local(2, [&](Communicator& w) { run_cp_case(w, c); }));
+  }
+}
+
+// Zigzag gives every rank the same tile count at every ring step; contiguous does not. S = 512,
+// P = 4, H = 2, 64 x 64 tiles: a zigzag chunk is one tile row; step 0 computes the two diagonal
+// tiles and the full (late chunk, early chunk) tile, later steps exactly two full tiles.
+TEST(CpBalance, ZigzagEqualTilesContiguousNot) {
+  auto steps_of = [](Layout layout) {
+    std::vector<std::vector<int64_t>> steps(4);
+    std::mutex mu;
+    CpCase c;
+    c.layout = layout;
+    c.S = 512;
+    c.H = 2;
+    c.HKV = 2;
+    c.D = 16;
+    run_local(4, [&](Communicator& w) {
+      const std::vector<int64_t> s = run_cp_case(w, c);
+      std::lock_guard<std::mutex> lock(mu);
+      steps[w.rank()] = s;
+    });
+    return steps;
+  };
+  const auto zz = steps_of(Layout::zigzag);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(zz[r], (std::vector<int64_t>{6, 4, 4, 4})) << "rank " << r;
+  const auto ct = steps_of(Layout::contiguous);
+  EXPECT_EQ(ct[0], (std::vector<int64_t>{6, 0, 0, 0}));
+  EXPECT_EQ(ct[1], (std::vector<int64_t>{6, 8, 0, 0}));
+  EXPECT_EQ(ct[2], (std::vector<int64_t>{6, 8, 8, 0}));
+  EXPECT_EQ(ct[3], (std::vector<int64_t>{6, 8, 8, 8}));
+}
+
+TEST(CpErrors, InvalidHeadsAndDegrees) {
+  auto expect_error = [](int P, CpCase c, const std::string& needle) {
+    try {
+      run_local(P, [&](Communicator& w) { run_cp_case(w, c); });
+      ADD_FAILURE() << "no error for " << c.name();
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  CpCase c;
+  c.strategy = Strategy::ulysses;
+  c.H = 6;
+  c.HKV = 6;
+  expect_error(4, c, "heads (6) must be divisible by the ulysses degree (4)");
+  c.H = 12;
+  c.HKV = 3;  // 3 and 4 divide neither way
+  expect_error(4, c, "kv-heads (3) and the ulysses degree (4) must divide one another");
+  c.strategy = Strategy::hybrid;
+  c.ulysses = 3;
+  c.H = 12;
+  c.HKV = 12;
+  expect_error(4, c, "--ulysses 3 must divide the number of ranks 4");
+  c.strategy = Strategy::ring;
+  c.H = 6;
+  c.HKV = 4;
+  expect_error(2, c, "heads (6) must be a multiple of kv-heads (4)");
+}
+
+}  // namespace
+}  // namespace loom::testing

@@ -1,0 +1,315 @@
+// The trainer on many local ranks: one step on every mesh and attention strategy gives the
+// one-rank loss and gradients; activation checkpointing changes memory, not results; bf16 stays
+// close to fp32; a resumed run repeats the uninterrupted one; corrupt checkpoints are refused;
+// the loss falls on a small generated corpus.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "loom/comm.h"
+#include "loom/error.h"
+#include "ops.h"
+#include "trainer.h"
+
+namespace loom::model {
+namespace {
+
+// fp32 results of two meshes differ only by summation order: relative 1e-5 (the bound).
+constexpr double kMeshRelTol = 1e-5;
+
+// ~24 KB of pseudo-English in paragraphs (documents separated by blank lines).
+std::string fixture_text() {
+  static const char* words[] = {"the", "lord",   "said", "unto", "moses", "and",   "people",
+                                "of",  "israel", "went", "out",  "land",  "water", "light",
+                                "in",  "day",    "was",  "good", "god",   "made",  "heaven"};
+  std::mt19937 gen(7);
+  std::string t;
+  while (t.size() < 24000) {
+    const int sentences = 2 + static_cast<int>(gen() % 5);
+    for (int s = 0; s < sentences; ++s) {
+      const int len = 4 + static_cast<int>(gen() % 8);
+      for (int w = 0; w < len; ++w) t += std::string(w ? " " : "") + words[gen() % 21];
+      t += ".\n";
+    }
+    t += "\n";
+  }
+  return t;
+}
+
+const Corpus& corpus() {
+  static const Corpus c = make_corpus(fixture_text(), "fixture");
+  return c;
+}
+
+TrainConfig tiny(MeshShape mesh, Strategy s, Layout layout = Layout::zigzag) {
+  TrainConfig c;
+  c.model.layers = 2;
+  c.model.dim = 32;
+  c.model.heads = 4;
+  c.model.kv_heads = 2;
+  c.model.ffn = 48;
+  c.par.mesh = mesh;
+  c.par.strategy = s;
+  c.par.layout = layout;
+  c.par.threads = 1;
+  c.seq = 61;  // odd: uneven shards and sp padding
+  c.batch = 2;
+  c.steps = 20;
+  c.lr = 1e-2;
+  c.seed = 3;
+  return c;
+}
+
+struct Outcome {
+  std::vector<double> losses;
+  std::vector<float> grads;  // full gradients of the last step
+  std::vector<float> params;
+  double act_peak = 0;
+};
+
+// Runs `steps` steps on a local world of mesh.world() ranks; rank 0's view.
+Outcome run(const TrainConfig& c, int steps) {
+  Outcome out;
+  std::mutex mu;
+  set_blas_threads(1);
+  run_local(c.par.mesh.world(), [&](Communicator& world) {
+    Trainer t(world, c, corpus());
+    std::vector<double> losses;
+    for (int i = 0; i < steps; ++i) losses.push_back(t.train_step().loss);
+    std::vector<float> g = t.full_grads(), w = t.full_params();
+    const auto reps = t.reports();
+    if (world.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      out.losses = losses;
+      out.grads = g;
+      out.params = w;
+      out.act_peak = reps[0].act_bytes_peak;
+    }
+  });
+  return out;
+}
+
+double rel_err(const std::vector<float>& x, const std::vector<float>& ref) {
+  if (x.size() != ref.size()) return INFINITY;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    num += (double(x[i]) - ref[i]) * (double(x[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / den);
+}
+
+const Outcome& reference() {
+  static const Outcome r = run(tiny(MeshShape{}, Strategy::ring), 1);
+  return r;
+}
+
+struct MeshCase {
+  const char* name;
+  MeshShape mesh;  // dp, tp, ulysses, ring
+  Strategy strategy;
+  Layout layout;
+  bool pack = false;
+  bool checkpoint_activations = false;
+};
+
+class TrainMesh : public ::testing::TestWithParam<MeshCase> {};
+
+TEST_P(TrainMesh, OneStepMatchesOneRank) {
+  const MeshCase& mc = GetParam();
+  TrainConfig c = tiny(mc.mesh, mc.strategy, mc.layout);
+  c.pack_documents = mc.pack;
+  c.checkpoint_activations = mc.checkpoint_activations;
+  TrainConfig one = tiny(MeshShape{}, Strategy::ring);
+  one.pack_documents = mc.pack;
+  const Outcome ref = mc.pack ? run(one, 1) : reference();
+  const Outcome got = run(c, 1);
+  ASSERT_EQ(got.losses.size(), 1u);
+  EXPECT_LE(std::fabs(got.losses[0] - ref.losses[0]) / ref.losses[0], kMeshRelTol)
+      << got.losses[0] << " vs " << ref.losses[0];
+  EXPECT_LE(rel_err(got.grads, ref.grads), kMeshRelTol);
+  EXPECT_LE(rel_err(got.params, ref.params), kMeshRelTol) << "parameters after one update";
+}
+
+// MeshShape{dp, tp, ulysses, ring}.
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, TrainMesh,
+    ::testing::Values(
+        MeshCase{"cp4_ring", {1, 1, 1, 4}, Strategy::ring, Layout::zigzag},
+        MeshCase{"cp4_ulysses", {1, 1, 4, 1}, Strategy::ulysses, Layout::zigzag},
+        MeshCase{"cp4_hybrid_2x2", {1, 1, 2, 2}, Strategy::hybrid, Layout::zigzag},
+        MeshCase{"cp4_allgather", {1, 1, 1, 4}, Strategy::allgather, Layout::zigzag},
+        MeshCase{"tp2_cp2_ring", {1, 2, 1, 2}, Strategy::ring, Layout::zigzag},
+        MeshCase{"tp2_cp2_ulysses", {1, 2, 2, 1}, Strategy::ulysses, Layout::zigzag},
+        MeshCase{"tp2_cp2_allgather", {1, 2, 1, 2}, Strategy::allgather, Layout::contiguous},
+        MeshCase{"dp2_cp2_ring", {2, 1, 1, 2}, Strategy::ring, Layout::zigzag},
+        MeshCase{"dp2_cp2_hybrid", {2, 1, 2, 1}, Strategy::hybrid, Layout::stripe},
+        MeshCase{"cp3_ring_packed", {1, 1, 1, 3}, Strategy::ring, Layout::zigzag, true},
+        MeshCase{"tp2_cp2_packed_ckpt", {1, 2, 1, 2}, Strategy::ring, Layout::zigzag, true, true},
+        MeshCase{"dp2_tp2_cp2_ring", {2, 2, 1, 2}, Strategy::ring, Layout::zigzag},
+        MeshCase{"tp2_cp4_hybrid_2x2", {1, 2, 2, 2}, Strategy::hybrid, Layout::zigzag}),
+    [](const ::testing::TestParamInfo<MeshCase>& i) { return std::string(i.param.name); });
+
+TEST(TrainMeshInvalid, RefusedAtConstructionWithOneClearError) {
+  TrainConfig c = tiny(MeshShape{1, 4, 1, 1}, Strategy::ring);  // kv-heads 2 over tp 4
+  auto construct = [&](int world) {
+    run_local(world, [&](Communicator& w) { Trainer t(w, c, corpus()); });
+  };
+  EXPECT_THROW(construct(4), InvalidArgument);
+  c.par.mesh = MeshShape{1, 2, 1, 1};
+  EXPECT_THROW(construct(3), InvalidArgument);  // product 2 != world 3
+  c.par.mesh = MeshShape{1, 1, 4, 1};
+  c.par.strategy = Strategy::ulysses;
+  c.model.heads = 2;
+  c.model.kv_heads = 1;
+  EXPECT_THROW(construct(4), InvalidArgument);  // 2 heads over ulysses 4
+  c = tiny(MeshShape{2, 1, 1, 1}, Strategy::ring);
+  c.batch = 3;
+  EXPECT_THROW(construct(2), InvalidArgument);  // batch 3 over dp 2
+}
+
+TEST(TrainCheckpointActivations, SameResultsLessMemory) {
+  TrainConfig c = tiny(MeshShape{1, 1, 1, 2}, Strategy::ring);
+  c.model.layers = 3;
+  const Outcome plain = run(c, 2);
+  c.checkpoint_activations = true;
+  const Outcome ck = run(c, 2);
+  EXPECT_EQ(plain.losses, ck.losses) << "recomputation must be bit-identical";
+  EXPECT_EQ(rel_err(ck.grads, plain.grads), 0.0);
+  EXPECT_LT(ck.act_peak, 0.6 * plain.act_peak) << ck.act_peak << " vs " << plain.act_peak;
+  EXPECT_GT(ck.act_peak, 0);
+}
+
+TEST(TrainBf16, CloseToFp32) {
+  TrainConfig c = tiny(MeshShape{1, 1, 1, 2}, Strategy::ring);
+  const Outcome f = run(c, 1);
+  c.precision = Precision::bf16;
+  const Outcome b = run(c, 1);
+  // bf16 operands carry 8 bits of mantissa: ~0.4% per rounding.
+  EXPECT_LE(std::fabs(b.losses[0] - f.losses[0]) / f.losses[0], 1e-2);
+  EXPECT_LE(rel_err(b.grads, f.grads), 5e-2);
+  EXPECT_GT(rel_err(b.grads, f.grads), 0.0) << "bf16 must actually round something";
+  // The big saved activations are kept as bf16: less than 70% of fp32's bytes.
+  EXPECT_LT(b.act_peak, 0.7 * f.act_peak) << b.act_peak << " vs " << f.act_peak;
+  // Checkpointing rounds the recomputed activations the same way: identical results.
+  c.checkpoint_activations = true;
+  const Outcome bc = run(c, 1);
+  EXPECT_EQ(bc.losses, b.losses);
+  EXPECT_EQ(rel_err(bc.grads, b.grads), 0.0);
+}
+
+TEST(TrainLoss, FallsWithinTwentySteps) {
+  const TrainConfig c = tiny(MeshShape{1, 1, 1, 2}, Strategy::ring);
+  const Outcome o = run(c, 20);
+  ASSERT_EQ(o.losses.size(), 20u);
+  EXPECT_LT(o.losses.back(), 0.9 * o.losses.front())
+      << "first " << o.losses.front() << " last " << o.losses.back();
+  for (double l : o.losses) EXPECT_TRUE(std::isfinite(l));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints.
+
+std::string temp_dir(const char* name) {
+  const auto d = std::filesystem::temp_directory_path() /
+                 ("loom_train_test_" + std::string(name) + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  return d.string();
+}
+
+// Trains 3 steps, saves, trains 3 more; a fresh trainer on `resume_mesh` loads the step-3
+// checkpoint and trains 3 steps. Returns {uninterrupted steps 4..6, resumed steps 4..6}.
+std::pair<std::vector<double>, std::vector<double>> resume_pair(const MeshShape& resume_mesh,
+                                                                const std::string& dir) {
+  std::vector<double> a, b;
+  TrainConfig c = tiny(MeshShape{1, 1, 1, 2}, Strategy::ring);
+  std::string path;
+  run_local(2, [&](Communicator& world) {
+    Trainer t(world, c, corpus());
+    for (int i = 0; i < 3; ++i) t.train_step();
+    const std::string p = t.save_checkpoint(dir);
+    std::vector<double> l;
+    for (int i = 0; i < 3; ++i) l.push_back(t.train_step().loss);
+    if (world.rank() == 0) {
+      a = l;
+      path = p;
+    }
+  });
+  TrainConfig r = c;
+  r.par.mesh = resume_mesh;
+  run_local(resume_mesh.world(), [&](Communicator& world) {
+    Trainer t(world, r, corpus());
+    t.load_checkpoint(dir);
+    EXPECT_EQ(t.step(), 3);
+    std::vector<double> l;
+    for (int i = 0; i < 3; ++i) l.push_back(t.train_step().loss);
+    if (world.rank() == 0) b = l;
+  });
+  return {a, b};
+}
+
+TEST(TrainResume, SameMeshRepeatsTheLossesExactly) {
+  const std::string dir = temp_dir("same");
+  const auto [a, b] = resume_pair(MeshShape{1, 1, 1, 2}, dir);
+  EXPECT_EQ(a, b);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TrainResume, AnotherMeshRepeatsTheLossesToFp32Rounding) {
+  const std::string dir = temp_dir("other");
+  const auto [a, b] = resume_pair(MeshShape{1, 2, 1, 1}, dir);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_LE(std::fabs(a[i] - b[i]) / a[i], kMeshRelTol);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TrainResume, CorruptOrForeignCheckpointsAreRefused) {
+  const std::string dir = temp_dir("corrupt");
+  const TrainConfig c = tiny(MeshShape{}, Strategy::ring);
+  std::string path;
+  run_local(1, [&](Communicator& world) {
+    Trainer t(world, c, corpus());
+    t.train_step();
+    path = t.save_checkpoint(dir);
+  });
+  std::string bytes;
+  {
+    std::ifstream f(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  auto load = [&](const TrainConfig& cfg, const std::string& p) {
+    run_local(1, [&](Communicator& world) {
+      Trainer t(world, cfg, corpus());
+      t.load_checkpoint(p);
+    });
+  };
+  EXPECT_NO_THROW(load(c, dir));
+  auto write = [&](const std::string& b) {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f << b;
+  };
+  std::string flipped = bytes;
+  flipped[flipped.size() / 2] ^= 0x10;  // one bit in the payload
+  write(flipped);
+  EXPECT_THROW(load(c, path), IoError);
+  write(bytes.substr(0, bytes.size() - 100));  // truncated
+  EXPECT_THROW(load(c, path), IoError);
+  write("not a checkpoint");
+  EXPECT_THROW(load(c, path), IoError);
+  write(bytes);
+  TrainConfig other = c;
+  other.model.dim = 48;
+  EXPECT_THROW(load(other, path), InvalidArgument);
+  EXPECT_THROW(load(c, dir + "/missing.ckpt"), IoError);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace loom::model

@@ -1,0 +1,216 @@
+// kernels: the fp64 reference. Closed-form cases, the mask rule through count_visible_pairs,
+// rows that see no key, argument checks, and the analytic gradients against central finite
+// differences of the reference's own forward.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "loom/attention.h"
+#include "loom/error.h"
+#include "loom/tensor.h"
+#include "unit/tolerance.h"
+
+namespace loom {
+namespace {
+
+constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
+
+Tensor<double> random_double(std::vector<int64_t> shape, uint32_t seed) {
+  return convert<double>(test::random_normal(std::move(shape), seed));
+}
+
+std::vector<int64_t> iota_positions(int64_t n, int64_t first = 0) {
+  std::vector<int64_t> pos(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) pos[i] = first + i;
+  return pos;
+}
+
+TEST(Reference, SingleKeyGivesItsValue) {
+  const Tensor<double> q = random_double({1, 2, 5}, 1), k = random_double({1, 1, 5}, 2),
+                       v = random_double({1, 1, 5}, 3);
+  const std::vector<int64_t> pos = {4};
+  Tensor<double> out({1, 2, 5});
+  std::vector<double> lse(2);
+  reference_forward(q.view3(), k.view3(), v.view3(), {pos.data(), nullptr, 1},
+                    {pos.data(), nullptr, 1}, Mask{}, 0.5, out.view3(), lse.data());
+  for (int64_t h = 0; h < 2; ++h) {
+    double s = 0;
+    for (int64_t d = 0; d < 5; ++d) s += q.view3()(0, h, d) * k.view3()(0, 0, d);
+    EXPECT_DOUBLE_EQ(lse[h], 0.5 * s);
+    for (int64_t d = 0; d < 5; ++d) EXPECT_DOUBLE_EQ(out.view3()(0, h, d), v.view3()(0, 0, d));
+  }
+}
+
+TEST(Reference, EqualScoresAverageTheVisibleValues) {
+  // q = 0 gives every visible key the same score: out is the mean of the visible values and
+  // lse = log(number of visible keys). Causal contiguous: row i sees keys 0..i.
+  const int64_t s = 6, d = 3;
+  Tensor<double> q({s, 1, d}, 0.0);
+  const Tensor<double> k = random_double({s, 1, d}, 4), v = random_double({s, 1, d}, 5);
+  const std::vector<int64_t> pos = iota_positions(s);
+  Tensor<double> out({s, 1, d});
+  std::vector<double> lse(s);
+  const Tokens t{pos.data(), nullptr, s};
+  reference_forward(q.view3(), k.view3(), v.view3(), t, t, Mask{true, 0}, 1.0, out.view3(),
+                    lse.data());
+  for (int64_t i = 0; i < s; ++i) {
+    EXPECT_NEAR(lse[i], std::log(static_cast<double>(i + 1)), 1e-15);
+    for (int64_t e = 0; e < d; ++e) {
+      double mean = 0;
+      for (int64_t j = 0; j <= i; ++j) mean += v.view3()(j, 0, e);
+      mean /= static_cast<double>(i + 1);
+      EXPECT_NEAR(out.view3()(i, 0, e), mean, 1e-14);
+    }
+  }
+}
+
+TEST(Reference, CountVisiblePairsFollowsTheMaskRule) {
+  const int64_t n = 10;
+  const std::vector<int64_t> pos = iota_positions(n);
+  const Tokens t{pos.data(), nullptr, n};
+  EXPECT_EQ(count_visible_pairs(t, t, Mask{false, 0}, 3), n * n * 3);
+  EXPECT_EQ(count_visible_pairs(t, t, Mask{true, 0}, 3), n * (n + 1) / 2 * 3);
+  // causal, window 3: i sees i, i-1, i-2.
+  EXPECT_EQ(count_visible_pairs(t, t, Mask{true, 3}, 1), n + (n - 1) + (n - 2));
+  // bidirectional window 3: |i - j| <= 2.
+  EXPECT_EQ(count_visible_pairs(t, t, Mask{false, 3}, 1), n + 2 * (n - 1) + 2 * (n - 2));
+  // Two documents of 4 and 6 tokens, causal.
+  const std::vector<int32_t> doc = {0, 0, 0, 0, 1, 1, 1, 1, 1, 1};
+  const Tokens td{pos.data(), doc.data(), n};
+  EXPECT_EQ(count_visible_pairs(td, td, Mask{true, 0}, 2), (4 * 5 / 2 + 6 * 7 / 2) * 2);
+  // Positions, not offsets: keys at 100.. are all in the future of queries at 0.. (causal).
+  const std::vector<int64_t> late = iota_positions(n, 100);
+  EXPECT_EQ(count_visible_pairs(t, {late.data(), nullptr, n}, Mask{true, 0}, 1), 0);
+  EXPECT_EQ(count_visible_pairs({late.data(), nullptr, n}, t, Mask{true, 0}, 1), n * n);
+}
+
+TEST(Reference, RowWithoutVisibleKeyIsZeroWithMinusInfLse) {
+  // Query 0 is in document 7, which no key belongs to; query 1 sees keys of document 1.
+  const int64_t d = 4;
+  const Tensor<double> q = random_double({2, 2, d}, 6), k = random_double({3, 1, d}, 7),
+                       v = random_double({3, 1, d}, 8), dout = random_double({2, 2, d}, 9);
+  const std::vector<int64_t> qpos = {5, 6}, kpos = {0, 1, 2};
+  const std::vector<int32_t> qdoc = {7, 1}, kdoc = {1, 1, 2};
+  const Tokens qt{qpos.data(), qdoc.data(), 2}, kt{kpos.data(), kdoc.data(), 3};
+  Tensor<double> out({2, 2, d}, 1.0), dq({2, 2, d}, 1.0), dk({3, 1, d}, 1.0), dv({3, 1, d}, 1.0);
+  std::vector<double> lse(4);
+  reference_forward(q.view3(), k.view3(), v.view3(), qt, kt, Mask{true, 0}, 0.5, out.view3(),
+                    lse.data());
+  reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, Mask{true, 0}, 0.5,
+                     dq.view3(), dk.view3(), dv.view3());
+  for (int64_t h = 0; h < 2; ++h) {
+    EXPECT_EQ(lse[h * 2 + 0], kNegInfD);
+    EXPECT_TRUE(std::isfinite(lse[h * 2 + 1]));
+    for (int64_t e = 0; e < d; ++e) {
+      EXPECT_EQ(out.view3()(0, h, e), 0.0);
+      EXPECT_EQ(dq.view3()(0, h, e), 0.0);
+      EXPECT_TRUE(std::isfinite(out.view3()(1, h, e)));
+      EXPECT_NE(dq.view3()(1, h, e), 0.0);
+    }
+  }
+  // Key 2 (document 2) is seen by nobody: zero gradients.
+  for (int64_t e = 0; e < d; ++e) {
+    EXPECT_EQ(dk.view3()(2, 0, e), 0.0);
+    EXPECT_EQ(dv.view3()(2, 0, e), 0.0);
+  }
+}
+
+TEST(Reference, RejectsBadArguments) {
+  const Tensor<double> q({2, 4, 8}), k({3, 3, 8}), v({3, 3, 8}), k2({3, 2, 8}), v2({3, 2, 8}),
+      k_short_dim({3, 2, 7});
+  Tensor<double> out({2, 4, 8});
+  std::vector<double> lse(8);
+  const std::vector<int64_t> pos = {0, 1, 2};
+  const Tokens qt{pos.data(), nullptr, 2}, kt{pos.data(), nullptr, 3};
+  EXPECT_THROW(reference_forward(q.view3(), k.view3(), v.view3(), qt, kt, Mask{}, 1.0, out.view3(),
+                                 lse.data()),
+               InvalidArgument);  // 4 heads over 3 kv heads
+  EXPECT_THROW(reference_forward(q.view3(), k_short_dim.view3(), k_short_dim.view3(), qt, kt,
+                                 Mask{}, 1.0, out.view3(), lse.data()),
+               InvalidArgument);  // head dims differ
+  EXPECT_THROW(reference_forward(q.view3(), k2.view3(), v2.view3(), qt, kt, Mask{}, 0.0,
+                                 out.view3(), lse.data()),
+               InvalidArgument);  // scale 0
+  EXPECT_THROW(reference_forward(q.view3(), k2.view3(), v2.view3(), qt, qt, Mask{}, 1.0,
+                                 out.view3(), lse.data()),
+               InvalidArgument);  // 2 key tokens for 3 keys
+  EXPECT_THROW(reference_forward(q.view3(), k2.view3(), v2.view3(), qt, kt, Mask{true, -1}, 1.0,
+                                 out.view3(), lse.data()),
+               InvalidArgument);  // negative window
+  EXPECT_NO_THROW(reference_forward(q.view3(), k2.view3(), v2.view3(), qt, kt, Mask{}, 1.0,
+                                    out.view3(), lse.data()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Finite differences: L(q, k, v) = sum(out * dout); the analytic gradients of reference_backward
+// against central differences (fp64, step 1e-5) on tiny problems with GQA, arbitrary unsorted
+// positions, q positions != k positions, and each kind of mask.
+
+struct FdCase {
+  std::string name;
+  Mask mask;
+  bool documents;
+};
+
+class ReferenceGradient : public ::testing::TestWithParam<FdCase> {};
+
+double loss(const Tensor<double>& q, const Tensor<double>& k, const Tensor<double>& v,
+            const Tensor<double>& dout, const Tokens& qt, const Tokens& kt, const Mask& mask,
+            double scale) {
+  Tensor<double> out(q.shape());
+  std::vector<double> lse(static_cast<size_t>(q.size(0) * q.size(1)));
+  reference_forward(q.view3(), k.view3(), v.view3(), qt, kt, mask, scale, out.view3(), lse.data());
+  double l = 0.0;
+  for (int64_t i = 0; i < out.numel(); ++i) l += out[i] * dout[i];
+  return l;
+}
+
+TEST_P(ReferenceGradient, MatchesCentralDifferences) {
+  const FdCase& c = GetParam();
+  const int64_t sq = 5, sk = 6, h = 4, hkv = 2, d = 3;
+  const double scale = 0.7;
+  Tensor<double> q = random_double({sq, h, d}, 11), k = random_double({sk, hkv, d}, 12),
+                 v = random_double({sk, hkv, d}, 13);
+  const Tensor<double> dout = random_double({sq, h, d}, 14);
+  const std::vector<int64_t> qpos = {6, 0, 9, 4, 3}, kpos = {8, 2, 0, 5, 3, 7};
+  const std::vector<int32_t> qdoc = {1, 0, 1, 0, 2}, kdoc = {1, 0, 0, 1, 0, 1};
+  const Tokens qt{qpos.data(), c.documents ? qdoc.data() : nullptr, sq};
+  const Tokens kt{kpos.data(), c.documents ? kdoc.data() : nullptr, sk};
+
+  Tensor<double> dq({sq, h, d}), dk({sk, hkv, d}), dv({sk, hkv, d});
+  reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, c.mask, scale,
+                     dq.view3(), dk.view3(), dv.view3());
+
+  const double step = 1e-5;
+  auto numeric = [&](Tensor<double>& x) {
+    std::vector<double> g(static_cast<size_t>(x.numel()));
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const double keep = x[i];
+      x[i] = keep + step;
+      const double up = loss(q, k, v, dout, qt, kt, c.mask, scale);
+      x[i] = keep - step;
+      const double down = loss(q, k, v, dout, qt, kt, c.mask, scale);
+      x[i] = keep;
+      g[i] = (up - down) / (2 * step);
+    }
+    return g;
+  };
+  EXPECT_LT(test::rel_error(dq.vec(), numeric(q)), 1e-6) << "dq";
+  EXPECT_LT(test::rel_error(dk.vec(), numeric(k)), 1e-6) << "dk";
+  EXPECT_LT(test::rel_error(dv.vec(), numeric(v)), 1e-6) << "dv";
+}
+
+INSTANTIATE_TEST_SUITE_P(Masks, ReferenceGradient,
+                         ::testing::Values(FdCase{"full", Mask{false, 0}, false},
+                                           FdCase{"causal", Mask{true, 0}, false},
+                                           FdCase{"window", Mask{false, 3}, false},
+                                           FdCase{"causal_window", Mask{true, 4}, false},
+                                           FdCase{"documents", Mask{true, 0}, true},
+                                           FdCase{"documents_full", Mask{false, 0}, true}),
+                         [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace loom

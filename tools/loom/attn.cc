@@ -1,0 +1,637 @@
+// `loom attn`: one context-parallel attention (forward, optionally backward) on generated or
+// .npy inputs, checked against the fp64 reference, with time, useful GFLOP/s and per-rank
+// counters.
+//
+// Every rank builds the same shard plan and generates (or reads and slices) its own rows; the
+// Philox generator makes a rank's rows identical to a one-rank run's. Rank 0 gathers the results
+// to check them and to write files.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "commands.h"
+#include "loom/comm.h"
+#include "loom/cp.h"
+#include "loom/npy.h"
+#include "loom/rng.h"
+#include "loom/timer.h"
+#include "report.h"
+
+namespace loom::tools {
+
+namespace {
+
+int g_exit_code = 0;
+
+// fp32 tolerance of every check against the fp64 reference: normwise relative error.
+constexpr double kFp32RelTol = 1e-5;
+// Above this many tokens --check compares a sample of kCheckSampleRows query rows.
+constexpr int64_t kCheckFullMax = 4096;
+constexpr int64_t kCheckSampleRows = 256;
+
+struct AttnOptions {
+  int64_t seq = 4096, heads = 8, kv_heads = 0, head_dim = 64;
+  bool causal = true;
+  int64_t window = 0;
+  std::string docs;
+  bool backward = false, check = false;
+  std::string input, output;
+  uint64_t seed = 1;
+  int threads = 0, iters = 3, warmup = 1;
+  double scale = 0;
+  int ranks = 1;
+  std::string strategy = "ring", layout = "zigzag";
+  int ulysses = 0;
+  bool quiet = false;
+  std::string json, trace, timeline, fault;
+  bool baseline = false;
+  // set by CLI11
+  bool ranks_given = false, shape_given = false;
+};
+
+struct Problem {
+  int64_t S, H, HKV, D;
+  std::vector<int64_t> doc_lengths;
+  KernelConfig kernel;
+  CpConfig cp;
+  Layout layout;
+  // Inputs read from --input (global), empty when generated.
+  Tensor<float> q, k, v, dout;
+};
+
+void require_finite(const Tensor<float>& t, const std::string& name) {
+  for (int64_t i = 0; i < t.numel(); ++i)
+    LOOM_CHECK(std::isfinite(t[i]), InvalidArgument,
+               name << " contains a non-finite value (NaN or Inf) at flat index " << i
+                    << "; loom refuses non-finite inputs");
+}
+
+Problem make_problem(const AttnOptions& o) {
+  Problem p;
+  if (!o.input.empty()) {
+    LOOM_CHECK(!o.shape_given, InvalidArgument,
+               "--input takes S, H, HKV and D from the files; do not also give --seq, --heads, "
+               "--kv-heads or --head-dim");
+    namespace fs = std::filesystem;
+    LOOM_CHECK(fs::is_directory(o.input), IoError, "--input " << o.input << " is not a directory");
+    p.q = read_npy_role(o.input + "/q.npy", "q", 3);
+    p.k = read_npy_role(o.input + "/k.npy", "k", 3);
+    p.v = read_npy_role(o.input + "/v.npy", "v", 3);
+    p.S = p.q.size(0);
+    p.H = p.q.size(1);
+    p.D = p.q.size(2);
+    p.HKV = p.k.size(1);
+    LOOM_CHECK(p.k.shape() == p.v.shape(), IoError,
+               "k.npy " << shape_str(p.k.shape()) << " and v.npy " << shape_str(p.v.shape())
+                        << " must have the same shape [S, HKV, D]");
+    LOOM_CHECK(p.k.size(0) == p.S && p.k.size(2) == p.D, IoError,
+               "k.npy " << shape_str(p.k.shape()) << " does not match q.npy "
+                        << shape_str(p.q.shape()) << " (k must be [S, HKV, D])");
+    require_finite(p.q, "q.npy");
+    require_finite(p.k, "k.npy");
+    require_finite(p.v, "v.npy");
+    if (o.backward) {
+      p.dout = read_npy_role(o.input + "/dout.npy", "dout", 3);
+      LOOM_CHECK(p.dout.shape() == p.q.shape(), IoError,
+                 "dout.npy " << shape_str(p.dout.shape()) << " must have q's shape "
+                             << shape_str(p.q.shape()));
+      require_finite(p.dout, "dout.npy");
+    }
+  } else {
+    p.S = o.seq;
+    p.H = o.heads;
+    p.HKV = o.kv_heads ? o.kv_heads : o.heads;
+    p.D = o.head_dim;
+  }
+  LOOM_CHECK(p.S >= 1, InvalidArgument, "--seq must be >= 1, got " << p.S);
+  LOOM_CHECK(p.H >= 1, InvalidArgument, "--heads must be >= 1, got " << p.H);
+  LOOM_CHECK(p.HKV >= 1, InvalidArgument, "--kv-heads must be >= 1, got " << p.HKV);
+  LOOM_CHECK(p.D >= 1 && p.D <= 256, InvalidArgument,
+             "--head-dim must be in [1, 256], got " << p.D);
+  LOOM_CHECK(p.H % p.HKV == 0, InvalidArgument,
+             "--heads " << p.H << " must be a multiple of --kv-heads " << p.HKV);
+  LOOM_CHECK(o.window >= 0, InvalidArgument,
+             "--window must be >= 0 (0 = no window), got " << o.window);
+  LOOM_CHECK(o.iters >= 1, InvalidArgument, "--iters must be >= 1, got " << o.iters);
+  LOOM_CHECK(o.warmup >= 0, InvalidArgument, "--warmup must be >= 0, got " << o.warmup);
+  LOOM_CHECK(o.threads >= 0, InvalidArgument, "--threads must be >= 0, got " << o.threads);
+  LOOM_CHECK(o.scale >= 0 && std::isfinite(o.scale), InvalidArgument,
+             "--scale must be positive, got " << o.scale);
+  if (!o.docs.empty()) {
+    p.doc_lengths = parse_doc_lengths(o.docs);
+    int64_t sum = 0;
+    for (int64_t l : p.doc_lengths) sum += l;
+    LOOM_CHECK(sum == p.S, InvalidArgument,
+               "--docs lengths sum to " << sum << " but the sequence has " << p.S << " tokens");
+  }
+  p.layout = parse_layout(o.layout);
+  p.kernel.mask.causal = o.causal;
+  p.kernel.mask.window = o.window;
+  p.kernel.scale = o.scale > 0 ? static_cast<float>(o.scale)
+                               : static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.D)));
+  p.cp.strategy = parse_strategy(o.strategy);
+  if (p.cp.strategy == Strategy::hybrid) {
+    LOOM_CHECK(o.ulysses >= 1, InvalidArgument,
+               "--strategy hybrid needs --ulysses U (the ulysses degree inside each group)");
+    p.cp.ulysses = o.ulysses;
+  } else {
+    LOOM_CHECK(o.ulysses == 0, InvalidArgument,
+               "--ulysses is only for --strategy hybrid (got --strategy " << o.strategy << ")");
+  }
+  return p;
+}
+
+// Relative norm error of x against ref over the given rows of [S, H, D] tensors (all rows when
+// rows is empty). lse may hold -inf in both: such entries must agree exactly.
+void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref,
+             const std::vector<int64_t>& rows, int64_t row_width, CheckReport& r) {
+  double num = 0, den = 0, max_abs = 0;
+  bool inf_mismatch = false;
+  auto visit = [&](int64_t i) {
+    const double a = x[i], b = ref[i];
+    if (std::isinf(b) || std::isinf(a)) {
+      if (a != b) inf_mismatch = true;
+      return;
+    }
+    const double e = a - b;
+    num += e * e;
+    den += b * b;
+    max_abs = std::max(max_abs, std::fabs(e));
+    if (!std::isfinite(a)) inf_mismatch = true;
+  };
+  if (rows.empty()) {
+    for (int64_t i = 0; i < x.numel(); ++i) visit(i);
+  } else {
+    for (int64_t row : rows)
+      for (int64_t c = 0; c < row_width; ++c) visit(row * row_width + c);
+  }
+  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  r.done = true;
+  r.tolerance = kFp32RelTol;
+  if (rel > r.max_rel) {
+    r.max_rel = rel;
+    r.worst = name;
+  }
+  r.max_abs = std::max(r.max_abs, max_abs);
+  if (inf_mismatch || !(rel <= kFp32RelTol)) {
+    r.passed = false;
+    r.worst = name;
+  }
+}
+
+Tensor<double> to_f64(const Tensor<float>& x) {
+  return convert<double>(x);
+}
+
+CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
+                      const Tensor<float>& k, const Tensor<float>& v, const Tensor<float>& dout,
+                      const Tensor<float>& out, const Tensor<float>& lse, const Tensor<float>& dq,
+                      const Tensor<float>& dk, const Tensor<float>& dv) {
+  CheckReport r;
+  std::vector<int64_t> pos(p.S);
+  std::iota(pos.begin(), pos.end(), 0);
+  std::vector<int32_t> doc;
+  for (size_t d = 0; d < p.doc_lengths.size(); ++d) doc.insert(doc.end(), p.doc_lengths[d], d);
+  const Tokens all{pos.data(), doc.empty() ? nullptr : doc.data(), p.S};
+  std::vector<int64_t> rows;  // sampled query rows (empty: all)
+  if (p.S > kCheckFullMax) {
+    r.sampled = true;
+    for (int64_t j = 0; j < kCheckSampleRows; ++j)
+      rows.push_back(j * (p.S - 1) / (kCheckSampleRows - 1));
+  }
+  const Tensor<double> qd = to_f64(q), kd = to_f64(k), vd = to_f64(v);
+  Tensor<double> qs = qd, dos;
+  std::vector<int64_t> qpos = pos;
+  std::vector<int32_t> qdoc = doc;
+  if (r.sampled) {
+    const int64_t w = p.H * p.D;
+    qs = Tensor<double>({static_cast<int64_t>(rows.size()), p.H, p.D});
+    qpos.clear();
+    qdoc.clear();
+    for (size_t j = 0; j < rows.size(); ++j) {
+      std::copy_n(qd.data() + rows[j] * w, w, qs.data() + j * w);
+      qpos.push_back(rows[j]);
+      if (!doc.empty()) qdoc.push_back(doc[rows[j]]);
+    }
+  }
+  const int64_t n = qs.size(0);
+  const Tokens qt{qpos.data(), qdoc.empty() ? nullptr : qdoc.data(), n};
+  Tensor<double> ref_out({n, p.H, p.D}), ref_lse({p.H, n});
+  reference_forward(qs.view3(), kd.view3(), vd.view3(), qt, all, p.kernel.mask, p.kernel.scale,
+                    ref_out.view3(), ref_lse.data());
+  // Scatter the sampled reference back into full-size tensors so one compare() serves both.
+  Tensor<double> full_out({p.S, p.H, p.D}), full_lse_t({p.S, p.H, 1});
+  Tensor<float> lse_t({p.S, p.H, 1});
+  for (int64_t h = 0; h < p.H; ++h)
+    for (int64_t i = 0; i < p.S; ++i) lse_t[i * p.H + h] = lse[h * p.S + i];
+  const int64_t w = p.H * p.D;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t row = r.sampled ? rows[j] : j;
+    std::copy_n(ref_out.data() + j * w, w, full_out.data() + row * w);
+    for (int64_t h = 0; h < p.H; ++h) full_lse_t[row * p.H + h] = ref_lse[h * n + j];
+  }
+  compare("out", out, full_out, rows, w, r);
+  compare("lse", lse_t, full_lse_t, rows, p.H, r);
+  if (backward) {
+    Tensor<double> dod = to_f64(dout);
+    if (r.sampled) {
+      dos = Tensor<double>({n, p.H, p.D});
+      for (int64_t j = 0; j < n; ++j) std::copy_n(dod.data() + rows[j] * w, w, dos.data() + j * w);
+    } else {
+      dos = dod;
+    }
+    Tensor<double> rdq({n, p.H, p.D}), rdk(kd.shape()), rdv(vd.shape());
+    reference_backward(qs.view3(), kd.view3(), vd.view3(), dos.view3(), qt, all, p.kernel.mask,
+                       p.kernel.scale, rdq.view3(), rdk.view3(), rdv.view3());
+    Tensor<double> full_dq({p.S, p.H, p.D});
+    for (int64_t j = 0; j < n; ++j)
+      std::copy_n(rdq.data() + j * w, w, full_dq.data() + (r.sampled ? rows[j] : j) * w);
+    compare("dq", dq, full_dq, rows, w, r);
+    if (!r.sampled) {  // dk, dv need every query row: checked in full only
+      compare("dk", dk, rdk, {}, 0, r);
+      compare("dv", dv, rdv, {}, 0, r);
+    }
+  }
+  return r;
+}
+
+int default_threads(int ranks_here) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, hw / std::max(1, ranks_here));
+}
+
+// Progress on stderr for runs longer than about 2 seconds (rank 0 only).
+class Progress {
+ public:
+  Progress(bool enabled, int total) : enabled_(enabled), total_(total), start_(now_s()) {}
+  void update(int done) {
+    if (!enabled_) return;
+    const double t = now_s(), el = t - start_;
+    if (el < 2.0 || t - last_ < 1.0) return;
+    last_ = t;
+    const double eta = done > 0 ? el / done * (total_ - done) : 0;
+    std::fprintf(stderr, "loom attn: iteration %d/%d, %.1f s elapsed, about %.1f s left\n", done,
+                 total_, el, eta);
+    shown_ = true;
+  }
+
+ private:
+  bool enabled_;
+  int total_;
+  double start_, last_ = 0;
+  bool shown_ = false;
+};
+
+// Span kinds travel as numbers in the gather.
+const char* const kSpanKinds[] = {"compute", "send",      "recv",          "wait",
+                                  "a2a",     "allgather", "reduce_scatter"};
+double span_kind_id(const std::string& k) {
+  for (size_t i = 0; i < std::size(kSpanKinds); ++i)
+    if (k == kSpanKinds[i]) return static_cast<double>(i);
+  return 0;
+}
+
+// The job on one rank. Rank 0 fills `rep`.
+void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int threads,
+               AttnReport& rep, bool report) {
+  const int P = world.size(), me = world.rank();
+  const ShardPlan plan = ShardPlan::make(p.layout, p.S, P, p.doc_lengths);
+  const int64_t n = plan.rows(me);
+  CpConfig cfg = p.cp;
+  cfg.kernel = p.kernel;
+  cfg.kernel.threads = threads;
+  CpAttention att(world, plan, cfg, p.H, p.HKV, p.D);
+
+  // Inputs: this rank's rows only.
+  Tensor<float> q, k, v, dout;
+  if (!o.input.empty()) {
+    q = plan.shard(p.q, me);
+    k = plan.shard(p.k, me);
+    v = plan.shard(p.v, me);
+    if (o.backward) dout = plan.shard(p.dout, me);
+  } else {
+    q = Tensor<float>({n, p.H, p.D});
+    k = Tensor<float>({n, p.HKV, p.D});
+    v = Tensor<float>({n, p.HKV, p.D});
+    fill_normal(q.view3(), plan.tokens[me].data(), o.seed, "q");
+    fill_normal(k.view3(), plan.tokens[me].data(), o.seed, "k");
+    fill_normal(v.view3(), plan.tokens[me].data(), o.seed, "v");
+    if (o.backward) {
+      dout = Tensor<float>({n, p.H, p.D});
+      fill_normal(dout.view3(), plan.tokens[me].data(), o.seed, "dout");
+    }
+  }
+  Tensor<float> out({n, p.H, p.D}), lse({p.H, n}), dq, dk, dv;
+  if (o.backward) {
+    dq = Tensor<float>({n, p.H, p.D});
+    dk = Tensor<float>({n, p.HKV, p.D});
+    dv = Tensor<float>({n, p.HKV, p.D});
+  }
+
+  std::vector<double> fwd, bwd;
+  const int total = o.warmup + o.iters;
+  Progress progress(report && me == 0 && !o.quiet, total);
+  for (int it = 0; it < total; ++it) {
+    const bool timed = it >= o.warmup;
+    if (it == o.warmup) att.metrics().clear_counters();
+    att.metrics().record_spans = timed;
+    world.barrier();
+    double t0 = now_s();
+    att.forward(q.view3(), k.view3(), v.view3(), out.view3(), lse.data());
+    double tf = now_s() - t0;
+    world.all_reduce(&tf, 1, DType::f64, ReduceOp::max);  // the slowest rank
+    if (timed) fwd.push_back(tf);
+    if (o.backward) {
+      world.barrier();
+      t0 = now_s();
+      att.backward(q.view3(), k.view3(), v.view3(), out.view3(), dout.view3(), lse.data(),
+                   dq.view3(), dk.view3(), dv.view3());
+      double tb = now_s() - t0;
+      world.all_reduce(&tb, 1, DType::f64, ReduceOp::max);
+      if (timed) bwd.push_back(tb);
+    }
+    progress.update(it + 1);
+  }
+
+  // Per-rank counters, per timed iteration, gathered everywhere (all ranks take part).
+  const CpMetrics& m = att.metrics();
+  const double it = o.iters;
+  double fwd_tiles = 0;
+  for (int64_t t : m.step_tiles) fwd_tiles += static_cast<double>(t);
+  const double row[] = {m.compute_s / it,
+                        m.comm_s / it,
+                        m.wait_s / it,
+                        m.comm_window_s() / it,
+                        static_cast<double>(m.bytes_sent) / it,
+                        static_cast<double>(m.bytes_recv) / it,
+                        static_cast<double>(m.tiles) / it,
+                        static_cast<double>(m.visible_pairs) / it,
+                        fwd_tiles,
+                        static_cast<double>(peak_rss_bytes())};
+  constexpr int kRow = static_cast<int>(std::size(row));
+  std::vector<double> rows(static_cast<size_t>(P) * kRow);
+  world.all_gather(row, sizeof row, rows.data());
+  std::vector<int64_t> steps(P, -1);
+  std::copy_n(m.step_tiles.begin(), std::min<size_t>(P, m.step_tiles.size()), steps.begin());
+  std::vector<int64_t> all_steps(static_cast<size_t>(P) * P);
+  world.all_gather(steps.data(), sizeof(int64_t) * P, all_steps.data());
+  // Spans: counts first, then a padded gather.
+  int64_t nspans = static_cast<int64_t>(m.spans.size());
+  world.all_reduce(&nspans, 1, DType::i64, ReduceOp::max);
+  std::vector<double> mine(static_cast<size_t>(4 * nspans), -1.0);
+  for (size_t i = 0; i < m.spans.size(); ++i) {
+    const auto& sp = m.spans[i];
+    mine[4 * i] = span_kind_id(sp.kind);
+    mine[4 * i + 1] = sp.step;
+    mine[4 * i + 2] = sp.t0;
+    mine[4 * i + 3] = sp.t1;
+  }
+  std::vector<double> all_spans(static_cast<size_t>(P) * mine.size());
+  world.all_gather(mine.data(), mine.size() * sizeof(double), all_spans.data());
+
+  // Gather results where rank 0 needs them.
+  const bool need = report && (o.check || !o.output.empty());
+  Tensor<float> g_out, g_lse, g_dq, g_dk, g_dv;
+  if (need) {
+    g_out = gather_rows(world, plan, out);
+    Tensor<float> lse_rows({n, p.H, 1});
+    for (int64_t h = 0; h < p.H; ++h)
+      for (int64_t i = 0; i < n; ++i) lse_rows[i * p.H + h] = lse[h * n + i];
+    const Tensor<float> g_lse_rows = gather_rows(world, plan, lse_rows);
+    g_lse = Tensor<float>({p.H, p.S});
+    for (int64_t h = 0; h < p.H; ++h)
+      for (int64_t i = 0; i < p.S; ++i) g_lse[h * p.S + i] = g_lse_rows[i * p.H + h];
+    if (o.backward) {
+      g_dq = gather_rows(world, plan, dq);
+      g_dk = gather_rows(world, plan, dk);
+      g_dv = gather_rows(world, plan, dv);
+    }
+  }
+  if (me != 0) return;
+
+  rep.fwd_times = fwd;
+  rep.bwd_times = bwd;
+  rep.world = P;
+  rep.backend = world.backend();
+  rep.threads = threads;
+  rep.ranks.assign(P, {});
+  for (int r = 0; r < P; ++r) {
+    RankReport& k = rep.ranks[r];
+    const double* x = rows.data() + r * kRow;
+    k.rank = r;
+    k.compute_s = x[0];
+    k.comm_s = x[1];
+    k.wait_s = x[2];
+    k.window_s = x[3];
+    k.bytes_sent = x[4];
+    k.bytes_recv = x[5];
+    k.tiles = x[6];
+    k.visible_pairs = x[7];
+    k.fwd_tiles = x[8];
+    k.peak_rss = x[9];
+    for (int s = 0; s < P; ++s)
+      if (all_steps[r * P + s] >= 0) k.step_tiles.push_back(all_steps[r * P + s]);
+    const double* sp = all_spans.data() + r * mine.size();
+    for (int64_t i = 0; i < nspans; ++i) {
+      if (sp[4 * i] < 0) break;
+      k.spans.push_back(CpMetrics::Span{kSpanKinds[static_cast<int>(sp[4 * i])],
+                                        static_cast<int>(sp[4 * i + 1]), sp[4 * i + 2],
+                                        sp[4 * i + 3]});
+    }
+  }
+  if (!report) return;
+  if (!o.output.empty()) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    fs::create_directories(o.output, ec);
+    LOOM_CHECK(fs::is_directory(o.output), IoError,
+               "--output " << o.output << " is not a directory");
+    write_npy(o.output + "/out.npy", g_out);
+    write_npy(o.output + "/lse.npy", g_lse);
+    if (o.backward) {
+      write_npy(o.output + "/dq.npy", g_dq);
+      write_npy(o.output + "/dk.npy", g_dk);
+      write_npy(o.output + "/dv.npy", g_dv);
+    }
+  }
+  if (o.check) {
+    // Global inputs: from the files, or regenerated (identical values, no communication).
+    Tensor<float> gq = p.q, gk = p.k, gv = p.v, gdout = p.dout;
+    if (o.input.empty()) {
+      std::vector<int64_t> all(p.S);
+      std::iota(all.begin(), all.end(), 0);
+      gq = Tensor<float>({p.S, p.H, p.D});
+      gk = Tensor<float>({p.S, p.HKV, p.D});
+      gv = Tensor<float>({p.S, p.HKV, p.D});
+      fill_normal(gq.view3(), all.data(), o.seed, "q");
+      fill_normal(gk.view3(), all.data(), o.seed, "k");
+      fill_normal(gv.view3(), all.data(), o.seed, "v");
+      if (o.backward) {
+        gdout = Tensor<float>({p.S, p.H, p.D});
+        fill_normal(gdout.view3(), all.data(), o.seed, "dout");
+      }
+    }
+    rep.check = run_check(p, o.backward, gq, gk, gv, gdout, g_out, g_lse, g_dq, g_dk, g_dv);
+  }
+}
+
+nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
+  return {{"seq", p.S},
+          {"heads", p.H},
+          {"kv_heads", p.HKV},
+          {"head_dim", p.D},
+          {"causal", o.causal},
+          {"window", o.window},
+          {"docs", p.doc_lengths},
+          {"backward", o.backward},
+          {"check", o.check},
+          {"input", o.input},
+          {"output", o.output},
+          {"seed", o.seed},
+          {"threads", o.threads},
+          {"iters", o.iters},
+          {"warmup", o.warmup},
+          {"scale", p.kernel.scale},
+          {"ranks", o.ranks},
+          {"strategy", o.strategy},
+          {"layout", o.layout},
+          {"ulysses", o.ulysses},
+          {"fault", o.fault},
+          {"baseline", o.baseline},
+          {"json", o.json},
+          {"trace", o.trace},
+          {"timeline", o.timeline}};
+}
+
+int run_attn(const AttnOptions& o) {
+  const Problem p = make_problem(o);
+  AttnReport rep;
+  rep.config = config_json(o, p);
+  rep.strategy = o.strategy;
+  rep.layout = o.layout;
+  rep.iters = o.iters;
+  rep.S = p.S;
+  rep.H = p.H;
+  rep.HKV = p.HKV;
+  rep.D = p.D;
+  rep.causal = p.kernel.mask.causal;
+  rep.backward = o.backward;
+  rep.window = p.kernel.mask.window;
+  rep.docs = std::max<size_t>(1, p.doc_lengths.size());
+  rep.scale = p.kernel.scale;
+  rep.ulysses = p.cp.strategy == Strategy::hybrid ? p.cp.ulysses : 0;
+  int threads = 1;
+  bool root = true;
+  std::unique_ptr<Communicator> mpi;
+  if (launched_by_mpirun()) {
+    LOOM_CHECK(!o.ranks_given, InvalidArgument,
+               "--ranks is for the local backend; under mpirun the number of ranks is mpirun's "
+               "-np (drop --ranks)");
+    LOOM_CHECK(o.fault.empty(), InvalidArgument,
+               "--fault works on the local backend only (not under mpirun)");
+    mpi = mpi_world();
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const int here = local ? std::max(1, std::atoi(local)) : mpi->size();
+    threads = o.threads ? o.threads : default_threads(here);
+    attn_rank(*mpi, o, p, threads, rep, true);
+    root = mpi->rank() == 0;
+  } else {
+    LOOM_CHECK(o.ranks >= 1, InvalidArgument, "--ranks must be >= 1, got " << o.ranks);
+    const FaultPlan faults = o.fault.empty() ? FaultPlan{} : parse_fault(o.fault);
+    LOOM_CHECK(
+        faults.kill_rank < o.ranks && faults.drop_rank < o.ranks && faults.delay_rank < o.ranks,
+        InvalidArgument, "--fault " << o.fault << " names a rank outside 0.." << o.ranks - 1);
+    threads = o.threads ? o.threads : default_threads(o.ranks);
+    run_local(
+        o.ranks, [&](Communicator& world) { attn_rank(world, o, p, threads, rep, true); }, faults);
+  }
+  if (!root) return 0;
+  if (o.baseline) {
+    // The same problem on one rank with the same threads per rank: T1 for the efficiency.
+    AttnOptions one = o;
+    one.check = false;
+    one.output.clear();
+    AttnReport base;
+    run_local(1, [&](Communicator& world) { attn_rank(world, one, p, threads, base, false); });
+    rep.baseline_s = base.forward_s() + (o.backward ? base.backward_s() : 0.0);
+  }
+  print_text(rep);
+  if (!o.json.empty()) write_file_atomic(o.json, to_json(rep).dump(2) + "\n");
+  if (!o.trace.empty()) write_file_atomic(o.trace, chrome_trace(rep));
+  if (!o.timeline.empty()) write_file_atomic(o.timeline, timeline_svg(rep));
+  if (rep.check.done && !rep.check.passed) {
+    std::fprintf(stderr,
+                 "loom: error: check failed: %s differs from the fp64 reference (relative error "
+                 "%.3g > %.0e)\n",
+                 rep.check.worst.c_str(), rep.check.max_rel, kFp32RelTol);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int exit_code() {
+  return g_exit_code;
+}
+void set_exit_code(int code) {
+  g_exit_code = code;
+}
+
+void add_attn_command(CLI::App& app) {
+  auto o = std::make_shared<AttnOptions>();
+  CLI::App* c = app.add_subcommand("attn", "run one context-parallel attention and check it");
+  auto* seq = c->add_option("--seq", o->seq, "global sequence length S")->capture_default_str();
+  auto* heads = c->add_option("--heads", o->heads, "query heads H")->capture_default_str();
+  auto* kvh = c->add_option("--kv-heads", o->kv_heads, "key/value heads HKV (default: H)");
+  auto* hd =
+      c->add_option("--head-dim", o->head_dim, "head dimension D (<= 256)")->capture_default_str();
+  c->add_flag("--causal,!--no-causal", o->causal, "causal mask (default) or full attention");
+  c->add_option("--window", o->window, "sliding window W: keys with |i - j| < W (0: none)")
+      ->capture_default_str();
+  c->add_option("--docs", o->docs, "packed documents: lengths L1,L2,... summing to S");
+  c->add_flag("--backward", o->backward, "also run the backward pass");
+  c->add_flag("--check", o->check,
+              "compare with the fp64 reference (above 4096 tokens: 256 sampled query rows)");
+  c->add_option("--input", o->input,
+                "directory with q.npy [S,H,D], k.npy and v.npy [S,HKV,D] (and dout.npy "
+                "[S,H,D] with --backward)");
+  c->add_option("--output", o->output,
+                "directory to write out.npy [S,H,D], lse.npy [H,S] (and dq, dk, dv .npy)");
+  c->add_option("--seed", o->seed, "seed of the generated inputs")->capture_default_str();
+  c->add_option("--threads", o->threads, "OpenMP threads per rank (0: cores / ranks)")
+      ->capture_default_str();
+  c->add_option("--iters", o->iters, "timed iterations")->capture_default_str();
+  c->add_option("--warmup", o->warmup, "untimed iterations first")->capture_default_str();
+  c->add_option("--scale", o->scale, "softmax scale (default 1/sqrt(D))");
+  auto* ranks = c->add_option("--ranks", o->ranks, "ranks on the local backend (threads)")
+                    ->capture_default_str();
+  c->add_option("--strategy", o->strategy, "ring, ulysses, hybrid or allgather")
+      ->capture_default_str();
+  c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();
+  c->add_option("--ulysses", o->ulysses, "hybrid: ulysses degree U (ring degree = ranks / U)");
+  c->add_flag("--quiet", o->quiet, "no progress output on stderr");
+  c->add_option("--json", o->json, "write the report as JSON to FILE (keys: docs/cli.md)");
+  c->add_option("--trace", o->trace, "write a Chrome trace (chrome://tracing, Perfetto) to FILE");
+  c->add_option("--timeline", o->timeline, "write an SVG timeline of the ranks to FILE");
+  c->add_option("--fault", o->fault,
+                "local backend fault injection: kill:R, drop:R or delay:R:MS (see docs/cli.md)");
+  c->add_flag("--baseline", o->baseline,
+              "also time the same problem on one rank and report the scaling efficiency");
+  c->callback([o, seq, heads, kvh, hd, ranks]() {
+    o->ranks_given = ranks->count() > 0;
+    o->shape_given = seq->count() + heads->count() + kvh->count() + hd->count() > 0;
+    set_exit_code(run_attn(*o));
+  });
+}
+
+}  // namespace loom::tools

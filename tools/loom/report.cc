@@ -1,0 +1,283 @@
+// Reports of `loom attn`: text, JSON, Chrome trace events, SVG timeline.
+#include "report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace loom::tools {
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string human_bytes(double b) {
+  char buf[32];
+  if (b >= 1 << 30) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
+  } else if (b >= 1 << 20) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1 << 20));
+  } else if (b >= 1 << 10) {
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / (1 << 10));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.0f B", b);
+  }
+  return buf;
+}
+
+double origin(const AttnReport& r) {
+  double t = 1e300;
+  for (const RankReport& k : r.ranks)
+    for (const auto& s : k.spans) t = std::min(t, s.t0);
+  return t == 1e300 ? 0 : t;
+}
+
+}  // namespace
+
+double AttnReport::forward_s() const {
+  return median(fwd_times);
+}
+double AttnReport::backward_s() const {
+  return median(bwd_times);
+}
+
+double AttnReport::useful_forward_flops() const {
+  double pairs = 0;
+  for (const RankReport& k : ranks) pairs += k.visible_pairs;
+  return 4.0 * static_cast<double>(D) * pairs;
+}
+
+double AttnReport::balance() const {
+  double mx = 0, sum = 0;
+  for (const RankReport& k : ranks) {
+    mx = std::max(mx, k.compute_s);
+    sum += k.compute_s;
+  }
+  return sum > 0 ? mx / (sum / static_cast<double>(ranks.size())) : 1.0;
+}
+
+double AttnReport::overlap() const {
+  double exposed = 0, window = 0;
+  for (const RankReport& k : ranks) {
+    exposed += k.comm_s;
+    window += k.window_s;
+  }
+  if (window <= 0) return 1.0;  // no communication at all: nothing to hide
+  return std::clamp(1.0 - exposed / window, 0.0, 1.0);
+}
+
+double AttnReport::efficiency() const {
+  const double tp = forward_s() + backward_s();
+  if (baseline_s <= 0 || tp <= 0) return -1;
+  return baseline_s / (static_cast<double>(world) * tp);
+}
+
+void print_text(const AttnReport& r) {
+  const double tf = r.forward_s(), tb = r.backward_s(), flops = r.useful_forward_flops();
+  std::printf("loom attn: %s / %s, %d rank%s x %d thread%s (%s backend)\n", r.strategy.c_str(),
+              r.layout.c_str(), r.world, r.world == 1 ? "" : "s", r.threads,
+              r.threads == 1 ? "" : "s", r.backend.c_str());
+  std::printf("  problem   S=%lld H=%lld HKV=%lld D=%lld %s window=%lld docs=%zu scale=%.6g",
+              static_cast<long long>(r.S), static_cast<long long>(r.H),
+              static_cast<long long>(r.HKV), static_cast<long long>(r.D),
+              r.causal ? "causal" : "full", static_cast<long long>(r.window), r.docs, r.scale);
+  if (r.ulysses > 0) std::printf(" ulysses=%d", r.ulysses);
+  std::printf("\n");
+  std::printf("  forward   %10.3f ms  %8.2f GFLOP/s useful  (median of %d, slowest rank)\n",
+              tf * 1e3, tf > 0 ? flops / tf * 1e-9 : 0.0, r.iters);
+  if (r.backward)
+    std::printf("  backward  %10.3f ms  %8.2f GFLOP/s useful\n", tb * 1e3,
+                tb > 0 ? 2.5 * flops / tb * 1e-9 : 0.0);
+  std::printf("  balance   %.3f (max / mean compute)   overlap %.3f", r.balance(), r.overlap());
+  if (r.efficiency() >= 0)
+    std::printf("   efficiency %.3f (one rank: %.3f ms)", r.efficiency(), r.baseline_s * 1e3);
+  std::printf("\n");
+  std::printf("  %-4s %10s %10s %10s %11s %11s %9s  %s\n", "rank", "compute_s", "comm_s", "wait_s",
+              "sent", "recv", "tiles", "forward tiles per step");
+  for (const RankReport& k : r.ranks) {
+    std::string steps;
+    for (int64_t t : k.step_tiles) {
+      if (!steps.empty()) steps += ' ';
+      steps += std::to_string(t);
+    }
+    std::printf("  %-4d %10.4f %10.4f %10.4f %11s %11s %9.0f  %s\n", k.rank, k.compute_s, k.comm_s,
+                k.wait_s, human_bytes(k.bytes_sent).c_str(), human_bytes(k.bytes_recv).c_str(),
+                k.fwd_tiles, steps.c_str());
+  }
+  if (r.check.done) {
+    std::printf("  check     %s  max abs err %.3g, max rel err %.3g (%s; tolerance %.0e, %s)\n",
+                r.check.passed ? "passed" : "FAILED", r.check.max_abs, r.check.max_rel,
+                r.check.worst.c_str(), r.check.tolerance,
+                r.check.sampled ? "sampled: out, lse and dq of 256 evenly spaced query rows; dk, "
+                                  "dv unchecked above 4096 tokens"
+                                : "every row");
+  }
+}
+
+nlohmann::json to_json(const AttnReport& r) {
+  using nlohmann::json;
+  json j;
+  j["config"] = r.config;
+  j["backend"] = r.backend;
+  j["world"] = r.world;
+  j["threads_per_rank"] = r.threads;
+  j["forward_s"] = r.forward_s();
+  j["backward_s"] = r.backward ? json(r.backward_s()) : json(nullptr);
+  j["forward_times_s"] = r.fwd_times;
+  j["backward_times_s"] = r.bwd_times;
+  const double flops = r.useful_forward_flops() * (r.backward ? 3.5 : 1.0);
+  const double t = r.forward_s() + (r.backward ? r.backward_s() : 0.0);
+  j["useful_flops"] = flops;
+  j["gflops"] = t > 0 ? flops / t * 1e-9 : 0.0;
+  j["forward_gflops"] = r.forward_s() > 0 ? r.useful_forward_flops() / r.forward_s() * 1e-9 : 0.0;
+  j["backward_gflops"] = r.backward && r.backward_s() > 0
+                             ? json(2.5 * r.useful_forward_flops() / r.backward_s() * 1e-9)
+                             : json(nullptr);
+  j["efficiency"] = r.efficiency() >= 0 ? json(r.efficiency()) : json(nullptr);
+  j["baseline_s"] = r.baseline_s > 0 ? json(r.baseline_s) : json(nullptr);
+  j["balance"] = r.balance();
+  j["overlap"] = r.overlap();
+  json ranks = json::array();
+  for (const RankReport& k : r.ranks) {
+    ranks.push_back({{"rank", k.rank},
+                     {"compute_s", k.compute_s},
+                     {"comm_s", k.comm_s},
+                     {"wait_s", k.wait_s},
+                     {"comm_window_s", k.window_s},
+                     {"bytes_sent", static_cast<int64_t>(k.bytes_sent)},
+                     {"bytes_recv", static_cast<int64_t>(k.bytes_recv)},
+                     {"tiles", static_cast<int64_t>(k.tiles)},
+                     {"forward_tiles", static_cast<int64_t>(k.fwd_tiles)},
+                     {"step_tiles", k.step_tiles},
+                     {"peak_rss_bytes", static_cast<int64_t>(k.peak_rss)}});
+  }
+  j["ranks"] = ranks;
+  if (r.check.done) {
+    j["check"] = {{"passed", r.check.passed},       {"max_abs_err", r.check.max_abs},
+                  {"max_rel_err", r.check.max_rel}, {"tolerance", r.check.tolerance},
+                  {"sampled", r.check.sampled},     {"worst", r.check.worst}};
+  } else {
+    j["check"] = nullptr;
+  }
+  return j;
+}
+
+std::string chrome_trace(const AttnReport& r) {
+  using nlohmann::json;
+  const double t0 = origin(r);
+  json events = json::array();
+  for (const RankReport& k : r.ranks) {
+    events.push_back({{"name", "process_name"},
+                      {"ph", "M"},
+                      {"pid", k.rank},
+                      {"args", {{"name", "rank " + std::to_string(k.rank)}}}});
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", k.rank},
+                      {"tid", 0},
+                      {"args", {{"name", "compute"}}}});
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", k.rank},
+                      {"tid", 1},
+                      {"args", {{"name", "communication"}}}});
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", k.rank},
+                      {"tid", 2},
+                      {"args", {{"name", "waiting"}}}});
+    for (const auto& s : k.spans) {
+      const int tid = s.kind == "compute" ? 0 : s.kind == "wait" ? 2 : 1;
+      std::string name = s.kind;
+      if (s.step >= 0) name += " step " + std::to_string(s.step);
+      events.push_back({{"name", name},
+                        {"cat", s.kind},
+                        {"ph", "X"},
+                        {"pid", k.rank},
+                        {"tid", tid},
+                        {"ts", (s.t0 - t0) * 1e6},
+                        {"dur", std::max(0.0, s.t1 - s.t0) * 1e6}});
+    }
+  }
+  json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+  return doc.dump();
+}
+
+std::string timeline_svg(const AttnReport& r) {
+  const double t0 = origin(r);
+  double t1 = t0;
+  for (const RankReport& k : r.ranks)
+    for (const auto& s : k.spans) t1 = std::max(t1, s.t1);
+  const double span = std::max(t1 - t0, 1e-9);
+  const int left = 70, right = 20, top = 50, row_h = 36, width = 1000;
+  const int plot_w = width - left - right;
+  const int height = top + row_h * static_cast<int>(r.ranks.size()) + 70;
+  auto x = [&](double t) { return left + (t - t0) / span * plot_w; };
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(2);
+  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "<text x=\"" << left << "\" y=\"20\" font-size=\"14\">loom attn: " << r.strategy << " / "
+    << r.layout << ", " << r.world << " ranks, S=" << r.S << " (timed iterations)</text>\n";
+  // Colours: compute blue, communication in flight orange (thin, upper half), waiting red.
+  for (size_t i = 0; i < r.ranks.size(); ++i) {
+    const RankReport& k = r.ranks[i];
+    const int y = top + row_h * static_cast<int>(i);
+    o << "<text x=\"8\" y=\"" << y + row_h / 2 + 4 << "\">rank " << k.rank << "</text>\n";
+    o << "<rect x=\"" << left << "\" y=\"" << y + 2 << "\" width=\"" << plot_w << "\" height=\""
+      << row_h - 4 << "\" fill=\"#f4f4f4\"/>\n";
+    for (const auto& s : k.spans) {
+      const double a = x(s.t0), w = std::max(0.5, x(s.t1) - x(s.t0));
+      if (s.kind == "compute") {
+        o << "<rect x=\"" << a << "\" y=\"" << y + 14 << "\" width=\"" << w
+          << "\" height=\"18\" fill=\"#3b73b9\"><title>compute step " << s.step << ": "
+          << (s.t1 - s.t0) * 1e3 << " ms</title></rect>\n";
+      } else if (s.kind == "wait") {
+        o << "<rect x=\"" << a << "\" y=\"" << y + 14 << "\" width=\"" << w
+          << "\" height=\"18\" fill=\"#d62728\"><title>wait: " << (s.t1 - s.t0) * 1e3
+          << " ms</title></rect>\n";
+      } else {
+        o << "<rect x=\"" << a << "\" y=\"" << y + 4 << "\" width=\"" << w
+          << "\" height=\"8\" fill=\"#ff9f1c\" fill-opacity=\"0.8\"><title>" << s.kind << ": "
+          << (s.t1 - s.t0) * 1e3 << " ms</title></rect>\n";
+      }
+    }
+  }
+  // Axis with ticks in milliseconds.
+  const int ay = top + row_h * static_cast<int>(r.ranks.size()) + 6;
+  o << "<line x1=\"" << left << "\" y1=\"" << ay << "\" x2=\"" << left + plot_w << "\" y2=\"" << ay
+    << "\" stroke=\"black\"/>\n";
+  const double ms = span * 1e3;
+  const double raw = ms / 8, mag = std::pow(10.0, std::floor(std::log10(raw)));
+  const double step = raw / mag < 2 ? 2 * mag : raw / mag < 5 ? 5 * mag : 10 * mag;
+  for (double t = 0; t <= ms + 1e-9; t += step) {
+    const double px = left + t / ms * plot_w;
+    o << "<line x1=\"" << px << "\" y1=\"" << ay << "\" x2=\"" << px << "\" y2=\"" << ay + 5
+      << "\" stroke=\"black\"/><text x=\"" << px << "\" y=\"" << ay + 18
+      << "\" text-anchor=\"middle\">" << t << "</text>\n";
+  }
+  o << "<text x=\"" << left + plot_w << "\" y=\"" << ay + 32
+    << "\" text-anchor=\"end\">ms</text>\n";
+  // Legend.
+  const int ly = height - 18;
+  o << "<rect x=\"" << left << "\" y=\"" << ly - 10 << "\" width=\"14\" height=\"10\" "
+    << "fill=\"#3b73b9\"/><text x=\"" << left + 18 << "\" y=\"" << ly << "\">compute</text>\n"
+    << "<rect x=\"" << left + 100 << "\" y=\"" << ly - 10 << "\" width=\"14\" height=\"10\" "
+    << "fill=\"#ff9f1c\"/><text x=\"" << left + 118 << "\" y=\"" << ly
+    << "\">communication in flight</text>\n"
+    << "<rect x=\"" << left + 300 << "\" y=\"" << ly - 10 << "\" width=\"14\" height=\"10\" "
+    << "fill=\"#d62728\"/><text x=\"" << left + 318 << "\" y=\"" << ly
+    << "\">waiting (exposed communication)</text>\n";
+  o << "</svg>\n";
+  return o.str();
+}
+
+}  // namespace loom::tools

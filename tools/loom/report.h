@@ -1,0 +1,57 @@
+// What `loom attn` reports: the text table, the JSON document, the Chrome trace and the SVG
+// timeline, all made from one AttnReport gathered on rank 0.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "loom/cp.h"
+
+namespace loom::tools {
+
+struct RankReport {
+  int rank = 0;
+  double compute_s = 0, comm_s = 0, wait_s = 0, window_s = 0;           // per timed iteration
+  double bytes_sent = 0, bytes_recv = 0, tiles = 0, visible_pairs = 0;  // per timed iteration
+  double fwd_tiles = 0;                                                 // tiles of the last forward
+  double peak_rss = 0;  // bytes (the whole process on the local backend)
+  std::vector<int64_t> step_tiles;
+  std::vector<CpMetrics::Span> spans;  // timed iterations only
+};
+
+struct CheckReport {
+  bool done = false, passed = true, sampled = false;
+  double max_abs = 0, max_rel = 0, tolerance = 0;
+  std::string worst;
+};
+
+struct AttnReport {
+  nlohmann::json config;
+  std::string strategy, layout, backend;
+  int world = 1, threads = 1, iters = 1;
+  int64_t S = 0, H = 0, HKV = 0, D = 0;
+  bool causal = true, backward = false;
+  int64_t window = 0;
+  size_t docs = 1;
+  double scale = 0;
+  int ulysses = 0;
+  std::vector<double> fwd_times, bwd_times;  // slowest rank, per timed iteration
+  std::vector<RankReport> ranks;
+  CheckReport check;
+  double baseline_s = -1;  // one-rank forward (+ backward) median, when --baseline
+
+  double forward_s() const;
+  double backward_s() const;  // 0 without backward
+  double useful_forward_flops() const;
+  double balance() const;     // max over mean of per-rank compute_s
+  double overlap() const;     // 1 - sum(comm_s) / sum(window_s); see docs/cli.md
+  double efficiency() const;  // T1 / (P * TP), < 0 without baseline
+};
+
+void print_text(const AttnReport& r);
+nlohmann::json to_json(const AttnReport& r);
+std::string chrome_trace(const AttnReport& r);
+std::string timeline_svg(const AttnReport& r);
+
+}  // namespace loom::tools

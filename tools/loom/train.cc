@@ -1,0 +1,368 @@
+// `loom train`: trains a byte-level GPT with data, tensor(+sequence) and context parallelism on
+// the local backend (--ranks N: threads) or under mpirun, and reports loss, speed, memory and the
+// share of time spent in attention.
+//
+// Every rank runs the same loop (model/trainer.h); world rank 0 prints progress, validation
+// lines, the --log JSON lines and the closing summary.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "commands.h"
+#include "loom/comm.h"
+#include "loom/cp.h"
+#include "loom/error.h"
+#include "loom/timer.h"
+#include "ops.h"
+#include "trainer.h"
+
+namespace loom::tools {
+
+namespace {
+
+using model::Corpus;
+using model::StepResult;
+using model::TrainConfig;
+using model::Trainer;
+
+struct TrainOptions {
+  int ranks = 1;
+  int dp = 0, tp = 0, ulysses = 0, ring = 0;  // 0: not given
+  std::string strategy, layout = "zigzag";
+  int64_t seq = 256, layers = 4, dim = 128, heads = 4, kv_heads = 2, ffn = 0;
+  int64_t steps = 300, batch = 8, warmup = -1;
+  double lr = 3e-3, weight_decay = 0.1, clip = 1.0;
+  uint64_t seed = 1;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  bool resume = false, checkpoint_activations = false, pack_documents = false, quiet = false;
+  std::string dtype = "fp32", data, log;
+  int64_t eval_every = 50, eval_batches = 4;
+  int threads = 1;
+  bool ranks_given = false;
+};
+
+// Where the default corpus lives: ./data/kjv.txt, else <dir of the loom binary>/../data/kjv.txt.
+std::string default_data() {
+  namespace fs = std::filesystem;
+  if (fs::exists("data/kjv.txt")) return "data/kjv.txt";
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path p = exe.parent_path().parent_path() / "data" / "kjv.txt";
+    if (fs::exists(p)) return p.string();
+  }
+  LOOM_CHECK(false, IoError,
+             "no --data FILE given and data/kjv.txt (the King James Bible, written by "
+             "scripts/setup.sh) was not found; give --data FILE");
+  return {};
+}
+
+MeshShape mesh_of(const TrainOptions& o, int world) {
+  MeshShape s;
+  const bool any = o.dp || o.tp || o.ulysses || o.ring;
+  s.dp = o.dp ? o.dp : 1;
+  s.tp = o.tp ? o.tp : 1;
+  s.ulysses = o.ulysses ? o.ulysses : 1;
+  s.ring = o.ring ? o.ring : (any ? 1 : world);  // only --ranks N: all of it is context ranks
+  LOOM_CHECK(s.dp >= 1 && s.tp >= 1 && s.ulysses >= 1 && s.ring >= 1, InvalidArgument,
+             "--dp, --tp, --ulysses and --ring must be >= 1");
+  LOOM_CHECK(s.world() == world, InvalidArgument,
+             "the mesh --dp " << s.dp << " x --tp " << s.tp << " x --ulysses " << s.ulysses
+                              << " x --ring " << s.ring << " = " << s.world()
+                              << " ranks does not match the " << world
+                              << " ranks of this run (--ranks or mpirun -np)");
+  return s;
+}
+
+Strategy strategy_of(const TrainOptions& o, const MeshShape& s) {
+  if (!o.strategy.empty()) return parse_strategy(o.strategy);
+  if (s.ulysses > 1 && s.ring > 1) return Strategy::hybrid;
+  if (s.ulysses > 1) return Strategy::ulysses;
+  return Strategy::ring;
+}
+
+std::string human_bytes(double b) {
+  char buf[32];
+  if (b >= 1 << 30)
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
+  else if (b >= 1 << 20)
+    std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1 << 20));
+  else if (b >= 1 << 10)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / (1 << 10));
+  else
+    std::snprintf(buf, sizeof buf, "%.0f B", b);
+  return buf;
+}
+
+std::string human_time(double s) {
+  char buf[32];
+  if (s >= 3600)
+    std::snprintf(buf, sizeof buf, "%dh%02dm", int(s / 3600), int(s / 60) % 60);
+  else if (s >= 60)
+    std::snprintf(buf, sizeof buf, "%dm%02ds", int(s / 60), int(s) % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%.1fs", s);
+  return buf;
+}
+
+struct Summary {  // filled by world rank 0
+  double first_loss = NAN, last_loss = NAN, val_loss = NAN;
+  int64_t first_step = 0, last_step = 0, tokens = 0;
+  double seconds = 0;
+  std::vector<model::RankReport> ranks;
+  std::string resumed_from;
+};
+
+void train_rank(Communicator& world, const TrainOptions& o, const TrainConfig& cfg,
+                const Corpus& corpus, Summary& sum) {
+  const bool lead = world.rank() == 0;
+  Trainer tr(world, cfg, corpus);
+  if (o.resume) {
+    tr.load_checkpoint(o.checkpoint_dir);
+    if (lead) sum.resumed_from = o.checkpoint_dir + " at step " + std::to_string(tr.step());
+  }
+  std::ofstream log;
+  if (lead && !o.log.empty()) {
+    log.open(o.log, std::ios::out | (o.resume ? std::ios::app : std::ios::trunc));
+    LOOM_CHECK(log.good(), IoError, "cannot write --log " << o.log);
+  }
+  const bool tty = isatty(2);
+  double last_print = 0;
+  Stopwatch clock;
+  sum.first_step = tr.step() + 1;
+  while (tr.step() < cfg.steps) {
+    const StepResult r = tr.train_step();
+    double val = NAN;
+    const bool eval_now = o.eval_every > 0 && (r.step % o.eval_every == 0 || r.step == cfg.steps);
+    if (eval_now) val = tr.evaluate();
+    if (!o.checkpoint_dir.empty() &&
+        ((o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) || r.step == cfg.steps))
+      tr.save_checkpoint(o.checkpoint_dir);
+    if (!lead) continue;
+    if (std::isnan(sum.first_loss)) sum.first_loss = r.loss;
+    sum.last_loss = r.loss;
+    sum.last_step = r.step;
+    if (!std::isnan(val)) sum.val_loss = val;
+    const double tps = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
+    if (log.is_open()) {
+      nlohmann::json j = {{"step", r.step},      {"loss", r.loss},           {"lr", r.lr},
+                          {"tokens_per_s", tps}, {"grad_norm", r.grad_norm}, {"seconds", r.seconds},
+                          {"tokens", r.tokens}};
+      if (!std::isnan(val)) j["val_loss"] = val;
+      log << j.dump() << "\n";
+      log.flush();
+    }
+    if (!o.quiet) {
+      const double done = static_cast<double>(r.step - sum.first_step + 1);
+      const double eta = clock.elapsed_s() / done * static_cast<double>(cfg.steps - r.step);
+      const double avg_tps = static_cast<double>(tr.tokens_trained()) / tr.seconds_training();
+      if (!std::isnan(val)) {
+        std::fprintf(stderr, "%sstep %lld: validation loss %.4f\n", tty ? "\r\033[K" : "",
+                     static_cast<long long>(r.step), val);
+      }
+      if (tty || r.step == sum.first_step || clock.elapsed_s() - last_print >= 1.0 ||
+          r.step == cfg.steps) {
+        std::fprintf(stderr, "%sstep %lld/%lld  loss %.4f  lr %.2e  %.0f tok/s  ETA %s%s",
+                     tty ? "\r\033[K" : "", static_cast<long long>(r.step),
+                     static_cast<long long>(cfg.steps), r.loss, r.lr, avg_tps,
+                     human_time(eta).c_str(), tty ? "" : "\n");
+        last_print = clock.elapsed_s();
+      }
+    }
+  }
+  if (lead && !o.quiet && tty) std::fprintf(stderr, "\n");
+  std::vector<model::RankReport> reps = tr.reports();
+  if (lead) {
+    sum.ranks = reps;
+    sum.tokens = tr.tokens_trained();
+    sum.seconds = tr.seconds_training();
+  }
+}
+
+void print_summary(const TrainOptions& o, const TrainConfig& c, const Corpus& corpus,
+                   const Summary& s, int threads, const std::string& backend) {
+  const MeshShape& m = c.par.mesh;
+  std::printf(
+      "loom train: dp=%d tp=%d ulysses=%d ring=%d (%d rank%s x %d thread%s, %s backend), "
+      "%s attention, %s layout, %s%s%s\n",
+      m.dp, m.tp, m.ulysses, m.ring, m.world(), m.world() == 1 ? "" : "s", threads,
+      threads == 1 ? "" : "s", backend.c_str(), to_string(c.par.strategy).c_str(),
+      to_string(c.par.layout).c_str(), model::to_string(c.precision).c_str(),
+      c.checkpoint_activations ? ", activation checkpointing" : "",
+      c.pack_documents ? ", packed documents" : "");
+  std::printf(
+      "  model     layers=%lld dim=%lld heads=%lld kv-heads=%lld ffn=%lld seq=%lld "
+      "batch=%lld\n",
+      (long long)c.model.layers, (long long)c.model.dim, (long long)c.model.heads,
+      (long long)c.model.kv_heads, (long long)c.model.ffn_dim(), (long long)c.seq,
+      (long long)c.batch);
+  std::printf("  data      %s: %lld documents, %lld train bytes, %lld validation bytes\n",
+              corpus.source.c_str(), (long long)corpus.documents, (long long)corpus.train.size(),
+              (long long)corpus.val.size());
+  if (!s.resumed_from.empty()) std::printf("  resumed   from %s\n", s.resumed_from.c_str());
+  if (s.last_step >= s.first_step) {
+    std::printf("  loss      step %lld: %.4f -> step %lld: %.4f", (long long)s.first_step,
+                s.first_loss, (long long)s.last_step, s.last_loss);
+    if (!std::isnan(s.val_loss)) std::printf("   validation %.4f", s.val_loss);
+    std::printf("\n");
+  }
+  std::printf("  speed     %.0f tokens/s (%lld tokens in %s)\n",
+              s.seconds > 0 ? static_cast<double>(s.tokens) / s.seconds : 0.0, (long long)s.tokens,
+              human_time(s.seconds).c_str());
+  std::printf("  %-4s %12s %12s %10s %14s %14s %14s\n", "rank", "attention_s", "other_fb_s",
+              "update_s", "activations", "model+adam", "peak (sum)");
+  for (size_t r = 0; r < s.ranks.size(); ++r) {
+    const model::RankReport& x = s.ranks[r];
+    std::printf("  %-4zu %12.3f %12.3f %10.3f %14s %14s %14s\n", r, x.attention_s,
+                x.total_s - x.attention_s, x.update_s, human_bytes(x.act_bytes_peak).c_str(),
+                human_bytes(x.state_bytes).c_str(),
+                human_bytes(x.act_bytes_peak + x.state_bytes).c_str());
+  }
+  std::printf(
+      "  times     attention_s: CpAttention forward + backward (with its communication); "
+      "other_fb_s: the rest of forward + backward; update_s: gradient sums, clipping, AdamW\n");
+  std::printf(
+      "  memory    activations = peak bytes kept for backward (computed); process peak "
+      "RSS %s\n",
+      human_bytes(static_cast<double>(peak_rss_bytes())).c_str());
+  (void)o;
+}
+
+int run_train(const TrainOptions& o) {
+  TrainConfig c;
+  c.model.layers = o.layers;
+  c.model.dim = o.dim;
+  c.model.heads = o.heads;
+  c.model.kv_heads = o.kv_heads;
+  c.model.ffn = o.ffn;
+  c.seq = o.seq;
+  c.batch = o.batch;
+  c.steps = o.steps;
+  c.warmup = o.warmup;
+  c.lr = o.lr;
+  c.weight_decay = o.weight_decay;
+  c.clip = o.clip;
+  c.seed = o.seed;
+  c.precision = model::parse_precision(o.dtype);
+  c.checkpoint_activations = o.checkpoint_activations;
+  c.pack_documents = o.pack_documents;
+  c.eval_batches = o.eval_batches;
+  c.par.layout = parse_layout(o.layout);
+  LOOM_CHECK(o.threads >= 0, InvalidArgument, "--threads must be >= 0, got " << o.threads);
+  LOOM_CHECK(!o.resume || !o.checkpoint_dir.empty(), InvalidArgument,
+             "--resume needs --checkpoint-dir DIR (the directory to resume from)");
+  LOOM_CHECK(o.eval_every >= 0 && o.checkpoint_every >= 0, InvalidArgument,
+             "--eval-every and --checkpoint-every must be >= 0");
+
+  std::unique_ptr<Communicator> mpi;
+  int world = o.ranks, here = o.ranks;
+  if (launched_by_mpirun()) {
+    LOOM_CHECK(!o.ranks_given, InvalidArgument,
+               "--ranks is for the local backend; under mpirun the number of ranks is mpirun's "
+               "-np (drop --ranks)");
+    mpi = mpi_world();
+    world = mpi->size();
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    here = local ? std::max(1, std::atoi(local)) : world;
+  }
+  LOOM_CHECK(world >= 1, InvalidArgument, "--ranks must be >= 1, got " << world);
+  c.par.mesh = mesh_of(o, world);
+  c.par.strategy = strategy_of(o, c.par.mesh);
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = o.threads ? o.threads : std::max(1, hw / here);
+  c.par.threads = threads;
+  model::validate(c.model, c.par, world, c.seq);
+  const Corpus corpus = model::load_corpus(o.data.empty() ? default_data() : o.data);
+  model::set_blas_threads(threads);
+
+  Summary sum;
+  std::string backend = "local";
+  if (mpi) {
+    backend = mpi->backend();
+    train_rank(*mpi, o, c, corpus, sum);
+    if (mpi->rank() != 0) return 0;
+  } else {
+    run_local(world, [&](Communicator& w) { train_rank(w, o, c, corpus, sum); });
+  }
+  print_summary(o, c, corpus, sum, threads, backend);
+  return 0;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  auto o = std::make_shared<TrainOptions>();
+  CLI::App* c = app.add_subcommand(
+      "train", "train a byte-level GPT with data, tensor, sequence and context parallelism");
+  auto* ranks = c->add_option("--ranks", o->ranks,
+                              "ranks on the local backend (threads); with no mesh sizes given, "
+                              "all of them form the context-parallel ring")
+                    ->capture_default_str();
+  c->add_option("--dp", o->dp, "data-parallel ranks (default 1)");
+  c->add_option("--tp", o->tp, "tensor(+sequence)-parallel ranks (default 1)");
+  c->add_option("--ulysses", o->ulysses,
+                "ulysses degree of the context-parallel group (default 1)");
+  c->add_option("--ring", o->ring,
+                "ring degree of the context-parallel group (default 1, or --ranks when no mesh "
+                "size is given)");
+  c->add_option("--strategy", o->strategy,
+                "attention over the cp group: ring, ulysses, hybrid or allgather (default: "
+                "hybrid when ulysses and ring > 1, ulysses when only ulysses > 1, else ring)");
+  c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();
+  c->add_option("--seq", o->seq, "tokens (bytes) per sequence")->capture_default_str();
+  c->add_option("--layers", o->layers, "decoder layers")->capture_default_str();
+  c->add_option("--dim", o->dim, "model width")->capture_default_str();
+  c->add_option("--heads", o->heads, "query heads")->capture_default_str();
+  c->add_option("--kv-heads", o->kv_heads, "key/value heads (GQA)")->capture_default_str();
+  c->add_option("--ffn", o->ffn, "SwiGLU hidden units (0: 4 x dim)")->capture_default_str();
+  c->add_option("--steps", o->steps, "total optimizer steps")->capture_default_str();
+  c->add_option("--batch", o->batch, "sequences per step (global; a multiple of --dp)")
+      ->capture_default_str();
+  c->add_option("--lr", o->lr, "peak learning rate (AdamW)")->capture_default_str();
+  c->add_option("--warmup", o->warmup, "warmup steps (-1: min(100, steps / 10))")
+      ->capture_default_str();
+  c->add_option("--weight-decay", o->weight_decay, "AdamW weight decay of the matrices")
+      ->capture_default_str();
+  c->add_option("--clip", o->clip, "clip the global gradient norm to this (0: off)")
+      ->capture_default_str();
+  c->add_option("--seed", o->seed, "seed of the initialisation and the data draw")
+      ->capture_default_str();
+  c->add_option("--checkpoint-dir", o->checkpoint_dir,
+                "write checkpoints here (at the end and every --checkpoint-every steps)");
+  c->add_option("--checkpoint-every", o->checkpoint_every, "steps between checkpoints (0: end)")
+      ->capture_default_str();
+  c->add_flag("--resume", o->resume, "continue from the latest checkpoint in --checkpoint-dir");
+  c->add_flag("--checkpoint-activations", o->checkpoint_activations,
+              "keep only each layer's input; recompute the layer in backward");
+  c->add_option("--dtype", o->dtype, "fp32 or bf16 (bf16 GEMMs, fp32 master weights)")
+      ->capture_default_str();
+  c->add_option("--data", o->data, "text file to train on (default: data/kjv.txt)");
+  c->add_flag("--pack-documents", o->pack_documents,
+              "attention stays inside documents (document mask, per-document zigzag)");
+  c->add_option("--log", o->log, "write one JSON object per step to this file");
+  c->add_option("--eval-every", o->eval_every, "steps between validation losses (0: never)")
+      ->capture_default_str();
+  c->add_option("--eval-batches", o->eval_batches, "validation windows per evaluation")
+      ->capture_default_str();
+  c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
+  c->add_option("--threads", o->threads,
+                "OpenMP and OpenBLAS threads per rank (0: cores / ranks); 1 by default because "
+                "spin-waiting threads on a shared machine cost more than they give")
+      ->capture_default_str();
+  c->callback([o, ranks]() {
+    o->ranks_given = ranks->count() > 0;
+    set_exit_code(run_train(*o));
+  });
+}
+
+}  // namespace loom::tools
