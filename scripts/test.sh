@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
-# The README's second command: set up, build, and run the whole test suite (unit, local
-# multi-rank and mpirun tests).
+# The README's second command: set up, build, and run the whole test suite:
+#   1. build/ (Release): unit, local multi-rank, mpirun (label mpi), end-to-end tool tests and
+#      bounded libFuzzer runs (label fuzz);
+#   2. build-asan/: the unit and local multi-rank tests again under AddressSanitizer and
+#      UndefinedBehaviorSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cd build
-ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
+jobs=$(nproc 2>/dev/null || echo 2)
+
+(cd build && ctest --output-on-failure -j "$jobs")
+
+sanitized=(test_core test_layout test_reference test_blockwise test_merge test_comm_local
+           test_cp_local)
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE=ON \
+  -DLOOM_WITH_MPI=OFF -DLOOM_BUILD_BENCH=OFF > /dev/null
+cmake --build build-asan -j "$jobs" --target "${sanitized[@]}"
+regex="^($(IFS='|'; echo "${sanitized[*]}"))\$"
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+   ctest --output-on-failure -j "$jobs" -R "$regex")

@@ -158,7 +158,7 @@ Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& w
       std::memcpy(&f, src + 4 * i, 4);
       t[static_cast<int64_t>(i)] = f;
     }
-  } else {
+  } else if (n > 0) {  // memcpy with a null pointer is undefined even for 0 bytes
     std::memcpy(t.data(), src, n * 8);
   }
   return t;
@@ -192,7 +192,9 @@ std::string header_for(const std::vector<int64_t>& shape, const char* descr) {
 template <class T>
 void write_npy_impl(const std::string& path, const Tensor<T>& x, const char* descr) {
   std::string bytes = header_for(x.shape(), descr);
-  bytes.append(reinterpret_cast<const char*>(x.data()), sizeof(T) * static_cast<size_t>(x.numel()));
+  if (x.numel() > 0)
+    bytes.append(reinterpret_cast<const char*>(x.data()),
+                 sizeof(T) * static_cast<size_t>(x.numel()));
   write_file_atomic(path, bytes);
 }
 }  // namespace

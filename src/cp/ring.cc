@@ -64,6 +64,7 @@ Block make_block(const ShardPlan& plan, int first, int count) {
 
 void pack(View3<const float> x, float* dst) {
   const int64_t w = x.h * x.d;
+  if (x.s * w == 0) return;
   if (x.contiguous()) {
     std::memcpy(dst, x.data, sizeof(float) * static_cast<size_t>(x.s * w));
     return;

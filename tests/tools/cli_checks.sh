@@ -76,5 +76,70 @@ expect_error "missing q.npy" "q.npy: cannot open" --input "$work/in"
 printf 'garbage' > "$work/in/q.npy"
 expect_error "garbage q.npy" "not a .npy file" --input "$work/in"
 expect_error "input with shape options" "do not also give --seq" --input "$work/in" --seq 10
+
+# Reports: JSON keys, one trace track (process) per rank, an SVG with a row per rank.
+if "$loom" attn --ranks 4 --strategy ring --layout zigzag --seq 512 --heads 4 --kv-heads 2 \
+    --head-dim 32 --backward --check --iters 2 --warmup 1 --quiet --baseline \
+    --json "$work/r.json" --trace "$work/t.json" --timeline "$work/t.svg" > "$work/out" 2>&1 &&
+   /usr/bin/python3 - "$work/r.json" "$work/t.json" "$work/t.svg" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for k in ["config", "forward_s", "backward_s", "gflops", "efficiency", "balance", "overlap",
+          "ranks", "check"]:
+    assert k in r, k
+assert r["config"]["strategy"] == "ring" and r["config"]["seq"] == 512
+assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["gflops"] > 0
+assert r["efficiency"] is not None and r["efficiency"] > 0
+assert 1.0 <= r["balance"] < 2.0 and 0.0 <= r["overlap"] <= 1.0
+assert len(r["ranks"]) == 4
+for i, k in enumerate(r["ranks"]):
+    assert k["rank"] == i
+    for key in ["compute_s", "comm_s", "wait_s", "bytes_sent", "bytes_recv", "tiles",
+                "peak_rss_bytes"]:
+        assert key in k, key
+    assert k["bytes_sent"] > 0 and k["tiles"] > 0 and k["peak_rss_bytes"] > 0
+assert r["check"]["passed"] is True and r["check"]["max_rel_err"] < 1e-5
+t = json.load(open(sys.argv[2]))
+ev = t["traceEvents"]
+assert {e["pid"] for e in ev} == {0, 1, 2, 3}
+kinds = {e.get("cat") for e in ev if e["ph"] == "X"}
+assert {"compute", "send", "recv", "wait"} <= kinds, kinds
+svg = open(sys.argv[3]).read()
+assert svg.startswith("<svg") and svg.count(">rank ") == 4 and "waiting" in svg
+PY
+then ok "json, trace and timeline"; else cat "$work/out"; bad "json, trace and timeline"; fi
+r=$("$loom" attn --seq 64 --json "$work/r1.json" --quiet > /dev/null 2>&1 &&
+    /usr/bin/python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['backward_s'], r['efficiency'], r['check'])" "$work/r1.json")
+[ "$r" = "None None None" ] && ok "json nulls without --backward, --baseline, --check" || bad "json nulls: $r"
+
+# Faults: a killed rank ends the run at once, a lost message within the timeout, a slow link
+# changes nothing but the time. Never a hang: `timeout` would kill it (exit 124).
+start=$(date +%s)
+LOOM_TIMEOUT_S=10 timeout 60 "$loom" attn --ranks 4 --seq 2048 --backward --quiet \
+  --fault kill:1 --output "$work/killed" > "$work/stdout" 2> "$work/stderr"
+rc=$?
+el=$(( $(date +%s) - start ))
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $el -le 30 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] &&
+   grep -q "rank 1" "$work/stderr" && [ ! -e "$work/killed/out.npy" ]; then
+  ok "kill:1 exits $rc in ${el}s: $(cat "$work/stderr")"
+else
+  cat "$work/stderr"; bad "kill:1 (rc=$rc, ${el}s)"
+fi
+start=$(date +%s)
+LOOM_TIMEOUT_S=2 timeout 60 "$loom" attn --ranks 3 --seq 512 --quiet --fault drop:2,at=5 \
+  > "$work/stdout" 2> "$work/stderr"
+rc=$?
+el=$(( $(date +%s) - start ))
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $el -le 6 ] && grep -q "rank 2" "$work/stderr" &&
+   grep -q "timed out" "$work/stderr"; then
+  ok "drop:2 exits $rc in ${el}s: $(cat "$work/stderr")"
+else
+  cat "$work/stderr"; bad "drop:2 (rc=$rc, ${el}s)"
+fi
+expect_ok "delay:1:20 still exact" --ranks 4 --seq 512 --backward --check --fault delay:1:20 \
+  --iters 1 --warmup 0 --quiet
+expect_error "bad fault" "fault" --ranks 2 --fault explode:1
+expect_error "fault rank out of range" "names a rank outside" --ranks 2 --fault kill:5
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
