@@ -26,4 +26,10 @@ if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
   set_tests_properties(loom_attn_mpi_hybrid_np4 PROPERTIES LABELS "mpi;tool" TIMEOUT 120
                        PROCESSORS 4 ENVIRONMENT "${loom_cp_mpi_env}"
                        PASS_REGULAR_EXPRESSION "check     passed")
+  add_test(NAME loom_attn_mpi_refuses_ranks
+           COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 2 ${loom_cp_mpi_flags}
+                   $<TARGET_FILE:loom> attn --ranks 2 --seq 64)
+  set_tests_properties(loom_attn_mpi_refuses_ranks PROPERTIES LABELS "mpi;tool" TIMEOUT 60
+                       PROCESSORS 2 ENVIRONMENT "${loom_cp_mpi_env}"
+                       PASS_REGULAR_EXPRESSION "--ranks is for the local backend")
 endif()

@@ -130,7 +130,7 @@ LOOM_TIMEOUT_S=2 timeout 60 "$loom" attn --ranks 3 --seq 512 --quiet --fault dro
   > "$work/stdout" 2> "$work/stderr"
 rc=$?
 el=$(( $(date +%s) - start ))
-if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $el -le 6 ] && grep -q "rank 2" "$work/stderr" &&
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $el -le 6 ] && grep -q "dropped a message from world rank 2" "$work/stderr" &&
    grep -q "timed out" "$work/stderr"; then
   ok "drop:2 exits $rc in ${el}s: $(cat "$work/stderr")"
 else
@@ -138,6 +138,11 @@ else
 fi
 expect_ok "delay:1:20 still exact" --ranks 4 --seq 512 --backward --check --fault delay:1:20 \
   --iters 1 --warmup 0 --quiet
+LOOM_PROGRESS_AFTER_S=0 "$loom" attn --ranks 2 --seq 256 --iters 2 > /dev/null 2> "$work/stderr"
+grep -q "iteration 1/3, .* s elapsed, about .* s left" "$work/stderr" && ok "progress on stderr" ||
+  { cat "$work/stderr"; bad "progress on stderr"; }
+LOOM_PROGRESS_AFTER_S=0 "$loom" attn --ranks 2 --seq 256 --iters 2 --quiet > /dev/null 2> "$work/stderr"
+[ ! -s "$work/stderr" ] && ok "--quiet: nothing on stderr" || bad "--quiet: $(cat "$work/stderr")"
 expect_error "bad fault" "fault" --ranks 2 --fault explode:1
 expect_error "fault rank out of range" "names a rank outside" --ranks 2 --fault kill:5
 

@@ -269,14 +269,17 @@ int default_threads(int ranks_here) {
   return std::max(1, hw / std::max(1, ranks_here));
 }
 
-// Progress on stderr for runs longer than about 2 seconds (rank 0 only).
+// Progress on stderr for runs longer than about 2 seconds (rank 0 only; LOOM_PROGRESS_AFTER_S
+// changes the 2 seconds), at most one line a second.
 class Progress {
  public:
-  Progress(bool enabled, int total) : enabled_(enabled), total_(total), start_(now_s()) {}
+  Progress(bool enabled, int total) : enabled_(enabled), total_(total), start_(now_s()) {
+    if (const char* e = std::getenv("LOOM_PROGRESS_AFTER_S")) after_ = std::atof(e);
+  }
   void update(int done) {
     if (!enabled_) return;
     const double t = now_s(), el = t - start_;
-    if (el < 2.0 || t - last_ < 1.0) return;
+    if (el < after_ || t - last_ < 1.0) return;
     last_ = t;
     const double eta = done > 0 ? el / done * (total_ - done) : 0;
     std::fprintf(stderr, "loom attn: iteration %d/%d, %.1f s elapsed, about %.1f s left\n", done,
@@ -287,7 +290,7 @@ class Progress {
  private:
   bool enabled_;
   int total_;
-  double start_, last_ = 0;
+  double start_, last_ = -1e300, after_ = 2.0;
   bool shown_ = false;
 };
 

@@ -135,11 +135,22 @@ class Universe {
   void poison(int world_rank, const std::string& reason);
   void mark_finished(int world_rank);
   bool finished(int world_rank) const { return finished_[world_rank].load(); }
+  // Fault injection: what was dropped, so that the timeouts it causes can say why.
+  void note_drop(const std::string& what) {
+    std::lock_guard<std::mutex> lock(drop_mu_);
+    dropped_ = what;
+  }
+  std::string dropped() {
+    std::lock_guard<std::mutex> lock(drop_mu_);
+    return dropped_;
+  }
   void add_world(const std::shared_ptr<World>& world);
 
  private:
   void wake_all_locked();
 
+  std::mutex drop_mu_;
+  std::string dropped_;
   const int size_;
   const FaultPlan faults_;
   std::vector<RankFaultState> fault_state_;
@@ -368,7 +379,11 @@ class LocalComm final : public Communicator, public detail::Transport {
     const int64_t index = u.fault_state(me).sends++;
     stats_.bytes_sent += static_cast<int64_t>(bytes);
     stats_.messages_sent += 1;
-    if (f.drop_rank == me && index == f.drop_at_op) return std::make_unique<DoneWork>();
+    if (f.drop_rank == me && index == f.drop_at_op) {
+      u.note_drop("fault injection dropped a message from world rank " + std::to_string(me) +
+                  " to world rank " + std::to_string(world_->world_rank(peer)));
+      return std::make_unique<DoneWork>();
+    }
     const double deliver_at = f.delay_rank == me ? now_s() + f.delay_ms * 1e-3 : 0.0;
 
     Inbox& box = world_->inbox(peer);
@@ -565,6 +580,8 @@ void LocalRecvWork::wait(double timeout_s) {
       if (now >= deadline) {
         std::ostringstream os;
         os << describe() << " timed out after " << timeout << " s";
+        const std::string dropped = world_->universe().dropped();
+        if (!dropped.empty()) os << " (" << dropped << ")";
         throw Timeout(os.str(), __FILE__, __LINE__);
       }
       double wake = deadline;
