@@ -7,3 +7,11 @@ add_test(NAME loom_train_check
          COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/train_check.sh $<TARGET_FILE:loom>
                  ${PROJECT_SOURCE_DIR})
 set_tests_properties(loom_train_check PROPERTIES TIMEOUT 300 LABELS "tool")
+# The trainer under mpirun (label mpi): tp 2 x ring 2 on 4 processes == one local rank.
+if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
+  add_test(NAME loom_train_mpi_np4
+           COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/train_mpi_check.sh ${MPIEXEC_EXECUTABLE}
+                   $<TARGET_FILE:loom> --oversubscribe --allow-run-as-root)
+  set_tests_properties(loom_train_mpi_np4 PROPERTIES LABELS "mpi;tool" TIMEOUT 120 PROCESSORS 4
+                       ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+endif()

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -63,10 +64,11 @@ Corpus make_corpus(const std::string& text, const std::string& source) {
   starts.push_back(text.size());
   for (size_t d = 0; d + 1 < starts.size(); ++d) {
     const size_t b = starts[d], e = starts[d + 1], len = e - b;
-    size_t cut = e - static_cast<size_t>(static_cast<double>(len) * kValFraction);
-    // Move the cut forward to the next line start inside the held-out tail, if there is one.
-    const size_t nl = text.find('\n', cut);
-    if (cut > b && nl != std::string::npos && nl + 1 < e) cut = nl + 1;
+    const size_t tail = static_cast<size_t>(static_cast<double>(len) * kValFraction);
+    size_t cut = e - tail;
+    // Move the cut back to the start of its line when that at most doubles the held-out tail.
+    const size_t nl = cut > b ? text.rfind('\n', cut - 1) : std::string::npos;
+    if (nl != std::string::npos && nl >= b && cut - (nl + 1) <= tail) cut = nl + 1;
     append(c.train, text, b, cut);
     append(c.val, text, cut, e);
   }
@@ -74,6 +76,9 @@ Corpus make_corpus(const std::string& text, const std::string& source) {
 }
 
 Corpus load_corpus(const std::string& path) {
+  std::error_code ec;
+  LOOM_CHECK(!std::filesystem::is_directory(path, ec), IoError,
+             "cannot read --data " << path << ": it is a directory");
   std::ifstream f(path, std::ios::binary);
   LOOM_CHECK(f.good(), IoError, "cannot read --data " << path);
   std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());

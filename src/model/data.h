@@ -6,8 +6,8 @@
 //     starts at every verse 1:1, so the Bible gives its 66 books;
 //   * any other text: documents are separated by blank lines ("\n\n");
 //   * no separator found: the whole file is one document.
-// The held-out validation split is the last kValFraction of every document (cut at a line
-// start when the document has one in that range), so training and validation see the same
+// The held-out validation split is the last kValFraction of every document (moved back to the
+// start of its line when that at most doubles the tail), so training and validation see the same
 // books but never the same bytes. Both splits are kept as one stream with document starts.
 //
 // A training sequence of S tokens is the window stream[o, o + S + 1): inputs are its first S

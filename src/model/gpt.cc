@@ -8,6 +8,8 @@
 //   y   = o Wo (row-parallel, partial)   -> reduce_scatter over tp -> sp rows; x += y
 //   and the same shape for the SwiGLU MLP (W1, W3 column-parallel, W2 row-parallel).
 // Backward mirrors it: the transpose of an all-gather is a reduce-scatter and vice versa.
+// As in Megatron's sequence parallelism, a layer keeps its normed inputs as sp rows and gathers
+// them again over tp for the weight gradients in backward.
 // With activation checkpointing a layer keeps only its input x and recomputes the rest
 // (including its CpAttention forward) right before its backward.
 #include "gpt.h"
@@ -90,7 +92,7 @@ struct LayerOffsets {
 struct LayerActs {
   std::vector<float> x_in;        // [n_sp, C] layer input
   std::vector<float> r1, r2;      // [n_sp] inverse rms of the two norms
-  std::vector<float> h1, h2;      // [full, C] gathered normed inputs
+  std::vector<float> h1, h2;      // [n_sp, C] normed inputs (sp rows; re-gathered in backward)
   std::vector<float> q, k, v, o;  // [n, Hl, D], [n, Hkvl, D] x2, [n, Hl, D]; q, k rotated
   std::vector<float> lse;         // [Hl, n]
   std::vector<float> x_mid;       // [n_sp, C] after attention's residual
@@ -263,17 +265,17 @@ struct Gpt::Impl {
   void layer_forward(int l, LayerActs& a, float* x_out) {
     const LayerOffsets& o = lo[l];
     const size_t sp = static_cast<size_t>(nsp * C), full = full_rows() * C;
-    std::vector<float> h(sp), y_full(full, 0.0f), y(sp);
+    std::vector<float> h_full(full), y_full(full, 0.0f), y(sp);
     a.r1.resize(nsp);
-    rmsnorm_forward(a.x_in.data(), W(o.ln1), nsp, C, m.cfg_.norm_eps, h.data(), a.r1.data());
-    a.h1.resize(full);
-    sp_gather(h.data(), a.h1.data());
+    a.h1.resize(sp);
+    rmsnorm_forward(a.x_in.data(), W(o.ln1), nsp, C, m.cfg_.norm_eps, a.h1.data(), a.r1.data());
+    sp_gather(a.h1.data(), h_full.data());
     a.q.resize(n * Hl * D);
     a.k.resize(n * Hkvl * D);
     a.v.resize(n * Hkvl * D);
-    linear(a.h1.data(), C, o.wq, Hl * D, a.q.data());
-    linear(a.h1.data(), C, o.wk, Hkvl * D, a.k.data());
-    linear(a.h1.data(), C, o.wv, Hkvl * D, a.v.data());
+    linear(h_full.data(), C, o.wq, Hl * D, a.q.data());
+    linear(h_full.data(), C, o.wk, Hkvl * D, a.k.data());
+    linear(h_full.data(), C, o.wv, Hkvl * D, a.v.data());
     rope(a.q.data(), n, Hl, D, rope_pos.data(), m.cfg_.rope_theta, false);
     rope(a.k.data(), n, Hkvl, D, rope_pos.data(), m.cfg_.rope_theta, false);
     if (prec == Precision::bf16) {  // attention runs on bf16 values (fp32 arithmetic)
@@ -292,14 +294,14 @@ struct Gpt::Impl {
     for (size_t i = 0; i < sp; ++i) a.x_mid[i] = a.x_in[i] + y[i];
     // MLP
     a.r2.resize(nsp);
-    rmsnorm_forward(a.x_mid.data(), W(o.ln2), nsp, C, m.cfg_.norm_eps, h.data(), a.r2.data());
-    a.h2.resize(full);
-    sp_gather(h.data(), a.h2.data());
+    a.h2.resize(sp);
+    rmsnorm_forward(a.x_mid.data(), W(o.ln2), nsp, C, m.cfg_.norm_eps, a.h2.data(), a.r2.data());
+    sp_gather(a.h2.data(), h_full.data());
     a.u.resize(n * Fl);
     a.g.resize(n * Fl);
     a.a.resize(n * Fl);
-    linear(a.h2.data(), C, o.w1, Fl, a.u.data());
-    linear(a.h2.data(), C, o.w3, Fl, a.g.data());
+    linear(h_full.data(), C, o.w1, Fl, a.u.data());
+    linear(h_full.data(), C, o.w3, Fl, a.g.data());
     swiglu_forward(a.u.data(), a.g.data(), n * Fl, a.a.data());
     std::fill(y_full.begin(), y_full.end(), 0.0f);
     linear(a.a.data(), Fl, o.w2, C, y_full.data());
@@ -311,14 +313,15 @@ struct Gpt::Impl {
   void layer_backward(int l, LayerActs& a, float* dx) {
     const LayerOffsets& o = lo[l];
     const size_t sp = static_cast<size_t>(nsp * C), full = full_rows() * C;
-    std::vector<float> d_full(full), dh_full(full, 0.0f), dh(sp);
+    std::vector<float> d_full(full), dh_full(full, 0.0f), dh(sp), h_full(full);
     // MLP: x_out = x_mid + W2(swiglu(h2 W1, h2 W3)).
     sp_gather(dx, d_full.data());
     std::vector<float> da(n * Fl), du(n * Fl), dg(n * Fl);
     linear_backward(a.a.data(), Fl, o.w2, C, d_full.data(), da.data(), 0.0f);
     swiglu_backward(a.u.data(), a.g.data(), da.data(), n * Fl, du.data(), dg.data());
-    linear_backward(a.h2.data(), C, o.w1, Fl, du.data(), dh_full.data(), 0.0f);
-    linear_backward(a.h2.data(), C, o.w3, Fl, dg.data(), dh_full.data(), 1.0f);
+    sp_gather(a.h2.data(), h_full.data());
+    linear_backward(h_full.data(), C, o.w1, Fl, du.data(), dh_full.data(), 0.0f);
+    linear_backward(h_full.data(), C, o.w3, Fl, dg.data(), dh_full.data(), 1.0f);
     sp_scatter(dh_full.data(), dh.data());
     rmsnorm_backward(a.x_mid.data(), W(o.ln2), a.r2.data(), dh.data(), nsp, C, dx, G(o.ln2), true);
     // Attention: x_mid = x_in + Wo(attn(rope(h1 Wq), rope(h1 Wk), h1 Wv)).
@@ -333,9 +336,10 @@ struct Gpt::Impl {
     rope(dq.data(), n, Hl, D, rope_pos.data(), m.cfg_.rope_theta, true);
     rope(dk.data(), n, Hkvl, D, rope_pos.data(), m.cfg_.rope_theta, true);
     std::fill(dh_full.begin(), dh_full.end(), 0.0f);
-    linear_backward(a.h1.data(), C, o.wq, Hl * D, dq.data(), dh_full.data(), 0.0f);
-    linear_backward(a.h1.data(), C, o.wk, Hkvl * D, dk.data(), dh_full.data(), 1.0f);
-    linear_backward(a.h1.data(), C, o.wv, Hkvl * D, dv.data(), dh_full.data(), 1.0f);
+    sp_gather(a.h1.data(), h_full.data());
+    linear_backward(h_full.data(), C, o.wq, Hl * D, dq.data(), dh_full.data(), 0.0f);
+    linear_backward(h_full.data(), C, o.wk, Hkvl * D, dk.data(), dh_full.data(), 1.0f);
+    linear_backward(h_full.data(), C, o.wv, Hkvl * D, dv.data(), dh_full.data(), 1.0f);
     sp_scatter(dh_full.data(), dh.data());
     rmsnorm_backward(a.x_in.data(), W(o.ln1), a.r1.data(), dh.data(), nsp, C, dx, G(o.ln1), true);
   }

@@ -24,7 +24,9 @@
 // tp-split ones), initialised from Philox by each element's GLOBAL (row, column), so every mesh
 // starts from the same model. Precision::bf16 runs every GEMM on bf16 operands (bf16 copies of
 // the weights made once per step, activations rounded when they enter a GEMM) with fp32
-// accumulation (cblas_sbgemm); norms, softmax, attention, residuals and reductions stay fp32.
+// accumulation (cblas_sbgemm, or exact widening + sgemm where OpenBLAS lacks it), attention on
+// bf16-rounded q, k, v, and keeps the big saved activations in bf16 between forward and
+// backward; norms, softmax, attention arithmetic, residuals and every reduction stay fp32.
 //
 // Thread-safety: one Gpt per rank, used by that rank's thread only.
 #pragma once
@@ -91,7 +93,8 @@ struct ModelStats {
 
 class Gpt {
  public:
-  // Collective over the mesh's groups (builds CpAttention). `mesh` must outlive the model.
+  // `mesh` must outlive the model. Parameters are initialised here (no communication);
+  // CpAttention is built collectively over mesh.cp by the first forward_backward.
   Gpt(const ModelConfig& cfg, const ParallelConfig& par, Mesh& mesh, Precision precision,
       bool checkpoint_activations, uint64_t seed);
   ~Gpt();

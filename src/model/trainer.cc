@@ -343,7 +343,7 @@ std::vector<RankReport> Trainer::reports() {
   const double params = static_cast<double>(model_->params().size());
   mine.state_bytes = params * 4 * sizeof(float) +
                      (cfg_.precision == Precision::bf16 ? params * sizeof(bf16) : 0.0);
-  mine.comm_bytes_sent = 0;
+  mine.peak_rss = static_cast<double>(peak_rss_bytes());
   std::vector<RankReport> all(static_cast<size_t>(world_.size()));
   world_.all_gather(&mine, sizeof mine, all.data());
   return all;

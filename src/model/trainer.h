@@ -68,12 +68,13 @@ struct RankReport {
   double update_s = 0;                  // gradient reductions, clipping and AdamW
   double act_bytes_peak = 0;            // activations kept for backward, peak
   double state_bytes = 0;               // params + grads + AdamW moments (+ bf16 copies)
-  double comm_bytes_sent = 0;
+  double peak_rss = 0;  // this rank's PROCESS peak RSS (local ranks share one process)
 };
 
 class Trainer {
  public:
   // Collective over world. Validates the configuration (InvalidArgument) and the corpus size.
+  // `world` and `corpus` must outlive the trainer.
   Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corpus);
   ~Trainer();
 

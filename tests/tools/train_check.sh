@@ -99,6 +99,9 @@ expect_error() {
 expect_error "corrupt checkpoint" "checksum mismatch" --ranks 2 "${small[@]}" \
   --checkpoint-dir "$work/cb" --resume
 expect_error "unreadable data" "cannot read --data" --data "$work/none.txt" --quiet
+expect_error "data is a directory" "cannot read --data" --data "$work" --quiet
+expect_error "unwritable log" "cannot write --log" --log "$work/no/such/dir/log.jsonl" --quiet \
+  "${data[@]}"
 expect_error "mesh product" "does not match the 4 ranks" --ranks 4 --tp 2 --quiet "${data[@]}"
 expect_error "heads over tp" "divisible by --tp" --ranks 4 --tp 4 --heads 4 --kv-heads 2 --quiet \
   "${data[@]}"

@@ -189,8 +189,8 @@ void train_rank(Communicator& world, const TrainOptions& o, const TrainConfig& c
   }
 }
 
-void print_summary(const TrainOptions& o, const TrainConfig& c, const Corpus& corpus,
-                   const Summary& s, int threads, const std::string& backend) {
+void print_summary(const TrainConfig& c, const Corpus& corpus, const Summary& s, int threads,
+                   const std::string& backend) {
   const MeshShape& m = c.par.mesh;
   std::printf(
       "loom train: dp=%d tp=%d ulysses=%d ring=%d (%d rank%s x %d thread%s, %s backend), "
@@ -219,23 +219,23 @@ void print_summary(const TrainOptions& o, const TrainConfig& c, const Corpus& co
   std::printf("  speed     %.0f tokens/s (%lld tokens in %s)\n",
               s.seconds > 0 ? static_cast<double>(s.tokens) / s.seconds : 0.0, (long long)s.tokens,
               human_time(s.seconds).c_str());
-  std::printf("  %-4s %12s %12s %10s %14s %14s %14s\n", "rank", "attention_s", "other_fb_s",
-              "update_s", "activations", "model+adam", "peak (sum)");
+  std::printf("  %-4s %12s %12s %10s %14s %14s %14s %14s\n", "rank", "attention_s", "other_fb_s",
+              "update_s", "activations", "model+adam", "peak (sum)", "process RSS");
   for (size_t r = 0; r < s.ranks.size(); ++r) {
     const model::RankReport& x = s.ranks[r];
-    std::printf("  %-4zu %12.3f %12.3f %10.3f %14s %14s %14s\n", r, x.attention_s,
+    std::printf("  %-4zu %12.3f %12.3f %10.3f %14s %14s %14s %14s\n", r, x.attention_s,
                 x.total_s - x.attention_s, x.update_s, human_bytes(x.act_bytes_peak).c_str(),
                 human_bytes(x.state_bytes).c_str(),
-                human_bytes(x.act_bytes_peak + x.state_bytes).c_str());
+                human_bytes(x.act_bytes_peak + x.state_bytes).c_str(),
+                human_bytes(x.peak_rss).c_str());
   }
   std::printf(
       "  times     attention_s: CpAttention forward + backward (with its communication); "
       "other_fb_s: the rest of forward + backward; update_s: gradient sums, clipping, AdamW\n");
   std::printf(
-      "  memory    activations = peak bytes kept for backward (computed); process peak "
-      "RSS %s\n",
-      human_bytes(static_cast<double>(peak_rss_bytes())).c_str());
-  (void)o;
+      "  memory    activations: peak bytes kept for backward (computed per rank); process RSS: "
+      "peak resident set of the rank's process (%s)\n",
+      backend == "local" ? "the local backend's ranks share one process" : "one per rank");
 }
 
 int run_train(const TrainOptions& o) {
@@ -283,6 +283,17 @@ int run_train(const TrainOptions& o) {
   c.par.threads = threads;
   model::validate(c.model, c.par, world, c.seq);
   const Corpus corpus = model::load_corpus(o.data.empty() ? default_data() : o.data);
+  // Unwritable outputs fail here, before any rank starts (nothing is truncated yet).
+  if (!o.log.empty()) {
+    std::ofstream probe(o.log, std::ios::app);
+    LOOM_CHECK(probe.good(), IoError, "cannot write --log " << o.log);
+  }
+  if (!o.checkpoint_dir.empty() && !o.resume) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.checkpoint_dir, ec);
+    LOOM_CHECK(std::filesystem::is_directory(o.checkpoint_dir), IoError,
+               "cannot create --checkpoint-dir " << o.checkpoint_dir);
+  }
   model::set_blas_threads(threads);
 
   Summary sum;
@@ -294,7 +305,7 @@ int run_train(const TrainOptions& o) {
   } else {
     run_local(world, [&](Communicator& w) { train_rank(w, o, c, corpus, sum); });
   }
-  print_summary(o, c, corpus, sum, threads, backend);
+  print_summary(c, corpus, sum, threads, backend);
   return 0;
 }
 
