@@ -10,7 +10,7 @@
 // gradients for a replicated head are summed on the way back.
 #include "ulysses.h"
 
-#include <cstring>
+#include <algorithm>
 
 #include "loom/timer.h"
 
@@ -166,7 +166,7 @@ void lse_to_seq(const UlyssesGroup& g, const std::vector<float>& lsel, int64_t h
   std::vector<float> recv;
   a2a(g, send, sc, recv, rc, m);
   // from p: [hl][n] for heads [p hl, (p+1) hl) == lse[p hl .. ] rows, contiguous
-  std::memcpy(lse, recv.data(), sizeof(float) * static_cast<size_t>(heads * n));
+  std::copy_n(recv.data(), heads * n, lse);
 }
 
 }  // namespace loom::cp_detail
