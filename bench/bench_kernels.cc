@@ -31,10 +31,12 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "loom/attention.h"
@@ -52,7 +54,9 @@ namespace {
 constexpr double kCheckTol = 1e-5;  // = kFp32RelTol of tests/unit/tolerance.h
 
 struct Options {
-  std::vector<int64_t> seqs = {1024, 4096};
+  std::vector<int64_t> seqs = {4096};
+  std::vector<std::string> dtypes = {"fp32", "bf16"};
+  int64_t ring = 512;  // ring-step rows: ring x ring, full mask (0: none)
   std::vector<int64_t> dims = {64, 128};
   int64_t heads = 8, kv_heads = 8;
   int64_t block_q = 64, block_k = 64;
@@ -71,16 +75,16 @@ Tensor<float> random_normal(std::vector<int64_t> shape, uint32_t seed) {
   return x;
 }
 
-// Seconds of the fastest call of f: calls until min_time has passed, after one untimed warm-up
-// when the first call was short.
+// Seconds of the fastest call of f: one untimed warm-up, then at least kMinReps timed calls and
+// more until min_time has passed. The best of several calls is what a shared machine's load
+// disturbs least.
+constexpr int kMinReps = 3;
 template <class F>
 double best_time(F&& f, double min_time) {
-  Stopwatch first;
   f();
-  double best = first.elapsed_s();
-  if (best >= min_time) return best;
+  double best = 1e300;
   Stopwatch total;
-  while (total.elapsed_s() < min_time) {
+  for (int rep = 0; rep < kMinReps || total.elapsed_s() < min_time; ++rep) {
     Stopwatch sw;
     f();
     best = std::min(best, sw.elapsed_s());
@@ -134,21 +138,34 @@ double sgemm_gflops(int64_t n, int threads, double min_time) {
 // Kernels
 
 struct Row {
-  int64_t seq, heads, kv_heads, dim;
+  std::string dtype;  // storage: fp32 or bf16
+  int64_t sq, sk, heads, kv_heads, dim;
   bool causal;
   int threads;
   int64_t visible_pairs;
   double fwd_s, bwd_s, fwd_gflops, bwd_gflops, gemm_gflops;
+  double fwd_ratio() const { return fwd_gflops / gemm_gflops; }
+  double bwd_ratio() const { return bwd_gflops / gemm_gflops; }
 };
 
-Row run_shape(const Options& o, int64_t s, int64_t d, bool causal, int threads,
-              double gemm_gflops) {
+// One shape: sq query rows at positions [sk - sq, sk) against sk keys at [0, sk) (sq == sk: the
+// whole sequence; sq < sk with !causal: one ring step's block pair).
+template <class T>
+Row run_shape_t(const Options& o, int64_t sq, int64_t sk, int64_t d, bool causal, int threads,
+                double gemm_gflops, const char* dtype) {
   const int64_t h = o.heads, hkv = o.kv_heads;
-  const Tensor<float> q = random_normal({s, h, d}, 11), k = random_normal({s, hkv, d}, 12),
-                      v = random_normal({s, hkv, d}, 13), dout = random_normal({s, h, d}, 14);
-  std::vector<int64_t> pos(static_cast<size_t>(s));
-  std::iota(pos.begin(), pos.end(), 0);
-  const Tokens t{pos.data(), nullptr, s};
+  const Tensor<float> q32 = random_normal({sq, h, d}, 11), k32 = random_normal({sk, hkv, d}, 12),
+                      v32 = random_normal({sk, hkv, d}, 13), do32 = random_normal({sq, h, d}, 14);
+  Tensor<T> q, k, v, dout;
+  if constexpr (std::is_same_v<T, float>) {
+    q = q32, k = k32, v = v32, dout = do32;
+  } else {
+    q = convert<T>(q32), k = convert<T>(k32), v = convert<T>(v32), dout = convert<T>(do32);
+  }
+  std::vector<int64_t> kpos(static_cast<size_t>(sk));
+  std::iota(kpos.begin(), kpos.end(), 0);
+  const Tokens kt{kpos.data(), nullptr, sk};
+  const Tokens qt{kpos.data() + (sk - sq), nullptr, sq};
   KernelConfig cfg;
   cfg.mask = Mask{causal, 0};
   cfg.scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -156,27 +173,29 @@ Row run_shape(const Options& o, int64_t s, int64_t d, bool causal, int threads,
   cfg.block_q = o.block_q;
   cfg.block_k = o.block_k;
 
-  SoftmaxState st(s, h, d);
-  Tensor<float> out({s, h, d});
-  std::vector<float> lse(static_cast<size_t>(h * s)), delta(static_cast<size_t>(h * s));
+  SoftmaxState st(sq, h, d);
+  Tensor<T> out({sq, h, d});
+  std::vector<float> lse(static_cast<size_t>(h * sq)), delta(static_cast<size_t>(h * sq));
   KernelStats stats;
   const double fwd_s = best_time(
       [&] {
         st.reset();
-        stats = attend(st.view(), q.view3(), k.view3(), v.view3(), t, t, cfg);
-        finish(st.view(), out.view3(), lse.data(), s);
+        stats = attend(st.view(), q.view3(), k.view3(), v.view3(), qt, kt, cfg);
+        finish(st.view(), out.view3(), lse.data(), sq);
       },
       o.min_time);
-  compute_delta(out.view3(), dout.view3(), delta.data(), s);
-  Tensor<float> dq({s, h, d}), dk({s, hkv, d}), dv({s, hkv, d});
+  compute_delta(View3<const T>(out.view3()), dout.view3(), delta.data(), sq);
+  Tensor<float> dq({sq, h, d}), dk({sk, hkv, d}), dv({sk, hkv, d});
   const double bwd_s = best_time(
       [&] {
-        attend_backward(q.view3(), k.view3(), v.view3(), dout.view3(), lse.data(), delta.data(), s,
-                        t, t, cfg, dq.view3(), dk.view3(), dv.view3());
+        attend_backward(q.view3(), k.view3(), v.view3(), dout.view3(), lse.data(), delta.data(), sq,
+                        qt, kt, cfg, dq.view3(), dk.view3(), dv.view3());
       },
       o.min_time);
   const double fwd_flops = 4.0 * static_cast<double>(d) * static_cast<double>(stats.visible_pairs);
-  return Row{s,
+  return Row{dtype,
+             sq,
+             sk,
              h,
              hkv,
              d,
@@ -188,6 +207,12 @@ Row run_shape(const Options& o, int64_t s, int64_t d, bool causal, int threads,
              fwd_flops / fwd_s * 1e-9,
              2.5 * fwd_flops / bwd_s * 1e-9,
              gemm_gflops};
+}
+
+Row run_shape(const Options& o, const std::string& dtype, int64_t sq, int64_t sk, int64_t d,
+              bool causal, int threads, double gemm_gflops) {
+  if (dtype == "bf16") return run_shape_t<bf16>(o, sq, sk, d, causal, threads, gemm_gflops, "bf16");
+  return run_shape_t<float>(o, sq, sk, d, causal, threads, gemm_gflops, "fp32");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -257,51 +282,141 @@ int run(const Options& o) {
     if (!ok) return 1;
   }
 
+  std::printf("kernel path: %s (LOOM_KERNEL = portable | avx512 | avx512bf16 | auto)\n",
+              kernel_path());
   std::printf("sgemm: %s, M = N = K = %lld, measured right before each row with its threads\n",
               kGemmName, static_cast<long long>(o.gemm_n));
-  std::printf("\n%6s %3s %4s %4s %6s %3s %7s | %9s %8s %6s | %9s %8s %6s\n", "S", "H", "Hkv", "D",
-              "mask", "thr", "sgemm", "fwd ms", "GFLOP/s", "/gemm", "bwd ms", "GFLOP/s", "/gemm");
+  std::printf("\n%5s %6s %6s %3s %4s %4s %6s %3s %7s | %9s %8s %6s | %9s %8s %6s\n", "dtype", "Sq",
+              "Sk", "H", "Hkv", "D", "mask", "thr", "sgemm", "fwd ms", "GFLOP/s", "/gemm", "bwd ms",
+              "GFLOP/s", "/gemm");
   nlohmann::json rows = nlohmann::json::array();
-  for (int64_t s : o.seqs) {
-    for (int64_t d : o.dims) {
-      for (bool causal : {true, false}) {
-        for (int threads : thread_counts) {
-          // The sgemm rate right before the row: on a shared machine the load drifts, and a ratio
-          // of two measurements minutes apart would mostly measure that drift.
-          const double gemm = sgemm_gflops(o.gemm_n, threads, o.min_time);
+  std::vector<Row> done;
+  auto measure = [&](const std::string& dtype, int64_t sq, int64_t sk, int64_t d, bool causal,
+                     int threads) {
+    // The sgemm rate right before the row: on a shared machine the load drifts, and a ratio
+    // of two measurements minutes apart would mostly measure that drift.
+    const double gemm = sgemm_gflops(o.gemm_n, threads, o.min_time);
 #if LOOM_BENCH_OPENBLAS
-          // OpenBLAS's worker threads keep spinning for a while after a call; on a machine with
-          // few cores they would compete with the kernels' OpenMP threads. Let them go idle.
-          openblas_set_num_threads(1);
-          if (threads > 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    // OpenBLAS's worker threads keep spinning for a while after a call; on a machine with
+    // few cores they would compete with the kernels' OpenMP threads. Let them go idle.
+    openblas_set_num_threads(1);
+    if (threads > 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
 #endif
-          const Row r = run_shape(o, s, d, causal, threads, gemm);
-          std::printf(
-              "%6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | %9.1f %8.1f %6.2f\n",
-              static_cast<long long>(r.seq), static_cast<long long>(r.heads),
-              static_cast<long long>(r.kv_heads), static_cast<long long>(r.dim),
-              r.causal ? "causal" : "full", r.threads, r.gemm_gflops, r.fwd_s * 1e3, r.fwd_gflops,
-              r.fwd_gflops / r.gemm_gflops, r.bwd_s * 1e3, r.bwd_gflops,
-              r.bwd_gflops / r.gemm_gflops);
-          std::fflush(stdout);
-          rows.push_back({{"seq", r.seq},
-                          {"heads", r.heads},
-                          {"kv_heads", r.kv_heads},
-                          {"dim", r.dim},
-                          {"causal", r.causal},
-                          {"threads", r.threads},
-                          {"visible_pairs", r.visible_pairs},
-                          {"fwd_s", r.fwd_s},
-                          {"bwd_s", r.bwd_s},
-                          {"fwd_gflops", r.fwd_gflops},
-                          {"bwd_gflops", r.bwd_gflops},
-                          {"gemm_gflops", r.gemm_gflops},
-                          {"fwd_ratio", r.fwd_gflops / r.gemm_gflops},
-                          {"bwd_ratio", r.bwd_gflops / r.gemm_gflops}});
-        }
+    const Row r = run_shape(o, dtype, sq, sk, d, causal, threads, gemm);
+    std::printf(
+        "%5s %6lld %6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | %9.1f %8.1f "
+        "%6.2f\n",
+        r.dtype.c_str(), static_cast<long long>(r.sq), static_cast<long long>(r.sk),
+        static_cast<long long>(r.heads), static_cast<long long>(r.kv_heads),
+        static_cast<long long>(r.dim), r.causal ? "causal" : "full", r.threads, r.gemm_gflops,
+        r.fwd_s * 1e3, r.fwd_gflops, r.fwd_ratio(), r.bwd_s * 1e3, r.bwd_gflops, r.bwd_ratio());
+    std::fflush(stdout);
+    rows.push_back({{"dtype", r.dtype},
+                    {"seq_q", r.sq},
+                    {"seq_k", r.sk},
+                    {"heads", r.heads},
+                    {"kv_heads", r.kv_heads},
+                    {"dim", r.dim},
+                    {"causal", r.causal},
+                    {"threads", r.threads},
+                    {"visible_pairs", r.visible_pairs},
+                    {"fwd_s", r.fwd_s},
+                    {"bwd_s", r.bwd_s},
+                    {"fwd_gflops", r.fwd_gflops},
+                    {"bwd_gflops", r.bwd_gflops},
+                    {"gemm_gflops", r.gemm_gflops},
+                    {"fwd_ratio", r.fwd_ratio()},
+                    {"bwd_ratio", r.bwd_ratio()}});
+    done.push_back(r);
+  };
+  for (const std::string& dtype : o.dtypes)
+    for (int64_t s : o.seqs)
+      for (int64_t d : o.dims)
+        for (bool causal : {false, true})
+          for (int threads : thread_counts) measure(dtype, s, s, d, causal, threads);
+  // Ring-step size: one shard's queries against one KV block (a later, unmasked ring step).
+  if (o.ring > 0)
+    for (const std::string& dtype : o.dtypes)
+      for (int64_t d : o.dims) measure(dtype, o.ring, o.ring, d, false, 1);
+
+  // The issue's targets as ratios of rows of this run: kernel rates over the best sgemm rate
+  // this run measured with the same thread count (each row's sgemm is measured right before it;
+  // the best of them is the machine's quiet-moment rate, as the kernel times are best-of calls),
+  // and rates of rows over each other.
+  std::map<int, double> best_gemm;
+  for (const Row& r : done) best_gemm[r.threads] = std::max(best_gemm[r.threads], r.gemm_gflops);
+  for (Row& r : done) r.gemm_gflops = best_gemm[r.threads];
+  std::printf("\nbest sgemm of the run:");
+  for (const auto& [threads, g] : best_gemm) std::printf(" %.1f GFLOP/s (%d thr)", g, threads);
+  std::printf("\n");
+  if (best_gemm.size() >= 2)  // how much a second thread could add on this machine right now
+    std::printf(
+        "sgemm scaling of the run: %.2f x (%d thr / 1 thr); below ~1.9 the cores were "
+        "busy with other work and the 2-thread rows do not measure loom's scaling\n",
+        best_gemm.rbegin()->second / best_gemm.begin()->second, best_gemm.rbegin()->first);
+  doc["best_sgemm"] = nlohmann::json::object();
+  for (const auto& [threads, g] : best_gemm) doc["best_sgemm"][std::to_string(threads)] = g;
+  auto find = [&](const std::string& dtype, int64_t sq, int64_t d, bool causal,
+                  int threads) -> const Row* {
+    for (const Row& r : done)
+      if (r.dtype == dtype && r.sq == sq && r.dim == d && r.causal == causal &&
+          r.threads == threads)
+        return &r;
+    return nullptr;
+  };
+  nlohmann::json targets = nlohmann::json::array();
+  auto target = [&](const std::string& what, double value, double goal) {
+    std::printf("  %-62s %6.2f  (target >= %.2f: %s)\n", what.c_str(), value, goal,
+                value >= goal ? "met" : "NOT met");
+    targets.push_back({{"what", what}, {"value", value}, {"target", goal}});
+  };
+  std::printf("\ntargets (issue 6), from the rows above:\n");
+  const int64_t big = o.seqs.back();
+  for (int64_t d : o.dims) {
+    const Row* full = find("fp32", big, d, false, 1);
+    const Row* causal = find("fp32", big, d, true, 1);
+    const std::string tag = " S=" + std::to_string(big) + " D=" + std::to_string(d);
+    if (full) {
+      target("fp32 fwd / best sgemm, full, 1 thr," + tag, full->fwd_ratio(), 0.85);
+      target("fp32 bwd / best sgemm, full, 1 thr," + tag, full->bwd_ratio(), 0.70);
+    }
+    if (full && causal) {
+      target("causal fwd useful rate / full fwd rate, fp32, 1 thr," + tag,
+             causal->fwd_gflops / full->fwd_gflops, 0.80);
+    }
+    for (const std::string& dtype : o.dtypes) {
+      const Row* one = find(dtype, big, d, false, 1);
+      const Row* two = find(dtype, big, d, false, 2);
+      if (one && two) {
+        target(dtype + " fwd 2 thr / 1 thr, full," + tag, two->fwd_gflops / one->fwd_gflops, 1.85);
+        target(dtype + " bwd 2 thr / 1 thr, full," + tag, two->bwd_gflops / one->bwd_gflops, 1.85);
+      }
+      const Row* ring = find(dtype, o.ring, d, false, 1);
+      if (one && ring && o.ring != big) {
+        const std::string rt = " " + std::to_string(o.ring) + "x" + std::to_string(o.ring) +
+                               " / S=" + std::to_string(big) + ", D=" + std::to_string(d);
+        target(dtype + " ring-step fwd," + rt, ring->fwd_gflops / one->fwd_gflops, 0.75);
+        target(dtype + " ring-step bwd," + rt, ring->bwd_gflops / one->bwd_gflops, 0.75);
+      }
+    }
+    const Row* b16 = find("bf16", big, d, false, 1);
+    if (full && b16)
+      target("bf16 fwd / fp32 fwd, full, 1 thr," + tag, b16->fwd_gflops / full->fwd_gflops, 1.6);
+  }
+  if (o.dims.size() >= 2) {
+    for (const std::string& dtype : o.dtypes) {
+      const Row* small = find(dtype, big, o.dims.front(), false, 1);
+      const Row* large = find(dtype, big, o.dims.back(), false, 1);
+      if (small && large) {
+        const std::string tag = ", full, 1 thr, D=" + std::to_string(o.dims.front()) +
+                                " / D=" + std::to_string(o.dims.back());
+        target(dtype + " fwd" + tag, small->fwd_gflops / large->fwd_gflops, 0.85);
+        target(dtype + " bwd" + tag, small->bwd_gflops / large->bwd_gflops, 0.85);
       }
     }
   }
+  doc["targets"] = targets;
+  doc["kernel_path"] = kernel_path();
   doc["results"] = rows;
   if (!o.json.empty()) {
     std::ofstream f(o.json);
@@ -319,6 +434,8 @@ int main(int argc, char** argv) {
   CLI::App app{"bench_kernels: blockwise attention GFLOP/s next to the measured sgemm rate"};
   app.add_option("--seq", o.seqs, "sequence lengths")->delimiter(',');
   app.add_option("--dim", o.dims, "head dims")->delimiter(',');
+  app.add_option("--dtype", o.dtypes, "storage types: fp32, bf16")->delimiter(',');
+  app.add_option("--ring", o.ring, "ring-step rows: queries = keys = this, full mask (0: none)");
   app.add_option("--heads", o.heads, "query heads");
   app.add_option("--kv-heads", o.kv_heads, "kv heads (divides --heads)");
   app.add_option("--block-q", o.block_q, "tile rows");

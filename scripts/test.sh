@@ -17,6 +17,8 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE=ON \
   -DLOOM_WITH_MPI=OFF -DLOOM_BUILD_BENCH=OFF > /dev/null
 cmake --build build-asan -j "$jobs" --target "${sanitized[@]}"
 regex="^($(IFS='|'; echo "${sanitized[*]}"))\$"
-(cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+# The 7- and 8-rank cases of test_cp_local ran in the Release pass; under the sanitizers they
+# would double this pass's time for no new code paths.
+(cd build-asan && GTEST_FILTER='-*_P7_*:*_P8_*' ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
    ctest --output-on-failure -j "$jobs" -R "$regex")

@@ -15,7 +15,8 @@
 // Rows that see no key. A query row that sees no key at all (possible with windows, documents or
 // arbitrary positions) has out = 0 and lse = -inf, and contributes nothing to dq/dk/dv; never NaN.
 //
-// Precision. Storage fp32; every accumulation (scores, m, l, acc, lse, dq/dk/dv) is fp32.
+// Precision. Storage fp32 (or bf16: the overloads at the end); every accumulation (scores, m, l,
+// acc, lse, dq/dk/dv) is fp32.
 //
 // Threads. Each call uses up to `threads` OpenMP threads (0: the OpenMP default). Forward splits
 // work over (head, q-tile); backward over (kv-head, k-tile) for dk/dv, with dq reduced without
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "loom/bf16.h"
 #include "loom/tensor.h"
 
 namespace loom {
@@ -162,6 +164,41 @@ KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<co
 // Writes the result into (out_a, lse_a). Both -inf: out_a = 0, lse_a = -inf.
 void merge(View3<float> out_a, float* lse_a, View3<const float> out_b, const float* lse_b,
            int64_t lse_stride);
+
+// ---------------------------------------------------------------------------------------------
+// bf16 storage. The same kernels with q, k, v (and out, dout) stored in bf16 and every
+// accumulation in fp32: the softmax state (acc, m, l), lse, delta and the dq, dk, dv accumulators
+// are the fp32 objects of the functions above, with the same shapes and contracts. So a
+// context-parallel ring can keep and send its KV blocks in bf16 (half the bytes) while its state
+// and the dk/dv partials travelling with a block stay fp32, and a state filled by bf16 attends
+// can be finished to fp32 or bf16 (or mixed with fp32 attends).
+//
+// Precision: the scores q k^T and (on CPUs with AVX512-BF16) the product p v are formed from bf16
+// operands with fp32 sums; p is rounded to bf16 for p v only (l sums the unrounded p, so lse has
+// fp32 accuracy). finish() to bf16 rounds out (relative u = 2^-8 per element); compute_delta on
+// that out carries its rounding into dq and dk. The backward itself is fp32 on the exact bf16
+// inputs (dv has fp32 accuracy). The error bounds against the fp64 reference on the same bf16
+// inputs are derived in tests/unit/tolerance.h ("bf16 storage").
+
+KernelStats attend(StateView st, View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                   Tokens qt, Tokens kt, const KernelConfig& cfg);
+
+// As finish() above, out rounded to bf16 (nearest even); lse fp32.
+void finish(StateView st, View3<bf16> out, float* lse, int64_t lse_stride);
+
+// delta from bf16 out and dout (widened exactly; fp32 sums).
+void compute_delta(View3<const bf16> out, View3<const bf16> dout, float* delta, int64_t stride);
+
+// As attend_backward() above with bf16 q, k, v, dout; dq, dk, dv fp32 accumulators (+=).
+KernelStats attend_backward(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                            View3<const bf16> dout, const float* lse, const float* delta,
+                            int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
+                            View3<float> dq, View3<float> dk, View3<float> dv);
+
+// The instruction-set path the kernels take in this process now: "portable", "avx512" or
+// "avx512bf16" (chosen per call from the CPU and the LOOM_KERNEL environment variable =
+// portable | avx512 | avx512bf16 | auto; see src/kernels/tile_ops.h).
+const char* kernel_path();
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

@@ -136,6 +136,15 @@ class CpAttention {
                 View3<const float> out, View3<const float> dout, const float* lse, View3<float> dq,
                 View3<float> dk, View3<float> dv);
 
+  // bf16 storage: q, k, v, out, dout in bf16 (KV blocks travel in bf16, half the bytes); the
+  // softmax state, lse and every gradient accumulator stay fp32 (dK, dV partials travel in
+  // fp32), and dq, dk, dv are returned in fp32.
+  void forward(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v, View3<bf16> out,
+               float* lse);
+  void backward(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                View3<const bf16> out, View3<const bf16> dout, const float* lse, View3<float> dq,
+                View3<float> dk, View3<float> dv);
+
   CpMetrics& metrics();
 
   struct Impl;  // opaque

@@ -77,7 +77,8 @@ void zero(View3<float> x) {
     for (int64_t h = 0; h < x.h; ++h) std::fill_n(x.row(i, h), x.d, 0.0f);
 }
 
-void check_view(const char* name, View3<const float> x, int64_t rows, int64_t heads, int64_t dim) {
+template <class T>
+void check_view(const char* name, View3<const T> x, int64_t rows, int64_t heads, int64_t dim) {
   LOOM_CHECK(x.s == rows && x.h == heads && x.d == dim && (x.data != nullptr || rows == 0),
              InvalidArgument,
              name << " must be [" << rows << ", " << heads << ", " << dim << "] on this rank, got ["
@@ -161,14 +162,15 @@ CpMetrics& CpAttention::metrics() {
 namespace {
 
 // The all-gather strategy's padded gather of K and V: [P][2 max_n Hkv D] (k rows, then v rows).
-std::vector<float> gather_kv(CpAttention::Impl& s, View3<const float> k, View3<const float> v) {
+template <class T>
+std::vector<T> gather_kv(CpAttention::Impl& s, View3<const T> k, View3<const T> v) {
   const int64_t row = s.kv_heads * s.dim, max_n = s.plan.max_rows(), n = k.s;
-  std::vector<float> mine(static_cast<size_t>(2 * max_n * row), 0.0f);
+  std::vector<T> mine(static_cast<size_t>(2 * max_n * row), T{});
   cp_detail::pack(k, mine.data());
   cp_detail::pack(v, mine.data() + n * row);
-  std::vector<float> all(static_cast<size_t>(s.P) * mine.size());
+  std::vector<T> all(static_cast<size_t>(s.P) * mine.size());
   const double t0 = now_s();
-  s.cp.all_gather(mine.data(), mine.size() * sizeof(float), all.data());
+  s.cp.all_gather(mine.data(), mine.size() * sizeof(T), all.data());
   const double t1 = now_s();
   s.metrics.comm_s += t1 - t0;
   s.metrics.wait_s += t1 - t0;
@@ -176,37 +178,39 @@ std::vector<float> gather_kv(CpAttention::Impl& s, View3<const float> k, View3<c
   return all;
 }
 
-View3<float> rows_view(float* p, int64_t rows, int64_t heads, int64_t dim) {
-  return View3<float>{p, rows, heads, dim, heads * dim, dim};
+template <class T>
+View3<T> rows_view(T* p, int64_t rows, int64_t heads, int64_t dim) {
+  return View3<T>{p, rows, heads, dim, heads * dim, dim};
 }
 
 }  // namespace
 
-void CpAttention::forward(View3<const float> q, View3<const float> k, View3<const float> v,
-                          View3<float> out, float* lse) {
-  Impl& s = *impl_;
+namespace {
+
+template <class T>
+void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View3<const T> v,
+                  View3<T> out, float* lse) {
   const int64_t n = s.plan.rows(s.me);
-  check_view("q", q, n, s.heads, s.dim);
-  check_view("k", k, n, s.kv_heads, s.dim);
-  check_view("v", v, n, s.kv_heads, s.dim);
-  check_view("out", out, n, s.heads, s.dim);
+  check_view<T>("q", q, n, s.heads, s.dim);
+  check_view<T>("k", k, n, s.kv_heads, s.dim);
+  check_view<T>("v", v, n, s.kv_heads, s.dim);
+  check_view<T>("out", out, n, s.heads, s.dim);
   LOOM_CHECK(lse != nullptr || n == 0, InvalidArgument, "lse must not be null");
   const int64_t sent0 = s.bytes(true), recv0 = s.bytes(false);
   CpMetrics& m = s.metrics;
 
   if (s.cfg.strategy == Strategy::allgather) {
-    const std::vector<float> all = gather_kv(s, k, v);
+    const std::vector<T> all = gather_kv<T>(s, k, v);
     const int64_t row = s.kv_heads * s.dim, max_n = s.plan.max_rows();
     SoftmaxState st(n, s.heads, s.dim);
     m.step_tiles.assign(s.P, 0);
     for (int j = 0; j < s.P; ++j) {
-      const float* base = all.data() + static_cast<size_t>(j) * 2 * max_n * row;
+      const T* base = all.data() + static_cast<size_t>(j) * 2 * max_n * row;
       const int64_t nj = s.blocks[j].rows;
       const double t0 = now_s();
-      const KernelStats ks = cp_detail::attend_blocks(
-          st.view(), q, s.blocks[s.me], rows_view(const_cast<float*>(base), nj, s.kv_heads, s.dim),
-          rows_view(const_cast<float*>(base) + nj * row, nj, s.kv_heads, s.dim), s.blocks[j],
-          s.cfg.kernel);
+      const KernelStats ks = cp_detail::attend_blocks<T>(
+          st.view(), q, s.blocks[s.me], rows_view<const T>(base, nj, s.kv_heads, s.dim),
+          rows_view<const T>(base + nj * row, nj, s.kv_heads, s.dim), s.blocks[j], s.cfg.kernel);
       const double t1 = now_s();
       m.compute_s += t1 - t0;
       if (m.record_spans) m.spans.push_back(CpMetrics::Span{"compute", j, t0, t1});
@@ -217,41 +221,41 @@ void CpAttention::forward(View3<const float> q, View3<const float> k, View3<cons
     finish(st.view(), out, lse, n);
   } else if (s.U == 1) {
     SoftmaxState st(n, s.heads, s.dim);
-    cp_detail::ring_forward(s.ring, s.blocks, q, k, v, st.view(), s.cfg.kernel, m);
+    cp_detail::ring_forward<T>(s.ring, s.blocks, q, k, v, st.view(), s.cfg.kernel, m);
     finish(st.view(), out, lse, n);
   } else {
-    const Tensor<float> ql = cp_detail::seq_to_head(s.group, q, m);
-    const Tensor<float> kl = s.replicate_kv ? cp_detail::seq_to_head_replicated(s.group, k, m)
-                                            : cp_detail::seq_to_head(s.group, k, m);
-    const Tensor<float> vl = s.replicate_kv ? cp_detail::seq_to_head_replicated(s.group, v, m)
-                                            : cp_detail::seq_to_head(s.group, v, m);
+    const Tensor<T> ql = cp_detail::seq_to_head<T>(s.group, q, m);
+    const Tensor<T> kl = s.replicate_kv ? cp_detail::seq_to_head_replicated<T>(s.group, k, m)
+                                        : cp_detail::seq_to_head<T>(s.group, k, m);
+    const Tensor<T> vl = s.replicate_kv ? cp_detail::seq_to_head_replicated<T>(s.group, v, m)
+                                        : cp_detail::seq_to_head<T>(s.group, v, m);
     const int64_t N = s.group.total(), hl = s.heads / s.U;
     SoftmaxState st(N, hl, s.dim);
-    cp_detail::ring_forward(s.ring, s.blocks, ql.view3(), kl.view3(), vl.view3(), st.view(),
-                            s.cfg.kernel, m);
-    Tensor<float> outl({N, hl, s.dim});
+    cp_detail::ring_forward<T>(s.ring, s.blocks, ql.view3(), kl.view3(), vl.view3(), st.view(),
+                               s.cfg.kernel, m);
+    Tensor<T> outl({N, hl, s.dim});
     std::vector<float> lsel(static_cast<size_t>(hl * N));
     finish(st.view(), outl.view3(), lsel.data(), N);
-    cp_detail::head_to_seq(s.group, outl, out, m);
+    cp_detail::head_to_seq<T>(s.group, outl, out, m);
     cp_detail::lse_to_seq(s.group, lsel, s.heads, lse, m);
   }
   m.bytes_sent += s.bytes(true) - sent0;
   m.bytes_recv += s.bytes(false) - recv0;
 }
 
-void CpAttention::backward(View3<const float> q, View3<const float> k, View3<const float> v,
-                           View3<const float> out, View3<const float> dout, const float* lse,
-                           View3<float> dq, View3<float> dk, View3<float> dv) {
-  Impl& s = *impl_;
+template <class T>
+void backward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View3<const T> v,
+                   View3<const T> out, View3<const T> dout, const float* lse, View3<float> dq,
+                   View3<float> dk, View3<float> dv) {
   const int64_t n = s.plan.rows(s.me);
-  check_view("q", q, n, s.heads, s.dim);
-  check_view("k", k, n, s.kv_heads, s.dim);
-  check_view("v", v, n, s.kv_heads, s.dim);
-  check_view("out", out, n, s.heads, s.dim);
-  check_view("dout", dout, n, s.heads, s.dim);
-  check_view("dq", dq, n, s.heads, s.dim);
-  check_view("dk", dk, n, s.kv_heads, s.dim);
-  check_view("dv", dv, n, s.kv_heads, s.dim);
+  check_view<T>("q", q, n, s.heads, s.dim);
+  check_view<T>("k", k, n, s.kv_heads, s.dim);
+  check_view<T>("v", v, n, s.kv_heads, s.dim);
+  check_view<T>("out", out, n, s.heads, s.dim);
+  check_view<T>("dout", dout, n, s.heads, s.dim);
+  check_view<float>("dq", dq, n, s.heads, s.dim);
+  check_view<float>("dk", dk, n, s.kv_heads, s.dim);
+  check_view<float>("dv", dv, n, s.kv_heads, s.dim);
   LOOM_CHECK(lse != nullptr || n == 0, InvalidArgument, "lse must not be null");
   const int64_t sent0 = s.bytes(true), recv0 = s.bytes(false);
   CpMetrics& m = s.metrics;
@@ -259,21 +263,21 @@ void CpAttention::backward(View3<const float> q, View3<const float> k, View3<con
   if (s.cfg.strategy == Strategy::allgather) {
     std::vector<float> delta(static_cast<size_t>(s.heads * n));
     compute_delta(out, dout, delta.data(), n);
-    const std::vector<float> all = gather_kv(s, k, v);
+    const std::vector<T> all = gather_kv<T>(s, k, v);
     const int64_t row = s.kv_heads * s.dim, max_n = s.plan.max_rows();
     const size_t per = static_cast<size_t>(2 * max_n * row);
     std::vector<float> dkv_all(static_cast<size_t>(s.P) * per, 0.0f);
     zero(dq);
     for (int j = 0; j < s.P; ++j) {
-      float* base = const_cast<float*>(all.data()) + j * per;
+      const T* base = all.data() + j * per;
       float* dbase = dkv_all.data() + j * per;
       const int64_t nj = s.blocks[j].rows;
       const double t0 = now_s();
-      const KernelStats ks = cp_detail::attend_backward_blocks(
-          q, s.blocks[s.me], rows_view(base, nj, s.kv_heads, s.dim),
-          rows_view(base + nj * row, nj, s.kv_heads, s.dim), s.blocks[j], dout, lse, delta.data(),
-          s.cfg.kernel, dq, rows_view(dbase, nj, s.kv_heads, s.dim),
-          rows_view(dbase + nj * row, nj, s.kv_heads, s.dim));
+      const KernelStats ks = cp_detail::attend_backward_blocks<T>(
+          q, s.blocks[s.me], rows_view<const T>(base, nj, s.kv_heads, s.dim),
+          rows_view<const T>(base + nj * row, nj, s.kv_heads, s.dim), s.blocks[j], dout, lse,
+          delta.data(), s.cfg.kernel, dq, rows_view<float>(dbase, nj, s.kv_heads, s.dim),
+          rows_view<float>(dbase + nj * row, nj, s.kv_heads, s.dim));
       const double t1 = now_s();
       m.compute_s += t1 - t0;
       if (m.record_spans) m.spans.push_back(CpMetrics::Span{"compute", j, t0, t1});
@@ -286,40 +290,64 @@ void CpAttention::backward(View3<const float> q, View3<const float> k, View3<con
     m.comm_s += t1 - t0;
     m.wait_s += t1 - t0;
     if (m.record_spans) m.spans.push_back(CpMetrics::Span{"reduce_scatter", -1, t0, t1});
-    cp_detail::unpack(mine.data(), dk);
-    cp_detail::unpack(mine.data() + n * row, dv);
+    cp_detail::unpack<float>(mine.data(), dk);
+    cp_detail::unpack<float>(mine.data() + n * row, dv);
   } else if (s.U == 1) {
     std::vector<float> delta(static_cast<size_t>(s.heads * n));
     compute_delta(out, dout, delta.data(), n);
-    cp_detail::ring_backward(s.ring, s.blocks, q, k, v, dout, lse, delta.data(), s.cfg.kernel, dq,
-                             dk, dv, m);
+    cp_detail::ring_backward<T>(s.ring, s.blocks, q, k, v, dout, lse, delta.data(), s.cfg.kernel,
+                                dq, dk, dv, m);
   } else {
-    const Tensor<float> ql = cp_detail::seq_to_head(s.group, q, m);
-    const Tensor<float> kl = s.replicate_kv ? cp_detail::seq_to_head_replicated(s.group, k, m)
-                                            : cp_detail::seq_to_head(s.group, k, m);
-    const Tensor<float> vl = s.replicate_kv ? cp_detail::seq_to_head_replicated(s.group, v, m)
-                                            : cp_detail::seq_to_head(s.group, v, m);
-    const Tensor<float> outl = cp_detail::seq_to_head(s.group, out, m);
-    const Tensor<float> doutl = cp_detail::seq_to_head(s.group, dout, m);
+    const Tensor<T> ql = cp_detail::seq_to_head<T>(s.group, q, m);
+    const Tensor<T> kl = s.replicate_kv ? cp_detail::seq_to_head_replicated<T>(s.group, k, m)
+                                        : cp_detail::seq_to_head<T>(s.group, k, m);
+    const Tensor<T> vl = s.replicate_kv ? cp_detail::seq_to_head_replicated<T>(s.group, v, m)
+                                        : cp_detail::seq_to_head<T>(s.group, v, m);
+    const Tensor<T> outl = cp_detail::seq_to_head<T>(s.group, out, m);
+    const Tensor<T> doutl = cp_detail::seq_to_head<T>(s.group, dout, m);
     const std::vector<float> lsel = cp_detail::lse_to_head(s.group, lse, s.heads, m);
     const int64_t N = s.group.total(), hl = s.heads / s.U;
     std::vector<float> delta(static_cast<size_t>(hl * N));
     compute_delta(outl.view3(), doutl.view3(), delta.data(), N);
     Tensor<float> dql({N, hl, s.dim}), dkl(kl.shape()), dvl(vl.shape());
-    cp_detail::ring_backward(s.ring, s.blocks, ql.view3(), kl.view3(), vl.view3(), doutl.view3(),
-                             lsel.data(), delta.data(), s.cfg.kernel, dql.view3(), dkl.view3(),
-                             dvl.view3(), m);
-    cp_detail::head_to_seq(s.group, dql, dq, m);
+    cp_detail::ring_backward<T>(s.ring, s.blocks, ql.view3(), kl.view3(), vl.view3(), doutl.view3(),
+                                lsel.data(), delta.data(), s.cfg.kernel, dql.view3(), dkl.view3(),
+                                dvl.view3(), m);
+    cp_detail::head_to_seq<float>(s.group, dql, dq, m);
     if (s.replicate_kv) {
       cp_detail::head_to_seq_replicated(s.group, dkl, dk, m);
       cp_detail::head_to_seq_replicated(s.group, dvl, dv, m);
     } else {
-      cp_detail::head_to_seq(s.group, dkl, dk, m);
-      cp_detail::head_to_seq(s.group, dvl, dv, m);
+      cp_detail::head_to_seq<float>(s.group, dkl, dk, m);
+      cp_detail::head_to_seq<float>(s.group, dvl, dv, m);
     }
   }
   m.bytes_sent += s.bytes(true) - sent0;
   m.bytes_recv += s.bytes(false) - recv0;
+}
+
+}  // namespace
+
+void CpAttention::forward(View3<const float> q, View3<const float> k, View3<const float> v,
+                          View3<float> out, float* lse) {
+  forward_impl<float>(*impl_, q, k, v, out, lse);
+}
+
+void CpAttention::forward(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                          View3<bf16> out, float* lse) {
+  forward_impl<bf16>(*impl_, q, k, v, out, lse);
+}
+
+void CpAttention::backward(View3<const float> q, View3<const float> k, View3<const float> v,
+                           View3<const float> out, View3<const float> dout, const float* lse,
+                           View3<float> dq, View3<float> dk, View3<float> dv) {
+  backward_impl<float>(*impl_, q, k, v, out, dout, lse, dq, dk, dv);
+}
+
+void CpAttention::backward(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                           View3<const bf16> out, View3<const bf16> dout, const float* lse,
+                           View3<float> dq, View3<float> dk, View3<float> dv) {
+  backward_impl<bf16>(*impl_, q, k, v, out, dout, lse, dq, dk, dv);
 }
 
 Tensor<float> gather_rows(Communicator& cp, const ShardPlan& plan, const Tensor<float>& local) {

@@ -22,30 +22,40 @@ struct Block {
 // The union of cp ranks [first, first + count) of the plan, in rank order.
 Block make_block(const ShardPlan& plan, int first, int count);
 
+// The functions below are templates over the storage type T of q, k, v, out, dout: float or
+// bf16 (explicitly instantiated in ring.cc). The softmax state, lse, delta and every gradient
+// accumulator are fp32 whatever T is.
+
 // Ring of R members (ring == nullptr or size 1: just this block). Blocks are indexed by ring
 // member. Forward folds every member's KV block into the state st of q (this member's rows).
-void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<const float> q,
-                  View3<const float> k, View3<const float> v, StateView st, const KernelConfig& kc,
+template <class T>
+void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
+                  View3<const T> k, View3<const T> v, StateView st, const KernelConfig& kc,
                   CpMetrics& m);
 
 // Backward: dq, dk, dv (fp32, overwritten) of this member's rows. lse, delta [H, rows].
-void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<const float> q,
-                   View3<const float> k, View3<const float> v, View3<const float> dout,
-                   const float* lse, const float* delta, const KernelConfig& kc, View3<float> dq,
-                   View3<float> dk, View3<float> dv, CpMetrics& m);
+template <class T>
+void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
+                   View3<const T> k, View3<const T> v, View3<const T> dout, const float* lse,
+                   const float* delta, const KernelConfig& kc, View3<float> dq, View3<float> dk,
+                   View3<float> dv, CpMetrics& m);
 
 // Attends q rows (block qb) to one KV block (kb) segment pair by segment pair, skipping pairs
 // the mask leaves empty.
-KernelStats attend_blocks(StateView st, View3<const float> q, const Block& qb, View3<const float> k,
-                          View3<const float> v, const Block& kb, const KernelConfig& kc);
-KernelStats attend_backward_blocks(View3<const float> q, const Block& qb, View3<const float> k,
-                                   View3<const float> v, const Block& kb, View3<const float> dout,
+template <class T>
+KernelStats attend_blocks(StateView st, View3<const T> q, const Block& qb, View3<const T> k,
+                          View3<const T> v, const Block& kb, const KernelConfig& kc);
+template <class T>
+KernelStats attend_backward_blocks(View3<const T> q, const Block& qb, View3<const T> k,
+                                   View3<const T> v, const Block& kb, View3<const T> dout,
                                    const float* lse, const float* delta, const KernelConfig& kc,
                                    View3<float> dq, View3<float> dk, View3<float> dv);
 
 // Copies a (possibly strided) view into contiguous memory at dst / from src.
-void pack(View3<const float> x, float* dst);
-void unpack(const float* src, View3<float> x);
+template <class T>
+void pack(View3<const T> x, T* dst);
+template <class T>
+void unpack(const T* src, View3<T> x);
 
 // Waits for a Work, accounting the blocked time to m.wait_s and m.comm_s and a "wait" span.
 // Returns the time the wait returned.

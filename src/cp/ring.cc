@@ -41,8 +41,9 @@ bool segment_pair_empty(const Block& qb, const Segment& qs, const Block& kb, con
   return false;
 }
 
-View3<float> block_view(float* base, int64_t rows, int64_t heads, int64_t dim) {
-  return View3<float>{base, rows, heads, dim, heads * dim, dim};
+template <class T>
+View3<T> block_view(T* base, int64_t rows, int64_t heads, int64_t dim) {
+  return View3<T>{base, rows, heads, dim, heads * dim, dim};
 }
 
 }  // namespace
@@ -62,23 +63,25 @@ Block make_block(const ShardPlan& plan, int first, int count) {
   return b;
 }
 
-void pack(View3<const float> x, float* dst) {
+template <class T>
+void pack(View3<const T> x, T* dst) {
   const int64_t w = x.h * x.d;
   if (x.s * w == 0) return;
   if (x.contiguous()) {
-    std::memcpy(dst, x.data, sizeof(float) * static_cast<size_t>(x.s * w));
+    std::memcpy(dst, x.data, sizeof(T) * static_cast<size_t>(x.s * w));
     return;
   }
   for (int64_t i = 0; i < x.s; ++i)
     for (int64_t h = 0; h < x.h; ++h)
-      std::memcpy(dst + i * w + h * x.d, x.row(i, h), sizeof(float) * static_cast<size_t>(x.d));
+      std::memcpy(dst + i * w + h * x.d, x.row(i, h), sizeof(T) * static_cast<size_t>(x.d));
 }
 
-void unpack(const float* src, View3<float> x) {
+template <class T>
+void unpack(const T* src, View3<T> x) {
   const int64_t w = x.h * x.d;
   for (int64_t i = 0; i < x.s; ++i)
     for (int64_t h = 0; h < x.h; ++h)
-      std::memcpy(x.row(i, h), src + i * w + h * x.d, sizeof(float) * static_cast<size_t>(x.d));
+      std::memcpy(x.row(i, h), src + i * w + h * x.d, sizeof(T) * static_cast<size_t>(x.d));
 }
 
 double timed_wait(Work& w, CpMetrics& m, int step) {
@@ -91,8 +94,9 @@ double timed_wait(Work& w, CpMetrics& m, int step) {
   return t1;
 }
 
-KernelStats attend_blocks(StateView st, View3<const float> q, const Block& qb, View3<const float> k,
-                          View3<const float> v, const Block& kb, const KernelConfig& kc) {
+template <class T>
+KernelStats attend_blocks(StateView st, View3<const T> q, const Block& qb, View3<const T> k,
+                          View3<const T> v, const Block& kb, const KernelConfig& kc) {
   KernelStats stats;
   for (const Segment& qs : qb.segs) {
     for (const Segment& ks : kb.segs) {
@@ -105,8 +109,9 @@ KernelStats attend_blocks(StateView st, View3<const float> q, const Block& qb, V
   return stats;
 }
 
-KernelStats attend_backward_blocks(View3<const float> q, const Block& qb, View3<const float> k,
-                                   View3<const float> v, const Block& kb, View3<const float> dout,
+template <class T>
+KernelStats attend_backward_blocks(View3<const T> q, const Block& qb, View3<const T> k,
+                                   View3<const T> v, const Block& kb, View3<const T> dout,
                                    const float* lse, const float* delta, const KernelConfig& kc,
                                    View3<float> dq, View3<float> dk, View3<float> dv) {
   KernelStats stats;
@@ -124,8 +129,9 @@ KernelStats attend_backward_blocks(View3<const float> q, const Block& qb, View3<
   return stats;
 }
 
-void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<const float> q,
-                  View3<const float> k, View3<const float> v, StateView st, const KernelConfig& kc,
+template <class T>
+void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
+                  View3<const T> k, View3<const T> v, StateView st, const KernelConfig& kc,
                   CpMetrics& m) {
   const int R = ring ? ring->size() : 1;
   const int me = ring ? ring->rank() : 0;
@@ -133,7 +139,7 @@ void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<co
   m.step_tiles.assign(R, 0);
   if (R == 1) {
     const double t0 = now_s();
-    const KernelStats s = attend_blocks(st, q, qb, k, v, qb, kc);
+    const KernelStats s = attend_blocks<T>(st, q, qb, k, v, qb, kc);
     const double t1 = now_s();
     m.compute_s += t1 - t0;
     add_span(m, "compute", 0, t0, t1);
@@ -145,10 +151,9 @@ void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<co
   const int64_t hkv = k.h, dim = k.d, row = hkv * dim;
   int64_t max_rows = 0;
   for (const Block& b : blocks) max_rows = std::max(max_rows, b.rows);
-  std::vector<float> buf[2] = {std::vector<float>(2 * max_rows * row),
-                               std::vector<float>(2 * max_rows * row)};
-  pack(k, buf[0].data());
-  pack(v, buf[0].data() + qb.rows * row);
+  std::vector<T> buf[2] = {std::vector<T>(2 * max_rows * row), std::vector<T>(2 * max_rows * row)};
+  pack<T>(k, buf[0].data());
+  pack<T>(v, buf[0].data() + qb.rows * row);
   int cur = 0;
   const int next = (me + 1) % R, prev = (me - 1 + R) % R;
   for (int s = 0; s < R; ++s) {
@@ -160,15 +165,15 @@ void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<co
       const int64_t n_next = blocks[(src - 1 + R) % R].rows;
       t_post = now_s();
       works = ring->batch_p2p(
-          {P2POp{P2POp::send, buf[cur].data(), sizeof(float) * 2 * n * row, next, kTagKvForward},
-           P2POp{P2POp::recv, buf[cur ^ 1].data(), sizeof(float) * 2 * n_next * row, prev,
+          {P2POp{P2POp::send, buf[cur].data(), sizeof(T) * 2 * n * row, next, kTagKvForward},
+           P2POp{P2POp::recv, buf[cur ^ 1].data(), sizeof(T) * 2 * n_next * row, prev,
                  kTagKvForward}});
       m.comm_s += now_s() - t_post;
     }
-    const View3<float> kb = block_view(buf[cur].data(), n, hkv, dim);
-    const View3<float> vb = block_view(buf[cur].data() + n * row, n, hkv, dim);
+    const View3<const T> kb = block_view<const T>(buf[cur].data(), n, hkv, dim);
+    const View3<const T> vb = block_view<const T>(buf[cur].data() + n * row, n, hkv, dim);
     const double t0 = now_s();
-    const KernelStats ks = attend_blocks(st, q, qb, kb, vb, blocks[src], kc);
+    const KernelStats ks = attend_blocks<T>(st, q, qb, kb, vb, blocks[src], kc);
     const double t1 = now_s();
     m.compute_s += t1 - t0;
     add_span(m, "compute", s, t0, t1);
@@ -183,10 +188,11 @@ void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<co
   }
 }
 
-void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<const float> q,
-                   View3<const float> k, View3<const float> v, View3<const float> dout,
-                   const float* lse, const float* delta, const KernelConfig& kc, View3<float> dq,
-                   View3<float> dk, View3<float> dv, CpMetrics& m) {
+template <class T>
+void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
+                   View3<const T> k, View3<const T> v, View3<const T> dout, const float* lse,
+                   const float* delta, const KernelConfig& kc, View3<float> dq, View3<float> dk,
+                   View3<float> dv, CpMetrics& m) {
   const int R = ring ? ring->size() : 1;
   const int me = ring ? ring->rank() : 0;
   const Block& qb = blocks[me];
@@ -210,11 +216,11 @@ void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<c
   int64_t max_rows = 0;
   for (const Block& b : blocks) max_rows = std::max(max_rows, b.rows);
   const size_t cap = static_cast<size_t>(2 * max_rows * row);
-  std::vector<float> kv[2] = {std::vector<float>(cap), std::vector<float>(cap)};
+  std::vector<T> kv[2] = {std::vector<T>(cap), std::vector<T>(cap)};
   std::vector<float> part(cap), acc_send[2] = {std::vector<float>(cap), std::vector<float>(cap)},
                                 acc_recv[2] = {std::vector<float>(cap), std::vector<float>(cap)};
-  pack(k, kv[0].data());
-  pack(v, kv[0].data() + qb.rows * row);
+  pack<T>(k, kv[0].data());
+  pack<T>(v, kv[0].data() + qb.rows * row);
   WorkPtr send_work[2], recv_work;
   double t_send[2] = {0, 0}, t_recv = 0;
   int cur = 0;
@@ -228,19 +234,19 @@ void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<c
     if (s < R - 1) {
       t_post = now_s();
       works = ring->batch_p2p(
-          {P2POp{P2POp::send, kv[cur].data(), sizeof(float) * 2 * n * row, next, kTagKvBackward},
-           P2POp{P2POp::recv, kv[cur ^ 1].data(), sizeof(float) * 2 * n_next * row, prev,
+          {P2POp{P2POp::send, kv[cur].data(), sizeof(T) * 2 * n * row, next, kTagKvBackward},
+           P2POp{P2POp::recv, kv[cur ^ 1].data(), sizeof(T) * 2 * n_next * row, prev,
                  kTagKvBackward}});
       m.comm_s += now_s() - t_post;
     }
     // This step's contribution to block src's dK, dV.
     std::fill_n(part.data(), 2 * n * row, 0.0f);
-    const View3<float> kb = block_view(kv[cur].data(), n, hkv, dim);
-    const View3<float> vb = block_view(kv[cur].data() + n * row, n, hkv, dim);
+    const View3<const T> kb = block_view<const T>(kv[cur].data(), n, hkv, dim);
+    const View3<const T> vb = block_view<const T>(kv[cur].data() + n * row, n, hkv, dim);
     double t0 = now_s();
-    const KernelStats ks = attend_backward_blocks(q, qb, kb, vb, blocks[src], dout, lse, delta, kc,
-                                                  dq, block_view(part.data(), n, hkv, dim),
-                                                  block_view(part.data() + n * row, n, hkv, dim));
+    const KernelStats ks = attend_backward_blocks<T>(
+        q, qb, kb, vb, blocks[src], dout, lse, delta, kc, dq, block_view(part.data(), n, hkv, dim),
+        block_view(part.data() + n * row, n, hkv, dim));
     double t1 = now_s();
     m.compute_s += t1 - t0;
     add_span(m, "compute", s, t0, t1);
@@ -273,10 +279,30 @@ void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<c
   // The accumulator of my own block, home after a full turn.
   add_span(m, "recv", R, t_recv, timed_wait(*recv_work, m, R));
   const float* home = acc_recv[(R - 1) & 1].data();
-  unpack(home, dk);
-  unpack(home + qb.rows * row, dv);
+  unpack<float>(home, dk);
+  unpack<float>(home + qb.rows * row, dv);
   for (int par = 0; par < 2; ++par)
     if (send_work[par]) add_span(m, "send", R, t_send[par], timed_wait(*send_work[par], m, R));
 }
+
+// Explicit instantiations: fp32 and bf16 storage.
+#define LOOM_CP_INSTANTIATE(T)                                                                    \
+  template void pack<T>(View3<const T>, T*);                                                      \
+  template void unpack<T>(const T*, View3<T>);                                                    \
+  template KernelStats attend_blocks<T>(StateView, View3<const T>, const Block&, View3<const T>,  \
+                                        View3<const T>, const Block&, const KernelConfig&);       \
+  template KernelStats attend_backward_blocks<T>(                                                 \
+      View3<const T>, const Block&, View3<const T>, View3<const T>, const Block&, View3<const T>, \
+      const float*, const float*, const KernelConfig&, View3<float>, View3<float>, View3<float>); \
+  template void ring_forward<T>(Communicator*, const std::vector<Block>&, View3<const T>,         \
+                                View3<const T>, View3<const T>, StateView, const KernelConfig&,   \
+                                CpMetrics&);                                                      \
+  template void ring_backward<T>(Communicator*, const std::vector<Block>&, View3<const T>,        \
+                                 View3<const T>, View3<const T>, View3<const T>, const float*,    \
+                                 const float*, const KernelConfig&, View3<float>, View3<float>,   \
+                                 View3<float>, CpMetrics&);
+LOOM_CP_INSTANTIATE(float)
+LOOM_CP_INSTANTIATE(bf16)
+#undef LOOM_CP_INSTANTIATE
 
 }  // namespace loom::cp_detail

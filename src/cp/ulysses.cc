@@ -30,21 +30,22 @@ int64_t UlyssesGroup::offset(int p) const {
 
 namespace {
 
-// all_to_all of float counts, with timing.
-void a2a(const UlyssesGroup& g, const std::vector<float>& send, const std::vector<size_t>& scount,
-         std::vector<float>& recv, const std::vector<size_t>& rcount, CpMetrics& m) {
+// all_to_all of element counts, with timing.
+template <class T>
+void a2a(const UlyssesGroup& g, const std::vector<T>& send, const std::vector<size_t>& scount,
+         std::vector<T>& recv, const std::vector<size_t>& rcount, CpMetrics& m) {
   const int U = static_cast<int>(g.rows.size());
   std::vector<size_t> sb(U), so(U), rb(U), ro(U);
   size_t s_off = 0, r_off = 0;
   for (int p = 0; p < U; ++p) {
-    sb[p] = scount[p] * sizeof(float);
+    sb[p] = scount[p] * sizeof(T);
     so[p] = s_off;
     s_off += sb[p];
-    rb[p] = rcount[p] * sizeof(float);
+    rb[p] = rcount[p] * sizeof(T);
     ro[p] = r_off;
     r_off += rb[p];
   }
-  recv.assign(r_off / sizeof(float), 0.0f);
+  recv.assign(r_off / sizeof(T), T{});
   const double t0 = now_s();
   g.comm->all_to_all(send.data(), sb.data(), so.data(), recv.data(), rb.data(), ro.data());
   const double t1 = now_s();
@@ -55,42 +56,45 @@ void a2a(const UlyssesGroup& g, const std::vector<float>& send, const std::vecto
 
 }  // namespace
 
-Tensor<float> seq_to_head(const UlyssesGroup& g, View3<const float> x, CpMetrics& m) {
+template <class T>
+Tensor<T> seq_to_head(const UlyssesGroup& g, View3<const T> x, CpMetrics& m) {
   const int U = static_cast<int>(g.rows.size());
   const int64_t hl = x.h / U, d = x.d, n = x.s;
-  std::vector<float> send(static_cast<size_t>(n * x.h * d));
+  std::vector<T> send(static_cast<size_t>(n * x.h * d));
   std::vector<size_t> sc(U), rc(U);
   // send block p: [n, hl, d] of heads [p hl, (p+1) hl)
   for (int p = 0; p < U; ++p) {
-    pack(x.heads(p * hl, hl), send.data() + p * n * hl * d);
+    pack<T>(x.heads(p * hl, hl), send.data() + p * n * hl * d);
     sc[p] = static_cast<size_t>(n * hl * d);
     rc[p] = static_cast<size_t>(g.rows[p] * hl * d);
   }
-  std::vector<float> recv;
+  std::vector<T> recv;
   a2a(g, send, sc, recv, rc, m);
-  Tensor<float> out({g.total(), hl, d});
+  Tensor<T> out({g.total(), hl, d});
   out.vec() = std::move(recv);  // [member][rows][hl][d] == [N][hl][d]
   return out;
 }
 
-Tensor<float> seq_to_head_replicated(const UlyssesGroup& g, View3<const float> x, CpMetrics& m) {
+template <class T>
+Tensor<T> seq_to_head_replicated(const UlyssesGroup& g, View3<const T> x, CpMetrics& m) {
   const int U = static_cast<int>(g.rows.size());
   const int64_t hkv = x.h, d = x.d, n = x.s, per = U / hkv;
-  std::vector<float> send(static_cast<size_t>(U * n * d));
+  std::vector<T> send(static_cast<size_t>(U * n * d));
   std::vector<size_t> sc(U), rc(U);
   for (int p = 0; p < U; ++p) {
-    pack(x.heads(p / per, 1), send.data() + p * n * d);
+    pack<T>(x.heads(p / per, 1), send.data() + p * n * d);
     sc[p] = static_cast<size_t>(n * d);
     rc[p] = static_cast<size_t>(g.rows[p] * d);
   }
-  std::vector<float> recv;
+  std::vector<T> recv;
   a2a(g, send, sc, recv, rc, m);
-  Tensor<float> out({g.total(), 1, d});
+  Tensor<T> out({g.total(), 1, d});
   out.vec() = std::move(recv);
   return out;
 }
 
-void head_to_seq(const UlyssesGroup& g, const Tensor<float>& y, View3<float> x, CpMetrics& m) {
+template <class T>
+void head_to_seq(const UlyssesGroup& g, const Tensor<T>& y, View3<T> x, CpMetrics& m) {
   const int U = static_cast<int>(g.rows.size());
   const int64_t hl = y.size(1), d = y.size(2), n = x.s;
   std::vector<size_t> sc(U), rc(U);
@@ -98,9 +102,9 @@ void head_to_seq(const UlyssesGroup& g, const Tensor<float>& y, View3<float> x, 
     sc[p] = static_cast<size_t>(g.rows[p] * hl * d);
     rc[p] = static_cast<size_t>(n * hl * d);
   }
-  std::vector<float> recv;
+  std::vector<T> recv;
   a2a(g, y.vec(), sc, recv, rc, m);
-  for (int p = 0; p < U; ++p) unpack(recv.data() + p * n * hl * d, x.heads(p * hl, hl));
+  for (int p = 0; p < U; ++p) unpack<T>(recv.data() + p * n * hl * d, x.heads(p * hl, hl));
 }
 
 void head_to_seq_replicated(const UlyssesGroup& g, const Tensor<float>& y, View3<float> x,
@@ -168,5 +172,15 @@ void lse_to_seq(const UlyssesGroup& g, const std::vector<float>& lsel, int64_t h
   // from p: [hl][n] for heads [p hl, (p+1) hl) == lse[p hl .. ] rows, contiguous
   std::copy_n(recv.data(), heads * n, lse);
 }
+
+template Tensor<float> seq_to_head<float>(const UlyssesGroup&, View3<const float>, CpMetrics&);
+template Tensor<bf16> seq_to_head<bf16>(const UlyssesGroup&, View3<const bf16>, CpMetrics&);
+template Tensor<float> seq_to_head_replicated<float>(const UlyssesGroup&, View3<const float>,
+                                                     CpMetrics&);
+template Tensor<bf16> seq_to_head_replicated<bf16>(const UlyssesGroup&, View3<const bf16>,
+                                                   CpMetrics&);
+template void head_to_seq<float>(const UlyssesGroup&, const Tensor<float>&, View3<float>,
+                                 CpMetrics&);
+template void head_to_seq<bf16>(const UlyssesGroup&, const Tensor<bf16>&, View3<bf16>, CpMetrics&);
 
 }  // namespace loom::cp_detail

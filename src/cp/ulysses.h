@@ -18,12 +18,16 @@ struct UlyssesGroup {
 
 // x [n, Hx, D] -> out [N, Hx/U, D] (member u receives heads [u Hx/U, (u+1) Hx/U) of every
 // member's rows, stacked in member order).
-Tensor<float> seq_to_head(const UlyssesGroup& g, View3<const float> x, CpMetrics& m);
+// T: float or bf16 (the storage type of q, k, v, out, dout); gradients travel as float.
+template <class T>
+Tensor<T> seq_to_head(const UlyssesGroup& g, View3<const T> x, CpMetrics& m);
 // KV replication (U % Hkv == 0): member u receives KV head u / (U / Hkv) of every member's rows:
 // out [N, 1, D].
-Tensor<float> seq_to_head_replicated(const UlyssesGroup& g, View3<const float> x, CpMetrics& m);
+template <class T>
+Tensor<T> seq_to_head_replicated(const UlyssesGroup& g, View3<const T> x, CpMetrics& m);
 // The inverse of seq_to_head: y [N, Hl, D] -> x [n, Hl U, D] (overwritten).
-void head_to_seq(const UlyssesGroup& g, const Tensor<float>& y, View3<float> x, CpMetrics& m);
+template <class T>
+void head_to_seq(const UlyssesGroup& g, const Tensor<T>& y, View3<T> x, CpMetrics& m);
 // The adjoint of seq_to_head_replicated: y [N, 1, D] holds gradients for KV head u / (U / Hkv);
 // x [n, Hkv, D] is overwritten with the sum over members of their gradients for each head.
 void head_to_seq_replicated(const UlyssesGroup& g, const Tensor<float>& y, View3<float> x,

@@ -34,8 +34,18 @@
 // to kMr, columns and head dim to kNr; padding is zero, padded probabilities are zero), so the
 // tile GEMM and the softmax loops have no remainders. The forward packs the whole KV block once
 // per call (k^T and v, tile-major) and each (head, q-tile) task packs its q rows; a backward task
-// packs its k-tile once (k, k^T, v^T) and the q and dout rows of each tile it visits.
-// All arithmetic is fp32.
+// packs its k-tile once (k, k^T, v^T) and the q and dout rows of each tile it visits (fp32 tiles
+// with full rows and D % kNr == 0 are read, and dq accumulated, in place instead).
+//
+// Paths. The tile arithmetic (GEMM, softmax steps, delta's dot) goes through the TileOps table of
+// kernels::select_ops() (tile_ops.h: portable or AVX-512, chosen per call from the CPU and
+// LOOM_KERNEL). The AVX-512 path computes on work tiles of at least 128 x 128 made of whole config
+// tiles (work_config); KernelStats always counts the config's block_q x block_k tiles.
+//
+// bf16 storage. q, k, v, dout are widened to fp32 when packed, except in the forward on a path
+// with bf16 dot products (avx512bf16): there K and V are packed once per call as bf16 pairs
+// (PackedKvBf16), s = q k^T and acc += p v run as vdpbf16ps GEMMs, and p is rounded to bf16 for
+// p v only. Every accumulation is fp32.
 #include <omp.h>
 
 #include <algorithm>
@@ -43,6 +53,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -52,10 +63,10 @@
 namespace loom {
 namespace {
 
-using kernels::gemm_tile;
 using kernels::kMr;
 using kernels::kNr;
 using kernels::round_up;
+using kernels::TileOps;
 
 // ---------------------------------------------------------------------------------------------
 // Plan: classification of the (q-tile, k-tile) pairs.
@@ -160,23 +171,26 @@ TilePlan plan_tiles(const Tokens& qt, const Tokens& kt, const Mask& mask, int64_
 // ---------------------------------------------------------------------------------------------
 // Per-thread tile buffers.
 
-// A zero-initialised float buffer aligned to 64 bytes (one cache line; room for wide vectors).
-class AlignedFloats {
+// A zero-initialised buffer aligned to 64 bytes (one cache line; room for wide vectors).
+template <class T>
+class AlignedBuffer {
  public:
-  AlignedFloats() = default;
-  explicit AlignedFloats(int64_t n)
-      : data_(static_cast<float*>(::operator new[](
-            static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float), std::align_val_t{64}))) {
-    std::fill(data_.get(), data_.get() + n, 0.0f);
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(int64_t n)
+      : data_(static_cast<T*>(::operator new[](
+            static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T), std::align_val_t{64}))) {
+    std::fill(data_.get(), data_.get() + n, T{});
   }
-  float* get() const { return data_.get(); }
+  T* get() const { return data_.get(); }
 
  private:
   struct Free {
-    void operator()(float* p) const { ::operator delete[](p, std::align_val_t{64}); }
+    void operator()(T* p) const { ::operator delete[](p, std::align_val_t{64}); }
   };
-  std::unique_ptr<float, Free> data_;
+  std::unique_ptr<T, Free> data_;
 };
+using AlignedFloats = AlignedBuffer<float>;
+using AlignedBf16 = AlignedBuffer<uint16_t>;  // bf16 bit patterns
 
 // Padded tile sizes: bq rows, bk columns, dp head-dim entries.
 struct TileDims {
@@ -188,7 +202,7 @@ TileDims tile_dims(const KernelConfig& cfg, int64_t dim) {
 }
 
 struct Workspace {
-  explicit Workspace(const TileDims& t, bool backward)
+  Workspace(const TileDims& t, bool backward, bool bf16_dots = false)
       : q(t.bq * t.dp),
         s(t.bq * t.bk),
         acc(t.bq * t.dp),
@@ -198,6 +212,10 @@ struct Workspace {
         k_pos(static_cast<size_t>(t.bk)),
         q_doc(static_cast<size_t>(t.bq)),
         k_doc(static_cast<size_t>(t.bk)) {
+    if (bf16_dots) {
+      q16 = AlignedBf16(t.bq * t.dp);
+      p16 = AlignedBf16(t.bq * t.bk);
+    }
     if (backward) {
       kt = AlignedFloats(t.dp * t.bk);
       v = AlignedFloats(t.bk * t.dp);
@@ -213,6 +231,8 @@ struct Workspace {
   // dk and dv [bk, dp]; acc holds the tile's dq, row_m the lse, row_l the delta.
   AlignedFloats q, s, acc, row_m, row_l;
   AlignedFloats kt, v, dout, k, dp, dk, dv;
+  // The bf16-dot forward: q rows [bq, dp] and probabilities [bq, bk] as bf16.
+  AlignedBf16 q16, p16;
   std::vector<int64_t> q_pos, k_pos;
   std::vector<int32_t> q_doc, k_doc;
 };
@@ -222,14 +242,48 @@ int thread_count(const KernelConfig& cfg, int64_t tasks) {
   return static_cast<int>(std::max<int64_t>(1, std::min(wanted, tasks)));
 }
 
+// Work tiles. The arithmetic runs on work tiles of whole config tiles: each side is the config's
+// block times the smallest factor that reaches ops.work_tile (the AVX-512 path: 128 x 128, where
+// its GEMM amortises packing, the C block traffic and the softmax bookkeeping best; the portable
+// path: the config's tiles). KernelStats always counts the config's tiles (plan of block_q x
+// block_k), so callers see the same accounting on every path; an empty config tile inside a
+// non-empty work tile is still counted as skipped, although its pairs are computed (masked).
+KernelConfig work_config(const KernelConfig& cfg, const TileOps& ops, int64_t sq, int64_t sk) {
+  KernelConfig w = cfg;
+  auto factor = [&](int64_t block, int64_t n) {  // never more config tiles than there are
+    const int64_t want = (ops.work_tile + block - 1) / block, have = (n + block - 1) / block;
+    return std::max<int64_t>(1, std::min(want, have));
+  };
+  if (ops.work_tile > 0) {
+    w.block_q = cfg.block_q * factor(cfg.block_q, sq);
+    w.block_k = cfg.block_k * factor(cfg.block_k, sk);
+  }
+  return w;
+}
+
+KernelStats accounting_stats(const TilePlan& work, const Tokens& qt, const Tokens& kt,
+                             const KernelConfig& cfg, int64_t heads) {
+  if (work.block_q == cfg.block_q && work.block_k == cfg.block_k) return plan_stats(work, heads);
+  return plan_stats(plan_tiles(qt, kt, cfg.mask, cfg.block_q, cfg.block_k, thread_count(cfg, qt.n)),
+                    heads);
+}
+
+inline float to_f32(float x) {
+  return x;
+}
+inline float to_f32(bf16 x) {
+  return to_float(x);
+}
+
 // rows x d of a view (row r = x.row(begin + r, head)) into a [bq, dp] buffer, zero padded.
-void pack_rows(View3<const float> x, int64_t begin, int64_t rows, int64_t head, const TileDims& t,
+template <class T>
+void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, const TileDims& t,
                float* dst) {
   for (int64_t r = 0; r < t.bq; ++r) {
     float* out = dst + r * t.dp;
     if (r < rows) {
-      const float* in = x.row(begin + r, head);
-      std::copy(in, in + x.d, out);
+      const T* in = x.row(begin + r, head);
+      for (int64_t d = 0; d < x.d; ++d) out[d] = to_f32(in[d]);
       std::fill(out + x.d, out + t.dp, 0.0f);
     } else {
       std::fill(out, out + t.dp, 0.0f);
@@ -238,23 +292,25 @@ void pack_rows(View3<const float> x, int64_t begin, int64_t rows, int64_t head, 
 }
 
 // cols rows of a KV view, transposed, into a [dp, bk] buffer, zero padded.
-void pack_transposed(View3<const float> x, int64_t begin, int64_t cols, int64_t head,
-                     const TileDims& t, float* dst) {
+template <class T>
+void pack_transposed(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
+                     float* dst) {
   std::fill(dst, dst + t.dp * t.bk, 0.0f);
   for (int64_t j = 0; j < cols; ++j) {
-    const float* in = x.row(begin + j, head);
-    for (int64_t d = 0; d < x.d; ++d) dst[d * t.bk + j] = in[d];
+    const T* in = x.row(begin + j, head);
+    for (int64_t d = 0; d < x.d; ++d) dst[d * t.bk + j] = to_f32(in[d]);
   }
 }
 
 // cols rows of a KV view into a [bk, dp] buffer, zero padded.
-void pack_kv_rows(View3<const float> x, int64_t begin, int64_t cols, int64_t head,
-                  const TileDims& t, float* dst) {
+template <class T>
+void pack_kv_rows(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
+                  float* dst) {
   for (int64_t j = 0; j < t.bk; ++j) {
     float* out = dst + j * t.dp;
     if (j < cols) {
-      const float* in = x.row(begin + j, head);
-      std::copy(in, in + x.d, out);
+      const T* in = x.row(begin + j, head);
+      for (int64_t d = 0; d < x.d; ++d) out[d] = to_f32(in[d]);
       std::fill(out + x.d, out + t.dp, 0.0f);
     } else {
       std::fill(out, out + t.dp, 0.0f);
@@ -274,8 +330,8 @@ void pack_tokens(const Tokens& t, int64_t begin, int64_t count, int64_t* pos, in
 // reads the same packed tiles instead of packing them again.
 class PackedKv {
  public:
-  PackedKv(View3<const float> k, View3<const float> v, const TilePlan& plan, const TileDims& t,
-           int threads)
+  template <class T>
+  PackedKv(View3<const T> k, View3<const T> v, const TilePlan& plan, const TileDims& t, int threads)
       : tile_elems_(t.dp * t.bk),
         k_tiles_(plan.k_tiles),
         kt_(k.h * plan.k_tiles * tile_elems_),
@@ -301,151 +357,200 @@ class PackedKv {
   AlignedFloats kt_, v_;
 };
 
+// The bf16-dot forward's KV block, packed once per call for vdpbf16ps, which multiplies pairs of
+// adjacent bf16 along the reduction: for kv head g and k-tile kj,
+//   kt(g, kj) [dp/2][bk][2]: element (t, j, e) = k[j, 2t + e]   (B of s = q k^T, pairs along d)
+//   v(g, kj)  [bk/2][dp][2]: element (u, d, e) = v[2u + e, d]   (B of acc += p v, pairs along j)
+// zero padded (dp and bk are even: multiples of kNr).
+class PackedKvBf16 {
+ public:
+  PackedKvBf16(View3<const bf16> k, View3<const bf16> v, const TilePlan& plan, const TileDims& t,
+               int threads)
+      : tile_elems_(t.dp * t.bk),
+        k_tiles_(plan.k_tiles),
+        kt_(k.h * plan.k_tiles * tile_elems_),
+        v_(k.h * plan.k_tiles * tile_elems_) {
+    const int64_t tiles = k.h * plan.k_tiles;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t g = i / plan.k_tiles, kj = i % plan.k_tiles;
+      const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, k.s - k0);
+      uint16_t* kt = kt_.get() + i * tile_elems_;
+      uint16_t* vt = v_.get() + i * tile_elems_;
+      for (int64_t j = 0; j < cols; ++j) {
+        const bf16* kr = k.row(k0 + j, g);
+        const bf16* vr = v.row(k0 + j, g);
+        for (int64_t d = 0; d < k.d; ++d) {
+          kt[(d / 2) * 2 * t.bk + 2 * j + (d & 1)] = kr[d].bits;
+          vt[(j / 2) * 2 * t.dp + 2 * d + (j & 1)] = vr[d].bits;
+        }
+      }
+    }
+  }
+  const uint16_t* kt(int64_t g, int64_t kj) const {
+    return kt_.get() + (g * k_tiles_ + kj) * tile_elems_;
+  }
+  const uint16_t* v(int64_t g, int64_t kj) const {
+    return v_.get() + (g * k_tiles_ + kj) * tile_elems_;
+  }
+
+ private:
+  int64_t tile_elems_, k_tiles_;
+  AlignedBf16 kt_, v_;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Tile steps. s is [bq, bk]; only rows < rows and columns < cols are real.
 
 // s = scale * q k^T from q [bq, dp] and k^T [dp, bk].
-void tile_scores(const float* q, const float* kt, float scale, const TileDims& t, float* s) {
-  gemm_tile(t.bq, t.bk, t.dp, q, t.dp, 1, kt, t.bk, scale, false, s, t.bk);
+void tile_scores(const TileOps& ops, const float* q, const float* kt, float scale,
+                 const TileDims& t, float* s) {
+  ops.gemm(t.bq, t.bk, t.dp, q, t.dp, 1, kt, t.bk, scale, false, s, t.bk);
 }
 
 // Sets the scores of the pairs the mask hides to -inf (partial tiles only).
 void mask_tile(const Mask& mask, const Workspace& ws, int64_t rows, int64_t cols, const TileDims& t,
                float* s) {
+  // visible() written branch-free, so the column loop vectorises.
+  const bool causal = mask.causal;
+  const int64_t window = mask.window > 0 ? mask.window : std::numeric_limits<int64_t>::max();
+  const int64_t* k_pos = ws.k_pos.data();
+  const int32_t* k_doc = ws.k_doc.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t qpos = ws.q_pos[r];
     const int32_t qdoc = ws.q_doc[r];
     float* sr = s + r * t.bk;
-    for (int64_t j = 0; j < cols; ++j)
-      if (!visible(mask, qpos, qdoc, ws.k_pos[j], ws.k_doc[j])) sr[j] = kNegInf;
-  }
-}
-
-// Online softmax update of rows [0, rows): turns s into p = exp(s - m') in place (zero in the
-// padding and in rows that have seen no key yet), and rescales l and acc [bq, dp].
-void softmax_update(int64_t rows, int64_t cols, const TileDims& t, float* s, float* m, float* l,
-                    float* acc) {
-  for (int64_t r = 0; r < t.bq; ++r) {
-    float* sr = s + r * t.bk;
-    float tile_max = kNegInf;
-    if (r < rows) {
-#pragma omp simd reduction(max : tile_max)
-      for (int64_t j = 0; j < cols; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
-    }
-    const float m_new = std::max(m[r], tile_max);
-    if (m_new == kNegInf) {  // padding, or no visible key so far: nothing to add
-      std::fill(sr, sr + t.bk, 0.0f);
-      continue;
-    }
-    const float alpha = kernels::fast_exp(m[r] - m_new);  // m[r] = -inf: 0
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < cols; ++j) {
-      const float p = kernels::fast_exp(sr[j] - m_new);
-      sr[j] = p;
-      sum += p;
-    }
-    std::fill(sr + cols, sr + t.bk, 0.0f);
-    l[r] = alpha * l[r] + sum;
-    m[r] = m_new;
-    if (alpha != 1.0f) {
-      float* ar = acc + r * t.dp;
-      for (int64_t d = 0; d < t.dp; ++d) ar[d] *= alpha;
+      const int64_t diff = qpos - k_pos[j];
+      const bool seen =
+          (k_doc[j] == qdoc) & (!causal | (diff >= 0)) & (diff < window) & (-diff < window);
+      sr[j] = seen ? sr[j] : kNegInf;
     }
   }
 }
 
 // acc [bq, dp] += p [bq, bk] v [bk, dp].
-void tile_pv(const float* p, const float* v, const TileDims& t, float* acc) {
-  gemm_tile(t.bq, t.dp, t.bk, p, t.bk, 1, v, t.dp, 1.0f, true, acc, t.dp);
-}
-
-// Backward: s becomes p = exp(s - lse) (zero in the padding and in rows with lse = -inf).
-void tile_probs(int64_t rows, int64_t cols, const TileDims& t, const float* lse, float* s) {
-  for (int64_t r = 0; r < t.bq; ++r) {
-    float* sr = s + r * t.bk;
-    if (r >= rows || lse[r] == kNegInf) {
-      std::fill(sr, sr + t.bk, 0.0f);
-      continue;
-    }
-    const float lse_r = lse[r];
-#pragma omp simd
-    for (int64_t j = 0; j < cols; ++j) sr[j] = kernels::fast_exp(sr[j] - lse_r);
-    std::fill(sr + cols, sr + t.bk, 0.0f);
-  }
-}
-
-// Backward: dp becomes ds = scale * p (dp - delta).
-void tile_ds(const float* p, const float* delta, float scale, const TileDims& t, float* dp) {
-  for (int64_t r = 0; r < t.bq; ++r) {
-    const float* pr = p + r * t.bk;
-    float* dr = dp + r * t.bk;
-    const float delta_r = delta[r];
-#pragma omp simd
-    for (int64_t j = 0; j < t.bk; ++j) dr[j] = scale * pr[j] * (dr[j] - delta_r);
-  }
+void tile_pv(const TileOps& ops, const float* p, const float* v, const TileDims& t, float* acc) {
+  ops.gemm(t.bq, t.dp, t.bk, p, t.bk, 1, v, t.dp, 1.0f, true, acc, t.dp);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-struct ForwardArgs {
-  StateView st;
-  View3<const float> q, k, v;
-  Tokens qt, kt;
-  const KernelConfig* cfg;
-  const TilePlan* plan;
-  TileDims dims;
-  const PackedKv* kv;
-};
-
-// Folds every non-empty k-tile into the state rows of q-tile qi, head h.
-void forward_task(const ForwardArgs& a, int64_t h, int64_t qi, Workspace& ws) {
-  const TilePlan& plan = *a.plan;
-  const TileDims& t = a.dims;
-  const int64_t g = h / (a.q.h / a.k.h);
-  const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
-  const int64_t dim = a.q.d;
-
-  pack_rows(a.q, q0, rows, h, t, ws.q.get());
-  pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
-  float* acc = ws.acc.get();
-  float* m = ws.row_m.get();
-  float* l = ws.row_l.get();
+// The state rows [q0, q0 + rows) of head h into the tile buffers acc [bq, dp], m, l [bq]
+// (padding: acc 0, m -inf, l 0), and back.
+void load_state(const StateView& st, int64_t h, int64_t q0, int64_t rows, const TileDims& t,
+                float* acc, float* m, float* l) {
+  const int64_t dim = st.dim;
   for (int64_t r = 0; r < t.bq; ++r) {
     float* ar = acc + r * t.dp;
     if (r < rows) {
-      const float* in = a.st.acc + (q0 + r) * a.st.acc_ss + h * dim;
+      const float* in = st.acc + (q0 + r) * st.acc_ss + h * dim;
       std::copy(in, in + dim, ar);
       std::fill(ar + dim, ar + t.dp, 0.0f);
-      m[r] = a.st.m[h * a.st.ml_stride + q0 + r];
-      l[r] = a.st.l[h * a.st.ml_stride + q0 + r];
+      m[r] = st.m[h * st.ml_stride + q0 + r];
+      l[r] = st.l[h * st.ml_stride + q0 + r];
     } else {
       std::fill(ar, ar + t.dp, 0.0f);
       m[r] = kNegInf;
       l[r] = 0.0f;
     }
   }
+}
+
+void store_state(const StateView& st, int64_t h, int64_t q0, int64_t rows, const TileDims& t,
+                 const float* acc, const float* m, const float* l) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* ar = acc + r * t.dp;
+    std::copy(ar, ar + st.dim, st.acc + (q0 + r) * st.acc_ss + h * st.dim);
+    st.m[h * st.ml_stride + q0 + r] = m[r];
+    st.l[h * st.ml_stride + q0 + r] = l[r];
+  }
+}
+
+template <class T>
+struct ForwardArgs {
+  StateView st;
+  View3<const T> q, k, v;
+  Tokens qt, kt;
+  const KernelConfig* cfg;
+  const TilePlan* plan;
+  TileDims dims;
+  const PackedKv* kv;
+  const TileOps* ops;
+};
+
+// Folds every non-empty k-tile into the state rows of q-tile qi, head h.
+template <class T>
+void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws) {
+  const TilePlan& plan = *a.plan;
+  const TileDims& t = a.dims;
+  const int64_t g = h / (a.q.h / a.k.h);
+  const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
+
+  pack_rows(a.q, q0, rows, h, t, ws.q.get());
+  pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
+  float* acc = ws.acc.get();
+  float* m = ws.row_m.get();
+  float* l = ws.row_l.get();
+  load_state(a.st, h, q0, rows, t, acc, m, l);
 
   for (int64_t kj = 0; kj < plan.k_tiles; ++kj) {
     const TileKind kind = plan.at(qi, kj);
     if (kind == TileKind::kEmpty) continue;
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
-    tile_scores(ws.q.get(), a.kv->kt(g, kj), a.cfg->scale, t, ws.s.get());
+    tile_scores(*a.ops, ws.q.get(), a.kv->kt(g, kj), a.cfg->scale, t, ws.s.get());
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
       mask_tile(a.cfg->mask, ws, rows, cols, t, ws.s.get());
     }
-    softmax_update(rows, cols, t, ws.s.get(), m, l, acc);
-    tile_pv(ws.s.get(), a.kv->v(g, kj), t, acc);
+    a.ops->softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
+    tile_pv(*a.ops, ws.s.get(), a.kv->v(g, kj), t, acc);
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* ar = acc + r * t.dp;
-    std::copy(ar, ar + dim, a.st.acc + (q0 + r) * a.st.acc_ss + h * dim);
-    a.st.m[h * a.st.ml_stride + q0 + r] = m[r];
-    a.st.l[h * a.st.ml_stride + q0 + r] = l[r];
+  store_state(a.st, h, q0, rows, t, acc, m, l);
+}
+
+// forward_task with bf16 dot products: s = scale q k^T and acc += p v by vdpbf16ps on bf16
+// operands (exact products, fp32 sums); the softmax and acc stay fp32. p is rounded to bf16 for
+// the p v product only; l sums the unrounded p.
+void forward_task_bf16(const ForwardArgs<bf16>& a, const PackedKvBf16& kv, int64_t h, int64_t qi,
+                       Workspace& ws) {
+  const TilePlan& plan = *a.plan;
+  const TileDims& t = a.dims;
+  const TileOps& ops = *a.ops;
+  const int64_t g = h / (a.q.h / a.k.h);
+  const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
+  const int64_t dim = a.q.d;
+
+  uint16_t* q16 = ws.q16.get();
+  for (int64_t r = 0; r < t.bq; ++r) {
+    uint16_t* out = q16 + r * t.dp;
+    const bf16* in = r < rows ? a.q.row(q0 + r, h) : nullptr;
+    for (int64_t d = 0; d < t.dp; ++d) out[d] = in != nullptr && d < dim ? in[d].bits : 0;
   }
+  pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
+  float* acc = ws.acc.get();
+  float* m = ws.row_m.get();
+  float* l = ws.row_l.get();
+  load_state(a.st, h, q0, rows, t, acc, m, l);
+
+  for (int64_t kj = 0; kj < plan.k_tiles; ++kj) {
+    const TileKind kind = plan.at(qi, kj);
+    if (kind == TileKind::kEmpty) continue;
+    const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
+    ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, t.dp, kv.kt(g, kj), 2 * t.bk, a.cfg->scale, false,
+                  ws.s.get(), t.bk);
+    if (kind == TileKind::kPartial) {
+      pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
+      mask_tile(a.cfg->mask, ws, rows, cols, t, ws.s.get());
+    }
+    ops.softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
+    ops.to_bf16(ws.s.get(), ws.p16.get(), t.bq * t.bk);
+    ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ws.p16.get(), t.bk, kv.v(g, kj), 2 * t.dp, 1.0f, true, acc,
+                  t.dp);
+  }
+  store_state(a.st, h, q0, rows, t, acc, m, l);
 }
 
 void check_config(const KernelConfig& cfg) {
@@ -467,8 +572,9 @@ void check_state(const StateView& st) {
 // ---------------------------------------------------------------------------------------------
 // Backward.
 
+template <class T>
 struct BackwardArgs {
-  View3<const float> q, k, v, dout;
+  View3<const T> q, k, v, dout;
   const float* lse;
   const float* delta;
   int64_t ml_stride;
@@ -477,10 +583,12 @@ struct BackwardArgs {
   const TilePlan* plan;
   TileDims dims;
   View3<float> dk, dv;
+  const TileOps* ops;
 };
 
 // dk, dv of k-tile kj of kv head g, and the dq contributions of its pairs (added into dq_sink).
-void backward_task(const BackwardArgs& a, int64_t g, int64_t kj, Workspace& ws,
+template <class T>
+void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& ws,
                    View3<float> dq_sink) {
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
@@ -506,29 +614,52 @@ void backward_task(const BackwardArgs& a, int64_t g, int64_t kj, Workspace& ws,
       const TileKind kind = plan.at(qi, kj);
       if (kind == TileKind::kEmpty) continue;
       const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
-      pack_rows(a.q, q0, rows, h, t, ws.q.get());
-      pack_rows(a.dout, q0, rows, h, t, ws.dout.get());
+      // fp32 tiles with full rows and no head-dim padding are read (q, dout) and accumulated
+      // (dq) in place, with their views' row strides; the others go through packed buffers.
+      const bool direct = std::is_same_v<T, float> && rows == t.bq && dim == t.dp;
+      const float* qp = ws.q.get();
+      const float* doutp = ws.dout.get();
+      int64_t q_rs = t.dp, dout_rs = t.dp;
+      if constexpr (std::is_same_v<T, float>) {
+        if (direct) {
+          qp = a.q.row(q0, h);
+          doutp = a.dout.row(q0, h);
+          q_rs = a.q.ss;
+          dout_rs = a.dout.ss;
+        }
+      }
+      if (!direct) {
+        pack_rows(a.q, q0, rows, h, t, ws.q.get());
+        pack_rows(a.dout, q0, rows, h, t, ws.dout.get());
+      }
       for (int64_t r = 0; r < rows; ++r) {
         lse[r] = a.lse[h * a.ml_stride + q0 + r];
         delta[r] = a.delta[h * a.ml_stride + q0 + r];
       }
       std::fill(delta + rows, delta + t.bq, 0.0f);
 
-      tile_scores(ws.q.get(), ws.kt.get(), scale, t, s);
+      const TileOps& ops = *a.ops;
+      // s [bq, bk] = scale q k^T
+      ops.gemm(t.bq, t.bk, t.dp, qp, q_rs, 1, ws.kt.get(), t.bk, scale, false, s, t.bk);
       if (kind == TileKind::kPartial) {
         pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
         mask_tile(a.cfg->mask, ws, rows, cols, t, s);
       }
-      tile_probs(rows, cols, t, lse, s);
+      ops.probs(rows, cols, t.bq, t.bk, lse, s);
       // dv [bk, dp] += p^T dout
-      gemm_tile(t.bk, t.dp, t.bq, s, 1, t.bk, ws.dout.get(), t.dp, 1.0f, true, ws.dv.get(), t.dp);
+      ops.gemm(t.bk, t.dp, t.bq, s, 1, t.bk, doutp, dout_rs, 1.0f, true, ws.dv.get(), t.dp);
       // dp [bq, bk] = dout v^T
-      gemm_tile(t.bq, t.bk, t.dp, ws.dout.get(), t.dp, 1, ws.v.get(), t.bk, 1.0f, false, dp, t.bk);
-      tile_ds(s, delta, scale, t, dp);
+      ops.gemm(t.bq, t.bk, t.dp, doutp, dout_rs, 1, ws.v.get(), t.bk, 1.0f, false, dp, t.bk);
+      ops.ds(s, delta, scale, t.bq, t.bk, dp);
       // dk [bk, dp] += ds^T q
-      gemm_tile(t.bk, t.dp, t.bq, dp, 1, t.bk, ws.q.get(), t.dp, 1.0f, true, ws.dk.get(), t.dp);
-      // dq tile [bq, dp] = ds k
-      gemm_tile(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.dp, 1.0f, false, dq_tile, t.dp);
+      ops.gemm(t.bk, t.dp, t.bq, dp, 1, t.bk, qp, q_rs, 1.0f, true, ws.dk.get(), t.dp);
+      // dq [bq, dp] += ds k: in place (c + 1 * sum, the same rounding as adding a tile result)
+      if (direct) {
+        ops.gemm(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.dp, 1.0f, true, dq_sink.row(q0, h),
+                 dq_sink.ss);
+        continue;
+      }
+      ops.gemm(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.dp, 1.0f, false, dq_tile, t.dp);
       for (int64_t r = 0; r < rows; ++r) {
         float* out = dq_sink.row(q0 + r, h);
         const float* in = dq_tile + r * t.dp;
@@ -575,25 +706,49 @@ StateView SoftmaxState::view() {
 // ---------------------------------------------------------------------------------------------
 // Forward entry points.
 
-KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,
-                   Tokens qt, Tokens kt, const KernelConfig& cfg) {
-  kernels::check_qkv(q, k, v, qt, kt);
+namespace {
+
+void check_attend(const StateView& st, int64_t q_s, int64_t q_h, int64_t q_d,
+                  const KernelConfig& cfg) {
   check_config(cfg);
   check_state(st);
-  LOOM_CHECK(st.rows == q.s && st.heads == q.h && st.dim == q.d, InvalidArgument,
+  LOOM_CHECK(st.rows == q_s && st.heads == q_h && st.dim == q_d, InvalidArgument,
              "state [" << st.rows << ", " << st.heads << ", " << st.dim << "] does not match q ["
-                       << q.s << ", " << q.h << ", " << q.d << "]");
+                       << q_s << ", " << q_h << ", " << q_d << "]");
+}
 
+template <class T>
+KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<const T> v,
+                        Tokens qt, Tokens kt, const KernelConfig& cfg) {
+  kernels::check_qkv(q, k, v, qt, kt);
+  check_attend(st, q.s, q.h, q.d, cfg);
+
+  const TileOps& ops = kernels::select_ops();
+  const KernelConfig wcfg = work_config(cfg, ops, q.s, k.s);
   const TilePlan plan =
-      plan_tiles(qt, kt, cfg.mask, cfg.block_q, cfg.block_k, thread_count(cfg, qt.n));
+      plan_tiles(qt, kt, cfg.mask, wcfg.block_q, wcfg.block_k, thread_count(cfg, qt.n));
+  const KernelStats stats = accounting_stats(plan, qt, kt, cfg, q.h);
   const int64_t tasks = q.h * plan.q_tiles;
   const int threads = thread_count(cfg, tasks);
-  const TileDims dims = tile_dims(cfg, q.d);
-  const PackedKv packed(k, v, plan, dims, threads);
-  const ForwardArgs args{st, q, k, v, qt, kt, &cfg, &plan, dims, &packed};
+  const TileDims dims = tile_dims(wcfg, q.d);
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
-  for (int i = 0; i < threads; ++i) ws.emplace_back(args.dims, false);
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (ops.gemm_bf16 != nullptr) {  // bf16 dot products (vdpbf16ps), fp32 softmax and acc
+      const PackedKvBf16 packed(k, v, plan, dims, threads);
+      const ForwardArgs<T> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, nullptr, &ops};
+      for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false, true);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t qi = plan.q_tiles - 1 - task / q.h, h = task % q.h;
+        forward_task_bf16(args, packed, h, qi, ws[static_cast<size_t>(omp_get_thread_num())]);
+      }
+      return stats;
+    }
+  }
+  const PackedKv packed(k, v, plan, dims, threads);
+  const ForwardArgs<T> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
+  for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false);
 
     // Late q-tiles first: under a causal mask they carry the most keys (dynamic balance).
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -601,10 +756,18 @@ KernelStats attend(StateView st, View3<const float> q, View3<const float> k, Vie
     const int64_t qi = plan.q_tiles - 1 - task / q.h, h = task % q.h;
     forward_task(args, h, qi, ws[static_cast<size_t>(omp_get_thread_num())]);
   }
-  return plan_stats(plan, q.h);
+  return stats;
 }
 
-void finish(StateView st, View3<float> out, float* lse, int64_t lse_stride) {
+inline void store(float* dst, float x) {
+  *dst = x;
+}
+inline void store(bf16* dst, float x) {
+  *dst = to_bf16(x);
+}
+
+template <class T>
+void finish_impl(StateView st, View3<T> out, float* lse, int64_t lse_stride) {
   check_state(st);
   kernels::check_view(out, "out");
   LOOM_CHECK(out.s == st.rows && out.h == st.heads && out.d == st.dim, InvalidArgument,
@@ -616,14 +779,14 @@ void finish(StateView st, View3<float> out, float* lse, int64_t lse_stride) {
     for (int64_t h = 0; h < st.heads; ++h) {
       const float l = st.l[h * st.ml_stride + i];
       const float* acc = st.acc + i * st.acc_ss + h * st.dim;
-      float* o = out.row(i, h);
+      T* o = out.row(i, h);
       if (l == 0.0f) {
-        std::fill(o, o + st.dim, 0.0f);
+        for (int64_t d = 0; d < st.dim; ++d) store(o + d, 0.0f);
         lse[h * lse_stride + i] = kNegInf;
         continue;
       }
       const float inv_l = 1.0f / l;
-      for (int64_t d = 0; d < st.dim; ++d) o[d] = acc[d] * inv_l;
+      for (int64_t d = 0; d < st.dim; ++d) store(o + d, acc[d] * inv_l);
       lse[h * lse_stride + i] = st.m[h * st.ml_stride + i] + std::log(l);
     }
   }
@@ -632,31 +795,44 @@ void finish(StateView st, View3<float> out, float* lse, int64_t lse_stride) {
 // ---------------------------------------------------------------------------------------------
 // Backward entry points.
 
-void compute_delta(View3<const float> out, View3<const float> dout, float* delta, int64_t stride) {
+template <class T>
+void compute_delta_impl(View3<const T> out, View3<const T> dout, float* delta, int64_t stride) {
   kernels::check_view(out, "out");
   kernels::check_view(dout, "dout");
   kernels::check_same_shape(out, dout, "out and dout");
   LOOM_CHECK(out.s == 0 || delta != nullptr, InvalidArgument, "delta must not be null");
   LOOM_CHECK_GE(stride, out.s, InvalidArgument, "delta stride too small");
+  const TileOps& ops = kernels::select_ops();
+  std::vector<float> o_row(static_cast<size_t>(out.d)), g_row(static_cast<size_t>(out.d));
   for (int64_t i = 0; i < out.s; ++i) {
     for (int64_t h = 0; h < out.h; ++h) {
-      const float* o = out.row(i, h);
-      const float* g = dout.row(i, h);
-      // Sequential in d, the order in which gemm_tile accumulates dp = dout v^T: a row whose
-      // probability sits on one key (out = v_j) then gets dp_j - delta = 0 exactly rather than
-      // rounding noise that ds = p (dp - delta) would turn into a gradient. Keep the two orders
-      // paired (no simd reduction here; an ISA-specific GEMM needs a matching delta).
-      float sum = 0.0f;
-      for (int64_t d = 0; d < out.d; ++d) sum += o[d] * g[d];
-      delta[h * stride + i] = sum;
+      const float* o;
+      const float* g;
+      if constexpr (std::is_same_v<T, float>) {
+        o = out.row(i, h);
+        g = dout.row(i, h);
+      } else {  // bf16: widened exactly, as attend_backward widens dout and v
+        for (int64_t d = 0; d < out.d; ++d) {
+          o_row[d] = to_f32(out.row(i, h)[d]);
+          g_row[d] = to_f32(dout.row(i, h)[d]);
+        }
+        o = o_row.data();
+        g = g_row.data();
+      }
+      // In the order (and with the fusion) in which the selected path's GEMM accumulates
+      // dp = dout v^T: a row whose probability sits on one key (out = v_j) then gets
+      // dp_j - delta = 0 exactly rather than rounding noise that ds = p (dp - delta) would turn
+      // into a gradient. attend_backward must run on the same path (same LOOM_KERNEL).
+      delta[h * stride + i] = ops.dot(o, g, out.d);
     }
   }
 }
 
-KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<const float> v,
-                            View3<const float> dout, const float* lse, const float* delta,
-                            int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
-                            View3<float> dq, View3<float> dk, View3<float> dv) {
+template <class T>
+KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const T> v,
+                                 View3<const T> dout, const float* lse, const float* delta,
+                                 int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
+                                 View3<float> dq, View3<float> dk, View3<float> dv) {
   kernels::check_qkv(q, k, v, qt, kt);
   check_config(cfg);
   kernels::check_view(dout, "dout");
@@ -664,19 +840,25 @@ KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<co
   kernels::check_view(dk, "dk");
   kernels::check_view(dv, "dv");
   kernels::check_same_shape(dout, q, "dout and q");
-  kernels::check_same_shape(View3<const float>(dq), q, "dq and q");
-  kernels::check_same_shape(View3<const float>(dk), k, "dk and k");
-  kernels::check_same_shape(View3<const float>(dv), v, "dv and v");
+  const auto shape_of = [](const auto& x) {
+    return View3<const float>{nullptr, x.s, x.h, x.d, 0, 0};
+  };
+  kernels::check_same_shape(View3<const float>(dq), shape_of(q), "dq and q");
+  kernels::check_same_shape(View3<const float>(dk), shape_of(k), "dk and k");
+  kernels::check_same_shape(View3<const float>(dv), shape_of(v), "dv and v");
   LOOM_CHECK(q.s == 0 || (lse != nullptr && delta != nullptr), InvalidArgument,
              "lse and delta must not be null");
   LOOM_CHECK_GE(ml_stride, q.s, InvalidArgument, "lse/delta stride too small");
-
+  const TileOps& ops = kernels::select_ops();
+  const KernelConfig wcfg = work_config(cfg, ops, q.s, k.s);
   const TilePlan plan =
-      plan_tiles(qt, kt, cfg.mask, cfg.block_q, cfg.block_k, thread_count(cfg, qt.n));
+      plan_tiles(qt, kt, cfg.mask, wcfg.block_q, wcfg.block_k, thread_count(cfg, qt.n));
+  const KernelStats stats = accounting_stats(plan, qt, kt, cfg, q.h);
   const int64_t tasks = k.h * plan.k_tiles;
   const int threads = thread_count(cfg, tasks);
-  const BackwardArgs args{
-      q, k, v, dout, lse, delta, ml_stride, qt, kt, &cfg, &plan, tile_dims(cfg, q.d), dk, dv};
+  const BackwardArgs<T> args{q,         k,  v,   dout,  lse,   delta,
+                             ml_stride, qt, kt,  &wcfg, &plan, tile_dims(wcfg, q.d),
+                             dk,        dv, &ops};
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
   for (int i = 0; i < threads; ++i) ws.emplace_back(args.dims, true);
@@ -715,7 +897,53 @@ KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<co
       }
     }
   }
-  return plan_stats(plan, q.h);
+  return stats;
+}
+
+}  // namespace
+
+KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,
+                   Tokens qt, Tokens kt, const KernelConfig& cfg) {
+  return attend_impl(st, q, k, v, qt, kt, cfg);
+}
+
+KernelStats attend(StateView st, View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                   Tokens qt, Tokens kt, const KernelConfig& cfg) {
+  return attend_impl(st, q, k, v, qt, kt, cfg);
+}
+
+void finish(StateView st, View3<float> out, float* lse, int64_t lse_stride) {
+  finish_impl(st, out, lse, lse_stride);
+}
+
+void finish(StateView st, View3<bf16> out, float* lse, int64_t lse_stride) {
+  finish_impl(st, out, lse, lse_stride);
+}
+
+void compute_delta(View3<const float> out, View3<const float> dout, float* delta, int64_t stride) {
+  compute_delta_impl(out, dout, delta, stride);
+}
+
+void compute_delta(View3<const bf16> out, View3<const bf16> dout, float* delta, int64_t stride) {
+  compute_delta_impl(out, dout, delta, stride);
+}
+
+KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<const float> v,
+                            View3<const float> dout, const float* lse, const float* delta,
+                            int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
+                            View3<float> dq, View3<float> dk, View3<float> dv) {
+  return attend_backward_impl(q, k, v, dout, lse, delta, ml_stride, qt, kt, cfg, dq, dk, dv);
+}
+
+KernelStats attend_backward(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                            View3<const bf16> dout, const float* lse, const float* delta,
+                            int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
+                            View3<float> dq, View3<float> dk, View3<float> dv) {
+  return attend_backward_impl(q, k, v, dout, lse, delta, ml_stride, qt, kt, cfg, dq, dk, dv);
+}
+
+const char* kernel_path() {
+  return kernels::select_ops().name;
 }
 
 }  // namespace loom

@@ -18,6 +18,7 @@ struct CpCase {
   int64_t window = 0;
   std::vector<int64_t> docs;
   uint64_t seed = 7;
+  bool bf16 = false;  // bf16 storage of q, k, v, out, dout (tolerances in tests/unit/tolerance.h)
   std::string name() const;
 };
 

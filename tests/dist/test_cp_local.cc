@@ -108,6 +108,36 @@ INSTANTIATE_TEST_SUITE_P(
                       Param{Strategy::allgather, 7, 1}, Param{Strategy::allgather, 8, 1}),
     param_name);
 
+// bf16 storage through every strategy: KV blocks travel in bf16, state and gradients in fp32.
+TEST(CpBf16, EveryStrategyAndLayout) {
+  struct Run {
+    Strategy s;
+    int P, U;
+  };
+  for (const Run& r :
+       {Run{Strategy::ring, 4, 1}, Run{Strategy::ring, 3, 1}, Run{Strategy::ulysses, 4, 1},
+        Run{Strategy::hybrid, 4, 2}, Run{Strategy::allgather, 3, 1}}) {
+    for (Layout l : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
+      for (const MaskCase& mc : masks()) {
+        CpCase c;
+        c.strategy = r.s;
+        c.layout = l;
+        c.ulysses = r.U;
+        c.S = 77;
+        c.H = 8;
+        c.HKV = 2;
+        c.D = 32;
+        c.causal = mc.causal;
+        c.window = mc.window;
+        c.docs = mc.docs.empty() ? std::vector<int64_t>{} : std::vector<int64_t>{30, 1, 46};
+        c.bf16 = true;
+        SCOPED_TRACE(c.name() + " P=" + std::to_string(r.P));
+        EXPECT_NO_THROW(run_local(r.P, [&](Communicator& w) { run_cp_case(w, c); }));
+      }
+    }
+  }
+}
+
 // More ranks than tokens: some shards are empty, and the result is still exact.
 TEST(CpEdge, EmptyShards) {
   for (Strategy s : {Strategy::ring, Strategy::ulysses, Strategy::allgather}) {

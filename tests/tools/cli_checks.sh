@@ -53,6 +53,12 @@ else
 fi
 
 # Bad input: one clear line, non-zero exit.
+expect_ok "bf16 storage, ring" --ranks 4 --seq 512 --heads 4 --kv-heads 2 --head-dim 64 \
+  --backward --check --dtype bf16 --iters 1 --warmup 0 --quiet
+expect_ok "bf16 storage, hybrid, documents" --ranks 4 --strategy hybrid --ulysses 2 --seq 300 \
+  --heads 4 --kv-heads 2 --head-dim 32 --docs 100,200 --backward --check --dtype bf16 --iters 1 \
+  --warmup 0 --quiet
+expect_error "unknown dtype" "unknown --dtype 'fp16' (choose fp32 or bf16)" --dtype fp16
 expect_error "unknown strategy" "unknown strategy 'tree'" --strategy tree --seq 64
 expect_error "unknown layout" "unknown layout 'spiral'" --layout spiral --seq 64
 expect_error "heads not multiple of kv-heads" "--heads 6 must be a multiple of --kv-heads 4" \

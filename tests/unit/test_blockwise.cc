@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -262,6 +264,38 @@ void expect_stats(const KernelStats& st, const Problem& p, const KernelConfig& c
 }
 
 // ---------------------------------------------------------------------------------------------
+// Instruction-set paths (LOOM_KERNEL, see src/kernels/tile_ops.h). A path the CPU lacks falls
+// back to the next best, so every test runs on any machine; kernel_path() names the one taken.
+
+// Sets LOOM_KERNEL for its lifetime (tests call the kernels from one thread at a time here).
+class ScopedKernelPath {
+ public:
+  explicit ScopedKernelPath(const char* path) {
+    const char* old = std::getenv("LOOM_KERNEL");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    ::setenv("LOOM_KERNEL", path, 1);
+  }
+  ~ScopedKernelPath() {
+    if (had_)
+      ::setenv("LOOM_KERNEL", old_.c_str(), 1);
+    else
+      ::unsetenv("LOOM_KERNEL");
+  }
+  ScopedKernelPath(const ScopedKernelPath&) = delete;
+  ScopedKernelPath& operator=(const ScopedKernelPath&) = delete;
+
+ private:
+  bool had_ = false;
+  std::string old_;
+};
+
+// fp32 storage: the portable and the AVX-512 arithmetic (avx512bf16 differs only for bf16).
+const char* const kFp32Paths[] = {"portable", "avx512"};
+// bf16 storage: widened to fp32 (portable, avx512) or bf16 dot products (avx512bf16).
+const char* const kBf16Paths[] = {"portable", "avx512", "avx512bf16"};
+
+// ---------------------------------------------------------------------------------------------
 // The sweep.
 
 std::vector<Case> sweep_cases() {
@@ -302,10 +336,19 @@ TEST_P(BlockwiseSweep, MatchesReference) {
   const Case& c = GetParam();
   const Problem p = make_problem(c, static_cast<uint32_t>(c.s * 131 + c.d * 7 + c.h));
   const KernelConfig cfg = config(p, c.block_q, c.block_k, c.threads);
-  const Result r = run_blockwise(p, cfg);
-  expect_matches_reference(r, run_reference(p));
-  expect_stats(r.fwd, p, cfg);
-  expect_stats(r.bwd, p, cfg);
+  const RefResult ref = run_reference(p);
+  // Both paths on every small case and on one S = 1000 case; the other S = 1000 cases run the
+  // AVX-512 path only (the portable GEMM dominates their time in the sanitizer build).
+  const bool all_paths = c.s <= 64 || c.d == 16;
+  for (const char* path : kFp32Paths) {
+    if (!all_paths && std::string(path) == "portable") continue;
+    const ScopedKernelPath scoped(path);
+    const Result r = run_blockwise(p, cfg);
+    SCOPED_TRACE(kernel_path());
+    expect_matches_reference(r, ref);
+    expect_stats(r.fwd, p, cfg);
+    expect_stats(r.bwd, p, cfg);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, BlockwiseSweep, ::testing::ValuesIn(sweep_cases()),
@@ -493,10 +536,13 @@ TEST(Blockwise, RowsSeeingOneKeyHaveExactlyZeroDsGradients) {
     const Case c{100, d, 4, 2, MaskKind::kCausal, Layout::kContiguous};
     Problem p = make_problem(c, 91);
     p.mask = Mask{true, 1};
-    const Result r = run_blockwise(p, config(p, 32, 48, 2));
-    for (float x : r.dq.vec()) ASSERT_EQ(x, 0.0f) << "D " << d;
-    for (float x : r.dk.vec()) ASSERT_EQ(x, 0.0f) << "D " << d;
-    EXPECT_LE(rel_error(r.dv.vec(), run_reference(p).dv.vec()), kFp32RelTol);
+    for (const char* path : kFp32Paths) {
+      const ScopedKernelPath scoped(path);
+      const Result r = run_blockwise(p, config(p, 32, 48, 2));
+      for (float x : r.dq.vec()) ASSERT_EQ(x, 0.0f) << "D " << d << " " << kernel_path();
+      for (float x : r.dk.vec()) ASSERT_EQ(x, 0.0f) << "D " << d << " " << kernel_path();
+      EXPECT_LE(rel_error(r.dv.vec(), run_reference(p).dv.vec()), kFp32RelTol);
+    }
   }
 }
 
@@ -528,18 +574,22 @@ TEST(Blockwise, EmptyStateStaysEmptyAfterInvisibleBlock) {
 TEST(Blockwise, OneAndTwoThreadsAgree) {
   const Case c{700, 64, 8, 2, MaskKind::kCausal, Layout::kZigzag};
   const Problem p = make_problem(c, 61);
-  const Result one = run_blockwise(p, config(p, 64, 64, 1));
-  const Result two = run_blockwise(p, config(p, 64, 64, 2));
-  // The forward computes each (head, q-tile) on one thread: identical bits.
-  EXPECT_EQ(one.out.vec(), two.out.vec());
-  EXPECT_EQ(one.lse, two.lse);
-  // dk, dv of a (kv head, k-tile) are one task's: identical. dq sums per-thread partials.
-  EXPECT_EQ(one.dk.vec(), two.dk.vec());
-  EXPECT_EQ(one.dv.vec(), two.dv.vec());
-  EXPECT_LE(rel_error(two.dq.vec(), one.dq.vec()), 1e-6);
-  // A second run with two threads reproduces the first (static schedule).
-  const Result again = run_blockwise(p, config(p, 64, 64, 2));
-  EXPECT_EQ(again.dq.vec(), two.dq.vec());
+  for (const char* path : kFp32Paths) {
+    const ScopedKernelPath scoped(path);
+    SCOPED_TRACE(kernel_path());
+    const Result one = run_blockwise(p, config(p, 64, 64, 1));
+    const Result two = run_blockwise(p, config(p, 64, 64, 2));
+    // The forward computes each (head, q-tile) on one thread: identical bits.
+    EXPECT_EQ(one.out.vec(), two.out.vec());
+    EXPECT_EQ(one.lse, two.lse);
+    // dk, dv of a (kv head, k-tile) are one task's: identical. dq sums per-thread partials.
+    EXPECT_EQ(one.dk.vec(), two.dk.vec());
+    EXPECT_EQ(one.dv.vec(), two.dv.vec());
+    EXPECT_LE(rel_error(two.dq.vec(), one.dq.vec()), 1e-6);
+    // A second run with two threads reproduces the first (static schedule).
+    const Result again = run_blockwise(p, config(p, 64, 64, 2));
+    EXPECT_EQ(again.dq.vec(), two.dq.vec());
+  }
 }
 
 TEST(Blockwise, StridedViewsAndSubStates) {
@@ -651,6 +701,257 @@ TEST(Blockwise, RejectsBadArguments) {
                                4, t, t, cfg, dq_bad.view3(), dk.view3(), dv.view3()),
                InvalidArgument);
   EXPECT_THROW(compute_delta(out.view3(), dk.view3(), delta.data(), 4), InvalidArgument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16 storage: q, k, v, dout (and out) in bf16, state and gradients fp32. The reference runs in
+// fp64 on exactly the bf16 values, so the error measured is the kernels' own (bounds: tolerance.h,
+// "bf16 storage").
+
+struct Bf16Problem {
+  Problem p;  // fp32 copies of the bf16 values (for the reference)
+  Tensor<bf16> q, k, v, dout;
+};
+
+Bf16Problem make_bf16_problem(const Case& c, uint32_t seed) {
+  Bf16Problem b;
+  b.p = make_problem(c, seed);
+  b.q = convert<bf16>(b.p.q);
+  b.k = convert<bf16>(b.p.k);
+  b.v = convert<bf16>(b.p.v);
+  b.dout = convert<bf16>(b.p.dout);
+  b.p.q = convert<float>(b.q);
+  b.p.k = convert<float>(b.k);
+  b.p.v = convert<float>(b.v);
+  b.p.dout = convert<float>(b.dout);
+  return b;
+}
+
+struct Bf16Result {
+  Tensor<bf16> out;
+  Tensor<float> out_f32, dq, dk, dv;  // out_f32: the same state finished to fp32
+  std::vector<float> lse;
+  KernelStats fwd, bwd;
+};
+
+Bf16Result run_blockwise_bf16(const Bf16Problem& b, const KernelConfig& cfg) {
+  const Problem& p = b.p;
+  Bf16Result r;
+  SoftmaxState st(p.sq, p.h, p.d);
+  r.fwd = attend(st.view(), b.q.view3(), b.k.view3(), b.v.view3(), p.qt(), p.kt(), cfg);
+  r.out = Tensor<bf16>({p.sq, p.h, p.d});
+  r.out_f32 = Tensor<float>({p.sq, p.h, p.d});
+  r.lse.assign(static_cast<size_t>(p.h * p.sq), 0.0f);
+  std::vector<float> lse2(r.lse.size());
+  finish(st.view(), r.out.view3(), r.lse.data(), p.sq);
+  finish(st.view(), r.out_f32.view3(), lse2.data(), p.sq);
+  std::vector<float> delta(static_cast<size_t>(p.h * p.sq));
+  compute_delta(r.out.view3(), b.dout.view3(), delta.data(), p.sq);
+  r.dq = Tensor<float>({p.sq, p.h, p.d});
+  r.dk = Tensor<float>({p.sk, p.hkv, p.d});
+  r.dv = Tensor<float>({p.sk, p.hkv, p.d});
+  r.bwd = attend_backward(b.q.view3(), b.k.view3(), b.v.view3(), b.dout.view3(), r.lse.data(),
+                          delta.data(), p.sq, p.qt(), p.kt(), cfg, r.dq.view3(), r.dk.view3(),
+                          r.dv.view3());
+  return r;
+}
+
+std::vector<Case> bf16_cases() {
+  // Every mask, layout, GQA shape, tile shape and thread count at small sizes, two larger
+  // problems (several work tiles, GQA, zigzag), kept small enough for the sanitizer build.
+  std::vector<Case> cases;
+  const MaskKind masks[] = {MaskKind::kCausal, MaskKind::kFull, MaskKind::kWindow,
+                            MaskKind::kCausalWindow, MaskKind::kDocuments};
+  const Layout layouts[] = {Layout::kContiguous, Layout::kZigzag, Layout::kStripe, Layout::kRandom};
+  const int64_t heads[][2] = {{4, 4}, {8, 2}, {4, 1}};
+  const int64_t blocks[][2] = {{64, 64}, {48, 40}, {16, 24}};
+  int n = 0;
+  for (MaskKind m : masks) cases.push_back(Case{1, 16, 4, 2, m, layouts[n++ % 4], 64, 64, 1});
+  for (int64_t s : {7, 100}) {
+    for (int64_t d : {16, 72, 128}) {
+      for (MaskKind m : masks) {
+        const auto& hh = heads[n % 3];
+        const auto& b = blocks[(n / 3) % 3];
+        cases.push_back(Case{s, d, hh[0], hh[1], m, layouts[n % 4], b[0], b[1], 1 + n % 2});
+        ++n;
+      }
+    }
+  }
+  cases.push_back(Case{300, 64, 8, 2, MaskKind::kCausal, Layout::kZigzag, 64, 64, 2});
+  cases.push_back(Case{256, 128, 4, 4, MaskKind::kFull, Layout::kContiguous, 64, 64, 1});
+  return cases;
+}
+
+// The bf16 error bounds of a problem (tests/unit/tolerance.h, "bf16 storage"), as relative norm
+// errors: first-order bounds in u = 2^-8 computed from the fp64 reference quantities, plus
+// kFp32RelTol for the fp32 arithmetic.
+struct Bf16Bounds {
+  double out, out_fp32, dq, dk;
+};
+
+double norm2(const std::vector<double>& x) {
+  double n = 0;
+  for (double e : x) n += e * e;
+  return std::sqrt(n);
+}
+
+Bf16Bounds bf16_bounds(const Problem& p, const RefResult& ref) {
+  const double u = test::kBf16Unit;
+  const Tensor<double> q = convert<double>(p.q), k = convert<double>(p.k),
+                       dout = convert<double>(p.dout);
+  Tensor<double> v_abs = convert<double>(p.v);
+  for (double& e : v_abs.vec()) e = std::fabs(e);
+  // a = W |v| (the attention weights applied to |v|) and pk = W k, by the reference forward.
+  Tensor<double> a({p.sq, p.h, p.d}), pk({p.sq, p.h, p.d});
+  std::vector<double> lse(static_cast<size_t>(p.h * p.sq));
+  reference_forward(q.view3(), k.view3(), v_abs.view3(), p.qt(), p.kt(), p.mask, p.scale, a.view3(),
+                    lse.data());
+  reference_forward(q.view3(), k.view3(), k.view3(), p.qt(), p.kt(), p.mask, p.scale, pk.view3(),
+                    lse.data());
+  // |delta error of row (i, h)| <= u c, c = sum_d |dout| (|out| + a): out rounded to bf16 (u |out|)
+  // and, on the bf16-dot path, the rounding of the weights (u a).
+  std::vector<double> c(static_cast<size_t>(p.sq * p.h));
+  double dq_err2 = 0;
+  for (int64_t i = 0; i < p.sq; ++i)
+    for (int64_t h = 0; h < p.h; ++h) {
+      double ci = 0, pk2 = 0;
+      for (int64_t e = 0; e < p.d; ++e) {
+        ci += std::fabs(dout.view3()(i, h, e)) *
+              (std::fabs(ref.out.view3()(i, h, e)) + a.view3()(i, h, e));
+        pk2 += pk.view3()(i, h, e) * pk.view3()(i, h, e);
+      }
+      c[i * p.h + h] = ci;
+      dq_err2 += ci * ci * pk2;  // dq_i moves by scale * delta error * (W k)_i
+    }
+  // dk_j moves by scale * sum_i p_ij (delta error of i) q_i: bounded with the explicit weights.
+  std::vector<double> dk_err(static_cast<size_t>(p.sk * p.hkv), 0.0);
+  const int64_t group = p.h / p.hkv;
+  for (int64_t h = 0; h < p.h; ++h)
+    for (int64_t i = 0; i < p.sq; ++i) {
+      const double lse_i = ref.lse[h * p.sq + i];
+      if (std::isinf(lse_i)) continue;
+      double qn = 0;
+      for (int64_t e = 0; e < p.d; ++e) qn += q.view3()(i, h, e) * q.view3()(i, h, e);
+      qn = std::sqrt(qn);
+      for (int64_t j = 0; j < p.sk; ++j) {
+        if (!visible(p.mask, p.qpos[i], p.documents ? p.qdoc[i] : 0, p.kpos[j],
+                     p.documents ? p.kdoc[j] : 0))
+          continue;
+        double sc = 0;
+        for (int64_t e = 0; e < p.d; ++e) sc += q.view3()(i, h, e) * k.view3()(j, h / group, e);
+        dk_err[j * p.hkv + h / group] += std::exp(p.scale * sc - lse_i) * c[i * p.h + h] * qn;
+      }
+    }
+  const double slack = 1.01;  // first order in u
+  Bf16Bounds b;
+  const double out_n = norm2(ref.out.vec()), a_n = norm2(a.vec());
+  b.out = slack * u * (out_n + a_n) / out_n + kFp32RelTol;
+  b.out_fp32 = slack * u * a_n / out_n + kFp32RelTol;
+  b.dq = slack * u * p.scale * std::sqrt(dq_err2) / norm2(ref.dq.vec()) + kFp32RelTol;
+  b.dk = slack * u * p.scale * norm2(dk_err) / norm2(ref.dk.vec()) + kFp32RelTol;
+  return b;
+}
+
+class Bf16Sweep : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Bf16Sweep, MatchesReference) {
+  const Case& c = GetParam();
+  const Bf16Problem b = make_bf16_problem(c, static_cast<uint32_t>(c.s * 17 + c.d * 5 + c.h));
+  const KernelConfig cfg = config(b.p, c.block_q, c.block_k, c.threads);
+  const RefResult ref = run_reference(b.p);
+  const Bf16Bounds bound = bf16_bounds(b.p, ref);
+  for (const char* path : kBf16Paths) {
+    const ScopedKernelPath scoped(path);
+    const Bf16Result r = run_blockwise_bf16(b, cfg);
+    SCOPED_TRACE(kernel_path());
+    const bool bf16_dots = std::string(kernel_path()) == "avx512bf16";
+    const double e_out = rel_error(convert<float>(r.out).vec(), ref.out.vec());
+    const double e_out32 = rel_error(r.out_f32.vec(), ref.out.vec());
+    const double e_dq = rel_error(r.dq.vec(), ref.dq.vec());
+    const double e_dk = rel_error(r.dk.vec(), ref.dk.vec());
+    EXPECT_LE(e_out, bound.out) << "out";
+    EXPECT_LE(e_out32, bf16_dots ? bound.out_fp32 : kFp32RelTol) << "out finished to fp32";
+    EXPECT_LE(lse_rel_error(r.lse, ref.lse), kFp32RelTol) << "lse";
+    EXPECT_LE(e_dq, bound.dq) << "dq";
+    EXPECT_LE(e_dk, bound.dk) << "dk";
+    EXPECT_LE(rel_error(r.dv.vec(), ref.dv.vec()), kFp32RelTol) << "dv";
+    if (c.s >= 100) {  // the regime of the fixed tolerances the cp tests use
+      EXPECT_LE(e_out, test::kBf16OutRelTol) << "out";
+      EXPECT_LE(e_out32, test::kBf16AccRelTol) << "out finished to fp32";
+      EXPECT_LE(e_dq, test::kBf16GradRelTol) << "dq";
+      EXPECT_LE(e_dk, test::kBf16GradRelTol) << "dk";
+    }
+    if (std::getenv("LOOM_TEST_PRINT_ERRORS") != nullptr)
+      std::printf("%s %s error/bound: out %.3e/%.3e fp32 out %.3e/%.3e dq %.3e/%.3e dk %.3e/%.3e\n",
+                  c.name().c_str(), kernel_path(), e_out, bound.out, e_out32, bound.out_fp32, e_dq,
+                  bound.dq, e_dk, bound.dk);
+    expect_stats(r.fwd, b.p, cfg);
+    expect_stats(r.bwd, b.p, cfg);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Bf16Sweep, ::testing::ValuesIn(bf16_cases()),
+                         [](const auto& info) { return info.param.name(); });
+
+TEST(Bf16, RowsSeeingOneKeyHaveExactlyZeroDsGradients) {
+  // As for fp32: p = 1, out = v_j exactly (bf16 in, bf16 out), and delta is summed in the order
+  // of the backward's dp GEMM on the same widened values, so ds = 0 exactly.
+  for (const int64_t d : {16, 72, 128}) {
+    const Case c{100, d, 4, 2, MaskKind::kCausal, Layout::kContiguous};
+    Bf16Problem b = make_bf16_problem(c, 93);
+    b.p.mask = Mask{true, 1};
+    for (const char* path : kBf16Paths) {
+      const ScopedKernelPath scoped(path);
+      const Bf16Result r = run_blockwise_bf16(b, config(b.p, 32, 48, 2));
+      for (float x : r.dq.vec()) ASSERT_EQ(x, 0.0f) << "D " << d << " " << kernel_path();
+      for (float x : r.dk.vec()) ASSERT_EQ(x, 0.0f) << "D " << d << " " << kernel_path();
+      EXPECT_EQ(convert<float>(r.out).vec(), convert<float>([&] {
+                                               // out[i, h] = v[i, h / 2] exactly
+                                               Tensor<bf16> e({b.p.sq, b.p.h, d});
+                                               for (int64_t i = 0; i < b.p.sq; ++i)
+                                                 for (int64_t h = 0; h < b.p.h; ++h)
+                                                   for (int64_t e2 = 0; e2 < d; ++e2)
+                                                     e.view3()(i, h, e2) =
+                                                         b.v.view3()(i, h / 2, e2);
+                                               return e;
+                                             }())
+                                                 .vec());
+    }
+  }
+}
+
+TEST(Bf16, RingOfBf16BlocksIntoOneFp32State) {
+  // A ring step's use: KV blocks arrive in bf16 and fold into one fp32 state in any order; the
+  // backward's dk/dv partials of each block are fp32. Same result as one attend over all keys.
+  const Case c{300, 64, 4, 2, MaskKind::kCausal, Layout::kRandom};
+  const Bf16Problem b = make_bf16_problem(c, 23);
+  const KernelConfig cfg = config(b.p, 48, 40, 2);
+  const RefResult ref = run_reference(b.p);
+  const int64_t cut[] = {0, 97, 250, b.p.sk};
+  SoftmaxState st(b.p.sq, b.p.h, b.p.d);
+  for (int blk : {2, 0, 1}) {
+    const int64_t k0 = cut[blk], n = cut[blk + 1] - cut[blk];
+    attend(st.view(), b.q.view3(), b.k.view3().rows(k0, n), b.v.view3().rows(k0, n), b.p.qt(),
+           b.p.kt().sub(k0, n), cfg);
+  }
+  Tensor<bf16> out({b.p.sq, b.p.h, b.p.d});
+  std::vector<float> lse(static_cast<size_t>(b.p.h * b.p.sq)), delta(lse.size());
+  finish(st.view(), out.view3(), lse.data(), b.p.sq);
+  const Bf16Bounds bound = bf16_bounds(b.p, ref);
+  EXPECT_LE(rel_error(convert<float>(out).vec(), ref.out.vec()), bound.out);
+  EXPECT_LE(lse_rel_error(lse, ref.lse), kFp32RelTol);
+  compute_delta(out.view3(), b.dout.view3(), delta.data(), b.p.sq);
+  Tensor<float> dq({b.p.sq, b.p.h, b.p.d}), dk({b.p.sk, b.p.hkv, b.p.d}),
+      dv({b.p.sk, b.p.hkv, b.p.d});
+  for (int blk : {1, 2, 0}) {
+    const int64_t k0 = cut[blk], n = cut[blk + 1] - cut[blk];
+    attend_backward(b.q.view3(), b.k.view3().rows(k0, n), b.v.view3().rows(k0, n), b.dout.view3(),
+                    lse.data(), delta.data(), b.p.sq, b.p.qt(), b.p.kt().sub(k0, n), cfg,
+                    dq.view3(), dk.view3().rows(k0, n), dv.view3().rows(k0, n));
+  }
+  EXPECT_LE(rel_error(dq.vec(), ref.dq.vec()), bound.dq);
+  EXPECT_LE(rel_error(dk.vec(), ref.dk.vec()), bound.dk);
+  EXPECT_LE(rel_error(dv.vec(), ref.dv.vec()), kFp32RelTol);
 }
 
 }  // namespace

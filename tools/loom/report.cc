@@ -88,6 +88,7 @@ void print_text(const AttnReport& r) {
               static_cast<long long>(r.HKV), static_cast<long long>(r.D),
               r.causal ? "causal" : "full", static_cast<long long>(r.window), r.docs, r.scale);
   if (r.ulysses > 0) std::printf(" ulysses=%d", r.ulysses);
+  std::printf(" %s", r.dtype.c_str());
   std::printf("\n");
   std::printf("  forward   %10.3f ms  %8.2f GFLOP/s useful  (median of %d, slowest rank)\n",
               tf * 1e3, tf > 0 ? flops / tf * 1e-9 : 0.0, r.iters);
@@ -125,6 +126,7 @@ nlohmann::json to_json(const AttnReport& r) {
   json j;
   j["config"] = r.config;
   j["backend"] = r.backend;
+  j["dtype"] = r.dtype;
   j["world"] = r.world;
   j["threads_per_rank"] = r.threads;
   j["forward_s"] = r.forward_s();

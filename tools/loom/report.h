@@ -28,7 +28,7 @@ struct CheckReport {
 
 struct AttnReport {
   nlohmann::json config;
-  std::string strategy, layout, backend;
+  std::string strategy, layout, backend, dtype = "fp32";
   int world = 1, threads = 1, iters = 1;
   int64_t S = 0, H = 0, HKV = 0, D = 0;
   bool causal = true, backward = false;

@@ -1,0 +1,163 @@
+#!/usr/bin/python3
+"""PyTorch (CPU) attention on the shapes of bench_kernels, for a side-by-side comparison.
+
+Optional and not part of CI: needs Debian's python3-torch (1.13, `apt-get install python3-torch`)
+run with /usr/bin/python3. It times eager PyTorch attention (scores = q k^T * scale, masked,
+softmax, @ v; autograd for the backward) in [H, S, D] layout, the way PyTorch 1.13 computes
+attention on CPU (it has no fused CPU scaled_dot_product_attention), and reports the same useful
+FLOP counts as bench_kernels: forward 4 * D * visible pairs, backward 2.5x that; causal counts
+only the S (S + 1) / 2 visible pairs per head. Each measurement is the best of --reps calls after
+one warm-up. Next to it, torch.mm's fp32 GEMM rate (M = N = K = --gemm-n) with the same threads.
+
+  /usr/bin/python3 bench/torch_compare.py                       # default sweep, a table
+  /usr/bin/python3 bench/torch_compare.py --seq 4096 --dim 128 --threads 1 --json torch.json
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+# Debian's torch does its matrix products in OpenBLAS, whose thread pool follows
+# OPENBLAS_NUM_THREADS / OMP_NUM_THREADS read at load time, not torch.set_num_threads. So each
+# thread count runs in its own child process with those set (--child marks a child).
+
+
+def best_time(fn, reps):
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096])
+    ap.add_argument("--dim", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--ring", type=int, default=512, help="ring-step rows (0: none)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gemm-n", type=int, default=1024)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if not args.child:
+        rows, version = [], None
+        for i, t in enumerate(args.threads):
+            env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t), OMP_NUM_THREADS=str(t))
+            out = f"/tmp/torch_compare_{os.getpid()}_{t}.json"
+            cmd = [sys.executable, __file__, "--child", "--threads", str(t), "--json", out,
+                   "--seq", *map(str, args.seq), "--dim", *map(str, args.dim),
+                   "--heads", str(args.heads), "--dtype", *args.dtype,
+                   "--ring", str(args.ring if i == 0 else 0), "--reps", str(args.reps),
+                   "--gemm-n", str(args.gemm_n)]
+            if i > 0:
+                cmd.append("--no-header")
+            rc = subprocess.call(cmd, env=env)
+            if rc != 0:
+                return rc
+            with open(out) as f:
+                got = json.load(f)
+            os.remove(out)
+            rows += got["results"]
+            version = got["torch"]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": version, "results": rows}, f, indent=2)
+        return 0
+    try:
+        import torch
+    except ImportError:
+        print("torch_compare: PyTorch is not installed (apt-get install python3-torch)",
+              file=sys.stderr)
+        return 2
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if not args.no_header:
+        print(f"torch {torch.__version__}")
+        print(f"{'dtype':>5} {'Sq':>6} {'Sk':>6} {'H':>3} {'D':>4} {'mask':>6} {'thr':>3} "
+              f"{'sgemm':>7} | {'fwd ms':>9} {'GFLOP/s':>8} {'/gemm':>6} | {'bwd ms':>9} "
+              f"{'GFLOP/s':>8} {'/gemm':>6}", flush=True)
+    rows = []
+    gemm_cache = {}
+
+    def gemm_rate(threads):
+        if threads not in gemm_cache:
+            torch.set_num_threads(threads)
+            a = torch.randn(args.gemm_n, args.gemm_n)
+            b = torch.randn(args.gemm_n, args.gemm_n)
+            t = best_time(lambda: torch.mm(a, b), args.reps)
+            gemm_cache[threads] = 2.0 * args.gemm_n ** 3 / t * 1e-9
+        return gemm_cache[threads]
+
+    def run(dtype, sq, sk, d, causal, threads):
+        torch.set_num_threads(threads)
+        gemm = gemm_rate(threads)
+        torch.set_num_threads(threads)
+        h = args.heads
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(h, sq, d, generator=g).to(dtypes[dtype]).requires_grad_()
+        k = torch.randn(h, sk, d, generator=g).to(dtypes[dtype]).requires_grad_()
+        v = torch.randn(h, sk, d, generator=g).to(dtypes[dtype]).requires_grad_()
+        dout = torch.randn(h, sq, d, generator=g).to(dtypes[dtype])
+        scale = d ** -0.5
+        mask = None
+        pairs = sq * sk * h
+        if causal:  # queries at positions [sk - sq, sk), keys at [0, sk)
+            qpos = torch.arange(sk - sq, sk).unsqueeze(1)
+            kpos = torch.arange(sk).unsqueeze(0)
+            mask = kpos > qpos
+            pairs = int((~mask).sum()) * h
+
+        def forward():
+            s = torch.matmul(q, k.transpose(1, 2)) * scale
+            if mask is not None:
+                s = s.masked_fill(mask, float("-inf"))
+            return torch.matmul(torch.softmax(s, dim=-1), v)
+
+        def fwd_only():
+            with torch.no_grad():
+                forward()
+
+        def fwd_bwd():
+            q.grad = k.grad = v.grad = None
+            forward().backward(dout)
+
+        t_fwd = best_time(fwd_only, args.reps)
+        t_both = best_time(fwd_bwd, args.reps)
+        t_bwd = max(t_both - t_fwd, 1e-9)
+        flops = 4.0 * d * pairs
+        r = dict(dtype=dtype, seq_q=sq, seq_k=sk, heads=h, dim=d, causal=causal, threads=threads,
+                 gemm_gflops=gemm, fwd_s=t_fwd, bwd_s=t_bwd, fwd_gflops=flops / t_fwd * 1e-9,
+                 bwd_gflops=2.5 * flops / t_bwd * 1e-9)
+        print(f"{dtype:>5} {sq:>6} {sk:>6} {h:>3} {d:>4} {'causal' if causal else 'full':>6} "
+              f"{threads:>3} {gemm:>7.1f} | {t_fwd * 1e3:>9.1f} {r['fwd_gflops']:>8.1f} "
+              f"{r['fwd_gflops'] / gemm:>6.2f} | {t_bwd * 1e3:>9.1f} {r['bwd_gflops']:>8.1f} "
+              f"{r['bwd_gflops'] / gemm:>6.2f}", flush=True)
+        rows.append(r)
+
+    for dtype in args.dtype:
+        for s in args.seq:
+            for d in args.dim:
+                for causal in (False, True):
+                    for threads in args.threads:
+                        run(dtype, s, s, d, causal, threads)
+    if args.ring > 0:
+        for dtype in args.dtype:
+            for d in args.dim:
+                run(dtype, args.ring, args.ring, d, False, 1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "results": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
