@@ -56,6 +56,18 @@ struct CpAttention::Impl {
   bool replicate_kv = false;
   std::vector<Block> blocks;  // ring members' blocks (allgather: every rank's shard)
   CpMetrics metrics;
+  cp_detail::Workspace ws;              // the ring's reused buffers
+  std::unique_ptr<SoftmaxState> state;  // reused forward state
+
+  // The forward state for `rows` rows of `heads` heads, empty (m = -inf, l = 0, acc = 0).
+  StateView fresh_state(int64_t rows, int64_t heads) {
+    if (!state || state->rows() != rows || state->acc.size(1) != heads) {
+      state = std::make_unique<SoftmaxState>(rows, heads, dim);
+    } else {
+      state->reset();
+    }
+    return state->view();
+  }
 
   Impl(Communicator& c, const ShardPlan& p, const CpConfig& config, int64_t h, int64_t hkv,
        int64_t d)
@@ -202,14 +214,14 @@ void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View
   if (s.cfg.strategy == Strategy::allgather) {
     const std::vector<T> all = gather_kv<T>(s, k, v);
     const int64_t row = s.kv_heads * s.dim, max_n = s.plan.max_rows();
-    SoftmaxState st(n, s.heads, s.dim);
+    const StateView st = s.fresh_state(n, s.heads);
     m.step_tiles.assign(s.P, 0);
     for (int j = 0; j < s.P; ++j) {
       const T* base = all.data() + static_cast<size_t>(j) * 2 * max_n * row;
       const int64_t nj = s.blocks[j].rows;
       const double t0 = now_s();
       const KernelStats ks = cp_detail::attend_blocks<T>(
-          st.view(), q, s.blocks[s.me], rows_view<const T>(base, nj, s.kv_heads, s.dim),
+          st, q, s.blocks[s.me], rows_view<const T>(base, nj, s.kv_heads, s.dim),
           rows_view<const T>(base + nj * row, nj, s.kv_heads, s.dim), s.blocks[j], s.cfg.kernel);
       const double t1 = now_s();
       m.compute_s += t1 - t0;
@@ -218,11 +230,11 @@ void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View
       m.visible_pairs += ks.visible_pairs;
       m.step_tiles[j] = ks.tiles;
     }
-    finish(st.view(), out, lse, n);
+    finish(st, out, lse, n);
   } else if (s.U == 1) {
-    SoftmaxState st(n, s.heads, s.dim);
-    cp_detail::ring_forward<T>(s.ring, s.blocks, q, k, v, st.view(), s.cfg.kernel, m);
-    finish(st.view(), out, lse, n);
+    const StateView st = s.fresh_state(n, s.heads);
+    cp_detail::ring_forward<T>(s.ring, s.blocks, q, k, v, st, s.cfg.kernel, m, s.ws);
+    finish(st, out, lse, n);
   } else {
     const Tensor<T> ql = cp_detail::seq_to_head<T>(s.group, q, m);
     const Tensor<T> kl = s.replicate_kv ? cp_detail::seq_to_head_replicated<T>(s.group, k, m)
@@ -230,12 +242,12 @@ void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View
     const Tensor<T> vl = s.replicate_kv ? cp_detail::seq_to_head_replicated<T>(s.group, v, m)
                                         : cp_detail::seq_to_head<T>(s.group, v, m);
     const int64_t N = s.group.total(), hl = s.heads / s.U;
-    SoftmaxState st(N, hl, s.dim);
-    cp_detail::ring_forward<T>(s.ring, s.blocks, ql.view3(), kl.view3(), vl.view3(), st.view(),
-                               s.cfg.kernel, m);
+    const StateView st = s.fresh_state(N, hl);
+    cp_detail::ring_forward<T>(s.ring, s.blocks, ql.view3(), kl.view3(), vl.view3(), st,
+                               s.cfg.kernel, m, s.ws);
     Tensor<T> outl({N, hl, s.dim});
     std::vector<float> lsel(static_cast<size_t>(hl * N));
-    finish(st.view(), outl.view3(), lsel.data(), N);
+    finish(st, outl.view3(), lsel.data(), N);
     cp_detail::head_to_seq<T>(s.group, outl, out, m);
     cp_detail::lse_to_seq(s.group, lsel, s.heads, lse, m);
   }
@@ -296,7 +308,7 @@ void backward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, Vie
     std::vector<float> delta(static_cast<size_t>(s.heads * n));
     compute_delta(out, dout, delta.data(), n);
     cp_detail::ring_backward<T>(s.ring, s.blocks, q, k, v, dout, lse, delta.data(), s.cfg.kernel,
-                                dq, dk, dv, m);
+                                dq, dk, dv, m, s.ws);
   } else {
     const Tensor<T> ql = cp_detail::seq_to_head<T>(s.group, q, m);
     const Tensor<T> kl = s.replicate_kv ? cp_detail::seq_to_head_replicated<T>(s.group, k, m)
@@ -312,7 +324,7 @@ void backward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, Vie
     Tensor<float> dql({N, hl, s.dim}), dkl(kl.shape()), dvl(vl.shape());
     cp_detail::ring_backward<T>(s.ring, s.blocks, ql.view3(), kl.view3(), vl.view3(), doutl.view3(),
                                 lsel.data(), delta.data(), s.cfg.kernel, dql.view3(), dkl.view3(),
-                                dvl.view3(), m);
+                                dvl.view3(), m, s.ws);
     cp_detail::head_to_seq<float>(s.group, dql, dq, m);
     if (s.replicate_kv) {
       cp_detail::head_to_seq_replicated(s.group, dkl, dk, m);

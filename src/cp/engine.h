@@ -5,6 +5,9 @@
 // order (which is the row order the all-to-all produces).
 #pragma once
 
+#include <array>
+#include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "loom/cp.h"
@@ -22,6 +25,30 @@ struct Block {
 // The union of cp ranks [first, first + count) of the plan, in rank order.
 Block make_block(const ShardPlan& plan, int first, int count);
 
+// Scratch buffers reused across calls (the ring's KV double buffer, dK/dV accumulators): a
+// strategy allocates (and the OS zero-fills) them once, not at every forward and backward.
+// Contents are unspecified on return from get().
+class Workspace {
+ public:
+  template <class T>
+  T* get(size_t slot, size_t count) {
+    Buf& b = bufs_.at(slot);
+    const size_t bytes = count * sizeof(T);
+    if (bytes > b.bytes) {
+      b.p.reset(new std::byte[bytes]);
+      b.bytes = bytes;
+    }
+    return reinterpret_cast<T*>(b.p.get());
+  }
+
+ private:
+  struct Buf {
+    std::unique_ptr<std::byte[]> p;
+    size_t bytes = 0;
+  };
+  std::array<Buf, 8> bufs_;
+};
+
 // The functions below are templates over the storage type T of q, k, v, out, dout: float or
 // bf16 (explicitly instantiated in ring.cc). The softmax state, lse, delta and every gradient
 // accumulator are fp32 whatever T is.
@@ -31,14 +58,14 @@ Block make_block(const ShardPlan& plan, int first, int count);
 template <class T>
 void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
                   View3<const T> k, View3<const T> v, StateView st, const KernelConfig& kc,
-                  CpMetrics& m);
+                  CpMetrics& m, Workspace& ws);
 
 // Backward: dq, dk, dv (fp32, overwritten) of this member's rows. lse, delta [H, rows].
 template <class T>
 void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
                    View3<const T> k, View3<const T> v, View3<const T> dout, const float* lse,
                    const float* delta, const KernelConfig& kc, View3<float> dq, View3<float> dk,
-                   View3<float> dv, CpMetrics& m);
+                   View3<float> dv, CpMetrics& m, Workspace& ws);
 
 // Attends q rows (block qb) to one KV block (kb) segment pair by segment pair, skipping pairs
 // the mask leaves empty.

@@ -132,7 +132,7 @@ KernelStats attend_backward_blocks(View3<const T> q, const Block& qb, View3<cons
 template <class T>
 void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
                   View3<const T> k, View3<const T> v, StateView st, const KernelConfig& kc,
-                  CpMetrics& m) {
+                  CpMetrics& m, Workspace& ws) {
   const int R = ring ? ring->size() : 1;
   const int me = ring ? ring->rank() : 0;
   const Block& qb = blocks[me];
@@ -151,9 +151,10 @@ void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<co
   const int64_t hkv = k.h, dim = k.d, row = hkv * dim;
   int64_t max_rows = 0;
   for (const Block& b : blocks) max_rows = std::max(max_rows, b.rows);
-  std::vector<T> buf[2] = {std::vector<T>(2 * max_rows * row), std::vector<T>(2 * max_rows * row)};
-  pack<T>(k, buf[0].data());
-  pack<T>(v, buf[0].data() + qb.rows * row);
+  const size_t cap = static_cast<size_t>(2 * max_rows * row);
+  T* buf[2] = {ws.get<T>(0, cap), ws.get<T>(1, cap)};
+  pack<T>(k, buf[0]);
+  pack<T>(v, buf[0] + qb.rows * row);
   int cur = 0;
   const int next = (me + 1) % R, prev = (me - 1 + R) % R;
   for (int s = 0; s < R; ++s) {
@@ -165,13 +166,12 @@ void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<co
       const int64_t n_next = blocks[(src - 1 + R) % R].rows;
       t_post = now_s();
       works = ring->batch_p2p(
-          {P2POp{P2POp::send, buf[cur].data(), sizeof(T) * 2 * n * row, next, kTagKvForward},
-           P2POp{P2POp::recv, buf[cur ^ 1].data(), sizeof(T) * 2 * n_next * row, prev,
-                 kTagKvForward}});
+          {P2POp{P2POp::send, buf[cur], sizeof(T) * 2 * n * row, next, kTagKvForward},
+           P2POp{P2POp::recv, buf[cur ^ 1], sizeof(T) * 2 * n_next * row, prev, kTagKvForward}});
       m.comm_s += now_s() - t_post;
     }
-    const View3<const T> kb = block_view<const T>(buf[cur].data(), n, hkv, dim);
-    const View3<const T> vb = block_view<const T>(buf[cur].data() + n * row, n, hkv, dim);
+    const View3<const T> kb = block_view<const T>(buf[cur], n, hkv, dim);
+    const View3<const T> vb = block_view<const T>(buf[cur] + n * row, n, hkv, dim);
     const double t0 = now_s();
     const KernelStats ks = attend_blocks<T>(st, q, qb, kb, vb, blocks[src], kc);
     const double t1 = now_s();
@@ -192,7 +192,7 @@ template <class T>
 void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
                    View3<const T> k, View3<const T> v, View3<const T> dout, const float* lse,
                    const float* delta, const KernelConfig& kc, View3<float> dq, View3<float> dk,
-                   View3<float> dv, CpMetrics& m) {
+                   View3<float> dv, CpMetrics& m, Workspace& ws) {
   const int R = ring ? ring->size() : 1;
   const int me = ring ? ring->rank() : 0;
   const Block& qb = blocks[me];
@@ -216,11 +216,12 @@ void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<c
   int64_t max_rows = 0;
   for (const Block& b : blocks) max_rows = std::max(max_rows, b.rows);
   const size_t cap = static_cast<size_t>(2 * max_rows * row);
-  std::vector<T> kv[2] = {std::vector<T>(cap), std::vector<T>(cap)};
-  std::vector<float> part(cap), acc_send[2] = {std::vector<float>(cap), std::vector<float>(cap)},
-                                acc_recv[2] = {std::vector<float>(cap), std::vector<float>(cap)};
-  pack<T>(k, kv[0].data());
-  pack<T>(v, kv[0].data() + qb.rows * row);
+  T* kv[2] = {ws.get<T>(0, cap), ws.get<T>(1, cap)};
+  float* part = ws.get<float>(2, cap);
+  float* acc_send[2] = {ws.get<float>(3, cap), ws.get<float>(4, cap)};
+  float* acc_recv[2] = {ws.get<float>(5, cap), ws.get<float>(6, cap)};
+  pack<T>(k, kv[0]);
+  pack<T>(v, kv[0] + qb.rows * row);
   WorkPtr send_work[2], recv_work;
   double t_send[2] = {0, 0}, t_recv = 0;
   int cur = 0;
@@ -234,19 +235,18 @@ void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<c
     if (s < R - 1) {
       t_post = now_s();
       works = ring->batch_p2p(
-          {P2POp{P2POp::send, kv[cur].data(), sizeof(T) * 2 * n * row, next, kTagKvBackward},
-           P2POp{P2POp::recv, kv[cur ^ 1].data(), sizeof(T) * 2 * n_next * row, prev,
-                 kTagKvBackward}});
+          {P2POp{P2POp::send, kv[cur], sizeof(T) * 2 * n * row, next, kTagKvBackward},
+           P2POp{P2POp::recv, kv[cur ^ 1], sizeof(T) * 2 * n_next * row, prev, kTagKvBackward}});
       m.comm_s += now_s() - t_post;
     }
     // This step's contribution to block src's dK, dV.
-    std::fill_n(part.data(), 2 * n * row, 0.0f);
-    const View3<const T> kb = block_view<const T>(kv[cur].data(), n, hkv, dim);
-    const View3<const T> vb = block_view<const T>(kv[cur].data() + n * row, n, hkv, dim);
+    std::fill_n(part, 2 * n * row, 0.0f);
+    const View3<const T> kb = block_view<const T>(kv[cur], n, hkv, dim);
+    const View3<const T> vb = block_view<const T>(kv[cur] + n * row, n, hkv, dim);
     double t0 = now_s();
-    const KernelStats ks = attend_backward_blocks<T>(
-        q, qb, kb, vb, blocks[src], dout, lse, delta, kc, dq, block_view(part.data(), n, hkv, dim),
-        block_view(part.data() + n * row, n, hkv, dim));
+    const KernelStats ks = attend_backward_blocks<T>(q, qb, kb, vb, blocks[src], dout, lse, delta,
+                                                     kc, dq, block_view(part, n, hkv, dim),
+                                                     block_view(part + n * row, n, hkv, dim));
     double t1 = now_s();
     m.compute_s += t1 - t0;
     add_span(m, "compute", s, t0, t1);
@@ -255,19 +255,19 @@ void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<c
     const int par = s & 1;
     if (send_work[par])  // acc_send[par] free again
       add_span(m, "send", s, t_send[par], timed_wait(*send_work[par], m, s));
-    float* acc = acc_send[par].data();
+    float* acc = acc_send[par];
     if (s == 0) {
-      std::copy_n(part.data(), 2 * n * row, acc);
+      std::copy_n(part, 2 * n * row, acc);
     } else {
       add_span(m, "recv", s, t_recv, timed_wait(*recv_work, m, s));
-      const float* in = acc_recv[par ^ 1].data();
+      const float* in = acc_recv[par ^ 1];
       t0 = now_s();
       for (int64_t i = 0; i < 2 * n * row; ++i) acc[i] = in[i] + part[i];
       m.compute_s += now_s() - t0;
     }
     t0 = now_s();
     send_work[par] = ring->isend(acc, sizeof(float) * 2 * n * row, next, kTagDkv);
-    recv_work = ring->irecv(acc_recv[par].data(), sizeof(float) * 2 * n_next * row, prev, kTagDkv);
+    recv_work = ring->irecv(acc_recv[par], sizeof(float) * 2 * n_next * row, prev, kTagDkv);
     t_send[par] = t_recv = t0;
     m.comm_s += now_s() - t0;
     if (!works.empty()) {
@@ -278,7 +278,7 @@ void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<c
   }
   // The accumulator of my own block, home after a full turn.
   add_span(m, "recv", R, t_recv, timed_wait(*recv_work, m, R));
-  const float* home = acc_recv[(R - 1) & 1].data();
+  const float* home = acc_recv[(R - 1) & 1];
   unpack<float>(home, dk);
   unpack<float>(home + qb.rows * row, dv);
   for (int par = 0; par < 2; ++par)
@@ -296,11 +296,11 @@ void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<c
       const float*, const float*, const KernelConfig&, View3<float>, View3<float>, View3<float>); \
   template void ring_forward<T>(Communicator*, const std::vector<Block>&, View3<const T>,         \
                                 View3<const T>, View3<const T>, StateView, const KernelConfig&,   \
-                                CpMetrics&);                                                      \
+                                CpMetrics&, Workspace&);                                          \
   template void ring_backward<T>(Communicator*, const std::vector<Block>&, View3<const T>,        \
                                  View3<const T>, View3<const T>, View3<const T>, const float*,    \
                                  const float*, const KernelConfig&, View3<float>, View3<float>,   \
-                                 View3<float>, CpMetrics&);
+                                 View3<float>, CpMetrics&, Workspace&);
 LOOM_CP_INSTANTIATE(float)
 LOOM_CP_INSTANTIATE(bf16)
 #undef LOOM_CP_INSTANTIATE
