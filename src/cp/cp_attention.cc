@@ -186,7 +186,7 @@ std::vector<T> gather_kv(CpAttention::Impl& s, View3<const T> k, View3<const T> 
   const double t1 = now_s();
   s.metrics.comm_s += t1 - t0;
   s.metrics.wait_s += t1 - t0;
-  if (s.metrics.record_spans) s.metrics.spans.push_back(CpMetrics::Span{"allgather", -1, t0, t1});
+  cp_detail::add_span(s.metrics, "allgather", -1, t0, t1);
   return all;
 }
 
@@ -225,7 +225,7 @@ void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View
           rows_view<const T>(base + nj * row, nj, s.kv_heads, s.dim), s.blocks[j], s.cfg.kernel);
       const double t1 = now_s();
       m.compute_s += t1 - t0;
-      if (m.record_spans) m.spans.push_back(CpMetrics::Span{"compute", j, t0, t1});
+      cp_detail::add_span(m, "compute", j, t0, t1);
       m.tiles += ks.tiles;
       m.visible_pairs += ks.visible_pairs;
       m.step_tiles[j] = ks.tiles;
@@ -292,7 +292,7 @@ void backward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, Vie
           rows_view<float>(dbase + nj * row, nj, s.kv_heads, s.dim));
       const double t1 = now_s();
       m.compute_s += t1 - t0;
-      if (m.record_spans) m.spans.push_back(CpMetrics::Span{"compute", j, t0, t1});
+      cp_detail::add_span(m, "compute", j, t0, t1);
       m.tiles += ks.tiles;
     }
     std::vector<float> mine(per);
@@ -301,7 +301,7 @@ void backward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, Vie
     const double t1 = now_s();
     m.comm_s += t1 - t0;
     m.wait_s += t1 - t0;
-    if (m.record_spans) m.spans.push_back(CpMetrics::Span{"reduce_scatter", -1, t0, t1});
+    cp_detail::add_span(m, "reduce_scatter", -1, t0, t1);
     cp_detail::unpack<float>(mine.data(), dk);
     cp_detail::unpack<float>(mine.data() + n * row, dv);
   } else if (s.U == 1) {

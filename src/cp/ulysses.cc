@@ -51,7 +51,7 @@ void a2a(const UlyssesGroup& g, const std::vector<T>& send, const std::vector<si
   const double t1 = now_s();
   m.comm_s += t1 - t0;
   m.wait_s += t1 - t0;  // a blocking collective: all of it is exposed
-  if (m.record_spans) m.spans.push_back(CpMetrics::Span{"a2a", -1, t0, t1});
+  add_span(m, "a2a", -1, t0, t1);
 }
 
 }  // namespace

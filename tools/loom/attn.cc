@@ -5,14 +5,11 @@
 // Every rank builds the same shard plan and generates (or reads and slices) its own rows; the
 // Philox generator makes a rank's rows identical to a one-rank run's. Rank 0 gathers the results
 // to check them and to write files.
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <mutex>
 #include <numeric>
 #include <string>
 #include <thread>
