@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(g++ cmake make libgtest-dev libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
-          libopenblas-dev python3 python3-numpy bible-kjv clang libclang-rt-14-dev)
+          libopenblas-dev python3 python3-numpy bible-kjv clang libclang-rt-14-dev
+          libhwy-dev pybind11-dev libtorch-dev python3-torch)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
