@@ -54,6 +54,9 @@ inline bool visible(const Mask& m, int64_t qpos, int32_t qdoc, int64_t kpos, int
 }
 
 // Options of the blockwise kernels.
+// The largest head dimension D the kernels take (src/kernels/checks.h enforces it).
+inline constexpr int64_t kMaxHeadDim = 256;
+
 struct KernelConfig {
   Mask mask;
   float scale = 0.0f;    // softmax scale; must be set (usually 1/sqrt(D))

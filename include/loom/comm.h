@@ -175,6 +175,7 @@ struct Mesh {
   std::unique_ptr<Communicator> cp;       // ulysses x ring ranks sharing (dp, tp); cp rank =
                                           // ring_rank * ulysses + uly_rank
   std::unique_ptr<Communicator> dp;       // dp ranks sharing (tp, cp)
+  std::unique_ptr<Communicator> dp_cp;    // dp x cp ranks sharing tp, in world-rank order
   int cp_rank() const { return ring_rank * shape.ulysses + uly_rank; }
 };
 

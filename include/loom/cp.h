@@ -1,11 +1,8 @@
 // loom/cp.h: context-parallel attention. A global sequence of S tokens is split over the P ranks
 // of a context-parallel group (a layout); every rank holds the rows of its shard of q, k, v and
-// computes exact attention for its queries over all keys, with one of four strategies.
-//
-//   ring       K,V blocks travel around the ring; one attend per step into the softmax state.
-//   ulysses    all-to-all "my tokens, all heads" -> "all tokens, my heads", attend, all-to-all
-//   back. hybrid     ulysses inside groups of U consecutive cp ranks, ring across the P/U groups.
-//   allgather  all-gather K,V, attend, reduce-scatter dK,dV.
+// computes exact attention for its queries over all keys, with one of the strategies of the
+// registry (strategies() below lists them with what each is for; src/cp/strategies/ holds one
+// file per strategy).
 //
 // Shapes on one rank (n = the shard's token count): q, out, dout, dq [n, H, D]; k, v, dk, dv
 // [n, Hkv, D]; lse [H, n] (head stride n). All fp32; every accumulation is fp32.
@@ -26,12 +23,26 @@
 namespace loom {
 
 enum class Layout { contiguous, zigzag, stripe };
-enum class Strategy { ring, ulysses, hybrid, allgather };
+// The registry's ids (src/cp/strategies/registry.cc declares each one's name, summary,
+// options and constraints once; everything else reads the registry).
+enum class Strategy { ring, ulysses, hybrid, allgather, ring2d };
 
 Layout parse_layout(const std::string& name);      // InvalidArgument listing the choices
 Strategy parse_strategy(const std::string& name);  // InvalidArgument listing the choices
 std::string to_string(Layout l);
 std::string to_string(Strategy s);
+
+// What the registry says about one strategy, for help texts, docs and reports.
+struct StrategyInfo {
+  Strategy id;
+  std::string name;
+  std::string summary;  // one line: what it is for
+  std::string option;   // the degree option it takes ("--ulysses", "--inner") or empty
+};
+// Every registered strategy, in registration order.
+const std::vector<StrategyInfo>& strategies();
+// "ring, ulysses, hybrid, allgather or ring2d".
+std::string strategy_choices();
 
 // A run of local rows whose tokens form one chunk of the layout (consecutive in the sequence
 // for contiguous and zigzag; the whole shard for stripe). Kernel tiles never straddle segments,
@@ -81,10 +92,42 @@ std::vector<int64_t> parse_doc_lengths(const std::string& text);
 struct CpConfig {
   Strategy strategy = Strategy::ring;
   int ulysses = 1;      // hybrid: ulysses degree U (P % U == 0); ulysses: P; ring/allgather: 1
+  int inner = 0;        // ring2d: ranks per inner ring (P % inner == 0); others: unused
   KernelConfig kernel;  // mask, scale, threads, tile sizes
 };
 
-// What one rank did. Times in seconds; bytes from the communicator's counters.
+// How a strategy lays the P ranks of a cp group out: `inner` consecutive cp ranks form an inner
+// group (the mesh's ulysses axis: a ulysses group, or ring2d's inner ring), and the P / inner
+// inner groups form the outer axis (the mesh's ring axis). ring: 1 x P; ulysses: P x 1.
+struct CpShape {
+  int inner = 1, outer = 1;
+  bool replicate_kv = false;  // the inner axis splits heads and U % Hkv == 0 (KV replicated)
+};
+// The one place of the head and group constraints, called by CpAttention, the trainer and the
+// CLI: checks cfg for a cp group of `ranks` ranks holding `heads` query and `kv_heads` KV heads
+// (per tp rank in the trainer) and returns the layout. InvalidArgument naming the values:
+//   heads, kv_heads >= 1 and heads % kv_heads == 0; the strategy's own rules (hybrid: P % U == 0;
+//   ring2d: P % inner == 0; ulysses, hybrid: H % U == 0 and (Hkv % U == 0 or U % Hkv == 0)).
+CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t kv_heads);
+
+// Kinds of a time-line span.
+//   compute                          a kernel call (step = ring step or KV block)
+//   send, recv                       an asynchronous transfer, from posting until its wait
+//                                    returned (an upper bound of its flight time)
+//   wait                             blocked in a wait
+//   a2a, allgather, reduce_scatter   a blocking collective (step = -1)
+enum class SpanKind : uint8_t { compute, send, recv, wait, a2a, allgather, reduce_scatter };
+constexpr int kSpanKinds = 7;
+const char* to_string(SpanKind k);
+// Communication spans: everything but compute and wait.
+inline bool is_comm(SpanKind k) {
+  return k != SpanKind::compute && k != SpanKind::wait;
+}
+
+// What one rank did. Times in seconds; bytes from the communicator's counters. Counters add up
+// over calls until clear_counters(); nothing in here grows with the number of calls: spans are
+// kept only while record_spans is set (a trace or timeline was asked for), and then at most
+// span_limit of them (later ones are counted in spans_dropped).
 struct CpMetrics {
   double compute_s = 0;  // inside attention kernels
   double comm_s = 0;     // inside communication calls (posting, copying, waiting, collectives):
@@ -95,34 +138,45 @@ struct CpMetrics {
   int64_t tiles = 0;                // kernel tiles computed (forward and backward)
   int64_t visible_pairs = 0;        // (query, key, head) triples the mask allows, forward only
   std::vector<int64_t> step_tiles;  // tiles computed at each step of the last forward (ring:
-                                    // per ring step; allgather: per KV block)
-  // A span of this rank's time line (t0, t1 from now_s()). Kinds:
-  //   "compute"                      a kernel call (step = ring step or KV block)
-  //   "send", "recv"                 an asynchronous transfer, from posting until its wait
-  //                                  returned (an upper bound of its flight time)
-  //   "wait"                         blocked in a wait
-  //   "a2a", "allgather", "reduce_scatter"   a blocking collective (step = -1)
+                                    // per ring step; allgather: per KV block; ring2d: per
+                                    // (outer, inner) step)
+  // Length of the union of the communication spans (send, recv and collectives) of every call:
+  // the time during which some communication of this rank was under way. Kept whether or not
+  // spans are recorded.
+  double window_s = 0;
+  // A span of this rank's time line (t0, t1 from now_s()).
   struct Span {
-    std::string kind;
+    SpanKind kind;
     int step;
     double t0, t1;
   };
-  std::vector<Span> spans;
-  bool record_spans = true;
-  void clear_counters();
-  // Length of the union of the communication spans (send, recv and collectives): the time during
-  // which some communication of this rank was under way.
-  double comm_window_s() const;
+  std::vector<Span> spans;    // only while record_spans; at most span_limit
+  bool record_spans = false;  // set it for a trace or timeline
+  size_t span_limit = size_t{1} << 16;
+  int64_t spans_dropped = 0;  // spans not kept because span_limit was reached
+  void clear_counters();      // zeroes the counters and empties spans (keeps record_spans)
+  double comm_window_s() const { return window_s; }
+};
+
+// The groups a CpAttention runs on, from the mesh (build_mesh): the cp group, and optionally its
+// inner (mesh ulysses) and outer (mesh ring) axes. Groups whose sizes do not match the
+// strategy's CpShape are not used; the missing axes are then split from cp by build_mesh.
+struct CpGroups {
+  Communicator* cp = nullptr;
+  Communicator* inner = nullptr;  // consecutive cp ranks (Mesh::ulysses)
+  Communicator* outer = nullptr;  // across inner groups (Mesh::ring)
 };
 
 // Context-parallel attention over the ranks of `cp` (P = cp.size(); this rank is cp.rank() and
-// holds plan.tokens[cp.rank()]). Construction is collective over cp (hybrid splits it into
-// ulysses and ring groups). Checks every constraint once, naming the values:
-//   H % Hkv == 0; hybrid: P % U == 0; ulysses/hybrid: H % U == 0 and (Hkv % U == 0 or
-//   U % Hkv == 0); plan.ranks == P.
+// holds plan.tokens[cp.rank()]). Construction is collective over cp (a two-axis strategy, hybrid
+// or ring2d, gets its inner and outer groups from the mesh). Checks every constraint once
+// (check_cp_config, and plan.ranks == P), naming the values. `cp` (and the groups) must outlive
+// the object.
 class CpAttention {
  public:
   CpAttention(Communicator& cp, const ShardPlan& plan, const CpConfig& cfg, int64_t heads,
+              int64_t kv_heads, int64_t head_dim);
+  CpAttention(const CpGroups& groups, const ShardPlan& plan, const CpConfig& cfg, int64_t heads,
               int64_t kv_heads, int64_t head_dim);
   ~CpAttention();
   CpAttention(const CpAttention&) = delete;

@@ -4,7 +4,9 @@
 //   w = ((dp_i * ring + ring_i) * ulysses + uly_i) * tp + tp_i.
 // Each group is one split of the world: its color is the index of the coordinates it does not
 // span, its key the coordinate it does (for cp: ring_i * ulysses + uly_i), so ranks inside a
-// group are ordered by that coordinate.
+// group are ordered by that coordinate. dp_cp (every rank holding the same tp piece) is ordered
+// by world rank. These are the only groups loom's algorithms use: CpAttention takes cp and its
+// ulysses and ring axes, the trainer tp, dp and dp_cp.
 #include "loom/comm.h"
 #include "loom/error.h"
 
@@ -32,6 +34,7 @@ Mesh build_mesh(Communicator& world, const MeshShape& shape) {
   mesh.ring = world.split((d * uly + u) * tp + t, r);
   mesh.cp = world.split(d * tp + t, mesh.cp_rank());
   mesh.dp = world.split(mesh.cp_rank() * tp + t, d);
+  mesh.dp_cp = world.split(t, w);
   return mesh;
 }
 

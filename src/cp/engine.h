@@ -1,16 +1,18 @@
-// Internal to src/cp: the pieces the strategies are built from.
+// Internal to src/cp: the engine the strategies are built from. A strategy (strategies/*.cc)
+// combines these pieces and the Communicator; it does no raw memory work (memory.h) and no
+// timing of its own (recorder.h).
 //
 // A Block is the token metadata of one ring member's rows: for the plain ring it is one cp rank's
 // shard; in hybrid it is the union of the shards of the U ranks of one ulysses group, in group
 // order (which is the row order the all-to-all produces).
 #pragma once
 
-#include <array>
-#include <cstddef>
 #include <memory>
 #include <vector>
 
 #include "loom/cp.h"
+#include "memory.h"
+#include "recorder.h"
 
 namespace loom::cp_detail {
 
@@ -25,47 +27,38 @@ struct Block {
 // The union of cp ranks [first, first + count) of the plan, in rank order.
 Block make_block(const ShardPlan& plan, int first, int count);
 
-// Scratch buffers reused across calls (the ring's KV double buffer, dK/dV accumulators): a
-// strategy allocates (and the OS zero-fills) them once, not at every forward and backward.
-// Contents are unspecified on return from get().
-class Workspace {
- public:
+// What a strategy runs on: the plan, the configuration and shapes, the cp group and its two
+// axes (from the mesh), the memory seam, the recorder and a reused forward state.
+struct Engine {
+  const ShardPlan& plan;
+  CpConfig cfg;
+  CpShape shape;
+  int64_t heads, kv_heads, dim;
+  Communicator& cp;
+  Communicator* inner;  // the inner axis (shape.inner consecutive cp ranks); nullptr if size 1
+  Communicator* outer;  // the outer axis (shape.outer ranks); nullptr if size 1
+  int P, me;
+  Memory mem;
+  Recorder rec;
+
+  Engine(const ShardPlan& p, const CpConfig& c, const CpShape& s, int64_t h, int64_t hkv, int64_t d,
+         Communicator& cp_group, Communicator* inner_group, Communicator* outer_group,
+         CpMetrics& metrics);
+  // The forward state for `rows` rows of `heads` heads, empty (m = -inf, l = 0, acc = 0).
+  StateView fresh_state(int64_t rows, int64_t heads);
+  // Contiguous [rows, heads, dim] rows at p.
   template <class T>
-  T* get(size_t slot, size_t count) {
-    Buf& b = bufs_.at(slot);
-    const size_t bytes = count * sizeof(T);
-    if (bytes > b.bytes) {
-      b.p.reset(new std::byte[bytes]);
-      b.bytes = bytes;
-    }
-    return reinterpret_cast<T*>(b.p.get());
+  View3<T> rows_view(T* p, int64_t rows, int64_t heads) const {
+    return View3<T>{p, rows, heads, dim, heads * dim, dim};
   }
 
  private:
-  struct Buf {
-    std::unique_ptr<std::byte[]> p;
-    size_t bytes = 0;
-  };
-  std::array<Buf, 8> bufs_;
+  std::unique_ptr<SoftmaxState> state_;
 };
 
 // The functions below are templates over the storage type T of q, k, v, out, dout: float or
-// bf16 (explicitly instantiated in ring.cc). The softmax state, lse, delta and every gradient
-// accumulator are fp32 whatever T is.
-
-// Ring of R members (ring == nullptr or size 1: just this block). Blocks are indexed by ring
-// member. Forward folds every member's KV block into the state st of q (this member's rows).
-template <class T>
-void ring_forward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
-                  View3<const T> k, View3<const T> v, StateView st, const KernelConfig& kc,
-                  CpMetrics& m, Workspace& ws);
-
-// Backward: dq, dk, dv (fp32, overwritten) of this member's rows. lse, delta [H, rows].
-template <class T>
-void ring_backward(Communicator* ring, const std::vector<Block>& blocks, View3<const T> q,
-                   View3<const T> k, View3<const T> v, View3<const T> dout, const float* lse,
-                   const float* delta, const KernelConfig& kc, View3<float> dq, View3<float> dk,
-                   View3<float> dv, CpMetrics& m, Workspace& ws);
+// bf16 (explicitly instantiated in ring_pass.cc). The softmax state, lse, delta and every
+// gradient accumulator are fp32 whatever T is.
 
 // Attends q rows (block qb) to one KV block (kb) segment pair by segment pair, skipping pairs
 // the mask leaves empty.
@@ -78,16 +71,25 @@ KernelStats attend_backward_blocks(View3<const T> q, const Block& qb, View3<cons
                                    const float* lse, const float* delta, const KernelConfig& kc,
                                    View3<float> dq, View3<float> dk, View3<float> dv);
 
-// Copies a (possibly strided) view into contiguous memory at dst / from src.
+// One ring pass over R members (ring == nullptr or size 1: this block alone) for the queries q of
+// block qb: blocks[j] is the KV block ring member j starts with, k and v this member's
+// [blocks[me].rows, Hkv, D] (qb and blocks[me] are the same block except in ring2d, whose inner
+// rings pass other groups' KV blocks). If v follows k in
+// one contiguous buffer (k rows then v rows), that buffer is sent as it is; otherwise it is
+// packed first. Uses Memory slots 0-6. Steps are numbered from step0 (spans, step_tiles).
+//
+// Forward folds every member's KV block into the state st of q (this member's rows).
 template <class T>
-void pack(View3<const T> x, T* dst);
+void ring_forward(Engine& e, Communicator* ring, const Block& qb, const std::vector<Block>& blocks,
+                  View3<const T> q, View3<const T> k, View3<const T> v, StateView st, int step0);
+// Backward: adds this pass's dq to dq (zero it first when it is the only pass), and overwrites
+// dk, dv (fp32, [blocks[me].rows, Hkv, D]) with the gradient of this member's KV block summed
+// over the ring's members.
+// lse, delta [H, rows] of q.
 template <class T>
-void unpack(const T* src, View3<T> x);
-
-// Waits for a Work, accounting the blocked time to m.wait_s and m.comm_s and a "wait" span.
-// Returns the time the wait returned.
-double timed_wait(Work& w, CpMetrics& m, int step);
-// Records a span when m.record_spans.
-void add_span(CpMetrics& m, const char* kind, int step, double t0, double t1);
+void ring_backward(Engine& e, Communicator* ring, const Block& qb, const std::vector<Block>& blocks,
+                   View3<const T> q, View3<const T> k, View3<const T> v, View3<const T> dout,
+                   const float* lse, const float* delta, View3<float> dq, View3<float> dk,
+                   View3<float> dv, int step0);
 
 }  // namespace loom::cp_detail

@@ -18,15 +18,6 @@ Layout parse_layout(const std::string& name) {
   throw InvalidArgument("unknown layout '" + name + "' (choose contiguous, zigzag or stripe)");
 }
 
-Strategy parse_strategy(const std::string& name) {
-  if (name == "ring") return Strategy::ring;
-  if (name == "ulysses") return Strategy::ulysses;
-  if (name == "hybrid") return Strategy::hybrid;
-  if (name == "allgather") return Strategy::allgather;
-  throw InvalidArgument("unknown strategy '" + name +
-                        "' (choose ring, ulysses, hybrid or allgather)");
-}
-
 std::string to_string(Layout l) {
   switch (l) {
     case Layout::contiguous:
@@ -35,20 +26,6 @@ std::string to_string(Layout l) {
       return "zigzag";
     case Layout::stripe:
       return "stripe";
-  }
-  return "?";
-}
-
-std::string to_string(Strategy s) {
-  switch (s) {
-    case Strategy::ring:
-      return "ring";
-    case Strategy::ulysses:
-      return "ulysses";
-    case Strategy::hybrid:
-      return "hybrid";
-    case Strategy::allgather:
-      return "allgather";
   }
   return "?";
 }

@@ -12,9 +12,15 @@
 
 #include <algorithm>
 
-#include "loom/timer.h"
-
 namespace loom::cp_detail {
+
+UlyssesGroup UlyssesGroup::of(const Engine& e) {
+  UlyssesGroup g;
+  g.comm = e.inner ? e.inner : &e.cp;
+  const int U = e.shape.inner, first = (e.me / U) * U;
+  for (int u = 0; u < U; ++u) g.rows.push_back(e.plan.rows(first + u));
+  return g;
+}
 
 int64_t UlyssesGroup::total() const {
   int64_t t = 0;
@@ -30,10 +36,11 @@ int64_t UlyssesGroup::offset(int p) const {
 
 namespace {
 
-// all_to_all of element counts, with timing.
+// all_to_all of element counts, recorded as a blocking collective.
 template <class T>
-void a2a(const UlyssesGroup& g, const std::vector<T>& send, const std::vector<size_t>& scount,
-         std::vector<T>& recv, const std::vector<size_t>& rcount, CpMetrics& m) {
+void a2a(Engine& e, const UlyssesGroup& g, const std::vector<T>& send,
+         const std::vector<size_t>& scount, std::vector<T>& recv,
+         const std::vector<size_t>& rcount) {
   const int U = static_cast<int>(g.rows.size());
   std::vector<size_t> sb(U), so(U), rb(U), ro(U);
   size_t s_off = 0, r_off = 0;
@@ -46,55 +53,52 @@ void a2a(const UlyssesGroup& g, const std::vector<T>& send, const std::vector<si
     r_off += rb[p];
   }
   recv.assign(r_off / sizeof(T), T{});
-  const double t0 = now_s();
-  g.comm->all_to_all(send.data(), sb.data(), so.data(), recv.data(), rb.data(), ro.data());
-  const double t1 = now_s();
-  m.comm_s += t1 - t0;
-  m.wait_s += t1 - t0;  // a blocking collective: all of it is exposed
-  add_span(m, "a2a", -1, t0, t1);
+  e.rec.collective(SpanKind::a2a, [&] {
+    g.comm->all_to_all(send.data(), sb.data(), so.data(), recv.data(), rb.data(), ro.data());
+  });
 }
 
 }  // namespace
 
 template <class T>
-Tensor<T> seq_to_head(const UlyssesGroup& g, View3<const T> x, CpMetrics& m) {
+Tensor<T> seq_to_head(Engine& e, const UlyssesGroup& g, View3<const T> x) {
   const int U = static_cast<int>(g.rows.size());
   const int64_t hl = x.h / U, d = x.d, n = x.s;
   std::vector<T> send(static_cast<size_t>(n * x.h * d));
   std::vector<size_t> sc(U), rc(U);
   // send block p: [n, hl, d] of heads [p hl, (p+1) hl)
   for (int p = 0; p < U; ++p) {
-    pack<T>(x.heads(p * hl, hl), send.data() + p * n * hl * d);
+    e.mem.pack<T>(x.heads(p * hl, hl), send.data() + p * n * hl * d);
     sc[p] = static_cast<size_t>(n * hl * d);
     rc[p] = static_cast<size_t>(g.rows[p] * hl * d);
   }
   std::vector<T> recv;
-  a2a(g, send, sc, recv, rc, m);
+  a2a(e, g, send, sc, recv, rc);
   Tensor<T> out({g.total(), hl, d});
   out.vec() = std::move(recv);  // [member][rows][hl][d] == [N][hl][d]
   return out;
 }
 
 template <class T>
-Tensor<T> seq_to_head_replicated(const UlyssesGroup& g, View3<const T> x, CpMetrics& m) {
+Tensor<T> seq_to_head_replicated(Engine& e, const UlyssesGroup& g, View3<const T> x) {
   const int U = static_cast<int>(g.rows.size());
   const int64_t hkv = x.h, d = x.d, n = x.s, per = U / hkv;
   std::vector<T> send(static_cast<size_t>(U * n * d));
   std::vector<size_t> sc(U), rc(U);
   for (int p = 0; p < U; ++p) {
-    pack<T>(x.heads(p / per, 1), send.data() + p * n * d);
+    e.mem.pack<T>(x.heads(p / per, 1), send.data() + p * n * d);
     sc[p] = static_cast<size_t>(n * d);
     rc[p] = static_cast<size_t>(g.rows[p] * d);
   }
   std::vector<T> recv;
-  a2a(g, send, sc, recv, rc, m);
+  a2a(e, g, send, sc, recv, rc);
   Tensor<T> out({g.total(), 1, d});
   out.vec() = std::move(recv);
   return out;
 }
 
 template <class T>
-void head_to_seq(const UlyssesGroup& g, const Tensor<T>& y, View3<T> x, CpMetrics& m) {
+void head_to_seq(Engine& e, const UlyssesGroup& g, const Tensor<T>& y, View3<T> x) {
   const int U = static_cast<int>(g.rows.size());
   const int64_t hl = y.size(1), d = y.size(2), n = x.s;
   std::vector<size_t> sc(U), rc(U);
@@ -103,12 +107,12 @@ void head_to_seq(const UlyssesGroup& g, const Tensor<T>& y, View3<T> x, CpMetric
     rc[p] = static_cast<size_t>(n * hl * d);
   }
   std::vector<T> recv;
-  a2a(g, y.vec(), sc, recv, rc, m);
-  for (int p = 0; p < U; ++p) unpack<T>(recv.data() + p * n * hl * d, x.heads(p * hl, hl));
+  a2a(e, g, y.vec(), sc, recv, rc);
+  for (int p = 0; p < U; ++p) e.mem.unpack<T>(recv.data() + p * n * hl * d, x.heads(p * hl, hl));
 }
 
-void head_to_seq_replicated(const UlyssesGroup& g, const Tensor<float>& y, View3<float> x,
-                            CpMetrics& m) {
+void head_to_seq_replicated(Engine& e, const UlyssesGroup& g, const Tensor<float>& y,
+                            View3<float> x) {
   const int U = static_cast<int>(g.rows.size());
   const int64_t hkv = x.h, d = x.d, n = x.s, per = U / hkv;
   std::vector<size_t> sc(U), rc(U);
@@ -117,21 +121,12 @@ void head_to_seq_replicated(const UlyssesGroup& g, const Tensor<float>& y, View3
     rc[p] = static_cast<size_t>(n * d);
   }
   std::vector<float> recv;
-  a2a(g, y.vec(), sc, recv, rc, m);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < hkv; ++h) std::fill_n(x.row(i, h), d, 0.0f);
-  for (int p = 0; p < U; ++p) {
-    const float* src = recv.data() + p * n * d;
-    const int64_t h = p / per;
-    for (int64_t i = 0; i < n; ++i) {
-      float* dst = x.row(i, h);
-      for (int64_t c = 0; c < d; ++c) dst[c] += src[i * d + c];
-    }
-  }
+  a2a(e, g, y.vec(), sc, recv, rc);
+  e.mem.zero(x);
+  for (int p = 0; p < U; ++p) e.mem.add(x.heads(p / per, 1), recv.data() + p * n * d);
 }
 
-std::vector<float> lse_to_head(const UlyssesGroup& g, const float* lse, int64_t heads,
-                               CpMetrics& m) {
+std::vector<float> lse_to_head(Engine& e, const UlyssesGroup& g, const float* lse, int64_t heads) {
   const int U = static_cast<int>(g.rows.size());
   const int64_t hl = heads / U, n = g.rows[g.comm->rank()], N = g.total();
   // send to p: [hl][n] for heads [p hl, (p+1) hl) -- contiguous in lse [H, n]
@@ -142,7 +137,7 @@ std::vector<float> lse_to_head(const UlyssesGroup& g, const float* lse, int64_t 
     rc[p] = static_cast<size_t>(hl * g.rows[p]);
   }
   std::vector<float> recv;
-  a2a(g, send, sc, recv, rc, m);
+  a2a(e, g, send, sc, recv, rc);
   std::vector<float> out(static_cast<size_t>(hl * N));
   size_t at = 0;
   for (int p = 0; p < U; ++p) {
@@ -153,8 +148,8 @@ std::vector<float> lse_to_head(const UlyssesGroup& g, const float* lse, int64_t 
   return out;
 }
 
-void lse_to_seq(const UlyssesGroup& g, const std::vector<float>& lsel, int64_t heads, float* lse,
-                CpMetrics& m) {
+void lse_to_seq(Engine& e, const UlyssesGroup& g, const std::vector<float>& lsel, int64_t heads,
+                float* lse) {
   const int U = static_cast<int>(g.rows.size());
   const int64_t hl = heads / U, n = g.rows[g.comm->rank()], N = g.total();
   std::vector<float> send;
@@ -168,19 +163,17 @@ void lse_to_seq(const UlyssesGroup& g, const std::vector<float>& lsel, int64_t h
     rc[p] = static_cast<size_t>(hl * n);
   }
   std::vector<float> recv;
-  a2a(g, send, sc, recv, rc, m);
+  a2a(e, g, send, sc, recv, rc);
   // from p: [hl][n] for heads [p hl, (p+1) hl) == lse[p hl .. ] rows, contiguous
-  std::copy_n(recv.data(), heads * n, lse);
+  e.mem.copy(lse, recv.data(), static_cast<size_t>(heads * n));
 }
 
-template Tensor<float> seq_to_head<float>(const UlyssesGroup&, View3<const float>, CpMetrics&);
-template Tensor<bf16> seq_to_head<bf16>(const UlyssesGroup&, View3<const bf16>, CpMetrics&);
-template Tensor<float> seq_to_head_replicated<float>(const UlyssesGroup&, View3<const float>,
-                                                     CpMetrics&);
-template Tensor<bf16> seq_to_head_replicated<bf16>(const UlyssesGroup&, View3<const bf16>,
-                                                   CpMetrics&);
-template void head_to_seq<float>(const UlyssesGroup&, const Tensor<float>&, View3<float>,
-                                 CpMetrics&);
-template void head_to_seq<bf16>(const UlyssesGroup&, const Tensor<bf16>&, View3<bf16>, CpMetrics&);
+template Tensor<float> seq_to_head<float>(Engine&, const UlyssesGroup&, View3<const float>);
+template Tensor<bf16> seq_to_head<bf16>(Engine&, const UlyssesGroup&, View3<const bf16>);
+template Tensor<float> seq_to_head_replicated<float>(Engine&, const UlyssesGroup&,
+                                                     View3<const float>);
+template Tensor<bf16> seq_to_head_replicated<bf16>(Engine&, const UlyssesGroup&, View3<const bf16>);
+template void head_to_seq<float>(Engine&, const UlyssesGroup&, const Tensor<float>&, View3<float>);
+template void head_to_seq<bf16>(Engine&, const UlyssesGroup&, const Tensor<bf16>&, View3<bf16>);
 
 }  // namespace loom::cp_detail

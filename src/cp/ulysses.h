@@ -10,6 +10,8 @@ namespace loom::cp_detail {
 
 // Row counts of the U members of a ulysses group, in group order.
 struct UlyssesGroup {
+  // The inner axis of e (a ulysses group of U consecutive cp ranks) and its members' rows.
+  static UlyssesGroup of(const Engine& e);
   Communicator* comm = nullptr;
   std::vector<int64_t> rows;  // rows[p]: tokens member p holds
   int64_t total() const;
@@ -20,22 +22,21 @@ struct UlyssesGroup {
 // member's rows, stacked in member order).
 // T: float or bf16 (the storage type of q, k, v, out, dout); gradients travel as float.
 template <class T>
-Tensor<T> seq_to_head(const UlyssesGroup& g, View3<const T> x, CpMetrics& m);
+Tensor<T> seq_to_head(Engine& e, const UlyssesGroup& g, View3<const T> x);
 // KV replication (U % Hkv == 0): member u receives KV head u / (U / Hkv) of every member's rows:
 // out [N, 1, D].
 template <class T>
-Tensor<T> seq_to_head_replicated(const UlyssesGroup& g, View3<const T> x, CpMetrics& m);
+Tensor<T> seq_to_head_replicated(Engine& e, const UlyssesGroup& g, View3<const T> x);
 // The inverse of seq_to_head: y [N, Hl, D] -> x [n, Hl U, D] (overwritten).
 template <class T>
-void head_to_seq(const UlyssesGroup& g, const Tensor<T>& y, View3<T> x, CpMetrics& m);
+void head_to_seq(Engine& e, const UlyssesGroup& g, const Tensor<T>& y, View3<T> x);
 // The adjoint of seq_to_head_replicated: y [N, 1, D] holds gradients for KV head u / (U / Hkv);
 // x [n, Hkv, D] is overwritten with the sum over members of their gradients for each head.
-void head_to_seq_replicated(const UlyssesGroup& g, const Tensor<float>& y, View3<float> x,
-                            CpMetrics& m);
+void head_to_seq_replicated(Engine& e, const UlyssesGroup& g, const Tensor<float>& y,
+                            View3<float> x);
 // lse [H, n] -> [H/U, N] and back.
-std::vector<float> lse_to_head(const UlyssesGroup& g, const float* lse, int64_t heads,
-                               CpMetrics& m);
-void lse_to_seq(const UlyssesGroup& g, const std::vector<float>& lsel, int64_t heads, float* lse,
-                CpMetrics& m);
+std::vector<float> lse_to_head(Engine& e, const UlyssesGroup& g, const float* lse, int64_t heads);
+void lse_to_seq(Engine& e, const UlyssesGroup& g, const std::vector<float>& lsel, int64_t heads,
+                float* lse);
 
 }  // namespace loom::cp_detail

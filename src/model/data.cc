@@ -1,5 +1,5 @@
 // The byte corpus: documents, the validation split, and the sequences of a step.
-#include "data.h"
+#include "loom/model/data.h"
 
 #include <algorithm>
 #include <cctype>

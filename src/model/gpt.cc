@@ -12,7 +12,7 @@
 // them again over tp for the weight gradients in backward.
 // With activation checkpointing a layer keeps only its input x and recomputes the rest
 // (including its CpAttention forward) right before its backward.
-#include "gpt.h"
+#include "loom/model/gpt.h"
 
 #include <algorithm>
 #include <cmath>
@@ -50,9 +50,9 @@ void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t 
                  << m.layers << ", " << m.dim << ", " << m.heads << ", " << m.kv_heads << ")");
   LOOM_CHECK(m.dim % m.heads == 0, InvalidArgument,
              "--dim " << m.dim << " must be a multiple of --heads " << m.heads);
-  LOOM_CHECK(
-      m.head_dim() % 2 == 0 && m.head_dim() <= 256, InvalidArgument,
-      "head dim (--dim / --heads = " << m.head_dim() << ") must be even (rotary) and at most 256");
+  LOOM_CHECK(m.head_dim() % 2 == 0 && m.head_dim() <= kMaxHeadDim, InvalidArgument,
+             "head dim (--dim / --heads = "
+                 << m.head_dim() << ") must be even (rotary) and at most " << kMaxHeadDim);
   LOOM_CHECK(m.heads % m.kv_heads == 0, InvalidArgument,
              "--heads " << m.heads << " must be a multiple of --kv-heads " << m.kv_heads);
   LOOM_CHECK(m.heads % s.tp == 0 && m.kv_heads % s.tp == 0, InvalidArgument,
@@ -62,20 +62,29 @@ void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t 
   LOOM_CHECK(m.ffn_dim() % s.tp == 0, InvalidArgument,
              "the MLP hidden size " << m.ffn_dim() << " must be divisible by --tp " << s.tp);
   const int64_t cp = s.cp(), hl = m.heads / s.tp, hkvl = m.kv_heads / s.tp;
-  int64_t u = 1;
-  if (p.strategy == Strategy::ulysses) u = cp;
-  if (p.strategy == Strategy::hybrid) u = s.ulysses;
-  if (u > 1) {
-    LOOM_CHECK(hl % u == 0 && (hkvl % u == 0 || u % hkvl == 0), InvalidArgument,
-               to_string(p.strategy)
-                   << " attention splits this rank's heads over " << u
-                   << " ranks: heads per tp rank (" << hl << ") must be divisible by " << u
-                   << ", and kv-heads per tp rank (" << hkvl << ") and " << u
-                   << " must divide one another");
+  // The strategy's head and group rules, on this rank's heads (the registry's one function).
+  try {
+    check_cp_config(cp_config(p, m.head_dim()), s.cp(), hl, hkvl);
+  } catch (const InvalidArgument& e) {
+    if (s.tp == 1) throw;
+    throw InvalidArgument(std::string(e.what()) + " (heads of one tp rank: --heads " +
+                          std::to_string(m.heads) + " and --kv-heads " +
+                          std::to_string(m.kv_heads) + " over --tp " + std::to_string(s.tp) + ")");
   }
   LOOM_CHECK(seq >= 2 * cp, InvalidArgument,
              "--seq " << seq << " is too short for " << cp
                       << " context-parallel ranks (need >= " << 2 * cp << ")");
+}
+
+CpConfig cp_config(const ParallelConfig& p, int64_t head_dim) {
+  CpConfig cfg;
+  cfg.strategy = p.strategy;
+  cfg.ulysses = p.strategy == Strategy::hybrid ? p.mesh.ulysses : 1;
+  cfg.inner = p.inner;
+  cfg.kernel.mask.causal = true;
+  cfg.kernel.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  cfg.kernel.threads = p.threads;
+  return cfg;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -243,13 +252,10 @@ struct Gpt::Impl {
     if (!att || plan_seq != S || plan_docs != seq.doc_lengths) {
       att.reset();
       plan = ShardPlan::make(par.layout, S, P, seq.doc_lengths);
-      CpConfig cfg;
-      cfg.strategy = par.strategy;
-      cfg.ulysses = par.strategy == Strategy::hybrid ? mesh.shape.ulysses : 1;
-      cfg.kernel.mask.causal = true;
-      cfg.kernel.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-      cfg.kernel.threads = par.threads;
-      att = std::make_unique<CpAttention>(*mesh.cp, plan, cfg, Hl, Hkvl, D);
+      // The groups come from the mesh: cp, and its ulysses and ring axes.
+      att = std::make_unique<CpAttention>(
+          CpGroups{mesh.cp.get(), mesh.ulysses.get(), mesh.ring.get()}, plan, cp_config(par, D), Hl,
+          Hkvl, D);
       plan_seq = S;
       plan_docs = seq.doc_lengths;
     }

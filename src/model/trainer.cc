@@ -1,6 +1,6 @@
 // The training loop: batch draw, gradient reductions over the mesh, global-norm clipping, AdamW
 // with warmup + cosine, validation, and checkpoints of the full (mesh-independent) state.
-#include "trainer.h"
+#include "loom/model/trainer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -53,7 +53,6 @@ Trainer::Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corp
                                       << " bytes; --seq " << cfg.seq << " needs at least "
                                       << cfg.seq + 1);
   mesh_ = build_mesh(world, s);
-  same_tp_ = world.split(mesh_.tp_rank, world.rank());
   model_ = std::make_unique<Gpt>(cfg.model, cfg.par, mesh_, cfg.precision,
                                  cfg.checkpoint_activations, cfg.seed);
   adam_m_.assign(model_->params().size(), 0.0f);
@@ -90,7 +89,7 @@ StepResult Trainer::train_step() {
   std::vector<float>& g = m.grads();
   const size_t rep = static_cast<size_t>(m.replicated_size());
   world_.all_reduce(g.data(), rep, DType::f32, ReduceOp::sum);
-  same_tp_->all_reduce(g.data() + rep, g.size() - rep, DType::f32, ReduceOp::sum);
+  mesh_.dp_cp->all_reduce(g.data() + rep, g.size() - rep, DType::f32, ReduceOp::sum);
   double sums[2] = {loss, 0};
   world_.all_reduce(sums, 1, DType::f64, ReduceOp::sum);
   // Global gradient norm: split pieces are distinct per tp rank; replicated ones count once.

@@ -14,9 +14,9 @@ namespace loom::testing {
 
 std::string CpCase::name() const {
   std::ostringstream os;
-  os << to_string(strategy) << "_" << to_string(layout) << "_U" << ulysses << "_S" << S << "_H" << H
-     << "_HKV" << HKV << "_D" << D << (causal ? "_causal" : "_full") << "_W" << window << "_docs"
-     << docs.size();
+  os << to_string(strategy) << "_" << to_string(layout) << "_U" << ulysses << "_I" << inner << "_S"
+     << S << "_H" << H << "_HKV" << HKV << "_D" << D << (causal ? "_causal" : "_full") << "_W"
+     << window << "_docs" << docs.size();
   return os.str();
 }
 
@@ -71,6 +71,7 @@ std::vector<int64_t> run_cp_case(Communicator& world, const CpCase& c) {
   CpConfig cfg;
   cfg.strategy = c.strategy;
   cfg.ulysses = c.ulysses;
+  cfg.inner = c.inner;
   cfg.kernel.mask = mask;
   cfg.kernel.scale = static_cast<float>(scale);
   cfg.kernel.threads = 1;

@@ -13,6 +13,7 @@ struct CpCase {
   Strategy strategy = Strategy::ring;
   Layout layout = Layout::zigzag;
   int ulysses = 1;
+  int inner = 0;  // ring2d: ranks per inner ring
   int64_t S = 51, H = 4, HKV = 4, D = 16;
   bool causal = true;
   int64_t window = 0;

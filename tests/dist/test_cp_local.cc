@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <mutex>
+
 #include <tuple>
+#include "loom/rng.h"
 
 #include "cp_bodies.h"
 
@@ -61,6 +63,7 @@ TEST_P(CpAll, MatchesReference) {
         c.strategy = strategy;
         c.layout = layout;
         c.ulysses = U;
+        c.inner = strategy == Strategy::ring2d ? U : 0;
         c.S = 51;
         c.H = H;
         c.HKV = hkv;
@@ -108,6 +111,16 @@ INSTANTIATE_TEST_SUITE_P(
                       Param{Strategy::allgather, 7, 1}, Param{Strategy::allgather, 8, 1}),
     param_name);
 
+// ring2d: U is the inner ring size; (4, 1) is only an outer ring, (4, 4) only an inner one.
+INSTANTIATE_TEST_SUITE_P(
+    Ring2d, CpAll,
+    ::testing::Values(Param{Strategy::ring2d, 1, 1}, Param{Strategy::ring2d, 2, 2},
+                      Param{Strategy::ring2d, 4, 1}, Param{Strategy::ring2d, 4, 2},
+                      Param{Strategy::ring2d, 4, 4}, Param{Strategy::ring2d, 6, 3},
+                      Param{Strategy::ring2d, 6, 2}, Param{Strategy::ring2d, 8, 2},
+                      Param{Strategy::ring2d, 8, 4}),
+    param_name);
+
 // bf16 storage through every strategy: KV blocks travel in bf16, state and gradients in fp32.
 TEST(CpBf16, EveryStrategyAndLayout) {
   struct Run {
@@ -116,13 +129,15 @@ TEST(CpBf16, EveryStrategyAndLayout) {
   };
   for (const Run& r :
        {Run{Strategy::ring, 4, 1}, Run{Strategy::ring, 3, 1}, Run{Strategy::ulysses, 4, 1},
-        Run{Strategy::hybrid, 4, 2}, Run{Strategy::allgather, 3, 1}}) {
+        Run{Strategy::hybrid, 4, 2}, Run{Strategy::allgather, 3, 1}, Run{Strategy::ring2d, 4, 2},
+        Run{Strategy::ring2d, 6, 3}}) {
     for (Layout l : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
       for (const MaskCase& mc : masks()) {
         CpCase c;
         c.strategy = r.s;
         c.layout = l;
         c.ulysses = r.U;
+        c.inner = r.s == Strategy::ring2d ? r.U : 0;
         c.S = 77;
         c.H = 8;
         c.HKV = 2;
@@ -140,10 +155,11 @@ TEST(CpBf16, EveryStrategyAndLayout) {
 
 // More ranks than tokens: some shards are empty, and the result is still exact.
 TEST(CpEdge, EmptyShards) {
-  for (Strategy s : {Strategy::ring, Strategy::ulysses, Strategy::allgather}) {
+  for (Strategy s : {Strategy::ring, Strategy::ulysses, Strategy::allgather, Strategy::ring2d}) {
     for (Layout l : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
       CpCase c;
       c.strategy = s;
+      c.inner = 2;
       c.layout = l;
       c.S = 5;
       c.H = 8;
@@ -165,7 +181,8 @@ TEST(CpEdge, LargerShapes) {
   c.HKV = 2;
   c.D = 48;
   c.window = 50;
-  for (Strategy s : {Strategy::ring, Strategy::ulysses, Strategy::allgather}) {
+  c.inner = 2;
+  for (Strategy s : {Strategy::ring, Strategy::ulysses, Strategy::allgather, Strategy::ring2d}) {
     c.strategy = s;
     SCOPED_TRACE(c.name());
     EXPECT_NO_THROW(run_local(2, [&](Communicator& w) { run_cp_case(w, c); }));
@@ -223,10 +240,89 @@ TEST(CpErrors, InvalidHeadsAndDegrees) {
   c.H = 12;
   c.HKV = 12;
   expect_error(4, c, "--ulysses 3 must divide the number of ranks 4");
+  c.strategy = Strategy::ring2d;
+  c.inner = 3;
+  expect_error(4, c, "ring2d: --inner 3 must divide the number of ranks 4");
+  c.inner = 0;
+  expect_error(4, c, "ring2d: --inner 0 must divide the number of ranks 4");
   c.strategy = Strategy::ring;
   c.H = 6;
   c.HKV = 4;
   expect_error(2, c, "heads (6) must be a multiple of kv-heads (4)");
+}
+
+// The registry is what parse_strategy, to_string and the help read: every entry round-trips,
+// an unknown name lists every registered one.
+TEST(CpRegistry, NamesRoundTrip) {
+  ASSERT_EQ(strategies().size(), 5u);
+  for (const StrategyInfo& s : strategies()) {
+    EXPECT_EQ(parse_strategy(s.name), s.id);
+    EXPECT_EQ(to_string(s.id), s.name);
+    EXPECT_FALSE(s.summary.empty()) << s.name;
+  }
+  EXPECT_EQ(strategy_choices(), "ring, ulysses, hybrid, allgather or ring2d");
+  try {
+    parse_strategy("ring3d");
+    ADD_FAILURE() << "ring3d parsed";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("choose ring, ulysses, hybrid, allgather or ring2d"),
+              std::string::npos)
+        << e.what();
+  }
+  CpConfig cfg;
+  cfg.strategy = Strategy::ring2d;
+  cfg.inner = 2;
+  const CpShape s = check_cp_config(cfg, 8, 4, 2);
+  EXPECT_EQ(s.inner, 2);
+  EXPECT_EQ(s.outer, 4);
+  cfg.strategy = Strategy::hybrid;
+  cfg.ulysses = 4;
+  const CpShape h = check_cp_config(cfg, 8, 8, 2);
+  EXPECT_EQ(h.inner, 4);
+  EXPECT_EQ(h.outer, 2);
+  EXPECT_TRUE(h.replicate_kv);
+}
+
+// The recorder: spans are off by default; when on they are bounded by span_limit (the rest
+// counted); the communication window is kept either way and is the same; nothing grows with
+// the number of calls.
+TEST(CpRecorder, SpansOffByDefaultAndBounded) {
+  const ShardPlan plan = ShardPlan::make(Layout::zigzag, 64, 4);
+  run_local(4, [&](Communicator& w) {
+    CpConfig cfg;
+    cfg.strategy = Strategy::ring2d;
+    cfg.inner = 2;
+    cfg.kernel.scale = 0.25f;
+    cfg.kernel.threads = 1;
+    CpAttention att(w, plan, cfg, 2, 2, 16);
+    const int64_t n = plan.rows(w.rank());
+    Tensor<float> q({n, 2, 16}), k({n, 2, 16}), v({n, 2, 16}), out({n, 2, 16}), lse({2, n});
+    fill_normal(q.view3(), plan.tokens[w.rank()].data(), 3, "q");
+    fill_normal(k.view3(), plan.tokens[w.rank()].data(), 3, "k");
+    fill_normal(v.view3(), plan.tokens[w.rank()].data(), 3, "v");
+    CpMetrics& m = att.metrics();
+    for (int i = 0; i < 50; ++i)
+      att.forward(q.view3(), k.view3(), v.view3(), out.view3(), lse.data());
+    EXPECT_FALSE(m.record_spans);
+    EXPECT_TRUE(m.spans.empty());
+    EXPECT_EQ(m.spans_dropped, 0);
+    EXPECT_GT(m.comm_window_s(), 0.0);
+    EXPECT_EQ(m.step_tiles.size(), 4u);  // one per (outer, inner) step of the last forward
+    m.clear_counters();
+    m.record_spans = true;
+    m.span_limit = 10;
+    for (int i = 0; i < 5; ++i)
+      att.forward(q.view3(), k.view3(), v.view3(), out.view3(), lse.data());
+    EXPECT_EQ(m.spans.size(), 10u);
+    EXPECT_GT(m.spans_dropped, 0);
+    bool compute = false, comm = false;
+    for (const CpMetrics::Span& s : m.spans) {
+      compute = compute || s.kind == SpanKind::compute;
+      comm = comm || is_comm(s.kind);
+      EXPECT_LE(s.t0, s.t1);
+    }
+    EXPECT_TRUE(compute && comm);
+  });
 }
 
 }  // namespace

@@ -15,8 +15,7 @@
 
 #include "loom/comm.h"
 #include "loom/error.h"
-#include "ops.h"
-#include "trainer.h"
+#include "loom/model/trainer.h"
 
 namespace loom::model {
 namespace {
@@ -118,6 +117,7 @@ struct MeshCase {
   Layout layout;
   bool pack = false;
   bool checkpoint_activations = false;
+  int inner = 0;  // ring2d
 };
 
 class TrainMesh : public ::testing::TestWithParam<MeshCase> {};
@@ -127,6 +127,7 @@ TEST_P(TrainMesh, OneStepMatchesOneRank) {
   TrainConfig c = tiny(mc.mesh, mc.strategy, mc.layout);
   c.pack_documents = mc.pack;
   c.checkpoint_activations = mc.checkpoint_activations;
+  c.par.inner = mc.inner;
   TrainConfig one = tiny(MeshShape{}, Strategy::ring);
   one.pack_documents = mc.pack;
   const Outcome ref = mc.pack ? run(one, 1) : reference();
@@ -154,7 +155,15 @@ INSTANTIATE_TEST_SUITE_P(
         MeshCase{"cp3_ring_packed", {1, 1, 1, 3}, Strategy::ring, Layout::zigzag, true},
         MeshCase{"tp2_cp2_packed_ckpt", {1, 2, 1, 2}, Strategy::ring, Layout::zigzag, true, true},
         MeshCase{"dp2_tp2_cp2_ring", {2, 2, 1, 2}, Strategy::ring, Layout::zigzag},
-        MeshCase{"tp2_cp4_hybrid_2x2", {1, 2, 2, 2}, Strategy::hybrid, Layout::zigzag}),
+        MeshCase{"tp2_cp4_hybrid_2x2", {1, 2, 2, 2}, Strategy::hybrid, Layout::zigzag},
+        MeshCase{"cp4_ring2d_2x2", {1, 1, 1, 4}, Strategy::ring2d, Layout::zigzag, false, false, 2},
+        MeshCase{"tp2_cp2_ring2d_packed",
+                 {1, 2, 1, 2},
+                 Strategy::ring2d,
+                 Layout::contiguous,
+                 true,
+                 false,
+                 1}),
     [](const ::testing::TestParamInfo<MeshCase>& i) { return std::string(i.param.name); });
 
 TEST(TrainMeshInvalid, RefusedAtConstructionWithOneClearError) {

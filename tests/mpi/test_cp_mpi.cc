@@ -47,6 +47,33 @@ TEST(CpMpi, RingEveryLayoutAndMask) {
   }
 }
 
+// ring2d over the same matrix as ring, GQA included: inner rings of 2 ranks (np 4), or one inner
+// ring of 3 and one of 1 (np 3).
+TEST(CpMpi, Ring2dEveryLayoutMaskAndGqa) {
+  const int P = g_world->size();
+  for (int inner : {P % 2 == 0 ? 2 : 3, 1}) {
+    for (Layout l : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
+      for (int64_t hkv : {4, 2, 1}) {
+        CpCase c;
+        c.strategy = Strategy::ring2d;
+        c.inner = inner;
+        c.layout = l;
+        c.H = 4;
+        c.HKV = hkv;
+        run_everywhere(c);
+        c.causal = false;
+        run_everywhere(c);
+        c.causal = true;
+        c.window = 9;
+        run_everywhere(c);
+        c.window = 0;
+        c.docs = {20, 1, 30};
+        run_everywhere(c);
+      }
+    }
+  }
+}
+
 TEST(CpMpi, UlyssesScatterAndReplicate) {
   const int P = g_world->size();
   CpCase c;

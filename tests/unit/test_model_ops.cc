@@ -9,12 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "data.h"
-#include "gpt.h"
+#include "loom/model/data.h"
+#include "loom/model/gpt.h"
 #include "loom/comm.h"
 #include "loom/error.h"
 #include "ops.h"
-#include "trainer.h"
+#include "loom/model/trainer.h"
 
 namespace loom::model {
 namespace {

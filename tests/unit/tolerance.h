@@ -15,10 +15,11 @@
 #include <vector>
 
 #include "loom/tensor.h"
+#include "loom/tolerance.h"
 
 namespace loom::test {
 
-constexpr double kFp32RelTol = 1e-5;  // fp32 kernels vs the fp64 reference (relative norm)
+using loom::kFp32RelTol;  // fp32 kernels vs the fp64 reference (relative norm)
 
 // bf16 storage (q, k, v, dout, out in bf16; state, lse, delta and gradients fp32). The fp64
 // reference runs on exactly the bf16 input values, so only the kernels' own roundings count.
@@ -46,16 +47,16 @@ constexpr double kFp32RelTol = 1e-5;  // fp32 kernels vs the fp64 reference (rel
 // for the fp32 arithmetic. They are large where the problem amplifies the rounding (rows with
 // one or two keys, where dp - delta nearly cancels): there the error of any implementation that
 // stores out in bf16 is large too. Like kFp32RelTol they are never loosened to make a test pass.
-constexpr double kBf16Unit = 1.0 / 256.0;
+using loom::kBf16Unit;
 // Fixed bf16 tolerances for tests that do not compute the per-problem bounds (the cp tests): valid
 // where those bounds' amplification is absent, i.e. random normal inputs with at least ~100 keys
 // per row on average (the rows with few keys are then a small part of the norm). The kernel sweep
 // checks them on its cases with S >= 100 (measured there: out <= 0.6 u, fp32 out <= 0.4 u,
 // dq and dk <= 0.42 u); small problems can exceed them (S = 7 with documents: dq 4.7 u, within the
 // per-problem bound).
-constexpr double kBf16OutRelTol = 2 * kBf16Unit;   // out in bf16
-constexpr double kBf16AccRelTol = kBf16Unit;       // out finished to fp32 (bf16-dot path)
-constexpr double kBf16GradRelTol = 2 * kBf16Unit;  // dq, dk (dv: kFp32RelTol)
+using loom::kBf16AccRelTol;   // out finished to fp32 (bf16-dot path)
+using loom::kBf16GradRelTol;  // dq, dk (dv: kFp32RelTol)
+using loom::kBf16OutRelTol;   // out in bf16
 
 // ||x - ref|| / ||ref||; ||x|| when ref is all zero. Infinite when x holds a NaN or an infinity.
 template <class X, class R>

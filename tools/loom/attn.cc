@@ -21,6 +21,7 @@
 #include "loom/npy.h"
 #include "loom/rng.h"
 #include "loom/timer.h"
+#include "loom/tolerance.h"
 #include "report.h"
 
 namespace loom::tools {
@@ -29,12 +30,11 @@ namespace {
 
 int g_exit_code = 0;
 
-// Tolerances of every check against the fp64 reference: normwise relative error per tensor
-// (the same values, and their derivation, as tests/unit/tolerance.h). fp32 storage: 1e-5 for
-// everything. bf16 storage (the reference runs on the bf16-rounded inputs): out, dq, dk
-// 2 u = 2^-7 (u = 2^-8 is bf16's unit roundoff); lse and dv stay at the fp32 tolerance.
-constexpr double kFp32RelTol = 1e-5;
-constexpr double kBf16RelTol = 2.0 / 256.0;
+// Tolerances of every check against the fp64 reference (loom/tolerance.h): fp32 storage
+// kFp32RelTol for everything; bf16 storage (the reference runs on the bf16-rounded inputs): out,
+// dq, dk 2 u = 2^-7 (u = 2^-8 is bf16's unit roundoff); lse and dv stay at the fp32 tolerance.
+constexpr double kBf16RelTol = kBf16OutRelTol;
+static_assert(kBf16OutRelTol == kBf16GradRelTol);
 // Above this many tokens --check compares a sample of kCheckSampleRows query rows.
 constexpr int64_t kCheckFullMax = 4096;
 constexpr int64_t kCheckSampleRows = 256;
@@ -51,7 +51,7 @@ struct AttnOptions {
   double scale = 0;
   int ranks = 1;
   std::string strategy = "ring", layout = "zigzag";
-  int ulysses = 0;
+  int ulysses = 0, inner = 0;  // degree options (0: not given)
   bool quiet = false;
   std::string json, trace, timeline, fault;
   std::string dtype = "fp32";
@@ -118,8 +118,8 @@ Problem make_problem(const AttnOptions& o) {
   LOOM_CHECK(p.S >= 1, InvalidArgument, "--seq must be >= 1, got " << p.S);
   LOOM_CHECK(p.H >= 1, InvalidArgument, "--heads must be >= 1, got " << p.H);
   LOOM_CHECK(p.HKV >= 1, InvalidArgument, "--kv-heads must be >= 1, got " << p.HKV);
-  LOOM_CHECK(p.D >= 1 && p.D <= 256, InvalidArgument,
-             "--head-dim must be in [1, 256], got " << p.D);
+  LOOM_CHECK(p.D >= 1 && p.D <= kMaxHeadDim, InvalidArgument,
+             "--head-dim must be in [1, " << kMaxHeadDim << "], got " << p.D);
   LOOM_CHECK(p.H % p.HKV == 0, InvalidArgument,
              "--heads " << p.H << " must be a multiple of --kv-heads " << p.HKV);
   LOOM_CHECK(o.window >= 0, InvalidArgument,
@@ -145,14 +145,21 @@ Problem make_problem(const AttnOptions& o) {
   p.kernel.scale = o.scale > 0 ? static_cast<float>(o.scale)
                                : static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.D)));
   p.cp.strategy = parse_strategy(o.strategy);
-  if (p.cp.strategy == Strategy::hybrid) {
-    LOOM_CHECK(o.ulysses >= 1, InvalidArgument,
-               "--strategy hybrid needs --ulysses U (the ulysses degree inside each group)");
-    p.cp.ulysses = o.ulysses;
-  } else {
-    LOOM_CHECK(o.ulysses == 0, InvalidArgument,
-               "--ulysses is only for --strategy hybrid (got --strategy " << o.strategy << ")");
+  // The degree options: each strategy's registry entry names the one it takes.
+  const std::string takes = strategy_option(p.cp.strategy);
+  for (const auto& [option, value] : {std::pair{"--ulysses", o.ulysses}, {"--inner", o.inner}}) {
+    if (takes == option) {
+      LOOM_CHECK(value >= 1, InvalidArgument,
+                 "--strategy " << o.strategy << " needs " << option << " N (" << option
+                               << ": docs/strategies.md)");
+    } else {
+      LOOM_CHECK(value == 0, InvalidArgument,
+                 option << " is only for --strategy " << strategies_taking(option)
+                        << " (got --strategy " << o.strategy << ")");
+    }
   }
+  if (o.ulysses) p.cp.ulysses = o.ulysses;
+  if (o.inner) p.cp.inner = o.inner;
   return p;
 }
 
@@ -301,15 +308,6 @@ class Progress {
   bool shown_ = false;
 };
 
-// Span kinds travel as numbers in the gather.
-const char* const kSpanKinds[] = {"compute", "send",      "recv",          "wait",
-                                  "a2a",     "allgather", "reduce_scatter"};
-double span_kind_id(const std::string& k) {
-  for (size_t i = 0; i < std::size(kSpanKinds); ++i)
-    if (k == kSpanKinds[i]) return static_cast<double>(i);
-  return 0;
-}
-
 // The job on one rank. Rank 0 fills `rep`.
 void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int threads,
                AttnReport& rep, bool report) {
@@ -357,12 +355,14 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
   }
 
   std::vector<double> fwd, bwd;
+  const bool want_spans = report && (!o.trace.empty() || !o.timeline.empty());
   const int total = o.warmup + o.iters;
   Progress progress(report && me == 0 && !o.quiet, total);
   for (int it = 0; it < total; ++it) {
     const bool timed = it >= o.warmup;
     if (it == o.warmup) att.metrics().clear_counters();
-    att.metrics().record_spans = timed;
+    // Spans only for a trace or timeline, of the timed iterations (bounded by span_limit).
+    att.metrics().record_spans = timed && want_spans;
     world.barrier();
     double t0 = now_s();
     if (p.bf16) {
@@ -393,39 +393,15 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
 
   // Per-rank counters, per timed iteration, gathered everywhere (all ranks take part).
   const CpMetrics& m = att.metrics();
-  const double it = o.iters;
-  double fwd_tiles = 0;
-  for (int64_t t : m.step_tiles) fwd_tiles += static_cast<double>(t);
-  const double row[] = {m.compute_s / it,
-                        m.comm_s / it,
-                        m.wait_s / it,
-                        m.comm_window_s() / it,
-                        static_cast<double>(m.bytes_sent) / it,
-                        static_cast<double>(m.bytes_recv) / it,
-                        static_cast<double>(m.tiles) / it,
-                        static_cast<double>(m.visible_pairs) / it,
-                        fwd_tiles,
-                        static_cast<double>(peak_rss_bytes())};
-  constexpr int kRow = static_cast<int>(std::size(row));
-  std::vector<double> rows(static_cast<size_t>(P) * kRow);
-  world.all_gather(row, sizeof row, rows.data());
+  const RankCounters mine = RankCounters::of(m, o.iters, peak_rss_bytes());
+  std::vector<RankCounters> counters(static_cast<size_t>(P));
+  world.all_gather(&mine, sizeof mine, counters.data());
   std::vector<int64_t> steps(P, -1);
   std::copy_n(m.step_tiles.begin(), std::min<size_t>(P, m.step_tiles.size()), steps.begin());
   std::vector<int64_t> all_steps(static_cast<size_t>(P) * P);
   world.all_gather(steps.data(), sizeof(int64_t) * P, all_steps.data());
-  // Spans: counts first, then a padded gather.
-  int64_t nspans = static_cast<int64_t>(m.spans.size());
-  world.all_reduce(&nspans, 1, DType::i64, ReduceOp::max);
-  std::vector<double> mine(static_cast<size_t>(4 * nspans), -1.0);
-  for (size_t i = 0; i < m.spans.size(); ++i) {
-    const auto& sp = m.spans[i];
-    mine[4 * i] = span_kind_id(sp.kind);
-    mine[4 * i + 1] = sp.step;
-    mine[4 * i + 2] = sp.t0;
-    mine[4 * i + 3] = sp.t1;
-  }
-  std::vector<double> all_spans(static_cast<size_t>(P) * mine.size());
-  world.all_gather(mine.data(), mine.size() * sizeof(double), all_spans.data());
+  std::vector<std::vector<CpMetrics::Span>> spans;
+  if (want_spans) spans = gather_spans(world, m.spans);
 
   // Gather results where rank 0 needs them.
   const bool need = report && (o.check || !o.output.empty());
@@ -455,27 +431,11 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
   rep.ranks.assign(P, {});
   for (int r = 0; r < P; ++r) {
     RankReport& k = rep.ranks[r];
-    const double* x = rows.data() + r * kRow;
     k.rank = r;
-    k.compute_s = x[0];
-    k.comm_s = x[1];
-    k.wait_s = x[2];
-    k.window_s = x[3];
-    k.bytes_sent = x[4];
-    k.bytes_recv = x[5];
-    k.tiles = x[6];
-    k.visible_pairs = x[7];
-    k.fwd_tiles = x[8];
-    k.peak_rss = x[9];
+    static_cast<RankCounters&>(k) = counters[r];
     for (int s = 0; s < P; ++s)
       if (all_steps[r * P + s] >= 0) k.step_tiles.push_back(all_steps[r * P + s]);
-    const double* sp = all_spans.data() + r * mine.size();
-    for (int64_t i = 0; i < nspans; ++i) {
-      if (sp[4 * i] < 0) break;
-      k.spans.push_back(CpMetrics::Span{kSpanKinds[static_cast<int>(sp[4 * i])],
-                                        static_cast<int>(sp[4 * i + 1]), sp[4 * i + 2],
-                                        sp[4 * i + 3]});
-    }
+    if (want_spans) k.spans = std::move(spans[r]);
   }
   if (!report) return;
   if (!o.output.empty()) {
@@ -539,6 +499,7 @@ nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
           {"layout", o.layout},
           {"dtype", o.dtype},
           {"ulysses", o.ulysses},
+          {"inner", o.inner},
           {"fault", o.fault},
           {"baseline", o.baseline},
           {"json", o.json},
@@ -563,7 +524,8 @@ int run_attn(const AttnOptions& o) {
   rep.window = p.kernel.mask.window;
   rep.docs = std::max<size_t>(1, p.doc_lengths.size());
   rep.scale = p.kernel.scale;
-  rep.ulysses = p.cp.strategy == Strategy::hybrid ? p.cp.ulysses : 0;
+  rep.ulysses = o.ulysses;
+  rep.inner = o.inner;
   int threads = 1;
   bool root = true;
   std::unique_ptr<Communicator> mpi;
@@ -628,8 +590,9 @@ void add_attn_command(CLI::App& app) {
   auto* seq = c->add_option("--seq", o->seq, "global sequence length S")->capture_default_str();
   auto* heads = c->add_option("--heads", o->heads, "query heads H")->capture_default_str();
   auto* kvh = c->add_option("--kv-heads", o->kv_heads, "key/value heads HKV (default: H)");
-  auto* hd =
-      c->add_option("--head-dim", o->head_dim, "head dimension D (<= 256)")->capture_default_str();
+  auto* hd = c->add_option("--head-dim", o->head_dim,
+                           "head dimension D (<= " + std::to_string(kMaxHeadDim) + ")")
+                 ->capture_default_str();
   c->add_flag("--causal,!--no-causal", o->causal, "causal mask (default) or full attention");
   c->add_option("--window", o->window, "sliding window W: keys with |i - j| < W (0: none)")
       ->capture_default_str();
@@ -650,10 +613,10 @@ void add_attn_command(CLI::App& app) {
   c->add_option("--scale", o->scale, "softmax scale (default 1/sqrt(D))");
   auto* ranks = c->add_option("--ranks", o->ranks, "ranks on the local backend (threads)")
                     ->capture_default_str();
-  c->add_option("--strategy", o->strategy, "ring, ulysses, hybrid or allgather")
-      ->capture_default_str();
+  c->add_option("--strategy", o->strategy, strategy_help())->capture_default_str();
   c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();
   c->add_option("--ulysses", o->ulysses, "hybrid: ulysses degree U (ring degree = ranks / U)");
+  c->add_option("--inner", o->inner, "ring2d: ranks per inner ring (outer ring = ranks / inner)");
   c->add_option("--dtype", o->dtype,
                 "storage of q, k, v, out, dout: fp32 or bf16 (accumulation is always fp32)")
       ->capture_default_str();

@@ -17,6 +17,15 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+double origin(const AttnReport& r) {
+  double t = 1e300;
+  for (const RankReport& k : r.ranks)
+    for (const auto& s : k.spans) t = std::min(t, s.t0);
+  return t == 1e300 ? 0 : t;
+}
+
+}  // namespace
+
 std::string human_bytes(double b) {
   char buf[32];
   if (b >= 1 << 30) {
@@ -31,14 +40,68 @@ std::string human_bytes(double b) {
   return buf;
 }
 
-double origin(const AttnReport& r) {
-  double t = 1e300;
-  for (const RankReport& k : r.ranks)
-    for (const auto& s : k.spans) t = std::min(t, s.t0);
-  return t == 1e300 ? 0 : t;
+RankCounters RankCounters::of(const CpMetrics& m, int iters, int64_t peak_rss_bytes) {
+  const double it = iters;
+  RankCounters c;
+  c.compute_s = m.compute_s / it;
+  c.comm_s = m.comm_s / it;
+  c.wait_s = m.wait_s / it;
+  c.window_s = m.comm_window_s() / it;
+  c.bytes_sent = static_cast<double>(m.bytes_sent) / it;
+  c.bytes_recv = static_cast<double>(m.bytes_recv) / it;
+  c.tiles = static_cast<double>(m.tiles) / it;
+  c.visible_pairs = static_cast<double>(m.visible_pairs) / it;
+  for (int64_t t : m.step_tiles) c.fwd_tiles += static_cast<double>(t);
+  c.peak_rss = static_cast<double>(peak_rss_bytes);
+  return c;
 }
 
-}  // namespace
+std::vector<std::vector<CpMetrics::Span>> gather_spans(Communicator& world,
+                                                       const std::vector<CpMetrics::Span>& mine) {
+  // Counts first, then a padded gather of (kind, step, t0, t1) as doubles; kind -1 pads.
+  const int P = world.size();
+  int64_t most = static_cast<int64_t>(mine.size());
+  world.all_reduce(&most, 1, DType::i64, ReduceOp::max);
+  std::vector<double> row(static_cast<size_t>(4 * most), -1.0);
+  for (size_t i = 0; i < mine.size(); ++i) {
+    row[4 * i] = static_cast<double>(mine[i].kind);
+    row[4 * i + 1] = mine[i].step;
+    row[4 * i + 2] = mine[i].t0;
+    row[4 * i + 3] = mine[i].t1;
+  }
+  std::vector<double> all(static_cast<size_t>(P) * row.size());
+  world.all_gather(row.data(), row.size() * sizeof(double), all.data());
+  std::vector<std::vector<CpMetrics::Span>> out(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) {
+    const double* sp = all.data() + r * row.size();
+    for (int64_t i = 0; i < most && sp[4 * i] >= 0; ++i)
+      out[r].push_back(CpMetrics::Span{static_cast<SpanKind>(static_cast<int>(sp[4 * i])),
+                                       static_cast<int>(sp[4 * i + 1]), sp[4 * i + 2],
+                                       sp[4 * i + 3]});
+  }
+  return out;
+}
+
+std::string strategy_help() {
+  std::string h = "context-parallel strategy:";
+  for (const StrategyInfo& s : strategies()) {
+    h += "\n  " + s.name + (s.option.empty() ? "" : " (" + s.option + " N)") + ": " + s.summary;
+  }
+  return h;
+}
+
+std::string strategy_option(Strategy id) {
+  for (const StrategyInfo& s : strategies())
+    if (s.id == id) return s.option;
+  return "";
+}
+
+std::string strategies_taking(const std::string& option) {
+  std::string names;
+  for (const StrategyInfo& s : strategies())
+    if (s.option == option) names += (names.empty() ? "" : " or ") + s.name;
+  return names;
+}
 
 double AttnReport::forward_s() const {
   return median(fwd_times);
@@ -88,6 +151,7 @@ void print_text(const AttnReport& r) {
               static_cast<long long>(r.HKV), static_cast<long long>(r.D),
               r.causal ? "causal" : "full", static_cast<long long>(r.window), r.docs, r.scale);
   if (r.ulysses > 0) std::printf(" ulysses=%d", r.ulysses);
+  if (r.inner > 0) std::printf(" inner=%d", r.inner);
   std::printf(" %s", r.dtype.c_str());
   std::printf("\n");
   std::printf("  forward   %10.3f ms  %8.2f GFLOP/s useful  (median of %d, slowest rank)\n",
@@ -195,11 +259,11 @@ std::string chrome_trace(const AttnReport& r) {
                       {"tid", 2},
                       {"args", {{"name", "waiting"}}}});
     for (const auto& s : k.spans) {
-      const int tid = s.kind == "compute" ? 0 : s.kind == "wait" ? 2 : 1;
-      std::string name = s.kind;
+      const int tid = s.kind == SpanKind::compute ? 0 : s.kind == SpanKind::wait ? 2 : 1;
+      std::string name = to_string(s.kind);
       if (s.step >= 0) name += " step " + std::to_string(s.step);
       events.push_back({{"name", name},
-                        {"cat", s.kind},
+                        {"cat", to_string(s.kind)},
                         {"ph", "X"},
                         {"pid", k.rank},
                         {"tid", tid},
@@ -238,18 +302,18 @@ std::string timeline_svg(const AttnReport& r) {
       << row_h - 4 << "\" fill=\"#f4f4f4\"/>\n";
     for (const auto& s : k.spans) {
       const double a = x(s.t0), w = std::max(0.5, x(s.t1) - x(s.t0));
-      if (s.kind == "compute") {
+      if (s.kind == SpanKind::compute) {
         o << "<rect x=\"" << a << "\" y=\"" << y + 14 << "\" width=\"" << w
           << "\" height=\"18\" fill=\"#3b73b9\"><title>compute step " << s.step << ": "
           << (s.t1 - s.t0) * 1e3 << " ms</title></rect>\n";
-      } else if (s.kind == "wait") {
+      } else if (s.kind == SpanKind::wait) {
         o << "<rect x=\"" << a << "\" y=\"" << y + 14 << "\" width=\"" << w
           << "\" height=\"18\" fill=\"#d62728\"><title>wait: " << (s.t1 - s.t0) * 1e3
           << " ms</title></rect>\n";
       } else {
         o << "<rect x=\"" << a << "\" y=\"" << y + 4 << "\" width=\"" << w
-          << "\" height=\"8\" fill=\"#ff9f1c\" fill-opacity=\"0.8\"><title>" << s.kind << ": "
-          << (s.t1 - s.t0) * 1e3 << " ms</title></rect>\n";
+          << "\" height=\"8\" fill=\"#ff9f1c\" fill-opacity=\"0.8\"><title>" << to_string(s.kind)
+          << ": " << (s.t1 - s.t0) * 1e3 << " ms</title></rect>\n";
       }
     }
   }

@@ -6,19 +6,40 @@
 #include <string>
 #include <vector>
 
+#include "loom/comm.h"
 #include "loom/cp.h"
 
 namespace loom::tools {
 
-struct RankReport {
-  int rank = 0;
-  double compute_s = 0, comm_s = 0, wait_s = 0, window_s = 0;           // per timed iteration
-  double bytes_sent = 0, bytes_recv = 0, tiles = 0, visible_pairs = 0;  // per timed iteration
-  double fwd_tiles = 0;                                                 // tiles of the last forward
-  double peak_rss = 0;  // bytes (the whole process on the local backend)
-  std::vector<int64_t> step_tiles;
-  std::vector<CpMetrics::Span> spans;  // timed iterations only
+// One rank's counters per timed iteration, as they travel in the gather to rank 0 (a plain
+// struct of doubles: every rank sends the same bytes).
+struct RankCounters {
+  double compute_s = 0, comm_s = 0, wait_s = 0, window_s = 0;
+  double bytes_sent = 0, bytes_recv = 0, tiles = 0, visible_pairs = 0;
+  double fwd_tiles = 0;  // tiles of the last forward
+  double peak_rss = 0;   // bytes (the whole process on the local backend)
+  // From a rank's metrics accumulated over `iters` timed iterations.
+  static RankCounters of(const CpMetrics& m, int iters, int64_t peak_rss_bytes);
 };
+
+struct RankReport : RankCounters {
+  int rank = 0;
+  std::vector<int64_t> step_tiles;
+  std::vector<CpMetrics::Span> spans;  // timed iterations only, with a trace or timeline
+};
+
+// Every rank's spans on every rank (collective over world).
+std::vector<std::vector<CpMetrics::Span>> gather_spans(Communicator& world,
+                                                       const std::vector<CpMetrics::Span>& mine);
+
+// The registry, as the command line shows it: the --strategy help (names and what each is
+// for), the degree option a strategy takes ("" if none), the strategies taking an option.
+std::string strategy_help();
+std::string strategy_option(Strategy s);
+std::string strategies_taking(const std::string& option);
+
+// "1.50 MiB".
+std::string human_bytes(double bytes);
 
 struct CheckReport {
   bool done = false, passed = true, sampled = false;
@@ -35,7 +56,7 @@ struct AttnReport {
   int64_t window = 0;
   size_t docs = 1;
   double scale = 0;
-  int ulysses = 0;
+  int ulysses = 0, inner = 0;                // degree options given (0: none)
   std::vector<double> fwd_times, bwd_times;  // slowest rank, per timed iteration
   std::vector<RankReport> ranks;
   CheckReport check;

@@ -21,9 +21,9 @@
 #include "loom/comm.h"
 #include "loom/cp.h"
 #include "loom/error.h"
+#include "loom/model/trainer.h"
 #include "loom/timer.h"
-#include "ops.h"
-#include "trainer.h"
+#include "report.h"
 
 namespace loom::tools {
 
@@ -37,6 +37,7 @@ using model::Trainer;
 struct TrainOptions {
   int ranks = 1;
   int dp = 0, tp = 0, ulysses = 0, ring = 0;  // 0: not given
+  int inner = 0;                              // ring2d's inner ring (0: not given)
   std::string strategy, layout = "zigzag";
   int64_t seq = 256, layers = 4, dim = 128, heads = 4, kv_heads = 2, ffn = 0;
   int64_t steps = 300, batch = 8, warmup = -1;
@@ -89,19 +90,6 @@ Strategy strategy_of(const TrainOptions& o, const MeshShape& s) {
   if (s.ulysses > 1 && s.ring > 1) return Strategy::hybrid;
   if (s.ulysses > 1) return Strategy::ulysses;
   return Strategy::ring;
-}
-
-std::string human_bytes(double b) {
-  char buf[32];
-  if (b >= 1 << 30)
-    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
-  else if (b >= 1 << 20)
-    std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1 << 20));
-  else if (b >= 1 << 10)
-    std::snprintf(buf, sizeof buf, "%.1f KiB", b / (1 << 10));
-  else
-    std::snprintf(buf, sizeof buf, "%.0f B", b);
-  return buf;
 }
 
 std::string human_time(double s) {
@@ -278,6 +266,17 @@ int run_train(const TrainOptions& o) {
   LOOM_CHECK(world >= 1, InvalidArgument, "--ranks must be >= 1, got " << world);
   c.par.mesh = mesh_of(o, world);
   c.par.strategy = strategy_of(o, c.par.mesh);
+  if (strategy_option(c.par.strategy) == "--inner") {
+    LOOM_CHECK(
+        o.inner >= 1, InvalidArgument,
+        "--strategy " << to_string(c.par.strategy) << " needs --inner N (ranks per inner ring)");
+  } else {
+    LOOM_CHECK(o.inner == 0, InvalidArgument,
+               "--inner is only for --strategy " << strategies_taking("--inner")
+                                                 << " (got --strategy " << to_string(c.par.strategy)
+                                                 << ")");
+  }
+  c.par.inner = o.inner;
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = o.threads ? o.threads : std::max(1, hw / here);
   c.par.threads = threads;
@@ -327,8 +326,11 @@ void add_train_command(CLI::App& app) {
                 "ring degree of the context-parallel group (default 1, or --ranks when no mesh "
                 "size is given)");
   c->add_option("--strategy", o->strategy,
-                "attention over the cp group: ring, ulysses, hybrid or allgather (default: "
-                "hybrid when ulysses and ring > 1, ulysses when only ulysses > 1, else ring)");
+                "attention over the cp group (default: hybrid when ulysses and ring > 1, ulysses "
+                "when only ulysses > 1, else ring); " +
+                    strategy_help());
+  c->add_option("--inner", o->inner,
+                "ring2d: ranks per inner ring of the cp group (outer ring = cp ranks / inner)");
   c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();
   c->add_option("--seq", o->seq, "tokens (bytes) per sequence")->capture_default_str();
   c->add_option("--layers", o->layers, "decoder layers")->capture_default_str();

@@ -24,9 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "data.h"
-#include "gpt.h"
 #include "loom/comm.h"
+#include "loom/model/data.h"
+#include "loom/model/gpt.h"
 
 namespace loom::model {
 
@@ -109,7 +109,6 @@ class Trainer {
   TrainConfig cfg_;
   const Corpus& corpus_;
   Mesh mesh_;
-  std::unique_ptr<Communicator> same_tp_;  // ranks holding the same tp piece (cp x dp)
   std::unique_ptr<Gpt> model_;
   std::vector<float> adam_m_, adam_v_;
   int64_t step_ = 0;

@@ -36,10 +36,10 @@
 #include <string>
 #include <vector>
 
-#include "data.h"
 #include "loom/bf16.h"
 #include "loom/comm.h"
 #include "loom/cp.h"
+#include "loom/model/data.h"
 
 namespace loom::model {
 
@@ -63,6 +63,7 @@ struct ModelConfig {
 struct ParallelConfig {
   MeshShape mesh;
   Strategy strategy = Strategy::ring;  // hybrid uses mesh.ulysses as its ulysses degree
+  int inner = 0;                       // ring2d: ranks per inner ring (CpConfig::inner)
   Layout layout = Layout::zigzag;
   int threads = 1;  // OpenMP threads of the attention kernels on this rank
 };
@@ -71,6 +72,11 @@ struct ParallelConfig {
 // dim % heads, head_dim even, heads and kv_heads divisible by tp, ffn by tp, ulysses/hybrid head
 // rules, mesh product == world when world > 0, ...).
 void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t seq);
+// The CpConfig of the model's attention (strategy, its degrees, causal mask) on this mesh.
+CpConfig cp_config(const ParallelConfig& p, int64_t head_dim);
+
+// OpenBLAS threads used by every GEMM of this process (a process-wide setting).
+void set_blas_threads(int threads);
 
 // One parameter tensor: its full (unsplit) shape and how this rank holds it.
 struct ParamSpec {

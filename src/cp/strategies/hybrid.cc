@@ -1,0 +1,97 @@
+// hybrid: Ulysses inside groups of U consecutive cp ranks (the inner axis), ring across the
+// P / U groups (the outer axis), as USP and TransformerEngine's a2a+p2p. The all-to-all turns
+// "my tokens, all heads" into "the group's tokens, my H / U heads"; the ring pass then runs over
+// the groups' blocks; the inverse all-to-all brings out, lse and the gradients home. For
+// clusters whose nodes hold U ranks: the all-to-all stays inside a node, the ring crosses nodes.
+// ulysses (ulysses.cc) is this with one group.
+#include "../ulysses.h"
+#include "strategy.h"
+
+namespace loom::cp_detail {
+
+namespace {
+
+class Hybrid : public CpStrategyOf<Hybrid> {
+ public:
+  explicit Hybrid(Engine& e) : e_(e), group_(UlyssesGroup::of(e)) {
+    const int U = e.shape.inner;
+    for (int j = 0; j < e.shape.outer; ++j) blocks_.push_back(make_block(e.plan, j * U, U));
+    mine_ = e.me / U;
+  }
+
+  template <class T>
+  void fwd(const ForwardArgs<T>& a) {
+    const int U = e_.shape.inner;
+    const Tensor<T> ql = seq_to_head<T>(e_, group_, a.q);
+    const Tensor<T> kl = kv_to_head<T>(a.k), vl = kv_to_head<T>(a.v);
+    const int64_t N = group_.total(), hl = e_.heads / U;
+    const StateView st = e_.fresh_state(N, hl);
+    e_.rec.steps(e_.shape.outer);
+    ring_forward<T>(e_, e_.outer, blocks_[mine_], blocks_, ql.view3(), kl.view3(), vl.view3(), st,
+                    0);
+    Tensor<T> outl({N, hl, e_.dim});
+    std::vector<float> lsel(static_cast<size_t>(hl * N));
+    finish(st, outl.view3(), lsel.data(), N);
+    head_to_seq<T>(e_, group_, outl, a.out);
+    lse_to_seq(e_, group_, lsel, e_.heads, a.lse);
+  }
+
+  template <class T>
+  void bwd(const BackwardArgs<T>& a) {
+    const int U = e_.shape.inner;
+    const Tensor<T> ql = seq_to_head<T>(e_, group_, a.q);
+    const Tensor<T> kl = kv_to_head<T>(a.k), vl = kv_to_head<T>(a.v);
+    const Tensor<T> outl = seq_to_head<T>(e_, group_, a.out);
+    const Tensor<T> doutl = seq_to_head<T>(e_, group_, a.dout);
+    const std::vector<float> lsel = lse_to_head(e_, group_, a.lse, e_.heads);
+    const int64_t N = group_.total(), hl = e_.heads / U;
+    float* delta = e_.mem.buffer<float>(kSlotDelta, static_cast<size_t>(hl * N));
+    compute_delta(outl.view3(), doutl.view3(), delta, N);
+    Tensor<float> dql({N, hl, e_.dim}), dkl(kl.shape()), dvl(vl.shape());
+    ring_backward<T>(e_, e_.outer, blocks_[mine_], blocks_, ql.view3(), kl.view3(), vl.view3(),
+                     doutl.view3(), lsel.data(), delta, dql.view3(), dkl.view3(), dvl.view3(), 0);
+    head_to_seq<float>(e_, group_, dql, a.dq);
+    if (e_.shape.replicate_kv) {
+      head_to_seq_replicated(e_, group_, dkl, a.dk);
+      head_to_seq_replicated(e_, group_, dvl, a.dv);
+    } else {
+      head_to_seq<float>(e_, group_, dkl, a.dk);
+      head_to_seq<float>(e_, group_, dvl, a.dv);
+    }
+  }
+
+ private:
+  // KV heads are scattered like query heads, or replicated when U % Hkv == 0.
+  template <class T>
+  Tensor<T> kv_to_head(View3<const T> x) {
+    return e_.shape.replicate_kv ? seq_to_head_replicated<T>(e_, group_, x)
+                                 : seq_to_head<T>(e_, group_, x);
+  }
+
+  Engine& e_;
+  UlyssesGroup group_;
+  std::vector<Block> blocks_;  // every group's block (its ranks' shards, in group order)
+  int mine_ = 0;               // this rank's group
+};
+
+}  // namespace
+
+std::unique_ptr<CpStrategy> make_hybrid(Engine& e) {
+  return std::make_unique<Hybrid>(e);
+}
+
+extern const StrategyEntry kHybridEntry{
+    Strategy::hybrid,
+    "hybrid",
+    "ulysses inside groups of U consecutive ranks (a node), ring across the groups",
+    "--ulysses",
+    true,
+    [](int P, const CpConfig& cfg) {
+      LOOM_CHECK(cfg.ulysses >= 1 && P % cfg.ulysses == 0, InvalidArgument,
+                 "hybrid: --ulysses " << cfg.ulysses << " must divide the number of ranks " << P);
+      return cfg.ulysses;
+    },
+    make_hybrid,
+};
+
+}  // namespace loom::cp_detail

@@ -1,0 +1,52 @@
+// ring: K,V blocks travel around all P cp ranks; one attend per step into the softmax state
+// (the ring pass, ../ring_pass.cc). For long sequences on ranks linked alike; zigzag keeps every
+// step balanced under a causal mask.
+#include "strategy.h"
+
+namespace loom::cp_detail {
+
+namespace {
+
+class Ring : public CpStrategyOf<Ring> {
+ public:
+  explicit Ring(Engine& e) : e_(e) {
+    for (int r = 0; r < e.P; ++r) blocks_.push_back(make_block(e.plan, r, 1));
+  }
+
+  template <class T>
+  void fwd(const ForwardArgs<T>& a) {
+    const int64_t n = blocks_[e_.me].rows;
+    const StateView st = e_.fresh_state(n, e_.heads);
+    e_.rec.steps(e_.P);
+    ring_forward<T>(e_, e_.outer, blocks_[e_.me], blocks_, a.q, a.k, a.v, st, 0);
+    finish(st, a.out, a.lse, n);
+  }
+
+  template <class T>
+  void bwd(const BackwardArgs<T>& a) {
+    const int64_t n = blocks_[e_.me].rows;
+    float* delta = e_.mem.buffer<float>(kSlotDelta, static_cast<size_t>(e_.heads * n));
+    compute_delta(a.out, a.dout, delta, n);
+    e_.mem.zero(a.dq);
+    ring_backward<T>(e_, e_.outer, blocks_[e_.me], blocks_, a.q, a.k, a.v, a.dout, a.lse, delta,
+                     a.dq, a.dk, a.dv, 0);
+  }
+
+ private:
+  Engine& e_;
+  std::vector<Block> blocks_;  // every cp rank's shard
+};
+
+}  // namespace
+
+extern const StrategyEntry kRingEntry{
+    Strategy::ring,
+    "ring",
+    "K,V blocks travel around all ranks while each computes (long sequences, any head count)",
+    "",
+    false,
+    [](int, const CpConfig&) { return 1; },
+    [](Engine& e) -> std::unique_ptr<CpStrategy> { return std::make_unique<Ring>(e); },
+};
+
+}  // namespace loom::cp_detail

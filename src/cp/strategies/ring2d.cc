@@ -1,0 +1,183 @@
+// ring2d: the double ring of LoongTrain's 2-D attention. The P cp ranks form O = P / I inner
+// rings of I consecutive ranks (the ranks of a node), and rank i of every inner ring belongs to
+// the outer ring i, which crosses the nodes.
+//
+// Forward. Rank (o, i) = cp rank o I + i. At outer step t it holds the "outer block", the KV of
+// rank (g, i) with g = o - t (mod O), and runs one inner ring pass with it: the inner ring
+// passes the O-th part of the sequence that group g holds around the node, so after the pass
+// every rank of group o has attended to all of group g's KV. Before the pass it posts the outer
+// transfer of the next outer block (send this one to (o + 1, i), receive (g - 1, i) from
+// (o - 1, i)), so the inter-node transfer travels during the whole inner ring: one inter-node
+// message per outer step, I inner steps to hide it behind.
+//
+// Backward. K,V travel the same way. The inner ring pass (the ring pass's backward) returns to
+// (o, i) the dK,dV of the outer block summed over group o; (o, i) adds the accumulator of that
+// block that arrived over the outer ring (the sum over groups o - t .. o - 1), and sends the sum
+// on to (o + 1, i) while the next outer step computes. After O outer steps every accumulator is
+// home, in fp32. dQ accumulates locally over all P blocks.
+#include "strategy.h"
+
+namespace loom::cp_detail {
+
+namespace {
+
+constexpr int kTagOuterKvForward = 111;
+constexpr int kTagOuterKvBackward = 112;
+constexpr int kTagOuterDkv = 113;
+
+class Ring2d : public CpStrategyOf<Ring2d> {
+ public:
+  explicit Ring2d(Engine& e) : e_(e), I_(e.shape.inner), O_(e.shape.outer) {
+    o_ = e.me / I_;
+    i_ = e.me % I_;
+    for (int r = 0; r < e.P; ++r) ranks_.push_back(make_block(e.plan, r, 1));
+    groups_.resize(O_);
+    for (int g = 0; g < O_; ++g)
+      for (int j = 0; j < I_; ++j) groups_[g].push_back(ranks_[g * I_ + j]);
+    row_ = e.kv_heads * e.dim;
+    cap_ = static_cast<size_t>(2 * e.plan.max_rows() * row_);
+  }
+
+  template <class T>
+  void fwd(const ForwardArgs<T>& a) {
+    const Block& qb = ranks_[e_.me];
+    const StateView st = e_.fresh_state(qb.rows, e_.heads);
+    e_.rec.steps(e_.P);
+    T* outer_kv[2] = {e_.mem.buffer<T>(kSlotOwn, cap_), e_.mem.buffer<T>(kSlotOwn + 1, cap_)};
+    pack_kv<T>(a.k, a.v, outer_kv[0]);
+    const int next = (o_ + 1) % O_, prev = (o_ - 1 + O_) % O_;
+    for (int t = 0; t < O_; ++t) {
+      const int g = (o_ - t + O_) % O_;
+      const int64_t n = rows_of(g);
+      T* cur = outer_kv[t & 1];
+      std::vector<WorkPtr> works;
+      Memory::Event posted = 0;
+      if (t < O_ - 1) {
+        const int64_t n_next = rows_of((g - 1 + O_) % O_);
+        works = e_.rec.post(posted, [&] {
+          return e_.outer->batch_p2p(
+              {P2POp{P2POp::send, cur, sizeof(T) * 2 * n * row_, next, kTagOuterKvForward},
+               P2POp{P2POp::recv, outer_kv[(t + 1) & 1], sizeof(T) * 2 * n_next * row_, prev,
+                     kTagOuterKvForward}});
+        });
+      }
+      ring_forward<T>(e_, e_.inner, qb, groups_[g], a.q, e_.rows_view<const T>(cur, n, e_.kv_heads),
+                      e_.rows_view<const T>(cur + n * row_, n, e_.kv_heads), st, t * I_);
+      if (!works.empty()) {
+        e_.rec.wait(*works[0], SpanKind::send, (t + 1) * I_ - 1, posted);
+        e_.rec.wait(*works[1], SpanKind::recv, (t + 1) * I_ - 1, posted);
+      }
+    }
+    finish(st, a.out, a.lse, qb.rows);
+  }
+
+  template <class T>
+  void bwd(const BackwardArgs<T>& a) {
+    const Block& qb = ranks_[e_.me];
+    float* delta = e_.mem.buffer<float>(kSlotDelta, static_cast<size_t>(e_.heads * qb.rows));
+    compute_delta(a.out, a.dout, delta, qb.rows);
+    e_.mem.zero(a.dq);
+    T* outer_kv[2] = {e_.mem.buffer<T>(kSlotOwn, cap_), e_.mem.buffer<T>(kSlotOwn + 1, cap_)};
+    float* group_sum = e_.mem.buffer<float>(kSlotOwn + 2, cap_);
+    float* acc_send[2] = {e_.mem.buffer<float>(kSlotOwn + 3, cap_),
+                          e_.mem.buffer<float>(kSlotOwn + 4, cap_)};
+    float* acc_recv[2] = {e_.mem.buffer<float>(kSlotOwn + 5, cap_),
+                          e_.mem.buffer<float>(kSlotOwn + 6, cap_)};
+    pack_kv<T>(a.k, a.v, outer_kv[0]);
+    const int next = (o_ + 1) % O_, prev = (o_ - 1 + O_) % O_;
+    WorkPtr send_work[2], recv_work;
+    Memory::Event t_send[2] = {0, 0}, t_recv = 0;
+    for (int t = 0; t < O_; ++t) {
+      const int g = (o_ - t + O_) % O_;
+      const int64_t n = rows_of(g), n_next = rows_of((g - 1 + O_) % O_);
+      const int step = (t + 1) * I_ - 1;  // the outer step ends with the inner ring's last step
+      T* cur = outer_kv[t & 1];
+      std::vector<WorkPtr> works;
+      Memory::Event posted = 0;
+      if (t < O_ - 1) {
+        works = e_.rec.post(posted, [&] {
+          return e_.outer->batch_p2p(
+              {P2POp{P2POp::send, cur, sizeof(T) * 2 * n * row_, next, kTagOuterKvBackward},
+               P2POp{P2POp::recv, outer_kv[(t + 1) & 1], sizeof(T) * 2 * n_next * row_, prev,
+                     kTagOuterKvBackward}});
+        });
+      }
+      // Group o's gradient of the outer block (g, i), home after the inner ring's full turn.
+      ring_backward<T>(e_, e_.inner, qb, groups_[g], a.q,
+                       e_.rows_view<const T>(cur, n, e_.kv_heads),
+                       e_.rows_view<const T>(cur + n * row_, n, e_.kv_heads), a.dout, a.lse, delta,
+                       a.dq, e_.rows_view<float>(group_sum, n, e_.kv_heads),
+                       e_.rows_view<float>(group_sum + n * row_, n, e_.kv_heads), t * I_);
+      if (O_ == 1) {
+        e_.mem.unpack<float>(group_sum, a.dk);
+        e_.mem.unpack<float>(group_sum + n * row_, a.dv);
+        return;
+      }
+      // Add what groups o - t .. o - 1 sent for this block (nothing at t = 0), send the sum on.
+      const int par = t & 1;
+      if (send_work[par]) e_.rec.wait(*send_work[par], SpanKind::send, step, t_send[par]);
+      float* acc = acc_send[par];  // free again
+      if (t == 0) {
+        e_.mem.copy(acc, group_sum, static_cast<size_t>(2 * n * row_));
+      } else {
+        e_.rec.wait(*recv_work, SpanKind::recv, step, t_recv);
+        const float* in = acc_recv[par ^ 1];
+        e_.rec.local([&] { e_.mem.add(acc, in, group_sum, static_cast<size_t>(2 * n * row_)); });
+      }
+      e_.rec.post(t_send[par], [&] {
+        send_work[par] = e_.outer->isend(acc, sizeof(float) * 2 * n * row_, next, kTagOuterDkv);
+        recv_work =
+            e_.outer->irecv(acc_recv[par], sizeof(float) * 2 * n_next * row_, prev, kTagOuterDkv);
+        return 0;
+      });
+      t_recv = t_send[par];
+      if (!works.empty()) {
+        e_.rec.wait(*works[0], SpanKind::send, step, posted);
+        e_.rec.wait(*works[1], SpanKind::recv, step, posted);
+      }
+    }
+    // The accumulator of my own block, home after a full outer turn.
+    e_.rec.wait(*recv_work, SpanKind::recv, e_.P, t_recv);
+    const float* home = acc_recv[(O_ - 1) & 1];
+    e_.mem.unpack<float>(home, a.dk);
+    e_.mem.unpack<float>(home + qb.rows * row_, a.dv);
+    for (int par = 0; par < 2; ++par)
+      if (send_work[par]) e_.rec.wait(*send_work[par], SpanKind::send, e_.P, t_send[par]);
+  }
+
+ private:
+  // Rows of rank (g, i): the outer block of outer step t at group g = o - t.
+  int64_t rows_of(int g) const { return ranks_[g * I_ + i_].rows; }
+  template <class T>
+  void pack_kv(View3<const T> k, View3<const T> v, T* dst) {
+    e_.mem.pack<T>(k, dst);
+    e_.mem.pack<T>(v, dst + k.s * row_);
+  }
+
+  Engine& e_;
+  const int I_, O_;  // inner ring size, outer ring size
+  int o_ = 0, i_ = 0;
+  std::vector<Block> ranks_;                // every cp rank's shard
+  std::vector<std::vector<Block>> groups_;  // [g] -> the shards of inner group g
+  int64_t row_ = 0;
+  size_t cap_ = 0;
+};
+
+}  // namespace
+
+extern const StrategyEntry kRing2dEntry{
+    Strategy::ring2d,
+    "ring2d",
+    "double ring: inner rings of --inner consecutive ranks (a node), an outer ring across them; "
+    "one inter-node transfer per outer step",
+    "--inner",
+    false,
+    [](int P, const CpConfig& cfg) {
+      LOOM_CHECK(cfg.inner >= 1 && P % cfg.inner == 0, InvalidArgument,
+                 "ring2d: --inner " << cfg.inner << " must divide the number of ranks " << P);
+      return cfg.inner;
+    },
+    [](Engine& e) -> std::unique_ptr<CpStrategy> { return std::make_unique<Ring2d>(e); },
+};
+
+}  // namespace loom::cp_detail

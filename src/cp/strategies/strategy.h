@@ -1,0 +1,83 @@
+// Internal to src/cp: the strategy interface and the registry.
+//
+// A strategy is one file in this folder: a class implementing forward and backward over the
+// engine (engine.h), and one StrategyEntry that declares its name, what it is for, the degree
+// option it takes, its constraints (with their messages) and its defaults. registry.cc lists the
+// entries; nothing else in the tree names strategies one by one.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "../engine.h"
+
+namespace loom::cp_detail {
+
+template <class T>
+struct ForwardArgs {
+  View3<const T> q, k, v;  // this rank's rows: q [n, H, D], k, v [n, Hkv, D]
+  View3<T> out;            // [n, H, D], overwritten
+  float* lse;              // [H, n], overwritten
+};
+
+template <class T>
+struct BackwardArgs {
+  View3<const T> q, k, v, out, dout;
+  const float* lse;         // [H, n] from forward
+  View3<float> dq, dk, dv;  // overwritten
+};
+
+class CpStrategy {
+ public:
+  virtual ~CpStrategy() = default;
+  virtual void forward(const ForwardArgs<float>& a) = 0;
+  virtual void forward(const ForwardArgs<bf16>& a) = 0;
+  virtual void backward(const BackwardArgs<float>& a) = 0;
+  virtual void backward(const BackwardArgs<bf16>& a) = 0;
+};
+
+// Implements the four virtuals with the derived class's templates fwd<T>() and bwd<T>().
+template <class Derived>
+class CpStrategyOf : public CpStrategy {
+ public:
+  void forward(const ForwardArgs<float>& a) override { self().template fwd<float>(a); }
+  void forward(const ForwardArgs<bf16>& a) override { self().template fwd<bf16>(a); }
+  void backward(const BackwardArgs<float>& a) override { self().template bwd<float>(a); }
+  void backward(const BackwardArgs<bf16>& a) override { self().template bwd<bf16>(a); }
+
+ private:
+  Derived& self() { return static_cast<Derived&>(*this); }
+};
+
+struct StrategyEntry {
+  Strategy id;
+  const char* name;
+  const char* summary;  // one line: what it is for (help texts, docs)
+  const char* option;   // the degree option it reads from CpConfig ("--ulysses", "--inner"), or ""
+  bool splits_heads;    // its inner axis splits heads (ulysses all-to-all)
+  // The inner degree for P ranks (CpShape::inner); throws InvalidArgument naming the values
+  // when cfg does not fit P.
+  int (*inner_degree)(int P, const CpConfig& cfg);
+  std::unique_ptr<CpStrategy> (*make)(Engine& e);
+};
+
+// Memory slots: the ring pass uses 0-6 (engine.h); every strategy may use kSlotDelta for its
+// delta [H, rows] and the slots from kSlotOwn on for its own buffers.
+constexpr size_t kSlotDelta = 7;
+constexpr size_t kSlotOwn = 8;
+
+// hybrid's implementation, which ulysses (one group) shares.
+std::unique_ptr<CpStrategy> make_hybrid(Engine& e);
+
+// Every registered strategy (registry.cc), and the one for an id.
+const std::vector<StrategyEntry>& registry();
+const StrategyEntry& entry(Strategy s);
+
+// The registration of each strategy, one per file.
+extern const StrategyEntry kRingEntry;
+extern const StrategyEntry kUlyssesEntry;
+extern const StrategyEntry kHybridEntry;
+extern const StrategyEntry kAllgatherEntry;
+extern const StrategyEntry kRing2dEntry;
+
+}  // namespace loom::cp_detail

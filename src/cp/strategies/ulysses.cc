@@ -1,0 +1,19 @@
+// ulysses: one all-to-all from "my tokens, all heads" to "all tokens, H / P heads", one local
+// attend, and the inverse all-to-all (DeepSpeed-Ulysses). Traffic per rank does not grow with P,
+// but P must divide the head count (or KV heads are replicated when P % Hkv == 0). It is hybrid
+// (hybrid.cc) with a single group of all P ranks.
+#include "strategy.h"
+
+namespace loom::cp_detail {
+
+extern const StrategyEntry kUlyssesEntry{
+    Strategy::ulysses,
+    "ulysses",
+    "all-to-all to whole sequences of H/P heads, one attend, all-to-all back (heads % P == 0)",
+    "",
+    true,
+    [](int P, const CpConfig&) { return P; },
+    make_hybrid,
+};
+
+}  // namespace loom::cp_detail
