@@ -17,5 +17,6 @@ if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
   set_tests_properties(loom_train_mpi_np4 PROPERTIES LABELS "mpi;tool" TIMEOUT 120 PROCESSORS 4
                        ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
 endif()
-# Soak (issue 11 item 3): RSS after N iterations / steps within 2 MB of RSS after N / 10.
+# The recorder's span bounds, and the soak (issue 11 item 3): RSS after N iterations / steps
+# within 2 MB of RSS after N / 10.
 loom_test(test_soak_rss SOURCES dist/test_soak_rss.cc LIBS loom_model TIMEOUT 120)

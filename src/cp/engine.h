@@ -38,6 +38,7 @@ struct Engine {
   Communicator* inner;  // the inner axis (shape.inner consecutive cp ranks); nullptr if size 1
   Communicator* outer;  // the outer axis (shape.outer ranks); nullptr if size 1
   int P, me;
+  std::vector<Block> shards;  // [r] -> cp rank r's shard as a block
   Memory mem;
   Recorder rec;
 
@@ -54,6 +55,30 @@ struct Engine {
 
  private:
   std::unique_ptr<SoftmaxState> state_;
+};
+
+// The fp32 dK,dV accumulator that follows a KV block around a ring (ring and ring2d backward).
+// At step s a member adds its contribution to the sum that arrived from the previous member
+// (none at step 0: the sum starts here) and sends it on to the next; after R steps the sum of
+// the member's own block has made a full turn and is home. Double-buffered in Memory slots
+// slot0 .. slot0 + 3, each of cap floats.
+class TravellingSum {
+ public:
+  TravellingSum(Engine& e, Communicator* ring, size_t slot0, size_t cap, int tag);
+  // Step s (recorded as `step`): `part` (count floats) joins the sum travelling with this step's
+  // block, which goes on; count_next floats, the next step's block's sum, are received.
+  void add_and_pass(int s, const float* part, size_t count, size_t count_next, int step);
+  // After the last step: waits for this member's own sum (and the sends); returns it.
+  const float* home(int step);
+
+ private:
+  Engine& e_;
+  Communicator* ring_;
+  int tag_, next_, prev_, last_ = -1;
+  float* send_[2];
+  float* recv_[2];
+  WorkPtr send_work_[2], recv_work_;
+  Memory::Event t_send_[2] = {0, 0}, t_recv_ = 0;
 };
 
 // The functions below are templates over the storage type T of q, k, v, out, dout: float or

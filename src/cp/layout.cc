@@ -5,6 +5,7 @@
 // everywhere: a run of L tokens cut into c chunks gives the first L mod c chunks one more token.
 #include <algorithm>
 #include <cctype>
+#include <iterator>
 #include <sstream>
 
 #include "loom/cp.h"
@@ -19,15 +20,9 @@ Layout parse_layout(const std::string& name) {
 }
 
 std::string to_string(Layout l) {
-  switch (l) {
-    case Layout::contiguous:
-      return "contiguous";
-    case Layout::zigzag:
-      return "zigzag";
-    case Layout::stripe:
-      return "stripe";
-  }
-  return "?";
+  static const char* const names[] = {"contiguous", "zigzag", "stripe"};
+  const size_t i = static_cast<size_t>(l);
+  return i < std::size(names) ? names[i] : "?";
 }
 
 std::vector<int64_t> parse_doc_lengths(const std::string& text) {

@@ -6,23 +6,10 @@
 namespace loom {
 
 const char* to_string(SpanKind k) {
-  switch (k) {
-    case SpanKind::compute:
-      return "compute";
-    case SpanKind::send:
-      return "send";
-    case SpanKind::recv:
-      return "recv";
-    case SpanKind::wait:
-      return "wait";
-    case SpanKind::a2a:
-      return "a2a";
-    case SpanKind::allgather:
-      return "allgather";
-    case SpanKind::reduce_scatter:
-      return "reduce_scatter";
-  }
-  return "?";
+  static const char* const names[kSpanKinds] = {"compute", "send",      "recv",          "wait",
+                                                "a2a",     "allgather", "reduce_scatter"};
+  const int i = static_cast<int>(k);
+  return i >= 0 && i < kSpanKinds ? names[i] : "?";
 }
 
 void CpMetrics::clear_counters() {

@@ -37,27 +37,12 @@ class Recorder {
   // pairs, step_tiles[step], a compute span.
   template <class F>
   KernelStats forward_step(int step, F&& kernel) {
-    const Memory::Event t0 = mem_.record();
-    const KernelStats s = kernel();
-    const Memory::Event t1 = mem_.record();
-    m_.compute_s += Memory::elapsed(t0, t1);
-    m_.tiles += s.tiles;
-    m_.visible_pairs += s.visible_pairs;
-    if (step >= 0 && static_cast<size_t>(step) < m_.step_tiles.size())
-      m_.step_tiles[step] += s.tiles;
-    span(SpanKind::compute, step, t0, t1);
-    return s;
+    return kernel_call(step, true, kernel);
   }
   // A backward kernel call at `step`: compute time, tiles, a compute span.
   template <class F>
   KernelStats backward_step(int step, F&& kernel) {
-    const Memory::Event t0 = mem_.record();
-    const KernelStats s = kernel();
-    const Memory::Event t1 = mem_.record();
-    m_.compute_s += Memory::elapsed(t0, t1);
-    m_.tiles += s.tiles;
-    span(SpanKind::compute, step, t0, t1);
-    return s;
+    return kernel_call(step, false, kernel);
   }
   // Arithmetic on this rank that is no kernel call (adding accumulators): compute time only.
   template <class F>
@@ -90,6 +75,21 @@ class Recorder {
   }
 
  private:
+  template <class F>
+  KernelStats kernel_call(int step, bool forward, F& kernel) {
+    const Memory::Event t0 = mem_.record();
+    const KernelStats s = kernel();
+    const Memory::Event t1 = mem_.record();
+    m_.compute_s += Memory::elapsed(t0, t1);
+    m_.tiles += s.tiles;
+    if (forward) {
+      m_.visible_pairs += s.visible_pairs;
+      if (step >= 0 && static_cast<size_t>(step) < m_.step_tiles.size())
+        m_.step_tiles[step] += s.tiles;
+    }
+    span(SpanKind::compute, step, t0, t1);
+    return s;
+  }
   void span(SpanKind kind, int step, Memory::Event t0, Memory::Event t1);
   int64_t bytes(bool sent) const;
 

@@ -33,6 +33,7 @@ Engine::Engine(const ShardPlan& p, const CpConfig& c, const CpShape& s, int64_t 
       P(cp_group.size()),
       me(cp_group.rank()),
       rec(metrics, mem) {
+  for (int r = 0; r < P; ++r) shards.push_back(make_block(plan, r, 1));
   rec.watch(&cp);
   rec.watch(inner);
   rec.watch(outer);
@@ -138,6 +139,45 @@ int64_t max_block_rows(const std::vector<Block>& blocks) {
 
 }  // namespace
 
+TravellingSum::TravellingSum(Engine& e, Communicator* ring, size_t slot0, size_t cap, int tag)
+    : e_(e), ring_(ring), tag_(tag) {
+  const int R = ring->size(), me = ring->rank();
+  next_ = (me + 1) % R;
+  prev_ = (me - 1 + R) % R;
+  for (size_t i = 0; i < 2; ++i) {
+    send_[i] = e.mem.buffer<float>(slot0 + i, cap);
+    recv_[i] = e.mem.buffer<float>(slot0 + 2 + i, cap);
+  }
+}
+
+void TravellingSum::add_and_pass(int s, const float* part, size_t count, size_t count_next,
+                                 int step) {
+  const int par = s & 1;
+  if (send_work_[par]) e_.rec.wait(*send_work_[par], SpanKind::send, step, t_send_[par]);
+  float* acc = send_[par];  // free again
+  if (s == 0) {
+    e_.mem.copy(acc, part, count);
+  } else {
+    e_.rec.wait(*recv_work_, SpanKind::recv, step, t_recv_);
+    const float* in = recv_[par ^ 1];
+    e_.rec.local([&] { e_.mem.add(acc, in, part, count); });
+  }
+  e_.rec.post(t_send_[par], [&] {
+    send_work_[par] = ring_->isend(acc, sizeof(float) * count, next_, tag_);
+    recv_work_ = ring_->irecv(recv_[par], sizeof(float) * count_next, prev_, tag_);
+    return 0;
+  });
+  t_recv_ = t_send_[par];
+  last_ = par;
+}
+
+const float* TravellingSum::home(int step) {
+  e_.rec.wait(*recv_work_, SpanKind::recv, step, t_recv_);
+  for (int par = 0; par < 2; ++par)
+    if (send_work_[par]) e_.rec.wait(*send_work_[par], SpanKind::send, step, t_send_[par]);
+  return recv_[last_];
+}
+
 template <class T>
 void ring_forward(Engine& e, Communicator* ring, const Block& qb, const std::vector<Block>& blocks,
                   View3<const T> q, View3<const T> k, View3<const T> v, StateView st, int step0) {
@@ -204,10 +244,7 @@ void ring_backward(Engine& e, Communicator* ring, const Block& qb, const std::ve
   const T* cur = packed_kv<T>(e, k, v, cap);
   T* kv[2] = {e.mem.buffer<T>(0, cap), e.mem.buffer<T>(1, cap)};
   float* part = e.mem.buffer<float>(2, cap);
-  float* acc_send[2] = {e.mem.buffer<float>(3, cap), e.mem.buffer<float>(4, cap)};
-  float* acc_recv[2] = {e.mem.buffer<float>(5, cap), e.mem.buffer<float>(6, cap)};
-  WorkPtr send_work[2], recv_work;
-  Memory::Event t_send[2] = {0, 0}, t_recv = 0;
+  TravellingSum sum(e, ring, 3, cap, kTagDkv);
   const int next = (me + 1) % R, prev = (me - 1 + R) % R;
   for (int s = 0; s < R; ++s) {
     const int step = step0 + s;
@@ -233,23 +270,8 @@ void ring_backward(Engine& e, Communicator* ring, const Block& qb, const std::ve
                                        e.rows_view<float>(part, n, hkv),
                                        e.rows_view<float>(part + n * row, n, hkv));
     });
-    // Add the accumulator that travelled with this block (none at step 0: it starts here).
-    const int par = s & 1;
-    if (send_work[par]) e.rec.wait(*send_work[par], SpanKind::send, step, t_send[par]);
-    float* acc = acc_send[par];  // free again
-    if (s == 0) {
-      e.mem.copy(acc, part, static_cast<size_t>(2 * n * row));
-    } else {
-      e.rec.wait(*recv_work, SpanKind::recv, step, t_recv);
-      const float* in = acc_recv[par ^ 1];
-      e.rec.local([&] { e.mem.add(acc, in, part, static_cast<size_t>(2 * n * row)); });
-    }
-    e.rec.post(t_send[par], [&] {
-      send_work[par] = ring->isend(acc, sizeof(float) * 2 * n * row, next, kTagDkv);
-      recv_work = ring->irecv(acc_recv[par], sizeof(float) * 2 * n_next * row, prev, kTagDkv);
-      return 0;
-    });
-    t_recv = t_send[par];
+    sum.add_and_pass(s, part, static_cast<size_t>(2 * n * row),
+                     static_cast<size_t>(2 * n_next * row), step);
     if (!works.empty()) {
       e.rec.wait(*works[0], SpanKind::send, step, posted);
       e.rec.wait(*works[1], SpanKind::recv, step, posted);
@@ -257,12 +279,9 @@ void ring_backward(Engine& e, Communicator* ring, const Block& qb, const std::ve
     cur = incoming;
   }
   // The accumulator of my own block, home after a full turn.
-  e.rec.wait(*recv_work, SpanKind::recv, step0 + R, t_recv);
-  const float* home = acc_recv[(R - 1) & 1];
+  const float* home = sum.home(step0 + R);
   e.mem.unpack<float>(home, dk);
   e.mem.unpack<float>(home + own.rows * row, dv);
-  for (int par = 0; par < 2; ++par)
-    if (send_work[par]) e.rec.wait(*send_work[par], SpanKind::send, step0 + R, t_send[par]);
 }
 
 // Explicit instantiations: fp32 and bf16 storage.

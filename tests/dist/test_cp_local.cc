@@ -283,47 +283,5 @@ TEST(CpRegistry, NamesRoundTrip) {
   EXPECT_TRUE(h.replicate_kv);
 }
 
-// The recorder: spans are off by default; when on they are bounded by span_limit (the rest
-// counted); the communication window is kept either way and is the same; nothing grows with
-// the number of calls.
-TEST(CpRecorder, SpansOffByDefaultAndBounded) {
-  const ShardPlan plan = ShardPlan::make(Layout::zigzag, 64, 4);
-  run_local(4, [&](Communicator& w) {
-    CpConfig cfg;
-    cfg.strategy = Strategy::ring2d;
-    cfg.inner = 2;
-    cfg.kernel.scale = 0.25f;
-    cfg.kernel.threads = 1;
-    CpAttention att(w, plan, cfg, 2, 2, 16);
-    const int64_t n = plan.rows(w.rank());
-    Tensor<float> q({n, 2, 16}), k({n, 2, 16}), v({n, 2, 16}), out({n, 2, 16}), lse({2, n});
-    fill_normal(q.view3(), plan.tokens[w.rank()].data(), 3, "q");
-    fill_normal(k.view3(), plan.tokens[w.rank()].data(), 3, "k");
-    fill_normal(v.view3(), plan.tokens[w.rank()].data(), 3, "v");
-    CpMetrics& m = att.metrics();
-    for (int i = 0; i < 50; ++i)
-      att.forward(q.view3(), k.view3(), v.view3(), out.view3(), lse.data());
-    EXPECT_FALSE(m.record_spans);
-    EXPECT_TRUE(m.spans.empty());
-    EXPECT_EQ(m.spans_dropped, 0);
-    EXPECT_GT(m.comm_window_s(), 0.0);
-    EXPECT_EQ(m.step_tiles.size(), 4u);  // one per (outer, inner) step of the last forward
-    m.clear_counters();
-    m.record_spans = true;
-    m.span_limit = 10;
-    for (int i = 0; i < 5; ++i)
-      att.forward(q.view3(), k.view3(), v.view3(), out.view3(), lse.data());
-    EXPECT_EQ(m.spans.size(), 10u);
-    EXPECT_GT(m.spans_dropped, 0);
-    bool compute = false, comm = false;
-    for (const CpMetrics::Span& s : m.spans) {
-      compute = compute || s.kind == SpanKind::compute;
-      comm = comm || is_comm(s.kind);
-      EXPECT_LE(s.t0, s.t1);
-    }
-    EXPECT_TRUE(compute && comm);
-  });
-}
-
 }  // namespace
 }  // namespace loom::testing

@@ -28,6 +28,19 @@ void run_everywhere(const CpCase& c) {
                        << " failed on some rank; this rank: " << (error.empty() ? "passed" : error);
 }
 
+// c under every mask: causal, full, a causal window, packed documents.
+void run_every_mask(CpCase c) {
+  run_everywhere(c);
+  c.causal = false;
+  run_everywhere(c);
+  c.causal = true;
+  c.window = 9;
+  run_everywhere(c);
+  c.window = 0;
+  c.docs = {20, 1, 30};
+  run_everywhere(c);
+}
+
 TEST(CpMpi, RingEveryLayoutAndMask) {
   for (Layout l : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
     CpCase c;
@@ -35,15 +48,7 @@ TEST(CpMpi, RingEveryLayoutAndMask) {
     c.layout = l;
     c.H = 4;
     c.HKV = 2;
-    run_everywhere(c);
-    c.causal = false;
-    run_everywhere(c);
-    c.causal = true;
-    c.window = 9;
-    run_everywhere(c);
-    c.window = 0;
-    c.docs = {20, 1, 30};
-    run_everywhere(c);
+    run_every_mask(c);
   }
 }
 
@@ -60,15 +65,7 @@ TEST(CpMpi, Ring2dEveryLayoutMaskAndGqa) {
         c.layout = l;
         c.H = 4;
         c.HKV = hkv;
-        run_everywhere(c);
-        c.causal = false;
-        run_everywhere(c);
-        c.causal = true;
-        c.window = 9;
-        run_everywhere(c);
-        c.window = 0;
-        c.docs = {20, 1, 30};
-        run_everywhere(c);
+        run_every_mask(c);
       }
     }
   }

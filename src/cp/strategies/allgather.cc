@@ -10,10 +10,10 @@ namespace {
 
 class Allgather : public CpStrategyOf<Allgather> {
  public:
-  explicit Allgather(Engine& e) : e_(e) {
-    for (int r = 0; r < e.P; ++r) blocks_.push_back(make_block(e.plan, r, 1));
-    per_ = static_cast<size_t>(2 * e.plan.max_rows() * e.kv_heads * e.dim);
-  }
+  explicit Allgather(Engine& e)
+      : e_(e),
+        blocks_(e.shards),
+        per_(static_cast<size_t>(2 * e.plan.max_rows() * e.kv_heads * e.dim)) {}
 
   template <class T>
   void fwd(const ForwardArgs<T>& a) {
@@ -76,20 +76,16 @@ class Allgather : public CpStrategyOf<Allgather> {
   }
 
   Engine& e_;
-  std::vector<Block> blocks_;  // every cp rank's shard
-  size_t per_ = 0;             // elements of one rank's padded K,V
+  const std::vector<Block>& blocks_;  // every cp rank's shard
+  size_t per_ = 0;                    // elements of one rank's padded K,V
 };
 
 }  // namespace
 
+constexpr const char* kAllgatherSummary =
+    "all-gather K,V, attend, reduce-scatter dK,dV (short sequences, few KV heads)";
 extern const StrategyEntry kAllgatherEntry{
-    Strategy::allgather,
-    "allgather",
-    "all-gather K,V, attend, reduce-scatter dK,dV (short sequences, few KV heads)",
-    "",
-    false,
-    [](int, const CpConfig&) { return 1; },
-    [](Engine& e) -> std::unique_ptr<CpStrategy> { return std::make_unique<Allgather>(e); },
-};
+    Strategy::allgather,     "allgather", kAllgatherSummary, "", false, no_inner_axis,
+    make_strategy<Allgather>};
 
 }  // namespace loom::cp_detail

@@ -80,18 +80,15 @@ std::unique_ptr<CpStrategy> make_hybrid(Engine& e) {
   return std::make_unique<Hybrid>(e);
 }
 
+int hybrid_inner(int P, const CpConfig& cfg) {
+  LOOM_CHECK(cfg.ulysses >= 1 && P % cfg.ulysses == 0, InvalidArgument,
+             "hybrid: --ulysses " << cfg.ulysses << " must divide the number of ranks " << P);
+  return cfg.ulysses;
+}
+
+constexpr const char* kHybridSummary =
+    "ulysses inside groups of U consecutive ranks (a node), ring across the groups";
 extern const StrategyEntry kHybridEntry{
-    Strategy::hybrid,
-    "hybrid",
-    "ulysses inside groups of U consecutive ranks (a node), ring across the groups",
-    "--ulysses",
-    true,
-    [](int P, const CpConfig& cfg) {
-      LOOM_CHECK(cfg.ulysses >= 1 && P % cfg.ulysses == 0, InvalidArgument,
-                 "hybrid: --ulysses " << cfg.ulysses << " must divide the number of ranks " << P);
-      return cfg.ulysses;
-    },
-    make_hybrid,
-};
+    Strategy::hybrid, "hybrid", kHybridSummary, "--ulysses", true, hybrid_inner, make_hybrid};
 
 }  // namespace loom::cp_detail

@@ -9,9 +9,7 @@ namespace {
 
 class Ring : public CpStrategyOf<Ring> {
  public:
-  explicit Ring(Engine& e) : e_(e) {
-    for (int r = 0; r < e.P; ++r) blocks_.push_back(make_block(e.plan, r, 1));
-  }
+  explicit Ring(Engine& e) : e_(e), blocks_(e.shards) {}
 
   template <class T>
   void fwd(const ForwardArgs<T>& a) {
@@ -34,19 +32,14 @@ class Ring : public CpStrategyOf<Ring> {
 
  private:
   Engine& e_;
-  std::vector<Block> blocks_;  // every cp rank's shard
+  const std::vector<Block>& blocks_;  // every cp rank's shard
 };
 
 }  // namespace
 
-extern const StrategyEntry kRingEntry{
-    Strategy::ring,
-    "ring",
-    "K,V blocks travel around all ranks while each computes (long sequences, any head count)",
-    "",
-    false,
-    [](int, const CpConfig&) { return 1; },
-    [](Engine& e) -> std::unique_ptr<CpStrategy> { return std::make_unique<Ring>(e); },
-};
+constexpr const char* kRingSummary =
+    "K,V blocks travel around all ranks while each computes (long sequences, any head count)";
+extern const StrategyEntry kRingEntry{Strategy::ring, "ring",        kRingSummary,       "",
+                                      false,          no_inner_axis, make_strategy<Ring>};
 
 }  // namespace loom::cp_detail

@@ -30,7 +30,6 @@ class Ring2d : public CpStrategyOf<Ring2d> {
   explicit Ring2d(Engine& e) : e_(e), I_(e.shape.inner), O_(e.shape.outer) {
     o_ = e.me / I_;
     i_ = e.me % I_;
-    for (int r = 0; r < e.P; ++r) ranks_.push_back(make_block(e.plan, r, 1));
     groups_.resize(O_);
     for (int g = 0; g < O_; ++g)
       for (int j = 0; j < I_; ++j) groups_[g].push_back(ranks_[g * I_ + j]);
@@ -79,14 +78,11 @@ class Ring2d : public CpStrategyOf<Ring2d> {
     e_.mem.zero(a.dq);
     T* outer_kv[2] = {e_.mem.buffer<T>(kSlotOwn, cap_), e_.mem.buffer<T>(kSlotOwn + 1, cap_)};
     float* group_sum = e_.mem.buffer<float>(kSlotOwn + 2, cap_);
-    float* acc_send[2] = {e_.mem.buffer<float>(kSlotOwn + 3, cap_),
-                          e_.mem.buffer<float>(kSlotOwn + 4, cap_)};
-    float* acc_recv[2] = {e_.mem.buffer<float>(kSlotOwn + 5, cap_),
-                          e_.mem.buffer<float>(kSlotOwn + 6, cap_)};
     pack_kv<T>(a.k, a.v, outer_kv[0]);
     const int next = (o_ + 1) % O_, prev = (o_ - 1 + O_) % O_;
-    WorkPtr send_work[2], recv_work;
-    Memory::Event t_send[2] = {0, 0}, t_recv = 0;
+    std::unique_ptr<TravellingSum> sum;  // over the outer ring
+    if (O_ > 1)
+      sum = std::make_unique<TravellingSum>(e_, e_.outer, kSlotOwn + 3, cap_, kTagOuterDkv);
     for (int t = 0; t < O_; ++t) {
       const int g = (o_ - t + O_) % O_;
       const int64_t n = rows_of(g), n_next = rows_of((g - 1 + O_) % O_);
@@ -114,35 +110,17 @@ class Ring2d : public CpStrategyOf<Ring2d> {
         return;
       }
       // Add what groups o - t .. o - 1 sent for this block (nothing at t = 0), send the sum on.
-      const int par = t & 1;
-      if (send_work[par]) e_.rec.wait(*send_work[par], SpanKind::send, step, t_send[par]);
-      float* acc = acc_send[par];  // free again
-      if (t == 0) {
-        e_.mem.copy(acc, group_sum, static_cast<size_t>(2 * n * row_));
-      } else {
-        e_.rec.wait(*recv_work, SpanKind::recv, step, t_recv);
-        const float* in = acc_recv[par ^ 1];
-        e_.rec.local([&] { e_.mem.add(acc, in, group_sum, static_cast<size_t>(2 * n * row_)); });
-      }
-      e_.rec.post(t_send[par], [&] {
-        send_work[par] = e_.outer->isend(acc, sizeof(float) * 2 * n * row_, next, kTagOuterDkv);
-        recv_work =
-            e_.outer->irecv(acc_recv[par], sizeof(float) * 2 * n_next * row_, prev, kTagOuterDkv);
-        return 0;
-      });
-      t_recv = t_send[par];
+      sum->add_and_pass(t, group_sum, static_cast<size_t>(2 * n * row_),
+                        static_cast<size_t>(2 * n_next * row_), step);
       if (!works.empty()) {
         e_.rec.wait(*works[0], SpanKind::send, step, posted);
         e_.rec.wait(*works[1], SpanKind::recv, step, posted);
       }
     }
     // The accumulator of my own block, home after a full outer turn.
-    e_.rec.wait(*recv_work, SpanKind::recv, e_.P, t_recv);
-    const float* home = acc_recv[(O_ - 1) & 1];
+    const float* home = sum->home(e_.P);
     e_.mem.unpack<float>(home, a.dk);
     e_.mem.unpack<float>(home + qb.rows * row_, a.dv);
-    for (int par = 0; par < 2; ++par)
-      if (send_work[par]) e_.rec.wait(*send_work[par], SpanKind::send, e_.P, t_send[par]);
   }
 
  private:
@@ -157,27 +135,25 @@ class Ring2d : public CpStrategyOf<Ring2d> {
   Engine& e_;
   const int I_, O_;  // inner ring size, outer ring size
   int o_ = 0, i_ = 0;
-  std::vector<Block> ranks_;                // every cp rank's shard
-  std::vector<std::vector<Block>> groups_;  // [g] -> the shards of inner group g
+  const std::vector<Block>& ranks_ = e_.shards;  // every cp rank's shard
+  std::vector<std::vector<Block>> groups_;       // [g] -> the shards of inner group g
   int64_t row_ = 0;
   size_t cap_ = 0;
 };
 
 }  // namespace
 
-extern const StrategyEntry kRing2dEntry{
-    Strategy::ring2d,
-    "ring2d",
+int ring2d_inner(int P, const CpConfig& cfg) {
+  LOOM_CHECK(cfg.inner >= 1 && P % cfg.inner == 0, InvalidArgument,
+             "ring2d: --inner " << cfg.inner << " must divide the number of ranks " << P);
+  return cfg.inner;
+}
+
+constexpr const char* kRing2dSummary =
     "double ring: inner rings of --inner consecutive ranks (a node), an outer ring across them; "
-    "one inter-node transfer per outer step",
-    "--inner",
-    false,
-    [](int P, const CpConfig& cfg) {
-      LOOM_CHECK(cfg.inner >= 1 && P % cfg.inner == 0, InvalidArgument,
-                 "ring2d: --inner " << cfg.inner << " must divide the number of ranks " << P);
-      return cfg.inner;
-    },
-    [](Engine& e) -> std::unique_ptr<CpStrategy> { return std::make_unique<Ring2d>(e); },
-};
+    "one inter-node transfer per outer step";
+extern const StrategyEntry kRing2dEntry{
+    Strategy::ring2d,     "ring2d", kRing2dSummary, "--inner", false, ring2d_inner,
+    make_strategy<Ring2d>};
 
 }  // namespace loom::cp_detail

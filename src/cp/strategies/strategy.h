@@ -66,6 +66,16 @@ struct StrategyEntry {
 constexpr size_t kSlotDelta = 7;
 constexpr size_t kSlotOwn = 8;
 
+// Registry helpers: the factory of a strategy class, and the inner degree of strategies whose
+// ranks form one axis (ring, allgather).
+template <class S>
+std::unique_ptr<CpStrategy> make_strategy(Engine& e) {
+  return std::make_unique<S>(e);
+}
+inline int no_inner_axis(int, const CpConfig&) {
+  return 1;
+}
+
 // hybrid's implementation, which ulysses (one group) shares.
 std::unique_ptr<CpStrategy> make_hybrid(Engine& e);
 

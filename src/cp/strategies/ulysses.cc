@@ -6,14 +6,15 @@
 
 namespace loom::cp_detail {
 
-extern const StrategyEntry kUlyssesEntry{
-    Strategy::ulysses,
-    "ulysses",
-    "all-to-all to whole sequences of H/P heads, one attend, all-to-all back (heads % P == 0)",
-    "",
-    true,
-    [](int P, const CpConfig&) { return P; },
-    make_hybrid,
-};
+namespace {
+int all_ranks_inner(int P, const CpConfig&) {
+  return P;
+}
+}  // namespace
+
+constexpr const char* kUlyssesSummary =
+    "all-to-all to whole sequences of H/P heads, one attend, all-to-all back (heads % P == 0)";
+extern const StrategyEntry kUlyssesEntry{Strategy::ulysses, "ulysses",  kUlyssesSummary, "", true,
+                                         all_ranks_inner,   make_hybrid};
 
 }  // namespace loom::cp_detail
