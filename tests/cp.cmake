@@ -1,6 +1,21 @@
 loom_test(test_layout SOURCES unit/test_layout.cc LIBS loom_cp TIMEOUT 60)
 loom_test(test_cp_local SOURCES dist/test_cp_local.cc dist/cp_bodies.cc LIBS loom_cp TIMEOUT 600)
 
+# ring2d through the command (local backend), and its option errors.
+add_test(NAME loom_attn_ring2d_local
+         COMMAND $<TARGET_FILE:loom> attn --ranks 4 --strategy ring2d --inner 2 --layout zigzag
+                 --seq 515 --heads 4 --kv-heads 2 --head-dim 32 --backward --check --iters 1
+                 --warmup 0 --quiet)
+set_tests_properties(loom_attn_ring2d_local PROPERTIES LABELS "tool;cp" TIMEOUT 120
+                     PASS_REGULAR_EXPRESSION "check     passed")
+add_test(NAME loom_attn_ring2d_errors
+         COMMAND sh -c "! $<TARGET_FILE:loom> attn --ranks 4 --seq 64 --strategy ring2d --inner 3 && \
+                        ! $<TARGET_FILE:loom> attn --ranks 4 --seq 64 --strategy ring2d && \
+                        ! $<TARGET_FILE:loom> attn --ranks 4 --seq 64 --inner 2")
+set_tests_properties(loom_attn_ring2d_errors PROPERTIES LABELS "tool;cp" TIMEOUT 60
+                     PASS_REGULAR_EXPRESSION
+                     "--inner 3 must divide the number of ranks 4.*needs --inner N.*--inner is only for --strategy ring2d")
+
 # A subset under mpirun (label mpi), and the loom command under mpirun.
 if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
   add_executable(test_cp_mpi ${CMAKE_CURRENT_LIST_DIR}/mpi/test_cp_mpi.cc
@@ -24,6 +39,14 @@ if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
                    --seq 1024 --heads 8 --kv-heads 2 --head-dim 64 --backward --check
                    --iters 1 --warmup 0 --quiet)
   set_tests_properties(loom_attn_mpi_hybrid_np4 PROPERTIES LABELS "mpi;tool" TIMEOUT 120
+                       PROCESSORS 4 ENVIRONMENT "${loom_cp_mpi_env}"
+                       PASS_REGULAR_EXPRESSION "check     passed")
+  add_test(NAME loom_attn_mpi_ring2d_np4
+           COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 4 ${loom_cp_mpi_flags}
+                   $<TARGET_FILE:loom> attn --strategy ring2d --inner 2 --layout stripe
+                   --seq 1000 --heads 8 --kv-heads 1 --head-dim 64 --backward --check
+                   --iters 1 --warmup 0 --quiet)
+  set_tests_properties(loom_attn_mpi_ring2d_np4 PROPERTIES LABELS "mpi;tool" TIMEOUT 120
                        PROCESSORS 4 ENVIRONMENT "${loom_cp_mpi_env}"
                        PASS_REGULAR_EXPRESSION "check     passed")
   add_test(NAME loom_attn_mpi_refuses_ranks
