@@ -38,9 +38,10 @@
 // with full rows and D % kNr == 0 are read, and dq accumulated, in place instead).
 //
 // Paths. The tile arithmetic (GEMM, softmax steps, delta's dot) goes through the TileOps table of
-// kernels::select_ops() (tile_ops.h: portable or AVX-512, chosen per call from the CPU and
-// LOOM_KERNEL). The AVX-512 path computes on work tiles of at least 128 x 128 made of whole config
-// tiles (work_config); KernelStats always counts the config's block_q x block_k tiles.
+// kernels::select_ops() (tile_ops.h: one Highway source per instruction-set target, chosen per
+// call from the CPU and LOOM_KERNEL). It computes on work tiles of at least 128 x 128 made of
+// whole config tiles (work_config); KernelStats always counts the config's block_q x block_k
+// tiles.
 //
 // bf16 storage. q, k, v, dout are widened to fp32 when packed, except in the forward on a path
 // with bf16 dot products (avx512bf16): there K and V are packed once per call as bf16 pairs
@@ -243,11 +244,11 @@ int thread_count(const KernelConfig& cfg, int64_t tasks) {
 }
 
 // Work tiles. The arithmetic runs on work tiles of whole config tiles: each side is the config's
-// block times the smallest factor that reaches ops.work_tile (the AVX-512 path: 128 x 128, where
-// its GEMM amortises packing, the C block traffic and the softmax bookkeeping best; the portable
-// path: the config's tiles). KernelStats always counts the config's tiles (plan of block_q x
-// block_k), so callers see the same accounting on every path; an empty config tile inside a
-// non-empty work tile is still counted as skipped, although its pairs are computed (masked).
+// block times the smallest factor that reaches ops.work_tile (128 x 128 on every target, where the
+// GEMM amortises packing, the C block traffic and the softmax bookkeeping best). KernelStats always
+// counts the config's tiles (plan of block_q x block_k), so callers see the same accounting on
+// every path; an empty config tile inside a non-empty work tile is still counted as skipped,
+// although its pairs are computed (masked).
 KernelConfig work_config(const KernelConfig& cfg, const TileOps& ops, int64_t sq, int64_t sk) {
   KernelConfig w = cfg;
   auto factor = [&](int64_t block, int64_t n) {  // never more config tiles than there are
