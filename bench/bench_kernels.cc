@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -39,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../src/kernels/tile_ops.h"
 #include "loom/attention.h"
 #include "loom/error.h"
 #include "loom/tensor.h"
@@ -64,6 +66,7 @@ struct Options {
   int64_t gemm_n = 1024;
   double min_time = 0.5;
   bool no_check = false;
+  bool tile_ops = false;
   std::string json;
 };
 
@@ -78,16 +81,30 @@ Tensor<float> random_normal(std::vector<int64_t> shape, uint32_t seed) {
 // Seconds of the fastest call of f: one untimed warm-up, then at least kMinReps timed calls and
 // more until min_time has passed. The best of several calls is what a shared machine's load
 // disturbs least.
+// With --cpu-time the calls are timed by the process's CPU clock instead of the wall clock: on a
+// machine shared with other work, the time this process was descheduled then does not count (cache
+// and memory-bandwidth interference still does). Meaningful for one-thread rows only (the CPU
+// time of several threads adds up), so the threads > 1 rows keep the wall clock.
+bool g_cpu_time = false;
+
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 constexpr int kMinReps = 3;
 template <class F>
-double best_time(F&& f, double min_time) {
+double best_time(F&& f, double min_time, int threads = 1) {
+  const bool cpu = g_cpu_time && threads == 1;
   f();
   double best = 1e300;
   Stopwatch total;
   for (int rep = 0; rep < kMinReps || total.elapsed_s() < min_time; ++rep) {
     Stopwatch sw;
+    const double c0 = cpu ? cpu_seconds() : 0.0;
     f();
-    best = std::min(best, sw.elapsed_s());
+    best = std::min(best, cpu ? cpu_seconds() - c0 : sw.elapsed_s());
   }
   return best;
 }
@@ -130,7 +147,8 @@ void sgemm(int64_t n, const float* a, const float* b, float* c, int threads) {
 double sgemm_gflops(int64_t n, int threads, double min_time) {
   const Tensor<float> a = random_normal({n, n}, 1), b = random_normal({n, n}, 2);
   Tensor<float> c({n, n});
-  const double t = best_time([&] { sgemm(n, a.data(), b.data(), c.data(), threads); }, min_time);
+  const double t =
+      best_time([&] { sgemm(n, a.data(), b.data(), c.data(), threads); }, min_time, threads);
   return 2.0 * static_cast<double>(n * n * n) / t * 1e-9;
 }
 
@@ -183,7 +201,7 @@ Row run_shape_t(const Options& o, int64_t sq, int64_t sk, int64_t d, bool causal
         stats = attend(st.view(), q.view3(), k.view3(), v.view3(), qt, kt, cfg);
         finish(st.view(), out.view3(), lse.data(), sq);
       },
-      o.min_time);
+      o.min_time, threads);
   compute_delta(View3<const T>(out.view3()), dout.view3(), delta.data(), sq);
   Tensor<float> dq({sq, h, d}), dk({sk, hkv, d}), dv({sk, hkv, d});
   const double bwd_s = best_time(
@@ -191,7 +209,7 @@ Row run_shape_t(const Options& o, int64_t sq, int64_t sk, int64_t d, bool causal
         attend_backward(q.view3(), k.view3(), v.view3(), dout.view3(), lse.data(), delta.data(), sq,
                         qt, kt, cfg, dq.view3(), dk.view3(), dv.view3());
       },
-      o.min_time);
+      o.min_time, threads);
   const double fwd_flops = 4.0 * static_cast<double>(d) * static_cast<double>(stats.visible_pairs);
   return Row{dtype,
              sq,
@@ -263,6 +281,112 @@ double check(int threads) {
   return std::max({rel_error(out.vec(), ref_out.vec()), rel_error(lse, ref_lse),
                    rel_error(dq.vec(), ref_dq.vec()), rel_error(dk.vec(), ref_dk.vec()),
                    rel_error(dv.vec(), ref_dv.vec())});
+}
+
+// ---------------------------------------------------------------------------------------------
+// --tile-ops: the tile operations of every runnable target on one work tile (128 x 128, D), each
+// the best of many short calls (a loaded machine leaves some calls undisturbed), next to the
+// same-size sgemm. This isolates the GEMM micro-kernel and the softmax steps from packing and
+// threading.
+
+template <class F>
+double best_short(F&& f, int reps) {
+  f();
+  double best = 1e300;
+  for (int i = 0; i < reps; ++i) {
+    Stopwatch sw;
+    f();
+    best = std::min(best, sw.elapsed_s());
+  }
+  return best;
+}
+
+int run_tile_ops(const Options& o) {
+  const int64_t bq = 128, bk = 128, dp = o.dims.back();
+  const Tensor<float> a = random_normal({bq, std::max(bk, dp)}, 31),
+                      b = random_normal({std::max(bk, dp), std::max(bk, dp)}, 32);
+  Tensor<float> c({std::max(bq, bk), std::max(bk, dp)});
+  const int reps = 400;
+  const double gemm_flops = 2.0 * bq * bk * dp;
+#if LOOM_BENCH_OPENBLAS
+  openblas_set_num_threads(1);
+#endif
+  const double t_blas = best_short(
+      [&] {
+#if LOOM_BENCH_OPENBLAS
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(bq),
+                    static_cast<int>(bk), static_cast<int>(dp), 1.0f, a.data(),
+                    static_cast<int>(dp), b.data(), static_cast<int>(bk), 0.0f, c.data(),
+                    static_cast<int>(bk));
+#else
+        sgemm(bq, a.data(), b.data(), c.data(), 1);
+#endif
+      },
+      reps);
+  std::printf("tile ops, one thread, best of %d calls; tile %lld x %lld, D = %lld\n", reps,
+              static_cast<long long>(bq), static_cast<long long>(bk), static_cast<long long>(dp));
+  std::printf("sgemm (%s) %lld x %lld x %lld: %.1f GFLOP/s\n", kGemmName,
+              static_cast<long long>(bq), static_cast<long long>(bk), static_cast<long long>(dp),
+              gemm_flops / t_blas * 1e-9);
+  std::printf("%-11s %9s %9s %9s %9s | %10s %10s %10s\n", "target", "q k^T", "p v", "p^T do",
+              "ds^T q", "softmax ns", "probs ns", "ds ns");
+  std::vector<float> m(bq), l(bq), lse(bq, 0.0f), delta(bq, 0.1f);
+  Tensor<float> s({bq, bk}), acc({bq, dp});
+  for (const kernels::KernelTarget& t : kernels::kernel_targets()) {
+    if (!t.runnable) {
+      std::printf("%-11s skipped: this CPU cannot run it\n", t.name);
+      continue;
+    }
+    const kernels::TileOps& ops = *t.ops;
+    auto rate = [&](auto&& f) { return gemm_flops / best_short(f, reps) * 1e-9; };
+    // s = q k^T (q [bq, dp] rows, k^T [dp, bk]); acc += p v; dv += p^T dout (A read transposed);
+    // dk += ds^T q.
+    const double g_qk = rate(
+        [&] { ops.gemm(bq, bk, dp, a.data(), dp, 1, b.data(), bk, 0.1f, false, s.data(), bk); });
+    const double g_pv = rate(
+        [&] { ops.gemm(bq, dp, bk, a.data(), bk, 1, b.data(), dp, 1.0f, true, acc.data(), dp); });
+    const double g_pt = rate(
+        [&] { ops.gemm(bk, dp, bq, a.data(), 1, bk, b.data(), dp, 1.0f, true, c.data(), dp); });
+    const double g_dk = rate(
+        [&] { ops.gemm(bk, dp, bq, a.data(), 1, bk, b.data(), dp, 1.0f, true, c.data(), dp); });
+    // q k^T with k^T read from a pool of 256 tiles (32 MiB, beyond L2 and most L3s) as the
+    // forward reads a long KV block: the GEMM with its B operand streaming from memory.
+    static const Tensor<float> pool = random_normal({256, dp, bk}, 33);
+    int next = 0;
+    const double g_cold =
+        gemm_flops * 8 /
+        best_short(
+            [&] {
+              for (int i = 0; i < 8; ++i, next = (next + 1) % 256)
+                ops.gemm_panels(bq, bk, dp, a.data(), dp, 1, pool.data() + next * dp * bk, dp * 16,
+                                0.1f, false, s.data(), bk);
+            },
+            reps / 4) *
+        1e-9;
+    std::printf("%-11s q k^T with k^T from memory: %.1f GFLOP/s\n", t.name, g_cold);
+    const double per_elem = 1e9 / static_cast<double>(bq * bk);
+    const double t_soft = best_short(
+        [&] {
+          std::fill(m.begin(), m.end(), 0.0f);
+          std::fill(l.begin(), l.end(), 1.0f);
+          ops.gemm(bq, bk, dp, a.data(), dp, 1, b.data(), bk, 0.0f, false, s.data(), bk);
+          ops.softmax_update(bq, bk, bq, bk, dp, s.data(), m.data(), l.data(), acc.data());
+        },
+        reps);
+    const double t_zero = best_short(
+        [&] { ops.gemm(bq, bk, dp, a.data(), dp, 1, b.data(), bk, 0.0f, false, s.data(), bk); },
+        reps);
+    const double t_probs =
+        best_short([&] { ops.probs(bq, bk, bq, bk, lse.data(), s.data()); }, reps);
+    const double t_ds =
+        best_short([&] { ops.ds(s.data(), delta.data(), 0.1f, bq, bk, c.data()); }, reps);
+    std::printf("%-11s %9.1f %9.1f %9.1f %9.1f | %10.2f %10.2f %10.2f\n", t.name, g_qk, g_pv, g_pt,
+                g_dk, std::max(0.0, t_soft - t_zero) * per_elem, t_probs * per_elem,
+                t_ds * per_elem);
+  }
+  std::printf(
+      "(GEMM columns: GFLOP/s; the softmax step includes rescaling acc [bq, D] by alpha)\n");
+  return 0;
 }
 
 int run(const Options& o) {
@@ -444,10 +568,14 @@ int main(int argc, char** argv) {
   app.add_option("--gemm-n", o.gemm_n, "sgemm size (M = N = K)");
   app.add_option("--min-time", o.min_time, "seconds of repetitions per measurement");
   app.add_flag("--no-check", o.no_check, "skip the correctness check");
+  app.add_flag("--cpu-time", loom::g_cpu_time,
+               "time one-thread rows by the process CPU clock (for loaded machines)");
+  app.add_flag("--tile-ops", o.tile_ops,
+               "time the tile operations of every runnable target on one work tile instead");
   app.add_option("--json", o.json, "also write the results as JSON to this file");
   CLI11_PARSE(app, argc, argv);
   try {
-    return loom::run(o);
+    return o.tile_ops ? loom::run_tile_ops(o) : loom::run(o);
   } catch (const loom::Error& e) {
     std::fprintf(stderr, "bench_kernels: %s\n", e.what());
     return 1;

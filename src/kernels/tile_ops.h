@@ -48,6 +48,11 @@ struct TileOps {
   // C must not alias A or B.
   void (*gemm)(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                const float* b, int64_t ldb, float alpha, bool accumulate, float* c, int64_t ldc);
+  // The same with B packed in column panels of kNr: B(k, j) = b[(j / kNr) * b_ps + k * kNr +
+  // j % kNr] (each panel K x kNr contiguous, panels b_ps >= K * kNr apart).
+  void (*gemm_panels)(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                      const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
+                      int64_t ldc);
   // Online softmax update of rows [0, rows) of the scores s: s becomes p = exp(s - m') (zero in
   // the padding and in rows that have seen no visible key), l and acc [bq, dp] are rescaled.
   void (*softmax_update)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,
