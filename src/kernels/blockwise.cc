@@ -225,6 +225,8 @@ struct Workspace {
       dp = AlignedFloats(t.bq * t.bk);
       dk = AlignedFloats(t.bk * t.dp);
       dv = AlignedFloats(t.bk * t.dp);
+      q_pan = AlignedFloats(t.bq * t.dp);
+      dout_pan = AlignedFloats(t.bq * t.dp);
     }
   }
   // Forward: q [bq, dp], s [bq, bk], acc [bq, dp], row_m and row_l the tile's m and l [bq].
@@ -233,6 +235,9 @@ struct Workspace {
   // tile's dq, row_m the lse, row_l the delta.
   AlignedFloats q, s, acc, row_m, row_l;
   AlignedFloats kt, v, dout, k, dp, dk, dv;
+  // Backward: the q and dout rows [bq, dp] again in column panels, as the B operands of
+  // dk += ds^T q and dv += p^T dout.
+  AlignedFloats q_pan, dout_pan;
   // The bf16-dot forward: q rows [bq, dp] and probabilities [bq, bk] as bf16.
   AlignedBf16 q16, p16;
   std::vector<int64_t> q_pos, k_pos;
@@ -317,6 +322,22 @@ void pack_kv_rows(View3<const T> x, int64_t begin, int64_t cols, int64_t head, c
     const T* in = x.row(begin + j, head);
     for (int64_t d0 = 0; d0 < x.d; d0 += kNr) {
       float* out = dst + d0 * t.bk + j * kNr;
+      const int64_t n = std::min(kNr, x.d - d0);
+      for (int64_t e = 0; e < n; ++e) out[e] = to_f32(in[d0 + e]);
+    }
+  }
+}
+
+// rows x d of a view into a [bq, dp] buffer in column panels of kNr (element (r, d) at
+// (d / kNr) * bq * kNr + r * kNr + d % kNr), zero padded.
+template <class T>
+void pack_rows_panels(View3<const T> x, int64_t begin, int64_t rows, int64_t head,
+                      const TileDims& t, float* dst) {
+  if (rows < t.bq || x.d < t.dp) std::fill(dst, dst + t.bq * t.dp, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* in = x.row(begin + r, head);
+    for (int64_t d0 = 0; d0 < x.d; d0 += kNr) {
+      float* out = dst + d0 * t.bq + r * kNr;
       const int64_t n = std::min(kNr, x.d - d0);
       for (int64_t e = 0; e < n; ++e) out[e] = to_f32(in[d0 + e]);
     }
@@ -653,13 +674,19 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       }
       ops.probs(rows, cols, t.bq, t.bk, lse, s);
       // dv [bk, dp] += p^T dout
-      ops.gemm(t.bk, t.dp, t.bq, s, 1, t.bk, doutp, dout_rs, 1.0f, true, ws.dv.get(), t.dp);
+      // (B in column panels: rows of q and dout a view row stride apart would share a few L1
+      // sets; bench_kernels --tile-ops measured row-major B 10-15 % slower.)
+      pack_rows_panels(a.dout, q0, rows, h, t, ws.dout_pan.get());
+      pack_rows_panels(a.q, q0, rows, h, t, ws.q_pan.get());
+      ops.gemm_panels(t.bk, t.dp, t.bq, s, 1, t.bk, ws.dout_pan.get(), t.bq * kNr, 1.0f, true,
+                      ws.dv.get(), t.dp);
       // dp [bq, bk] = dout v^T
       ops.gemm_panels(t.bq, t.bk, t.dp, doutp, dout_rs, 1, ws.v.get(), t.dp * kNr, 1.0f, false, dp,
                       t.bk);
       ops.ds(s, delta, scale, t.bq, t.bk, dp);
       // dk [bk, dp] += ds^T q
-      ops.gemm(t.bk, t.dp, t.bq, dp, 1, t.bk, qp, q_rs, 1.0f, true, ws.dk.get(), t.dp);
+      ops.gemm_panels(t.bk, t.dp, t.bq, dp, 1, t.bk, ws.q_pan.get(), t.bq * kNr, 1.0f, true,
+                      ws.dk.get(), t.dp);
       // dq [bq, dp] += ds k: in place (c + 1 * sum, the same rounding as adding a tile result)
       if (direct) {
         ops.gemm_panels(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, true,
