@@ -198,9 +198,11 @@ KernelStats attend_backward(View3<const bf16> q, View3<const bf16> k, View3<cons
                             int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
                             View3<float> dq, View3<float> dk, View3<float> dv);
 
-// The instruction-set path the kernels take in this process now: "portable", "avx512" or
-// "avx512bf16" (chosen per call from the CPU and the LOOM_KERNEL environment variable =
-// portable | avx512 | avx512bf16 | auto; see src/kernels/tile_ops.h).
+// The instruction-set path the kernels take in this process now, e.g. "avx2", "avx512",
+// "avx512bf16", "sse4", "neon", "scalar" (chosen per call from the CPU and the LOOM_KERNEL
+// environment variable = auto | portable | a compiled target's name; see src/kernels/tile_ops.h).
+// Throws InvalidArgument / NotSupported when LOOM_KERNEL names no target / one this process
+// cannot run.
 const char* kernel_path();
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

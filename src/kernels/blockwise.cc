@@ -38,9 +38,10 @@
 // with full rows and D % kNr == 0 are read, and dq accumulated, in place instead).
 //
 // Paths. The tile arithmetic (GEMM, softmax steps, delta's dot) goes through the TileOps table of
-// kernels::select_ops() (tile_ops.h: portable or AVX-512, chosen per call from the CPU and
-// LOOM_KERNEL). The AVX-512 path computes on work tiles of at least 128 x 128 made of whole config
-// tiles (work_config); KernelStats always counts the config's block_q x block_k tiles.
+// kernels::select_ops() (tile_ops.h: one Highway source per instruction-set target, chosen per
+// call from the CPU and LOOM_KERNEL). It computes on work tiles of at least 128 x 128 made of
+// whole config tiles (work_config); KernelStats always counts the config's block_q x block_k
+// tiles.
 //
 // bf16 storage. q, k, v, dout are widened to fp32 when packed, except in the forward on a path
 // with bf16 dot products (avx512bf16): there K and V are packed once per call as bf16 pairs
@@ -224,13 +225,19 @@ struct Workspace {
       dp = AlignedFloats(t.bq * t.bk);
       dk = AlignedFloats(t.bk * t.dp);
       dv = AlignedFloats(t.bk * t.dp);
+      q_pan = AlignedFloats(t.bq * t.dp);
+      dout_pan = AlignedFloats(t.bq * t.dp);
     }
   }
   // Forward: q [bq, dp], s [bq, bk], acc [bq, dp], row_m and row_l the tile's m and l [bq].
-  // Backward: also kt = k^T [dp, bk], k [bk, dp], v = v^T [dp, bk], dout [bq, dp], dp [bq, bk],
-  // dk and dv [bk, dp]; acc holds the tile's dq, row_m the lse, row_l the delta.
+  // Backward: also kt = k^T [dp, bk], k [bk, dp], v = v^T [dp, bk] (these three in column panels:
+  // pack_transposed, pack_kv_rows), dout [bq, dp], dp [bq, bk], dk and dv [bk, dp]; acc holds the
+  // tile's dq, row_m the lse, row_l the delta.
   AlignedFloats q, s, acc, row_m, row_l;
   AlignedFloats kt, v, dout, k, dp, dk, dv;
+  // Backward: the q and dout rows [bq, dp] again in column panels, as the B operands of
+  // dk += ds^T q and dv += p^T dout.
+  AlignedFloats q_pan, dout_pan;
   // The bf16-dot forward: q rows [bq, dp] and probabilities [bq, bk] as bf16.
   AlignedBf16 q16, p16;
   std::vector<int64_t> q_pos, k_pos;
@@ -243,11 +250,11 @@ int thread_count(const KernelConfig& cfg, int64_t tasks) {
 }
 
 // Work tiles. The arithmetic runs on work tiles of whole config tiles: each side is the config's
-// block times the smallest factor that reaches ops.work_tile (the AVX-512 path: 128 x 128, where
-// its GEMM amortises packing, the C block traffic and the softmax bookkeeping best; the portable
-// path: the config's tiles). KernelStats always counts the config's tiles (plan of block_q x
-// block_k), so callers see the same accounting on every path; an empty config tile inside a
-// non-empty work tile is still counted as skipped, although its pairs are computed (masked).
+// block times the smallest factor that reaches ops.work_tile (128 x 128 on every target, where the
+// GEMM amortises packing, the C block traffic and the softmax bookkeeping best). KernelStats always
+// counts the config's tiles (plan of block_q x block_k), so callers see the same accounting on
+// every path; an empty config tile inside a non-empty work tile is still counted as skipped,
+// although its pairs are computed (masked).
 KernelConfig work_config(const KernelConfig& cfg, const TileOps& ops, int64_t sq, int64_t sk) {
   KernelConfig w = cfg;
   auto factor = [&](int64_t block, int64_t n) {  // never more config tiles than there are
@@ -291,29 +298,48 @@ void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, cons
   }
 }
 
-// cols rows of a KV view, transposed, into a [dp, bk] buffer, zero padded.
+// cols rows of a KV view, transposed, into a [dp, bk] buffer in column panels of kNr (the layout
+// of TileOps::gemm_panels: element (d, j) at (j / kNr) * dp * kNr + d * kNr + j % kNr), zero
+// padded.
 template <class T>
 void pack_transposed(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
                      float* dst) {
   std::fill(dst, dst + t.dp * t.bk, 0.0f);
   for (int64_t j = 0; j < cols; ++j) {
     const T* in = x.row(begin + j, head);
-    for (int64_t d = 0; d < x.d; ++d) dst[d * t.bk + j] = to_f32(in[d]);
+    float* out = dst + (j / kNr) * t.dp * kNr + j % kNr;
+    for (int64_t d = 0; d < x.d; ++d) out[d * kNr] = to_f32(in[d]);
   }
 }
 
-// cols rows of a KV view into a [bk, dp] buffer, zero padded.
+// cols rows of a KV view into a [bk, dp] buffer in column panels of kNr (element (j, d) at
+// (d / kNr) * bk * kNr + j * kNr + d % kNr), zero padded.
 template <class T>
 void pack_kv_rows(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
                   float* dst) {
-  for (int64_t j = 0; j < t.bk; ++j) {
-    float* out = dst + j * t.dp;
-    if (j < cols) {
-      const T* in = x.row(begin + j, head);
-      for (int64_t d = 0; d < x.d; ++d) out[d] = to_f32(in[d]);
-      std::fill(out + x.d, out + t.dp, 0.0f);
-    } else {
-      std::fill(out, out + t.dp, 0.0f);
+  std::fill(dst, dst + t.bk * t.dp, 0.0f);
+  for (int64_t j = 0; j < cols; ++j) {
+    const T* in = x.row(begin + j, head);
+    for (int64_t d0 = 0; d0 < x.d; d0 += kNr) {
+      float* out = dst + d0 * t.bk + j * kNr;
+      const int64_t n = std::min(kNr, x.d - d0);
+      for (int64_t e = 0; e < n; ++e) out[e] = to_f32(in[d0 + e]);
+    }
+  }
+}
+
+// rows x d of a view into a [bq, dp] buffer in column panels of kNr (element (r, d) at
+// (d / kNr) * bq * kNr + r * kNr + d % kNr), zero padded.
+template <class T>
+void pack_rows_panels(View3<const T> x, int64_t begin, int64_t rows, int64_t head,
+                      const TileDims& t, float* dst) {
+  if (rows < t.bq || x.d < t.dp) std::fill(dst, dst + t.bq * t.dp, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* in = x.row(begin + r, head);
+    for (int64_t d0 = 0; d0 < x.d; d0 += kNr) {
+      float* out = dst + d0 * t.bq + r * kNr;
+      const int64_t n = std::min(kNr, x.d - d0);
+      for (int64_t e = 0; e < n; ++e) out[e] = to_f32(in[d0 + e]);
     }
   }
 }
@@ -402,10 +428,10 @@ class PackedKvBf16 {
 // ---------------------------------------------------------------------------------------------
 // Tile steps. s is [bq, bk]; only rows < rows and columns < cols are real.
 
-// s = scale * q k^T from q [bq, dp] and k^T [dp, bk].
+// s = scale * q k^T from q [bq, dp] and k^T [dp, bk] (column panels, pack_transposed).
 void tile_scores(const TileOps& ops, const float* q, const float* kt, float scale,
                  const TileDims& t, float* s) {
-  ops.gemm(t.bq, t.bk, t.dp, q, t.dp, 1, kt, t.bk, scale, false, s, t.bk);
+  ops.gemm_panels(t.bq, t.bk, t.dp, q, t.dp, 1, kt, t.dp * kNr, scale, false, s, t.bk);
 }
 
 // Sets the scores of the pairs the mask hides to -inf (partial tiles only).
@@ -429,9 +455,9 @@ void mask_tile(const Mask& mask, const Workspace& ws, int64_t rows, int64_t cols
   }
 }
 
-// acc [bq, dp] += p [bq, bk] v [bk, dp].
+// acc [bq, dp] += p [bq, bk] v [bk, dp] (column panels, pack_kv_rows).
 void tile_pv(const TileOps& ops, const float* p, const float* v, const TileDims& t, float* acc) {
-  ops.gemm(t.bq, t.dp, t.bk, p, t.bk, 1, v, t.dp, 1.0f, true, acc, t.dp);
+  ops.gemm_panels(t.bq, t.dp, t.bk, p, t.bk, 1, v, t.bk * kNr, 1.0f, true, acc, t.dp);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -640,26 +666,35 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
 
       const TileOps& ops = *a.ops;
       // s [bq, bk] = scale q k^T
-      ops.gemm(t.bq, t.bk, t.dp, qp, q_rs, 1, ws.kt.get(), t.bk, scale, false, s, t.bk);
+      ops.gemm_panels(t.bq, t.bk, t.dp, qp, q_rs, 1, ws.kt.get(), t.dp * kNr, scale, false, s,
+                      t.bk);
       if (kind == TileKind::kPartial) {
         pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
         mask_tile(a.cfg->mask, ws, rows, cols, t, s);
       }
       ops.probs(rows, cols, t.bq, t.bk, lse, s);
       // dv [bk, dp] += p^T dout
-      ops.gemm(t.bk, t.dp, t.bq, s, 1, t.bk, doutp, dout_rs, 1.0f, true, ws.dv.get(), t.dp);
+      // (B in column panels: rows of q and dout a view row stride apart would share a few L1
+      // sets; bench_kernels --tile-ops measured row-major B 10-15 % slower.)
+      pack_rows_panels(a.dout, q0, rows, h, t, ws.dout_pan.get());
+      pack_rows_panels(a.q, q0, rows, h, t, ws.q_pan.get());
+      ops.gemm_panels(t.bk, t.dp, t.bq, s, 1, t.bk, ws.dout_pan.get(), t.bq * kNr, 1.0f, true,
+                      ws.dv.get(), t.dp);
       // dp [bq, bk] = dout v^T
-      ops.gemm(t.bq, t.bk, t.dp, doutp, dout_rs, 1, ws.v.get(), t.bk, 1.0f, false, dp, t.bk);
+      ops.gemm_panels(t.bq, t.bk, t.dp, doutp, dout_rs, 1, ws.v.get(), t.dp * kNr, 1.0f, false, dp,
+                      t.bk);
       ops.ds(s, delta, scale, t.bq, t.bk, dp);
       // dk [bk, dp] += ds^T q
-      ops.gemm(t.bk, t.dp, t.bq, dp, 1, t.bk, qp, q_rs, 1.0f, true, ws.dk.get(), t.dp);
+      ops.gemm_panels(t.bk, t.dp, t.bq, dp, 1, t.bk, ws.q_pan.get(), t.bq * kNr, 1.0f, true,
+                      ws.dk.get(), t.dp);
       // dq [bq, dp] += ds k: in place (c + 1 * sum, the same rounding as adding a tile result)
       if (direct) {
-        ops.gemm(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.dp, 1.0f, true, dq_sink.row(q0, h),
-                 dq_sink.ss);
+        ops.gemm_panels(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, true,
+                        dq_sink.row(q0, h), dq_sink.ss);
         continue;
       }
-      ops.gemm(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.dp, 1.0f, false, dq_tile, t.dp);
+      ops.gemm_panels(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, false, dq_tile,
+                      t.dp);
       for (int64_t r = 0; r < rows; ++r) {
         float* out = dq_sink.row(q0 + r, h);
         const float* in = dq_tile + r * t.dp;

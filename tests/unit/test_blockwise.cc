@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "../src/kernels/tile_ops.h"
 #include "loom/attention.h"
 #include "loom/error.h"
 #include "loom/tensor.h"
@@ -264,8 +265,10 @@ void expect_stats(const KernelStats& st, const Problem& p, const KernelConfig& c
 }
 
 // ---------------------------------------------------------------------------------------------
-// Instruction-set paths (LOOM_KERNEL, see src/kernels/tile_ops.h). A path the CPU lacks falls
-// back to the next best, so every test runs on any machine; kernel_path() names the one taken.
+// Instruction-set paths (LOOM_KERNEL, see src/kernels/tile_ops.h). The sweeps run the best
+// target this CPU runs and the baseline ("portable"); the PerTarget suite at the end runs every
+// compiled target, and names the ones this CPU cannot run as skipped. kernel_path() names the
+// path taken.
 
 // Sets LOOM_KERNEL for its lifetime (tests call the kernels from one thread at a time here).
 class ScopedKernelPath {
@@ -290,10 +293,26 @@ class ScopedKernelPath {
   std::string old_;
 };
 
-// fp32 storage: the portable and the AVX-512 arithmetic (avx512bf16 differs only for bf16).
-const char* const kFp32Paths[] = {"portable", "avx512"};
-// bf16 storage: widened to fp32 (portable, avx512) or bf16 dot products (avx512bf16).
-const char* const kBf16Paths[] = {"portable", "avx512", "avx512bf16"};
+// The best path this CPU runs (LOOM_KERNEL unset) and the baseline. fp32 storage: avx512bf16
+// computes as avx512, so that one stands for it. bf16 storage: the bf16 dot products
+// (avx512bf16) and, where the best path has them, also the widening path they sit on (avx512).
+std::vector<std::string> sweep_paths(bool bf16) {
+  std::string best;
+  {
+    const ScopedKernelPath scoped("auto");
+    best = kernel_path();
+  }
+  std::vector<std::string> paths;
+  if (best == "avx512bf16") {
+    if (bf16) paths.push_back(best);
+    best = "avx512";
+  }
+  paths.push_back(best);
+  paths.push_back("portable");
+  return paths;
+}
+const std::vector<std::string> kFp32Paths = sweep_paths(false);
+const std::vector<std::string> kBf16Paths = sweep_paths(true);
 
 // ---------------------------------------------------------------------------------------------
 // The sweep.
@@ -338,11 +357,11 @@ TEST_P(BlockwiseSweep, MatchesReference) {
   const KernelConfig cfg = config(p, c.block_q, c.block_k, c.threads);
   const RefResult ref = run_reference(p);
   // Both paths on every small case and on one S = 1000 case; the other S = 1000 cases run the
-  // AVX-512 path only (the portable GEMM dominates their time in the sanitizer build).
+  // best path only (the baseline's scalar GEMM dominates their time in the sanitizer build).
   const bool all_paths = c.s <= 64 || c.d == 16;
-  for (const char* path : kFp32Paths) {
-    if (!all_paths && std::string(path) == "portable") continue;
-    const ScopedKernelPath scoped(path);
+  for (const std::string& path : kFp32Paths) {
+    if (!all_paths && path == "portable") continue;
+    const ScopedKernelPath scoped(path.c_str());
     const Result r = run_blockwise(p, cfg);
     SCOPED_TRACE(kernel_path());
     expect_matches_reference(r, ref);
@@ -536,8 +555,8 @@ TEST(Blockwise, RowsSeeingOneKeyHaveExactlyZeroDsGradients) {
     const Case c{100, d, 4, 2, MaskKind::kCausal, Layout::kContiguous};
     Problem p = make_problem(c, 91);
     p.mask = Mask{true, 1};
-    for (const char* path : kFp32Paths) {
-      const ScopedKernelPath scoped(path);
+    for (const std::string& path : kFp32Paths) {
+      const ScopedKernelPath scoped(path.c_str());
       const Result r = run_blockwise(p, config(p, 32, 48, 2));
       for (float x : r.dq.vec()) ASSERT_EQ(x, 0.0f) << "D " << d << " " << kernel_path();
       for (float x : r.dk.vec()) ASSERT_EQ(x, 0.0f) << "D " << d << " " << kernel_path();
@@ -574,8 +593,8 @@ TEST(Blockwise, EmptyStateStaysEmptyAfterInvisibleBlock) {
 TEST(Blockwise, OneAndTwoThreadsAgree) {
   const Case c{700, 64, 8, 2, MaskKind::kCausal, Layout::kZigzag};
   const Problem p = make_problem(c, 61);
-  for (const char* path : kFp32Paths) {
-    const ScopedKernelPath scoped(path);
+  for (const std::string& path : kFp32Paths) {
+    const ScopedKernelPath scoped(path.c_str());
     SCOPED_TRACE(kernel_path());
     const Result one = run_blockwise(p, config(p, 64, 64, 1));
     const Result two = run_blockwise(p, config(p, 64, 64, 2));
@@ -860,8 +879,8 @@ TEST_P(Bf16Sweep, MatchesReference) {
   const KernelConfig cfg = config(b.p, c.block_q, c.block_k, c.threads);
   const RefResult ref = run_reference(b.p);
   const Bf16Bounds bound = bf16_bounds(b.p, ref);
-  for (const char* path : kBf16Paths) {
-    const ScopedKernelPath scoped(path);
+  for (const std::string& path : kBf16Paths) {
+    const ScopedKernelPath scoped(path.c_str());
     const Bf16Result r = run_blockwise_bf16(b, cfg);
     SCOPED_TRACE(kernel_path());
     const bool bf16_dots = std::string(kernel_path()) == "avx512bf16";
@@ -900,8 +919,8 @@ TEST(Bf16, RowsSeeingOneKeyHaveExactlyZeroDsGradients) {
     const Case c{100, d, 4, 2, MaskKind::kCausal, Layout::kContiguous};
     Bf16Problem b = make_bf16_problem(c, 93);
     b.p.mask = Mask{true, 1};
-    for (const char* path : kBf16Paths) {
-      const ScopedKernelPath scoped(path);
+    for (const std::string& path : kBf16Paths) {
+      const ScopedKernelPath scoped(path.c_str());
       const Bf16Result r = run_blockwise_bf16(b, config(b.p, 32, 48, 2));
       for (float x : r.dq.vec()) ASSERT_EQ(x, 0.0f) << "D " << d << " " << kernel_path();
       for (float x : r.dk.vec()) ASSERT_EQ(x, 0.0f) << "D " << d << " " << kernel_path();
@@ -952,6 +971,115 @@ TEST(Bf16, RingOfBf16BlocksIntoOneFp32State) {
   EXPECT_LE(rel_error(dq.vec(), ref.dq.vec()), bound.dq);
   EXPECT_LE(rel_error(dk.vec(), ref.dk.vec()), bound.dk);
   EXPECT_LE(rel_error(dv.vec(), ref.dv.vec()), kFp32RelTol);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every compiled target (one test each, named by its LOOM_KERNEL name): fp32 and bf16 storage,
+// forward and backward against the fp64 reference, every mask kind, GQA and MQA, odd sizes and
+// tiles that do not divide them, one and two threads. A target this CPU cannot run is skipped
+// with its name.
+
+std::vector<std::string> compiled_targets() {
+  std::vector<std::string> names;
+  for (const kernels::KernelTarget& t : kernels::kernel_targets()) names.push_back(t.name);
+  return names;
+}
+
+std::vector<Case> target_cases() {
+  return {Case{77, 72, 8, 2, MaskKind::kCausal, Layout::kZigzag, 48, 40, 2},
+          Case{77, 16, 4, 1, MaskKind::kFull, Layout::kRandom, 16, 24, 1},
+          Case{77, 128, 4, 4, MaskKind::kWindow, Layout::kStripe, 64, 64, 2},
+          Case{77, 64, 8, 2, MaskKind::kCausalWindow, Layout::kContiguous, 48, 40, 1},
+          Case{77, 40, 4, 2, MaskKind::kDocuments, Layout::kContiguous, 16, 24, 2},
+          Case{7, 128, 4, 1, MaskKind::kCausal, Layout::kRandom, 64, 64, 1},
+          Case{300, 128, 4, 2, MaskKind::kCausal, Layout::kZigzag, 64, 64, 2}};
+}
+
+class PerTarget : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    for (const kernels::KernelTarget& t : kernels::kernel_targets())
+      if (t.name == GetParam() && !t.runnable)
+        GTEST_SKIP() << GetParam() << ": compiled, but this CPU cannot run it";
+  }
+};
+
+TEST_P(PerTarget, Fp32MatchesReference) {
+  const ScopedKernelPath scoped(GetParam().c_str());
+  ASSERT_EQ(std::string(kernel_path()), GetParam());
+  for (const Case& c : target_cases()) {
+    SCOPED_TRACE(c.name());
+    const Problem p = make_problem(c, static_cast<uint32_t>(c.s * 13 + c.d));
+    const KernelConfig cfg = config(p, c.block_q, c.block_k, c.threads);
+    const Result r = run_blockwise(p, cfg);
+    expect_matches_reference(r, run_reference(p));
+    expect_stats(r.fwd, p, cfg);
+    expect_stats(r.bwd, p, cfg);
+  }
+}
+
+TEST_P(PerTarget, Bf16MatchesReference) {
+  const ScopedKernelPath scoped(GetParam().c_str());
+  ASSERT_EQ(std::string(kernel_path()), GetParam());
+  const bool bf16_dots = GetParam() == "avx512bf16";
+  for (const Case& c : target_cases()) {
+    SCOPED_TRACE(c.name());
+    const Bf16Problem b = make_bf16_problem(c, static_cast<uint32_t>(c.s * 19 + c.d));
+    const KernelConfig cfg = config(b.p, c.block_q, c.block_k, c.threads);
+    const RefResult ref = run_reference(b.p);
+    const Bf16Bounds bound = bf16_bounds(b.p, ref);
+    const Bf16Result r = run_blockwise_bf16(b, cfg);
+    EXPECT_LE(rel_error(convert<float>(r.out).vec(), ref.out.vec()), bound.out) << "out";
+    EXPECT_LE(rel_error(r.out_f32.vec(), ref.out.vec()), bf16_dots ? bound.out_fp32 : kFp32RelTol)
+        << "out finished to fp32";
+    EXPECT_LE(lse_rel_error(r.lse, ref.lse), kFp32RelTol) << "lse";
+    EXPECT_LE(rel_error(r.dq.vec(), ref.dq.vec()), bound.dq) << "dq";
+    EXPECT_LE(rel_error(r.dk.vec(), ref.dk.vec()), bound.dk) << "dk";
+    EXPECT_LE(rel_error(r.dv.vec(), ref.dv.vec()), kFp32RelTol) << "dv";
+    expect_stats(r.fwd, b.p, cfg);
+    expect_stats(r.bwd, b.p, cfg);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, PerTarget, ::testing::ValuesIn(compiled_targets()),
+                         [](const auto& info) { return info.param; });
+
+TEST(KernelPath, LoomKernelNamesAreCheckedAndAutoIsTheBest) {
+  const auto attend_once = [] {
+    const Case c{9, 16, 2, 1, MaskKind::kCausal, Layout::kContiguous};
+    const Problem p = make_problem(c, 5);
+    run_blockwise(p, config(p, 64, 64, 1));
+  };
+  {
+    const ScopedKernelPath scoped("avx3000");
+    EXPECT_THROW(attend_once(), InvalidArgument);
+    EXPECT_THROW(kernel_path(), InvalidArgument);
+  }
+  for (const kernels::KernelTarget& t : kernels::kernel_targets()) {
+    const ScopedKernelPath scoped(t.name);
+    if (t.runnable) {
+      EXPECT_EQ(std::string(kernel_path()), t.name);
+    } else {
+      EXPECT_THROW(attend_once(), NotSupported) << t.name;
+    }
+  }
+#if defined(__x86_64__)
+  {
+    const ScopedKernelPath scoped("neon");  // known, not compiled into an x86-64 build
+    EXPECT_THROW(attend_once(), NotSupported);
+  }
+#endif
+  {
+    const ScopedKernelPath scoped("portable");
+    EXPECT_EQ(std::string(kernel_path()), kernels::kernel_targets().back().name);
+  }
+  std::string first_runnable;
+  for (const kernels::KernelTarget& t : kernels::kernel_targets())
+    if (t.runnable && first_runnable.empty()) first_runnable = t.name;
+  for (const char* autos : {"auto", ""}) {
+    const ScopedKernelPath scoped(autos);
+    EXPECT_EQ(std::string(kernel_path()), first_runnable);
+  }
 }
 
 }  // namespace

@@ -1,13 +1,15 @@
-// kernels: the vectorised exp of the softmax on every instruction-set path against std::exp in
-// fp64, with the bound written in src/kernels/tile_ops.h (TileOps::exp): relative error at most
-// 4 ulp of fp32 on [-87, 0] (where the kernels call it: s - m <= 0, s - lse <= 0 up to rounding),
-// a little above 0 too, and exactly 0 below -87 and at -inf.
+// kernels: the vectorised exp of the softmax on every compiled instruction-set target that this
+// CPU runs (the others are named as skipped) against std::exp in fp64, with the bound written in
+// src/kernels/tile_ops.h (TileOps::exp): relative error at most 4 ulp of fp32 on [-87, 0] (where
+// the kernels call it: s - m <= 0, s - lse <= 0 up to rounding), a little above 0 too, and exactly
+// 0 below -87 and at -inf.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "../src/kernels/tile_ops.h"
@@ -17,13 +19,30 @@ namespace {
 
 constexpr double kExpUlpBound = 4.0 * 0x1p-23;  // 4 ulp of fp32 (relative)
 
-std::vector<const TileOps*> paths() {
-  std::vector<const TileOps*> p = {&portable_ops()};
-  if (cpu_has_avx512() && avx512_ops(false) != nullptr) p.push_back(avx512_ops(false));
-  return p;
+// One test per compiled target: GetParam() is its LOOM_KERNEL name. A target this CPU cannot
+// run is skipped with its name and the reason.
+std::vector<std::string> target_names() {
+  std::vector<std::string> names;
+  for (const KernelTarget& t : kernel_targets()) names.push_back(t.name);
+  return names;
 }
 
-TEST(KernelsExp, RelativeErrorWithinFourUlp) {
+class KernelsExp : public ::testing::TestWithParam<std::string> {
+ protected:
+  const TileOps* ops_or_skip() {
+    for (const KernelTarget& t : kernel_targets())
+      if (t.name == GetParam()) {
+        if (!t.runnable) return nullptr;
+        return t.ops;
+      }
+    ADD_FAILURE() << "no target " << GetParam();
+    return nullptr;
+  }
+};
+
+TEST_P(KernelsExp, RelativeErrorWithinFourUlp) {
+  const TileOps* ops = ops_or_skip();
+  if (ops == nullptr) GTEST_SKIP() << GetParam() << ": this CPU cannot run this target";
   // A dense sweep of [-87, 1] (multiple of 16 points) plus the reduction's breakpoints.
   std::vector<float> x;
   const int n = 1 << 20;
@@ -34,7 +53,7 @@ TEST(KernelsExp, RelativeErrorWithinFourUlp) {
       if (v >= -87.0f && v <= 1.0f) x.push_back(v);
     }
   while (x.size() % 16 != 0) x.push_back(0.0f);
-  for (const TileOps* ops : paths()) {
+  {
     std::vector<float> y(x.size());
     ops->exp(x.data(), y.data(), static_cast<int64_t>(x.size()));
     double worst = 0.0;
@@ -50,18 +69,23 @@ TEST(KernelsExp, RelativeErrorWithinFourUlp) {
   }
 }
 
-TEST(KernelsExp, BelowRangeAndMinusInfinityGiveZero) {
+TEST_P(KernelsExp, BelowRangeAndMinusInfinityGiveZero) {
+  const TileOps* ops = ops_or_skip();
+  if (ops == nullptr) GTEST_SKIP() << GetParam() << ": this CPU cannot run this target";
   std::vector<float> x(32);
   const float inf = std::numeric_limits<float>::infinity();
   for (size_t i = 0; i < x.size(); ++i) x[i] = -87.0001f - 10.0f * static_cast<float>(i);
   x[5] = -inf;
   x[31] = -1e30f;
-  for (const TileOps* ops : paths()) {
+  {
     std::vector<float> y(x.size(), 1.0f);
     ops->exp(x.data(), y.data(), static_cast<int64_t>(x.size()));
     for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(y[i], 0.0f) << ops->name << " x " << x[i];
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Targets, KernelsExp, ::testing::ValuesIn(target_names()),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace loom::kernels

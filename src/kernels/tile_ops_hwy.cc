@@ -1,0 +1,490 @@
+// The tile operations of the blockwise kernels (tile_ops.h) in one Highway source, compiled once
+// per instruction-set target by hwy/foreach_target.h and chosen at run time (select_ops below,
+// HWY_DYNAMIC_DISPATCH for "auto").
+//
+// GEMM. C[M, N] = alpha A B (+ C), M % 4 == 0, N % 16 == 0 (the packing pads to that). The
+// register block is R rows x 2 vectors of C: R = 8 on targets with 32 vector registers (AVX-512,
+// NEON), R = 6 on those with 16 (AVX2, SSE4, SSSE3; 12 accumulators, 2 B vectors and one
+// broadcast fit), 4 and 2 rows at the bottom edge. For each step k of the reduction it loads two
+// vectors of row k of B and broadcasts a(i, k) of each of its rows: 2R multiply-adds for 2 + R
+// loads, so the FMA pipes stay the bound. Columns are the outer loop: a panel of B (K x 2 vectors:
+// 8 KiB on AVX2, 16 KiB on AVX-512 for K = 128) stays in L1 while the row blocks of A pass over
+// it. Each C element is a sequential multiply-add chain over k from 0 (fused where the target has
+// FMA: MulAdd), which dot() reproduces for compute_delta. Vectors are at most 16 floats
+// (CappedTag), so 16 | N makes every row a whole number of vectors on every target.
+//
+// exp. The range reduction x = n ln2 + r, |r| <= ln2/2 (n = round(x log2 e)), r = (x - n ln2_hi)
+// - n ln2_lo with ln2_hi exact in 9 bits (n ln2_hi exact for |n| <= 128), the Cephes degree-6
+// polynomial for exp(r) (relative 1.2e-7 on that interval) evaluated by Horner, times 2^n built in
+// the exponent bits. Bound used by the tests (test_kernels_exp.cc): relative error <= 4 ulp
+// (4.8e-7) of exp(x) on [-87, 0], exactly 0 for x < -87 and for x = -inf. x must not be NaN.
+// hwy/contrib/math's Exp was evaluated too (docs/performance.md): it handles the full range with
+// more steps, which the kernels (arguments s - m <= 0) do not need.
+//
+// SVE targets are disabled: the register blocks are arrays of vectors, which SVE's sizeless
+// vector types do not allow (NEON, fixed 128-bit, is compiled on Arm).
+
+// clang-format off
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SVE | HWY_SVE2 | HWY_SVE_256 | HWY_SVE2_128)
+#endif
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "tile_ops_hwy.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+// clang-format on
+
+#include <cstdint>
+#include <limits>
+
+#include "tile_ops.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace loom::kernels {
+namespace HWY_NAMESPACE {
+namespace {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using D = hn::CappedTag<float, 16>;
+using V = hn::Vec<D>;
+
+#if (HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3) || HWY_ARCH_ARM
+constexpr int kRows = 8;  // 32 vector registers
+#else
+constexpr int kRows = 6;  // 16 vector registers
+#endif
+
+// B operand of one column block: NV vector columns starting at bcol[v], row k at bcol[v] + k * ldb.
+template <int R, int NV>
+HWY_INLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, int64_t a_ks,
+                           const float* const* bcol, int64_t ldb, float alpha, bool accumulate,
+                           float* HWY_RESTRICT c, int64_t ldc) {
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  V acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = hn::Zero(d);
+  const float* HWY_RESTRICT b0 = bcol[0];
+  const float* HWY_RESTRICT b1 = NV > 1 ? bcol[NV - 1] : bcol[0];
+  for (int64_t k = 0; k < K; ++k) {
+    const float* ak = a + k * a_ks;
+    V bv[NV];
+    bv[0] = hn::LoadU(d, b0 + k * ldb);
+    if constexpr (NV > 1) bv[NV - 1] = hn::LoadU(d, b1 + k * ldb);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const V av = hn::Set(d, ak[r * a_rs]);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(av, bv[v], acc[r][v]);
+    }
+  }
+  const V al = hn::Set(d, alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * ldc;
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      const V x =
+          accumulate ? hn::MulAdd(al, acc[r][v], hn::LoadU(d, cr + v * L)) : hn::Mul(al, acc[r][v]);
+      hn::StoreU(x, d, cr + v * L);
+    }
+  }
+}
+
+template <int NV>
+HWY_INLINE void gemm_columns(D d, int64_t M, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                             const float* const* bcol, int64_t ldb, float alpha, bool accumulate,
+                             float* c, int64_t ldc) {
+  int64_t i0 = 0;
+  for (; i0 + kRows <= M; i0 += kRows)
+    gemm_block<kRows, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate,
+                          c + i0 * ldc, ldc);
+  if (i0 + 4 <= M) {
+    gemm_block<4, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
+                      ldc);
+    i0 += 4;
+  }
+  if (i0 + 2 <= M)  // M is even, so this is the last block
+    gemm_block<2, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
+                      ldc);
+}
+
+// Prefetches rows x len floats (row stride `stride`) towards L2, a cache line at a time.
+HWY_INLINE void prefetch_2d(const float* p, int64_t rows, int64_t len, int64_t stride) {
+  constexpr int64_t kLine = 16;  // floats per 64-byte line
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < len; j += kLine) __builtin_prefetch(p + r * stride + j, 0, 2);
+}
+
+// The first row block of each column panel reads its B rows for the first time; from memory that
+// stalls the FMA chain (bench_kernels --tile-ops on Zen 3: 62 instead of 91 GFLOP/s with B
+// row-major from memory). Prefetching the operands up front lets the memory system fetch them in
+// parallel with the first panel's compute, and panel-major B (gemm_panels) makes B one
+// sequential stream per panel.
+// B(k, j) = panels ? b[(j / kNr) * b_ps + k * kNr + j % kNr] : b[k * ldb + j].
+template <bool kPanels>
+HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
+                          int64_t a_ks, const float* b, int64_t ldb, int64_t b_ps, float alpha,
+                          bool accumulate, float* c, int64_t ldc) {
+  if constexpr (kPanels)
+    prefetch_2d(b, N / kNr, K * kNr, b_ps);
+  else
+    prefetch_2d(b, K, N, ldb);
+  if (a_ks == 1)
+    prefetch_2d(a, M, K, a_rs);
+  else
+    prefetch_2d(a, K, M, a_ks);
+  if (accumulate) prefetch_2d(c, M, N, ldc);
+  const D d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t kstride = kPanels ? kNr : ldb;
+  auto col = [&](int64_t j) { return kPanels ? b + (j / kNr) * b_ps + j % kNr : b + j; };
+  int64_t j0 = 0;
+  for (; j0 + 2 * L <= N; j0 += 2 * L) {
+    if (!kPanels && j0 + 2 * L < N)  // the next panel towards L1 while this one computes
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < 2 * L; j += 16)
+          __builtin_prefetch(b + k * ldb + j0 + 2 * L + j, 0, 3);
+    const float* bcol[2] = {col(j0), col(j0 + L)};
+    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc);
+  }
+  for (; j0 < N; j0 += L) {
+    const float* bcol[1] = {col(j0)};
+    gemm_columns<1>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc);
+  }
+}
+
+void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+          const float* b, int64_t ldb, float alpha, bool accumulate, float* c, int64_t ldc) {
+  gemm_impl<false>(M, N, K, a, a_rs, a_ks, b, ldb, 0, alpha, accumulate, c, ldc);
+}
+
+void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                 const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
+                 int64_t ldc) {
+  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc);
+}
+
+HWY_INLINE V exp_v(D d, V x) {
+  const hn::RebindToSigned<D> di;
+  const V xc = hn::Min(hn::Max(x, hn::Set(d, kExpMin)), hn::Set(d, 88.0f));
+  const V n = hn::Round(hn::Mul(xc, hn::Set(d, 1.44269504088896341f)));
+  V r = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc);
+  r = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r);
+  V p = hn::Set(d, 1.9875691500e-4f);
+  p = hn::MulAdd(p, r, hn::Set(d, 1.3981999507e-3f));
+  p = hn::MulAdd(p, r, hn::Set(d, 8.3334519073e-3f));
+  p = hn::MulAdd(p, r, hn::Set(d, 4.1665795894e-2f));
+  p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
+  p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
+  const V y = hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));
+  const V pow2n =
+      hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127))));
+  return hn::IfThenElseZero(x >= hn::Set(d, kExpMin), hn::Mul(y, pow2n));
+}
+
+void zero_row(D d, float* x, int64_t n) {
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t j = 0; j < n; j += L) hn::StoreU(hn::Zero(d), d, x + j);
+}
+
+void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,
+                    float* m, float* l, float* acc) {
+  const D d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
+  const V neg_inf = hn::Set(d, kNegInfF);
+  const int64_t whole = cols / L * L;  // columns in whole vectors
+  for (int64_t r = 0; r < bq; ++r) {
+    float* sr = s + r * bk;
+    float tile_max = kNegInfF;
+    if (r < rows) {
+      V vmax = neg_inf;
+      for (int64_t j = 0; j < whole; j += L) vmax = hn::Max(vmax, hn::LoadU(d, sr + j));
+      if (whole < cols)
+        vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(cols - whole)),
+                                            hn::LoadU(d, sr + whole), neg_inf));
+      tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+    }
+    const float m_new = m[r] > tile_max ? m[r] : tile_max;
+    if (m_new == kNegInfF) {  // padding, or no visible key so far: nothing to add
+      zero_row(d, sr, bk);
+      continue;
+    }
+    const float alpha = hn::GetLane(exp_v(d, hn::Set(d, m[r] - m_new)));  // m[r] = -inf: 0
+    const V mv = hn::Set(d, m_new);
+    V sum = hn::Zero(d);
+    int64_t j = 0;
+    for (; j < whole; j += L) {
+      const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv));
+      hn::StoreU(p, d, sr + j);
+      sum = hn::Add(sum, p);
+    }
+    if (j < cols) {
+      const V p = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)),
+                                     exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv)));
+      hn::StoreU(p, d, sr + j);
+      sum = hn::Add(sum, p);
+      j += L;
+    }
+    for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
+    l[r] = alpha * l[r] + hn::GetLane(hn::SumOfLanes(d, sum));
+    m[r] = m_new;
+    if (alpha != 1.0f) {
+      const V av = hn::Set(d, alpha);
+      float* ar = acc + r * dp;
+      for (int64_t e = 0; e < dp; e += L) hn::StoreU(hn::Mul(av, hn::LoadU(d, ar + e)), d, ar + e);
+    }
+  }
+}
+
+void probs(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse, float* s) {
+  const D d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t whole = cols / L * L;
+  for (int64_t r = 0; r < bq; ++r) {
+    float* sr = s + r * bk;
+    if (r >= rows || lse[r] == -std::numeric_limits<float>::infinity()) {
+      zero_row(d, sr, bk);
+      continue;
+    }
+    const V lv = hn::Set(d, lse[r]);
+    int64_t j = 0;
+    for (; j < whole; j += L) hn::StoreU(exp_v(d, hn::Sub(hn::LoadU(d, sr + j), lv)), d, sr + j);
+    if (j < cols) {
+      const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), lv));
+      hn::StoreU(hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)), p), d, sr + j);
+      j += L;
+    }
+    for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
+  }
+}
+
+void ds(const float* p, const float* delta, float scale, int64_t bq, int64_t bk, float* dp) {
+  const D d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const V sv = hn::Set(d, scale);
+  for (int64_t r = 0; r < bq; ++r) {
+    const float* pr = p + r * bk;
+    float* dr = dp + r * bk;
+    const V dv = hn::Set(d, delta[r]);
+    for (int64_t j = 0; j < bk; j += L) {
+      const V x = hn::Sub(hn::LoadU(d, dr + j), dv);
+      hn::StoreU(hn::Mul(hn::Mul(sv, hn::LoadU(d, pr + j)), x), d, dr + j);
+    }
+  }
+}
+
+// One multiply-add per term (fused where gemm's is), in order from 0: gemm_block's chain for one
+// element of C.
+float dot(const float* a, const float* b, int64_t n) {
+  const hn::CappedTag<float, 1> d1;
+  auto sum = hn::Zero(d1);
+  for (int64_t i = 0; i < n; ++i) sum = hn::MulAdd(hn::Set(d1, a[i]), hn::Set(d1, b[i]), sum);
+  return hn::GetLane(sum);
+}
+
+void exp_n(const float* x, float* y, int64_t n) {
+  const D d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t i = 0; i < n; i += L) hn::StoreU(exp_v(d, hn::LoadU(d, x + i)), d, y + i);
+}
+
+}  // namespace
+
+}  // namespace HWY_NAMESPACE
+}  // namespace loom::kernels
+HWY_AFTER_NAMESPACE();
+
+// This target's table (name: the LOOM_KERNEL name, see tile_ops.h). Outside HWY_BEFORE_NAMESPACE
+// on purpose: it is compiled for the baseline, so building the table of a target the CPU lacks
+// (kernel_targets() lists them all) runs none of that target's instructions.
+namespace loom::kernels::HWY_NAMESPACE {
+const TileOps* target_ops() {
+  static const TileOps ops{target_name(HWY_TARGET),
+                           128,
+                           gemm,
+                           gemm_panels,
+                           softmax_update,
+                           probs,
+                           ds,
+                           dot,
+                           nullptr,
+                           nullptr,
+                           exp_n};
+  return &ops;
+}
+}  // namespace loom::kernels::HWY_NAMESPACE
+
+#if HWY_ONCE
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "loom/error.h"
+
+namespace loom::kernels {
+
+HWY_EXPORT(target_ops);
+
+const char* target_name(int64_t hwy_target) {
+  switch (hwy_target) {
+    case HWY_AVX3_DL:
+      return "avx512dl";
+    case HWY_AVX3:
+      return "avx512";
+    case HWY_AVX2:
+      return "avx2";
+    case HWY_SSE4:
+      return "sse4";
+    case HWY_SSSE3:
+      return "ssse3";
+    case HWY_NEON:
+      return "neon";
+    case HWY_SVE:
+      return "sve";
+    case HWY_SVE2:
+      return "sve2";
+    case HWY_SVE_256:
+      return "sve256";
+    case HWY_SVE2_128:
+      return "sve2_128";
+    case HWY_EMU128:
+      return "emu128";
+    case HWY_SCALAR:
+      return "scalar";
+    default:
+      return "unknown";
+  }
+}
+
+namespace {
+
+#if HWY_TARGETS & HWY_AVX3
+// The avx512 table with the vdpbf16ps dot products of tile_ops_avx512bf16.cc.
+const TileOps* avx512bf16_ops() {
+  static const TileOps ops = [] {
+    TileOps t = *N_AVX3::target_ops();
+    t.name = "avx512bf16";
+    t.gemm_bf16 = avx512bf16_gemm;
+    t.to_bf16 = avx512bf16_to_bf16;
+    return t;
+  }();
+  return &ops;
+}
+#endif
+
+bool cpu_has_avx512_bf16_flag() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// Every target of this build, best first.
+std::vector<KernelTarget> build_targets() {
+  std::vector<KernelTarget> t;
+  const int64_t supported = hwy::SupportedTargets();
+  auto add = [&](int64_t target, const TileOps* ops) {
+    t.push_back(KernelTarget{ops->name, ops, (supported & target) != 0});
+  };
+#if HWY_TARGETS & HWY_AVX3_DL
+  add(HWY_AVX3_DL, N_AVX3_DL::target_ops());
+#endif
+#if HWY_TARGETS & HWY_AVX3
+  // AVX-512 with native bf16 dot products: the AVX-512 table plus tile_ops_avx512bf16.cc.
+  t.push_back(KernelTarget{avx512bf16_ops()->name, avx512bf16_ops(),
+                           (supported & HWY_AVX3) != 0 && cpu_has_avx512_bf16_flag()});
+  add(HWY_AVX3, N_AVX3::target_ops());
+#endif
+#if HWY_TARGETS & HWY_AVX2
+  add(HWY_AVX2, N_AVX2::target_ops());
+#endif
+#if HWY_TARGETS & HWY_SSE4
+  add(HWY_SSE4, N_SSE4::target_ops());
+#endif
+#if HWY_TARGETS & HWY_SSSE3
+  add(HWY_SSSE3, N_SSSE3::target_ops());
+#endif
+#if HWY_TARGETS & HWY_NEON
+  add(HWY_NEON, N_NEON::target_ops());
+#endif
+#if HWY_TARGETS & HWY_EMU128
+  add(HWY_EMU128, N_EMU128::target_ops());
+#endif
+#if HWY_TARGETS & HWY_SCALAR
+  add(HWY_SCALAR, N_SCALAR::target_ops());
+#endif
+  return t;
+}
+
+std::string names(const std::vector<KernelTarget>& t, bool runnable_only) {
+  std::string s;
+  for (const KernelTarget& k : t) {
+    if (runnable_only && !k.runnable) continue;
+    if (!s.empty()) s += ", ";
+    s += k.name;
+  }
+  return s;
+}
+
+}  // namespace
+
+const std::vector<KernelTarget>& kernel_targets() {
+  static const std::vector<KernelTarget> targets = build_targets();
+  return targets;
+}
+
+const TileOps* find_target(const std::string& name) {
+  const std::vector<KernelTarget>& t = kernel_targets();
+  const std::string want = name == "portable" ? std::string(t.back().name) : name;
+  for (const KernelTarget& k : t)
+    if (want == k.name) return k.ops;
+  return nullptr;
+}
+
+const TileOps& best_ops() {
+  // Highway's choice of the best target this CPU runs; then the bf16 dot products on top of
+  // AVX-512 where the CPU has them.
+  static const TileOps* best = [] {
+    const TileOps* ops = HWY_DYNAMIC_DISPATCH(target_ops)();
+    for (const KernelTarget& k : kernel_targets())
+      if (k.runnable && k.ops->gemm_bf16 != nullptr && k.ops->gemm == ops->gemm) return k.ops;
+    return ops;
+  }();
+  return *best;
+}
+
+const TileOps& select_ops() {
+  const char* env = std::getenv("LOOM_KERNEL");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) return best_ops();
+  const std::vector<KernelTarget>& t = kernel_targets();
+  const std::string want = std::strcmp(env, "portable") == 0 ? t.back().name : env;
+  for (const KernelTarget& k : t) {
+    if (want != k.name) continue;
+    LOOM_CHECK(k.runnable, NotSupported,
+               "LOOM_KERNEL=" << env << ": this CPU cannot run that target (runnable here: "
+                              << names(t, true) << ")");
+    return *k.ops;
+  }
+  static const char* const kKnown[] = {"avx512dl", "avx512", "avx512bf16", "avx2", "sse4",
+                                       "ssse3",    "neon",   "sve",        "sve2", "sve256",
+                                       "sve2_128", "emu128", "scalar"};
+  for (const char* k : kKnown)
+    LOOM_CHECK(want != k, NotSupported,
+               "LOOM_KERNEL=" << env << ": that target is not compiled into this build (compiled: "
+                              << names(t, false) << ")");
+  LOOM_CHECK(false, InvalidArgument,
+             "LOOM_KERNEL=" << env << " is not a kernel target; accepted: auto, portable, "
+                            << names(t, false));
+  return best_ops();  // not reached
+}
+
+}  // namespace loom::kernels
+
+#endif  // HWY_ONCE
