@@ -501,6 +501,7 @@ PYBIND11_MODULE(_loom, m) {
   m.def("reference_forward", &reference_forward);
   m.def("reference_backward", &reference_backward);
   m.def("shard_index", &shard_index);
+  m.def("launcher_backend", [] { return loom::launcher_backend(); });
   m.def("kernel_path", [] { return std::string(loom::kernel_path()); });
   m.def("strategies", [] {
     // Every name parse_strategy accepts, probed in order (new strategies appear here by

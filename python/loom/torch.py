@@ -145,9 +145,12 @@ _groups = {}  # id(ProcessGroup) -> (ProcessGroup, _loom.Group)
 def _group(group):
     if group is None:
         if not dist.is_available() or not dist.is_initialized():
-            raise InvalidArgument(
-                "cp_attention needs a process group: call torch.distributed.init_process_group "
-                "(torchrun) first, or pass group=")
+            launcher = _loom.launcher_backend()  # loom's one launcher check: mpi, torch, local
+            hint = ("this process was started by torchrun: call "
+                    "torch.distributed.init_process_group('gloo') first" if launcher == "torch"
+                    else "call torch.distributed.init_process_group first (under torchrun), "
+                    "or pass group=")
+            raise InvalidArgument(f"cp_attention needs a process group: {hint}")
         group = dist.distributed_c10d._get_default_group()
     if not isinstance(group, dist.ProcessGroup):
         raise InvalidArgument(

@@ -4,8 +4,10 @@
 // `group_id_` goes into the high bits of every wire tag, so that the communicators of one split
 // tree never match each other's messages. The wire tag of (group g, tag t) is
 //   g * 2^21 + t + kTagShift,
-// where kTagShift lifts loom's negative collective tags (collectives.h) above zero. Group ids
-// come from (parent id, split number, color): every member computes the same id without talking.
+// where kTagShift lifts loom's negative collective tags (collectives.h) above zero. The root
+// communicator is group 1; group 0 (wire tags below 2^21) stays free for the user's own
+// send/recv on the same ProcessGroup. Split ids come from (parent id, split number, color):
+// every member computes the same id without talking.
 //
 // A message is a send or recv of a 1-d uint8 tensor wrapping the caller's buffer (from_blob, no
 // copy). A zero-byte message travels as one byte (some transports refuse empty tensors), so the
@@ -39,7 +41,9 @@ namespace {
 constexpr int kTagBits = 21;
 constexpr int kTagShift = 8;  // collectives use tags -1 .. -6
 constexpr int kMaxUserTag = (1 << kTagBits) - 1 - kTagShift;
-constexpr int kMaxGroups = (INT_MAX >> kTagBits);  // group ids in [0, kMaxGroups]
+constexpr int kMaxGroups = (INT_MAX >> kTagBits);  // group ids in [1, kMaxGroups]
+// Group id 0 (wire tags below 2^21) is left to the user's own send/recv on the same group.
+constexpr int kRootGroup = 1;
 
 at::Tensor wrap(void* buf, size_t bytes, uint8_t* one_byte) {
   void* p = bytes == 0 ? one_byte : buf;
@@ -92,7 +96,7 @@ class TorchComm final : public Communicator, public detail::Transport {
             int group_id, double timeout_s)
       : pg_(std::move(pg)), members_(std::move(members)), rank_(rank), group_id_(group_id) {
     timeout_s_ = timeout_s;
-    root_ = group_id_ == 0;
+    root_ = group_id_ == kRootGroup;
   }
 
   int rank() const override { return rank_; }
@@ -132,7 +136,7 @@ class TorchComm final : public Communicator, public detail::Transport {
     const uint64_t h =
         (static_cast<uint64_t>(group_id_) * 1000003u + static_cast<uint64_t>(seq) * 7919u +
          static_cast<uint64_t>(color) * 31u + 1u);
-    const int id = 1 + static_cast<int>(h % static_cast<uint64_t>(kMaxGroups));
+    const int id = 2 + static_cast<int>(h % static_cast<uint64_t>(kMaxGroups - 1));
     return std::make_unique<TorchComm>(pg_, std::move(members), new_rank, id, timeout_s_);
   }
 
@@ -302,7 +306,7 @@ std::unique_ptr<Communicator> torch_communicator(c10::intrusive_ptr<c10d::Proces
   for (int r = 0; r < n; ++r) members[r] = r;
   const int rank = pg->getRank();
   auto comm =
-      std::make_unique<TorchComm>(std::move(pg), std::move(members), rank, 0,
+      std::make_unique<TorchComm>(std::move(pg), std::move(members), rank, kRootGroup,
                                   timeout_s < 0 ? Communicator::default_timeout_s() : timeout_s);
   return comm;
 }
