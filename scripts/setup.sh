@@ -28,3 +28,13 @@ if [ ! -s data/kjv.txt ]; then
   mkdir -p data
   bible -f gen1:1-rev22:21 > data/kjv.txt.tmp && mv data/kjv.txt.tmp data/kjv.txt
 fi
+
+# loom.torch: /usr/bin/python3 (Debian's torch lives there) finds the package in build/python
+# through one .pth file in its user site-packages naming that folder (docs/python.md). Written
+# only when the build made the package; atomically, so a concurrent run never leaves half a file.
+if [ -f build/python/loom/torch.py ] && [ -x /usr/bin/python3 ]; then
+  site=$(/usr/bin/python3 -m site --user-site)
+  mkdir -p "$site"
+  printf '%s\n' "$(pwd)/build/python" > "$site/loom-build.pth.tmp.$$"
+  mv "$site/loom-build.pth.tmp.$$" "$site/loom-build.pth"
+fi

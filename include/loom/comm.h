@@ -63,7 +63,7 @@ class Communicator {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // "local" or "mpi".
+  // "local", "mpi" or "torch".
   virtual std::string backend() const = 0;
 
   // New communicator over the ranks that pass the same color, ordered by (key, old rank).
@@ -156,6 +156,21 @@ bool launched_by_mpirun();
 std::unique_ptr<Communicator> mpi_world();
 // Ends the whole MPI job at once after a fatal error on this rank (MPI_Abort); no-op without MPI.
 void mpi_abort(int code);
+
+// ---------------------------------------------------------------------------------------------
+// torch backend: a torch.distributed ProcessGroup through c10d (src/comm/torch/). Its
+// constructor takes a c10d type, so it is declared in src/comm/torch/torch_comm.h, which only the
+// Python package includes; builds without torch have a stub that says so.
+
+// True if this build has the torch backend (and the Python package).
+bool torch_available();
+// True if the process looks like a worker started by torchrun (TORCHELASTIC_RUN_ID, WORLD_SIZE,
+// LOCAL_RANK set).
+bool launched_by_torchrun();
+// The backend the environment asks for: "mpi" under mpirun/mpiexec, "torch" under torchrun (the
+// Python package then takes the user's process group), else "local". The one place that picks a
+// backend from the launcher; tools and the Python package call it.
+std::string launcher_backend();
 
 // ---------------------------------------------------------------------------------------------
 // Mesh: dp x tp x cp groups with cp = ulysses x ring. Rank order: tp innermost, then ulysses,

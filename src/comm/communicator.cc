@@ -1,11 +1,13 @@
 // The backend-independent parts of the Communicator interface: dtype sizes, the default
-// timeout, batch_p2p's default (post each op), the equal-split all_to_all, and the mpirun check
-// that every build has (with or without the MPI backend).
+// timeout, batch_p2p's default (post each op), the equal-split all_to_all, the checking front
+// every backend calls (front.h), and the launcher checks and backend choice that every build has
+// (with or without the MPI and torch backends).
 #include <cerrno>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "front.h"
 #include "loom/comm.h"
 #include "loom/error.h"
 
@@ -66,6 +68,52 @@ long env_int(const char* name) {
   return (end == text || *end != '\0') ? -1 : v;
 }
 }  // namespace
+
+bool launched_by_torchrun() {
+  // torch.distributed.run (torchrun) exports these to every worker it starts.
+  return std::getenv("TORCHELASTIC_RUN_ID") != nullptr && env_int("WORLD_SIZE") >= 1 &&
+         env_int("LOCAL_RANK") >= 0;
+}
+
+std::string launcher_backend() {
+  if (launched_by_mpirun()) return "mpi";
+  if (launched_by_torchrun()) return "torch";
+  return "local";
+}
+
+namespace detail {
+
+void check_p2p(const char* op, const std::string& who, int size, const void* buf, size_t bytes,
+               int peer, int tag, int max_tag) {
+  LOOM_CHECK(
+      peer >= 0 && peer < size, InvalidArgument,
+      op << " on " << who << ": peer " << peer << " is outside the group of " << size << " ranks");
+  LOOM_CHECK(tag >= 0, InvalidArgument,
+             op << " on " << who << ": tag " << tag
+                << " is negative (negative tags are reserved for collectives)");
+  LOOM_CHECK(
+      tag <= max_tag, InvalidArgument,
+      op << " on " << who << ": tag " << tag << " is over this backend's largest tag " << max_tag);
+  LOOM_CHECK(bytes == 0 || buf, InvalidArgument,
+             op << " on " << who << ": null buffer for " << bytes << " bytes");
+}
+
+void check_all_to_all(int rank, const size_t* send_bytes, const size_t* send_offsets,
+                      const size_t* recv_bytes, const size_t* recv_offsets) {
+  LOOM_CHECK(send_bytes && send_offsets && recv_bytes && recv_offsets, InvalidArgument,
+             "all_to_all: size and offset arrays must not be null");
+  LOOM_CHECK_EQ(send_bytes[rank], recv_bytes[rank], InvalidArgument,
+                "all_to_all on rank " << rank << ": the part a rank sends to itself must "
+                                      << "equal the part it receives from itself");
+}
+
+void check_buffers(const char* op, const void* send, const void* recv, size_t count,
+                   const char* unit) {
+  LOOM_CHECK(count == 0 || (send && recv), InvalidArgument,
+             op << ": null buffer for " << count << " " << unit);
+}
+
+}  // namespace detail
 
 bool launched_by_mpirun() {
   // World sizes set by Open MPI, MPICH/Hydra (PMI), MVAPICH and Intel MPI launchers.

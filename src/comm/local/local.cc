@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "../collectives.h"
+#include "../front.h"
 #include "loom/comm.h"
 #include "loom/error.h"
 #include "loom/timer.h"
@@ -431,31 +433,27 @@ class LocalComm final : public Communicator, public detail::Transport {
   void all_to_all(const void* send, const size_t* send_bytes, const size_t* send_offsets,
                   void* recv, const size_t* recv_bytes, const size_t* recv_offsets,
                   double timeout_s) override {
-    LOOM_CHECK(send_bytes && send_offsets && recv_bytes && recv_offsets, InvalidArgument,
-               "all_to_all: size and offset arrays must not be null");
+    detail::check_all_to_all(rank_, send_bytes, send_offsets, recv_bytes, recv_offsets);
     tick("all_to_all");
     detail::all_to_all(*this, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
                        deadline(timeout_s));
   }
 
   void all_gather(const void* send, size_t bytes, void* recv, double timeout_s) override {
-    LOOM_CHECK(bytes == 0 || (send && recv), InvalidArgument,
-               "all_gather: null buffer for " << bytes << " bytes");
+    detail::check_buffers("all_gather", send, recv, bytes, "bytes");
     tick("all_gather");
     detail::all_gather(*this, send, bytes, recv, deadline(timeout_s));
   }
 
   void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                       double timeout_s) override {
-    LOOM_CHECK(count == 0 || (send && recv), InvalidArgument,
-               "reduce_scatter: null buffer for " << count << " elements");
+    detail::check_buffers("reduce_scatter", send, recv, count, "elements");
     tick("reduce_scatter");
     detail::reduce_scatter(*this, send, recv, count, dtype, op, deadline(timeout_s));
   }
 
   void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, double timeout_s) override {
-    LOOM_CHECK(count == 0 || buf, InvalidArgument,
-               "all_reduce: null buffer for " << count << " elements");
+    detail::check_buffers("all_reduce", buf, buf, count, "elements");
     tick("all_reduce");
     detail::all_reduce(*this, buf, count, dtype, op, deadline(timeout_s));
   }
@@ -471,14 +469,7 @@ class LocalComm final : public Communicator, public detail::Transport {
   double deadline(double timeout_s) const { return now_s() + resolve_timeout(timeout_s); }
 
   void check_p2p(const char* what, const void* buf, size_t bytes, int peer, int tag) const {
-    LOOM_CHECK(peer >= 0 && peer < size(), InvalidArgument,
-               what << " on " << world_->who(rank_) << ": peer " << peer
-                    << " is outside the group of " << size() << " ranks");
-    LOOM_CHECK(tag >= 0, InvalidArgument,
-               what << " on " << world_->who(rank_) << ": tag " << tag
-                    << " is negative (negative tags are reserved for collectives)");
-    LOOM_CHECK(bytes == 0 || buf, InvalidArgument,
-               what << " on " << world_->who(rank_) << ": null buffer for " << bytes << " bytes");
+    detail::check_p2p(what, world_->who(rank_), size(), buf, bytes, peer, tag, INT_MAX);
   }
 
   // Counts one communication op of this rank; a kill fault fires here.

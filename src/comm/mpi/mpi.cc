@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "../collectives.h"
+#include "../front.h"
 #include "loom/comm.h"
 #include "loom/error.h"
 #include "loom/timer.h"
@@ -254,11 +255,7 @@ class MpiComm final : public Communicator {
   void all_to_all(const void* send, const size_t* send_bytes, const size_t* send_offsets,
                   void* recv, const size_t* recv_bytes, const size_t* recv_offsets,
                   double timeout_s) override {
-    LOOM_CHECK(send_bytes && send_offsets && recv_bytes && recv_offsets, InvalidArgument,
-               "all_to_all: size and offset arrays must not be null");
-    LOOM_CHECK_EQ(send_bytes[rank_], recv_bytes[rank_], InvalidArgument,
-                  "all_to_all on rank " << rank_ << ": the part a rank sends to itself must "
-                                        << "equal the part it receives from itself");
+    detail::check_all_to_all(rank_, send_bytes, send_offsets, recv_bytes, recv_offsets);
     std::vector<int> sc(size_), sd(size_), rc(size_), rd(size_);
     for (int p = 0; p < size_; ++p) {
       sc[p] = as_int(send_bytes[p], "all_to_all send size");
@@ -274,8 +271,7 @@ class MpiComm final : public Communicator {
   }
 
   void all_gather(const void* send, size_t bytes, void* recv, double timeout_s) override {
-    LOOM_CHECK(bytes == 0 || (send && recv), InvalidArgument,
-               "all_gather: null buffer for " << bytes << " bytes");
+    detail::check_buffers("all_gather", send, recv, bytes, "bytes");
     const int n = as_int(bytes, "all_gather size");
     as_int(bytes * size_, "all_gather receive size");
     const bool in_place = bytes > 0 && send == static_cast<char*>(recv) + rank_ * bytes;
@@ -288,8 +284,7 @@ class MpiComm final : public Communicator {
 
   void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                       double timeout_s) override {
-    LOOM_CHECK(count == 0 || (send && recv), InvalidArgument,
-               "reduce_scatter: null buffer for " << count << " elements");
+    detail::check_buffers("reduce_scatter", send, recv, count, "elements");
     const int n = as_int(count, "reduce_scatter count");
     as_int(count * size_, "reduce_scatter send count");
     collective("reduce_scatter", resolve_timeout(timeout_s), [&](MPI_Request* r) {
@@ -299,8 +294,7 @@ class MpiComm final : public Communicator {
   }
 
   void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, double timeout_s) override {
-    LOOM_CHECK(count == 0 || buf, InvalidArgument,
-               "all_reduce: null buffer for " << count << " elements");
+    detail::check_buffers("all_reduce", buf, buf, count, "elements");
     const int n = as_int(count, "all_reduce count");
     collective("all_reduce", resolve_timeout(timeout_s), [&](MPI_Request* r) {
       return MPI_Iallreduce(MPI_IN_PLACE, buf, n, mpi_type(dtype), mpi_op(op), comm_, r);
@@ -338,13 +332,7 @@ class MpiComm final : public Communicator {
   }
 
   void check_p2p(const char* what, const void* buf, size_t bytes, int peer, int tag) const {
-    LOOM_CHECK(peer >= 0 && peer < size_, InvalidArgument,
-               what << " on " << who(rank_) << ": peer " << peer << " is outside " << group());
-    LOOM_CHECK(
-        tag >= 0 && tag <= tag_ub_, InvalidArgument,
-        what << " on " << who(rank_) << ": tag " << tag << " is outside [0, " << tag_ub_ << "]");
-    LOOM_CHECK(bytes == 0 || buf, InvalidArgument,
-               what << " on " << who(rank_) << ": null buffer for " << bytes << " bytes");
+    detail::check_p2p(what, who(rank_), size_, buf, bytes, peer, tag, tag_ub_);
     as_int(bytes, "message size");
   }
 

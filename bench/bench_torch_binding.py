@@ -1,0 +1,268 @@
+#!/usr/bin/python3
+"""loom.torch binding benchmarks (issue 13): what calling loom through PyTorch costs.
+
+  1. overhead   per-call cost of the binding at tiny shapes (S = 8, H = 1, D = 16): the
+                autograd op loom.torch.attention against the bare C++ entry (_loom), and a
+                trivial torch op (x + 1) for the price of one torch dispatch, forward and
+                forward + backward;
+  2. vs-torch   loom.torch.attention against plain torch eager attention (matmul, mask,
+                softmax, matmul; autograd backward) on one process, S = --seq;
+  3. vs-loom    the same context-parallel attention through torch and through the loom
+                command, S = --seq tokens per rank: 1 process (loom.torch.attention and
+                loom.torch.cp_attention over a 1-rank gloo group vs `loom attn --ranks 1`)
+                and 2 processes (loom.torch.cp_attention under loom.torchrun, gloo, vs
+                `mpirun -np 2 loom attn`, MPI), ring / zigzag, causal, fp32, 1 thread per rank;
+                and the 2-process scaling: the same global 2 * --seq tokens on 1 and 2 processes.
+
+Every figure is the median of --iters timed calls after --warmup; ratios are formed in the same
+run. Each part checks its result against loom's fp64 reference first (a benchmark checks).
+
+  PYTHONPATH=build/python /usr/bin/python3 bench/bench_torch_binding.py [--seq 4096] [--json f]
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def median_time(fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def eager(q, k, v, causal):
+    import torch
+    b, s, h, d = q.shape
+    g = h // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.repeat_interleave(g, dim=2).transpose(1, 2)
+    vh = v.repeat_interleave(g, dim=2).transpose(1, 2)
+    scores = qh @ kh.transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2)
+
+
+def fwd_bwd_times(op, q, k, v, iters, warmup):
+    """(forward s, backward s) of op(q, k, v) through autograd."""
+    import torch
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    holder = {}
+
+    def fwd():
+        holder["out"] = op(qg, kg, vg)
+
+    def bwd():
+        holder["out"].backward(dout)
+
+    for _ in range(warmup):
+        fwd()
+        bwd()
+    tf, tb = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fwd()
+        t1 = time.perf_counter()
+        bwd()
+        t2 = time.perf_counter()
+        tf.append(t1 - t0)
+        tb.append(t2 - t1)
+    return statistics.median(tf), statistics.median(tb)
+
+
+def inputs(s, heads, kv_heads, dim, seed=1):
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, s, heads, dim, generator=gen)
+    k = torch.randn(1, s, kv_heads, dim, generator=gen)
+    v = torch.randn(1, s, kv_heads, dim, generator=gen)
+    return q, k, v
+
+
+def loom_attn(ranks_args, args, s_global):
+    """forward_s, backward_s of the loom command (its JSON report)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "r.json")
+        cmd = ranks_args + [os.path.join(args.build, "loom"), "attn", "--strategy", "ring",
+                            "--layout", "zigzag", "--seq", str(s_global), "--heads",
+                            str(args.heads), "--kv-heads", str(args.kv_heads), "--head-dim",
+                            str(args.dim), "--threads", "1", "--iters", str(args.iters),
+                            "--warmup", str(args.warmup), "--backward", "--quiet", "--json", path]
+        if not ranks_args:
+            cmd += ["--ranks", "1"]
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        rep = json.load(open(path))
+        return rep["forward_s"], rep["backward_s"]
+
+
+def worker(args):
+    """Under loom.torchrun: cp_attention on this rank's shard of 2-process problems."""
+    import torch
+    import torch.distributed as dist
+    import loom.torch as lt
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    p = dist.get_world_size()
+    s_global = args.seq * p
+    q, k, v = inputs(s_global, args.heads, args.kv_heads, args.dim)
+    # check first: this rank's output against the fp64 reference's shard
+    qs, ks, vs = (lt.shard(x) for x in (q, k, v))
+    out = lt.cp_attention(qs, ks, vs)
+    if args.check_seq:
+        qc, kc, vc = (x[:, :args.check_seq].contiguous() for x in (q, k, v))
+        ref = lt.reference_attention(qc, kc, vc)
+        got = lt.unshard(lt.cp_attention(*(lt.shard(x) for x in (qc, kc, vc))))
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, f"cp_attention rel error {err}"
+    tf, tb = fwd_bwd_times(lambda a, b, c: lt.cp_attention(a, b, c), qs, ks, vs, args.iters,
+                           args.warmup)
+    # slowest rank, as loom attn reports
+    t = torch.tensor([tf, tb], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump({"forward_s": t[0].item(), "backward_s": t[1].item()}, f)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=4096, help="tokens per rank")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--tiny-iters", type=int, default=2000)
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--check-seq", type=int, default=300, help="length of the correctness check")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+    import loom.torch as lt
+    from loom import _loom
+    torch.set_num_threads(1)
+    res = {"seq_per_rank": args.seq, "heads": args.heads, "kv_heads": args.kv_heads,
+           "dim": args.dim, "threads_per_rank": 1, "kernel_path": _loom.kernel_path()}
+
+    # 1. overhead at tiny shapes
+    q, k, v = inputs(8, 1, 1, 16)
+    x = torch.randn(8, 1, 16)
+    n = args.tiny_iters
+    bare = median_time(
+        lambda: _loom.attention_forward(q, k, v, 1, 8, [], 1, 1, 16, True, 0, 0.25, False), n, 50)
+    op = median_time(lambda: lt.attention(q, k, v), n, 50)
+    add = median_time(lambda: x + 1, n, 50)
+    qg = q.clone().requires_grad_()
+    fb = median_time(lambda: lt.attention(qg, k, v).sum().backward(), n // 4, 20)
+    fb_eager = median_time(lambda: eager(qg, k, v, True).sum().backward(), n // 4, 20)
+    res["tiny"] = {"bare_forward_us": bare * 1e6, "op_forward_us": op * 1e6,
+                   "torch_add_us": add * 1e6, "op_forward_backward_us": fb * 1e6,
+                   "eager_forward_backward_us": fb_eager * 1e6}
+
+    # 2. vs plain torch on one process, S = --seq
+    s = args.seq
+    q, k, v = inputs(s, args.heads, args.kv_heads, args.dim)
+    qc, kc, vc = (t[:, :args.check_seq].contiguous() for t in (q, k, v))
+    ref = lt.reference_attention(qc, kc, vc)
+    err = ((lt.attention(qc, kc, vc).double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, f"attention rel error {err}"
+    lf, lb = fwd_bwd_times(lambda a, b, c: lt.attention(a, b, c), q, k, v, args.iters, args.warmup)
+    ef, eb = fwd_bwd_times(lambda a, b, c: eager(a, b, c, True), q, k, v, args.iters, args.warmup)
+    res["one_process"] = {"loom_torch_forward_s": lf, "loom_torch_backward_s": lb,
+                          "torch_eager_forward_s": ef, "torch_eager_backward_s": eb}
+
+    # 3. vs the loom command. 1 process: a 1-rank gloo group in this process.
+    store = dist.HashStore()
+    pg = dist.ProcessGroupGloo(store, 0, 1)
+    cf, cb = fwd_bwd_times(lambda a, b, c: lt.cp_attention(a, b, c, group=pg), q, k, v,
+                           args.iters, args.warmup)
+    af, ab = loom_attn([], args, s)
+    res["p1"] = {"cp_attention_forward_s": cf, "cp_attention_backward_s": cb,
+                 "attention_forward_s": lf, "attention_backward_s": lb,
+                 "loom_attn_forward_s": af, "loom_attn_backward_s": ab}
+    # 2 processes: loom.torchrun vs mpirun
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "w.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        subprocess.run([sys.executable, "-m", "loom.torchrun", "--standalone", "--nproc_per_node",
+                        "2", os.path.abspath(__file__), "--worker", "--worker-out", out, "--seq",
+                        str(s), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
+                        "--dim", str(args.dim), "--iters", str(args.iters), "--warmup",
+                        str(args.warmup), "--check-seq", str(args.check_seq)],
+                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        w = json.load(open(out))
+    mf, mb = loom_attn(["mpirun", "-np", "2", "--oversubscribe", "--allow-run-as-root"], args, 2 * s)
+    # the 2-process problem (2 * S tokens) on one process, for the scaling
+    q2, k2, v2 = inputs(2 * s, args.heads, args.kv_heads, args.dim)
+    sf, sb = fwd_bwd_times(lambda a, b, c: lt.attention(a, b, c), q2, k2, v2, max(2, args.iters // 2), 1)
+    res["p2"] = {"cp_attention_forward_s": w["forward_s"], "cp_attention_backward_s": w["backward_s"],
+                 "loom_attn_mpi_forward_s": mf, "loom_attn_mpi_backward_s": mb,
+                 "one_process_forward_s": sf, "one_process_backward_s": sb}
+
+    t = res["tiny"]
+    print(f"loom.torch binding benchmark (kernel path {res['kernel_path']}, 1 thread per rank)")
+    print(f"tiny shapes (S=8, H=1, D=16), median of {n} calls:")
+    print(f"  _loom.attention_forward (bare C++)   {t['bare_forward_us']:8.1f} us")
+    print(f"  loom.torch.attention (autograd op)   {t['op_forward_us']:8.1f} us   "
+          f"(binding overhead {t['op_forward_us'] - t['bare_forward_us']:.1f} us)")
+    print(f"  torch x + 1 (one torch dispatch)     {t['torch_add_us']:8.1f} us")
+    print(f"  attention forward+backward: loom.torch {t['op_forward_backward_us']:.1f} us, "
+          f"torch eager {t['eager_forward_backward_us']:.1f} us")
+    o = res["one_process"]
+    print(f"one process, S={s} H={args.heads} HKV={args.kv_heads} D={args.dim} causal fp32:")
+    print(f"  forward   loom.torch {o['loom_torch_forward_s'] * 1e3:9.1f} ms   torch eager "
+          f"{o['torch_eager_forward_s'] * 1e3:9.1f} ms   ratio eager/loom "
+          f"{o['torch_eager_forward_s'] / o['loom_torch_forward_s']:.2f}")
+    print(f"  backward  loom.torch {o['loom_torch_backward_s'] * 1e3:9.1f} ms   torch eager "
+          f"{o['torch_eager_backward_s'] * 1e3:9.1f} ms   ratio eager/loom "
+          f"{o['torch_eager_backward_s'] / o['loom_torch_backward_s']:.2f}")
+    p1 = res["p1"]
+    print(f"vs `loom attn`, S={s} per rank, ring/zigzag:")
+    for label, tf_, tb_ in (("1 process  cp_attention (gloo, 1 rank)", p1["cp_attention_forward_s"], p1["cp_attention_backward_s"]),
+                            ("1 process  attention", p1["attention_forward_s"], p1["attention_backward_s"])):
+        print(f"  {label:40s} fwd {tf_ * 1e3:8.1f} ms ({tf_ / p1['loom_attn_forward_s']:.3f}x loom attn "
+              f"{p1['loom_attn_forward_s'] * 1e3:.1f})  bwd {tb_ * 1e3:8.1f} ms "
+              f"({tb_ / p1['loom_attn_backward_s']:.3f}x {p1['loom_attn_backward_s'] * 1e3:.1f})")
+    p2 = res["p2"]
+    print(f"  {'2 processes cp_attention (torchrun, gloo)':40s} fwd {p2['cp_attention_forward_s'] * 1e3:8.1f} ms "
+          f"({p2['cp_attention_forward_s'] / p2['loom_attn_mpi_forward_s']:.3f}x mpirun loom attn "
+          f"{p2['loom_attn_mpi_forward_s'] * 1e3:.1f})  bwd {p2['cp_attention_backward_s'] * 1e3:8.1f} ms "
+          f"({p2['cp_attention_backward_s'] / p2['loom_attn_mpi_backward_s']:.3f}x "
+          f"{p2['loom_attn_mpi_backward_s'] * 1e3:.1f})")
+    print(f"2-process scaling, S={2 * s} global: 1 process fwd {p2['one_process_forward_s'] * 1e3:.1f} ms, "
+          f"2 processes {p2['cp_attention_forward_s'] * 1e3:.1f} ms (speed-up "
+          f"{p2['one_process_forward_s'] / p2['cp_attention_forward_s']:.2f}); bwd "
+          f"{p2['one_process_backward_s'] * 1e3:.1f} / {p2['cp_attention_backward_s'] * 1e3:.1f} ms "
+          f"(speed-up {p2['one_process_backward_s'] / p2['cp_attention_backward_s']:.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,532 @@
+// loom._loom: the C++ side of the Python package. Thin: it checks what only C++ can check
+// (agreement between ranks, the shard plan), turns torch tensors into loom views without
+// copying, and runs loom's engine with the GIL released. The user-facing argument checks and the
+// autograd Functions are in loom/torch.py.
+//
+// Rows. Every op sees one packed sequence: [B, S, H, D] (bshd) is B documents of S tokens each
+// (B * S rows), [T, H, D] with cu_seqlens (thd) is the documents cu_seqlens describes. In a
+// context-parallel call the tensors are this rank's shard: for bshd, rank r holds the same rows
+// of every batch row (the layout applied to each row of length S on its own); for thd, the
+// layout applied to each document (ShardPlan's per-document rule).
+//
+// Errors: loom::Error and its kinds become the Python classes of loom/errors.py (one line,
+// naming the values).
+#include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "loom/attention.h"
+#include "loom/comm.h"
+#include "loom/cp.h"
+#include "loom/error.h"
+#include "torch_comm.h"
+
+namespace py = pybind11;
+using loom::bf16;
+using loom::View3;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Tensors <-> views. Callers (torch.py) pass contiguous CPU tensors of the right dtype; these
+// re-check cheaply so that a direct caller of _loom cannot pass a bad pointer.
+
+void require(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rows, int64_t h,
+             int64_t d) {
+  LOOM_CHECK(t.defined() && t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype,
+             InvalidArgument,
+             name << ": expected a contiguous CPU tensor of " << c10::toString(dtype));
+  LOOM_CHECK(
+      t.numel() == rows * h * d, InvalidArgument,
+      name << ": expected " << rows << " x " << h << " x " << d << " elements, got " << t.numel());
+}
+
+template <class T>
+View3<T> view(const at::Tensor& t, int64_t rows, int64_t h, int64_t d) {
+  return View3<T>{reinterpret_cast<T*>(t.data_ptr()), rows, h, d, h * d, d};
+}
+
+at::ScalarType storage_type(bool is_bf16) {
+  return is_bf16 ? at::kBFloat16 : at::kFloat;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plans.
+
+// bshd: B rows of length L; rank r holds, of every row, the tokens the layout gives it for one
+// sequence of L (so a [B, S_local, H, D] shard is one tensor). thd: ShardPlan's rule over the
+// documents. B == 0 means thd.
+loom::ShardPlan make_plan(loom::Layout layout, int64_t batch, int64_t len, int ranks,
+                          const std::vector<int64_t>& doc_lengths) {
+  if (batch == 0) {
+    const bool one_doc = doc_lengths.size() <= 1;
+    return loom::ShardPlan::make(layout, len, ranks,
+                                 one_doc ? std::vector<int64_t>{} : doc_lengths);
+  }
+  loom::ShardPlan row = loom::ShardPlan::make(layout, len, ranks);
+  if (batch == 1) return row;
+  loom::ShardPlan p;
+  p.layout = layout;
+  p.seq = batch * len;
+  p.ranks = ranks;
+  p.doc_lengths.assign(batch, len);
+  p.tokens.assign(ranks, {});
+  p.docs.assign(ranks, {});
+  p.segments.assign(ranks, {});
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t n = row.rows(r);
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t t : row.tokens[r]) p.tokens[r].push_back(b * len + t);
+      p.docs[r].insert(p.docs[r].end(), n, static_cast<int32_t>(b));
+      for (const loom::Segment& s : row.segments[r])
+        p.segments[r].push_back(loom::Segment{b * n + s.begin, s.count});
+    }
+  }
+  return p;
+}
+
+// The global indices (within one bshd row, or within the thd sequence) of rank r's rows.
+at::Tensor shard_index(const std::string& layout, int ranks, int rank, int64_t batch, int64_t len,
+                       const std::vector<int64_t>& doc_lengths) {
+  LOOM_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, InvalidArgument,
+             "shard: rank " << rank << " is outside a group of " << ranks);
+  loom::ShardPlan p =
+      make_plan(loom::parse_layout(layout), batch == 0 ? 0 : 1, len, ranks, doc_lengths);
+  const auto& t = p.tokens[rank];
+  at::Tensor idx = at::empty({static_cast<int64_t>(t.size())}, at::kLong);
+  if (!t.empty()) std::memcpy(idx.data_ptr<int64_t>(), t.data(), t.size() * sizeof(int64_t));
+  return idx;
+}
+
+loom::KernelConfig kernel_config(bool causal, int64_t window, double scale) {
+  loom::KernelConfig cfg;
+  cfg.mask.causal = causal;
+  cfg.mask.window = window;
+  cfg.scale = static_cast<float>(scale);
+  return cfg;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Context-parallel ops over a torch group.
+
+struct CpOp {
+  std::shared_ptr<loom::Communicator> comm;  // outlives attn
+  loom::ShardPlan plan;
+  std::unique_ptr<loom::CpAttention> attn;
+  int64_t rows = 0, heads = 0, kv_heads = 0, dim = 0;
+  bool is_bf16 = false;
+};
+
+class Group {
+ public:
+  Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, double timeout_s)
+      : comm_(loom::torch_communicator(std::move(pg), timeout_s)) {}
+
+  int rank() const { return comm_->rank(); }
+  int size() const { return comm_->size(); }
+  double timeout_s() const { return comm_->timeout_s(); }
+  void set_timeout_s(double t) {
+    LOOM_CHECK(t > 0, InvalidArgument, "timeout must be positive, got " << t);
+    comm_->set_timeout_s(t);
+  }
+  loom::Communicator& comm() { return *comm_; }
+  void barrier() {
+    py::gil_scoped_release nogil;
+    comm_->barrier();
+  }
+
+  // The op for these arguments (cached; construction is collective). `rows` is this rank's
+  // shard: batch * S_local (bshd) or T_local (thd).
+  std::shared_ptr<CpOp> op(const std::string& strategy, const std::string& layout, int ulysses,
+                           bool causal, int64_t window, double scale, int64_t batch, int64_t rows,
+                           int64_t heads, int64_t kv_heads, int64_t dim, bool is_bf16,
+                           const std::vector<int64_t>& doc_lengths);
+
+ private:
+  std::shared_ptr<loom::Communicator> comm_;
+  std::map<std::string, std::shared_ptr<CpOp>> cache_;
+};
+
+std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& layout, int ulysses,
+                                bool causal, int64_t window, double scale, int64_t batch,
+                                int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                                bool is_bf16, const std::vector<int64_t>& doc_lengths) {
+  const loom::Strategy strat = loom::parse_strategy(strategy);
+  const loom::Layout lay = loom::parse_layout(layout);
+  const int P = comm_->size(), me = comm_->rank();
+  // Every rank states its arguments; all must agree (but the shard length), or the ranks would
+  // post messages that never match. One small all-gather per call.
+  int64_t docs_hash = 1469598103934665603LL;
+  for (int64_t l : doc_lengths) docs_hash = (docs_hash ^ l) * 1099511628211LL;
+  int64_t scale_bits = 0;
+  std::memcpy(&scale_bits, &scale, sizeof scale);
+  const char* names[] = {"rows",   "batch",      "heads",    "kv_heads", "head_dim",
+                         "causal", "window",     "strategy", "layout",   "ulysses",
+                         "dtype",  "cu_seqlens", "scale"};
+  constexpr int kN = 13;
+  const int64_t mine[kN] = {rows,
+                            batch,
+                            heads,
+                            kv_heads,
+                            dim,
+                            causal,
+                            window,
+                            static_cast<int64_t>(strat),
+                            static_cast<int64_t>(lay),
+                            ulysses,
+                            is_bf16,
+                            docs_hash,
+                            scale_bits};
+  std::vector<int64_t> all(static_cast<size_t>(kN) * P);
+  {
+    py::gil_scoped_release nogil;
+    comm_->all_gather(mine, sizeof mine, all.data());
+  }
+  for (int r = 0; r < P; ++r) {
+    for (int i = 1; i < kN; ++i) {
+      LOOM_CHECK(all[r * kN + i] == mine[i], InvalidArgument,
+                 "cp_attention: the ranks of the group disagree on "
+                     << names[i] << ": rank " << me << " passed "
+                     << (i == 12 ? std::to_string(scale) : std::to_string(mine[i])) << ", rank "
+                     << r << " passed "
+                     << (i == 12 ? "another scale" : std::to_string(all[r * kN + i])));
+    }
+  }
+  int64_t total = 0;
+  for (int r = 0; r < P; ++r) total += all[r * kN];
+  int64_t len = 0;
+  if (batch > 0) {
+    len = total / batch;
+  } else {
+    len = 0;
+    for (int64_t l : doc_lengths) len += l;
+    LOOM_CHECK(len == total, InvalidArgument,
+               "cp_attention: cu_seqlens describes " << len << " tokens but the ranks hold "
+                                                     << total << " together");
+  }
+  LOOM_CHECK(len >= 1, InvalidArgument, "cp_attention: the global sequence is empty");
+
+  std::ostringstream key;
+  for (int r = 0; r < P; ++r) key << all[r * kN] << ',';
+  for (int i = 1; i < kN; ++i) key << mine[i] << ',';
+  auto it = cache_.find(key.str());
+  if (it != cache_.end()) return it->second;
+
+  auto op = std::make_shared<CpOp>();
+  op->comm = comm_;
+  op->plan = make_plan(lay, batch, len, P, doc_lengths);
+  for (int r = 0; r < P; ++r) {
+    const int64_t expect = op->plan.rows(r);
+    LOOM_CHECK(all[r * kN] == expect, InvalidArgument,
+               "cp_attention: rank " << r << " holds " << all[r * kN] << " rows but layout '"
+                                     << layout << "' of " << (batch > 0 ? "S = " : "T = ") << len
+                                     << " tokens over " << P << " ranks puts " << expect
+                                     << " there (shard the input with loom.torch.shard)");
+  }
+  loom::CpConfig cfg;
+  cfg.strategy = strat;
+  cfg.ulysses = ulysses;
+  cfg.kernel = kernel_config(causal, window, scale);
+  {
+    py::gil_scoped_release nogil;
+    op->attn = std::make_unique<loom::CpAttention>(*comm_, op->plan, cfg, heads, kv_heads, dim);
+  }
+  op->attn->metrics().record_spans = false;
+  op->rows = rows;
+  op->heads = heads;
+  op->kv_heads = kv_heads;
+  op->dim = dim;
+  op->is_bf16 = is_bf16;
+  if (cache_.size() >= 16) cache_.clear();
+  cache_[key.str()] = op;
+  return op;
+}
+
+py::tuple cp_forward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto st = storage_type(op.is_bf16);
+  require(q, "q", st, op.rows, op.heads, op.dim);
+  require(k, "k", st, op.rows, op.kv_heads, op.dim);
+  require(v, "v", st, op.rows, op.kv_heads, op.dim);
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({op.heads, op.rows}, at::kFloat);
+  {
+    py::gil_scoped_release nogil;
+    const int64_t n = op.rows, h = op.heads, hk = op.kv_heads, d = op.dim;
+    if (op.is_bf16) {
+      op.attn->forward(view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
+                       view<const bf16>(v, n, hk, d), view<bf16>(out, n, h, d),
+                       lse.data_ptr<float>());
+    } else {
+      op.attn->forward(view<const float>(q, n, h, d), view<const float>(k, n, hk, d),
+                       view<const float>(v, n, hk, d), view<float>(out, n, h, d),
+                       lse.data_ptr<float>());
+    }
+  }
+  return py::make_tuple(out, lse);
+}
+
+py::tuple cp_backward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse) {
+  const auto st = storage_type(op.is_bf16);
+  const int64_t n = op.rows, h = op.heads, hk = op.kv_heads, d = op.dim;
+  require(q, "q", st, n, h, d);
+  require(k, "k", st, n, hk, d);
+  require(v, "v", st, n, hk, d);
+  require(out, "out", st, n, h, d);
+  require(dout, "dout", st, n, h, d);
+  require(lse, "lse", at::kFloat, h, n, 1);
+  at::Tensor dq = at::empty({n, h, d}, at::kFloat);
+  at::Tensor dk = at::empty({n, hk, d}, at::kFloat);
+  at::Tensor dv = at::empty({n, hk, d}, at::kFloat);
+  {
+    py::gil_scoped_release nogil;
+    if (op.is_bf16) {
+      op.attn->backward(view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
+                        view<const bf16>(v, n, hk, d), view<const bf16>(out, n, h, d),
+                        view<const bf16>(dout, n, h, d), lse.data_ptr<float>(),
+                        view<float>(dq, n, h, d), view<float>(dk, n, hk, d),
+                        view<float>(dv, n, hk, d));
+    } else {
+      op.attn->backward(view<const float>(q, n, h, d), view<const float>(k, n, hk, d),
+                        view<const float>(v, n, hk, d), view<const float>(out, n, h, d),
+                        view<const float>(dout, n, h, d), lse.data_ptr<float>(),
+                        view<float>(dq, n, h, d), view<float>(dk, n, hk, d),
+                        view<float>(dv, n, hk, d));
+    }
+  }
+  return py::make_tuple(dq, dk, dv);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One rank: the blockwise kernels over the whole packed sequence.
+
+struct OneRank {
+  loom::ShardPlan plan;
+  loom::Tokens tokens;
+  int64_t rows;
+};
+
+OneRank one_rank(int64_t batch, int64_t len, const std::vector<int64_t>& doc_lengths) {
+  OneRank o;
+  o.plan = make_plan(loom::Layout::contiguous, batch, len, 1, doc_lengths);
+  o.tokens = o.plan.token_info(0);
+  o.rows = o.plan.rows(0);
+  return o;
+}
+
+py::tuple attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            int64_t batch, int64_t len, const std::vector<int64_t>& doc_lengths,
+                            int64_t heads, int64_t kv_heads, int64_t dim, bool causal,
+                            int64_t window, double scale, bool is_bf16) {
+  OneRank o = one_rank(batch, len, doc_lengths);
+  const int64_t n = o.rows, h = heads, hk = kv_heads, d = dim;
+  const auto st = storage_type(is_bf16);
+  require(q, "q", st, n, h, d);
+  require(k, "k", st, n, hk, d);
+  require(v, "v", st, n, hk, d);
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({h, n}, at::kFloat);
+  const loom::KernelConfig cfg = kernel_config(causal, window, scale);
+  {
+    py::gil_scoped_release nogil;
+    loom::SoftmaxState state(n, h, d);
+    if (is_bf16) {
+      loom::attend(state.view(), view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
+                   view<const bf16>(v, n, hk, d), o.tokens, o.tokens, cfg);
+      loom::finish(state.view(), view<bf16>(out, n, h, d), lse.data_ptr<float>(), n);
+    } else {
+      loom::attend(state.view(), view<const float>(q, n, h, d), view<const float>(k, n, hk, d),
+                   view<const float>(v, n, hk, d), o.tokens, o.tokens, cfg);
+      loom::finish(state.view(), view<float>(out, n, h, d), lse.data_ptr<float>(), n);
+    }
+  }
+  return py::make_tuple(out, lse);
+}
+
+py::tuple attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
+                             int64_t batch, int64_t len, const std::vector<int64_t>& doc_lengths,
+                             int64_t heads, int64_t kv_heads, int64_t dim, bool causal,
+                             int64_t window, double scale, bool is_bf16) {
+  OneRank o = one_rank(batch, len, doc_lengths);
+  const int64_t n = o.rows, h = heads, hk = kv_heads, d = dim;
+  const auto st = storage_type(is_bf16);
+  require(q, "q", st, n, h, d);
+  require(k, "k", st, n, hk, d);
+  require(v, "v", st, n, hk, d);
+  require(out, "out", st, n, h, d);
+  require(dout, "dout", st, n, h, d);
+  require(lse, "lse", at::kFloat, h, n, 1);
+  at::Tensor dq = at::zeros({n, h, d}, at::kFloat);
+  at::Tensor dk = at::zeros({n, hk, d}, at::kFloat);
+  at::Tensor dv = at::zeros({n, hk, d}, at::kFloat);
+  const loom::KernelConfig cfg = kernel_config(causal, window, scale);
+  {
+    py::gil_scoped_release nogil;
+    std::vector<float> delta(static_cast<size_t>(h * n));
+    if (is_bf16) {
+      loom::compute_delta(view<const bf16>(out, n, h, d), view<const bf16>(dout, n, h, d),
+                          delta.data(), n);
+      loom::attend_backward(view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
+                            view<const bf16>(v, n, hk, d), view<const bf16>(dout, n, h, d),
+                            lse.data_ptr<float>(), delta.data(), n, o.tokens, o.tokens, cfg,
+                            view<float>(dq, n, h, d), view<float>(dk, n, hk, d),
+                            view<float>(dv, n, hk, d));
+    } else {
+      loom::compute_delta(view<const float>(out, n, h, d), view<const float>(dout, n, h, d),
+                          delta.data(), n);
+      loom::attend_backward(view<const float>(q, n, h, d), view<const float>(k, n, hk, d),
+                            view<const float>(v, n, hk, d), view<const float>(dout, n, h, d),
+                            lse.data_ptr<float>(), delta.data(), n, o.tokens, o.tokens, cfg,
+                            view<float>(dq, n, h, d), view<float>(dk, n, hk, d),
+                            view<float>(dv, n, hk, d));
+    }
+  }
+  return py::make_tuple(dq, dk, dv);
+}
+
+// loom's fp64 reference (plain loops) over the packed sequence.
+py::tuple reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            int64_t batch, int64_t len, const std::vector<int64_t>& doc_lengths,
+                            int64_t heads, int64_t kv_heads, int64_t dim, bool causal,
+                            int64_t window, double scale) {
+  OneRank o = one_rank(batch, len, doc_lengths);
+  const int64_t n = o.rows, h = heads, hk = kv_heads, d = dim;
+  require(q, "q", at::kDouble, n, h, d);
+  require(k, "k", at::kDouble, n, hk, d);
+  require(v, "v", at::kDouble, n, hk, d);
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({h, n}, at::kDouble);
+  loom::Mask mask{causal, window};
+  {
+    py::gil_scoped_release nogil;
+    loom::reference_forward(view<const double>(q, n, h, d), view<const double>(k, n, hk, d),
+                            view<const double>(v, n, hk, d), o.tokens, o.tokens, mask, scale,
+                            view<double>(out, n, h, d), lse.data_ptr<double>());
+  }
+  return py::make_tuple(out, lse);
+}
+
+py::tuple reference_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& dout, int64_t batch, int64_t len,
+                             const std::vector<int64_t>& doc_lengths, int64_t heads,
+                             int64_t kv_heads, int64_t dim, bool causal, int64_t window,
+                             double scale) {
+  OneRank o = one_rank(batch, len, doc_lengths);
+  const int64_t n = o.rows, h = heads, hk = kv_heads, d = dim;
+  require(q, "q", at::kDouble, n, h, d);
+  require(k, "k", at::kDouble, n, hk, d);
+  require(v, "v", at::kDouble, n, hk, d);
+  require(dout, "dout", at::kDouble, n, h, d);
+  at::Tensor dq = at::empty({n, h, d}, at::kDouble);
+  at::Tensor dk = at::empty({n, hk, d}, at::kDouble);
+  at::Tensor dv = at::empty({n, hk, d}, at::kDouble);
+  loom::Mask mask{causal, window};
+  {
+    py::gil_scoped_release nogil;
+    loom::reference_backward(view<const double>(q, n, h, d), view<const double>(k, n, hk, d),
+                             view<const double>(v, n, hk, d), view<const double>(dout, n, h, d),
+                             o.tokens, o.tokens, mask, scale, view<double>(dq, n, h, d),
+                             view<double>(dk, n, hk, d), view<double>(dv, n, hk, d));
+  }
+  return py::make_tuple(dq, dk, dv);
+}
+
+// loom::Error kinds -> the classes of loom/errors.py (imported when the first error happens).
+void translate(const loom::Error& e, const char* kind) {
+  py::gil_scoped_acquire gil;
+  py::object cls = py::module_::import("loom.errors").attr(kind);
+  PyErr_SetString(cls.ptr(), e.what());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_loom, m) {
+  m.doc() = "loom's C++ engine for loom.torch (internal; use loom.torch)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const loom::Timeout& e) {
+      translate(e, "Timeout");
+    } catch (const loom::CommError& e) {
+      translate(e, "CommError");
+    } catch (const loom::InvalidArgument& e) {
+      translate(e, "InvalidArgument");
+    } catch (const loom::NotSupported& e) {
+      translate(e, "NotSupported");
+    } catch (const loom::IoError& e) {
+      translate(e, "IoError");
+    } catch (const loom::Error& e) {
+      translate(e, "Error");
+    }
+  });
+
+  py::class_<CpOp, std::shared_ptr<CpOp>>(m, "CpOp")
+      .def_readonly("rows", &CpOp::rows)
+      .def("metrics", [](CpOp& op) {
+        const loom::CpMetrics& mt = op.attn->metrics();
+        py::dict d;
+        d["compute_s"] = mt.compute_s;
+        d["comm_s"] = mt.comm_s;
+        d["wait_s"] = mt.wait_s;
+        d["bytes_sent"] = mt.bytes_sent;
+        d["bytes_recv"] = mt.bytes_recv;
+        d["tiles"] = mt.tiles;
+        return d;
+      });
+
+  py::class_<Group>(m, "Group")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, double>(), py::arg("pg"),
+           py::arg("timeout_s") = -1.0)
+      .def_property_readonly("rank", &Group::rank)
+      .def_property_readonly("size", &Group::size)
+      .def_property("timeout_s", &Group::timeout_s, &Group::set_timeout_s)
+      .def("barrier", &Group::barrier)
+      .def("op", &Group::op);
+
+  m.def("cp_forward", &cp_forward);
+  m.def("cp_backward", &cp_backward);
+  m.def("attention_forward", &attention_forward);
+  m.def("attention_backward", &attention_backward);
+  m.def("reference_forward", &reference_forward);
+  m.def("reference_backward", &reference_backward);
+  m.def("shard_index", &shard_index);
+  m.def("launcher_backend", [] { return loom::launcher_backend(); });
+  m.def("kernel_path", [] { return std::string(loom::kernel_path()); });
+  m.def("strategies", [] {
+    // Every name parse_strategy accepts, probed in order (new strategies appear here by
+    // themselves as long as they are listed in parse_strategy's error text).
+    std::vector<std::string> names;
+    try {
+      loom::parse_strategy("?");
+    } catch (const loom::Error& e) {
+      std::string text = e.what();
+      const size_t open = text.find("(choose ");
+      const size_t close = text.rfind(')');
+      if (open != std::string::npos && close != std::string::npos && close > open) {
+        std::string list = text.substr(open + 8, close - open - 8);
+        std::string word;
+        for (size_t i = 0; i <= list.size(); ++i) {
+          const char c = i < list.size() ? list[i] : ' ';
+          if (c == ',' || c == ' ') {
+            if (!word.empty() && word != "or") names.push_back(word);
+            word.clear();
+          } else {
+            word += c;
+          }
+        }
+      }
+    }
+    return names;
+  });
+}

@@ -1,0 +1,395 @@
+"""loom.torch: exact attention, on one process or context-parallel over a torch.distributed group.
+
+    out = loom.torch.attention(q, k, v, causal=True)                  # one rank
+    out = loom.torch.cp_attention(q, k, v, group, strategy="ring")    # this rank's shard
+    q_shard = loom.torch.shard(q, group, "zigzag")                    # the split cp_attention expects
+    out_ref = loom.torch.reference_attention(q, k, v)                 # loom's fp64 reference
+
+Tensors are CPU tensors, fp32 or bf16 (fp32 accumulation, fp32 lse), in one of two layouts:
+  bshd  q [B, S, H, D], k and v [B, S, Hkv, D]: each batch row is one sequence;
+  thd   q [T, H, D], k and v [T, Hkv, D] with cu_seqlens [N + 1] (int32/int64, starting at 0,
+        increasing, ending at the global T): N packed documents, attention within each.
+H % Hkv == 0 (GQA/MQA: query head h reads KV head h // (H // Hkv)). The mask is defined on global
+token positions: a query sees a key of its own document iff (not causal or key <= query) and
+(window is None or |query - key| < window).
+
+Each op is a torch.autograd.Function with an exact backward (the gradient of lse is not
+propagated: lse is returned as a non-differentiable output). Every bad input raises one of
+loom.errors' exceptions with one line naming the value. docs/python.md has the whole story.
+"""
+import math
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from . import _loom
+from .errors import CommError, Error, InvalidArgument, NotSupported, Timeout  # noqa: F401
+
+__all__ = [
+    "attention", "cp_attention", "shard", "unshard", "reference_attention", "set_timeout",
+    "strategies", "layouts",
+]
+
+layouts = ("contiguous", "zigzag", "stripe")
+
+
+def strategies():
+    """The strategy names loom's registry accepts (ring, ulysses, hybrid, allgather, ...)."""
+    names = _loom.strategies()
+    return tuple(names) if names else ("ring", "ulysses", "hybrid", "allgather")
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (once, at the entry; the C++ side re-checks only what it must).
+
+def _tensor(x, name):
+    if not isinstance(x, torch.Tensor):
+        raise InvalidArgument(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise NotSupported(
+            f"{name} is on {x.device}: loom.torch runs on CPU tensors only (this build has no "
+            f"GPU backend); move the tensors with .cpu()")
+    return x
+
+
+def _check_qkv(q, k, v, cu_seqlens, allow_f64=False):
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        _tensor(x, name)
+    ok = (torch.float32, torch.bfloat16) + ((torch.float64, torch.float16) if allow_f64 else ())
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if x.dtype not in ok:
+            raise InvalidArgument(
+                f"{name} has dtype {x.dtype}; loom.torch takes "
+                + " or ".join(str(t) for t in ok))
+    if not allow_f64 and not (q.dtype == k.dtype == v.dtype):
+        raise InvalidArgument(
+            f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    want = 3 if cu_seqlens is not None else 4
+    what = "[T, H, D] with cu_seqlens" if want == 3 else "[B, S, H, D] (or [T, H, D] with cu_seqlens)"
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if x.dim() != want:
+            raise InvalidArgument(f"{name} must be {what}, got shape {list(x.shape)}")
+        if not allow_f64 and not x.is_contiguous():
+            raise InvalidArgument(
+                f"{name} is not contiguous (shape {list(x.shape)}, strides {list(x.stride())}); "
+                f"call .contiguous()")
+    if k.shape != v.shape:
+        raise InvalidArgument(f"k and v must have one shape, got {list(k.shape)} and {list(v.shape)}")
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise InvalidArgument(
+            f"q {list(q.shape)} and k {list(k.shape)} must agree on every dimension but the heads")
+    heads, kv_heads, dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    if heads < 1 or kv_heads < 1 or heads % kv_heads != 0:
+        raise InvalidArgument(
+            f"the query heads ({heads}) must be a positive multiple of the kv heads ({kv_heads})")
+    if dim < 1 or dim > 256:
+        raise InvalidArgument(f"head_dim must be in [1, 256], got {dim}")
+    return heads, kv_heads, dim
+
+
+def _check_mask(causal, window, scale, dim):
+    if not isinstance(causal, bool):
+        raise InvalidArgument(f"causal must be True or False, got {causal!r}")
+    if window is None:
+        w = 0
+    elif isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
+        raise InvalidArgument(f"window must be None or a positive int, got {window!r}")
+    else:
+        w = int(window)
+    if scale is None:
+        s = 1.0 / math.sqrt(dim)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
+            math.isfinite(scale) and scale > 0):
+        raise InvalidArgument(f"scale must be None or a positive finite number, got {scale!r}")
+    else:
+        s = float(scale)
+    return w, s
+
+
+def _doc_lengths(cu_seqlens, total=None, what="T"):
+    """cu_seqlens -> list of document lengths (checked)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type != "cpu":
+            raise NotSupported(f"cu_seqlens is on {cu_seqlens.device}; loom.torch takes CPU tensors")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+            raise InvalidArgument(
+                f"cu_seqlens must be a 1-d int32 or int64 tensor, got {cu_seqlens.dtype} of shape "
+                f"{list(cu_seqlens.shape)}")
+        cu = cu_seqlens.tolist()
+    elif isinstance(cu_seqlens, (list, tuple)) and all(
+            isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
+        cu = [int(c) for c in cu_seqlens]
+    else:
+        raise InvalidArgument(
+            f"cu_seqlens must be a 1-d int tensor or a list of ints, got {type(cu_seqlens).__name__}")
+    if len(cu) < 2 or cu[0] != 0:
+        raise InvalidArgument(f"cu_seqlens must start at 0 and have at least 2 entries, got {cu[:8]}")
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    for i, l in enumerate(lengths):
+        if l <= 0:
+            raise InvalidArgument(
+                f"cu_seqlens must increase strictly: document {i} has length {l} "
+                f"(cu_seqlens[{i}] = {cu[i]}, cu_seqlens[{i + 1}] = {cu[i + 1]})")
+    if total is not None and cu[-1] != total:
+        raise InvalidArgument(f"cu_seqlens ends at {cu[-1]} but the tensors hold {what} = {total} tokens")
+    return lengths
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups.
+
+_groups = {}  # id(ProcessGroup) -> (ProcessGroup, _loom.Group)
+
+
+def _group(group):
+    if group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            launcher = _loom.launcher_backend()  # loom's one launcher check: mpi, torch, local
+            hint = ("this process was started by torchrun: call "
+                    "torch.distributed.init_process_group('gloo') first" if launcher == "torch"
+                    else "call torch.distributed.init_process_group first (under torchrun), "
+                    "or pass group=")
+            raise InvalidArgument(f"cp_attention needs a process group: {hint}")
+        group = dist.distributed_c10d._get_default_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise InvalidArgument(
+            f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    entry = _groups.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = (group, _loom.Group(group))
+        _groups[id(group)] = entry
+    return entry[1]
+
+
+def set_timeout(seconds, group=None):
+    """Sets loom's timeout (seconds) for every wait over `group` (default: LOOM_TIMEOUT_S or 60)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds > 0:
+        raise InvalidArgument(f"timeout must be a positive number of seconds, got {seconds!r}")
+    _group(group).timeout_s = float(seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers shared by the ops.
+
+def _rows(q, cu_seqlens):
+    """(batch, per-row length, rows) of the packed sequence: bshd -> (B, S, B*S); thd -> (0, T, T)."""
+    if cu_seqlens is None:
+        return q.shape[0], q.shape[1], q.shape[0] * q.shape[1]
+    return 0, q.shape[0], q.shape[0]
+
+
+def _lse_out(lse, batch, seq):
+    """[H, rows] -> [B, H, S] (bshd) or [H, T] (thd)."""
+    if batch == 0:
+        return lse
+    return lse.view(lse.shape[0], batch, seq).permute(1, 0, 2).contiguous()
+
+
+def _lse_in(lse, batch):
+    if batch == 0:
+        return lse
+    return lse.permute(1, 0, 2).contiguous().view(lse.shape[1], -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank.
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, meta):
+        batch, seq, docs, heads, kv_heads, dim, causal, window, scale = meta
+        is_bf16 = q.dtype == torch.bfloat16
+        out, lse = _loom.attention_forward(q, k, v, batch, seq, docs, heads, kv_heads, dim,
+                                           causal, window, scale, is_bf16)
+        out = out.view(q.shape)
+        ctx.meta = meta
+        ctx.save_for_backward(q, k, v, out, lse)
+        lse_out = _lse_out(lse, batch, seq)
+        ctx.mark_non_differentiable(lse_out)
+        return out, lse_out
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
+        is_bf16 = q.dtype == torch.bfloat16
+        dout = dout.to(q.dtype).contiguous()
+        dq, dk, dv = _loom.attention_backward(q, k, v, out, dout, lse, batch, seq, docs, heads,
+                                              kv_heads, dim, causal, window, scale, is_bf16)
+        return (dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape),
+                dv.to(v.dtype).view(v.shape), None)
+
+
+def attention(q, k, v, causal=True, window=None, cu_seqlens=None, scale=None, return_lse=False):
+    """Exact attention on this process. q [B,S,H,D] or [T,H,D] with cu_seqlens; k, v with Hkv
+    heads. Returns out (q's shape and dtype), and with return_lse=True also lse (fp32, [B,H,S] or
+    [H,T]). scale defaults to 1/sqrt(D)."""
+    heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens)
+    window, scale = _check_mask(causal, window, scale, dim)
+    batch, seq, _ = _rows(q, cu_seqlens)
+    docs = _doc_lengths(cu_seqlens, seq) if cu_seqlens is not None else []
+    meta = (batch, seq, docs, heads, kv_heads, dim, causal, window, scale)
+    out, lse = _Attention.apply(q, k, v, meta)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel.
+
+class _CpAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, op, batch, seq):
+        out, lse = _loom.cp_forward(op, q, k, v)
+        out = out.view(q.shape)
+        ctx.op = op
+        ctx.batch = batch
+        ctx.save_for_backward(q, k, v, out, lse)
+        lse_out = _lse_out(lse, batch, seq)
+        ctx.mark_non_differentiable(lse_out)
+        return out, lse_out
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.to(q.dtype).contiguous()
+        dq, dk, dv = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse)
+        return (dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape),
+                dv.to(v.dtype).view(v.shape), None, None, None)
+
+
+def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=None, causal=True,
+                 window=None, cu_seqlens=None, scale=None, return_lse=False):
+    """Context-parallel exact attention over the ranks of `group` (a torch.distributed
+    ProcessGroup; None: the default group). q, k, v are this rank's shard (loom.torch.shard with
+    the same layout and cu_seqlens). strategy: ring, ulysses, hybrid (needs ulysses=U, the
+    ulysses degree), allgather (loom.torch.strategies()). layout: contiguous, zigzag, stripe.
+    cu_seqlens describes the GLOBAL packed sequence (the same on every rank). Returns this
+    rank's out (and lse: [B,H,S_local] or [H,T_local]). Collective: every rank of the group
+    calls it with the same arguments but its own shard."""
+    heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens)
+    window, scale = _check_mask(causal, window, scale, dim)
+    if not isinstance(strategy, str):
+        raise InvalidArgument(f"strategy must be a string, got {strategy!r}")
+    if not isinstance(layout, str) or layout not in layouts:
+        raise InvalidArgument(f"unknown layout {layout!r} (choose contiguous, zigzag or stripe)")
+    if ulysses is None:
+        if strategy == "hybrid":
+            raise InvalidArgument("strategy='hybrid' needs ulysses=U (the ulysses degree inside "
+                                  "each group; the ring degree is the group size / U)")
+        u = 1
+    elif isinstance(ulysses, bool) or not isinstance(ulysses, numbers.Integral) or ulysses < 1:
+        raise InvalidArgument(f"ulysses must be None or a positive int, got {ulysses!r}")
+    elif strategy != "hybrid":
+        raise InvalidArgument(f"ulysses= is only for strategy='hybrid' (got strategy={strategy!r})")
+    else:
+        u = int(ulysses)
+    g = _group(group)
+    batch, seq, rows = _rows(q, cu_seqlens)
+    docs = _doc_lengths(cu_seqlens) if cu_seqlens is not None else []
+    op = g.op(strategy, layout, u, causal, window, scale, batch, rows, heads, kv_heads, dim,
+              q.dtype == torch.bfloat16, docs)
+    out, lse = _CpAttention.apply(q, k, v, op, batch, seq)
+    return (out, lse) if return_lse else out
+
+
+def _shard_args(x, group, layout, cu_seqlens, dim, name):
+    _tensor(x, name)
+    if not isinstance(layout, str) or layout not in layouts:
+        raise InvalidArgument(f"unknown layout {layout!r} (choose contiguous, zigzag or stripe)")
+    g = _group(group)
+    if dim is None:
+        dim = 0 if cu_seqlens is not None else 1
+    if not isinstance(dim, numbers.Integral) or not -x.dim() <= dim < x.dim():
+        raise InvalidArgument(f"dim {dim!r} is outside a tensor of shape {list(x.shape)}")
+    return g, int(dim) % x.dim()
+
+
+def shard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
+    """This rank's part of the global tensor x, split along `dim` (default: 1 for [B, S, ...], 0
+    for [T, ...] with cu_seqlens) the way cp_attention expects. Returns a new contiguous tensor."""
+    g, dim = _shard_args(x, group, layout, cu_seqlens, dim, "x")
+    length = x.shape[dim]
+    if length < 1:
+        raise InvalidArgument(f"shard: x has no tokens along dim {dim} (shape {list(x.shape)})")
+    if cu_seqlens is not None:
+        docs = _doc_lengths(cu_seqlens, length, what=f"x.shape[{dim}]")
+        idx = _loom.shard_index(layout, g.size, g.rank, 0, length, docs)
+    else:
+        idx = _loom.shard_index(layout, g.size, g.rank, 1, length, [])
+    return x.index_select(dim, idx).contiguous()
+
+
+def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
+    """The inverse of shard: gathers every rank's part (collective over group) and returns the
+    global tensor on every rank. Not differentiable (use it for outputs and checks)."""
+    g, dim = _shard_args(x, group, layout, cu_seqlens, dim, "x")
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(g.size)]
+    dist.all_gather(sizes, torch.tensor([x.shape[dim]], dtype=torch.int64), group=pg)
+    sizes = [int(s.item()) for s in sizes]
+    total = sum(sizes)
+    if cu_seqlens is not None:
+        docs = _doc_lengths(cu_seqlens, total, what="the ranks' parts together")
+        batch = 0
+    else:
+        docs, batch = [], 1
+    idxs = [_loom.shard_index(layout, g.size, r, batch, total, docs) for r in range(g.size)]
+    for r in range(g.size):
+        if idxs[r].numel() != sizes[r]:
+            raise InvalidArgument(
+                f"unshard: rank {r} holds {sizes[r]} rows but layout {layout!r} of {total} tokens "
+                f"over {g.size} ranks gives it {idxs[r].numel()}")
+    width = max(sizes)
+    xt = x.detach().movedim(dim, 0).contiguous()
+    padded = torch.zeros((width,) + tuple(xt.shape[1:]), dtype=x.dtype)
+    padded[: xt.shape[0]] = xt
+    if padded.dim() == 1:
+        padded = padded.view(-1, 1)
+    padded = padded.view(torch.uint8)  # gather the bytes: gloo has no bf16 (nor int16, bool)
+    parts = [torch.empty_like(padded) for _ in range(g.size)]
+    dist.all_gather(parts, padded, group=pg)
+    parts = [p.view(x.dtype).view((width,) + tuple(xt.shape[1:])) for p in parts]
+    out = torch.empty((total,) + tuple(xt.shape[1:]), dtype=x.dtype)
+    for r in range(g.size):
+        out.index_copy_(0, idxs[r], parts[r][: sizes[r]])
+    return out.movedim(0, dim).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# loom's fp64 reference.
+
+class _Reference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, meta):
+        batch, seq, docs, heads, kv_heads, dim, causal, window, scale = meta
+        out, lse = _loom.reference_forward(q, k, v, batch, seq, docs, heads, kv_heads, dim,
+                                           causal, window, scale)
+        ctx.meta = meta
+        ctx.save_for_backward(q, k, v)
+        lse_out = _lse_out(lse, batch, seq)
+        ctx.mark_non_differentiable(lse_out)
+        return out.view(q.shape), lse_out
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v = ctx.saved_tensors
+        batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
+        dq, dk, dv = _loom.reference_backward(q, k, v, dout.double().contiguous(), batch, seq,
+                                              docs, heads, kv_heads, dim, causal, window, scale)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), None
+
+
+def reference_attention(q, k, v, causal=True, window=None, cu_seqlens=None, scale=None,
+                        return_lse=False):
+    """loom's fp64 reference (plain loops; slow, exact): the same arguments as attention(); the
+    inputs (any float dtype) are widened to fp64 exactly and the result is fp64. Differentiable
+    (the fp64 reference backward), so it checks gradients too."""
+    heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens, allow_f64=True)
+    window, scale = _check_mask(causal, window, scale, dim)
+    batch, seq, _ = _rows(q, cu_seqlens)
+    docs = _doc_lengths(cu_seqlens, seq) if cu_seqlens is not None else []
+    meta = (batch, seq, docs, heads, kv_heads, dim, causal, window, scale)
+    q64, k64, v64 = (x.double().contiguous() for x in (q, k, v))
+    out, lse = _Reference.apply(q64, k64, v64, meta)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,251 @@
+"""loom.torch.cp_attention under torchrun (gloo): every strategy x layout x mask x GQA x dtype,
+forward and backward, each compared with loom's fp64 reference AND the independent fp64 torch
+implementation of common.py, plus shard/unshard and the group-level error cases.
+
+    /usr/bin/python3 -m torch.distributed.run --standalone --nproc_per_node P tests/torch/test_cp.py
+
+Every rank runs every case (the ops are collective); every rank checks the global results
+(gathered with loom.torch.unshard). Exit status 0 iff every check passed on every rank.
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import loom  # noqa: E402
+import loom.torch as lt  # noqa: E402
+from common import TOL, doc_ids_for, normal, rel_error, torch_attention_fp64  # noqa: E402
+
+dist.init_process_group("gloo")
+P = dist.get_world_size()
+RANK = dist.get_rank()
+failures = []
+checks = 0
+t_start = time.time()
+
+
+def check(ok, what):
+    global checks
+    checks += 1
+    if not ok:
+        failures.append(what)
+        print(f"[rank {RANK}] FAIL {what}", flush=True)
+
+
+# Problems: (name, batch, seq or docs, causal, window, dtype). bf16 problems are sized for the
+# fixed bf16 bounds (>= ~100 keys per row on average, common.py).
+def problems():
+    out = []
+    # LOOM_TEST_DTYPES=fp32 keeps the fp32 cases only (tests/torch.cmake does so at 3 processes,
+    # to keep the ctest time down; 2 and 4 processes run both dtypes).
+    dtypes = (torch.float32,) if os.environ.get("LOOM_TEST_DTYPES") == "fp32" else (
+        torch.float32, torch.bfloat16)
+    for dtype in dtypes:
+        big = dtype == torch.bfloat16
+        s = 301 if big else 37
+        docs = [200, 1, 157, 45] if big else [13, 1, 29, 8]
+        b = 1 if big else 2
+        out.append(("causal", b, s, None, True, None, dtype))
+        out.append(("full", b, s, None, False, None, dtype))
+        out.append(("window", 1, s, None, True, 160 if big else 9, dtype))
+        out.append(("cu_seqlens", 0, None, docs, True, None, dtype))
+    return out
+
+
+def gqa_modes():
+    # H = 2P query heads; kv heads P (ulysses scatters them: Hkv % P == 0) or 1 (replicated:
+    # P % Hkv == 0).
+    return (("scatter", 2 * P, P), ("replicate", 2 * P, 1))
+
+
+def hybrid_u():
+    return 2 if P % 2 == 0 else P
+
+
+DIM = 16
+NAMES = ("out", "dq", "dk", "dv", "lse")
+
+
+def sq_parts(x, ref):
+    """[||x - ref||^2, ||ref||^2] of this rank's part (inf when x is not finite)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    if x.shape != ref.shape or not torch.isfinite(x).all():
+        return [float("inf"), 1.0]
+    return [(x - ref).pow(2).sum().item(), ref.pow(2).sum().item()]
+
+
+def rel_from(err2, norm2):
+    err2, norm2 = float(err2), float(norm2)
+    return (err2 / norm2) ** 0.5 if norm2 > 0 else err2 ** 0.5
+strategies = sorted(set(lt.strategies()) | {"ring", "ulysses", "hybrid", "allgather"})
+print(f"[rank {RANK}] world {P}, strategies {strategies}, kernel path {loom.torch._loom.kernel_path()}",
+      flush=True) if RANK == 0 else None
+
+worst = {}
+for pi, (mask_name, batch, seq, docs, causal, window, dtype) in enumerate(problems()):
+    for gi, (gqa, heads, kv_heads) in enumerate(gqa_modes()):
+        gen = torch.Generator().manual_seed(1000 + 10 * pi + gi)
+        if batch:
+            shape_q, shape_k, cu = (batch, seq, heads, DIM), (batch, seq, kv_heads, DIM), None
+            n = batch * seq
+        else:
+            n = sum(docs)
+            shape_q, shape_k = (n, heads, DIM), (n, kv_heads, DIM)
+            cu = torch.tensor([0] + list(torch.tensor(docs).cumsum(0).tolist()), dtype=torch.int32)
+        q, k, v, dout = (normal(s, gen, dtype) for s in (shape_q, shape_k, shape_k, shape_q))
+        # References on the exact stored values.
+        qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+        ref_out, ref_lse = lt.reference_attention(qr, kr, vr, causal=causal, window=window,
+                                                  cu_seqlens=cu, return_lse=True)
+        ref_out.backward(dout.double())
+        ref = {"out": ref_out.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad,
+               "lse": ref_lse}
+        qt, kt, vt = (x.double().reshape(n, x.shape[-2], DIM).requires_grad_() for x in (q, k, v))
+        ids = doc_ids_for(batch, seq, docs)
+        t_out, t_lse = torch_attention_fp64(qt, kt, vt, causal, window, ids, DIM ** -0.5)
+        t_out.backward(dout.double().reshape(n, heads, DIM))
+        tref = {"out": t_out.detach().reshape(shape_q), "dq": qt.grad.reshape(shape_q),
+                "dk": kt.grad.reshape(shape_k), "dv": vt.grad.reshape(shape_k)}
+        tref["lse"] = (t_lse.detach().reshape(heads, batch, seq).permute(1, 0, 2) if batch
+                       else t_lse.detach())
+        for name in ("out", "dq", "dk", "dv", "lse"):
+            e = rel_error(ref[name], tref[name])
+            check(e < 1e-12, f"loom reference vs torch fp64 {mask_name}/{gqa} {name}: {e:.3g}")
+
+        for strategy in strategies:
+            for layout in lt.layouts:
+                label = f"{strategy}/{layout}/{mask_name}/{gqa}/{str(dtype)[6:]}"
+                kw = dict(group=None, strategy=strategy, layout=layout, causal=causal,
+                          window=window, cu_seqlens=cu)
+                if strategy == "hybrid":
+                    kw["ulysses"] = hybrid_u()
+                try:
+                    qs, ks, vs, ds = (lt.shard(x, layout=layout, cu_seqlens=cu) for x in (q, k, v, dout))
+                    qs.requires_grad_()
+                    ks.requires_grad_()
+                    vs.requires_grad_()
+                    out, lse = lt.cp_attention(qs, ks, vs, return_lse=True, **kw)
+                    out.backward(ds)
+                    got = {"out": out.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad,
+                           "lse": lse}
+                    for name in ("out", "dq", "dk", "dv"):
+                        check(got[name].dtype == dtype, f"{label} {name} dtype {got[name].dtype}")
+                    # This rank's part of each global error norm, summed over the group with one
+                    # all_reduce: || x - ref ||^2 and || ref ||^2 for both references.
+                    sums = []
+                    for name in NAMES:
+                        lse_dim = 2 if batch else 1
+                        for r in (ref, tref):
+                            mine = lt.shard(r[name], layout=layout, cu_seqlens=cu,
+                                            dim=lse_dim if name == "lse" else None)
+                            sums += sq_parts(got[name], mine)
+                    sums = torch.tensor(sums, dtype=torch.float64)
+                    dist.all_reduce(sums)
+                    for i, name in enumerate(NAMES):
+                        tol = TOL[dtype][name]
+                        e1 = rel_from(sums[4 * i], sums[4 * i + 1])
+                        e2 = rel_from(sums[4 * i + 2], sums[4 * i + 3])
+                        key = (str(dtype)[6:], name)
+                        worst[key] = max(worst.get(key, 0), e1)
+                        check(e1 <= tol and e2 <= tol,
+                              f"{label} {name}: rel error {e1:.3g} (loom ref), {e2:.3g} (torch ref) > {tol:.3g}")
+                except loom.Error as err:
+                    check(False, f"{label}: raised {type(err).__name__}: {err}")
+
+# shard/unshard round trip on an odd length, labels [B, S] included.
+gen = torch.Generator().manual_seed(7)
+x = torch.randn(3, 23, 5, generator=gen)
+labels = torch.randint(0, 100, (3, 23), generator=gen)
+for layout in lt.layouts:
+    check(torch.equal(lt.unshard(lt.shard(x, layout=layout), layout=layout), x), f"unshard(shard) {layout}")
+    check(torch.equal(lt.unshard(lt.shard(labels, layout=layout), layout=layout), labels),
+          f"unshard(shard) labels {layout}")
+    cu = [0, 5, 6, 23]
+    xt = x[0]
+    check(torch.equal(lt.unshard(lt.shard(xt, layout=layout, cu_seqlens=cu), layout=layout,
+                                 cu_seqlens=cu), xt), f"unshard(shard) thd {layout}")
+# zigzag on S divisible by 2P is ring-flash-attention's split: chunks r and 2P-1-r.
+s = 4 * P
+x = torch.arange(s).view(1, s, 1, 1).float()
+mine = lt.shard(x).flatten().long().tolist()
+c = s // (2 * P)
+expect = list(range(RANK * c, (RANK + 1) * c)) + list(range((2 * P - 1 - RANK) * c, (2 * P - RANK) * c))
+check(mine == expect, f"zigzag shard of {s} tokens is chunks {RANK} and {2 * P - 1 - RANK}: {mine}")
+
+
+# Errors that need a group: each must raise the named loom error on every rank, never hang.
+def expect_error(kind, text, fn):
+    try:
+        fn()
+    except kind as e:
+        check(text in str(e), f"error text: wanted {text!r} in {e}")
+        if RANK == 0 or kind is loom.Timeout:
+            print(f"[rank {RANK}] raised as expected: {type(e).__module__}.{type(e).__name__}: {e}",
+                  flush=True)
+        return
+    except Exception as e:  # noqa: BLE001
+        check(False, f"wanted {kind.__name__} ({text!r}), got {type(e).__name__}: {e}")
+        return
+    check(False, f"wanted {kind.__name__} ({text!r}), nothing raised")
+
+
+q = torch.randn(1, 8, 2 * P, DIM)
+k = torch.randn(1, 8, P, DIM)
+expect_error(loom.InvalidArgument, "unknown strategy", lambda: lt.cp_attention(q, k, k, strategy="spiral"))
+expect_error(loom.InvalidArgument, "needs ulysses", lambda: lt.cp_attention(q, k, k, strategy="hybrid"))
+expect_error(loom.InvalidArgument, "ulysses= is only", lambda: lt.cp_attention(q, k, k, ulysses=1))
+expect_error(loom.InvalidArgument, "must be a torch.distributed ProcessGroup",
+             lambda: lt.cp_attention(q, k, k, group="world"))
+if P > 1:
+    # Ranks that disagree on an argument: a clear error on every rank, not a hang.
+    expect_error(loom.InvalidArgument, "disagree on causal",
+                 lambda: lt.cp_attention(q, k, k, causal=(RANK == 0)))
+    # A shard length that the layout cannot give this rank.
+    qbad = torch.randn(1, 8 + (3 * P if RANK == P - 1 else 0), 2 * P, DIM)
+    kbad = torch.randn(1, qbad.shape[1], P, DIM)
+    expect_error(loom.InvalidArgument, "shard the input with loom.torch.shard",
+                 lambda: lt.cp_attention(qbad, kbad, kbad))
+    # Heads the ulysses degree cannot split.
+    q3 = torch.randn(1, 8, P + 1, DIM)
+    k3 = torch.randn(1, 8, 1, DIM)
+    expect_error(loom.InvalidArgument, "divisible", lambda: lt.cp_attention(q3, k3, k3, strategy="ulysses"))
+    # cu_seqlens that do not describe the ranks' tokens.
+    expect_error(loom.InvalidArgument, "cu_seqlens describes",
+                 lambda: lt.cp_attention(q[0], k[0], k[0], cu_seqlens=[0, 3, 5]))
+
+# One more real call after the errors: the group is still usable.
+qs = lt.shard(torch.randn(1, 29, 2 * P, DIM))
+out = lt.cp_attention(qs, lt.shard(torch.randn(1, 29, P, DIM)), lt.shard(torch.randn(1, 29, P, DIM)))
+check(out.shape == qs.shape, "a call after the error cases works")
+
+bad = torch.tensor([len(failures)], dtype=torch.int64)
+dist.all_reduce(bad)
+if RANK == 0:
+    for (dt, name), e in sorted(worst.items()):
+        print(f"worst rel error vs loom reference, {dt} {name}: {e:.3g} (tolerance {TOL[getattr(torch, {'float32': 'float32', 'bfloat16': 'bfloat16'}[dt])][name]:.3g})")
+    print(f"test_cp world {P}: {checks} checks on rank 0, {int(bad.item())} failures over all ranks, "
+          f"{time.time() - t_start:.1f} s", flush=True)
+# Last: a rank that never comes. Every other rank's wait must end in loom.Timeout naming the
+# ranks, after loom's timeout, not hang. (gloo closes its connections after a timeout, so the
+# group is unusable afterwards: nothing follows but the exit; rank 0 stays alive past the
+# others' timeout so that they see a timeout, not a closed connection.)
+status = 1 if bad.item() else 0
+if P > 1:
+    lt.set_timeout(1.0)
+    if RANK != 0:
+        before = len(failures)
+        t0 = time.time()
+        expect_error(loom.Timeout, "timed out after", lambda: lt._group(None).barrier())
+        took = time.time() - t0
+        check(0.9 <= took <= 10, f"the timeout took {took:.2f} s (timeout 1 s)")
+        if len(failures) > before:
+            status = 1
+        else:
+            print(f"[rank {RANK}] a missing rank: loom.Timeout after {took:.2f} s", flush=True)
+    else:
+        time.sleep(4)
+sys.stdout.flush()
+os._exit(status)

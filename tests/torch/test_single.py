@@ -1,0 +1,175 @@
+"""loom.torch on one process (plain /usr/bin/python3, no launcher): attention() against torch's own
+eager attention and both fp64 references, forward and backward, fp32 and bf16, bshd and thd;
+reference_attention's gradients; and an error case for every bad input.
+
+    PYTHONPATH=build/python /usr/bin/python3 tests/torch/test_single.py
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import loom  # noqa: E402
+import loom.torch as lt  # noqa: E402
+from common import TOL, doc_ids_for, normal, rel_error, torch_attention_fp64  # noqa: E402
+
+failures = []
+checks = 0
+
+
+def check(ok, what):
+    global checks
+    checks += 1
+    if not ok:
+        failures.append(what)
+        print("FAIL", what, flush=True)
+
+
+def eager_attention(q, k, v, causal, window, scale):
+    """torch's own eager attention on [B, S, H, D] in the storage dtype's compute type (fp32):
+    matmul, mask, softmax, matmul."""
+    b, s, h, d = q.shape
+    g = h // k.shape[2]
+    qh = q.float().transpose(1, 2)
+    kh = k.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    vh = v.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    scores = qh @ kh.transpose(-1, -2) * scale
+    i = torch.arange(s)
+    allowed = torch.ones(s, s, dtype=torch.bool)
+    if causal:
+        allowed &= i[None, :] <= i[:, None]
+    if window:
+        allowed &= (i[:, None] - i[None, :]).abs() < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2).to(q.dtype)
+
+
+DIM = 32
+seed = 0
+for dtype in (torch.float32, torch.bfloat16):
+    s = 37 if dtype == torch.float32 else 300
+    for causal, window in ((True, None), (False, None), (True, 17), (False, 64)):
+        for heads, kv_heads in ((4, 4), (4, 2), (4, 1)):
+            seed += 1
+            gen = torch.Generator().manual_seed(seed)
+            q, dout = (normal((2, s, heads, DIM), gen, dtype) for _ in range(2))
+            k, v = (normal((2, s, kv_heads, DIM), gen, dtype) for _ in range(2))
+            label = f"{str(dtype)[6:]} causal={causal} window={window} H={heads} Hkv={kv_heads}"
+            qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+            out, lse = lt.attention(qa, ka, va, causal=causal, window=window, return_lse=True)
+            out.backward(dout)
+            qe, ke, ve = (x.clone().requires_grad_() for x in (q, k, v))
+            eager = eager_attention(qe, ke, ve, causal, window, DIM ** -0.5)
+            eager.backward(dout)
+            qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+            ref, ref_lse = lt.reference_attention(qr, kr, vr, causal=causal, window=window,
+                                                  return_lse=True)
+            ref.backward(dout.double())
+            n = 2 * s
+            qt, kt, vt = (x.double().reshape(n, x.shape[2], DIM).requires_grad_() for x in (q, k, v))
+            t_out, t_lse = torch_attention_fp64(qt, kt, vt, causal, window or 0,
+                                                doc_ids_for(2, s, None), DIM ** -0.5)
+            t_out.backward(dout.double().reshape(n, heads, DIM))
+            pairs = {"out": (out, ref, t_out.reshape(out.shape), eager),
+                     "dq": (qa.grad, qr.grad, qt.grad.reshape(q.shape), qe.grad),
+                     "dk": (ka.grad, kr.grad, kt.grad.reshape(k.shape), ke.grad),
+                     "dv": (va.grad, vr.grad, vt.grad.reshape(v.shape), ve.grad),
+                     "lse": (lse, ref_lse, t_lse.reshape(heads, 2, s).permute(1, 0, 2), None)}
+            for name, (got, r1, r2, e) in pairs.items():
+                tol = TOL[dtype][name]
+                check(got.dtype == (torch.float32 if name == "lse" else dtype), f"{label} {name} dtype")
+                e1, e2 = rel_error(got, r1), rel_error(got, r2)
+                check(e1 <= tol and e2 <= tol, f"{label} {name}: {e1:.3g} / {e2:.3g} > {tol:.3g}")
+                if e is not None:
+                    # torch eager is itself an approximation: both are within their dtype's
+                    # tolerance of the fp64 answer, so they are within twice it of each other.
+                    ee = rel_error(e, r1)
+                    check(rel_error(got, e) <= 2 * tol or ee > tol,
+                          f"{label} {name}: loom vs torch eager {rel_error(got, e):.3g}")
+                    if ee > tol:
+                        print(f"note: torch eager itself is {ee:.3g} from fp64 ({label} {name})")
+
+# thd with cu_seqlens, odd lengths, a one-token document.
+gen = torch.Generator().manual_seed(99)
+docs = [7, 1, 30, 13]
+cu = torch.tensor([0, 7, 8, 38, 51], dtype=torch.int64)
+for window in (None, 5):
+    q, dout = (torch.randn(51, 6, 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(51, 3, 8, generator=gen) for _ in range(2))
+    qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+    out = lt.attention(qa, ka, va, cu_seqlens=cu, window=window)
+    out.backward(dout)
+    qt, kt, vt = (x.double().requires_grad_() for x in (q, k, v))
+    t_out, _ = torch_attention_fp64(qt, kt, vt, True, window or 0, doc_ids_for(0, None, docs), 8 ** -0.5)
+    t_out.backward(dout.double())
+    for name, got, r in (("out", out, t_out), ("dq", qa.grad, qt.grad), ("dk", ka.grad, kt.grad),
+                         ("dv", va.grad, vt.grad)):
+        e = rel_error(got, r)
+        check(e <= 1e-5, f"thd window={window} {name}: {e:.3g}")
+# A scale other than 1/sqrt(D).
+q = torch.randn(1, 9, 2, 8)
+o1 = lt.attention(q, q, q, scale=0.3)
+o2 = lt.reference_attention(q, q, q, scale=0.3)
+check(rel_error(o1, o2) <= 1e-5, "scale=0.3")
+check(rel_error(o1, lt.attention(q, q, q)) > 1e-3, "scale changes the result")
+
+# reference_attention's backward against torch autograd through the fp64 torch implementation
+# (gradcheck on a tiny problem: the reference's gradient is exact).
+qg, kg, vg = (torch.randn(1, 5, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+check(torch.autograd.gradcheck(lambda a, b, c: lt.reference_attention(a, b, c, window=3), (qg, kg, vg)),
+      "gradcheck reference_attention")
+
+
+# Bad input: one clear exception each, naming the value.
+def expect_error(kind, text, fn):
+    try:
+        fn()
+    except kind as e:
+        check(text in str(e), f"error text: wanted {text!r} in {e!r}")
+        check("\n" not in str(e), f"one line: {e!r}")
+        return
+    except Exception as e:  # noqa: BLE001
+        check(False, f"wanted {kind.__name__} ({text!r}), got {type(e).__name__}: {e}")
+        return
+    check(False, f"wanted {kind.__name__} ({text!r}), nothing raised")
+
+
+q = torch.randn(2, 9, 4, 8)
+k = torch.randn(2, 9, 2, 8)
+E = loom.InvalidArgument
+expect_error(E, "must be [B, S, H, D]", lambda: lt.attention(q[0], k[0], k[0]))
+expect_error(E, "must be [T, H, D]", lambda: lt.attention(q, k, k, cu_seqlens=[0, 9]))
+expect_error(E, "dtype torch.float64", lambda: lt.attention(q.double(), k.double(), k.double()))
+expect_error(E, "dtype torch.int64", lambda: lt.attention(q.long(), k, k))
+expect_error(E, "one dtype", lambda: lt.attention(q, k.bfloat16(), k))
+expect_error(E, "not contiguous", lambda: lt.attention(q.transpose(1, 2), k, k))
+expect_error(E, "must agree", lambda: lt.attention(q, torch.randn(2, 8, 2, 8), torch.randn(2, 8, 2, 8)))
+expect_error(E, "k and v must have one shape", lambda: lt.attention(q, k, torch.randn(2, 9, 1, 8)))
+expect_error(E, "multiple of the kv heads (3)", lambda: lt.attention(q, torch.randn(2, 9, 3, 8), torch.randn(2, 9, 3, 8)))
+expect_error(E, "head_dim must be in [1, 256], got 300",
+             lambda: lt.attention(torch.randn(1, 2, 1, 300), torch.randn(1, 2, 1, 300), torch.randn(1, 2, 1, 300)))
+expect_error(E, "window must be None or a positive int, got 0", lambda: lt.attention(q, k, k, window=0))
+expect_error(E, "window must be None or a positive int, got 2.5", lambda: lt.attention(q, k, k, window=2.5))
+expect_error(E, "causal must be True or False", lambda: lt.attention(q, k, k, causal="yes"))
+expect_error(E, "scale must be", lambda: lt.attention(q, k, k, scale=float("nan")))
+expect_error(E, "scale must be", lambda: lt.attention(q, k, k, scale=-1.0))
+expect_error(E, "must be a torch.Tensor, got list", lambda: lt.attention([1.0], k, k))
+qt = torch.randn(10, 4, 8)
+kt = torch.randn(10, 2, 8)
+expect_error(E, "cu_seqlens ends at 9", lambda: lt.attention(qt, kt, kt, cu_seqlens=[0, 4, 9]))
+expect_error(E, "must start at 0", lambda: lt.attention(qt, kt, kt, cu_seqlens=[1, 10]))
+expect_error(E, "document 1 has length 0", lambda: lt.attention(qt, kt, kt, cu_seqlens=[0, 4, 4, 10]))
+expect_error(E, "1-d int32 or int64", lambda: lt.attention(qt, kt, kt, cu_seqlens=torch.tensor([0.0, 10.0])))
+expect_error(E, "needs a process group", lambda: lt.cp_attention(q, k, k))
+if torch.cuda.is_available():
+    expect_error(loom.NotSupported, "CPU tensors only", lambda: lt.attention(q.cuda(), k.cuda(), k.cuda()))
+else:
+    # No GPU on this machine: a meta-device tensor stands in for any non-CPU device.
+    expect_error(loom.NotSupported, "CPU tensors only",
+                 lambda: lt.attention(q.to("meta"), k, k))
+check(issubclass(loom.NotSupported, NotImplementedError) and issubclass(loom.InvalidArgument, ValueError)
+      and issubclass(loom.Timeout, loom.CommError), "error classes")
+
+print(f"test_single: {checks} checks, {len(failures)} failures", flush=True)
+sys.exit(1 if failures else 0)
