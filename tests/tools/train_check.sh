@@ -171,6 +171,7 @@ mkdir -p "$work/keep"
 sh -c 'exit 0' & wait $!
 dead=$!
 echo partial > "$work/keep/latest.tmp.$dead"
+echo partial > "$work/keep/step-00000009.ckpt.tmp.$dead"
 if "$loom" train "${tiny[@]}" --steps 5 --checkpoint-dir "$work/keep" --checkpoint-every 1 \
      --keep-checkpoints 2 > /dev/null 2>&1 &&
    [ "$(ls "$work/keep")" = "$(printf 'latest\nstep-00000004.ckpt\nstep-00000005.ckpt')" ]; then

@@ -411,6 +411,15 @@ int run_train(const TrainOptions& o) {
                       : ::access(dir_of(target).c_str(), W_OK) == 0,
                IoError, "cannot write --log " << o.log);
   }
+  if (!o.checkpoint_dir.empty()) {  // temporaries of killed runs (their pid is gone)
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(o.checkpoint_dir, ec)) {
+      const std::string name = e.path().filename().string();
+      const size_t t = name.find(".tmp.");
+      if (t != std::string::npos && t > 0)
+        clean_stale_temps((e.path().parent_path() / name.substr(0, t)).string());
+    }
+  }
   if (!o.checkpoint_dir.empty() && !o.resume) {
     std::error_code ec;
     std::filesystem::create_directories(o.checkpoint_dir, ec);
