@@ -8,3 +8,34 @@ if(LOOM_SYSTEM_PYTHON)
 endif()
 add_test(NAME loom_cli_checks COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/cli_checks.sh $<TARGET_FILE:loom>)
 set_tests_properties(loom_cli_checks PROPERTIES TIMEOUT 600 LABELS "tool")
+
+# Reliability (issue 11): a bounded random-fault soak on the local backend (about 50 s), and the
+# MPI path once more with Open MPI forced onto TCP (pml ob1, btl tcp,self), including a rank
+# killed and a rank stopped mid-run.
+add_test(NAME loom_fault_soak
+         COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/fault_soak.sh $<TARGET_FILE:loom> 50)
+set_tests_properties(loom_fault_soak PROPERTIES TIMEOUT 150 LABELS "tool;soak")
+if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
+  set(loom_tcp_flags --oversubscribe --allow-run-as-root --mca pml ob1 --mca btl tcp,self)
+  set(loom_tcp_env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+                   OMPI_MCA_rmaps_base_oversubscribe=1)
+  if(TARGET test_comm_mpi)
+    add_test(NAME comm_mpi_tcp_np4
+             COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 4 ${loom_tcp_flags}
+                     $<TARGET_FILE:test_comm_mpi>)
+    set_tests_properties(comm_mpi_tcp_np4 PROPERTIES LABELS "mpi;comm;tcp" TIMEOUT 180
+                         PROCESSORS 4 ENVIRONMENT "${loom_tcp_env}")
+  endif()
+  if(TARGET test_cp_mpi)
+    add_test(NAME cp_mpi_tcp_np3
+             COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 3 ${loom_tcp_flags}
+                     $<TARGET_FILE:test_cp_mpi>)
+    set_tests_properties(cp_mpi_tcp_np3 PROPERTIES LABELS "mpi;cp;tcp" TIMEOUT 180 PROCESSORS 3
+                         ENVIRONMENT "${loom_tcp_env}")
+  endif()
+  add_test(NAME loom_mpi_tcp_faults
+           COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/mpi_tcp_faults.sh ${MPIEXEC_EXECUTABLE}
+                   $<TARGET_FILE:loom> --oversubscribe --allow-run-as-root)
+  set_tests_properties(loom_mpi_tcp_faults PROPERTIES LABELS "mpi;tool;tcp" TIMEOUT 240
+                       PROCESSORS 4 ENVIRONMENT "${loom_tcp_env}")
+endif()

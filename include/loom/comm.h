@@ -111,7 +111,7 @@ class Communicator {
   CommStats stats_;
 
  public:
-  // LOOM_TIMEOUT_S if set and positive, else 60.
+  // LOOM_TIMEOUT_S if set (InvalidArgument unless a positive number of seconds), else 60.
   static double default_timeout_s();
 };
 

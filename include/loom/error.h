@@ -1,7 +1,7 @@
 // loom/error.h: the error hierarchy and the check macros.
 //
 // Library code throws; only tools/ catches, prints one line and exits non-zero.
-//   loom::Error -> InvalidArgument, NotSupported, CommError, Timeout, IoError
+//   loom::Error -> InvalidArgument, NotSupported, CommError, Timeout, IoError, OutOfMemory
 // Arguments are checked once at public entry points with LOOM_CHECK*; internal invariants use
 // assert. Never check in hot loops.
 #pragma once
@@ -34,6 +34,7 @@ LOOM_DEFINE_ERROR(InvalidArgument)  // bad shapes, sizes, options, values
 LOOM_DEFINE_ERROR(NotSupported)     // a valid request this build or backend cannot do
 LOOM_DEFINE_ERROR(CommError)        // a peer failed, a message was malformed, a backend error
 LOOM_DEFINE_ERROR(IoError)          // unreadable, malformed or unwritable files
+LOOM_DEFINE_ERROR(OutOfMemory)      // an allocation failed; the message names what was allocated
 #undef LOOM_DEFINE_ERROR
 
 // A blocking wait ran past its deadline. Derives from CommError: callers that handle

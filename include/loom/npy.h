@@ -3,8 +3,12 @@
 // Accepted on read: dtype '<f4' or '<f8' (also '|' byte order for neither), C order. Anything
 // else (Fortran order, big-endian, another dtype, a truncated file, a header whose shape does
 // not match the data size, a malformed header) raises IoError with one line naming the file.
-// Writes are atomic: data goes to "<path>.tmp.<pid>" and is renamed over path only when complete,
-// so a failed run never leaves a file that looks whole.
+// Reads check the header before the body: a file without the magic, with a header longer than
+// 1 MiB, or whose declared data size differs from the file's size is refused before its data is
+// read; directories, FIFOs and devices are refused without blocking (loom/io.h InputFile).
+// Writes go through write_output (loom/io.h): atomic for regular files and missing paths (temp
+// file + rename, so a failed run never leaves a file that looks whole), direct for devices,
+// FIFOs and "-", symlinks followed.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +35,7 @@ Tensor<float> read_npy_role(const std::string& path, const std::string& role, in
 void write_npy(const std::string& path, const Tensor<float>& x);
 void write_npy(const std::string& path, const Tensor<double>& x);
 
-// Writes `bytes` to path atomically (temp file + rename). Throws IoError.
+// Writes `bytes` to path with write_output's rules (loom/io.h). Throws IoError.
 void write_file_atomic(const std::string& path, const std::string& bytes);
 
 }  // namespace loom

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -16,6 +18,12 @@
 #include "loom/error.h"
 
 namespace loom {
+
+// "[4, 8, 64]" for messages.
+std::string shape_str(const std::vector<int64_t>& shape);
+// Throws OutOfMemory naming the shape and the bytes that could not be allocated.
+[[noreturn]] void throw_tensor_alloc(const std::vector<int64_t>& shape, int64_t count,
+                                     size_t element_bytes);
 
 template <class T>
 struct View3 {
@@ -41,13 +49,22 @@ template <class T>
 class Tensor {
  public:
   Tensor() = default;
+  // Throws InvalidArgument for a negative dimension or an element count beyond int64, and
+  // OutOfMemory (naming the shape and size) when the allocation fails.
   explicit Tensor(std::vector<int64_t> shape, T fill = T{}) : shape_(std::move(shape)) {
     int64_t n = 1;
     for (int64_t x : shape_) {
       LOOM_CHECK(x >= 0, InvalidArgument, "tensor dimension must be >= 0, got " << x);
-      n *= x;
+      LOOM_CHECK(!__builtin_mul_overflow(n, x, &n), InvalidArgument,
+                 "tensor shape " << shape_str(shape_) << " has more elements than int64 holds");
     }
-    data_.assign(static_cast<size_t>(n), fill);
+    try {
+      data_.assign(static_cast<size_t>(n), fill);
+    } catch (const std::bad_alloc&) {
+      throw_tensor_alloc(shape_, n, sizeof(T));
+    } catch (const std::length_error&) {
+      throw_tensor_alloc(shape_, n, sizeof(T));
+    }
   }
   Tensor(std::initializer_list<int64_t> shape) : Tensor(std::vector<int64_t>(shape)) {}
 
@@ -78,9 +95,6 @@ class Tensor {
   std::vector<int64_t> shape_;
   std::vector<T> data_;
 };
-
-// "[4, 8, 64]" for messages.
-std::string shape_str(const std::vector<int64_t>& shape);
 
 // Element-wise conversion between tensor types (float <-> double, float <-> bf16).
 template <class To, class From>

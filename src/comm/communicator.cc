@@ -33,7 +33,9 @@ double Communicator::default_timeout_s() {
   char* end = nullptr;
   errno = 0;
   const double v = std::strtod(text, &end);
-  if (errno != 0 || end == text || *end != '\0' || !(v > 0)) return kDefault;
+  LOOM_CHECK(
+      errno == 0 && end != text && *end == '\0' && v > 0 && v <= 1e9, InvalidArgument,
+      "LOOM_TIMEOUT_S must be a positive number of seconds (at most 1e9), got '" << text << "'");
   return v;
 }
 

@@ -7,18 +7,21 @@
 // only little-endian f4/f8 in C order and refuse anything else with one line naming the file.
 #include "loom/npy.h"
 
-#include <unistd.h>
+#include "loom/io.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <sstream>
 
 namespace loom {
 
 namespace {
+
+// numpy writes headers of a few hundred bytes; anything far longer is not a real .npy file.
+constexpr size_t kMaxHeaderBytes = size_t{1} << 20;
 
 struct Header {
   std::string descr;
@@ -123,10 +126,11 @@ Header parse_header(const uint8_t* bytes, size_t size, const std::string& what) 
 
 }  // namespace
 
-Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& what) {
-  const Header h = parse_header(bytes, size, what);
+namespace {
+// Element size of a header's dtype (4 or 8) and the bytes of data it declares; refuses what we
+// cannot read, and sizes that overflow.
+size_t body_bytes(const Header& h, const std::string& what, size_t& esize, size_t& count) {
   if (h.fortran) fail(what, "Fortran-order arrays are not supported (save with C order)");
-  size_t esize = 0;
   if (h.descr == "<f4") {
     esize = 4;
   } else if (h.descr == "<f8") {
@@ -142,16 +146,21 @@ Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& w
       fail(what, "shape " + shape_str(h.shape) + " is too large");
     n *= static_cast<size_t>(d);
   }
-  const size_t have = size - h.data_offset;
-  if (have < n * esize)
-    fail(what, "truncated: header says shape " + shape_str(h.shape) + " (" +
-                   std::to_string(n * esize) + " bytes of data) but the file has " +
-                   std::to_string(have));
-  if (have > n * esize)
-    fail(what, "header says shape " + shape_str(h.shape) + " (" + std::to_string(n * esize) +
+  count = n;
+  return n * esize;
+}
+
+void check_body_size(const Header& h, size_t want, size_t have, const std::string& what) {
+  if (have < want)
+    fail(what, "truncated: header says shape " + shape_str(h.shape) + " (" + std::to_string(want) +
                    " bytes of data) but the file has " + std::to_string(have));
+  if (have > want)
+    fail(what, "header says shape " + shape_str(h.shape) + " (" + std::to_string(want) +
+                   " bytes of data) but the file has " + std::to_string(have));
+}
+
+Tensor<double> decode(const Header& h, const uint8_t* src, size_t esize, size_t n) {
   Tensor<double> t(h.shape);
-  const uint8_t* src = bytes + h.data_offset;
   if (esize == 4) {
     for (size_t i = 0; i < n; ++i) {
       float f;
@@ -163,16 +172,17 @@ Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& w
   }
   return t;
 }
+}  // namespace
 
-namespace {
-std::vector<uint8_t> read_all(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw IoError(path + ": cannot open (" + std::strerror(errno) + ")");
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (f.bad()) throw IoError(path + ": read error");
-  return bytes;
+Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& what) {
+  const Header h = parse_header(bytes, size, what);
+  size_t esize = 0, n = 0;
+  const size_t want = body_bytes(h, what, esize, n);
+  check_body_size(h, want, size - h.data_offset, what);
+  return decode(h, bytes + h.data_offset, esize, n);
 }
 
+namespace {
 std::string header_for(const std::vector<int64_t>& shape, const char* descr) {
   std::ostringstream d;
   d << "{'descr': '" << descr << "', 'fortran_order': False, 'shape': (";
@@ -200,8 +210,34 @@ void write_npy_impl(const std::string& path, const Tensor<T>& x, const char* des
 }  // namespace
 
 Tensor<double> read_npy_f64(const std::string& path) {
-  const std::vector<uint8_t> bytes = read_all(path);
-  return parse_npy(bytes.data(), bytes.size(), path);
+  // Header first: the magic, the version and the dict are checked, and the data size they
+  // declare is compared with the file's size, before any of the body is read.
+  InputFile f(path, path);
+  const size_t fsize = static_cast<size_t>(f.size());
+  std::vector<uint8_t> head(std::min<size_t>(fsize, 12));
+  f.read_exact(head.data(), head.size());
+  static const char kMagic[] = "\x93NUMPY";
+  if (head.size() < 10 || std::memcmp(head.data(), kMagic, 6) != 0)
+    fail(path, "not a .npy file (bad magic)");
+  const size_t start = head[6] == 1 ? 10 : 12;
+  size_t hlen = head[8] | (static_cast<size_t>(head[9]) << 8);
+  if (head[6] != 1 && head.size() >= 12)
+    hlen |= (static_cast<size_t>(head[10]) << 16) | (static_cast<size_t>(head[11]) << 24);
+  if (head[6] >= 1 && head[6] <= 3) {
+    if (fsize < start || hlen > fsize - start) fail(path, "truncated npy header");
+    if (hlen > kMaxHeaderBytes)
+      fail(path, "npy header of " + std::to_string(hlen) + " bytes is too long (at most " +
+                     std::to_string(kMaxHeaderBytes) + ")");
+    head.resize(start + hlen);
+    if (head.size() > 12) f.read_exact(head.data() + 12, head.size() - 12);
+  }
+  const Header h = parse_header(head.data(), head.size(), path);
+  size_t esize = 0, n = 0;
+  const size_t want = body_bytes(h, path, esize, n);
+  check_body_size(h, want, fsize - h.data_offset, path);
+  std::vector<uint8_t> body(want);
+  f.read_exact(body.data(), want);
+  return decode(h, body.data(), esize, n);
 }
 
 Tensor<float> read_npy_f32(const std::string& path) {
@@ -226,16 +262,7 @@ void write_npy(const std::string& path, const Tensor<double>& x) {
 }
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) throw IoError(path + ": cannot write (" + std::strerror(errno) + ")");
-  const size_t wrote = std::fwrite(bytes.data(), 1, bytes.size(), f);
-  const bool ok = wrote == bytes.size() && std::fflush(f) == 0;
-  std::fclose(f);
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw IoError(path + ": write failed (" + std::strerror(errno) + ")");
-  }
+  write_output(path, bytes);
 }
 
 }  // namespace loom

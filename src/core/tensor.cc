@@ -14,6 +14,15 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return os.str();
 }
 
+void throw_tensor_alloc(const std::vector<int64_t>& shape, int64_t count, size_t element_bytes) {
+  std::ostringstream os;
+  os << "out of memory: cannot allocate "
+     << static_cast<double>(count) * static_cast<double>(element_bytes) / (1 << 20)
+     << " MiB for a tensor of shape " << shape_str(shape) << " (" << element_bytes
+     << "-byte elements)";
+  throw OutOfMemory(os.str(), __FILE__, __LINE__);
+}
+
 namespace {
 template <class To, class From>
 To convert_one(From x) {

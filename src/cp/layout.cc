@@ -68,7 +68,8 @@ ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
   int64_t total = 0;
   for (int64_t l : docs) {
     LOOM_CHECK(l >= 1, InvalidArgument, "document lengths must be positive, got " << l);
-    total += l;
+    LOOM_CHECK(!__builtin_add_overflow(total, l, &total), InvalidArgument,
+               "document lengths sum to more than 2^63 (the sequence has " << seq << " tokens)");
   }
   LOOM_CHECK(total == seq, InvalidArgument,
              "document lengths sum to " << total << " but the sequence has " << seq << " tokens");

@@ -3,11 +3,9 @@
 
 #include <algorithm>
 #include <cctype>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 
 #include "loom/error.h"
+#include "loom/io.h"
 #include "loom/rng.h"
 
 namespace loom::model {
@@ -76,13 +74,16 @@ Corpus make_corpus(const std::string& text, const std::string& source) {
 }
 
 Corpus load_corpus(const std::string& path) {
-  std::error_code ec;
-  LOOM_CHECK(!std::filesystem::is_directory(path, ec), IoError,
-             "cannot read --data " << path << ": it is a directory");
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), IoError, "cannot read --data " << path);
-  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  LOOM_CHECK(!f.bad(), IoError, "error while reading --data " << path);
+  // Regular files only (a FIFO or /dev/zero would block or grow without bound), at most 1 GiB;
+  // `loom train --data-limit` reads with its own limit and calls make_corpus.
+  constexpr size_t kLimit = size_t{1} << 30;
+  std::string text;
+  try {
+    InputFile f(path, "--data");
+    text = f.read_rest(kLimit, "--data-limit");
+  } catch (const IoError& e) {
+    throw IoError(std::string("cannot read ") + e.what(), __FILE__, __LINE__);
+  }
   return make_corpus(text, path);
 }
 

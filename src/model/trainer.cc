@@ -4,13 +4,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "loom/error.h"
+#include "loom/io.h"
 #include "loom/npy.h"
 #include "loom/timer.h"
 
@@ -19,6 +22,16 @@ namespace loom::model {
 namespace {
 constexpr char kMagic[8] = {'L', 'O', 'O', 'M', 'C', 'K', 'P', '1'};
 constexpr double kPi = 3.14159265358979323846;
+constexpr double kMaxLr = 10;  // AdamW steps are about lr per weight: beyond this, no training
+// A checkpoint's JSON header is a few KiB; a far longer one is not a checkpoint.
+constexpr size_t kMaxCheckpointHeader = size_t{16} << 20;
+
+// Index of the first non-finite value, or -1.
+int64_t first_non_finite(const std::vector<float>& v) {
+  for (size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i])) return static_cast<int64_t>(i);
+  return -1;
+}
 }  // namespace
 
 uint64_t fnv1a64(const void* data, size_t bytes, uint64_t h) {
@@ -46,8 +59,20 @@ Trainer::Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corp
   LOOM_CHECK(cfg.batch >= 1 && cfg.batch % s.dp == 0, InvalidArgument,
              "--batch " << cfg.batch << " must be a positive multiple of --dp " << s.dp);
   LOOM_CHECK(cfg.steps >= 1, InvalidArgument, "--steps must be >= 1, got " << cfg.steps);
-  LOOM_CHECK(cfg.lr > 0 && std::isfinite(cfg.lr), InvalidArgument,
-             "--lr must be positive, got " << cfg.lr);
+  LOOM_CHECK(cfg.lr > 0 && cfg.lr <= kMaxLr, InvalidArgument,
+             "--lr must be in (0, " << kMaxLr << "], got " << cfg.lr);
+  LOOM_CHECK(cfg.weight_decay >= 0 && cfg.lr * cfg.weight_decay <= 1, InvalidArgument,
+             "--weight-decay must be >= 0 with --lr x --weight-decay <= 1 (a larger decay step "
+             "flips the weights' sign), got "
+                 << cfg.weight_decay);
+  LOOM_CHECK(cfg.clip >= 0 && std::isfinite(cfg.clip), InvalidArgument,
+             "--clip must be a finite number >= 0 (0: off), got " << cfg.clip);
+  LOOM_CHECK(cfg.warmup >= -1, InvalidArgument,
+             "--warmup must be >= 0, or -1 for the default, got " << cfg.warmup);
+  LOOM_CHECK(cfg.model.ffn >= 0, InvalidArgument,
+             "--ffn must be >= 0 (0: 4 x dim), got " << cfg.model.ffn);
+  LOOM_CHECK(cfg.eval_batches >= 1, InvalidArgument,
+             "--eval-batches must be >= 1, got " << cfg.eval_batches);
   LOOM_CHECK(corpus.train.size() >= cfg.seq + 1, InvalidArgument,
              "the training split of " << corpus.source << " has " << corpus.train.size()
                                       << " bytes; --seq " << cfg.seq << " needs at least "
@@ -87,6 +112,13 @@ StepResult Trainer::train_step() {
 
   // Sums: replicated parameters over the world, tp-split ones over the same-tp-piece group.
   std::vector<float>& g = m.grads();
+  // Test hook (docs/reliability.md): LOOM_TEST_NAN_AT_STEP=N makes world rank 0's gradient NaN
+  // at step N, to prove the stop below on every rank.
+  if (const char* e = std::getenv("LOOM_TEST_NAN_AT_STEP");
+      e && world_.rank() == 0 && std::atoll(e) == step_ + 1 && !g.empty())
+    g[0] = std::nanf("");
+  // Which rank's own loss or gradient went non-finite first (read only when the sums are).
+  const bool local_bad = !std::isfinite(loss) || first_non_finite(g) >= 0;
   const size_t rep = static_cast<size_t>(m.replicated_size());
   world_.all_reduce(g.data(), rep, DType::f32, ReduceOp::sum);
   mesh_.dp_cp->all_reduce(g.data() + rep, g.size() - rep, DType::f32, ReduceOp::sum);
@@ -99,6 +131,19 @@ StepResult Trainer::train_step() {
     for (size_t i = 0; i < rep; ++i) sq += static_cast<double>(g[i]) * g[i];
   mesh_.tp->all_reduce(&sq, 1, DType::f64, ReduceOp::sum);
   const double norm = std::sqrt(sq);
+  // Every rank holds the same loss and norm: all stop together, before the update, so no
+  // checkpoint is ever written from these values.
+  if (!std::isfinite(sums[0]) || !std::isfinite(norm)) {
+    double key = local_bad ? world_.size() - world_.rank() : 0;  // max: the first bad rank
+    world_.all_reduce(&key, 1, DType::f64, ReduceOp::max);
+    LOOM_CHECK(false, Error,
+               "non-finite training at step "
+                   << step_ + 1 << ": loss " << sums[0] * scale << ", gradient norm " << norm
+                   << (key > 0 ? " (first on rank " + std::to_string(world_.size() - int(key)) + ")"
+                               : std::string())
+                   << "; stopped before the update and before any checkpoint of it (lower --lr "
+                      "or raise --warmup)");
+  }
   const double clip = cfg_.clip > 0 && norm > cfg_.clip ? cfg_.clip / (norm + 1e-6) : 1.0;
 
   // AdamW on fp32 master weights.
@@ -233,6 +278,13 @@ nlohmann::json run_identity(const TrainConfig& c, uint64_t data_hash) {
 }  // namespace
 
 std::string Trainer::save_checkpoint(const std::string& dir) {
+  // Collective: a non-finite weight or moment on any rank means no checkpoint at all.
+  double bad[3] = {double(first_non_finite(model_->params()) >= 0),
+                   double(first_non_finite(adam_m_) >= 0), double(first_non_finite(adam_v_) >= 0)};
+  world_.all_reduce(bad, 3, DType::f64, ReduceOp::max);
+  LOOM_CHECK(bad[0] == 0 && bad[1] == 0 && bad[2] == 0, Error,
+             "step " << step_ << ": the " << (bad[0] ? "weights" : "AdamW moments")
+                     << " hold NaN or Inf; no checkpoint written (lower --lr or raise --warmup)");
   const std::vector<float> w = gather_full(model_->params());
   const std::vector<float> mo = gather_full(adam_m_);
   const std::vector<float> ve = gather_full(adam_v_);
@@ -272,15 +324,24 @@ void Trainer::load_checkpoint(const std::string& where) {
   namespace fs = std::filesystem;
   std::string path = where;
   if (fs::is_directory(where)) {
-    std::ifstream l(fs::path(where) / "latest");
     std::string name;
-    LOOM_CHECK(l.good() && (l >> name), IoError,
+    try {
+      InputFile l((fs::path(where) / "latest").string(), "checkpoint pointer");
+      std::istringstream in(l.read_rest(4096));
+      in >> name;
+    } catch (const IoError&) {
+      name.clear();
+    }
+    LOOM_CHECK(!name.empty() && name.find('/') == std::string::npos, IoError,
                "--resume: " << where << " has no readable 'latest' checkpoint pointer");
     path = (fs::path(where) / name).string();
   }
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f.good(), IoError, "cannot read checkpoint " << path);
-  const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  size_t expect_floats = 0;
+  for (const ParamSpec& p : model_->specs()) expect_floats += static_cast<size_t>(p.rows * p.cols);
+  // Bounded: a checkpoint of this model has a known size (plus its header).
+  InputFile f(path, "checkpoint");
+  const std::string bytes =
+      f.read_rest(3 * expect_floats * sizeof(float) + 3 * sizeof(uint64_t) + kMaxCheckpointHeader);
   uint64_t hl = 0;
   LOOM_CHECK(bytes.size() >= sizeof kMagic + 2 * sizeof(uint64_t) &&
                  std::memcmp(bytes.data(), kMagic, sizeof kMagic) == 0,
@@ -323,8 +384,13 @@ void Trainer::load_checkpoint(const std::string& where) {
   const char* base = bytes.data() + sizeof kMagic + sizeof hl + hl;
   std::vector<float> full(count);
   std::vector<float>* dst[3] = {&model_->params(), &adam_m_, &adam_v_};
+  static const char* const kWhat[3] = {"weights", "AdamW first moments", "AdamW second moments"};
   for (int i = 0; i < 3; ++i) {
     std::memcpy(full.data(), base + i * count * sizeof(float), count * sizeof(float));
+    const int64_t bad = first_non_finite(full);
+    LOOM_CHECK(bad < 0, IoError,
+               "checkpoint " << path << " holds a non-finite value in its " << kWhat[i]
+                             << " (index " << bad << "); refusing to resume from it");
     scatter_full(full, *dst[i]);
   }
   model_->params_changed();

@@ -432,9 +432,13 @@ TEST(CommHelpers, DefaultTimeoutFromEnvironment) {
     run_local(
         2, [](Communicator& c) { EXPECT_EQ(c.timeout_s(), 0.75); }, {}, 0.75);
   }
-  for (const char* bad : {"0", "-3", "abc", "5s", ""}) {
+  {
+    EnvVar e("LOOM_TIMEOUT_S", "");  // empty: unset
+    EXPECT_EQ(Communicator::default_timeout_s(), 60);
+  }
+  for (const char* bad : {"0", "-3", "abc", "5s", "nan", "inf"}) {  // refused, not 60 s
     EnvVar e("LOOM_TIMEOUT_S", bad);
-    EXPECT_EQ(Communicator::default_timeout_s(), 60) << "'" << bad << "'";
+    EXPECT_THROW(Communicator::default_timeout_s(), InvalidArgument) << "'" << bad << "'";
   }
 }
 

@@ -1,6 +1,8 @@
 // libFuzzer target: the --docs parser and the per-document layouts. Any text is parsed or
 // refused with InvalidArgument; a parsed list that sums to S gives plans that hold every token
-// exactly once.
+// exactly once. Lists whose sum overflows int64 or exceeds the plan size are handed to
+// ShardPlan::make too, which must refuse them with InvalidArgument (under UBSan, a wrapping
+// sum is a crash), so the fuzzer reaches the sums of any size, not only the small ones.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -19,10 +21,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   int64_t seq = 0;
+  bool overflow = false;
   for (int64_t l : docs) {
     if (l <= 0) __builtin_trap();  // the parser promised positive lengths
-    seq += l;
-    if (seq > 4096) return 0;  // keep plans small
+    overflow = overflow || __builtin_add_overflow(seq, l, &seq);
+  }
+  if (overflow || seq > 4096) {
+    // The sum cannot be a plan this harness builds: make() must refuse a mismatching length
+    // (the wrapped sum, or the true sum plus one) before allocating anything.
+    const int64_t claimed = overflow ? (seq >= 1 ? seq : 1) : seq + 1;
+    try {
+      (void)loom::ShardPlan::make(loom::Layout::zigzag, claimed, ranks, docs);
+    } catch (const loom::InvalidArgument&) {
+      return 0;
+    }
+    __builtin_trap();  // accepted lengths that do not sum to the sequence
   }
   for (loom::Layout layout :
        {loom::Layout::contiguous, loom::Layout::zigzag, loom::Layout::stripe}) {

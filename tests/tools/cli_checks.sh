@@ -152,5 +152,130 @@ LOOM_PROGRESS_AFTER_S=0 "$loom" attn --ranks 2 --seq 256 --iters 2 --quiet > /de
 expect_error "bad fault" "fault" --ranks 2 --fault explode:1
 expect_error "fault rank out of range" "names a rank outside" --ranks 2 --fault kill:5
 
+
+# Reliability (issue 11). Each of these failed on the code before it.
+# 1. Outputs never replace what is not a regular file; symlinks are followed.
+mkdir -p "$work/rel"
+"$loom" attn --seq 64 --quiet --json /dev/null > /dev/null 2>&1
+[ -c /dev/null ] && ok "--json /dev/null leaves the device a device" || bad "/dev/null replaced"
+expect_error "--json /dev/full reports the write error" "/dev/full: write failed" --seq 64 \
+  --quiet --json /dev/full
+echo keep > "$work/rel/target.json"
+ln -s target.json "$work/rel/link.json"
+if "$loom" attn --seq 64 --quiet --json "$work/rel/link.json" > /dev/null 2>&1 &&
+   [ -L "$work/rel/link.json" ] && grep -q '"config"' "$work/rel/target.json"; then
+  ok "--json through a symlink writes its target, the link stays"
+else bad "--json symlink"; fi
+if "$loom" attn --seq 64 --quiet --json - 2> /dev/null | /usr/bin/python3 -c \
+     "import json,sys; assert json.load(sys.stdin)['config']['seq'] == 64"; then
+  ok "--json - writes the JSON alone to standard output"
+else bad "--json -"; fi
+mkfifo "$work/rel/fifo.json"
+start=$(date +%s)
+expect_error "--trace to a FIFO nobody reads is refused, not blocking" "FIFO that nobody reads" \
+  --seq 64 --quiet --trace "$work/rel/fifo.json"
+[ -p "$work/rel/fifo.json" ] && [ $(( $(date +%s) - start )) -le 10 ] &&
+  ok "the FIFO is still a FIFO" || bad "FIFO replaced or blocked"
+expect_error "one path for two outputs" "name the same file" --seq 64 --json "$work/rel/a" \
+  --trace "$work/rel/a"
+# 5. --output sets are swapped in whole: a failed run changes nothing; foreign files refused.
+"$loom" attn --ranks 2 --seq 64 --backward --quiet --output "$work/rel/set" > /dev/null 2>&1
+before=$(md5sum "$work/rel/set"/*.npy | md5sum)
+LOOM_TIMEOUT_S=5 timeout 60 "$loom" attn --ranks 2 --seq 64 --backward --quiet --seed 9 \
+  --fault kill:1,at=30 --output "$work/rel/set" > /dev/null 2>&1
+after=$(md5sum "$work/rel/set"/*.npy | md5sum)
+ls_set=$(ls "$work/rel" | grep -c tmp)
+[ "$before" = "$after" ] && [ "$ls_set" -eq 0 ] &&
+  ok "a killed run leaves the previous --output set whole, no temporaries" ||
+  bad "killed run changed the output set ($ls_set temporaries)"
+"$loom" attn --ranks 2 --seq 64 --quiet --seed 3 --output "$work/rel/set" > /dev/null 2>&1
+[ -e "$work/rel/set/out.npy" ] && [ ! -e "$work/rel/set/dq.npy" ] &&
+  ok "a forward-only run replaces the set: no stale dq/dk/dv" || bad "stale gradients left"
+echo mine > "$work/rel/set/notes.txt"
+expect_error "foreign file in --output" "holds 'notes.txt'" --seq 64 --output "$work/rel/set"
+rm "$work/rel/set/notes.txt"
+# Two concurrent runs into one directory: the set is always wholly one run's.
+for seed in 1 2; do
+  "$loom" attn --seq 48 --backward --quiet --seed $seed --output "$work/rel/ref$seed" \
+    > /dev/null 2>&1
+  (cd "$work/rel/ref$seed" && md5sum ./*.npy) > "$work/rel/sum$seed"
+done
+mixed=0
+for i in 1 2 3 4 5 6; do
+  "$loom" attn --seq 48 --backward --quiet --seed 1 --output "$work/rel/cc" > /dev/null 2>&1 &
+  "$loom" attn --seq 48 --backward --quiet --seed 2 --output "$work/rel/cc" > /dev/null 2>&1
+  wait
+  got=$(cd "$work/rel/cc" && md5sum ./*.npy)
+  [ "$got" = "$(cat "$work/rel/sum1")" ] || [ "$got" = "$(cat "$work/rel/sum2")" ] ||
+    mixed=$((mixed + 1))
+done
+[ "$mixed" -eq 0 ] && ok "6 pairs of concurrent --output runs: every set wholly one run's" ||
+  bad "concurrent --output runs mixed $mixed sets"
+# A stale temporary of a dead process is removed on the next run.
+sh -c 'exit 0' & wait $!
+dead=$!
+echo partial > "$work/rel/r.json.tmp.$dead"
+"$loom" attn --seq 64 --quiet --json "$work/rel/r.json" > /dev/null 2>&1
+[ ! -e "$work/rel/r.json.tmp.$dead" ] && ok "stale r.json.tmp.PID removed" || bad "stale temp"
+# 2. Memory is estimated before allocating.
+expect_error "issue's OOM case refused at once" "needs about" --seq 2000000 --heads 32 \
+  --head-dim 128 --ranks 4
+expect_error "100000 ranks refused at once" "needs about" --ranks 100000 --seq 256
+expect_error "--memory-limit names estimate and limit" "(--memory-limit); make the problem" \
+  --seq 4096 --memory-limit 1M
+expect_error "--memory-limit malformed" "--memory-limit 'lots' is not a size" --seq 64 \
+  --memory-limit lots
+# 4. Non-finite results are errors; --check names them.
+expect_error "--scale 3e38 overflows to NaN: an error" "non-finite result: out on rank" \
+  --seq 64 --scale 3e38 --check
+expect_error "--scale inf" "--scale must be a positive finite number" --seq 64 --scale inf
+expect_error "--scale 0" "--scale must be a positive finite number" --seq 64 --scale 0
+mkdir -p "$work/big"
+/usr/bin/python3 - "$work/big" <<'PY'
+import numpy as np, sys
+d = sys.argv[1]
+q = np.full((16, 2, 8), 1e19, np.float32)
+for n in ("q", "k", "v"): np.save(f"{d}/{n}.npy", q)
+PY
+expect_error "q = k = 1e19: NaN is an error" "non-finite result" --input "$work/big" --check
+# 7. Sizes that overflow are refused.
+expect_error "--seq beyond int64" "out of range" --seq 99999999999999999999
+expect_error "--docs summing past int64" "sum to more than 2^63" --seq 64 \
+  --docs "$(printf '999999999999999999,%.0s' $(seq 18))446744073709551698"
+# 8. Reads never block and are bounded by the header.
+mkdir -p "$work/fifo"
+mkfifo "$work/fifo/q.npy"
+start=$(date +%s)
+expect_error "FIFO as q.npy" "q.npy: is not a regular file" --input "$work/fifo"
+[ $(( $(date +%s) - start )) -le 10 ] && ok "FIFO refused at once" || bad "FIFO blocked"
+mkdir -p "$work/huge"
+truncate -s 40G "$work/huge/q.npy"
+start=$(date +%s)
+expect_error "40 GiB without the magic" "not a .npy file (bad magic)" --input "$work/huge"
+[ $(( $(date +%s) - start )) -le 10 ] && ok "40 GiB file refused at once" || bad "read it whole"
+# 9. Small ones.
+"$loom" attn --bogus > /dev/null 2> "$work/stderr"
+rc=$?
+[ $rc -eq 2 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && ok "unknown option: exit 2, one line" ||
+  { cat "$work/stderr"; bad "unknown option exit $rc"; }
+mkdir -p "$work/dirq/q.npy"
+expect_error "a directory where a file is expected" "q.npy: is a directory" --input "$work/dirq"
+mkdir -p "$work/empty"
+/usr/bin/python3 -c "
+import numpy as np, sys
+for n in ('q','k','v'): np.save(sys.argv[1] + '/' + n + '.npy', np.zeros((0, 2, 8), np.float32))
+" "$work/empty"
+expect_error "empty arrays" "an empty array" --input "$work/empty"
+for t in 0 -1 garbage; do
+  LOOM_TIMEOUT_S=$t "$loom" attn --seq 64 --quiet > /dev/null 2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && grep -q "LOOM_TIMEOUT_S must be a positive number" "$work/stderr" &&
+    ok "LOOM_TIMEOUT_S=$t refused" || { cat "$work/stderr"; bad "LOOM_TIMEOUT_S=$t"; }
+done
+expect_error "--kv-heads 0" "--kv-heads must be >= 1" --seq 64 --kv-heads 0
+expect_error "--seed -1" "must not be negative" --seq 64 --seed -1
+expect_error "--docs ''" "--docs is empty" --seq 64 --docs ""
+expect_error "a fault that never fires" "never fired" --ranks 2 --seq 64 --fault kill:1,at=100000
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

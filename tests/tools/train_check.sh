@@ -107,5 +107,94 @@ expect_error "heads over tp" "divisible by --tp" --ranks 4 --tp 4 --heads 4 --kv
   "${data[@]}"
 expect_error "bad dtype" "unknown dtype" --dtype fp16 --quiet "${data[@]}"
 
+
+# 3. Reliability (issue 11): nothing lost, nothing overwritten, nothing silently wrong.
+tiny0=(--seq 64 --layers 1 --dim 32 --heads 2 --kv-heads 1 --batch 2 --eval-every 0 --quiet)
+tiny=("${tiny0[@]}" "${data[@]}")
+expect_error "--lr 1e30" "--lr must be in (0, 10]" "${tiny[@]}" --lr 1e30
+expect_error "--weight-decay nan" "--weight-decay must be a finite number" "${tiny[@]}" \
+  --weight-decay nan
+expect_error "--clip -1" "--clip must be a finite number >= 0" "${tiny[@]}" --clip -1
+expect_error "--clip nan" "--clip must be a finite number >= 0" "${tiny[@]}" --clip nan
+expect_error "--warmup -5" "--warmup must be >= 0, or -1" "${tiny[@]}" --warmup -5
+expect_error "--ffn -1" "--ffn must be >= 0" "${tiny[@]}" --ffn -1
+expect_error "--eval-batches 0" "--eval-batches must be >= 1" "${tiny[@]}" --eval-batches 0
+expect_error "--seed -1" "must not be negative" "${tiny[@]}" --seed -1
+expect_error "--steps overflow" "out of range" "${tiny[@]}" --steps 99999999999999999999
+expect_error "--data /dev/zero" "is not a regular file" --quiet --data /dev/zero
+mkfifo "$work/fifo.txt"
+start=$(date +%s)
+expect_error "--data FIFO does not block" "is not a regular file" --quiet --data "$work/fifo.txt"
+[ $(( $(date +%s) - start )) -le 5 ] && ok "FIFO refused at once" || bad "FIFO took too long"
+expect_error "--data-limit" "larger than the limit of 1.0 MiB (raise it with --data-limit)" \
+  "${tiny[@]}" --data-limit 1M
+head -c 30000 "${data[1]:-data/kjv.txt}" > "$work/small.txt"
+expect_error "validation split too short" "the validation split of" --quiet --seq 2000 \
+  --layers 1 --dim 32 --heads 2 --kv-heads 1 --batch 2 --data "$work/small.txt"
+expect_error "--log on a full disk" "--log /dev/full: write failed" "${tiny[@]}" --steps 3 \
+  --log /dev/full
+if head -c 20000 "${data[1]:-data/kjv.txt}" | "$loom" train "${tiny0[@]}" --steps 2 --data - \
+     > "$work/stdin.out" 2>&1 && grep -q "standard input" "$work/stdin.out"; then
+  ok "--data - reads standard input"
+else cat "$work/stdin.out"; bad "--data -"; fi
+
+# A non-finite gradient stops every rank before the update: no checkpoint, no "loss: null".
+LOOM_TEST_NAN_AT_STEP=3 "$loom" train --ranks 2 "${tiny[@]}" --steps 6 --checkpoint-dir \
+  "$work/nan" --checkpoint-every 1 --log "$work/nan.jsonl" > /dev/null 2> "$work/stderr"
+rc=$?
+if [ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] &&
+   grep -q "non-finite training at step 3: .*first on rank 0" "$work/stderr" &&
+   [ ! -e "$work/nan/step-00000003.ckpt" ] && [ -e "$work/nan/step-00000002.ckpt" ] &&
+   [ "$(wc -l < "$work/nan.jsonl")" -eq 2 ] && ! grep -q null "$work/nan.jsonl"; then
+  ok "NaN gradient: stopped at step 3, checkpoints 1-2 only: $(cat "$work/stderr")"
+else
+  cat "$work/stderr"; ls "$work/nan"; bad "NaN gradient stop (rc=$rc)"
+fi
+# A checkpoint holding a NaN (with a valid checksum) is refused.
+cp -r "$work/nan" "$work/nanck"
+py "$work/nanck/step-00000002.ckpt" <<'PY'
+import struct, sys
+p = sys.argv[1]; b = bytearray(open(p, "rb").read())
+hl = struct.unpack_from("<Q", b, 8)[0]
+struct.pack_into("<f", b, 16 + hl + 4, float("nan"))
+h = 0xcbf29ce484222325
+for x in b[8:-8]:
+    h = ((h ^ x) * 0x100000001b3) & 0xffffffffffffffff
+struct.pack_into("<Q", b, len(b) - 8, h)
+open(p, "wb").write(b)
+PY
+expect_error "non-finite checkpoint refused" "holds a non-finite value in its weights" \
+  --ranks 2 "${tiny[@]}" --steps 6 --checkpoint-dir "$work/nanck" --resume
+
+# --keep-checkpoints 2 keeps the newest two; a stale temporary of a dead process is removed.
+mkdir -p "$work/keep"
+sh -c 'exit 0' & wait $!
+dead=$!
+echo partial > "$work/keep/latest.tmp.$dead"
+echo partial > "$work/keep/step-00000009.ckpt.tmp.$dead"
+if "$loom" train "${tiny[@]}" --steps 5 --checkpoint-dir "$work/keep" --checkpoint-every 1 \
+     --keep-checkpoints 2 > /dev/null 2>&1 &&
+   [ "$(ls "$work/keep")" = "$(printf 'latest\nstep-00000004.ckpt\nstep-00000005.ckpt')" ]; then
+  ok "--keep-checkpoints 2 and stale temporaries removed"
+else ls "$work/keep"; bad "--keep-checkpoints"; fi
+
+# Resume truncates the log to the checkpoint's step: each step appears once, even after a line
+# torn by a kill.
+"$loom" train "${tiny[@]}" --steps 6 --checkpoint-dir "$work/lt" --checkpoint-every 3 \
+  --log "$work/lt.jsonl" > /dev/null 2>&1 || bad "log truncation: first run failed"
+echo "step-00000003.ckpt" > "$work/lt/latest"
+printf '{"step": 7, "loss"' >> "$work/lt.jsonl"
+ln -s lt.jsonl "$work/lt-link.jsonl"
+if "$loom" train "${tiny[@]}" --steps 6 --checkpoint-dir "$work/lt" --resume \
+     --log "$work/lt-link.jsonl" > /dev/null 2> "$work/stderr" &&
+   [ -L "$work/lt-link.jsonl" ] &&
+   py "$work/lt.jsonl" <<'PY'
+import json, sys
+steps = [json.loads(l)["step"] for l in open(sys.argv[1])]
+assert steps == [1, 2, 3, 4, 5, 6], steps
+PY
+then ok "resume: log cut back to step 3, steps 1-6 once each, symlinked log followed"
+else cat "$work/stderr"; bad "log truncation on resume"; fi
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -1,19 +1,30 @@
 // core: bf16 rounding, Philox RNG shard invariance, .npy round trips and every malformed case,
 // error macros.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "loom/bf16.h"
 #include "loom/error.h"
+#include "loom/io.h"
 #include "loom/npy.h"
 #include "loom/rng.h"
 #include "loom/tensor.h"
+#include "loom/timer.h"
 
 namespace loom {
 namespace {
@@ -224,6 +235,283 @@ TEST(TensorTest, ViewsAndConvert) {
   EXPECT_EQ(back.vec(), x.vec());  // small integers are exact in bf16
   EXPECT_THROW(Tensor<float>({2, -1}), InvalidArgument);
   EXPECT_EQ(shape_str({2, 3}), "[2, 3]");
+}
+
+}  // namespace
+}  // namespace loom
+
+// ---------------------------------------------------------------------------------------------
+// Safe output, bounded input, memory estimates (issue 11). Each test fails on the code before
+// loom/io.h: writes replaced devices and symlinks, reads blocked on FIFOs and read bodies whole.
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+
+class Io : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "loom_io_" + std::to_string(::getpid()) + "_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string at(const std::string& name) const { return dir_ + "/" + name; }
+  static std::string slurp(const std::string& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  }
+  // Names in the directory other than `except`.
+  std::vector<std::string> others(const std::vector<std::string>& except) const {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(dir_)) {
+      const std::string n = e.path().filename().string();
+      if (std::find(except.begin(), except.end(), n) == except.end()) out.push_back(n);
+    }
+    return out;
+  }
+  std::string dir_;
+};
+
+// A pid that is certainly not running: a child that has exited and been reaped.
+long dead_pid() {
+  const pid_t c = ::fork();
+  if (c == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(c, &status, 0);
+  return c;
+}
+
+TEST_F(Io, RegularFileIsReplacedAtomicallyWithNoTemporaryLeft) {
+  write_output(at("a.json"), "old");
+  write_output(at("a.json"), "new contents");
+  EXPECT_EQ(slurp(at("a.json")), "new contents");
+  EXPECT_TRUE(others({"a.json"}).empty());
+}
+
+TEST_F(Io, SymlinkIsFollowedNotReplaced) {
+  write_output(at("target.json"), "x");
+  fs::create_symlink("target.json", at("link.json"));
+  write_output(at("link.json"), "through the link");
+  EXPECT_TRUE(fs::is_symlink(at("link.json")));
+  EXPECT_EQ(slurp(at("target.json")), "through the link");
+  // A dangling symlink: its target is created.
+  fs::create_symlink("new.json", at("dangling.json"));
+  write_output(at("dangling.json"), "made");
+  EXPECT_TRUE(fs::is_symlink(at("dangling.json")));
+  EXPECT_EQ(slurp(at("new.json")), "made");
+}
+
+TEST_F(Io, DevicesAreWrittenDirectlyNeverReplaced) {
+  write_output("/dev/null", "discarded");
+  struct stat st;
+  ASSERT_EQ(::stat("/dev/null", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode)) << "/dev/null was replaced";
+  // A full device reports the failed write instead of losing it.
+  try {
+    write_output("/dev/full", "lost?");
+    ADD_FAILURE() << "writing /dev/full succeeded";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("/dev/full: write failed"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(::stat("/dev/full", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode));
+}
+
+TEST_F(Io, FifoWithoutReaderIsRefusedAtOnceAndWithReaderWrittenDirectly) {
+  ASSERT_EQ(::mkfifo(at("pipe").c_str(), 0600), 0);
+  EXPECT_THROW(write_output(at("pipe"), "nobody reads"), IoError);
+  std::string got;
+  std::thread reader([&] {
+    std::ifstream f(at("pipe"));
+    got.assign((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  });
+  // The reader may not have opened yet: retry the write for a bounded time.
+  bool wrote = false;
+  for (int i = 0; i < 200 && !wrote; ++i) {
+    try {
+      write_output(at("pipe"), "through the fifo");
+      wrote = true;
+    } catch (const IoError&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  reader.join();
+  EXPECT_TRUE(wrote);
+  EXPECT_EQ(got, "through the fifo");
+  struct stat st;
+  ASSERT_EQ(::stat(at("pipe").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+}
+
+TEST_F(Io, DirectoryIsRefused) {
+  fs::create_directories(at("d"));
+  EXPECT_THROW(write_output(at("d"), "x"), IoError);
+  EXPECT_TRUE(fs::is_directory(at("d")));
+}
+
+TEST_F(Io, StaleTemporariesOfDeadProcessesAreRemoved) {
+  const long dead = dead_pid();
+  const std::string stale = at("out.npy.tmp." + std::to_string(dead));
+  const std::string stale_dir = at("o.tmp." + std::to_string(dead) + "-3");
+  const std::string live = at("out.npy.tmp." + std::to_string(::getppid()));
+  write_output(stale, "partial");
+  fs::create_directories(stale_dir);
+  write_output(live, "someone else's, still running");
+  write_output(at("out.npy"), "complete");
+  clean_stale_temps(at("o"));
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_FALSE(fs::exists(stale_dir));
+  EXPECT_TRUE(fs::exists(live));
+  EXPECT_EQ(slurp(at("out.npy")), "complete");
+}
+
+TEST_F(Io, TwoOutputsOnOnePathAreRefused) {
+  EXPECT_THROW(check_distinct_outputs({{"--json", at("r.json")}, {"--trace", at("r.json")}}),
+               InvalidArgument);
+  write_output(at("r.json"), "x");
+  fs::create_symlink("r.json", at("l.json"));
+  EXPECT_THROW(check_distinct_outputs({{"--json", at("r.json")}, {"--trace", at("l.json")}}),
+               InvalidArgument);
+  EXPECT_NO_THROW(check_distinct_outputs(
+      {{"--json", at("r.json")}, {"--trace", at("t.json")}, {"--timeline", ""}}));
+}
+
+TEST_F(Io, OutputSetIsSwappedInWholeOrNotAtAll) {
+  const std::vector<std::string> names = {"a.npy", "b.npy"};
+  {
+    OutputSet s(at("out"), names);
+    write_output(s.path("a.npy"), "a1");
+    write_output(s.path("b.npy"), "b1");
+    s.commit();
+  }
+  EXPECT_EQ(slurp(at("out/a.npy")), "a1");
+  {  // a run that fails after writing half its set changes nothing
+    OutputSet s(at("out"), names);
+    write_output(s.path("a.npy"), "a2");
+  }
+  EXPECT_EQ(slurp(at("out/a.npy")), "a1");
+  EXPECT_EQ(slurp(at("out/b.npy")), "b1");
+  {  // a set without b replaces the old set: no stale b from the run before
+    OutputSet s(at("out"), names);
+    write_output(s.path("a.npy"), "a3");
+    s.commit();
+  }
+  EXPECT_EQ(slurp(at("out/a.npy")), "a3");
+  EXPECT_FALSE(fs::exists(at("out/b.npy")));
+  EXPECT_TRUE(others({"out"}).empty()) << "staging directories left behind";
+  // Someone else's file in the directory: refused before anything is written.
+  write_output(at("out/notes.txt"), "mine");
+  EXPECT_THROW(OutputSet(at("out"), names), IoError);
+  EXPECT_EQ(slurp(at("out/notes.txt")), "mine");
+}
+
+TEST_F(Io, ConcurrentOutputSetsNeverMix) {
+  const std::vector<std::string> names = {"a.npy", "b.npy"};
+  for (int round = 0; round < 20; ++round) {
+    std::vector<std::thread> ts;
+    for (int w = 0; w < 2; ++w)
+      ts.emplace_back([&, w] {
+        OutputSet s(at("out"), names);
+        write_output(s.path("a.npy"), std::to_string(w));
+        write_output(s.path("b.npy"), std::to_string(w));
+        s.commit();
+      });
+    for (auto& t : ts) t.join();
+    EXPECT_EQ(slurp(at("out/a.npy")), slurp(at("out/b.npy"))) << "round " << round;
+  }
+}
+
+TEST_F(Io, InputFileRefusesFifosAndDirectoriesWithoutBlocking) {
+  ASSERT_EQ(::mkfifo(at("q.npy").c_str(), 0600), 0);
+  const double t0 = now_s();
+  EXPECT_THROW(read_npy_f32(at("q.npy")), IoError);
+  EXPECT_THROW(InputFile(at("q.npy"), "--data"), IoError);
+  EXPECT_LT(now_s() - t0, 5.0);
+  fs::create_directories(at("dir.npy"));
+  try {
+    read_npy_f32(at("dir.npy"));
+    ADD_FAILURE() << "a directory was read";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("dir.npy: is a directory"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(InputFile("/dev/zero", "--data"), IoError);
+}
+
+TEST_F(Io, ReadRestIsBounded) {
+  write_output(at("d.txt"), std::string(1000, 'x'));
+  {
+    InputFile f(at("d.txt"), "--data");
+    EXPECT_EQ(f.read_rest(1000).size(), 1000u);
+  }
+  InputFile f(at("d.txt"), "--data");
+  try {
+    f.read_rest(999, "--data-limit");
+    ADD_FAILURE() << "read past the limit";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("--data-limit"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(Io, NpyHeaderIsCheckedBeforeTheBodyIsRead) {
+  // 40 GiB without the magic (sparse: no disk used) is refused at once, not read whole.
+  const std::string big = at("big.npy");
+  {
+    const int fd = ::open(big.c_str(), O_WRONLY | O_CREAT, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, off_t{40} << 30), 0);
+    ::close(fd);
+  }
+  const double t0 = now_s();
+  EXPECT_THROW(read_npy_f32(big), IoError);
+  EXPECT_LT(now_s() - t0, 5.0);
+  // A valid header that declares far more data than the file has: refused before allocating.
+  std::string h("\x93NUMPY\x01\x00", 8);
+  std::string dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000000,), }";
+  dict.append(64 - (10 + dict.size() + 1) % 64, ' ');
+  dict.push_back('\n');
+  h.push_back(static_cast<char>(dict.size() & 0xff));
+  h.push_back(static_cast<char>(dict.size() >> 8));
+  write_output(at("lying.npy"), h + dict + std::string(16, '\0'));
+  try {
+    read_npy_f32(at("lying.npy"));
+    ADD_FAILURE() << "a truncated file was accepted";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Memory, EstimatesAreRefusedInOneLineNamingEstimateLimitAndOption) {
+  try {
+    check_memory(3.0 * (1ull << 30), int64_t{1} << 30, "loom attn", "--memory-limit");
+    ADD_FAILURE() << "no refusal";
+  } catch (const InvalidArgument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("3.00 GiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("1.00 GiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("--memory-limit"), std::string::npos) << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(check_memory(1e6, int64_t{1} << 30, "x", "--memory-limit"));
+  EXPECT_GT(available_memory_bytes(), 0);
+  EXPECT_THROW(check_memory(1e30, -1, "x", "--memory-limit"), InvalidArgument);
+  EXPECT_EQ(parse_size("8G", "--memory-limit"), int64_t{8} << 30);
+  EXPECT_EQ(parse_size("512M", "--memory-limit"), int64_t{512} << 20);
+  EXPECT_EQ(parse_size("1048576", "--memory-limit"), int64_t{1} << 20);
+  for (const char* bad : {"", "x", "-1G", "0", "nan", "1Q", "1e30G"})
+    EXPECT_THROW(parse_size(bad, "--memory-limit"), InvalidArgument) << bad;
+}
+
+TEST(TensorTest, OverflowingShapesAndFailedAllocationsAreNamed) {
+  EXPECT_THROW(Tensor<float>({int64_t{1} << 40, int64_t{1} << 40}), InvalidArgument);
+  try {
+    Tensor<double> t({int64_t{1} << 30, int64_t{1} << 30});  // 8 EiB
+    ADD_FAILURE() << "allocated 8 EiB";
+  } catch (const OutOfMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("[1073741824, 1073741824]"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -6,11 +6,14 @@
 // Philox generator makes a rank's rows identical to a one-rank run's. Rank 0 gathers the results
 // to check them and to write files.
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <numeric>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,6 +21,7 @@
 #include "commands.h"
 #include "loom/comm.h"
 #include "loom/cp.h"
+#include "loom/io.h"
 #include "loom/npy.h"
 #include "loom/rng.h"
 #include "loom/timer.h"
@@ -35,6 +39,8 @@ int g_exit_code = 0;
 // dq, dk 2 u = 2^-7 (u = 2^-8 is bf16's unit roundoff); lse and dv stay at the fp32 tolerance.
 constexpr double kBf16RelTol = kBf16OutRelTol;
 static_assert(kBf16OutRelTol == kBf16GradRelTol);
+// The files `--output DIR` may hold (the set replaces DIR as a whole).
+const std::vector<std::string> kOutputNames = {"out.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"};
 // Above this many tokens --check compares a sample of kCheckSampleRows query rows.
 constexpr int64_t kCheckFullMax = 4096;
 constexpr int64_t kCheckSampleRows = 256;
@@ -56,8 +62,10 @@ struct AttnOptions {
   std::string json, trace, timeline, fault;
   std::string dtype = "fp32";
   bool baseline = false;
+  std::string memory_limit;  // --memory-limit (empty: the machine's available memory)
   // set by CLI11
-  bool ranks_given = false, shape_given = false;
+  bool ranks_given = false, shape_given = false, kv_heads_given = false, scale_given = false,
+       docs_given = false;
 };
 
 struct Problem {
@@ -99,6 +107,13 @@ Problem make_problem(const AttnOptions& o) {
     LOOM_CHECK(p.k.size(0) == p.S && p.k.size(2) == p.D, IoError,
                "k.npy " << shape_str(p.k.shape()) << " does not match q.npy "
                         << shape_str(p.q.shape()) << " (k must be [S, HKV, D])");
+    for (const auto& [t, name] : {std::pair<const Tensor<float>*, const char*>{&p.q, "q.npy"},
+                                  {&p.k, "k.npy"},
+                                  {&p.v, "v.npy"}})
+      for (int64_t d = 0; d < 3; ++d)
+        LOOM_CHECK(t->size(d) >= 1, IoError,
+                   o.input << "/" << name << " has shape " << shape_str(t->shape())
+                           << ": an empty array (every dimension must be >= 1)");
     require_finite(p.q, "q.npy");
     require_finite(p.k, "k.npy");
     require_finite(p.v, "v.npy");
@@ -117,7 +132,8 @@ Problem make_problem(const AttnOptions& o) {
   }
   LOOM_CHECK(p.S >= 1, InvalidArgument, "--seq must be >= 1, got " << p.S);
   LOOM_CHECK(p.H >= 1, InvalidArgument, "--heads must be >= 1, got " << p.H);
-  LOOM_CHECK(p.HKV >= 1, InvalidArgument, "--kv-heads must be >= 1, got " << p.HKV);
+  LOOM_CHECK(p.HKV >= 1 && (!o.kv_heads_given || o.kv_heads >= 1), InvalidArgument,
+             "--kv-heads must be >= 1, got " << (o.kv_heads_given ? o.kv_heads : p.HKV));
   LOOM_CHECK(p.D >= 1 && p.D <= kMaxHeadDim, InvalidArgument,
              "--head-dim must be in [1, " << kMaxHeadDim << "], got " << p.D);
   LOOM_CHECK(p.H % p.HKV == 0, InvalidArgument,
@@ -127,12 +143,16 @@ Problem make_problem(const AttnOptions& o) {
   LOOM_CHECK(o.iters >= 1, InvalidArgument, "--iters must be >= 1, got " << o.iters);
   LOOM_CHECK(o.warmup >= 0, InvalidArgument, "--warmup must be >= 0, got " << o.warmup);
   LOOM_CHECK(o.threads >= 0, InvalidArgument, "--threads must be >= 0, got " << o.threads);
-  LOOM_CHECK(o.scale >= 0 && std::isfinite(o.scale), InvalidArgument,
-             "--scale must be positive, got " << o.scale);
-  if (!o.docs.empty()) {
+  // A scale is a positive finite float; the default is 1/sqrt(D).
+  LOOM_CHECK(std::isfinite(o.scale) && o.scale >= 0 && (!o.scale_given || o.scale > 0) &&
+                 o.scale <= std::numeric_limits<float>::max(),
+             InvalidArgument, "--scale must be a positive finite number, got " << o.scale);
+  if (o.docs_given || !o.docs.empty()) {
     p.doc_lengths = parse_doc_lengths(o.docs);
     int64_t sum = 0;
-    for (int64_t l : p.doc_lengths) sum += l;
+    for (int64_t l : p.doc_lengths)
+      LOOM_CHECK(!__builtin_add_overflow(sum, l, &sum), InvalidArgument,
+                 "--docs lengths sum to more than 2^63 (the sequence has " << p.S << " tokens)");
     LOOM_CHECK(sum == p.S, InvalidArgument,
                "--docs lengths sum to " << sum << " but the sequence has " << p.S << " tokens");
   }
@@ -168,9 +188,14 @@ Problem make_problem(const AttnOptions& o) {
 void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref,
              const std::vector<int64_t>& rows, int64_t row_width, double tol, CheckReport& r) {
   double num = 0, den = 0, max_abs = 0;
-  bool inf_mismatch = false;
+  bool inf_mismatch = false, non_finite = false;
   auto visit = [&](int64_t i) {
     const double a = x[i], b = ref[i];
+    if (!std::isfinite(a) && a != b) non_finite = true;
+    if (std::isnan(a) || std::isnan(b)) {
+      inf_mismatch = true;
+      return;
+    }
     if (std::isinf(b) || std::isinf(a)) {
       if (a != b) inf_mismatch = true;
       return;
@@ -198,6 +223,7 @@ void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref
   if (inf_mismatch || !(rel <= tol)) {
     r.passed = false;
     r.worst = name;
+    r.non_finite = r.non_finite || non_finite;
   }
 }
 
@@ -308,6 +334,74 @@ class Progress {
   bool shown_ = false;
 };
 
+// Rank 0 receives every rank's `bytes` into recv (P * bytes); the other ranks only send, so no
+// rank but 0 holds P copies of anything (an all_gather here made each rank's report memory grow
+// with P, and the whole run's with P^2 or P^3).
+void gather_to_root(Communicator& world, const void* send, size_t bytes, void* recv) {
+  const int P = world.size(), me = world.rank();
+  constexpr int kTag = 7100;
+  if (me != 0) {
+    world.isend(send, bytes, 0, kTag)->wait();
+    return;
+  }
+  if (bytes == 0) return;
+  std::copy_n(static_cast<const char*>(send), bytes, static_cast<char*>(recv));
+  for (int r = 1; r < P; ++r)
+    world.irecv(static_cast<char*>(recv) + static_cast<size_t>(r) * bytes, bytes, r, kTag)->wait();
+}
+
+// Every rank scans its results for NaN and Inf (lse may be -inf: a row that sees no key). The
+// ranks exchange what they found, and all of them throw the same error naming the first rank's
+// first non-finite value, so none is left waiting for another.
+void require_finite_results(Communicator& world, const ShardPlan& plan, int64_t iteration,
+                            const Tensor<float>& out, const Tensor<float>& lse,
+                            const Tensor<float>* dq, const Tensor<float>* dk,
+                            const Tensor<float>* dv) {
+  const int me = world.rank(), P = world.size();
+  static const char* const kNames[] = {"out", "lse", "dq", "dk", "dv"};
+  const Tensor<float>* ts[] = {&out, &lse, dq, dk, dv};
+  int64_t bad[4] = {-1, -1, -1, 0};  // tensor, global token, head, 1 for NaN
+  const int64_t n = plan.rows(me);
+  for (int t = 0; t < 5 && bad[0] < 0; ++t) {
+    if (!ts[t]) continue;
+    const Tensor<float>& x = *ts[t];
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const float v = x[i];
+      if (std::isfinite(v) || (t == 1 && v == -INFINITY)) continue;
+      int64_t row = 0, head = 0;
+      if (t == 1) {  // lse [H, n]
+        head = i / std::max<int64_t>(1, n);
+        row = i % std::max<int64_t>(1, n);
+      } else {  // [n, heads, D]
+        row = i / (x.size(1) * x.size(2));
+        head = (i / x.size(2)) % x.size(1);
+      }
+      bad[0] = t;
+      bad[1] = plan.tokens[me][static_cast<size_t>(row)];
+      bad[2] = head;
+      bad[3] = std::isnan(v) ? 1 : 0;
+      break;
+    }
+  }
+  // The first rank with a bad value (P: none), then its details; O(1) memory per rank.
+  int64_t key = bad[0] >= 0 ? P - me : 0;  // max over ranks: P - (first bad rank)
+  world.all_reduce(&key, 1, DType::i64, ReduceOp::max);
+  if (key == 0) return;
+  const int64_t first = P - key;
+  int64_t b[4] = {-1, -1, -1, -1};
+  if (me == first) std::copy_n(bad, 4, b);
+  world.all_reduce(b, 4, DType::i64, ReduceOp::max);
+  {
+    const int r = static_cast<int>(first);
+    std::ostringstream os;
+    os << "non-finite result: " << kNames[b[0]] << " on rank " << r << " holds "
+       << (b[3] ? "NaN" : "Inf") << " at token " << b[1] << ", head " << b[2] << " after iteration "
+       << iteration << " (the inputs are finite, so the scores overflowed float32: lower --scale "
+       << "or the inputs' magnitude)";
+    throw Error(os.str(), __FILE__, __LINE__);
+  }
+}
+
 // The job on one rank. Rank 0 fills `rep`.
 void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int threads,
                AttnReport& rep, bool report) {
@@ -390,16 +484,18 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
     progress.update(it + 1);
   }
   if (p.bf16) out = convert<float>(bout);
+  require_finite_results(world, plan, total, out, lse, o.backward ? &dq : nullptr,
+                         o.backward ? &dk : nullptr, o.backward ? &dv : nullptr);
 
   // Per-rank counters, per timed iteration, gathered everywhere (all ranks take part).
   const CpMetrics& m = att.metrics();
   const RankCounters mine = RankCounters::of(m, o.iters, peak_rss_bytes());
-  std::vector<RankCounters> counters(static_cast<size_t>(P));
-  world.all_gather(&mine, sizeof mine, counters.data());
+  std::vector<RankCounters> counters(me == 0 ? static_cast<size_t>(P) : 0);
+  gather_to_root(world, &mine, sizeof mine, counters.data());
   std::vector<int64_t> steps(P, -1);
   std::copy_n(m.step_tiles.begin(), std::min<size_t>(P, m.step_tiles.size()), steps.begin());
-  std::vector<int64_t> all_steps(static_cast<size_t>(P) * P);
-  world.all_gather(steps.data(), sizeof(int64_t) * P, all_steps.data());
+  std::vector<int64_t> all_steps(me == 0 ? static_cast<size_t>(P) * P : 0);
+  gather_to_root(world, steps.data(), sizeof(int64_t) * P, all_steps.data());
   std::vector<std::vector<CpMetrics::Span>> spans;
   if (want_spans) spans = gather_spans(world, m.spans);
 
@@ -439,18 +535,16 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
   }
   if (!report) return;
   if (!o.output.empty()) {
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    fs::create_directories(o.output, ec);
-    LOOM_CHECK(fs::is_directory(o.output), IoError,
-               "--output " << o.output << " is not a directory");
-    write_npy(o.output + "/out.npy", g_out);
-    write_npy(o.output + "/lse.npy", g_lse);
+    // One set: staged in a fresh directory and swapped in whole (loom/io.h OutputSet).
+    OutputSet set(o.output, kOutputNames);
+    write_npy(set.path("out.npy"), g_out);
+    write_npy(set.path("lse.npy"), g_lse);
     if (o.backward) {
-      write_npy(o.output + "/dq.npy", g_dq);
-      write_npy(o.output + "/dk.npy", g_dk);
-      write_npy(o.output + "/dv.npy", g_dv);
+      write_npy(set.path("dq.npy"), g_dq);
+      write_npy(set.path("dk.npy"), g_dk);
+      write_npy(set.path("dv.npy"), g_dv);
     }
+    set.commit();
   }
   if (o.check) {
     // Global inputs: from the files, or regenerated (identical values, no communication).
@@ -507,7 +601,62 @@ nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
           {"timeline", o.timeline}};
 }
 
+// Peak bytes of the run in this process, from the problem alone (before anything is allocated).
+// `ranks_here` ranks live in this process (all of them on the local backend, one under mpirun).
+// Counted per rank: the fp32 (and bf16) inputs and outputs of its shard, the strategy's working
+// set (ring: the softmax state and two KV blocks in flight, and the dK/dV partials in backward;
+// ulysses and hybrid: the re-sharded copies and their send/receive buffers; allgather: the
+// whole K and V and their gradients), and the report's counters. With --check or --output every
+// rank receives the gathered results (gather_rows is an all_gather), rank 0 holds the global
+// tensors and, with --check, the regenerated inputs and the fp64 reference.
+double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, int ranks_here) {
+  const double S = double(p.S), H = double(p.H), HKV = double(p.HKV), D = double(p.D);
+  const double P = double(world), n = std::ceil(S / P) + 2;
+  const bool bw = o.backward;
+  const double q_rows = n * H * D * 4, kv_rows = n * HKV * D * 4;
+  double rank = 0;
+  rank +=
+      q_rows * (bw ? 4 : 2) + kv_rows * (bw ? 4 : 2) + n * H * 4;  // q,out(,dout,dq) k,v(,dk,dv)
+  if (p.bf16) rank += (q_rows * (bw ? 3 : 2) + kv_rows * 2) / 2;
+  switch (p.cp.strategy) {
+    case Strategy::ring:
+      rank += q_rows + 2 * n * H * 4 + 4 * kv_rows + (bw ? 4 * kv_rows + q_rows : 0);
+      break;
+    case Strategy::ulysses:
+    case Strategy::hybrid:
+      rank += 3 * (q_rows * (bw ? 4 : 2) + kv_rows * (bw ? 4 : 2)) + 4 * kv_rows;
+      break;
+    case Strategy::allgather:
+      rank += q_rows + 2 * S * HKV * D * 4 * (bw ? 2 : 1) + 2 * kv_rows;
+      break;
+  }
+  const bool need = o.check || !o.output.empty();
+  const double global = S * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;
+  if (need) rank += P * n * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;  // gather_rows
+  rank += 1024 * 1024 + 64 * P;  // thread stack and comm state (measured ~1 MiB a rank)
+  double total = rank * ranks_here;
+  // Rank 0: the gathered report (P x P step counts), global results, the check.
+  total += P * P * 8 + P * 128;
+  if (need) total += global * 2;
+  if (o.check) {
+    const double in32 = S * (2 * H + 2 * HKV) * D * 4;
+    total += in32 * 3 + S * (H * D + H) * 8 * 2 + (bw ? S * (H + 2 * HKV) * D * 8 * 2 : 0);
+  }
+  if (!o.input.empty()) total += S * (2 * H + 2 * HKV) * D * (4 + 8);  // files: f32 + f64 read
+  if (o.baseline) total += (q_rows + kv_rows) * P * 12;
+  return total;
+}
+
 int run_attn(const AttnOptions& o) {
+  // Outputs: distinct paths, and no temporaries left by an earlier killed run.
+  check_distinct_outputs({{"--json", o.json},
+                          {"--trace", o.trace},
+                          {"--timeline", o.timeline},
+                          {"--output", o.output}});
+  for (const std::string* out : {&o.json, &o.trace, &o.timeline, &o.output})
+    if (!out->empty()) clean_stale_temps(*out);
+  const int64_t memory_limit =
+      o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit");
   const Problem p = make_problem(o);
   AttnReport rep;
   rep.config = config_json(o, p);
@@ -538,6 +687,8 @@ int run_attn(const AttnOptions& o) {
     mpi = mpi_world();
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     const int here = local ? std::max(1, std::atoi(local)) : mpi->size();
+    check_memory(estimate_attn_bytes(o, p, mpi->size(), 1), memory_limit, "this rank",
+                 "--memory-limit");
     threads = o.threads ? o.threads : default_threads(here);
     attn_rank(*mpi, o, p, threads, rep, true);
     root = mpi->rank() == 0;
@@ -547,9 +698,18 @@ int run_attn(const AttnOptions& o) {
     LOOM_CHECK(
         faults.kill_rank < o.ranks && faults.drop_rank < o.ranks && faults.delay_rank < o.ranks,
         InvalidArgument, "--fault " << o.fault << " names a rank outside 0.." << o.ranks - 1);
+    check_memory(estimate_attn_bytes(o, p, o.ranks, o.ranks), memory_limit,
+                 "loom attn with " + std::to_string(o.ranks) + " rank" + (o.ranks > 1 ? "s" : ""),
+                 "--memory-limit");
     threads = o.threads ? o.threads : default_threads(o.ranks);
     run_local(
         o.ranks, [&](Communicator& world) { attn_rank(world, o, p, threads, rep, true); }, faults);
+    // A kill or a drop that fires always ends the run with an error; reaching here means the
+    // run finished before the fault's op.
+    LOOM_CHECK(faults.kill_rank < 0 && faults.drop_rank < 0, InvalidArgument,
+               "--fault " << o.fault << " never fired: rank "
+                          << std::max(faults.kill_rank, faults.drop_rank)
+                          << " finished before that operation (choose a smaller at=)");
   }
   if (!root) return 0;
   if (o.baseline) {
@@ -561,21 +721,54 @@ int run_attn(const AttnOptions& o) {
     run_local(1, [&](Communicator& world) { attn_rank(world, one, p, threads, base, false); });
     rep.baseline_s = base.forward_s() + (o.backward ? base.backward_s() : 0.0);
   }
-  print_text(rep);
-  if (!o.json.empty()) write_file_atomic(o.json, to_json(rep).dump(2) + "\n");
-  if (!o.trace.empty()) write_file_atomic(o.trace, chrome_trace(rep));
-  if (!o.timeline.empty()) write_file_atomic(o.timeline, timeline_svg(rep));
+  // With an output on standard output ("-"), the table stays off it.
+  if (o.json != "-" && o.trace != "-" && o.timeline != "-") print_text(rep);
+  if (!o.json.empty()) write_output(o.json, to_json(rep).dump(2) + "\n");
+  if (!o.trace.empty()) write_output(o.trace, chrome_trace(rep));
+  if (!o.timeline.empty()) write_output(o.timeline, timeline_svg(rep));
   if (rep.check.done && !rep.check.passed) {
-    std::fprintf(stderr,
-                 "loom: error: check failed: %s differs from the fp64 reference (relative error "
-                 "%.3g > %.0e)\n",
-                 rep.check.worst.c_str(), rep.check.max_rel, kFp32RelTol);
+    if (rep.check.non_finite) {
+      std::fprintf(stderr,
+                   "loom: error: check failed: %s holds NaN or Inf values where the fp64 "
+                   "reference is finite\n",
+                   rep.check.worst.c_str());
+    } else {
+      std::fprintf(stderr,
+                   "loom: error: check failed: %s differs from the fp64 reference (relative "
+                   "error %.3g > %.3g)\n",
+                   rep.check.worst.c_str(), rep.check.max_rel, rep.check.tolerance);
+    }
     return 1;
   }
   return 0;
 }
 
 }  // namespace
+
+void strict_integers(CLI::App* command) {
+  for (CLI::Option* opt : command->get_options()) {
+    const std::string type = opt->get_type_name();
+    if (type != "INT" && type != "UINT") continue;
+    const bool is_unsigned = type == "UINT";
+    opt->check(CLI::Validator(
+        [is_unsigned](std::string& text) -> std::string {
+          const char* b = text.c_str();
+          char* end = nullptr;
+          errno = 0;
+          if (is_unsigned) {
+            while (*b == ' ') ++b;
+            if (*b == '-') return "must not be negative, got " + text;
+            (void)std::strtoull(b, &end, 10);
+          } else {
+            (void)std::strtoll(b, &end, 10);
+          }
+          if (end == b || *end != '\0') return "is not an integer: '" + text + "'";
+          if (errno == ERANGE) return "is out of range (does not fit 64 bits): " + text;
+          return {};
+        },
+        "", "strict integer"));
+  }
+}
 
 int exit_code() {
   return g_exit_code;
@@ -596,7 +789,7 @@ void add_attn_command(CLI::App& app) {
   c->add_flag("--causal,!--no-causal", o->causal, "causal mask (default) or full attention");
   c->add_option("--window", o->window, "sliding window W: keys with |i - j| < W (0: none)")
       ->capture_default_str();
-  c->add_option("--docs", o->docs, "packed documents: lengths L1,L2,... summing to S");
+  auto* docs = c->add_option("--docs", o->docs, "packed documents: lengths L1,L2,... summing to S");
   c->add_flag("--backward", o->backward, "also run the backward pass");
   c->add_flag("--check", o->check,
               "compare with the fp64 reference (above 4096 tokens: 256 sampled query rows)");
@@ -610,7 +803,7 @@ void add_attn_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--iters", o->iters, "timed iterations")->capture_default_str();
   c->add_option("--warmup", o->warmup, "untimed iterations first")->capture_default_str();
-  c->add_option("--scale", o->scale, "softmax scale (default 1/sqrt(D))");
+  auto* scale = c->add_option("--scale", o->scale, "softmax scale > 0 (default 1/sqrt(D))");
   auto* ranks = c->add_option("--ranks", o->ranks, "ranks on the local backend (threads)")
                     ->capture_default_str();
   c->add_option("--strategy", o->strategy, strategy_help())->capture_default_str();
@@ -628,8 +821,15 @@ void add_attn_command(CLI::App& app) {
                 "local backend fault injection: kill:R, drop:R or delay:R:MS (see docs/cli.md)");
   c->add_flag("--baseline", o->baseline,
               "also time the same problem on one rank and report the scaling efficiency");
-  c->callback([o, seq, heads, kvh, hd, ranks]() {
+  c->add_option("--memory-limit", o->memory_limit,
+                "refuse runs whose estimated peak memory is above this (e.g. 8G; default: the "
+                "machine's available memory)");
+  strict_integers(c);
+  c->callback([o, seq, heads, kvh, hd, ranks, docs, scale]() {
     o->ranks_given = ranks->count() > 0;
+    o->kv_heads_given = kvh->count() > 0;
+    o->scale_given = scale->count() > 0;
+    o->docs_given = docs->count() > 0;
     o->shape_given = seq->count() + heads->count() + kvh->count() + hd->count() > 0;
     set_exit_code(run_attn(*o));
   });

@@ -10,6 +10,11 @@ void add_attn_command(CLI::App& app);
 // Registers `loom train` (tools/loom/train.cc).
 void add_train_command(CLI::App& app);
 
+// Adds a check to every integer option of `command`: a value must be a plain integer that fits
+// its type (CLI11 alone would turn "99999999999999999999" into INT64_MAX), and unsigned ones
+// must not be negative.
+void strict_integers(CLI::App* command);
+
 // The exit code the chosen subcommand asked for (0 on success, 1 on a failed check).
 int exit_code();
 void set_exit_code(int code);

@@ -43,6 +43,7 @@ std::string human_bytes(double bytes);
 
 struct CheckReport {
   bool done = false, passed = true, sampled = false;
+  bool non_finite = false;  // the worst tensor holds NaN/Inf where the reference is finite
   double max_abs = 0, max_rel = 0, tolerance = 0;
   std::string worst;
 };

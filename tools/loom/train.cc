@@ -4,16 +4,20 @@
 //
 // Every rank runs the same loop (model/trainer.h); world rank 0 prints progress, validation
 // lines, the --log JSON lines and the closing summary.
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -21,6 +25,7 @@
 #include "loom/comm.h"
 #include "loom/cp.h"
 #include "loom/error.h"
+#include "loom/io.h"
 #include "loom/model/trainer.h"
 #include "loom/timer.h"
 #include "report.h"
@@ -30,6 +35,11 @@ namespace loom::tools {
 namespace {
 
 using model::Corpus;
+
+std::string dir_of(const std::string& p) {
+  const std::filesystem::path parent = std::filesystem::path(p).parent_path();
+  return parent.empty() ? std::string(".") : parent.string();
+}
 using model::StepResult;
 using model::TrainConfig;
 using model::Trainer;
@@ -49,8 +59,90 @@ struct TrainOptions {
   std::string dtype = "fp32", data, log;
   int64_t eval_every = 50, eval_batches = 4;
   int threads = 1;
+  int64_t keep_checkpoints = 0;  // 0: keep all
+  std::string data_limit = "1G";
   bool ranks_given = false;
 };
+
+// The --log file: one JSON line per step, every write checked. A regular file (or a symlink to
+// one) is truncated on a fresh run and, on --resume, cut back to the checkpoint's step, so a
+// resumed run never repeats a step's line; a device or FIFO is written directly.
+class StepLog {
+ public:
+  StepLog(const std::string& path, bool resume, int64_t resumed_step) : path_(path) {
+    const std::string target = resolve_output_path(path);
+    struct stat st;
+    const bool exists = ::stat(target.c_str(), &st) == 0;
+    const bool regular = !exists || S_ISREG(st.st_mode);
+    LOOM_CHECK(!exists || !S_ISDIR(st.st_mode), IoError,
+               "cannot write --log " << path << ": it is a directory");
+    if (regular) {
+      std::string keep;
+      if (resume && exists) keep = lines_up_to(target, resumed_step);
+      write_output(target, keep);  // atomically: truncated, or cut back to the checkpoint
+    }
+    fd_ = ::open(target.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | (regular ? 0 : O_NONBLOCK));
+    LOOM_CHECK(fd_ >= 0, IoError,
+               "cannot write --log " << path << " (" << std::strerror(errno) << ")");
+    if (!regular) ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
+  }
+  ~StepLog() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void write(const std::string& line) {
+    size_t done = 0;
+    while (done < line.size()) {
+      const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
+      if (w < 0 && errno == EINTR) continue;
+      LOOM_CHECK(w > 0, IoError,
+                 "--log " << path_ << ": write failed (" << std::strerror(errno)
+                          << "); stopping rather than losing log lines");
+      done += static_cast<size_t>(w);
+    }
+  }
+
+ private:
+  // The leading lines of an existing log whose "step" is <= step (a torn last line is dropped).
+  static std::string lines_up_to(const std::string& path, int64_t step) {
+    InputFile f(path, "--log");
+    std::istringstream in(f.read_rest(size_t{1} << 32));
+    std::string line, keep;
+    while (std::getline(in, line)) {
+      if (in.eof()) break;  // no newline: a line torn by a kill
+      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_discarded() || !j.contains("step") || !j["step"].is_number_integer() ||
+          j["step"].get<int64_t>() > step)
+        break;
+      keep += line + "\n";
+    }
+    return keep;
+  }
+  std::string path_;
+  int fd_ = -1;
+};
+
+// Keeps the newest `keep` step-*.ckpt files of dir (and always the one `latest` names).
+void prune_checkpoints(const std::string& dir, int64_t keep) {
+  namespace fs = std::filesystem;
+  if (keep <= 0) return;
+  std::string latest;
+  {
+    std::ifstream l(fs::path(dir) / "latest");
+    l >> latest;
+  }
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() == 18 && n.rfind("step-", 0) == 0 && n.compare(13, 5, ".ckpt") == 0 &&
+        e.is_regular_file())
+      names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());  // zero-padded step numbers: by step
+  const int64_t drop = static_cast<int64_t>(names.size()) - keep;
+  for (int64_t i = 0; i < drop; ++i)
+    if (names[i] != latest) fs::remove(fs::path(dir) / names[i], ec);
+}
 
 // Where the default corpus lives: ./data/kjv.txt, else <dir of the loom binary>/../data/kjv.txt.
 std::string default_data() {
@@ -119,11 +211,8 @@ void train_rank(Communicator& world, const TrainOptions& o, const TrainConfig& c
     tr.load_checkpoint(o.checkpoint_dir);
     if (lead) sum.resumed_from = o.checkpoint_dir + " at step " + std::to_string(tr.step());
   }
-  std::ofstream log;
-  if (lead && !o.log.empty()) {
-    log.open(o.log, std::ios::out | (o.resume ? std::ios::app : std::ios::trunc));
-    LOOM_CHECK(log.good(), IoError, "cannot write --log " << o.log);
-  }
+  std::unique_ptr<StepLog> log;
+  if (lead && !o.log.empty()) log = std::make_unique<StepLog>(o.log, o.resume, tr.step());
   const bool tty = isatty(2);
   double last_print = 0;
   Stopwatch clock;
@@ -134,21 +223,22 @@ void train_rank(Communicator& world, const TrainOptions& o, const TrainConfig& c
     const bool eval_now = o.eval_every > 0 && (r.step % o.eval_every == 0 || r.step == cfg.steps);
     if (eval_now) val = tr.evaluate();
     if (!o.checkpoint_dir.empty() &&
-        ((o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) || r.step == cfg.steps))
+        ((o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) || r.step == cfg.steps)) {
       tr.save_checkpoint(o.checkpoint_dir);
+      if (lead) prune_checkpoints(o.checkpoint_dir, o.keep_checkpoints);
+    }
     if (!lead) continue;
     if (std::isnan(sum.first_loss)) sum.first_loss = r.loss;
     sum.last_loss = r.loss;
     sum.last_step = r.step;
     if (!std::isnan(val)) sum.val_loss = val;
     const double tps = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
-    if (log.is_open()) {
+    if (log) {
       nlohmann::json j = {{"step", r.step},      {"loss", r.loss},           {"lr", r.lr},
                           {"tokens_per_s", tps}, {"grad_norm", r.grad_norm}, {"seconds", r.seconds},
                           {"tokens", r.tokens}};
       if (!std::isnan(val)) j["val_loss"] = val;
-      log << j.dump() << "\n";
-      log.flush();
+      log->write(j.dump() + "\n");
     }
     if (!o.quiet) {
       const double done = static_cast<double>(r.step - sum.first_step + 1);
@@ -251,6 +341,20 @@ int run_train(const TrainOptions& o) {
              "--resume needs --checkpoint-dir DIR (the directory to resume from)");
   LOOM_CHECK(o.eval_every >= 0 && o.checkpoint_every >= 0, InvalidArgument,
              "--eval-every and --checkpoint-every must be >= 0");
+  LOOM_CHECK(o.keep_checkpoints >= 0, InvalidArgument,
+             "--keep-checkpoints must be >= 0 (0: keep all), got " << o.keep_checkpoints);
+  LOOM_CHECK(std::isfinite(o.lr) && o.lr > 0, InvalidArgument,
+             "--lr must be a positive finite number, got " << o.lr);
+  LOOM_CHECK(std::isfinite(o.weight_decay) && o.weight_decay >= 0, InvalidArgument,
+             "--weight-decay must be a finite number >= 0, got " << o.weight_decay);
+  LOOM_CHECK(std::isfinite(o.clip) && o.clip >= 0, InvalidArgument,
+             "--clip must be a finite number >= 0 (0: off), got " << o.clip);
+  LOOM_CHECK(o.warmup >= -1, InvalidArgument,
+             "--warmup must be >= 0, or -1 for the default, got " << o.warmup);
+  LOOM_CHECK(o.ffn >= 0, InvalidArgument, "--ffn must be >= 0 (0: 4 x dim), got " << o.ffn);
+  LOOM_CHECK(o.eval_batches >= 1, InvalidArgument,
+             "--eval-batches must be >= 1, got " << o.eval_batches);
+  check_distinct_outputs({{"--log", o.log}, {"--checkpoint-dir", o.checkpoint_dir}});
 
   std::unique_ptr<Communicator> mpi;
   int world = o.ranks, here = o.ranks;
@@ -281,11 +385,39 @@ int run_train(const TrainOptions& o) {
   const int threads = o.threads ? o.threads : std::max(1, hw / here);
   c.par.threads = threads;
   model::validate(c.model, c.par, world, c.seq);
-  const Corpus corpus = model::load_corpus(o.data.empty() ? default_data() : o.data);
+  const std::string data = o.data.empty() ? default_data() : o.data;
+  const int64_t data_limit = parse_size(o.data_limit, "--data-limit");
+  std::string text;
+  try {
+    InputFile f(data, "--data");
+    text = f.read_rest(static_cast<size_t>(data_limit), "--data-limit");
+  } catch (const IoError& e) {
+    throw IoError(std::string("cannot read ") + e.what(), __FILE__, __LINE__);
+  }
+  const Corpus corpus = model::make_corpus(text, data == "-" ? "standard input" : data);
+  text = std::string();
+  LOOM_CHECK(o.eval_every == 0 || corpus.val.size() >= o.seq + 1, InvalidArgument,
+             "the validation split of " << corpus.source << " has " << corpus.val.size()
+                                        << " bytes but --seq " << o.seq << " needs " << o.seq + 1
+                                        << " for one window; give more --data or --eval-every 0");
   // Unwritable outputs fail here, before any rank starts (nothing is truncated yet).
   if (!o.log.empty()) {
-    std::ofstream probe(o.log, std::ios::app);
-    LOOM_CHECK(probe.good(), IoError, "cannot write --log " << o.log);
+    const std::string target = resolve_output_path(o.log);
+    clean_stale_temps(target);
+    struct stat st;
+    const bool exists = ::stat(target.c_str(), &st) == 0;
+    LOOM_CHECK(exists ? (!S_ISDIR(st.st_mode) && ::access(target.c_str(), W_OK) == 0)
+                      : ::access(dir_of(target).c_str(), W_OK) == 0,
+               IoError, "cannot write --log " << o.log);
+  }
+  if (!o.checkpoint_dir.empty()) {  // temporaries of killed runs (their pid is gone)
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(o.checkpoint_dir, ec)) {
+      const std::string name = e.path().filename().string();
+      const size_t t = name.find(".tmp.");
+      if (t != std::string::npos && t > 0)
+        clean_stale_temps((e.path().parent_path() / name.substr(0, t)).string());
+    }
   }
   if (!o.checkpoint_dir.empty() && !o.resume) {
     std::error_code ec;
@@ -368,10 +500,17 @@ void add_train_command(CLI::App& app) {
   c->add_option("--eval-batches", o->eval_batches, "validation windows per evaluation")
       ->capture_default_str();
   c->add_flag("--quiet", o->quiet, "no progress lines on stderr");
+  c->add_option("--keep-checkpoints", o->keep_checkpoints,
+                "keep only the newest N checkpoints in --checkpoint-dir (0: all)")
+      ->capture_default_str();
+  c->add_option("--data-limit", o->data_limit,
+                "refuse a --data file larger than this (e.g. 4G); --data - reads standard input")
+      ->capture_default_str();
   c->add_option("--threads", o->threads,
                 "OpenMP and OpenBLAS threads per rank (0: cores / ranks); 1 by default because "
                 "spin-waiting threads on a shared machine cost more than they give")
       ->capture_default_str();
+  strict_integers(c);
   c->callback([o, ranks]() {
     o->ranks_given = ranks->count() > 0;
     set_exit_code(run_train(*o));

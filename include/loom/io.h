@@ -1,0 +1,120 @@
+// loom/io.h: safe file output, bounded file input and memory estimates.
+//
+// Output. write_output(path, bytes) never replaces something that is not a regular file:
+//   * "-" is standard output, written directly;
+//   * a symlink is followed (to its final target), and the target is written as below;
+//   * an existing device, FIFO or socket is opened and written directly, never replaced (a FIFO
+//     without a reader is refused at once instead of blocking);
+//   * a regular file or a missing path is written atomically: the bytes go to
+//     "<target>.tmp.<pid>-<n>" in the same directory, are flushed to disk, and the temporary
+//     file is renamed over the target only when complete. A failed write removes it.
+//   * a directory is refused.
+// Every write is checked (a full disk is an IoError naming the path, never a silent loss).
+// clean_stale_temps removes the temporaries a killed run left next to a path (those whose pid
+// is no longer running), so they do not pile up.
+//
+// OutputSet writes a set of files as a unit (`loom attn --output DIR`): the files go into a
+// fresh sibling directory "<DIR>.tmp.<pid>-<n>", and commit() swaps it in with one atomic
+// renameat2(RENAME_EXCHANGE) (or a rename when DIR does not exist yet); the old set is then
+// removed. A run that fails or is killed never changes DIR, and two concurrent runs leave one
+// complete set. DIR may hold only files the set may write (loom's own names): anything else in
+// it is refused with an IoError before anything is written, so loom never deletes a user's file.
+//
+// Input. InputFile opens a file for reading without blocking: directories, FIFOs, devices and
+// sockets are refused with one line naming the path (only "-", standard input, is read as a
+// stream), and reads are bounded by the caller's limit.
+//
+// Memory. available_memory_bytes() is /proc/meminfo's MemAvailable, lowered to the cgroup
+// limit's headroom when one is set; check_memory() refuses an estimate above a limit in one line
+// that names the estimate, the limit and the option that changes it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace loom {
+
+// ---- output ----
+
+// Writes bytes to path as described above. Throws IoError.
+void write_output(const std::string& path, const std::string& bytes);
+// The path that write_output writes: symlinks followed; "-" stays "-".
+std::string resolve_output_path(const std::string& path);
+// Removes "<target>.tmp.<pid>[-<n>]" files and directories next to path's target whose process
+// is gone. Never throws (a temporary that cannot be removed is left alone).
+void clean_stale_temps(const std::string& path);
+// Refuses (InvalidArgument) two outputs that resolve to the same file, e.g.
+//   {{"--json", "r.json"}, {"--trace", "r.json"}}. Empty paths are ignored.
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
+
+class OutputSet {
+ public:
+  // dir: the directory the set replaces; names: every file name the set may hold. Throws
+  // IoError when dir exists and is not a directory, holds other files, or the staging
+  // directory cannot be made.
+  OutputSet(const std::string& dir, std::vector<std::string> names);
+  ~OutputSet();  // removes the staging directory unless committed
+  OutputSet(const OutputSet&) = delete;
+  OutputSet& operator=(const OutputSet&) = delete;
+
+  // Where to write file `name` (one of the names) before commit().
+  std::string path(const std::string& name) const;
+  // Swaps the staged files in as the new contents of dir. Throws IoError.
+  void commit();
+
+ private:
+  std::string dir_, staging_;
+  std::vector<std::string> names_;
+  bool committed_ = false;
+};
+
+// ---- input ----
+
+class InputFile {
+ public:
+  // Opens path ("-": standard input) for reading. `what` names the file in messages
+  // ("--data", "q.npy"...). Throws IoError for a missing, unreadable or non-regular file.
+  InputFile(const std::string& path, const std::string& what);
+  ~InputFile();
+  InputFile(const InputFile&) = delete;
+  InputFile& operator=(const InputFile&) = delete;
+
+  bool regular() const { return size_ >= 0; }
+  int64_t size() const { return size_; }  // bytes of a regular file, -1 for a stream
+  // Reads up to n bytes; returns how many (0: end of file). Throws IoError.
+  size_t read_some(void* buf, size_t n);
+  // Reads exactly n bytes or throws IoError ("truncated").
+  void read_exact(void* buf, size_t n);
+  // Reads the rest of the file; throws IoError when it holds more than max_bytes (naming
+  // `limit_option`, the option that raises the limit, when given).
+  std::string read_rest(size_t max_bytes, const std::string& limit_option = "");
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_, what_;
+  int fd_ = -1;
+  bool own_ = false;
+  int64_t size_ = -1;
+};
+
+// ---- memory ----
+
+// Bytes this process may still allocate: MemAvailable, and the cgroup's memory.max minus its
+// memory.current when lower. -1 when neither can be read.
+int64_t available_memory_bytes();
+// "1.50 GiB", "12.0 MiB", "512 B".
+std::string human_bytes(double bytes);
+// Parses a size: a number of bytes with an optional K, M, G or T suffix (powers of 1024),
+// e.g. "8G", "512M", "1048576". Throws InvalidArgument naming `option`.
+int64_t parse_size(const std::string& text, const std::string& option);
+// Throws InvalidArgument when estimate > limit:
+//   "<what> needs about 24.5 GiB (estimate) but the memory limit is 7.8 GiB (available memory);
+//    lower the problem size or raise --memory-limit".
+// limit_bytes < 0: the limit is available_memory_bytes() (no check when that is unknown).
+void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string& what,
+                  const std::string& option);
+
+}  // namespace loom

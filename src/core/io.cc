@@ -1,0 +1,428 @@
+// Safe file output, bounded input and memory estimates (see loom/io.h for the rules).
+#include "loom/io.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "loom/error.h"
+
+namespace loom {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string errno_text(int e) {
+  return std::strerror(e);
+}
+
+std::atomic<int64_t> g_temp_counter{0};
+
+std::string temp_name(const std::string& target) {
+  return target + ".tmp." + std::to_string(::getpid()) + "-" + std::to_string(g_temp_counter++);
+}
+
+void write_all_fd(int fd, const std::string& bytes, const std::string& path) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw IoError(path + ": write failed (" + errno_text(errno) + ")");
+    }
+    if (w == 0) throw IoError(path + ": write failed (no progress)");
+    done += static_cast<size_t>(w);
+  }
+}
+
+std::string dir_of(const std::string& p) {
+  const fs::path parent = fs::path(p).parent_path();
+  return parent.empty() ? std::string(".") : parent.string();
+}
+
+// Writes bytes to a new file `tmp` (created exclusively) and renames it over `target`.
+void write_atomic(const std::string& target, const std::string& bytes, const std::string& shown) {
+  const std::string tmp = temp_name(target);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
+  try {
+    write_all_fd(fd, bytes, shown);
+    if (::fsync(fd) != 0 && errno != EINVAL && errno != EROFS)
+      throw IoError(shown + ": write failed (" + errno_text(errno) + ")");
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    throw IoError(shown + ": write failed (" + errno_text(e) + ")");
+  }
+  if (std::rename(tmp.c_str(), target.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    throw IoError(shown + ": write failed (" + errno_text(e) + ")");
+  }
+}
+
+// Writes into an existing device, FIFO or socket path without replacing it.
+void write_direct(const std::string& target, const std::string& bytes, const std::string& shown,
+                  bool fifo) {
+  const int fd = ::open(target.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    if (fifo && errno == ENXIO)
+      throw IoError(shown + ": is a FIFO that nobody reads; start the reader first");
+    throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  try {
+    write_all_fd(fd, bytes, shown);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) throw IoError(shown + ": write failed (" + errno_text(errno) + ")");
+}
+
+bool pid_alive(long pid) {
+  if (pid <= 0) return true;  // not ours to judge
+  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH;
+}
+
+}  // namespace
+
+std::string resolve_output_path(const std::string& path) {
+  if (path == "-") return path;
+  std::string p = path;
+  for (int hops = 0; hops < 40; ++hops) {
+    struct stat st;
+    if (::lstat(p.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return p;
+    std::error_code ec;
+    const fs::path link = fs::read_symlink(p, ec);
+    if (ec) throw IoError(path + ": cannot read the symlink (" + ec.message() + ")");
+    p = link.is_absolute() ? link.string() : (fs::path(dir_of(p)) / link).string();
+  }
+  throw IoError(path + ": too many levels of symbolic links");
+}
+
+void write_output(const std::string& path, const std::string& bytes) {
+  LOOM_CHECK(!path.empty(), InvalidArgument, "an output path is empty");
+  if (path == "-") {
+    std::fflush(stdout);
+    write_all_fd(STDOUT_FILENO, bytes, "standard output");
+    return;
+  }
+  const std::string target = resolve_output_path(path);
+  clean_stale_temps(target);
+  struct stat st;
+  if (::stat(target.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) throw IoError(path + ": is a directory (a file was expected)");
+    if (!S_ISREG(st.st_mode)) {
+      write_direct(target, bytes, path, S_ISFIFO(st.st_mode));
+      return;
+    }
+  } else if (errno != ENOENT) {
+    throw IoError(path + ": cannot write (" + errno_text(errno) + ")");
+  }
+  write_atomic(target, bytes, path);
+}
+
+void clean_stale_temps(const std::string& path) {
+  if (path.empty() || path == "-") return;
+  std::error_code ec;
+  const std::string target = resolve_output_path(path);
+  const std::string dir = dir_of(target);
+  const std::string prefix = fs::path(target).filename().string() + ".tmp.";
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;
+  std::vector<std::string> stale;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const char* digits = name.c_str() + prefix.size();
+    char* end = nullptr;
+    const long pid = std::strtol(digits, &end, 10);
+    if (end == digits || (*end != '\0' && *end != '-')) continue;
+    if (!pid_alive(pid)) stale.push_back((fs::path(dir) / name).string());
+  }
+  ::closedir(d);
+  for (const std::string& s : stale) fs::remove_all(s, ec);
+}
+
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
+  std::vector<std::pair<std::string, std::string>> seen;  // (resolved, option)
+  for (const auto& [option, path] : outputs) {
+    if (path.empty()) continue;
+    std::string key = resolve_output_path(path);
+    if (key != "-") {
+      std::error_code ec;
+      const fs::path abs = fs::weakly_canonical(fs::absolute(key, ec), ec);
+      if (!ec) key = abs.string();
+    }
+    for (const auto& [k, other] : seen)
+      LOOM_CHECK(k != key, InvalidArgument,
+                 option << " " << path << " and " << other
+                        << " name the same file; give each output its own path");
+    seen.emplace_back(key, option);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names)
+    : names_(std::move(names)) {
+  LOOM_CHECK(!dir.empty() && dir != "-", InvalidArgument,
+             "an output directory must be a directory path, got '" << dir << "'");
+  dir_ = resolve_output_path(dir);
+  while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
+  clean_stale_temps(dir_);
+  struct stat st;
+  if (::stat(dir_.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode)) throw IoError(dir + ": exists and is not a directory");
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir_, ec)) {
+      const std::string name = e.path().filename().string();
+      if (std::find(names_.begin(), names_.end(), name) == names_.end())
+        throw IoError(dir + " holds '" + name +
+                      "', which loom does not write there; loom replaces the directory as a "
+                      "whole, so give a new or empty directory");
+    }
+    if (ec) throw IoError(dir + ": cannot list (" + ec.message() + ")");
+  } else if (errno != ENOENT) {
+    throw IoError(dir + ": cannot use as an output directory (" + errno_text(errno) + ")");
+  }
+  staging_ = temp_name(dir_);
+  if (::mkdir(staging_.c_str(), 0777) != 0)
+    throw IoError(dir + ": cannot create the staging directory " + staging_ + " (" +
+                  errno_text(errno) + ")");
+}
+
+OutputSet::~OutputSet() {
+  if (committed_) return;
+  std::error_code ec;
+  fs::remove_all(staging_, ec);
+}
+
+std::string OutputSet::path(const std::string& name) const {
+  LOOM_CHECK(std::find(names_.begin(), names_.end(), name) != names_.end(), InvalidArgument,
+             "OutputSet: '" << name << "' is not one of the set's names");
+  return (fs::path(staging_) / name).string();
+}
+
+void OutputSet::commit() {
+  LOOM_CHECK(!committed_, InvalidArgument, "OutputSet::commit called twice");
+  std::error_code ec;
+  if (::rename(staging_.c_str(), dir_.c_str()) == 0) {  // dir did not exist (or was empty)
+    committed_ = true;
+    return;
+  }
+  if (errno != EEXIST && errno != ENOTEMPTY)
+    throw IoError(dir_ + ": cannot move the new files in (" + errno_text(errno) + ")");
+  // dir exists and holds files: exchange it with the staging directory in one step.
+  if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, dir_.c_str(), RENAME_EXCHANGE) == 0) {
+    committed_ = true;
+    fs::remove_all(staging_, ec);  // now the old set
+    return;
+  }
+  if (errno != EINVAL && errno != ENOSYS)
+    throw IoError(dir_ + ": cannot swap the new files in (" + errno_text(errno) + ")");
+  // No RENAME_EXCHANGE on this file system: move the old set aside, then the new one in.
+  const std::string old = temp_name(dir_);
+  if (::rename(dir_.c_str(), old.c_str()) != 0 || ::rename(staging_.c_str(), dir_.c_str()) != 0)
+    throw IoError(dir_ + ": cannot swap the new files in (" + errno_text(errno) + ")");
+  committed_ = true;
+  fs::remove_all(old, ec);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+InputFile::InputFile(const std::string& path, const std::string& what) : path_(path), what_(what) {
+  const std::string shown = what == path ? path : what + " " + path;
+  if (path == "-") {
+    fd_ = STDIN_FILENO;
+    return;
+  }
+  // O_NONBLOCK: opening a FIFO must not wait for a writer.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd_ < 0) throw IoError(shown + ": cannot open (" + errno_text(errno) + ")");
+  own_ = true;
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) {
+    const int e = errno;
+    ::close(fd_);
+    throw IoError(shown + ": cannot open (" + errno_text(e) + ")");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    if (S_ISDIR(st.st_mode)) throw IoError(shown + ": is a directory (a file was expected)");
+    throw IoError(shown + ": is not a regular file (a FIFO, device or socket); loom reads only " +
+                  "regular files" + (what == "--data" ? " or '-' for standard input" : ""));
+  }
+  const int flags = ::fcntl(fd_, F_GETFL);
+  if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
+  size_ = static_cast<int64_t>(st.st_size);
+}
+
+InputFile::~InputFile() {
+  if (own_ && fd_ >= 0) ::close(fd_);
+}
+
+size_t InputFile::read_some(void* buf, size_t n) {
+  for (;;) {
+    const ssize_t r = ::read(fd_, buf, n);
+    if (r >= 0) return static_cast<size_t>(r);
+    if (errno == EINTR) continue;
+    throw IoError((what_ == path_ ? path_ : what_ + " " + path_) + ": read error (" +
+                  errno_text(errno) + ")");
+  }
+}
+
+void InputFile::read_exact(void* buf, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    const size_t r = read_some(static_cast<char*>(buf) + done, n - done);
+    if (r == 0)
+      throw IoError((what_ == path_ ? path_ : what_ + " " + path_) + ": truncated (expected " +
+                    std::to_string(n) + " more bytes, got " + std::to_string(done) + ")");
+    done += r;
+  }
+}
+
+std::string InputFile::read_rest(size_t max_bytes, const std::string& limit_option) {
+  const std::string shown = what_ == path_ ? path_ : what_ + " " + path_;
+  auto too_big = [&]() {
+    throw IoError(shown + ": larger than the limit of " + human_bytes(double(max_bytes)) +
+                  (limit_option.empty() ? std::string() : " (raise it with " + limit_option + ")"));
+  };
+  std::string out;
+  if (regular()) {
+    if (static_cast<uint64_t>(size_) > max_bytes) too_big();
+    out.reserve(static_cast<size_t>(size_));
+  }
+  char buf[1 << 16];
+  for (;;) {
+    const size_t r = read_some(buf, sizeof buf);
+    if (r == 0) break;
+    if (out.size() + r > max_bytes) too_big();
+    out.append(buf, r);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+int64_t meminfo_kib(const char* key) {
+  std::ifstream f("/proc/meminfo");
+  std::string k;
+  int64_t v = -1;
+  std::string unit;
+  while (f >> k >> v) {
+    std::getline(f, unit);
+    if (k == key) return v;
+  }
+  return -1;
+}
+
+int64_t read_int_file(const char* path) {
+  std::ifstream f(path);
+  std::string s;
+  if (!(f >> s) || s == "max") return -1;
+  char* end = nullptr;
+  const long long v = std::strtoll(s.c_str(), &end, 10);
+  return (end && *end == '\0' && v >= 0) ? v : -1;
+}
+}  // namespace
+
+int64_t available_memory_bytes() {
+  const int64_t kib = meminfo_kib("MemAvailable:");
+  int64_t avail = kib >= 0 ? kib * 1024 : -1;
+  const int64_t max = read_int_file("/sys/fs/cgroup/memory.max");
+  if (max >= 0) {
+    const int64_t cur = std::max<int64_t>(0, read_int_file("/sys/fs/cgroup/memory.current"));
+    const int64_t room = std::max<int64_t>(0, max - cur);
+    avail = avail < 0 ? room : std::min(avail, room);
+  }
+  return avail;
+}
+
+std::string human_bytes(double b) {
+  char buf[48];
+  if (!(b < 1e30)) return "an unbounded amount";
+  if (b >= double(1ull << 40))
+    std::snprintf(buf, sizeof buf, "%.2f TiB", b / double(1ull << 40));
+  else if (b >= double(1 << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1 << 30));
+  else if (b >= double(1 << 20))
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(1 << 20));
+  else if (b >= 1024)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024);
+  else
+    std::snprintf(buf, sizeof buf, "%.0f B", b);
+  return buf;
+}
+
+int64_t parse_size(const std::string& text, const std::string& option) {
+  const std::string usage = " (expected bytes with an optional K, M, G or T suffix, e.g. 8G)";
+  LOOM_CHECK(!text.empty(), InvalidArgument, option << " is empty" << usage);
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  LOOM_CHECK(used > 0, InvalidArgument, option << " '" << text << "' is not a size" << usage);
+  std::string suffix = text.substr(used);
+  if (suffix.size() == 2 && (suffix[1] == 'B' || suffix[1] == 'b')) suffix.pop_back();
+  if (suffix == "iB") suffix.clear();
+  double mul = 1;
+  if (suffix.empty() || suffix == "B") {
+    mul = 1;
+  } else if (suffix.size() == 1 && std::strchr("kKmMgGtT", suffix[0])) {
+    const int k = std::strchr("kK", suffix[0])   ? 1
+                  : std::strchr("mM", suffix[0]) ? 2
+                  : std::strchr("gG", suffix[0]) ? 3
+                                                 : 4;
+    mul = std::pow(1024.0, k);
+  } else {
+    LOOM_CHECK(false, InvalidArgument,
+               option << " '" << text << "' has an unknown suffix '" << suffix << "'" << usage);
+  }
+  const double bytes = v * mul;
+  LOOM_CHECK(std::isfinite(bytes) && bytes >= 1 && bytes < 9.2e18, InvalidArgument,
+             option << " must be a positive size below 8 EiB, got '" << text << "'");
+  return static_cast<int64_t>(bytes);
+}
+
+void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string& what,
+                  const std::string& option) {
+  const bool from_machine = limit_bytes < 0;
+  const double limit = from_machine ? double(available_memory_bytes()) : double(limit_bytes);
+  if (limit < 0) return;  // unknown: nothing to compare with
+  if (!(estimate_bytes > limit)) return;
+  std::ostringstream os;
+  os << what << " needs about " << human_bytes(estimate_bytes)
+     << " (estimate) but the memory limit is " << human_bytes(limit)
+     << (from_machine ? " (available memory)" : " (" + option + ")")
+     << "; make the problem smaller or " << (from_machine ? "set " : "raise ") << option;
+  throw InvalidArgument(os.str(), __FILE__, __LINE__);
+}
+
+}  // namespace loom
