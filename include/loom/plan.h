@@ -209,3 +209,18 @@ struct PlanResult {
 PlanResult plan(const PlanRequest& req, const Profile& p);
 
 }  // namespace loom::plan
+
+namespace loom::plan {
+
+// Measures this machine (bench_kernels' and bench_comm's methods: the fastest of repeated timed
+// calls after a warm-up) and returns a "cpu" profile for one rank of `threads` OpenMP threads
+// and `ranks_per_node` ranks per node:
+//   tile seconds of the blockwise kernels, forward and backward, fp32 and bf16 storage, full
+//   tiles (full attention) and partial tiles (every tile masked per element), at the config's
+//   64 x 64 tiles and head_dim 64; a kernel call's overhead; memory bandwidth (memcpy);
+//   the local backend's point-to-point latency and bandwidth (ping-pong of 0 B and 8 MiB), and
+//   all-to-all and all-gather efficiency against that point-to-point model.
+// Takes about 10-20 seconds. Progress lines go to `log` when non-null.
+Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*) = nullptr);
+
+}  // namespace loom::plan

@@ -295,43 +295,73 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
       << fmt(w.tp_comm_s, 3) << " s, exposed DP all-reduce " << fmt(w.dp_comm_s, 3)
       << " s; exposed context-parallel communication " << fmt(w.exposed_cp_s, 3) << " s, balance "
       << fmt(w.balance, 3) << ".\n";
-    const int kv_cap = static_cast<int>(M.kv_heads / std::max(1, w.tp));
-    if (M.kv_heads < M.heads)
-      e << "  Ulysses degree is capped by heads: with tp " << w.tp << " each tp rank has "
-        << M.heads / w.tp << " query heads and " << std::max(1, kv_cap)
-        << " KV heads; a Ulysses degree above the KV heads replicates K and V "
-           "(more all-to-all bytes), one that divides neither is refused.\n";
-    const double tokens = static_cast<double>(req.seq) / (w.ulysses * w.ring);
-    if (w.ring > 1) {
-      const bool inter = w.ring * w.ulysses * w.tp > prof.devices_per_node;
-      e << "  The ring has " << w.ring << " members" << (inter ? " across nodes" : " in a node")
-        << ", " << fmt(tokens, 0) << " tokens per rank: each step computes a block while the "
-        << "next one travels, and " << (w.exposed_cp_s < 0.1 * w.attn_s ? "hides" : "does not hide")
-        << " its traffic (exposed " << fmt(w.exposed_cp_s, 3) << " s of " << fmt(w.attn_s, 3)
-        << " s attention).\n";
+    // Ulysses caps: query heads bound the degree, KV heads bound it without replication.
+    const int64_t hq_tp = M.heads / w.tp, hkv_tp = std::max<int64_t>(1, M.kv_heads / w.tp);
+    e << "  Ulysses is capped at " << hq_tp << " ranks by the " << hq_tp
+      << " query heads per tp rank, and at " << hkv_tp << " by the KV heads (above that K and V "
+      << "are replicated: "
+      << "more all-to-all bytes per rank)";
+    const int cp = w.ulysses * w.ring;
+    if (cp > hq_tp)
+      e << "; this cp group of " << cp << " needs a ring factor of at least " << cp / hq_tp;
+    e << ".\n";
+    // When does a ring step hide its transfer? A full block pair of n tokens per rank computes
+    // 4 n^2 D hl FLOPs while 2 n hkv D bytes-per-element travel.
+    {
+      const double rate = peak * prof.attn_fwd_eff;
+      const double n_star = 2.0 * static_cast<double>(hkv_tp) * req.dtype_bytes * rate /
+                            (4.0 * static_cast<double>(hq_tp) * prof.inter.bandwidth);
+      const double n_star_in = n_star * prof.inter.bandwidth / prof.intra.bandwidth;
+      const double tokens = static_cast<double>(req.seq) / cp;
+      e << "  A ring hides its KV traffic once S/P >= " << fmt(n_star_in, 0)
+        << " tokens inside a node and >= " << fmt(n_star, 0)
+        << " tokens across nodes (a block pair's compute outlasts its transfer); here S/P = "
+        << fmt(tokens, 0) << ".\n";
+      if (w.ring > 1) {
+        const bool inter = cp * w.tp > prof.devices_per_node;
+        e << "  The winner's ring has " << w.ring << " members"
+          << (inter ? " spanning nodes" : " inside a node")
+          << ", and its exposed cp communication is " << fmt(w.exposed_cp_s, 3) << " s of "
+          << fmt(w.attn_s, 3) << " s attention.\n";
+      }
     }
-    if (w.checkpoint)
-      e << "  Checkpointing is chosen because the run without it needs more memory or is "
-           "within the recompute cost of it.\n";
-    // Compare with the best of every other strategy and the best without checkpointing.
+    if (w.checkpoint) {
+      bool without_fits = false;
+      for (const Candidate& c : res.ranked)
+        if (!c.checkpoint && c.dp == w.dp && c.tp == w.tp && c.ulysses == w.ulysses &&
+            c.ring == w.ring && c.strategy == w.strategy && c.layout == w.layout)
+          without_fits = true;
+      e << "  Activation checkpointing: "
+        << (without_fits ? "chosen although the run without it fits, because it frees memory for "
+                           "a faster mesh"
+                         : "needed: without it this mesh does not fit in memory")
+        << " (recompute " << fmt(w.recompute_s, 3) << " s).\n";
+    }
+    // The best of every other strategy, and where it loses time.
     std::map<std::string, const Candidate*> best_of;
     for (const Candidate& c : res.ranked)
       if (!best_of.count(c.strategy)) best_of[c.strategy] = &c;
+    auto parts = [](const Candidate& c) {
+      return std::vector<double>{std::max(0.0, c.attn_s - c.exposed_cp_s),
+                                 c.exposed_cp_s,
+                                 c.gemm_s,
+                                 c.recompute_s,
+                                 c.tp_comm_s,
+                                 c.dp_comm_s};
+    };
+    const char* part_names[] = {"attention compute", "exposed cp communication", "GEMMs",
+                                "recompute",         "TP/SP collectives",        "DP all-reduce"};
     for (const auto& [s, c] : best_of) {
       if (c == &w) continue;
-      e << "  Best " << s << ": " << c->name() << " " << fmt(c->step_s, 3) << " s ("
-        << fmt(c->step_s / w.step_s, 2) << "x): ";
-      if (c->exposed_cp_s > w.exposed_cp_s + 0.02 * w.step_s)
-        e << "exposed cp communication " << fmt(c->exposed_cp_s, 3) << " s";
-      else if (c->tp_comm_s > w.tp_comm_s + 0.02 * w.step_s)
-        e << "TP/SP collectives " << fmt(c->tp_comm_s, 3) << " s";
-      else if (c->balance > w.balance + 0.02)
-        e << "load balance " << fmt(c->balance, 3);
-      else if (c->recompute_s > w.recompute_s)
-        e << "recompute " << fmt(c->recompute_s, 3) << " s (fits only with checkpointing)";
-      else
-        e << "attention " << fmt(c->attn_s, 3) << " s, GEMMs " << fmt(c->gemm_s, 3) << " s";
-      e << ".\n";
+      const auto pc = parts(*c), pw = parts(w);
+      int worst = 0;
+      for (int k = 1; k < 6; ++k)
+        if (pc[k] - pw[k] > pc[worst] - pw[worst]) worst = k;
+      e << "  Best " << s << ": " << c->name() << ", " << fmt(c->step_s, 3) << " s ("
+        << fmt(c->step_s / w.step_s, 2) << "x), mostly from " << part_names[worst] << " ("
+        << fmt(pc[worst], 3) << " s against " << fmt(pw[worst], 3) << " s";
+      if (worst <= 1 && c->balance > w.balance + 0.01) e << "; balance " << fmt(c->balance, 3);
+      e << ").\n";
     }
     int no_fit = 0;
     for (const Candidate& c : res.rejected)
