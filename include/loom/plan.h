@@ -199,7 +199,7 @@ struct Candidate {
 };
 
 struct PlanResult {
-  std::vector<Candidate> ranked;    // fitting candidates, fastest first
+  std::vector<Candidate> ranked;    // fitting candidates, highest tokens/s first
   std::vector<Candidate> rejected;  // with why_not
   AttnSim best_attn;                // one layer's attention of the winner, with its timeline
   std::string explain;              // in words: why the winner wins

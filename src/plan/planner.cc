@@ -180,6 +180,30 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
               a.dtype_bytes = req.dtype_bytes;
               a.backward = req.train;
               a.cp_stride = tp;
+              // Memory.
+              const double L = static_cast<double>(M.layers);
+              const double tokens = static_cast<double>(req.seq) / cp;
+              const double params = M.params() / tp;
+              double mem = req.train ? params * (4.0 + 12.0 / dp) : params * 2.0;
+              const double kvdim = static_cast<double>(M.kv_heads * M.head_dim());
+              const double per_token_layer =
+                  2.0 * (5.0 * M.dim + 2.0 * kvdim + 4.0 * M.ffn) / tp + 4.0 * hl;
+              if (!req.train) {
+                mem += tokens * per_token_layer + L * tokens * 2.0 * kvdim * 2.0 / tp;
+              } else if (ckpt) {
+                mem += L * tokens * 2.0 * M.dim / tp + tokens * per_token_layer;
+              } else {
+                mem += L * tokens * per_token_layer;
+              }
+              // Cheap rejection before simulating: the memory without the strategy's buffers.
+              const double mem_base = mem + tokens * static_cast<double>(M.vocab) / tp * 4.0;
+              if (mem_limit > 0 && mem_base > mem_limit) {
+                c.fits = false;
+                c.why_not = "needs more than " + fmt(mem_base / 1e9, 1) + " GB per device, limit " +
+                            fmt(mem_limit / 1e9, 1) + " GB";
+                res.rejected.push_back(c);
+                continue;
+              }
               const auto key = std::make_tuple(strategy, static_cast<int>(layout), cp, u, tp);
               auto it = cache.find(key);
               if (it == cache.end()) {
@@ -193,7 +217,6 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
                 }
               }
               const AttnSim& sim = it->second;
-              const double L = static_cast<double>(M.layers);
               double comm = 0, idle = 0, compute = 0;
               for (const RankSim& r : sim.ranks) {
                 comm = std::max(comm, r.comm_s);
@@ -203,7 +226,6 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
               const double fwd = sim.forward_s, bwd = sim.backward_s;
               c.attn_s = L * (fwd + bwd);
               c.recompute_s = ckpt ? L * fwd : 0.0;
-              const double tokens = static_cast<double>(req.seq) / cp;
               const double gemm_fwd =
                   2.0 * tokens * (dense_params + head_params) / tp / (peak * prof.gemm_eff);
               c.gemm_s = passes * gemm_fwd;
@@ -229,19 +251,6 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
               c.cp_idle_s = L * idle;
               c.step_s = c.attn_s + c.recompute_s + c.gemm_s + c.tp_comm_s + c.dp_comm_s;
               c.balance = sim.balance();
-              // Memory.
-              const double params = M.params() / tp;
-              double mem = req.train ? params * (4.0 + 12.0 / dp) : params * 2.0;
-              const double kvdim = static_cast<double>(M.kv_heads * M.head_dim());
-              const double per_token_layer =
-                  2.0 * (5.0 * M.dim + 2.0 * kvdim + 4.0 * M.ffn) / tp + 4.0 * hl;
-              if (!req.train) {
-                mem += tokens * per_token_layer + L * tokens * 2.0 * kvdim * 2.0 / tp;
-              } else if (ckpt) {
-                mem += L * tokens * 2.0 * M.dim / tp + tokens * per_token_layer;
-              } else {
-                mem += L * tokens * per_token_layer;
-              }
               int64_t buf = 0;
               for (const RankSim& r : sim.ranks) buf = std::max(buf, r.peak_buffer_bytes);
               mem += static_cast<double>(buf);
@@ -264,7 +273,9 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
     }
   }
   std::stable_sort(res.ranked.begin(), res.ranked.end(),
-                   [](const Candidate& a, const Candidate& b) { return a.step_s < b.step_s; });
+                   [](const Candidate& a, const Candidate& b) {
+                     return a.tokens_per_s > b.tokens_per_s;  // dp changes tokens per step
+                   });
   if (!res.ranked.empty()) {
     const Candidate& w = res.ranked.front();
     AttnCase a;
@@ -288,8 +299,10 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
     res.best_attn = simulate_attention(a, prof);
     // Why the winner wins, in words.
     std::ostringstream e;
-    e << "The winner is " << w.name() << ": " << fmt(w.step_s, 3) << " s per step, MFU "
-      << fmt(100 * w.mfu, 1) << " %, " << fmt(w.memory_bytes / 1e9, 1) << " GB per device.\n";
+    e << "The winner is " << w.name() << ": " << fmt(w.tokens_per_s, 0) << " tokens/s (" << w.dp
+      << " sequence" << (w.dp > 1 ? "s" : "") << " of " << req.seq << " tokens per step), "
+      << fmt(w.step_s, 3) << " s per step, MFU " << fmt(100 * w.mfu, 1) << " %, "
+      << fmt(w.memory_bytes / 1e9, 1) << " GB per device.\n";
     e << "  Its step: attention " << fmt(w.attn_s, 3) << " s, GEMMs " << fmt(w.gemm_s, 3)
       << " s, recompute " << fmt(w.recompute_s, 3) << " s, TP/SP collectives "
       << fmt(w.tp_comm_s, 3) << " s, exposed DP all-reduce " << fmt(w.dp_comm_s, 3)
@@ -342,12 +355,13 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
     for (const Candidate& c : res.ranked)
       if (!best_of.count(c.strategy)) best_of[c.strategy] = &c;
     auto parts = [](const Candidate& c) {
-      return std::vector<double>{std::max(0.0, c.attn_s - c.exposed_cp_s),
-                                 c.exposed_cp_s,
-                                 c.gemm_s,
-                                 c.recompute_s,
-                                 c.tp_comm_s,
-                                 c.dp_comm_s};
+      const double k = 1.0 / c.dp;  // seconds per sequence: a step holds dp sequences
+      return std::vector<double>{k * std::max(0.0, c.attn_s - c.exposed_cp_s),
+                                 k * c.exposed_cp_s,
+                                 k * c.gemm_s,
+                                 k * c.recompute_s,
+                                 k * c.tp_comm_s,
+                                 k * c.dp_comm_s};
     };
     const char* part_names[] = {"attention compute", "exposed cp communication", "GEMMs",
                                 "recompute",         "TP/SP collectives",        "DP all-reduce"};
@@ -357,9 +371,10 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
       int worst = 0;
       for (int k = 1; k < 6; ++k)
         if (pc[k] - pw[k] > pc[worst] - pw[worst]) worst = k;
-      e << "  Best " << s << ": " << c->name() << ", " << fmt(c->step_s, 3) << " s ("
-        << fmt(c->step_s / w.step_s, 2) << "x), mostly from " << part_names[worst] << " ("
-        << fmt(pc[worst], 3) << " s against " << fmt(pw[worst], 3) << " s";
+      e << "  Best " << s << ": " << c->name() << ", " << fmt(c->tokens_per_s, 0) << " tokens/s ("
+        << fmt(w.tokens_per_s / c->tokens_per_s, 2) << "x slower), step " << fmt(c->step_s, 3)
+        << " s, loses mostly in " << part_names[worst] << " (" << fmt(pc[worst], 3)
+        << " s per sequence against " << fmt(pw[worst], 3) << " s";
       if (worst <= 1 && c->balance > w.balance + 0.01) e << "; balance " << fmt(c->balance, 3);
       e << ").\n";
     }

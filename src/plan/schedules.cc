@@ -69,9 +69,10 @@ void ring_pass(SimContext& x, const Rings& g, int64_t hl, int64_t hkv, bool back
       const int src = (i - s + R) % R;
       const Block& qb = g.blocks[i];
       const Block& kb = g.blocks[src];
-      const TileCount tc = x.pair_tiles(qb, kb);
+      int calls = 0;
+      const TileCount tc = x.pair_tiles(qb, kb, &calls);
       x.count_tiles_on(m[i], tc, hl, backward, s);
-      double dur = x.kernel_time(tc, hl, backward, x.pair_calls(qb, kb), kb.rows, hkv);
+      double dur = x.kernel_time(tc, hl, backward, calls, kb.rows, hkv);
       if (backward) dur += x.mem_time(2.0 * kb.rows * row * 4);  // zero the partial
       x.compute(m[i], dur, s);
     };
@@ -280,12 +281,10 @@ void allgather_schedule(SimContext& x) {
   gather(T, "allgather");
   for (int r = 0; r < P; ++r)
     for (int j = 0; j < P; ++j) {
-      const TileCount tc = x.pair_tiles(blocks[r], blocks[j]);
+      int calls = 0;
+      const TileCount tc = x.pair_tiles(blocks[r], blocks[j], &calls);
       x.count_tiles_on(r, tc, c.heads, false, j);
-      x.compute(r,
-                x.kernel_time(tc, c.heads, false, x.pair_calls(blocks[r], blocks[j]),
-                              blocks[j].rows, c.kv_heads),
-                j);
+      x.compute(r, x.kernel_time(tc, c.heads, false, calls, blocks[j].rows, c.kv_heads), j);
     }
   for (int r = 0; r < P; ++r) {
     x.compute(r, x.mem_time(x.rows(r) * c.heads * D * (4.0 + T)), -1);
@@ -298,12 +297,10 @@ void allgather_schedule(SimContext& x) {
   gather(T, "allgather");
   for (int r = 0; r < P; ++r)
     for (int j = 0; j < P; ++j) {
-      const TileCount tc = x.pair_tiles(blocks[r], blocks[j]);
+      int calls = 0;
+      const TileCount tc = x.pair_tiles(blocks[r], blocks[j], &calls);
       x.count_tiles_on(r, tc, c.heads, true, j);
-      x.compute(r,
-                x.kernel_time(tc, c.heads, true, x.pair_calls(blocks[r], blocks[j]), blocks[j].rows,
-                              c.kv_heads),
-                j);
+      x.compute(r, x.kernel_time(tc, c.heads, true, calls, blocks[j].rows, c.kv_heads), j);
     }
   gather(4, "reduce_scatter");
   for (int r = 0; r < P; ++r) {

@@ -44,6 +44,7 @@ SimContext::SimContext(const AttnCase& cs, const Profile& pr, AttnSim& o)
     : c(cs), p(pr), out(o), P(cs.ranks) {
   chunks = shard_chunks(c.layout, c.seq, c.ranks, c.doc_lengths);
   t.assign(P, 0.0);
+  exposed.assign(P, {});
   out.ranks.assign(P, RankSim{});
 }
 
@@ -68,24 +69,20 @@ Block SimContext::block(int first, int count) const {
   return b;
 }
 
-TileCount SimContext::pair_tiles(const Block& qb, const Block& kb) const {
+TileCount SimContext::pair_tiles(const Block& qb, const Block& kb, int* calls) const {
   TileCount tc;
-  for (const Chunk& q : qb.chunks)
-    for (const Chunk& k : kb.chunks) tc += count_tiles(q, k, c.mask, c.block_q, c.block_k);
-  return tc;
-}
-
-int SimContext::pair_calls(const Block& qb, const Block& kb) const {
-  int calls = 0;
+  int n = 0;
   const Mask& m = c.mask;
   for (const Chunk& q : qb.chunks)
     for (const Chunk& k : kb.chunks) {
       if (q.count == 0 || k.count == 0 || q.doc != k.doc) continue;
       if (m.causal && k.first > q.last()) continue;
       if (m.window > 0 && std::max(k.first - q.last(), q.first - k.last()) >= m.window) continue;
-      ++calls;
+      ++n;
+      tc += count_tiles(q, k, m, c.block_q, c.block_k);
     }
-  return calls;
+  if (calls) *calls = n;
+  return tc;
 }
 
 double SimContext::mem_time(double bytes) const {
@@ -130,7 +127,21 @@ double SimContext::message_time(int a, int b, double bytes) const {
   return l.latency + (l.bandwidth > 0 ? bytes / l.bandwidth : 0.0);
 }
 
-void SimContext::add_event(int r, const std::string& kind, int step, double t0, double t1) {
+void SimContext::expose(int r, const char* kind, double s) {
+  for (auto& [k, v] : exposed[r])
+    if (k == kind) {
+      v += s;
+      return;
+    }
+  exposed[r].emplace_back(kind, s);
+}
+
+void SimContext::fold_exposed() {
+  for (int r = 0; r < P; ++r)
+    for (const auto& [k, v] : exposed[r]) out.ranks[r].comm_by_kind[k] += v;
+}
+
+void SimContext::add_event(int r, const char* kind, int step, double t0, double t1) {
   if (!c.timeline || static_cast<int64_t>(out.events.size()) >= c.max_events) return;
   out.events.push_back(Event{r, kind, step, t0, t1});
 }
@@ -141,11 +152,11 @@ void SimContext::compute(int r, double dur, int step) {
   out.ranks[r].compute_s += dur;
 }
 
-void SimContext::wait(int r, double until, const std::string& kind, int step) {
+void SimContext::wait(int r, double until, const char* kind, int step) {
   if (until <= t[r]) return;
   add_event(r, "wait", step, t[r], until);
   out.ranks[r].comm_s += until - t[r];
-  out.ranks[r].comm_by_kind[kind] += until - t[r];
+  expose(r, kind, until - t[r]);
   t[r] = until;
 }
 
@@ -154,7 +165,7 @@ void SimContext::flight(int r, const char* kind, int step, double t0, double t1)
 }
 
 void SimContext::collective(const std::vector<int>& members, const std::vector<double>& cost,
-                            const std::string& kind) {
+                            const char* kind) {
   double start = 0, dur = 0;
   for (size_t i = 0; i < members.size(); ++i) {
     start = std::max(start, t[members[i]]);
@@ -164,7 +175,7 @@ void SimContext::collective(const std::vector<int>& members, const std::vector<d
     out.ranks[r].idle_s += start - t[r];
     add_event(r, kind, -1, start, start + dur);
     out.ranks[r].comm_s += dur;
-    out.ranks[r].comm_by_kind[kind] += dur;
+    expose(r, kind, dur);
     t[r] = start + dur;
   }
 }
@@ -207,6 +218,7 @@ AttnSim simulate_attention(const AttnCase& c, const Profile& p) {
   AttnSim out;
   SimContext ctx(c, p, out);
   it->second(ctx);
+  ctx.fold_exposed();
   for (RankSim& r : out.ranks) {
     out.forward_s = std::max(out.forward_s, r.end_fwd_s);
     r.end_s = std::max(r.end_s, r.end_fwd_s);

@@ -37,9 +37,9 @@ struct SimContext {
   int64_t rows(int r) const;
   int64_t max_rows() const;
   Block block(int first, int count) const;  // union of cp ranks [first, first + count)
-  // Tiles of q rows (block qb) against one KV block, per head.
-  TileCount pair_tiles(const Block& qb, const Block& kb) const;
-  int pair_calls(const Block& qb, const Block& kb) const;  // kernel calls (non-skipped pairs)
+  // Tiles of q rows (block qb) against one KV block, per head; *calls: kernel calls (chunk
+  // pairs the cp layer does not skip).
+  TileCount pair_tiles(const Block& qb, const Block& kb, int* calls) const;
 
   // Durations.
   double kernel_time(const TileCount& tc, int64_t heads, bool backward, int calls, int64_t kv_rows,
@@ -51,16 +51,20 @@ struct SimContext {
   // Events.
   void compute(int r, double dur, int step);
   // Blocks rank r until `until`; exposed communication of `kind`.
-  void wait(int r, double until, const std::string& kind, int step);
+  void wait(int r, double until, const char* kind, int step);
   void flight(int r, const char* kind, int step, double t0, double t1);  // a transfer's span
   // A blocking collective over `members` (cp ranks); cost[i] is member i's share.
   void collective(const std::vector<int>& members, const std::vector<double>& cost,
-                  const std::string& kind);
+                  const char* kind);
   void count_tiles_on(int r, const TileCount& tc, int64_t heads, bool backward, int step);
   void sent(int r, int64_t bytes) { out.ranks[r].bytes_sent += bytes; }
   void received(int r, int64_t bytes) { out.ranks[r].bytes_recv += bytes; }
   void buffer(int r, int64_t bytes);  // peak buffer candidate
-  void add_event(int r, const std::string& kind, int step, double t0, double t1);
+  void add_event(int r, const char* kind, int step, double t0, double t1);
+  // Exposed seconds by kind, [rank][kind index]; folded into RankSim::comm_by_kind at the end.
+  std::vector<std::vector<std::pair<const char*, double>>> exposed;
+  void expose(int r, const char* kind, double s);
+  void fold_exposed();
 };
 
 }  // namespace loom::plan

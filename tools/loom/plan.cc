@@ -177,7 +177,7 @@ std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
     const bool flight = e.kind == "send" || e.kind == "recv";
     os << "<rect x=\"" << a << "\" y=\"" << (flight ? y + 1 : y + 7) << "\" width=\"" << w
        << "\" height=\"" << (flight ? 5 : 12) << "\" fill=\""
-       << (comp   ? "#3b73b9"
+       << (comp   ? (e.step % 2 ? "#6f9fd8" : "#3b73b9")
            : wait ? "#d62728"
                   : "#ff9f1c")
        << "\"><title>" << e.kind << " step " << e.step << ": " << (e.t1 - e.t0) * 1e3
@@ -187,10 +187,10 @@ std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
   os << "<rect x=\"10\" y=\"" << ay
      << "\" width=\"12\" height=\"12\" fill=\"#3b73b9\"/><text "
         "x=\"26\" y=\""
-     << ay + 11 << "\">compute</text><rect x=\"120\" y=\"" << ay
-     << "\" width=\"12\" height=\"12\" fill=\"#ff9f1c\"/><text x=\"136\" y=\"" << ay + 11
-     << "\">transfer in flight / collective</text><rect x=\"360\" y=\"" << ay
-     << "\" width=\"12\" height=\"12\" fill=\"#d62728\"/><text x=\"376\" y=\"" << ay + 11
+     << ay + 11 << "\">compute (steps in alternating shades)</text><rect x=\"234\" y=\"" << ay
+     << "\" width=\"12\" height=\"12\" fill=\"#ff9f1c\"/><text x=\"250\" y=\"" << ay + 11
+     << "\">transfer in flight / collective</text><rect x=\"480\" y=\"" << ay
+     << "\" width=\"12\" height=\"12\" fill=\"#d62728\"/><text x=\"496\" y=\"" << ay + 11
      << "\">waiting (exposed communication)</text>\n</svg>\n";
   return os.str();
 }
