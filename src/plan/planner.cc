@@ -316,7 +316,8 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
       << "more all-to-all bytes per rank)";
     const int cp = w.ulysses * w.ring;
     if (cp > hq_tp)
-      e << "; this cp group of " << cp << " needs a ring factor of at least " << cp / hq_tp;
+      e << "; Ulysses alone cannot cover this cp group of " << cp
+        << ", so a ring factor of at least " << (cp + hq_tp - 1) / hq_tp << " is needed";
     e << ".\n";
     // When does a ring step hide its transfer? A full block pair of n tokens per rank computes
     // 4 n^2 D hl FLOPs while 2 n hkv D bytes-per-element travel.
@@ -330,7 +331,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         << " tokens inside a node and >= " << fmt(n_star, 0)
         << " tokens across nodes (a block pair's compute outlasts its transfer); here S/P = "
         << fmt(tokens, 0) << ".\n";
-      if (w.ring > 1) {
+      if (w.ring > 1 && w.strategy != "allgather") {
         const bool inter = cp * w.tp > prof.devices_per_node;
         e << "  The winner's ring has " << w.ring << " members"
           << (inter ? " spanning nodes" : " inside a node")

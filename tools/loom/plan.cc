@@ -117,7 +117,8 @@ std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
   const int top_bars = 50, tl_top = top_bars + n * (bar_h + 6) + 90, row_h = 24;
   const int height = tl_top + show_ranks * row_h + 80;
   double tmax = 0;
-  for (int i = 0; i < n; ++i) tmax = std::max(tmax, r.ranked[i].step_s);
+  // Bars are seconds per sequence (step time / dp): the ranking is by tokens per second.
+  for (int i = 0; i < n; ++i) tmax = std::max(tmax, r.ranked[i].step_s / r.ranked[i].dp);
   std::ostringstream os;
   os.setf(std::ios::fixed);
   os.precision(2);
@@ -125,18 +126,20 @@ std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
      << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
         "fill=\"white\"/>\n";
   os << "<text x=\"10\" y=\"22\" font-size=\"15\">loom plan: " << o.model << ", S=" << o.seq << ", "
-     << o.devices << " devices, " << o.mode << " (predicted step time, s)</text>\n";
+     << o.devices << " devices, " << o.mode
+     << " (predicted seconds per sequence = step time / dp)</text>\n";
   const char* names[] = {"attention compute", "exposed cp comm", "GEMMs",
                          "recompute",         "TP/SP comm",      "exposed DP all-reduce"};
   const char* colours[] = {"#3b73b9", "#d62728", "#2ca02c", "#9467bd", "#ff9f1c", "#8c564b"};
   for (int i = 0; i < n; ++i) {
     const plan::Candidate& c = r.ranked[i];
-    const double parts[] = {std::max(0.0, c.attn_s - c.exposed_cp_s),
-                            c.exposed_cp_s,
-                            c.gemm_s,
-                            c.recompute_s,
-                            c.tp_comm_s,
-                            c.dp_comm_s};
+    const double k = 1.0 / c.dp;
+    const double parts[] = {k * std::max(0.0, c.attn_s - c.exposed_cp_s),
+                            k * c.exposed_cp_s,
+                            k * c.gemm_s,
+                            k * c.recompute_s,
+                            k * c.tp_comm_s,
+                            k * c.dp_comm_s};
     const int y = top_bars + i * (bar_h + 6);
     os << "<text x=\"10\" y=\"" << y + 13 << "\">" << i + 1 << ". " << c.name() << "</text>\n";
     double x = left;
@@ -148,7 +151,7 @@ std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
          << " s</title></rect>\n";
       x += w;
     }
-    os << "<text x=\"" << x + 4 << "\" y=\"" << y + 13 << "\">" << c.step_s << " s</text>\n";
+    os << "<text x=\"" << x + 4 << "\" y=\"" << y + 13 << "\">" << c.step_s / c.dp << " s</text>\n";
   }
   const int ly = top_bars + n * (bar_h + 6) + 20;
   for (int k = 0; k < 6; ++k)
@@ -187,10 +190,10 @@ std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
   os << "<rect x=\"10\" y=\"" << ay
      << "\" width=\"12\" height=\"12\" fill=\"#3b73b9\"/><text "
         "x=\"26\" y=\""
-     << ay + 11 << "\">compute (steps in alternating shades)</text><rect x=\"234\" y=\"" << ay
-     << "\" width=\"12\" height=\"12\" fill=\"#ff9f1c\"/><text x=\"250\" y=\"" << ay + 11
-     << "\">transfer in flight / collective</text><rect x=\"480\" y=\"" << ay
-     << "\" width=\"12\" height=\"12\" fill=\"#d62728\"/><text x=\"496\" y=\"" << ay + 11
+     << ay + 11 << "\">compute (steps in alternating shades)</text><rect x=\"270\" y=\"" << ay
+     << "\" width=\"12\" height=\"12\" fill=\"#ff9f1c\"/><text x=\"286\" y=\"" << ay + 11
+     << "\">transfer in flight / collective</text><rect x=\"520\" y=\"" << ay
+     << "\" width=\"12\" height=\"12\" fill=\"#d62728\"/><text x=\"536\" y=\"" << ay + 11
      << "\">waiting (exposed communication)</text>\n</svg>\n";
   return os.str();
 }
