@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """Time validation of `loom plan` on this machine (issue 14).
 
-1. `loom plan --calibrate` measures this machine's profile (1 thread per rank) for 1 and for 2
-   ranks running at once.
+1. `loom plan --calibrate` measures this machine's profile (1 thread per rank, P ranks at once)
+   right before each problem's runs.
 2. For 14 attention configurations that a 2-core machine can time honestly (P <= 2 ranks,
    S 2048-16384, every strategy, fp32 and bf16), `loom attn --backward` is timed and
    `loom plan --simulate` predicts the forward + backward time from the profile.
@@ -54,14 +54,16 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="loom_plan_validate_")
-    # One profile per number of ranks sharing the machine: a device is "one rank while P ranks
-    # run at once" (the calibration runs its kernels on P ranks concurrently).
+    # A profile per problem, calibrated right before its runs (a shared machine's load drifts),
+    # for the number of ranks sharing the machine: a device is "one rank while P ranks run at
+    # once" (the calibration runs its kernels on P ranks concurrently).
     profs = {}
-    for P in sorted(set(c[3] for c in CONFIGS)):
-        profs[P] = os.path.join(tmp, f"profile_{P}.json")
-        run([a.loom, "plan", "--calibrate", profs[P], "--threads", "1", "--ranks-per-node", str(P)])
     rows = []
     for (label, strat, layout, P, U, S, H, HKV, W, dtype) in CONFIGS:
+        if label not in profs:
+            profs[label] = os.path.join(tmp, f"profile_{label}.json")
+            run([a.loom, "plan", "--calibrate", profs[label], "--threads", "1",
+                 "--ranks-per-node", str(P)])
         common = ["--strategy", strat, "--layout", layout, "--seq", str(S), "--heads", str(H),
                   "--kv-heads", str(HKV), "--head-dim", "64", "--window", str(W), "--dtype", dtype]
         if U:
@@ -74,7 +76,7 @@ def main():
         # shared machine (the calibration keeps its fastest calls too).
         measured = min(m["forward_times_s"]) + min(m["backward_times_s"])
         pj = os.path.join(tmp, "p.json")
-        run([a.loom, "plan", "--simulate", "--profile", profs[P], "--ranks", str(P), "--json", pj]
+        run([a.loom, "plan", "--simulate", "--profile", profs[label], "--ranks", str(P), "--json", pj]
             + common)
         p = json.load(open(pj))
         predicted = p["forward_s"] + p["backward_s"]
@@ -119,7 +121,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(rows=rows, choices=choices, worst=worst, median=med,
-                           profiles={P: json.load(open(f)) for P, f in profs.items()}), f, indent=2)
+                           profiles={k: json.load(open(f)) for k, f in profs.items()}), f, indent=2)
     return 0 if (ok_worst and ok_med and ok_pick) else 1
 
 
