@@ -55,6 +55,10 @@ struct Profile {
   double tile_s_fp32[4] = {0, 0, 0, 0}, tile_s_bf16[4] = {0, 0, 0, 0};
   int64_t calib_head_dim = 64;
   int threads_per_device = 1;  // cpu: OpenMP threads of one rank the tile times were taken with
+  // How much faster a rank's kernels run while the other ranks of its node idle (shared cores,
+  // caches and memory bandwidth; 1: independent devices). The tile times above are for every
+  // rank of the node computing at once.
+  double alone_speedup = 1.0;
   // Links and collectives.
   int devices_per_node = 8;
   Link intra, inter;

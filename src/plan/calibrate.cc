@@ -149,6 +149,17 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
       log(line);
     }
   }
+  // One rank alone (the others idle): how much faster a lone rank's kernels run.
+  if (ranks_per_node > 1) {
+    KernelBench kb(n);
+    const double alone = kb.time(false, false, false, cfg, 7) / tiles;
+    p.alone_speedup = std::max(1.0, p.tile_s_fp32[0] / alone);
+    if (log) {
+      char line[120];
+      std::snprintf(line, sizeof line, "  one rank alone: %.2fx faster", p.alone_speedup);
+      log(line);
+    }
+  }
   // Call overhead: a 64 x 64 call (one tile per head) less its tiles.
   {
     KernelBench small(64);
@@ -218,10 +229,10 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   p.gemm_eff = 1.0;
   const std::string how = "measured by loom plan --calibrate on this machine (threads per rank " +
                           std::to_string(threads) + ")";
-  for (const char* f :
-       {"device.tile_s.fp32", "device.tile_s.bf16", "device.call_overhead_s",
-        "device.mem_bandwidth", "links.intra.bandwidth", "links.intra.latency_s",
-        "collectives.a2a_eff", "collectives.allgather_eff", "collectives.allreduce_eff"})
+  for (const char* f : {"device.tile_s.fp32", "device.tile_s.bf16", "device.call_overhead_s",
+                        "device.alone_speedup", "device.mem_bandwidth", "links.intra.bandwidth",
+                        "links.intra.latency_s", "collectives.a2a_eff", "collectives.allgather_eff",
+                        "collectives.allreduce_eff"})
     p.sources[f] = how;
   p.sources["links.inter.bandwidth"] = p.sources["links.inter.latency_s"] =
       "one machine: no inter-node link; set to the intra-node figures";

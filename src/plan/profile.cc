@@ -87,7 +87,7 @@ Profile parse_profile(const std::string& text, const std::string& where) {
     refuse_unknown(d,
                    {"flops_bf16", "flops_fp32", "attn_fwd_eff", "attn_bwd_eff", "partial_tile_cost",
                     "gemm_eff", "memory_bytes", "mem_bandwidth", "block_q", "block_k",
-                    "call_overhead_s", "tile_s", "calib_head_dim", "threads"},
+                    "call_overhead_s", "tile_s", "calib_head_dim", "threads", "alone_speedup"},
                    where, "device.");
     const std::string at = "device.";
     get_positive(d, "flops_bf16", p.flops_bf16, where, at);
@@ -103,6 +103,8 @@ Profile parse_profile(const std::string& text, const std::string& where) {
     get(d, "block_k", p.block_k, where, at);
     get(d, "calib_head_dim", p.calib_head_dim, where, at);
     get(d, "threads", p.threads_per_device, where, at);
+    get_positive(d, "alone_speedup", p.alone_speedup, where, at);
+    LOOM_CHECK(p.alone_speedup >= 1, IoError, where << ": device.alone_speedup must be >= 1");
     LOOM_CHECK(p.block_q >= 1 && p.block_k >= 1, IoError,
                where << ": device.block_q and device.block_k must be >= 1");
     LOOM_CHECK(p.attn_fwd_eff <= 1 && p.attn_bwd_eff <= 1 && p.gemm_eff <= 1, IoError,
@@ -172,6 +174,7 @@ std::string profile_json(const Profile& p) {
                  {"call_overhead_s", p.call_overhead},
                  {"calib_head_dim", p.calib_head_dim},
                  {"threads", p.threads_per_device},
+                 {"alone_speedup", p.alone_speedup},
                  {"tile_s",
                   {{"fp32", std::vector<double>(p.tile_s_fp32, p.tile_s_fp32 + 4)},
                    {"bf16", std::vector<double>(p.tile_s_bf16, p.tile_s_bf16 + 4)}}}};

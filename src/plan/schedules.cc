@@ -65,19 +65,26 @@ void ring_pass(SimContext& x, const Rings& g, int64_t hl, int64_t hkv, bool back
   for (int u = 0; u < g.U; ++u) {
     std::vector<int> m(R);
     for (int j = 0; j < R; ++j) m[j] = g.rank(u, j);
-    auto step_compute = [&](int i, int s) {
-      const int src = (i - s + R) % R;
-      const Block& qb = g.blocks[i];
-      const Block& kb = g.blocks[src];
-      int calls = 0;
-      const TileCount tc = x.pair_tiles(qb, kb, &calls);
-      x.count_tiles_on(m[i], tc, hl, backward, s);
-      double dur = x.kernel_time(tc, hl, backward, calls, kb.rows, hkv);
-      if (backward) dur += x.mem_time(2.0 * kb.rows * row * 4);  // zero the partial
-      x.compute(m[i], dur, s);
+    // One step's kernels on every member; a member computing while others of its node idle
+    // runs at the profile's alone rate (x.busy_scale).
+    std::vector<TileCount> tcs(R);
+    std::vector<int> calls(R);
+    auto step_compute_all = [&](int s) {
+      for (int i = 0; i < R; ++i)
+        tcs[i] = x.pair_tiles(g.blocks[i], g.blocks[(i - s + R) % R], &calls[i]);
+      std::vector<bool> busy(R);
+      for (int i = 0; i < R; ++i) busy[i] = tcs[i].total() > 0;
+      for (int i = 0; i < R; ++i) {
+        const Block& kb = g.blocks[(i - s + R) % R];
+        x.count_tiles_on(m[i], tcs[i], hl, backward, s);
+        double dur = x.kernel_time(tcs[i], hl, backward, calls[i], kb.rows, hkv);
+        dur *= x.busy_scale(m, busy, i);
+        if (backward) dur += x.mem_time(2.0 * kb.rows * row * 4);  // zero the partial
+        x.compute(m[i], dur, s);
+      }
     };
     if (R == 1) {
-      step_compute(0, 0);
+      step_compute_all(0);
       continue;
     }
     for (int j = 0; j < R; ++j) x.buffer(m[j], 2 * cap * T + (backward ? 5 * cap * 4 : 0));
@@ -99,7 +106,7 @@ void ring_pass(SimContext& x, const Rings& g, int64_t hl, int64_t hkv, bool back
           if (!x.p.overlap) x.compute(m[i], cost, s);
         }
       }
-      for (int i = 0; i < R; ++i) step_compute(i, s);
+      step_compute_all(s);
       if (backward) {
         const int par = s & 1;
         std::vector<double> post_acc(R);
@@ -279,13 +286,25 @@ void allgather_schedule(SimContext& x) {
   // Forward.
   for (int r = 0; r < P; ++r) x.compute(r, x.mem_time(per * T + x.rows(r) * c.heads * D * 4.0), -1);
   gather(T, "allgather");
-  for (int r = 0; r < P; ++r)
+  auto blocks_pass = [&](bool backward) {
     for (int j = 0; j < P; ++j) {
-      int calls = 0;
-      const TileCount tc = x.pair_tiles(blocks[r], blocks[j], &calls);
-      x.count_tiles_on(r, tc, c.heads, false, j);
-      x.compute(r, x.kernel_time(tc, c.heads, false, calls, blocks[j].rows, c.kv_heads), j);
+      std::vector<TileCount> tcs(P);
+      std::vector<int> calls(P);
+      std::vector<bool> busy(P);
+      for (int r = 0; r < P; ++r) {
+        tcs[r] = x.pair_tiles(blocks[r], blocks[j], &calls[r]);
+        busy[r] = tcs[r].total() > 0;
+      }
+      for (int r = 0; r < P; ++r) {
+        x.count_tiles_on(r, tcs[r], c.heads, backward, j);
+        x.compute(r,
+                  x.kernel_time(tcs[r], c.heads, backward, calls[r], blocks[j].rows, c.kv_heads) *
+                      x.busy_scale(all, busy, r),
+                  j);
+      }
     }
+  };
+  blocks_pass(false);
   for (int r = 0; r < P; ++r) {
     x.compute(r, x.mem_time(x.rows(r) * c.heads * D * (4.0 + T)), -1);
     x.out.ranks[r].end_fwd_s = x.t[r];
@@ -295,13 +314,7 @@ void allgather_schedule(SimContext& x) {
   for (int r = 0; r < P; ++r)
     x.compute(r, x.mem_time(x.rows(r) * c.heads * D * (2.0 * T + 4.0) + P * per * 4.0), -1);
   gather(T, "allgather");
-  for (int r = 0; r < P; ++r)
-    for (int j = 0; j < P; ++j) {
-      int calls = 0;
-      const TileCount tc = x.pair_tiles(blocks[r], blocks[j], &calls);
-      x.count_tiles_on(r, tc, c.heads, true, j);
-      x.compute(r, x.kernel_time(tc, c.heads, true, calls, blocks[j].rows, c.kv_heads), j);
-    }
+  blocks_pass(true);
   gather(4, "reduce_scatter");
   for (int r = 0; r < P; ++r) {
     x.compute(r, x.mem_time(P * per * 4.0), -1);  // the reduction

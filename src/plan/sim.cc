@@ -85,6 +85,22 @@ TileCount SimContext::pair_tiles(const Block& qb, const Block& kb, int* calls) c
   return tc;
 }
 
+double SimContext::busy_scale(const std::vector<int>& members, const std::vector<bool>& busy,
+                              int i) const {
+  if (p.alone_speedup <= 1.0) return 1.0;
+  const int dpn = std::max(1, p.devices_per_node);
+  const int node = members[i] * c.cp_stride / dpn;
+  int on_node = 0, busy_on_node = 0;
+  for (size_t j = 0; j < members.size(); ++j)
+    if (members[j] * c.cp_stride / dpn == node) {
+      ++on_node;
+      busy_on_node += busy[j] ? 1 : 0;
+    }
+  if (on_node <= 1 || busy_on_node < 1) return 1.0;
+  const double f = static_cast<double>(busy_on_node - 1) / (on_node - 1);
+  return 1.0 / p.alone_speedup + (1.0 - 1.0 / p.alone_speedup) * f;
+}
+
 double SimContext::mem_time(double bytes) const {
   return p.mem_bandwidth > 0 ? bytes / p.mem_bandwidth : 0.0;
 }

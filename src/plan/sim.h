@@ -45,6 +45,9 @@ struct SimContext {
   double kernel_time(const TileCount& tc, int64_t heads, bool backward, int calls, int64_t kv_rows,
                      int64_t kv_heads) const;
   double mem_time(double bytes) const;
+  // Time multiplier of member i's kernels when only the `busy` members (cp ranks `members`) of
+  // its node compute at once: 1 when all of them do, 1 / alone_speedup when it computes alone.
+  double busy_scale(const std::vector<int>& members, const std::vector<bool>& busy, int i) const;
   const Link& link(int a, int b) const;  // cp ranks
   double message_time(int a, int b, double bytes) const;
 
