@@ -1,0 +1,230 @@
+// loom/plan.h: the step simulator and the planner behind `loom plan`.
+//
+// The simulator replays the real schedule of a context-parallel strategy (ring steps with a
+// double buffer, Ulysses all-to-alls, hybrid, all-gather plus reduce-scatter; forward and
+// backward) at chunk and tile granularity: the work of every rank at every step is the exact
+// tile count of loom's kernels for loom's shard plans (the same (q-tile, k-tile) classification
+// as src/kernels/blockwise.cc, computed in closed form per segment pair, never per token), and
+// every message has the exact byte size the strategy code sends. Only time comes from a model:
+// each compute or communication event takes its duration from a hardware Profile, and overlap is
+// exactly what the schedule's dependencies allow (a transfer starts when both ends have posted,
+// a rank waits where the code waits).
+//
+// Strategies are schedules found by name in a registry (schedule_names(); one function per
+// strategy in src/plan/schedules.cc). A new strategy (for example ring2d after the structure
+// refactor) is one function and one register_schedule() call.
+//
+// Thread safety: every function here is reentrant; the registry is filled before main() and only
+// read afterwards (register_schedule() is not thread-safe).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "loom/attention.h"
+#include "loom/cp.h"
+
+namespace loom::plan {
+
+// ---------------------------------------------------------------------------------------------
+// Hardware profiles (plan/profiles/*.json; field meanings in docs/planning.md).
+
+struct Link {
+  double bandwidth = 0;  // bytes/s per device, one direction
+  double latency = 0;    // seconds per message
+};
+
+struct Profile {
+  std::string name;
+  std::string kind = "gpu";  // "gpu" (rates from peak x efficiency) or "cpu" (calibrated tiles)
+  // Device.
+  double flops_bf16 = 0, flops_fp32 = 0;          // dense peak FLOP/s of one device
+  double attn_fwd_eff = 0.5, attn_bwd_eff = 0.4;  // attention kernel, fraction of peak, full tiles
+  double partial_tile_cost = 1.0;                 // time of a partial (masked) tile over a full one
+  double gemm_eff = 0.7;                          // dense GEMM, fraction of peak
+  double memory_bytes = 0;                        // device memory
+  double mem_bandwidth = 0;                       // bytes/s (element-wise work: pack, add, finish)
+  int64_t block_q = 128, block_k = 128;           // the attention kernel's tile
+  double call_overhead = 0;                       // seconds per kernel call (launch)
+  // Calibrated per-tile seconds of this machine's kernel ("cpu" profiles, from --calibrate):
+  // [fwd full, fwd partial, bwd full, bwd partial] for fp32 and for bf16 storage, measured at
+  // head_dim calib_head_dim (scaled linearly in D). Zero: use peak x efficiency.
+  double tile_s_fp32[4] = {0, 0, 0, 0}, tile_s_bf16[4] = {0, 0, 0, 0};
+  int64_t calib_head_dim = 64;
+  int threads_per_device = 1;  // cpu: OpenMP threads of one rank the tile times were taken with
+  // How much faster a rank's kernels run while the other ranks of its node idle (shared cores,
+  // caches and memory bandwidth; 1: independent devices). The tile times above are for every
+  // rank of the node computing at once.
+  double alone_speedup = 1.0;
+  // Links and collectives.
+  int devices_per_node = 8;
+  Link intra, inter;
+  double a2a_eff = 1.0, allgather_eff = 1.0, allreduce_eff = 1.0;  // fraction of link bandwidth
+  // true: a transfer proceeds while its rank computes (DMA engines, NICs); false: the posting
+  // thread copies it (loom's local backend), so a send costs its sender's time.
+  bool overlap = true;
+  std::map<std::string, std::string> sources;  // field -> citation (kept when re-written)
+};
+
+// Parses a profile from JSON text; `where` names the file in errors (IoError naming the field).
+Profile parse_profile(const std::string& json_text, const std::string& where);
+Profile load_profile(const std::string& path);
+std::string profile_json(const Profile& p);  // the JSON text (round-trips through parse)
+
+// ---------------------------------------------------------------------------------------------
+// Exact work at tile granularity.
+
+// A run of a shard's rows: positions first, first + stride, ... (count of them), one document.
+// The same runs as ShardPlan's segments (tests/plan holds the two together), computed without
+// materialising tokens.
+struct Chunk {
+  int64_t first = 0, stride = 1, count = 0;
+  int32_t doc = 0;
+  int64_t last() const { return first + stride * (count - 1); }
+};
+// [rank] -> the rank's chunks in local row order (== ShardPlan::make(...).segments).
+std::vector<std::vector<Chunk>> shard_chunks(Layout layout, int64_t seq, int ranks,
+                                             const std::vector<int64_t>& doc_lengths);
+
+struct TileCount {
+  int64_t full = 0, partial = 0;  // per query head
+  int64_t total() const { return full + partial; }
+  TileCount& operator+=(const TileCount& o) {
+    full += o.full;
+    partial += o.partial;
+    return *this;
+  }
+};
+// Tiles one kernel call over rows q x keys k computes for one head (blockwise.cc's plan:
+// block_q x block_k tiles, empty ones skipped), including the cp layer's skip of segment pairs
+// the mask leaves empty. Requires q.stride == k.stride when both counts exceed 1.
+TileCount count_tiles(const Chunk& q, const Chunk& k, const Mask& mask, int64_t block_q,
+                      int64_t block_k);
+
+// ---------------------------------------------------------------------------------------------
+// The attention simulator.
+
+struct AttnCase {
+  std::string strategy = "ring";  // a registered schedule
+  Layout layout = Layout::zigzag;
+  int64_t seq = 0;
+  std::vector<int64_t> doc_lengths;  // empty: one document
+  int ranks = 1;                     // P, the cp group
+  int ulysses = 1;                   // hybrid: U (P % U == 0)
+  int64_t heads = 1, kv_heads = 1, head_dim = 64;
+  Mask mask;
+  int64_t block_q = 64, block_k = 64;  // kernel tiles (loom attn's defaults)
+  int dtype_bytes = 4;                 // storage: 4 (fp32) or 2 (bf16)
+  bool backward = true;
+  // Placement: world rank of cp rank c is c * cp_stride (tp ranks sit inside); node of a world
+  // rank = world / devices_per_node.
+  int cp_stride = 1;
+  bool timeline = false;  // record events (bounded: at most max_events)
+  int64_t max_events = 20000;
+};
+
+struct Event {
+  int rank;
+  std::string kind;  // compute, send, recv, wait, a2a, allgather, reduce_scatter
+  int step;
+  double t0, t1;
+};
+
+struct RankSim {
+  int64_t fwd_tiles = 0, bwd_tiles = 0;       // tiles over all query heads
+  int64_t full_tiles = 0, partial_tiles = 0;  // forward + backward
+  std::vector<int64_t> step_tiles;         // forward tiles per step (ring step / allgather block)
+  int64_t bytes_sent = 0, bytes_recv = 0;  // forward + backward
+  // Peak bytes of the strategy's buffers: the KV double buffer and dK/dV accumulators (ring),
+  // the gathered head-sliced q, k, v, out (ulysses, hybrid), the gathered K, V and dK, dV
+  // (allgather), the softmax state.
+  int64_t peak_buffer_bytes = 0;
+  double compute_s = 0, comm_s = 0, idle_s = 0;  // comm_s: exposed (blocked in communication)
+  std::map<std::string, double> comm_by_kind;    // exposed seconds by p2p / a2a / allgather ...
+  double end_fwd_s = 0, end_s = 0;
+};
+
+struct AttnSim {
+  std::vector<RankSim> ranks;
+  double forward_s = 0, backward_s = 0;  // slowest rank
+  std::vector<Event> events;             // when AttnCase::timeline
+  double balance() const;                // max over mean of compute
+};
+
+// Checks the case (InvalidArgument naming the values, as CpAttention does) and simulates it.
+AttnSim simulate_attention(const AttnCase& c, const Profile& p);
+
+// The registry. A schedule checks its constraints (throwing InvalidArgument) and fills the
+// simulation through the Sim context of src/plan/sim.h.
+struct SimContext;
+using ScheduleFn = std::function<void(SimContext&)>;
+void register_schedule(const std::string& name, ScheduleFn fn);
+std::vector<std::string> schedule_names();
+
+// ---------------------------------------------------------------------------------------------
+// The planner: whole training (or prefill) steps of a transformer on a cluster.
+
+struct ModelShape {
+  int64_t layers = 32, dim = 4096, heads = 32, kv_heads = 8, ffn = 14336, vocab = 128256;
+  int64_t head_dim() const { return dim / heads; }
+  double params() const;  // parameter count
+};
+
+struct PlanRequest {
+  ModelShape model;
+  int64_t seq = 131072;
+  std::vector<int64_t> doc_lengths;
+  int64_t window = 0;
+  int devices = 8;
+  bool train = true;                    // false: prefill (forward only)
+  double memory_limit = 0;              // bytes per device; 0: the profile's memory
+  std::vector<std::string> strategies;  // empty: every registered one
+  bool all_layouts = true;              // zigzag, contiguous, stripe (false: zigzag only)
+  int dtype_bytes = 2;
+};
+
+struct Candidate {
+  int dp = 1, tp = 1, ulysses = 1, ring = 1;
+  std::string strategy;
+  Layout layout = Layout::zigzag;
+  bool checkpoint = false;
+  bool fits = true;
+  std::string why_not;  // when !fits or invalid
+  // Step breakdown (seconds, slowest rank).
+  double step_s = 0, attn_s = 0, gemm_s = 0, recompute_s = 0;
+  double exposed_cp_s = 0, tp_comm_s = 0, dp_comm_s = 0, cp_idle_s = 0;
+  std::map<std::string, double> exposed_by_kind;
+  double memory_bytes = 0;
+  double mfu = 0, tokens_per_s = 0, balance = 1;
+  std::string name() const;
+};
+
+struct PlanResult {
+  std::vector<Candidate> ranked;    // fitting candidates, highest tokens/s first
+  std::vector<Candidate> rejected;  // with why_not
+  AttnSim best_attn;                // one layer's attention of the winner, with its timeline
+  std::string explain;              // in words: why the winner wins
+  double seconds = 0;               // planning time
+};
+
+PlanResult plan(const PlanRequest& req, const Profile& p);
+
+}  // namespace loom::plan
+
+namespace loom::plan {
+
+// Measures this machine (bench_kernels' and bench_comm's methods: the fastest of repeated timed
+// calls after a warm-up) and returns a "cpu" profile for one rank of `threads` OpenMP threads
+// and `ranks_per_node` ranks per node:
+//   tile seconds of the blockwise kernels, forward and backward, fp32 and bf16 storage, full
+//   tiles (full attention) and partial tiles (every tile masked per element), at the config's
+//   64 x 64 tiles and head_dim 64; a kernel call's overhead; memory bandwidth (memcpy);
+//   the local backend's point-to-point latency and bandwidth (ping-pong of 0 B and 8 MiB), and
+//   all-to-all and all-gather efficiency against that point-to-point model.
+// Takes about 10-20 seconds. Progress lines go to `log` when non-null.
+Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*) = nullptr);
+
+}  // namespace loom::plan

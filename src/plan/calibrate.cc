@@ -1,0 +1,245 @@
+// `loom plan --calibrate`: the machine's profile, measured.
+//
+// Kernel rates: one kernel call over n = 512 query rows and 512 key rows of H = 4 heads, D = 64,
+// 64 x 64 tiles: full attention gives 8 x 8 x 4 = 256 full tiles; alternating document ids on
+// the rows make every tile partial (both documents in every tile, the mask applied per
+// element). Seconds per tile = the fastest call time over the tile count. The call overhead is
+// a one-tile call's time less one tile. Communication: ping-pong on the local backend between
+// two ranks (half a round trip), 0 bytes for the latency and 8 MiB for the bandwidth; the
+// all-to-all and all-gather of 2 ranks are timed against that model.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "loom/comm.h"
+#include "loom/error.h"
+#include "loom/plan.h"
+#include "loom/rng.h"
+#include "loom/timer.h"
+
+namespace loom::plan {
+
+namespace {
+
+// The fastest of `reps` timed calls after a warm-up: on a shared machine the minimum is the
+// figure least disturbed by other processes (bench/plan_validate.py takes the minimum of the
+// measured iterations too, so both sides of the comparison mean the same).
+template <class F>
+double best_time(F&& f, int reps) {
+  f();  // warm-up
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = now_s();
+    f();
+    t.push_back(now_s() - t0);
+  }
+  return *std::min_element(t.begin(), t.end());
+}
+
+struct KernelBench {
+  int64_t n, H = 4, D = 64;
+  std::vector<int64_t> pos;
+  std::vector<int32_t> doc_same, doc_alt;
+  Tensor<float> q, k, v, dout, out, dq, dk, dv;
+  Tensor<bf16> bq, bk, bv, bdout, bout;
+  std::vector<float> lse, delta;
+  explicit KernelBench(int64_t rows) : n(rows) {
+    pos.resize(n);
+    std::iota(pos.begin(), pos.end(), 0);
+    doc_same.assign(n, 0);
+    doc_alt.resize(n);
+    for (int64_t i = 0; i < n; ++i) doc_alt[i] = static_cast<int32_t>(i % 2);
+    q = Tensor<float>({n, H, D});
+    k = Tensor<float>({n, H, D});
+    v = Tensor<float>({n, H, D});
+    dout = Tensor<float>({n, H, D});
+    fill_normal(q.view3(), pos.data(), 1, "q");
+    fill_normal(k.view3(), pos.data(), 1, "k");
+    fill_normal(v.view3(), pos.data(), 1, "v");
+    fill_normal(dout.view3(), pos.data(), 1, "dout");
+    out = Tensor<float>({n, H, D});
+    dq = Tensor<float>({n, H, D});
+    dk = Tensor<float>({n, H, D});
+    dv = Tensor<float>({n, H, D});
+    bq = convert<bf16>(q);
+    bk = convert<bf16>(k);
+    bv = convert<bf16>(v);
+    bdout = convert<bf16>(dout);
+    bout = Tensor<bf16>({n, H, D});
+    lse.resize(static_cast<size_t>(H * n));
+    delta.resize(static_cast<size_t>(H * n));
+  }
+  // Seconds of one call: forward or backward, fp32 or bf16, full or partial tiles.
+  double time(bool backward, bool bf, bool partial, const KernelConfig& base, int reps) {
+    KernelConfig cfg = base;
+    cfg.mask.causal = false;
+    const int32_t* docs = partial ? doc_alt.data() : doc_same.data();
+    const Tokens t{pos.data(), docs, n};
+    SoftmaxState st(n, H, D);
+    // lse and delta of this problem (for the backward).
+    st.reset();
+    attend(st.view(), q.view3(), k.view3(), v.view3(), t, t, cfg);
+    finish(st.view(), out.view3(), lse.data(), n);
+    compute_delta(out.view3(), dout.view3(), delta.data(), n);
+    if (!backward) {
+      return best_time(
+          [&] {
+            st.reset();
+            if (bf)
+              attend(st.view(), bq.view3(), bk.view3(), bv.view3(), t, t, cfg);
+            else
+              attend(st.view(), q.view3(), k.view3(), v.view3(), t, t, cfg);
+          },
+          reps);
+    }
+    return best_time(
+        [&] {
+          if (bf)
+            attend_backward(bq.view3(), bk.view3(), bv.view3(), bdout.view3(), lse.data(),
+                            delta.data(), n, t, t, cfg, dq.view3(), dk.view3(), dv.view3());
+          else
+            attend_backward(q.view3(), k.view3(), v.view3(), dout.view3(), lse.data(), delta.data(),
+                            n, t, t, cfg, dq.view3(), dk.view3(), dv.view3());
+        },
+        reps);
+  }
+};
+
+}  // namespace
+
+Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
+  LOOM_CHECK(threads >= 1, InvalidArgument, "--threads must be >= 1, got " << threads);
+  LOOM_CHECK(ranks_per_node >= 1, InvalidArgument, "ranks per node must be >= 1");
+  Profile p;
+  p.name = "this machine (loom plan --calibrate)";
+  p.kind = "cpu";
+  p.block_q = p.block_k = 64;
+  p.calib_head_dim = 64;
+  p.threads_per_device = threads;
+  p.devices_per_node = ranks_per_node;
+  p.overlap = false;
+  KernelConfig cfg;
+  cfg.scale = 0.125f;
+  cfg.threads = threads;
+  const int64_t n = 512, tiles = (n / 64) * (n / 64) * 4;
+  // Every rank of the node runs the same kernel at the same time (as `loom attn --ranks N`
+  // does), so shared caches, memory bandwidth and cores are contended as in a real run; the
+  // median over ranks of each rank's fastest call is kept.
+  std::vector<std::vector<double>> per_rank(ranks_per_node, std::vector<double>(8, 0.0));
+  run_local(ranks_per_node, [&](Communicator& c) {
+    KernelBench kb(n);
+    for (int i = 0; i < 8; ++i) {
+      const bool bf = i / 4, bwd = (i / 2) % 2, partial = i % 2;
+      c.barrier();
+      per_rank[c.rank()][i] = kb.time(bwd, bf, partial, cfg, 7) / tiles;
+    }
+  });
+  for (int i = 0; i < 8; ++i) {
+    std::vector<double> v;
+    for (const auto& r : per_rank) v.push_back(r[i]);
+    std::sort(v.begin(), v.end());
+    const double x = v[v.size() / 2];
+    const bool bf = i / 4, bwd = (i / 2) % 2, partial = i % 2;
+    (bf ? p.tile_s_bf16 : p.tile_s_fp32)[2 * bwd + partial] = x;
+    if (log) {
+      char line[160];
+      std::snprintf(line, sizeof line, "  kernel %s %s %s tile: %.3f us", bf ? "bf16" : "fp32",
+                    bwd ? "backward" : "forward", partial ? "partial" : "full", x * 1e6);
+      log(line);
+    }
+  }
+  // One rank alone (the others idle): how much faster a lone rank's kernels run.
+  if (ranks_per_node > 1) {
+    KernelBench kb(n);
+    const double alone = kb.time(false, false, false, cfg, 7) / tiles;
+    p.alone_speedup = std::max(1.0, p.tile_s_fp32[0] / alone);
+    if (log) {
+      char line[120];
+      std::snprintf(line, sizeof line, "  one rank alone: %.2fx faster", p.alone_speedup);
+      log(line);
+    }
+  }
+  // Call overhead: a 64 x 64 call (one tile per head) less its tiles.
+  {
+    KernelBench small(64);
+    const double one = small.time(false, false, false, cfg, 21);
+    p.call_overhead = std::max(0.0, one - 4 * p.tile_s_fp32[0]);
+  }
+  // Memory bandwidth: memcpy of 64 MiB (read + write counted).
+  {
+    std::vector<char> a(64 << 20, 1), b(64 << 20, 0);
+    const double t = best_time([&] { std::memcpy(b.data(), a.data(), a.size()); }, 5);
+    p.mem_bandwidth = 2.0 * static_cast<double>(a.size()) / t;
+  }
+  // Local backend: ping-pong, all-to-all, all-gather between 2 ranks.
+  double lat = 0, bw = 0, a2a = 0, ag = 0;
+  const size_t big = 8 << 20;
+  run_local(2, [&](Communicator& c) {
+    std::vector<char> buf(big, 1), rbuf(big, 0);
+    auto pingpong = [&](size_t bytes) {
+      return best_time(
+                 [&] {
+                   if (c.rank() == 0) {
+                     c.isend(buf.data(), bytes, 1, 7)->wait();
+                     c.irecv(rbuf.data(), bytes, 1, 8)->wait();
+                   } else {
+                     c.irecv(rbuf.data(), bytes, 0, 7)->wait();
+                     c.isend(buf.data(), bytes, 0, 8)->wait();
+                   }
+                 },
+                 15) /
+             2;
+    };
+    const double t0 = pingpong(0), t1 = pingpong(big);
+    std::vector<char> send(2 * big, 1), recv(2 * big, 0);
+    const size_t sb[2] = {big, big}, so[2] = {0, big};
+    c.barrier();
+    const double ta = best_time([&] { c.all_to_all(send.data(), sb, so, recv.data(), sb, so); }, 7);
+    const double tg = best_time([&] { c.all_gather(send.data(), big, recv.data()); }, 7);
+    if (c.rank() == 0) {
+      lat = t0;
+      bw = static_cast<double>(big) / std::max(1e-12, t1 - t0);
+      const double model = lat + static_cast<double>(big) / bw;
+      a2a = std::clamp(model / ta, 0.05, 1.0);
+      ag = std::clamp(model / tg, 0.05, 1.0);
+    }
+  });
+  p.intra = Link{bw, lat};
+  p.inter = Link{bw, lat};  // one machine: no inter-node link to measure (the same figures)
+  p.a2a_eff = a2a;
+  p.allgather_eff = ag;
+  p.allreduce_eff = ag;
+  if (log) {
+    char line[200];
+    std::snprintf(line, sizeof line,
+                  "  call overhead %.1f us, memcpy %.2f GB/s, p2p latency %.1f us, bandwidth %.2f "
+                  "GB/s, a2a eff %.2f, all_gather eff %.2f",
+                  p.call_overhead * 1e6, p.mem_bandwidth * 1e-9, lat * 1e6, bw * 1e-9, a2a, ag);
+    log(line);
+  }
+  // Dense rates for the planner's GEMMs and the "gpu"-style fallbacks: the measured full-tile
+  // forward rate (4 * 64 * 64 * 64 FLOPs per tile).
+  const double tile_flops = 4.0 * 64 * 64 * 64;
+  p.flops_fp32 = tile_flops / p.tile_s_fp32[0];
+  p.flops_bf16 = tile_flops / p.tile_s_bf16[0];
+  p.attn_fwd_eff = 1.0;
+  p.attn_bwd_eff = std::min(1.0, 2.5 * p.tile_s_fp32[0] / p.tile_s_fp32[2]);
+  p.partial_tile_cost = p.tile_s_fp32[1] / p.tile_s_fp32[0];
+  p.gemm_eff = 1.0;
+  const std::string how = "measured by loom plan --calibrate on this machine (threads per rank " +
+                          std::to_string(threads) + ")";
+  for (const char* f : {"device.tile_s.fp32", "device.tile_s.bf16", "device.call_overhead_s",
+                        "device.alone_speedup", "device.mem_bandwidth", "links.intra.bandwidth",
+                        "links.intra.latency_s", "collectives.a2a_eff", "collectives.allgather_eff",
+                        "collectives.allreduce_eff"})
+    p.sources[f] = how;
+  p.sources["links.inter.bandwidth"] = p.sources["links.inter.latency_s"] =
+      "one machine: no inter-node link; set to the intra-node figures";
+  p.sources["device.flops_fp32"] = p.sources["device.flops_bf16"] =
+      "the measured forward full-tile rate of the attention kernel (" + how + ")";
+  p.sources["overlap"] = "the local backend copies a message on the posting thread";
+  return p;
+}
+
+}  // namespace loom::plan

@@ -1,0 +1,393 @@
+// The planner: every valid mesh (dp x tp x ulysses x ring) x registered strategy x layout x
+// activation checkpointing, each priced as one training (or prefill) step.
+//
+// Step model (per device, the slowest rank; every figure from the profile):
+//   attention   the simulator's forward (+ backward, + the forward again when checkpointing) of
+//               one layer's attention over the cp group (heads / tp, kv heads / tp), x layers;
+//               exposed cp communication and idle time come from the same simulation.
+//   GEMMs       2 x tokens_local x (layer weights / tp) FLOPs forward, 2x that backward, one
+//               more forward when checkpointing; at peak x gemm_eff. The LM head likewise.
+//   TP + SP     per layer and pass, 2 all-gathers and 2 reduce-scatters of the layer's
+//               activations inside the tp group (intra-node), not overlapped (Megatron SP).
+//   DP          one all-reduce of the bf16 gradients (params / tp) over dp with ring cost
+//               2 (dp - 1) / dp; overlapped with the backward except the last layer's share.
+// Memory per device: bf16 weights and gradients (4 B/param) + fp32 master weights and Adam
+//   moments (12 B/param) sharded over dp (distributed optimizer), all / tp; activations per
+//   layer and token 2 B x (2 dim + dim + 2 kv_dim + dim + 4 ffn) / tp + fp32 lse (Korthikanti
+//   et al.'s accounting with FlashAttention, SP shards everything), or with full checkpointing
+//   the layer inputs plus one layer; the strategy's peak buffers (simulated); fp32 logits of
+//   tokens_local x vocab / tp. Estimates: say so in docs/planning.md.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <sstream>
+#include <tuple>
+
+#include "loom/error.h"
+#include "loom/plan.h"
+
+namespace loom::plan {
+
+double ModelShape::params() const {
+  const double d = static_cast<double>(dim), kv = static_cast<double>(kv_heads * head_dim());
+  const double layer = 2 * d * d + 2 * d * kv + 3 * d * static_cast<double>(ffn);
+  return static_cast<double>(layers) * layer + 2 * static_cast<double>(vocab) * d;
+}
+
+std::string Candidate::name() const {
+  std::ostringstream o;
+  o << "dp" << dp << " tp" << tp << " u" << ulysses << " r" << ring << " " << strategy << "/"
+    << to_string(layout) << (checkpoint ? " ckpt" : "");
+  return o.str();
+}
+
+namespace {
+
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+// (query, key) pairs the mask allows, per head, over the whole sequence (useful FLOPs).
+double visible_pairs(int64_t seq, const std::vector<int64_t>& docs0, const Mask& m) {
+  std::vector<int64_t> docs = docs0;
+  if (docs.empty()) docs.push_back(seq);
+  double total = 0;
+  for (int64_t L0 : docs) {
+    const double L = static_cast<double>(L0);
+    const double W = m.window > 0 ? std::min<double>(static_cast<double>(m.window), L) : L;
+    // causal: row i sees min(i + 1, W) keys.
+    const double causal = W * (W + 1) / 2 + (L - W) * W;
+    total += m.causal ? causal : 2 * causal - L;
+  }
+  return total;
+}
+
+double ring_allreduce_s(double bytes, int n, const Link& l, double eff) {
+  if (n <= 1 || bytes <= 0) return 0;
+  return 2.0 * (n - 1) * l.latency + 2.0 * (n - 1) / n * bytes / (l.bandwidth * eff);
+}
+
+double gather_s(double bytes_per_rank, int n, const Link& l, double eff) {
+  if (n <= 1) return 0;
+  return (n - 1) * (l.latency + bytes_per_rank / (l.bandwidth * eff));
+}
+
+std::string fmt(double x, int prec = 2) {
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(prec);
+  o << x;
+  return o.str();
+}
+
+}  // namespace
+
+PlanResult plan(const PlanRequest& req, const Profile& prof) {
+  const auto t_start = std::chrono::steady_clock::now();
+  const ModelShape& M = req.model;
+  LOOM_CHECK(
+      M.layers >= 1 && M.dim >= 1 && M.heads >= 1 && M.kv_heads >= 1 && M.ffn >= 1 && M.vocab >= 1,
+      InvalidArgument, "--model values must be positive");
+  LOOM_CHECK(M.dim % M.heads == 0, InvalidArgument,
+             "model dim (" << M.dim << ") must be a multiple of heads (" << M.heads << ")");
+  LOOM_CHECK(M.heads % M.kv_heads == 0, InvalidArgument,
+             "heads (" << M.heads << ") must be a multiple of kv-heads (" << M.kv_heads << ")");
+  LOOM_CHECK(req.devices >= 1, InvalidArgument, "--devices must be >= 1, got " << req.devices);
+  LOOM_CHECK(req.seq >= 1, InvalidArgument, "--seq must be >= 1, got " << req.seq);
+  const double mem_limit = req.memory_limit > 0 ? req.memory_limit : prof.memory_bytes;
+  const double peak = req.dtype_bytes == 2 ? prof.flops_bf16 : prof.flops_fp32;
+  LOOM_CHECK(peak > 0, InvalidArgument, "profile " << prof.name << " has no dense FLOP/s");
+  std::vector<std::string> strategies = req.strategies.empty() ? schedule_names() : req.strategies;
+  const std::vector<std::string> known = schedule_names();
+  for (const std::string& s : strategies)
+    LOOM_CHECK(std::find(known.begin(), known.end(), s) != known.end(), InvalidArgument,
+               "unknown strategy '" << s << "'");
+  std::vector<Layout> layouts = {Layout::zigzag};
+  if (req.all_layouts) layouts = {Layout::zigzag, Layout::contiguous, Layout::stripe};
+
+  Mask mask;
+  mask.causal = true;
+  mask.window = req.window;
+  const double D = static_cast<double>(M.head_dim());
+  const double pairs = visible_pairs(req.seq, req.doc_lengths, mask) * static_cast<double>(M.heads);
+  const double attn_flops_fwd = 4.0 * D * pairs;  // all heads, one layer, whole sequence
+  const double dense_params = M.params() - 2.0 * static_cast<double>(M.vocab) * M.dim;
+  const double head_params = static_cast<double>(M.vocab) * M.dim;
+  const double passes = req.train ? 3.0 : 1.0;  // fwd + bwd (2x)
+  const double model_flops =
+      passes * (2.0 * (dense_params + head_params) * static_cast<double>(req.seq) +
+                static_cast<double>(M.layers) * attn_flops_fwd);
+
+  PlanResult res;
+  std::map<std::tuple<std::string, int, int, int, int>, AttnSim> cache;
+  const int N = req.devices;
+  for (int tp : divisors(N)) {
+    if (tp > prof.devices_per_node) continue;
+    if (M.heads % tp != 0 || (M.kv_heads % tp != 0 && tp % M.kv_heads != 0)) {
+      Candidate c;
+      c.tp = tp;
+      c.strategy = "-";
+      c.fits = false;
+      c.why_not = "tp " + std::to_string(tp) + " does not divide the " + std::to_string(M.heads) +
+                  " heads / " + std::to_string(M.kv_heads) + " kv heads";
+      res.rejected.push_back(c);
+      continue;
+    }
+    const int64_t hl = M.heads / tp, hkv = std::max<int64_t>(1, M.kv_heads / tp);
+    for (int cp : divisors(N / tp)) {
+      const int dp = N / tp / cp;
+      if (req.seq < 2 * cp) continue;
+      for (const std::string& strategy : strategies) {
+        std::vector<int> us;
+        if (strategy == "ring" || strategy == "allgather")
+          us = {1};
+        else if (strategy == "ulysses")
+          us = {cp};
+        else
+          for (int u : divisors(cp))
+            if (u > 1 && u < cp) us.push_back(u);
+        if (cp == 1 && strategy != "ring") continue;  // one rank: no cp at all ("ring" of one)
+        for (int u : us) {
+          for (Layout layout : layouts) {
+            if (cp == 1 && layout != Layout::zigzag) continue;
+            for (bool ckpt : {false, true}) {
+              if (!req.train && ckpt) continue;
+              Candidate c;
+              c.dp = dp;
+              c.tp = tp;
+              c.ulysses = u;
+              c.ring = cp / u;
+              c.strategy = cp == 1 ? "none" : strategy;
+              c.layout = layout;
+              c.checkpoint = ckpt;
+              AttnCase a;
+              a.strategy = strategy;
+              a.layout = layout;
+              a.seq = req.seq;
+              a.doc_lengths = req.doc_lengths;
+              a.ranks = cp;
+              a.ulysses = u;
+              a.heads = hl;
+              a.kv_heads = hkv;
+              a.head_dim = M.head_dim();
+              a.mask = mask;
+              a.block_q = prof.block_q;
+              a.block_k = prof.block_k;
+              a.dtype_bytes = req.dtype_bytes;
+              a.backward = req.train;
+              a.cp_stride = tp;
+              // Memory.
+              const double L = static_cast<double>(M.layers);
+              const double tokens = static_cast<double>(req.seq) / cp;
+              const double params = M.params() / tp;
+              double mem = req.train ? params * (4.0 + 12.0 / dp) : params * 2.0;
+              const double kvdim = static_cast<double>(M.kv_heads * M.head_dim());
+              const double per_token_layer =
+                  2.0 * (5.0 * M.dim + 2.0 * kvdim + 4.0 * M.ffn) / tp + 4.0 * hl;
+              if (!req.train) {
+                mem += tokens * per_token_layer + L * tokens * 2.0 * kvdim * 2.0 / tp;
+              } else if (ckpt) {
+                mem += L * tokens * 2.0 * M.dim / tp + tokens * per_token_layer;
+              } else {
+                mem += L * tokens * per_token_layer;
+              }
+              // Cheap rejection before simulating: the memory without the strategy's buffers.
+              const double mem_base = mem + tokens * static_cast<double>(M.vocab) / tp * 4.0;
+              if (mem_limit > 0 && mem_base > mem_limit) {
+                c.fits = false;
+                c.why_not = "needs more than " + fmt(mem_base / 1e9, 1) + " GB per device, limit " +
+                            fmt(mem_limit / 1e9, 1) + " GB";
+                res.rejected.push_back(c);
+                continue;
+              }
+              const auto key = std::make_tuple(strategy, static_cast<int>(layout), cp, u, tp);
+              auto it = cache.find(key);
+              if (it == cache.end()) {
+                try {
+                  it = cache.emplace(key, simulate_attention(a, prof)).first;
+                } catch (const InvalidArgument& e) {
+                  c.fits = false;
+                  c.why_not = e.what();
+                  res.rejected.push_back(c);
+                  continue;
+                }
+              }
+              const AttnSim& sim = it->second;
+              double comm = 0, idle = 0, compute = 0;
+              for (const RankSim& r : sim.ranks) {
+                comm = std::max(comm, r.comm_s);
+                idle = std::max(idle, r.idle_s);
+                compute = std::max(compute, r.compute_s);
+              }
+              const double fwd = sim.forward_s, bwd = sim.backward_s;
+              c.attn_s = L * (fwd + bwd);
+              c.recompute_s = ckpt ? L * fwd : 0.0;
+              const double gemm_fwd =
+                  2.0 * tokens * (dense_params + head_params) / tp / (peak * prof.gemm_eff);
+              c.gemm_s = passes * gemm_fwd;
+              if (ckpt) c.recompute_s += gemm_fwd * dense_params / (dense_params + head_params);
+              // TP + SP: 2 all-gathers + 2 reduce-scatters per layer and pass.
+              const double act_bytes = tokens * static_cast<double>(M.dim) * req.dtype_bytes / tp;
+              const double tp_pass = 4.0 * gather_s(act_bytes, tp, prof.intra, prof.allgather_eff);
+              c.tp_comm_s = L * tp_pass * (passes + (ckpt ? 1.0 : 0.0));
+              // DP: gradient all-reduce, overlapped with backward except the last layer.
+              if (req.train && dp > 1) {
+                const bool inter =
+                    tp * cp >= prof.devices_per_node || dp * tp * cp > prof.devices_per_node;
+                const double ar = ring_allreduce_s(
+                    2.0 * M.params() / tp, dp, inter ? prof.inter : prof.intra, prof.allreduce_eff);
+                const double bwd_time = L * bwd + 2.0 * gemm_fwd;
+                c.dp_comm_s = std::max(ar / L, ar - bwd_time);
+              }
+              for (const RankSim& r : sim.ranks)
+                for (const auto& [k, v] : r.comm_by_kind)
+                  c.exposed_by_kind[k] = std::max(c.exposed_by_kind[k], L * v);
+              c.exposed_cp_s =
+                  L * comm * (ckpt ? (fwd + bwd + fwd) / std::max(1e-30, fwd + bwd) : 1.0);
+              c.cp_idle_s = L * idle;
+              c.step_s = c.attn_s + c.recompute_s + c.gemm_s + c.tp_comm_s + c.dp_comm_s;
+              c.balance = sim.balance();
+              int64_t buf = 0;
+              for (const RankSim& r : sim.ranks) buf = std::max(buf, r.peak_buffer_bytes);
+              mem += static_cast<double>(buf);
+              mem += tokens * static_cast<double>(M.vocab) / tp * 4.0;  // fp32 logits
+              c.memory_bytes = mem;
+              c.tokens_per_s = dp * static_cast<double>(req.seq) / c.step_s;
+              c.mfu = model_flops * dp / (N * peak * c.step_s);
+              if (mem_limit > 0 && mem > mem_limit) {
+                c.fits = false;
+                c.why_not = "needs " + fmt(mem / 1e9, 1) + " GB per device, limit " +
+                            fmt(mem_limit / 1e9, 1) + " GB";
+                res.rejected.push_back(c);
+              } else {
+                res.ranked.push_back(c);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(res.ranked.begin(), res.ranked.end(),
+                   [](const Candidate& a, const Candidate& b) {
+                     return a.tokens_per_s > b.tokens_per_s;  // dp changes tokens per step
+                   });
+  if (!res.ranked.empty()) {
+    const Candidate& w = res.ranked.front();
+    AttnCase a;
+    a.strategy = w.strategy == "none" ? "ring" : w.strategy;
+    a.layout = w.layout;
+    a.seq = req.seq;
+    a.doc_lengths = req.doc_lengths;
+    a.ranks = w.ulysses * w.ring;
+    a.ulysses = w.ulysses;
+    a.heads = M.heads / w.tp;
+    a.kv_heads = std::max<int64_t>(1, M.kv_heads / w.tp);
+    a.head_dim = M.head_dim();
+    a.mask = mask;
+    a.block_q = prof.block_q;
+    a.block_k = prof.block_k;
+    a.dtype_bytes = req.dtype_bytes;
+    a.backward = req.train;
+    a.cp_stride = w.tp;
+    a.timeline = true;
+    a.max_events = 4000;
+    res.best_attn = simulate_attention(a, prof);
+    // Why the winner wins, in words.
+    std::ostringstream e;
+    e << "The winner is " << w.name() << ": " << fmt(w.tokens_per_s, 0) << " tokens/s (" << w.dp
+      << " sequence" << (w.dp > 1 ? "s" : "") << " of " << req.seq << " tokens per step), "
+      << fmt(w.step_s, 3) << " s per step, MFU " << fmt(100 * w.mfu, 1) << " %, "
+      << fmt(w.memory_bytes / 1e9, 1) << " GB per device.\n";
+    e << "  Its step: attention " << fmt(w.attn_s, 3) << " s, GEMMs " << fmt(w.gemm_s, 3)
+      << " s, recompute " << fmt(w.recompute_s, 3) << " s, TP/SP collectives "
+      << fmt(w.tp_comm_s, 3) << " s, exposed DP all-reduce " << fmt(w.dp_comm_s, 3)
+      << " s; exposed context-parallel communication " << fmt(w.exposed_cp_s, 3) << " s, balance "
+      << fmt(w.balance, 3) << ".\n";
+    // Ulysses caps: query heads bound the degree, KV heads bound it without replication.
+    const int64_t hq_tp = M.heads / w.tp, hkv_tp = std::max<int64_t>(1, M.kv_heads / w.tp);
+    e << "  Ulysses is capped at " << hq_tp << " ranks by the " << hq_tp
+      << " query heads per tp rank, and at " << hkv_tp << " by the KV heads (above that K and V "
+      << "are replicated: "
+      << "more all-to-all bytes per rank)";
+    const int cp = w.ulysses * w.ring;
+    if (cp > hq_tp)
+      e << "; Ulysses alone cannot cover this cp group of " << cp
+        << ", so a ring factor of at least " << (cp + hq_tp - 1) / hq_tp << " is needed";
+    e << ".\n";
+    // When does a ring step hide its transfer? A full block pair of n tokens per rank computes
+    // 4 n^2 D hl FLOPs while 2 n hkv D bytes-per-element travel.
+    {
+      const double rate = peak * prof.attn_fwd_eff;
+      const double n_star = 2.0 * static_cast<double>(hkv_tp) * req.dtype_bytes * rate /
+                            (4.0 * static_cast<double>(hq_tp) * prof.inter.bandwidth);
+      const double n_star_in = n_star * prof.inter.bandwidth / prof.intra.bandwidth;
+      const double tokens = static_cast<double>(req.seq) / cp;
+      e << "  A ring hides its KV traffic once S/P >= " << fmt(n_star_in, 0)
+        << " tokens inside a node and >= " << fmt(n_star, 0)
+        << " tokens across nodes (a block pair's compute outlasts its transfer); here S/P = "
+        << fmt(tokens, 0) << ".\n";
+      if (w.ring > 1 && w.strategy != "allgather") {
+        const bool inter = cp * w.tp > prof.devices_per_node;
+        e << "  The winner's ring has " << w.ring << " members"
+          << (inter ? " spanning nodes" : " inside a node")
+          << ", and its exposed cp communication is " << fmt(w.exposed_cp_s, 3) << " s of "
+          << fmt(w.attn_s, 3) << " s attention.\n";
+      }
+    }
+    if (w.checkpoint) {
+      bool without_fits = false;
+      for (const Candidate& c : res.ranked)
+        if (!c.checkpoint && c.dp == w.dp && c.tp == w.tp && c.ulysses == w.ulysses &&
+            c.ring == w.ring && c.strategy == w.strategy && c.layout == w.layout)
+          without_fits = true;
+      e << "  Activation checkpointing: "
+        << (without_fits ? "chosen although the run without it fits, because it frees memory for "
+                           "a faster mesh"
+                         : "needed: without it this mesh does not fit in memory")
+        << " (recompute " << fmt(w.recompute_s, 3) << " s).\n";
+    }
+    // The best of every other strategy, and where it loses time.
+    std::map<std::string, const Candidate*> best_of;
+    for (const Candidate& c : res.ranked)
+      if (!best_of.count(c.strategy)) best_of[c.strategy] = &c;
+    auto parts = [](const Candidate& c) {
+      const double k = 1.0 / c.dp;  // seconds per sequence: a step holds dp sequences
+      return std::vector<double>{k * std::max(0.0, c.attn_s - c.exposed_cp_s),
+                                 k * c.exposed_cp_s,
+                                 k * c.gemm_s,
+                                 k * c.recompute_s,
+                                 k * c.tp_comm_s,
+                                 k * c.dp_comm_s};
+    };
+    const char* part_names[] = {"attention compute", "exposed cp communication", "GEMMs",
+                                "recompute",         "TP/SP collectives",        "DP all-reduce"};
+    for (const auto& [s, c] : best_of) {
+      if (c == &w) continue;
+      const auto pc = parts(*c), pw = parts(w);
+      int worst = 0;
+      for (int k = 1; k < 6; ++k)
+        if (pc[k] - pw[k] > pc[worst] - pw[worst]) worst = k;
+      e << "  Best " << s << ": " << c->name() << ", " << fmt(c->tokens_per_s, 0) << " tokens/s ("
+        << fmt(w.tokens_per_s / c->tokens_per_s, 2) << "x slower), step " << fmt(c->step_s, 3)
+        << " s, loses mostly in " << part_names[worst] << " (" << fmt(pc[worst], 3)
+        << " s per sequence against " << fmt(pw[worst], 3) << " s";
+      if (worst <= 1 && c->balance > w.balance + 0.01) e << "; balance " << fmt(c->balance, 3);
+      e << ").\n";
+    }
+    int no_fit = 0;
+    for (const Candidate& c : res.rejected)
+      no_fit += c.why_not.find("GB per device") != std::string::npos;
+    if (no_fit)
+      e << "  " << no_fit << " candidates do not fit in memory (see the rejected list).\n";
+    res.explain = e.str();
+  }
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  return res;
+}
+
+}  // namespace loom::plan

@@ -1,0 +1,23 @@
+# The planner: chunks and tile counts against the real layout and kernels, and the simulator's
+# exact quantities (tiles, bytes) against what `loom attn --json` reports, with equality.
+loom_test(test_plan SOURCES plan/test_plan.cc LIBS loom_plan nlohmann_json::nlohmann_json
+          TIMEOUT 300 LABELS plan)
+target_compile_definitions(test_plan PRIVATE LOOM_BIN="$<TARGET_FILE:loom>"
+                                             LOOM_PROFILES="${PROJECT_SOURCE_DIR}/plan/profiles")
+add_dependencies(test_plan loom)
+
+# The command: a ranking with an explanation, and bad input refused in one line.
+add_test(NAME loom_plan_ranks
+         COMMAND $<TARGET_FILE:loom> plan --model llama3-8b --seq 131072 --devices 64
+                 --profile ${PROJECT_SOURCE_DIR}/plan/profiles/h100_sxm.json --explain --top 3)
+set_tests_properties(loom_plan_ranks PROPERTIES LABELS "plan;tool" TIMEOUT 60
+                     PASS_REGULAR_EXPRESSION "The winner is dp[0-9]+ tp[0-9]+ u[0-9]+ r[0-9]+")
+add_test(NAME loom_plan_bad_profile
+         COMMAND $<TARGET_FILE:loom> plan --model llama3-8b --profile /nonexistent/profile.json)
+set_tests_properties(loom_plan_bad_profile PROPERTIES LABELS "plan;tool" TIMEOUT 30
+                     PASS_REGULAR_EXPRESSION "loom: error: cannot read profile /nonexistent")
+add_test(NAME loom_plan_unknown_strategy
+         COMMAND $<TARGET_FILE:loom> plan --simulate --strategy nope
+                 --profile ${PROJECT_SOURCE_DIR}/plan/profiles/h100_sxm.json)
+set_tests_properties(loom_plan_unknown_strategy PROPERTIES LABELS "plan;tool" TIMEOUT 30
+                     PASS_REGULAR_EXPRESSION "unknown strategy 'nope' \\(choose allgather")

@@ -1,0 +1,266 @@
+// The planner's exact quantities.
+//
+// 1. shard_chunks() equals ShardPlan::make()'s segments (every layout, odd sizes, documents).
+// 2. count_tiles() equals the tiles the real kernel reports (KernelStats) for chunk pairs of
+//    every layout and mask, odd tile sizes included.
+// 3. For 40 configurations (every strategy x layout x P in {2, 3, 4, 8} x causal / window /
+//    documents / full x GQA), the simulator's per-rank tiles (forward + backward), forward tiles
+//    per step, bytes sent and bytes received equal what `loom attn --json` reports.
+// 4. Every shipped profile parses and cites a source for every figure.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "loom/plan.h"
+#include "loom/rng.h"
+
+namespace loom::plan {
+namespace {
+
+TEST(PlanChunks, EqualShardPlanSegments) {
+  const std::vector<std::vector<int64_t>> doc_sets = {{}, {5, 1, 9}, {100, 3, 250, 47}};
+  for (Layout layout : {Layout::contiguous, Layout::zigzag, Layout::stripe})
+    for (int64_t S : {1, 7, 100, 400, 1000})
+      for (int P : {1, 2, 3, 4, 8})
+        for (const auto& docs0 : doc_sets) {
+          std::vector<int64_t> docs = docs0;
+          int64_t sum = 0;
+          for (int64_t l : docs) sum += l;
+          if (!docs.empty() && sum != S) docs.push_back(S - sum > 0 ? S - sum : 0);
+          if (!docs.empty() && docs.back() <= 0) continue;
+          const ShardPlan sp = ShardPlan::make(layout, S, P, docs);
+          const auto ch = shard_chunks(layout, S, P, docs);
+          ASSERT_EQ(static_cast<int>(ch.size()), P);
+          for (int r = 0; r < P; ++r) {
+            ASSERT_EQ(ch[r].size(), sp.segments[r].size())
+                << to_string(layout) << " S=" << S << " P=" << P << " r=" << r;
+            for (size_t i = 0; i < ch[r].size(); ++i) {
+              const Segment& g = sp.segments[r][i];
+              ASSERT_EQ(ch[r][i].count, g.count);
+              for (int64_t a = 0; a < g.count; ++a) {
+                ASSERT_EQ(ch[r][i].first + ch[r][i].stride * a, sp.tokens[r][g.begin + a]);
+                if (!docs.empty()) {
+                  ASSERT_EQ(ch[r][i].doc, sp.docs[r][g.begin + a]);
+                }
+              }
+            }
+          }
+        }
+}
+
+// The kernel's own count for rows q against keys k (one head, tiny D).
+int64_t kernel_tiles(const Chunk& q, const Chunk& k, const Mask& mask, int64_t bq, int64_t bk) {
+  std::vector<int64_t> qp(q.count), kp(k.count);
+  for (int64_t a = 0; a < q.count; ++a) qp[a] = q.first + q.stride * a;
+  for (int64_t b = 0; b < k.count; ++b) kp[b] = k.first + k.stride * b;
+  std::vector<int32_t> qd(q.count, q.doc), kd(k.count, k.doc);
+  Tensor<float> qt({q.count, 1, 4}), kt({k.count, 1, 4}), vt({k.count, 1, 4});
+  for (int64_t i = 0; i < qt.numel(); ++i) qt[i] = 0.01f * static_cast<float>(i % 7);
+  for (int64_t i = 0; i < kt.numel(); ++i) kt[i] = vt[i] = 0.02f * static_cast<float>(i % 5);
+  SoftmaxState st(q.count, 1, 4);
+  KernelConfig cfg;
+  cfg.mask = mask;
+  cfg.scale = 0.5f;
+  cfg.threads = 1;
+  cfg.block_q = bq;
+  cfg.block_k = bk;
+  const KernelStats ks =
+      attend(st.view(), qt.view3(), kt.view3(), vt.view3(), Tokens{qp.data(), qd.data(), q.count},
+             Tokens{kp.data(), kd.data(), k.count}, cfg);
+  return ks.tiles;
+}
+
+TEST(PlanTiles, EqualKernelCounts) {
+  std::mt19937_64 rng(14);
+  int checked = 0;
+  for (int trial = 0; trial < 1500; ++trial) {
+    auto pick = [&](int64_t lo, int64_t hi) {
+      return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+    };
+    const int64_t stride = pick(0, 2) == 0 ? pick(2, 8) : 1;
+    Chunk q{pick(0, 300), stride, pick(1, 150), 0};
+    Chunk k{pick(0, 300), stride, pick(1, 150), 0};
+    if (pick(0, 9) == 0) k.doc = 1;
+    Mask mask;
+    mask.causal = pick(0, 3) != 0;
+    mask.window = pick(0, 2) == 0 ? pick(1, 90) : 0;
+    const int64_t bq = pick(0, 2) == 0 ? pick(1, 40) : 64, bk = pick(0, 2) == 0 ? pick(1, 40) : 64;
+    // The cp layer skips chunk pairs the mask separates; the kernel then counts no tile either,
+    // except when different documents are skipped by the cp layer only.
+    const TileCount tc = count_tiles(q, k, mask, bq, bk);
+    const int64_t want = q.doc != k.doc ? 0 : kernel_tiles(q, k, mask, bq, bk);
+    ASSERT_EQ(tc.total(), want) << "q " << q.first << "+" << q.stride << "x" << q.count << " k "
+                                << k.first << "+" << k.stride << "x" << k.count << " causal "
+                                << mask.causal << " window " << mask.window << " tiles " << bq
+                                << "x" << bk;
+    checked += want > 0;
+  }
+  EXPECT_GT(checked, 500);  // most trials had work to compare
+}
+
+struct Config {
+  std::string strategy, layout;
+  int P, U;
+  int64_t S, H, HKV;
+  bool causal;
+  int64_t window;
+  std::string docs;
+  std::string dtype;
+};
+
+std::vector<Config> configs() {
+  std::vector<Config> c;
+  const char* layouts[] = {"zigzag", "contiguous", "stripe"};
+  int i = 0;
+  for (int P : {2, 3, 4, 8}) {
+    for (const char* strategy : {"ring", "ulysses", "hybrid", "allgather"}) {
+      if (std::string(strategy) == "hybrid" && P == 3)
+        continue;  // U must divide P: U = 3 is ulysses
+      for (int variant = 0; variant < 3; ++variant, ++i) {
+        Config x;
+        x.strategy = strategy;
+        x.layout = layouts[(i + variant) % 3];
+        x.P = P;
+        x.U = std::string(strategy) == "hybrid" ? (P == 8 ? 4 : 2) : 0;
+        x.S = 131 + 37 * (i % 7) + P;  // odd, uneven shards
+        x.H = P == 3 ? 6 : 8;
+        x.HKV = variant == 1 ? (P == 3 ? 3 : 2) : (P == 3 ? 6 : 8);  // GQA in one of three
+        if (std::string(strategy) == "ulysses" && P == 8 && variant == 1) x.HKV = 4;  // replicate
+        x.causal = variant != 2 || (i % 2 == 0);
+        x.window = variant == 2 ? 29 + i : 0;
+        x.dtype = i % 4 == 3 ? "bf16" : "fp32";
+        if (variant == 1 || i % 5 == 0) {  // packed documents
+          const int64_t a = x.S / 3, b = x.S / 5;
+          x.docs = std::to_string(a) + "," + std::to_string(b) + "," + std::to_string(x.S - a - b);
+        }
+        c.push_back(x);
+      }
+    }
+  }
+  return c;
+}
+
+nlohmann::json run_loom_attn(const Config& c, const std::string& json_path) {
+  std::ostringstream cmd;
+  cmd << LOOM_BIN << " attn --quiet --backward --iters 1 --warmup 0 --threads 1 --head-dim 16"
+      << " --ranks " << c.P << " --strategy " << c.strategy << " --layout " << c.layout << " --seq "
+      << c.S << " --heads " << c.H << " --kv-heads " << c.HKV << " --dtype " << c.dtype
+      << (c.causal ? "" : " --no-causal") << " --window " << c.window;
+  if (c.U) cmd << " --ulysses " << c.U;
+  if (!c.docs.empty()) cmd << " --docs " << c.docs;
+  cmd << " --json " << json_path << " > /dev/null";
+  const int rc = std::system(cmd.str().c_str());
+  EXPECT_EQ(rc, 0) << cmd.str();
+  std::ifstream in(json_path);
+  return nlohmann::json::parse(in);
+}
+
+std::vector<int64_t> split_docs(const std::string& s) {
+  return s.empty() ? std::vector<int64_t>{} : parse_doc_lengths(s);
+}
+
+TEST(PlanExact, TilesAndBytesEqualLoomAttn) {
+  const std::string dir =
+      std::filesystem::temp_directory_path() / ("loom_plan_exact_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  Profile prof;  // times do not matter here
+  prof.kind = "gpu";
+  prof.flops_fp32 = prof.flops_bf16 = 1e12;
+  const auto list = configs();
+  ASSERT_GE(list.size(), 30u);
+  int n = 0;
+  for (const Config& c : list) {
+    SCOPED_TRACE(c.strategy + " " + c.layout + " P=" + std::to_string(c.P) +
+                 " S=" + std::to_string(c.S) + " H=" + std::to_string(c.H) +
+                 " HKV=" + std::to_string(c.HKV) + " window=" + std::to_string(c.window) +
+                 " docs=" + c.docs + " " + c.dtype + (c.causal ? " causal" : " full"));
+    const nlohmann::json j = run_loom_attn(c, dir + "/" + std::to_string(n++) + ".json");
+    AttnCase a;
+    a.strategy = c.strategy;
+    a.layout = parse_layout(c.layout);
+    a.seq = c.S;
+    a.doc_lengths = split_docs(c.docs);
+    a.ranks = c.P;
+    a.ulysses = c.U ? c.U : 1;
+    a.heads = c.H;
+    a.kv_heads = c.HKV;
+    a.head_dim = 16;
+    a.mask.causal = c.causal;
+    a.mask.window = c.window;
+    a.dtype_bytes = c.dtype == "bf16" ? 2 : 4;
+    const AttnSim sim = simulate_attention(a, prof);
+    ASSERT_EQ(j["ranks"].size(), static_cast<size_t>(c.P));
+    for (int r = 0; r < c.P; ++r) {
+      const auto& jr = j["ranks"][r];
+      const RankSim& sr = sim.ranks[r];
+      EXPECT_EQ(jr["tiles"].get<int64_t>(), sr.fwd_tiles + sr.bwd_tiles) << "rank " << r;
+      EXPECT_EQ(jr["forward_tiles"].get<int64_t>(), sr.fwd_tiles) << "rank " << r;
+      EXPECT_EQ(jr["step_tiles"].get<std::vector<int64_t>>(), sr.step_tiles) << "rank " << r;
+      EXPECT_EQ(jr["bytes_sent"].get<int64_t>(), sr.bytes_sent) << "rank " << r;
+      EXPECT_EQ(jr["bytes_recv"].get<int64_t>(), sr.bytes_recv) << "rank " << r;
+      EXPECT_GT(sr.fwd_tiles, 0);
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PlanProfiles, ShippedProfilesParseAndCiteEveryFigure) {
+  int count = 0;
+  for (const auto& e : std::filesystem::directory_iterator(LOOM_PROFILES)) {
+    if (e.path().extension() != ".json") continue;
+    ++count;
+    const Profile p = load_profile(e.path().string());
+    SCOPED_TRACE(e.path().string());
+    std::ifstream in(e.path());
+    const nlohmann::json j = nlohmann::json::parse(in);
+    // Every number in the file, by its dotted path, has a citation.
+    std::vector<std::string> missing;
+    std::function<void(const nlohmann::json&, const std::string&)> walk =
+        [&](const nlohmann::json& x, const std::string& path) {
+          if (x.is_object()) {
+            for (auto it = x.begin(); it != x.end(); ++it)
+              if (it.key() != "sources" && it.key() != "notes")
+                walk(it.value(), path.empty() ? it.key() : path + "." + it.key());
+          } else if (x.is_number() || x.is_boolean() || x.is_array()) {
+            if (!p.sources.count(path)) missing.push_back(path);
+          }
+        };
+    walk(j, "");
+    EXPECT_TRUE(missing.empty()) << "figures without a source: " << [&] {
+      std::string s;
+      for (auto& m : missing) s += m + " ";
+      return s;
+    }();
+    for (const auto& [k, v] : p.sources) EXPECT_GE(v.size(), 10u) << k;
+    EXPECT_GT(p.flops_bf16, 0);
+    EXPECT_GT(p.intra.bandwidth, 0);
+    // Round trip.
+    const Profile q = parse_profile(profile_json(p), "round trip");
+    EXPECT_EQ(q.flops_bf16, p.flops_bf16);
+    EXPECT_EQ(q.inter.latency, p.inter.latency);
+    EXPECT_EQ(q.sources, p.sources);
+  }
+  EXPECT_GE(count, 4);
+}
+
+TEST(PlanProfiles, BadProfilesAreRefusedByName) {
+  EXPECT_THROW(parse_profile("{", "x"), IoError);
+  EXPECT_THROW(parse_profile("{\"device\": {\"flops_bf16x\": 1}}", "x"), IoError);
+  EXPECT_THROW(parse_profile("{\"device\": {\"flops_bf16\": -1}}", "x"), IoError);
+  EXPECT_THROW(parse_profile("{\"kind\": \"tpu\"}", "x"), IoError);
+  try {
+    parse_profile("{\"links\": {\"intra\": {\"bandwidth\": \"fast\"}}}", "f.json");
+    FAIL();
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("links.intra.bandwidth"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace loom::plan

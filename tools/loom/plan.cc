@@ -1,0 +1,379 @@
+// `loom plan`: predict and rank context-parallel configurations for a model, a sequence length
+// and a cluster profile (src/plan), simulate one attention (--simulate), or measure this
+// machine's profile (--calibrate).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "commands.h"
+#include "loom/npy.h"
+#include "loom/plan.h"
+
+namespace loom::tools {
+
+namespace {
+
+struct PlanOptions {
+  std::string model = "llama3-8b", profile, mode = "train", docs, json, svg, calibrate;
+  std::string strategies;
+  int64_t seq = 131072, window = 0;
+  int devices = 8, top = 15, threads = 1, ranks_per_node = 2;
+  double memory_limit_gb = 0;
+  bool explain = false, zigzag_only = false;
+  // --simulate: one attention case.
+  bool simulate = false;
+  std::string strategy = "ring", layout = "zigzag", dtype = "fp32";
+  int ranks = 2, ulysses = 0;
+  int64_t heads = 8, kv_heads = 0, head_dim = 64;
+  bool causal = true, forward_only = false;
+};
+
+plan::ModelShape parse_model(const std::string& s) {
+  if (s == "llama3-8b") return {32, 4096, 32, 8, 14336, 128256};
+  if (s == "llama3-70b") return {80, 8192, 64, 8, 28672, 128256};
+  std::vector<int64_t> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long long x = std::strtoll(item.c_str(), &end, 10);
+    LOOM_CHECK(!item.empty() && end && *end == '\0' && x > 0, InvalidArgument,
+               "--model '" << s << "': '" << item
+                           << "' is not a positive integer (expected llama3-8b, llama3-70b or "
+                              "layers,dim,heads,kv-heads,ffn,vocab)");
+    v.push_back(x);
+  }
+  LOOM_CHECK(v.size() == 6, InvalidArgument,
+             "--model '" << s << "' needs 6 numbers: layers,dim,heads,kv-heads,ffn,vocab");
+  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+}
+
+std::string gb(double b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", b / 1e9);
+  return buf;
+}
+
+nlohmann::json sim_json(const plan::AttnSim& s) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (size_t r = 0; r < s.ranks.size(); ++r) {
+    const plan::RankSim& x = s.ranks[r];
+    ranks.push_back({{"rank", r},
+                     {"forward_tiles", x.fwd_tiles},
+                     {"tiles", x.fwd_tiles + x.bwd_tiles},
+                     {"full_tiles", x.full_tiles},
+                     {"partial_tiles", x.partial_tiles},
+                     {"step_tiles", x.step_tiles},
+                     {"bytes_sent", x.bytes_sent},
+                     {"bytes_recv", x.bytes_recv},
+                     {"peak_buffer_bytes", x.peak_buffer_bytes},
+                     {"compute_s", x.compute_s},
+                     {"exposed_comm_s", x.comm_s},
+                     {"idle_s", x.idle_s},
+                     {"exposed_by_kind", x.comm_by_kind}});
+  }
+  return {{"forward_s", s.forward_s},
+          {"backward_s", s.backward_s},
+          {"balance", s.balance()},
+          {"ranks", ranks}};
+}
+
+nlohmann::json candidate_json(const plan::Candidate& c) {
+  return {{"name", c.name()},
+          {"dp", c.dp},
+          {"tp", c.tp},
+          {"ulysses", c.ulysses},
+          {"ring", c.ring},
+          {"strategy", c.strategy},
+          {"layout", to_string(c.layout)},
+          {"checkpoint", c.checkpoint},
+          {"fits", c.fits},
+          {"why_not", c.why_not},
+          {"step_s", c.step_s},
+          {"attention_s", c.attn_s},
+          {"gemm_s", c.gemm_s},
+          {"recompute_s", c.recompute_s},
+          {"exposed_cp_comm_s", c.exposed_cp_s},
+          {"exposed_by_kind", c.exposed_by_kind},
+          {"tp_comm_s", c.tp_comm_s},
+          {"dp_comm_s", c.dp_comm_s},
+          {"cp_idle_s", c.cp_idle_s},
+          {"memory_bytes", c.memory_bytes},
+          {"mfu", c.mfu},
+          {"tokens_per_s", c.tokens_per_s},
+          {"balance", c.balance}};
+}
+
+// Stacked bars of the ranked candidates and the simulated timeline of the winner's attention.
+std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
+  const int n = std::min<int>(top, static_cast<int>(r.ranked.size()));
+  const int left = 260, width = 1100, plot_w = width - left - 40, bar_h = 18;
+  const plan::AttnSim& s = r.best_attn;
+  const int show_ranks = std::min<int>(16, static_cast<int>(s.ranks.size()));
+  const int top_bars = 50, tl_top = top_bars + n * (bar_h + 6) + 90, row_h = 24;
+  const int height = tl_top + show_ranks * row_h + 80;
+  double tmax = 0;
+  // Bars are seconds per sequence (step time / dp): the ranking is by tokens per second.
+  for (int i = 0; i < n; ++i) tmax = std::max(tmax, r.ranked[i].step_s / r.ranked[i].dp);
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(2);
+  os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
+     << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
+        "fill=\"white\"/>\n";
+  os << "<text x=\"10\" y=\"22\" font-size=\"15\">loom plan: " << o.model << ", S=" << o.seq << ", "
+     << o.devices << " devices, " << o.mode
+     << " (predicted seconds per sequence = step time / dp)</text>\n";
+  const char* names[] = {"attention compute", "exposed cp comm", "GEMMs",
+                         "recompute",         "TP/SP comm",      "exposed DP all-reduce"};
+  const char* colours[] = {"#3b73b9", "#d62728", "#2ca02c", "#9467bd", "#ff9f1c", "#8c564b"};
+  for (int i = 0; i < n; ++i) {
+    const plan::Candidate& c = r.ranked[i];
+    const double k = 1.0 / c.dp;
+    const double parts[] = {k * std::max(0.0, c.attn_s - c.exposed_cp_s),
+                            k * c.exposed_cp_s,
+                            k * c.gemm_s,
+                            k * c.recompute_s,
+                            k * c.tp_comm_s,
+                            k * c.dp_comm_s};
+    const int y = top_bars + i * (bar_h + 6);
+    os << "<text x=\"10\" y=\"" << y + 13 << "\">" << i + 1 << ". " << c.name() << "</text>\n";
+    double x = left;
+    for (int k = 0; k < 6; ++k) {
+      const double w = parts[k] / tmax * plot_w;
+      if (w <= 0) continue;
+      os << "<rect x=\"" << x << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"" << bar_h
+         << "\" fill=\"" << colours[k] << "\"><title>" << names[k] << ": " << parts[k]
+         << " s</title></rect>\n";
+      x += w;
+    }
+    os << "<text x=\"" << x + 4 << "\" y=\"" << y + 13 << "\">" << c.step_s / c.dp << " s</text>\n";
+  }
+  const int ly = top_bars + n * (bar_h + 6) + 20;
+  for (int k = 0; k < 6; ++k)
+    os << "<rect x=\"" << 10 + 175 * k << "\" y=\"" << ly << "\" width=\"12\" height=\"12\" fill=\""
+       << colours[k] << "\"/><text x=\"" << 26 + 175 * k << "\" y=\"" << ly + 11 << "\">"
+       << names[k] << "</text>\n";
+  // Timeline of the winner's attention (one layer, forward + backward), first ranks.
+  double t_end = 0;
+  for (const plan::Event& e : s.events) t_end = std::max(t_end, e.t1);
+  t_end = std::max(t_end, 1e-12);
+  os << "<text x=\"10\" y=\"" << tl_top - 20 << "\" font-size=\"14\">simulated timeline of the "
+     << "winner's attention, one layer (first " << show_ranks << " of " << s.ranks.size()
+     << " cp ranks), " << t_end * 1e3 << " ms</text>\n";
+  for (int rk = 0; rk < show_ranks; ++rk) {
+    const int y = tl_top + rk * row_h;
+    os << "<text x=\"10\" y=\"" << y + 15 << "\">cp rank " << rk << "</text>\n<rect x=\"" << left
+       << "\" y=\"" << y << "\" width=\"" << plot_w << "\" height=\"" << row_h - 4
+       << "\" fill=\"#f4f4f4\"/>\n";
+  }
+  for (const plan::Event& e : s.events) {
+    if (e.rank >= show_ranks) continue;
+    const int y = tl_top + e.rank * row_h;
+    const double a = left + e.t0 / t_end * plot_w;
+    const double w = std::max(0.3, (e.t1 - e.t0) / t_end * plot_w);
+    const bool comp = e.kind == "compute", wait = e.kind == "wait";
+    const bool flight = e.kind == "send" || e.kind == "recv";
+    os << "<rect x=\"" << a << "\" y=\"" << (flight ? y + 1 : y + 7) << "\" width=\"" << w
+       << "\" height=\"" << (flight ? 5 : 12) << "\" fill=\""
+       << (comp   ? (e.step % 2 ? "#6f9fd8" : "#3b73b9")
+           : wait ? "#d62728"
+                  : "#ff9f1c")
+       << "\"><title>" << e.kind << " step " << e.step << ": " << (e.t1 - e.t0) * 1e3
+       << " ms</title></rect>\n";
+  }
+  const int ay = tl_top + show_ranks * row_h + 20;
+  os << "<rect x=\"10\" y=\"" << ay
+     << "\" width=\"12\" height=\"12\" fill=\"#3b73b9\"/><text "
+        "x=\"26\" y=\""
+     << ay + 11 << "\">compute (steps in alternating shades)</text><rect x=\"270\" y=\"" << ay
+     << "\" width=\"12\" height=\"12\" fill=\"#ff9f1c\"/><text x=\"286\" y=\"" << ay + 11
+     << "\">transfer in flight / collective</text><rect x=\"520\" y=\"" << ay
+     << "\" width=\"12\" height=\"12\" fill=\"#d62728\"/><text x=\"536\" y=\"" << ay + 11
+     << "\">waiting (exposed communication)</text>\n</svg>\n";
+  return os.str();
+}
+
+void log_line(const char* s) {
+  std::fprintf(stderr, "%s\n", s);
+}
+
+int run_plan(const PlanOptions& o) {
+  if (!o.calibrate.empty()) {
+    std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",
+                 o.threads, o.threads == 1 ? "" : "s");
+    plan::Profile p = plan::calibrate(o.threads, o.ranks_per_node, log_line);
+    write_file_atomic(o.calibrate, plan::profile_json(p));
+    std::printf("loom plan: wrote the profile of this machine to %s\n", o.calibrate.c_str());
+    return 0;
+  }
+  LOOM_CHECK(!o.profile.empty(), InvalidArgument,
+             "--profile FILE is required (plan/profiles/*.json, or one written by --calibrate)");
+  const plan::Profile prof = plan::load_profile(o.profile);
+  std::vector<int64_t> docs;
+  if (!o.docs.empty()) docs = parse_doc_lengths(o.docs);
+  LOOM_CHECK(o.mode == "train" || o.mode == "prefill", InvalidArgument,
+             "--mode must be train or prefill, got '" << o.mode << "'");
+  if (o.simulate) {
+    plan::AttnCase c;
+    c.strategy = o.strategy;
+    c.layout = parse_layout(o.layout);
+    c.seq = o.seq;
+    c.doc_lengths = docs;
+    c.ranks = o.ranks;
+    c.ulysses = o.ulysses ? o.ulysses : 1;
+    c.heads = o.heads;
+    c.kv_heads = o.kv_heads ? o.kv_heads : o.heads;
+    c.head_dim = o.head_dim;
+    c.mask.causal = o.causal;
+    c.mask.window = o.window;
+    LOOM_CHECK(o.dtype == "fp32" || o.dtype == "bf16", InvalidArgument,
+               "unknown --dtype '" << o.dtype << "' (choose fp32 or bf16)");
+    c.dtype_bytes = o.dtype == "bf16" ? 2 : 4;
+    c.backward = !o.forward_only;
+    c.block_q = c.block_k = 64;
+    const plan::AttnSim s = plan::simulate_attention(c, prof);
+    std::printf("loom plan --simulate: %s / %s, %d ranks, S=%lld H=%lld HKV=%lld D=%lld %s\n",
+                o.strategy.c_str(), o.layout.c_str(), o.ranks, static_cast<long long>(o.seq),
+                static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
+                static_cast<long long>(c.head_dim), o.dtype.c_str());
+    std::printf("  predicted forward %.3f ms, backward %.3f ms (profile %s), balance %.3f\n",
+                s.forward_s * 1e3, s.backward_s * 1e3, prof.name.c_str(), s.balance());
+    std::printf("  %-4s %10s %10s %12s %12s %12s\n", "rank", "fwd tiles", "tiles", "sent", "recv",
+                "buffers");
+    for (size_t r = 0; r < s.ranks.size(); ++r) {
+      const plan::RankSim& x = s.ranks[r];
+      std::printf(
+          "  %-4zu %10lld %10lld %12lld %12lld %12lld\n", r, static_cast<long long>(x.fwd_tiles),
+          static_cast<long long>(x.fwd_tiles + x.bwd_tiles), static_cast<long long>(x.bytes_sent),
+          static_cast<long long>(x.bytes_recv), static_cast<long long>(x.peak_buffer_bytes));
+    }
+    if (!o.json.empty()) write_file_atomic(o.json, sim_json(s).dump(2) + "\n");
+    return 0;
+  }
+  plan::PlanRequest req;
+  req.model = parse_model(o.model);
+  req.seq = o.seq;
+  req.doc_lengths = docs;
+  req.window = o.window;
+  req.devices = o.devices;
+  req.train = o.mode == "train";
+  req.memory_limit = o.memory_limit_gb * 1e9;
+  req.all_layouts = !o.zigzag_only;
+  if (!o.strategies.empty()) {
+    std::stringstream ss(o.strategies);
+    std::string s;
+    while (std::getline(ss, s, ',')) req.strategies.push_back(s);
+  }
+  const plan::PlanResult r = plan::plan(req, prof);
+  const plan::ModelShape& m = req.model;
+  std::printf(
+      "loom plan: model %lld layers, dim %lld, %lld heads (%lld kv), ffn %lld, vocab %lld (%.2fB "
+      "params); S=%lld, %d devices, profile %s, %s\n",
+      static_cast<long long>(m.layers), static_cast<long long>(m.dim),
+      static_cast<long long>(m.heads), static_cast<long long>(m.kv_heads),
+      static_cast<long long>(m.ffn), static_cast<long long>(m.vocab), m.params() / 1e9,
+      static_cast<long long>(o.seq), o.devices, prof.name.c_str(), o.mode.c_str());
+  std::printf("  %zu candidates ranked, %zu rejected, planned in %.2f s\n", r.ranked.size(),
+              r.rejected.size(), r.seconds);
+  std::printf("  %-3s %-38s %9s %6s %11s %7s %8s %8s %8s %8s %7s\n", "#", "configuration", "step s",
+              "MFU%", "tokens/s", "GB/dev", "cp exp s", "tp s", "dp s", "recomp s", "balance");
+  const int n = std::min<int>(o.top, static_cast<int>(r.ranked.size()));
+  for (int i = 0; i < n; ++i) {
+    const plan::Candidate& c = r.ranked[i];
+    std::printf("  %-3d %-38s %9.3f %6.1f %11.0f %7s %8.3f %8.3f %8.3f %8.3f %7.3f\n", i + 1,
+                c.name().c_str(), c.step_s, 100 * c.mfu, c.tokens_per_s, gb(c.memory_bytes).c_str(),
+                c.exposed_cp_s, c.tp_comm_s, c.dp_comm_s, c.recompute_s, c.balance);
+  }
+  if (!r.ranked.empty()) {
+    std::printf("  exposed cp communication of #1 by kind:");
+    for (const auto& [k, v] : r.ranked.front().exposed_by_kind)
+      std::printf(" %s %.3f s", k.c_str(), v);
+    std::printf("\n");
+  }
+  int mem = 0;
+  for (const plan::Candidate& c : r.rejected)
+    mem += c.why_not.find("GB per device") != std::string::npos;
+  if (!r.rejected.empty()) {
+    std::printf("  rejected: %d do not fit in memory, %zu are invalid; for example:\n", mem,
+                r.rejected.size() - mem);
+    int shown = 0;
+    std::string last;
+    for (const plan::Candidate& c : r.rejected) {
+      if (c.why_not == last || shown >= 4) continue;
+      last = c.why_not;
+      std::printf("    %s: %s\n", c.name().c_str(), c.why_not.c_str());
+      ++shown;
+    }
+  }
+  if (r.ranked.empty())
+    std::printf("  no configuration fits: raise --devices or --memory-limit, or shorten --seq\n");
+  if (o.explain && !r.ranked.empty()) std::printf("\n%s", r.explain.c_str());
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["model"] = {{"layers", m.layers},     {"dim", m.dim}, {"heads", m.heads},
+                  {"kv_heads", m.kv_heads}, {"ffn", m.ffn}, {"vocab", m.vocab}};
+    j["seq"] = o.seq;
+    j["devices"] = o.devices;
+    j["profile"] = prof.name;
+    j["mode"] = o.mode;
+    j["seconds"] = r.seconds;
+    j["ranked"] = nlohmann::json::array();
+    for (const auto& c : r.ranked) j["ranked"].push_back(candidate_json(c));
+    j["rejected"] = nlohmann::json::array();
+    for (const auto& c : r.rejected) j["rejected"].push_back(candidate_json(c));
+    j["best_attention"] = sim_json(r.best_attn);
+    j["explain"] = r.explain;
+    write_file_atomic(o.json, j.dump(2) + "\n");
+  }
+  if (!o.svg.empty() && !r.ranked.empty()) write_file_atomic(o.svg, plan_svg(r, o, o.top));
+  return r.ranked.empty() ? 1 : 0;
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app) {
+  auto o = std::make_shared<PlanOptions>();
+  CLI::App* c = app.add_subcommand(
+      "plan", "predict and rank context-parallel configurations (or --simulate, --calibrate)");
+  c->add_option("--model", o->model, "llama3-8b, llama3-70b or layers,dim,heads,kv-heads,ffn,vocab")
+      ->capture_default_str();
+  c->add_option("--seq", o->seq, "tokens per sequence S")->capture_default_str();
+  c->add_option("--docs", o->docs, "packed documents: lengths L1,L2,... summing to S");
+  c->add_option("--window", o->window, "sliding window W (0: none)")->capture_default_str();
+  c->add_option("--devices", o->devices, "devices in the job")->capture_default_str();
+  c->add_option("--profile", o->profile, "hardware profile JSON (plan/profiles/)");
+  c->add_option("--mode", o->mode, "train or prefill")->capture_default_str();
+  c->add_option("--memory-limit", o->memory_limit_gb,
+                "GB per device (default: the profile's memory)");
+  c->add_option("--strategies", o->strategies, "only these strategies (comma separated)");
+  c->add_flag("--zigzag-only", o->zigzag_only, "only the zigzag layout");
+  c->add_option("--top", o->top, "rows of the table and bars of the SVG")->capture_default_str();
+  c->add_flag("--explain", o->explain, "say in words why the winner wins");
+  c->add_option("--json", o->json, "write the ranking as JSON to FILE");
+  c->add_option("--svg", o->svg, "write stacked bars and the winner's timeline to FILE");
+  c->add_option("--calibrate", o->calibrate, "measure this machine and write its profile to FILE");
+  c->add_option("--threads", o->threads, "--calibrate: OpenMP threads per rank")
+      ->capture_default_str();
+  c->add_option("--ranks-per-node", o->ranks_per_node, "--calibrate: ranks on this machine")
+      ->capture_default_str();
+  c->add_flag("--simulate", o->simulate,
+              "simulate one attention (--strategy --layout --ranks --heads ...) instead");
+  c->add_option("--strategy", o->strategy, "--simulate: strategy")->capture_default_str();
+  c->add_option("--layout", o->layout, "--simulate: layout")->capture_default_str();
+  c->add_option("--ranks", o->ranks, "--simulate: cp ranks")->capture_default_str();
+  c->add_option("--ulysses", o->ulysses, "--simulate: hybrid ulysses degree");
+  c->add_option("--heads", o->heads, "--simulate: query heads")->capture_default_str();
+  c->add_option("--kv-heads", o->kv_heads, "--simulate: kv heads (default: heads)");
+  c->add_option("--head-dim", o->head_dim, "--simulate: head dim")->capture_default_str();
+  c->add_option("--dtype", o->dtype, "--simulate: fp32 or bf16")->capture_default_str();
+  c->add_flag("--causal,!--no-causal", o->causal, "--simulate: causal mask (default)");
+  c->add_flag("--forward-only", o->forward_only, "--simulate: no backward");
+  c->callback([o]() { set_exit_code(run_plan(*o)); });
+}
+
+}  // namespace loom::tools
