@@ -9,6 +9,8 @@ namespace loom::tools {
 void add_attn_command(CLI::App& app);
 // Registers `loom train` (tools/loom/train.cc).
 void add_train_command(CLI::App& app);
+// Registers `loom verify` (tools/loom/verify.cc).
+void add_verify_command(CLI::App& app);
 
 // The exit code the chosen subcommand asked for (0 on success, 1 on a failed check).
 int exit_code();

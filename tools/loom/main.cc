@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "loom 0.1.0");
   loom::tools::add_attn_command(app);
   loom::tools::add_train_command(app);
+  loom::tools::add_verify_command(app);
   try {
     app.parse(argc, argv);
     return loom::tools::exit_code();
