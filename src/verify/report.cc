@@ -120,20 +120,30 @@ std::string Report::summary() const {
 std::string Report::heatmap_svg() const {
   const int n = static_cast<int>(heat.size());
   const int cell = n <= 8 ? 48 : (n <= 16 ? 32 : 20);
-  const int left = 110, top = 70, legend = 40;
-  const int W = left + n * cell + 30 + legend, H = top + n * cell + 60;
+  const int left = 110, top = 100, legend = 40;
+  const int W = std::max(840, left + n * cell + 30 + legend), H = top + n * cell + 60;
   std::ostringstream os;
   os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
      << "\" viewBox=\"0 0 " << W << " " << H << "\" font-family=\"sans-serif\" font-size=\"11\">\n";
   os << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  os << "<text x=\"" << left << "\" y=\"18\" font-size=\"13\" font-weight=\"bold\">loom verify: "
+  os << "<text x=\"14\" y=\"18\" font-size=\"13\" font-weight=\"bold\">loom verify: "
      << "share of the " << heat_tensor << " error explained by each (query chunk, KV chunk) pair"
      << "</text>\n";
+  // The diagnosis in up to three lines of ~110 characters.
   std::string diag = diagnoses.empty() ? std::string("passed") : diagnoses[0].text;
-  if (diag.size() > 110) diag = diag.substr(0, 107) + "...";
   for (char& ch : diag)
     if (ch == '<' || ch == '>' || ch == '&') ch = ' ';
-  os << "<text x=\"" << left << "\" y=\"36\">" << diag << "</text>\n";
+  for (int line = 0; line < 3 && !diag.empty(); ++line) {
+    size_t cut = diag.size();
+    if (cut > 110) {
+      cut = diag.rfind(' ', 110);
+      if (cut == std::string::npos || cut == 0) cut = 110;
+    }
+    std::string part = diag.substr(0, cut);
+    diag = cut < diag.size() ? diag.substr(cut + 1) : "";
+    if (line == 2 && !diag.empty()) part += " ...";
+    os << "<text x=\"" << 14 << "\" y=\"" << 38 + 15 * line << "\">" << part << "</text>\n";
+  }
   os << "<text x=\"" << left + n * cell / 2 << "\" y=\"" << top - 22
      << "\" text-anchor=\"middle\">KV chunk (owner rank)</text>\n";
   os << "<text x=\"14\" y=\"" << top + n * cell / 2 << "\" transform=\"rotate(-90 14 "
@@ -180,8 +190,7 @@ std::string Report::heatmap_svg() const {
   os << "<text x=\"" << lx << "\" y=\"" << top - 6 << "\">100%</text>\n";
   os << "<text x=\"" << lx << "\" y=\"" << top + n * cell + 14 << "\">0%</text>\n";
   os << "<text x=\"" << left << "\" y=\"" << top + n * cell + 30
-     << "\">cell: % of the error energy the pair explains (least-squares fit); sN: ring step at "
-        "which the query rank holds that KV chunk</text>\n";
+     << "\">cell: % of the error energy the pair explains; sN: ring step of the pair</text>\n";
   os << "</svg>\n";
   return os.str();
 }

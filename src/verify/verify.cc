@@ -475,10 +475,6 @@ double multiplicity_residual(const Ctx& c, const Pairs& pr, const Observed& ob,
   });
 }
 
-struct Model {
-  Diagnosis d;
-};
-
 void consider(std::vector<Diagnosis>& all, Diagnosis d) {
   if (std::isfinite(d.residual)) all.push_back(std::move(d));
 }
@@ -800,8 +796,7 @@ void scale_model(const Ctx& c, const Tensor<double>& cand, std::vector<Diagnosis
   d.residual = std::sqrt(fe / e_true);
   std::ostringstream os;
   os.precision(6);
-  os << "wrong softmax scale: the candidate used " << d.value << ", the problem's scale is "
-     << c.scale;
+  os << "wrong softmax scale: the candidate used " << d.value;
   const double D = static_cast<double>(c.D);
   struct Guess {
     double v;
@@ -810,6 +805,7 @@ void scale_model(const Ctx& c, const Tensor<double>& cand, std::vector<Diagnosis
   for (Guess gs : {Guess{1.0, "1"}, Guess{1.0 / D, "1/D"}, Guess{1.0 / std::sqrt(D), "1/sqrt(D)"},
                    Guess{std::sqrt(D), "sqrt(D)"}})
     if (std::fabs(d.value / gs.v - 1) < 1e-3) os << " (= " << gs.name << ")";
+  os << ", the problem's scale is " << c.scale;
   d.text = os.str();
   consider(all, d);
 }
@@ -887,8 +883,7 @@ std::vector<std::vector<double>> heat_map(
   for (int a = 0; a < c.nc; ++a) {
     if (rows_of[a].empty()) continue;
     for (int64_t h = 0; h < c.H; ++h) {
-      // Gram matrix G = B^T B and rhs = B^T E over the rows of chunk a, head h.
-      std::vector<double> G(nb * nb, 0.0), rhs(nb, 0.0);
+      // Pair directions over the rows of chunk a, head h, and the error there.
       std::vector<std::vector<double>> cols(nb);
       for (int b = 0; b < nb; ++b) {
         cols[b].resize(rows_of[a].size() * c.D);
@@ -903,51 +898,52 @@ std::vector<std::vector<double>> heat_map(
           const size_t k = (rows_of[a][t] * c.H + h) * c.D + d;
           e[t * c.D + d] = ob.x[k] - ob.ref[k];
         }
-      for (int i = 0; i < nb; ++i) {
-        for (int j = 0; j <= i; ++j) {
-          double s = 0;
-          for (size_t k = 0; k < e.size(); ++k) s += cols[i][k] * cols[j][k];
-          G[i * nb + j] = G[j * nb + i] = s;
-        }
+      double e0 = 0;
+      for (double x : e) e0 += x * x;
+      if (e0 == 0) continue;
+      // Orthogonal matching pursuit: repeatedly take the pair whose direction (orthogonalised
+      // against the pairs already taken) removes the most error energy, and credit it with that
+      // energy. The forward directions sum to zero over b, so a plain least-squares fit would
+      // spread the credit; pursuit gives it to the pairs that explain the error.
+      auto dotp = [](const std::vector<double>& x, const std::vector<double>& y) {
         double s = 0;
-        for (size_t k = 0; k < e.size(); ++k) s += cols[i][k] * e[k];
-        rhs[i] = s;
-      }
-      // Solve (G + ridge) c = rhs by Cholesky; zero columns get c = 0.
-      double tr = 0;
-      for (int i = 0; i < nb; ++i) tr += G[i * nb + i];
-      if (tr == 0) continue;
-      const double ridge = 1e-10 * tr / nb;
-      std::vector<double> Lm(G);
-      for (int i = 0; i < nb; ++i) Lm[i * nb + i] += ridge;
-      bool ok = true;
-      for (int j = 0; j < nb && ok; ++j) {
-        double s = Lm[j * nb + j];
-        for (int k = 0; k < j; ++k) s -= Lm[j * nb + k] * Lm[j * nb + k];
-        if (s <= 0) {
-          ok = false;
-          break;
+        for (size_t k = 0; k < x.size(); ++k) s += x[k] * y[k];
+        return s;
+      };
+      std::vector<std::vector<double>> basis_q;
+      std::vector<bool> taken(nb, false);
+      for (int it = 0; it < nb; ++it) {
+        int best = -1;
+        double best_gain = 0;
+        std::vector<double> best_u;
+        for (int b = 0; b < nb; ++b) {
+          if (taken[b]) continue;
+          std::vector<double> u = cols[b];
+          const double n0 = dotp(u, u);
+          if (n0 == 0) continue;
+          for (const auto& qv : basis_q) {
+            const double pj = dotp(qv, u);
+            for (size_t k = 0; k < u.size(); ++k) u[k] -= pj * qv[k];
+          }
+          const double nu = dotp(u, u);
+          if (nu <= 1e-12 * n0) continue;
+          const double pr = dotp(u, e);
+          const double gain = pr * pr / nu;
+          if (gain > best_gain) {
+            best_gain = gain;
+            best = b;
+            best_u = std::move(u);
+          }
         }
-        Lm[j * nb + j] = std::sqrt(s);
-        for (int i = j + 1; i < nb; ++i) {
-          double t = Lm[i * nb + j];
-          for (int k = 0; k < j; ++k) t -= Lm[i * nb + k] * Lm[j * nb + k];
-          Lm[i * nb + j] = t / Lm[j * nb + j];
-        }
+        if (best < 0 || best_gain < 1e-4 * e0) break;
+        taken[best] = true;
+        const double nu = std::sqrt(dotp(best_u, best_u));
+        for (auto& x : best_u) x /= nu;
+        const double pr = dotp(best_u, e);
+        for (size_t k = 0; k < e.size(); ++k) e[k] -= pr * best_u[k];
+        basis_q.push_back(std::move(best_u));
+        heat[a][best] += best_gain / ob.e2;
       }
-      if (!ok) continue;
-      std::vector<double> z(nb), coef(nb);
-      for (int i = 0; i < nb; ++i) {
-        double t = rhs[i];
-        for (int k = 0; k < i; ++k) t -= Lm[i * nb + k] * z[k];
-        z[i] = t / Lm[i * nb + i];
-      }
-      for (int i = nb - 1; i >= 0; --i) {
-        double t = z[i];
-        for (int k = i + 1; k < nb; ++k) t -= Lm[k * nb + i] * coef[k];
-        coef[i] = t / Lm[i * nb + i];
-      }
-      for (int b = 0; b < nb; ++b) heat[a][b] += std::max(0.0, coef[b] * rhs[b]) / ob.e2;
     }
   }
   for (auto& row : heat)

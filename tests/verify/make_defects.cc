@@ -1,0 +1,94 @@
+// make_defects DIR [CONVENTION P S]: writes the defect library to disk for `loom verify` runs:
+// DIR/input/{q,k,v,dout}.npy (global) and one candidate folder per defect,
+// DIR/<defect>/{out,lse,dq,dk,dv}.rank{r}.npy, per rank in CONVENTION (default zigzag, P = 4,
+// S = 96, causal, H = 2, Hkv = 1, D = 16).
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "loom/npy.h"
+#include "unit/tolerance.h"
+#include "verify/defect_ring.h"
+
+using namespace loom;
+using namespace loom::test;
+
+namespace {
+
+// Rank r's rows of a global [S, A, B] tensor / columns of an [A, S] lse.
+Tensor<float> rows(const Tensor<float>& g, const std::vector<int64_t>& t) {
+  const int64_t w = g.size(1) * g.size(2);
+  Tensor<float> y({static_cast<int64_t>(t.size()), g.size(1), g.size(2)});
+  for (size_t i = 0; i < t.size(); ++i)
+    std::copy(g.data() + t[i] * w, g.data() + (t[i] + 1) * w, y.data() + i * w);
+  return y;
+}
+Tensor<float> cols(const Tensor<float>& g, const std::vector<int64_t>& t) {
+  const int64_t A = g.size(0), S = g.size(1), n = static_cast<int64_t>(t.size());
+  Tensor<float> y({A, n});
+  for (int64_t a = 0; a < A; ++a)
+    for (int64_t i = 0; i < n; ++i) y[a * n + i] = g[a * S + t[i]];
+  return y;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: make_defects DIR [CONVENTION P S]\n");
+    return 2;
+  }
+  const std::string dir = argv[1];
+  const std::string conv = argc > 2 ? argv[2] : "zigzag";
+  const int P = argc > 3 ? std::stoi(argv[3]) : 4;
+  const int64_t S = argc > 4 ? std::stoll(argv[4]) : 96;
+  const int64_t H = 2, Hkv = 1, D = 16;
+  RingInputs in;
+  in.q = random_normal({S, H, D}, 101);
+  in.k = random_normal({S, Hkv, D}, 102);
+  in.v = random_normal({S, Hkv, D}, 103);
+  in.dout = random_normal({S, H, D}, 104);
+  in.mask.causal = true;
+  in.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  namespace fs = std::filesystem;
+  fs::create_directories(dir + "/input");
+  write_npy(dir + "/input/q.npy", in.q);
+  write_npy(dir + "/input/k.npy", in.k);
+  write_npy(dir + "/input/v.npy", in.v);
+  write_npy(dir + "/input/dout.npy", in.dout);
+  const auto sh = verify::make_sharding(conv, S, P);
+  struct Named {
+    const char* name;
+    Injected inj;
+    bool backward;
+  };
+  const Named all[] = {
+      {"correct", {}, true},
+      {"dropped_step", {Defect::dropped_step, 2, P - 1, 0}, false},
+      {"doubled_step", {Defect::doubled_step, 1, -1, 0}, false},
+      {"mask_offset", {Defect::mask_offset, -1, -1, -1}, false},
+      {"zigzag_order", {Defect::zigzag_order, -1, -1, 0}, false},
+      {"bf16_steps", {Defect::bf16_steps, -1, -1, 0}, false},
+      {"no_lse_merge", {Defect::no_lse_merge, -1, -1, 0}, false},
+      {"stale_kv", {Defect::stale_kv, P - 1, -1, 0}, true},
+      {"wrong_scale", {Defect::wrong_scale, -1, -1, 0}, false},
+  };
+  for (const Named& n : all) {
+    const RingOutputs o = run_defect_ring(in, sh, n.inj, n.backward);
+    const std::string d = dir + "/" + n.name;
+    fs::create_directories(d);
+    for (int r = 0; r < P; ++r) {
+      const std::string suffix = ".rank" + std::to_string(r) + ".npy";
+      write_npy(d + "/out" + suffix, rows(o.out, sh.tokens[r]));
+      if (n.inj.kind != Defect::no_lse_merge)
+        write_npy(d + "/lse" + suffix, cols(o.lse, sh.tokens[r]));
+      if (n.backward) {
+        write_npy(d + "/dq" + suffix, rows(o.dq, sh.tokens[r]));
+        write_npy(d + "/dk" + suffix, rows(o.dk, sh.tokens[r]));
+        write_npy(d + "/dv" + suffix, rows(o.dv, sh.tokens[r]));
+      }
+    }
+  }
+  return 0;
+}
