@@ -2,6 +2,9 @@
 // DIR/input/{q,k,v,dout}.npy (global) and one candidate folder per defect,
 // DIR/<defect>/{out,lse,dq,dk,dv}.rank{r}.npy, per rank in CONVENTION (default zigzag, P = 4,
 // S = 96, causal, H = 2, Hkv = 1, D = 16).
+// make_defects --shard SRC DST CONVENTION P: SRC's global out/lse/dq/dk/dv.npy -> DST per rank.
+// make_defects --relayout SRC DST BSHD|HSD: global [S,H,D] files (and lse [H,S]) rewritten as
+// [1,S,H,D] (lse [1,H,S]) or [H,S,D] (lse unchanged).
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -34,7 +37,62 @@ Tensor<float> cols(const Tensor<float>& g, const std::vector<int64_t>& t) {
 
 }  // namespace
 
+int shard_mode(int argc, char** argv) {
+  if (argc != 6) return 2;
+  const std::string src = argv[2], dst = argv[3], conv = argv[4];
+  const int P = std::stoi(argv[5]);
+  std::filesystem::create_directories(dst);
+  int64_t S = -1;
+  for (const char* n : {"out", "lse", "dq", "dk", "dv"}) {
+    const std::string f = src + "/" + n + ".npy";
+    if (!std::filesystem::exists(f)) continue;
+    const Tensor<float> g = read_npy_f32(f);
+    const bool lse = std::string(n) == "lse";
+    S = lse ? g.size(1) : g.size(0);
+    const auto sh = verify::make_sharding(conv, S, P);
+    for (int r = 0; r < P; ++r)
+      write_npy(dst + "/" + n + ".rank" + std::to_string(r) + ".npy",
+                lse ? cols(g, sh.tokens[r]) : rows(g, sh.tokens[r]));
+  }
+  return S > 0 ? 0 : 1;
+}
+
+int relayout_mode(int argc, char** argv) {
+  if (argc != 5) return 2;
+  const std::string src = argv[2], dst = argv[3], dims = argv[4];
+  std::filesystem::create_directories(dst);
+  for (const char* n : {"q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv"}) {
+    const std::string f = src + "/" + n + ".npy";
+    if (!std::filesystem::exists(f)) continue;
+    Tensor<float> g = read_npy_f32(f);
+    if (std::string(n) == "lse") {
+      if (dims == "BSHD") {
+        Tensor<float> y({1, g.size(0), g.size(1)});
+        y.vec() = g.vec();
+        g = std::move(y);
+      }
+      write_npy(dst + "/" + n + ".npy", g);
+      continue;
+    }
+    const int64_t S = g.size(0), H = g.size(1), D = g.size(2);
+    Tensor<float> y;
+    if (dims == "BSHD") {
+      y = Tensor<float>({1, S, H, D});
+      y.vec() = g.vec();
+    } else {
+      y = Tensor<float>({H, S, D});
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d) y[(h * S + s) * D + d] = g[(s * H + h) * D + d];
+    }
+    write_npy(dst + "/" + n + ".npy", y);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--shard") return shard_mode(argc, argv);
+  if (argc >= 2 && std::string(argv[1]) == "--relayout") return relayout_mode(argc, argv);
   if (argc < 2) {
     std::fprintf(stderr, "usage: make_defects DIR [CONVENTION P S]\n");
     return 2;

@@ -182,6 +182,10 @@ int run_verify(const VerifyOptions& o) {
     }
   }
 
+  // The convention must be able to split this sequence before any candidate file is read.
+  const int64_t S = dims == Dims::hsd ? q.size(1) : (dims == Dims::bshd ? q.size(1) : q.size(0));
+  (void)verify::make_sharding(o.convention, S, o.ranks, docs);
+
   // Candidate files, read once.
   const std::vector<std::string> names = {"out", "lse", "dq", "dk", "dv"};
   std::vector<Files> files;
@@ -212,6 +216,51 @@ int run_verify(const VerifyOptions& o) {
     c.dv = assemble(files[4], sh, dims, b, "dv", false);
     reports.push_back(verify::verify(p, c, vo));
     passed = passed && reports.back().passed;
+  }
+
+  // Per-rank files that fail: are they in another convention's order? (A common mistake: the
+  // files were written in one convention and described as another.)
+  bool any_per_rank = false;
+  for (const auto& f : files) any_per_rank = any_per_rank || f.per_rank;
+  if (!passed && any_per_rank && o.ranks > 1) {
+    for (const auto& conv : verify::convention_names()) {
+      if (conv == o.convention) continue;
+      bool all_pass = true;
+      try {
+        verify::Options alt = vo;
+        alt.convention = conv;
+        alt.localise = false;
+        for (int64_t b = 0; b < B && all_pass; ++b) {
+          verify::Problem p;
+          p.q = rows_to_shd(q, dims, b, "q.npy");
+          p.k = rows_to_shd(k, dims, b, "k.npy");
+          p.v = rows_to_shd(v, dims, b, "v.npy");
+          if (dout.numel()) p.dout = rows_to_shd(dout, dims, b, "dout.npy");
+          p.mask.causal = o.causal;
+          p.mask.window = o.window;
+          p.scale = o.scale;
+          p.doc_lengths = docs;
+          const verify::Sharding sh = verify::make_sharding(conv, p.q.size(0), o.ranks, docs);
+          verify::Candidate c;
+          c.out = assemble(files[0], sh, dims, b, "out", false);
+          c.lse = assemble(files[1], sh, dims, b, "lse", true);
+          c.dq = assemble(files[2], sh, dims, b, "dq", false);
+          c.dk = assemble(files[3], sh, dims, b, "dk", false);
+          c.dv = assemble(files[4], sh, dims, b, "dv", false);
+          all_pass = verify::verify(p, c, alt).passed;
+        }
+      } catch (const Error&) {
+        all_pass = false;  // this convention cannot split the sequence or the files
+      }
+      if (!all_pass) continue;
+      verify::Diagnosis d;
+      d.kind = "row_order";
+      d.residual = 0;
+      d.text = "rows are in the wrong order: the per-rank files are in " + conv + " order, not " +
+               o.convention + " (with --convention " + conv + " every tensor passes)";
+      for (auto& r : reports) r.diagnoses.insert(r.diagnoses.begin(), d);
+      break;
+    }
   }
 
   // Output: text, then files.
