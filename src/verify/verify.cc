@@ -551,7 +551,7 @@ void forward_models(const Ctx& c, const Pairs& pr, const Observed& ob,
   // Sum of the blocks' normalised outputs, no log-sum-exp weighting (the first seed's loop:
   // `output += attn_output_chunk`). Blocks: each rank's KV shard, and (a variant) each chunk.
   for (int variant = 0; variant < 2; ++variant) {
-    if (variant == 1 && P == 1) continue;
+    if (variant == 1 && (P == 1 || c.nc == P)) continue;  // blocks are chunks: the same model
     Diagnosis d;
     d.kind = "no_lse_merge";
     d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
