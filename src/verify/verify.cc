@@ -631,35 +631,54 @@ void forward_models(const Ctx& c, const Pairs& pr, const Observed& ob,
     for (int variant = 0; variant < 2; ++variant) {
       Diagnosis d;
       d.kind = "bf16_between_steps";
+      // The model's relative error of the running output after each step (how it grows).
+      std::vector<double> step_e2(P, 0.0), step_r2(P, 0.0);
       d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
         const int a = c.lrow_chunk[ri];
         const int r = c.sh.chunk_rank[a];
-        double L = kNegInf;
+        double L = kNegInf, Lx = kNegInf;
         std::fill(y, y + c.D, 0.0);
-        std::vector<double> ob_(c.D);
+        std::vector<double> ob_(c.D), exact(c.D, 0.0);
         for (int s = 0; s < P; ++s) {
           const int src = ((r - s) % P + P) % P;
           double Lb = kNegInf;
           for (int b : rc[src]) Lb = lse_add(Lb, pr.lse[pr.li(b, ri, h)]);
-          if (Lb == kNegInf) continue;
-          std::fill(ob_.begin(), ob_.end(), 0.0);
-          for (int b : rc[src]) {
-            const double w = std::exp(pr.lse[pr.li(b, ri, h)] - Lb);
-            const double* o = pr.o.data() + pr.oi(b, ri, h);
-            for (int64_t d2 = 0; d2 < c.D; ++d2) ob_[d2] += w * o[d2];
+          if (Lb != kNegInf) {
+            std::fill(ob_.begin(), ob_.end(), 0.0);
+            for (int b : rc[src]) {
+              const double w = std::exp(pr.lse[pr.li(b, ri, h)] - Lb);
+              const double* o = pr.o.data() + pr.oi(b, ri, h);
+              for (int64_t d2 = 0; d2 < c.D; ++d2) ob_[d2] += w * o[d2];
+            }
+            const double Lxn = lse_add(Lx, Lb);
+            const double xa = Lx == kNegInf ? 0.0 : std::exp(Lx - Lxn), xb = std::exp(Lb - Lxn);
+            for (int64_t d2 = 0; d2 < c.D; ++d2) exact[d2] = xa * exact[d2] + xb * ob_[d2];
+            Lx = Lxn;
+            if (variant == 1)
+              for (auto& v : ob_) v = round_bf16(v);
+            const double Ln = lse_add(L, Lb);
+            const double wa = L == kNegInf ? 0.0 : std::exp(L - Ln), wb = std::exp(Lb - Ln);
+            for (int64_t d2 = 0; d2 < c.D; ++d2) y[d2] = round_bf16(wa * y[d2] + wb * ob_[d2]);
+            L = static_cast<double>(static_cast<float>(Ln));
           }
-          if (variant == 1)
-            for (auto& v : ob_) v = round_bf16(v);
-          const double Ln = lse_add(L, Lb);
-          const double wa = L == kNegInf ? 0.0 : std::exp(L - Ln), wb = std::exp(Lb - Ln);
-          for (int64_t d2 = 0; d2 < c.D; ++d2) y[d2] = round_bf16(wa * y[d2] + wb * ob_[d2]);
-          L = static_cast<double>(static_cast<float>(Ln));
+          for (int64_t d2 = 0; d2 < c.D; ++d2) {
+            step_e2[s] += (y[d2] - exact[d2]) * (y[d2] - exact[d2]);
+            step_r2[s] += exact[d2] * exact[d2];
+          }
         }
       });
-      d.text =
-          "the error grows with ring step: partial results were rounded to bf16 between "
-          "steps (the running output is kept in bf16 while the ring merges; keep it in "
-          "fp32)";
+      std::ostringstream os;
+      os.precision(2);
+      std::vector<double> rel(P);
+      for (int s = 0; s < P; ++s) rel[s] = step_r2[s] > 0 ? std::sqrt(step_e2[s] / step_r2[s]) : 0;
+      const bool grows = rel[P - 1] > 1.2 * rel[0];
+      os << (grows ? "the error grows with ring step: " : "")
+         << "partial results were rounded to bf16 between steps (the running output is kept in "
+            "bf16 while the ring merges; keep it in fp32); relative error of the running output "
+            "after ring steps 0.."
+         << P - 1 << " in that model:";
+      for (int s = 0; s < P; ++s) os << " " << rel[s];
+      d.text = os.str();
       consider(all, d);
     }
   }
@@ -870,15 +889,16 @@ void backward_models(const Ctx& c, const Pairs& pr, const Observed& ob,
   }
 }
 
-// Least-squares heat map: pair shares of the explained error energy.
+// Heat map: pair shares of the explained error energy. Direction k (0 <= k < per_pair * nc)
+// belongs to pair k % nc; basis(k, ri, h, tmp) returns its D values on row ri, head h.
 std::vector<std::vector<double>> heat_map(
-    const Ctx& c, const Observed& ob,
+    const Ctx& c, const Observed& ob, int per_pair,
     const std::function<const double*(int, int64_t, int64_t, std::vector<double>&)>& basis) {
   std::vector<std::vector<double>> heat(c.nc, std::vector<double>(c.nc, 0.0));
   if (ob.e2 == 0) return heat;
   std::vector<std::vector<int64_t>> rows_of(c.nc);
   for (size_t ri = 0; ri < c.lrows.size(); ++ri) rows_of[c.lrow_chunk[ri]].push_back(ri);
-  const int nb = c.nc;
+  const int nb = per_pair * c.nc;
   std::vector<double> tmp(c.D);
   for (int a = 0; a < c.nc; ++a) {
     if (rows_of[a].empty()) continue;
@@ -942,7 +962,7 @@ std::vector<std::vector<double>> heat_map(
         const double pr = dotp(best_u, e);
         for (size_t k = 0; k < e.size(); ++k) e[k] -= pr * best_u[k];
         basis_q.push_back(std::move(best_u));
-        heat[a][best] += best_gain / ob.e2;
+        heat[a][best % c.nc] += best_gain / ob.e2;
       }
     }
   }
@@ -1143,23 +1163,30 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
     order_model(c, *cand.out, ref, all);
     scale_model(c, *cand.out, all, ob.e2);
     rep.heat_tensor = "out";
-    rep.heat = heat_map(c, ob, [&](int b, int64_t ri, int64_t h, std::vector<double>& tmp) {
-      const double L = pr.out_lse[ri * c.H + h];
-      const double lb = pr.lse[pr.li(b, ri, h)];
-      const double w = (L == kNegInf || lb == kNegInf) ? 0.0 : std::exp(lb - L);
-      const double* o_ = pr.o.data() + pr.oi(b, ri, h);
-      const double* out = pr.out.data() + (ri * c.H + h) * c.D;
-      for (int64_t d = 0; d < c.D; ++d) tmp[d] = w * (o_[d] - out[d]);
-      return tmp.data();
-    });
+    // Two directions per pair: w_ib (O_ib - out_i), the first-order effect of scaling the
+    // pair's weight in the merge (dropped, doubled, masked pairs), and O_ib itself, which a
+    // merge without log-sum-exp weights adds with the wrong weight.
+    rep.heat = heat_map(
+        c, ob, 2, [&](int k, int64_t ri, int64_t h, std::vector<double>& tmp) -> const double* {
+          const int b = k % c.nc;
+          const double L = pr.out_lse[ri * c.H + h];
+          const double lb = pr.lse[pr.li(b, ri, h)];
+          const double w = (L == kNegInf || lb == kNegInf) ? 0.0 : std::exp(lb - L);
+          const double* o_ = pr.o.data() + pr.oi(b, ri, h);
+          const double* out = pr.out.data() + (ri * c.H + h) * c.D;
+          if (k >= c.nc) return o_;
+          for (int64_t d = 0; d < c.D; ++d) tmp[d] = w * (o_[d] - out[d]);
+          return tmp.data();
+        });
   } else if (dq_t) {
     const Pairs pr = compute_pairs(c, false, true);
     const Observed ob = observe(c, *cand.dq, pr.dq_sum);
     backward_models(c, pr, ob, all);
     rep.heat_tensor = "dq";
-    rep.heat = heat_map(c, ob, [&](int b, int64_t ri, int64_t h, std::vector<double>&) {
-      return pr.dq.data() + pr.oi(b, ri, h);
-    });
+    rep.heat = heat_map(c, ob, 1,
+                        [&](int b, int64_t ri, int64_t h, std::vector<double>&) -> const double* {
+                          return pr.dq.data() + pr.oi(b, ri, h);
+                        });
   }
   std::stable_sort(all.begin(), all.end(),
                    [](const Diagnosis& a, const Diagnosis& b) { return a.residual < b.residual; });
