@@ -24,6 +24,7 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 #include "loom/bf16.h"
@@ -999,14 +1000,16 @@ std::string unexplained_text(const Ctx& c, const std::vector<std::vector<double>
       if (t.per_head[h] > 0.1 * mx && t.per_head[h] > t.tolerance)
         bad.push_back(static_cast<int>(h));
     if (!bad.empty() && bad.size() < t.per_head.size())
-      os << "; only heads " << join(bad) << " are wrong";
+      os << "; only head" << (bad.size() > 1 ? "s " : " ") << join(bad)
+         << (bad.size() > 1 ? " are" : " is") << " wrong";
   }
   if (c.sh.ranks > 1 && !t.per_rank.empty()) {
     std::vector<int> bad;
     for (size_t r = 0; r < t.per_rank.size(); ++r)
       if (t.per_rank[r] > t.tolerance) bad.push_back(static_cast<int>(r));
     if (!bad.empty() && static_cast<int>(bad.size()) < c.sh.ranks)
-      os << "; only ranks " << join(bad) << " are wrong";
+      os << "; only rank" << (bad.size() > 1 ? "s " : " ") << join(bad)
+         << (bad.size() > 1 ? " are" : " is") << " wrong";
   }
   return os.str();
 }
@@ -1190,6 +1193,41 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   }
   std::stable_sort(all.begin(), all.end(),
                    [](const Diagnosis& a, const Diagnosis& b) { return a.residual < b.residual; });
+  // Non-finite values are named first, with where the first one is.
+  {
+    const std::optional<Tensor<double>>* ts[] = {&cand.out, &cand.lse, &cand.dq, &cand.dk,
+                                                 &cand.dv};
+    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+    std::vector<int> rank_of(c.S, 0);
+    for (int r = 0; r < c.sh.ranks; ++r)
+      for (int64_t tok : c.sh.tokens[r]) rank_of[tok] = r;
+    for (int i = 0; i < 5; ++i) {
+      if (!*ts[i]) continue;
+      const Tensor<double>& t = **ts[i];
+      const bool lse = i == 1;
+      int64_t count = 0, first = -1;
+      for (int64_t e = 0; e < t.numel(); ++e)
+        if (std::isnan(t[e]) || (std::isinf(t[e]) && !(lse && t[e] < 0))) {
+          ++count;
+          if (first < 0) first = e;
+        }
+      if (!count) continue;
+      const int64_t A = lse ? t.size(0) : t.size(1), Bw = lse ? 1 : t.size(2);
+      const int64_t tok = lse ? first % c.S : first / (A * Bw);
+      const int64_t head = lse ? first / c.S : (first / Bw) % A;
+      Diagnosis d;
+      d.kind = "non_finite";
+      d.residual = 1;
+      d.ranks = {rank_of[tok]};
+      d.q_chunks = {c.chunk_of[tok]};
+      std::ostringstream os;
+      os << names[i] << " has " << count << " non-finite value" << (count > 1 ? "s" : "")
+         << " (NaN or Inf); the first at token " << tok << ", head " << head << " (rank "
+         << rank_of[tok] << ", chunk " << c.chunk_of[tok] << ")";
+      d.text = os.str();
+      rep.diagnoses.push_back(d);
+    }
+  }
   // Keep the named diagnosis (the best, when it explains the error) and a few runners-up.
   const TensorCheck* main_t = out_t ? out_t : dq_t;
   if (!all.empty() && all[0].residual <= kNameResidual) {

@@ -33,6 +33,7 @@ expect 1 "the error grows with ring step: partial results were rounded to bf16" 
 expect 1 "missing log-sum-exp merge" -- V --candidate "$T/lib/no_lse_merge"
 expect 1 "stale KV in the backward: at ring step 3" -- V --candidate "$T/lib/stale_kv"
 expect 1 "wrong softmax scale: the candidate used 0.0625 (= 1/D)" -- V --candidate "$T/lib/wrong_scale"
+expect 1 "out has 1 non-finite value (NaN or Inf); the first at token 15, head 0" -- V --candidate "$T/lib/nan"
 expect 1 "absent: lse, dq, dk, dv" -- V --candidate "$T/lib/no_lse_merge"
 
 # JSON and heat map.

@@ -131,9 +131,11 @@ int main(int argc, char** argv) {
       {"no_lse_merge", {Defect::no_lse_merge, -1, -1, 0}, false},
       {"stale_kv", {Defect::stale_kv, P - 1, -1, 0}, true},
       {"wrong_scale", {Defect::wrong_scale, -1, -1, 0}, false},
+      {"nan", {}, false},  // correct, except one NaN written into out (token 15, head 0)
   };
   for (const Named& n : all) {
-    const RingOutputs o = run_defect_ring(in, sh, n.inj, n.backward);
+    RingOutputs o = run_defect_ring(in, sh, n.inj, n.backward);
+    if (std::string(n.name) == "nan") o.out[15 * H * D + 2] = std::nanf("");
     const std::string d = dir + "/" + n.name;
     fs::create_directories(d);
     for (int r = 0; r < P; ++r) {
