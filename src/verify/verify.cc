@@ -723,24 +723,30 @@ void order_model(const Ctx& c, const Tensor<double>& cand, const Reference& ref,
   Diagnosis d;
   d.kind = "row_order";
   d.residual = std::sqrt(r2 / e2);
-  std::ostringstream os;
-  os << "rows are in the wrong order: ";
+  std::ostringstream detail;
   int shown = 0;
   for (int a = 0; a < c.nc; ++a) {
     if (pi[a] == a) continue;
     d.q_chunks.push_back(a);
     if (std::find(d.ranks.begin(), d.ranks.end(), c.sh.chunk_rank[a]) == d.ranks.end())
       d.ranks.push_back(c.sh.chunk_rank[a]);
-    if (shown++ < 6)
-      os << (shown > 1 ? "; " : "") << "where " << c.sh.convention << " puts chunk " << a
-         << " (rank " << c.sh.chunk_rank[a] << ") the candidate holds chunk " << pi[a];
+    if (shown++ < 4)
+      detail << (shown > 1 ? "; " : "") << "where " << c.sh.convention << " puts chunk " << a
+             << " (rank " << c.sh.chunk_rank[a] << ") the candidate holds chunk " << pi[a];
   }
-  if (shown > 6) os << "; ...";
+  if (shown > 4) detail << "; ...";
+  std::sort(d.ranks.begin(), d.ranks.end());
   // The common zigzag mistake: a rank's two chunks swapped.
   bool swapped = c.sh.ranks > 1;
   for (int a = 0; a < c.nc && swapped; ++a)
     if (pi[a] != a && c.sh.chunk_rank[pi[a]] != c.sh.chunk_rank[a]) swapped = false;
-  if (swapped) os << " (each affected rank's chunks are in swapped order: wrong zigzag order)";
+  std::ostringstream os;
+  if (swapped)
+    os << "wrong zigzag order: rank" << (d.ranks.size() > 1 ? "s " : " ") << join(d.ranks)
+       << (d.ranks.size() > 1 ? " hold their" : " holds its") << " chunks in swapped order ("
+       << detail.str() << ")";
+  else
+    os << "rows are in the wrong order: " << detail.str();
   d.text = os.str();
   consider(all, d);
 }
