@@ -58,6 +58,26 @@ for layout in contiguous zigzag stripe; do
       --convention "$layout" --ranks "$P"
   done
 done
+# Masks: packed documents and a sliding window.
+"$LOOM" attn --input "$T/lib/input" --output "$T/attn_docs" --backward --ranks 3 --layout zigzag \
+  --docs 40,56 --iters 1 --warmup 0 --quiet >/dev/null || fail "loom attn --docs"
+expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/attn_docs" \
+  --docs 40,56 --convention zigzag --ranks 3
+expect 1 "verify    FAILED" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/attn_docs" \
+  --convention zigzag --ranks 3
+"$LOOM" attn --input "$T/lib/input" --output "$T/attn_win" --backward --ranks 4 --layout stripe \
+  --window 17 --iters 1 --warmup 0 --quiet >/dev/null || fail "loom attn --window"
+expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/attn_win" \
+  --window 17 --convention stripe --ranks 4
+# bf16 storage: bf16 inputs, loom attn --dtype bf16, checked with bf16 tolerances (and failing
+# the fp32 ones).
+"$MK" --bf16 "$T/lib/input" "$T/in_bf16" || fail "bf16 inputs"
+"$LOOM" attn --input "$T/in_bf16" --output "$T/attn_bf16" --backward --dtype bf16 --ranks 4 \
+  --iters 1 --warmup 0 --quiet >/dev/null || fail "loom attn --dtype bf16"
+expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/in_bf16" --candidate "$T/attn_bf16" \
+  --dtype bf16 --convention zigzag --ranks 4
+expect 1 "out is stored in bf16 (every value is a bf16 number)" -- "$LOOM" verify --input "$T/in_bf16" --candidate "$T/attn_bf16" \
+  --convention zigzag --ranks 4
 # The same outputs handed over per rank in every convention.
 for conv in contiguous zigzag stripe rfa-zigzag te-thd torch-headtail megatron; do
   "$MK" --shard "$T/attn_ring_zigzag" "$T/shard_$conv" "$conv" 4 || fail "shard $conv"

@@ -3,6 +3,7 @@
 // DIR/<defect>/{out,lse,dq,dk,dv}.rank{r}.npy, per rank in CONVENTION (default zigzag, P = 4,
 // S = 96, causal, H = 2, Hkv = 1, D = 16).
 // make_defects --shard SRC DST CONVENTION P: SRC's global out/lse/dq/dk/dv.npy -> DST per rank.
+// make_defects --bf16 SRC DST: SRC's q, k, v, dout rounded to bf16 (nearest even), as float32.
 // make_defects --relayout SRC DST BSHD|HSD: global [S,H,D] files (and lse [H,S]) rewritten as
 // [1,S,H,D] (lse [1,H,S]) or [H,S,D] (lse unchanged).
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <filesystem>
 #include <string>
 
+#include "loom/bf16.h"
 #include "loom/npy.h"
 #include "unit/tolerance.h"
 #include "verify/defect_ring.h"
@@ -90,7 +92,19 @@ int relayout_mode(int argc, char** argv) {
   return 0;
 }
 
+int bf16_mode(int argc, char** argv) {
+  if (argc != 4) return 2;
+  std::filesystem::create_directories(argv[3]);
+  for (const char* n : {"q", "k", "v", "dout"}) {
+    Tensor<float> g = read_npy_f32(std::string(argv[2]) + "/" + n + ".npy");
+    for (float& x : g.vec()) x = to_float(to_bf16(x));
+    write_npy(std::string(argv[3]) + "/" + n + ".npy", g);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--bf16") return bf16_mode(argc, argv);
   if (argc >= 2 && std::string(argv[1]) == "--shard") return shard_mode(argc, argv);
   if (argc >= 2 && std::string(argv[1]) == "--relayout") return relayout_mode(argc, argv);
   if (argc < 2) {
