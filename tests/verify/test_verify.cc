@@ -6,6 +6,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "loom/bf16.h"
 #include "loom/verify.h"
 #include "unit/tolerance.h"
 #include "verify/defect_ring.h"
@@ -274,6 +275,25 @@ TEST(DefectLibraryZigzag, HeatMapPointsAtTheDroppedPair) {
   const std::string svg = r.heatmap_svg();
   EXPECT_NE(svg.find("<svg"), std::string::npos);
   EXPECT_NE(svg.find("query chunk 2 x KV chunk 1"), std::string::npos);
+}
+
+TEST(Verify, Bf16StorageCheckedAsFp32IsNamed) {
+  // A correct ring whose out is rounded once to bf16 (as a bf16 implementation stores it):
+  // fails the fp32 tolerance, passes the bf16 one, and is named as bf16 storage, not a defect.
+  const RingInputs in = inputs(96, 2, 1, 16, true, 33);
+  const auto sh = verify::make_sharding("zigzag", 96, 4);
+  RingOutputs o = run_defect_ring(in, sh, {}, false);
+  for (float& x : o.out.vec()) x = to_float(to_bf16(x));
+  verify::Candidate c;
+  c.out = convert<double>(o.out);
+  verify::Options opt;
+  opt.convention = "zigzag";
+  opt.ranks = 4;
+  const auto r = verify::verify(to_problem(in), c, opt);
+  ASSERT_FALSE(r.passed);
+  EXPECT_EQ(first_kind(r), "bf16_storage") << r.summary();
+  opt.dtype = "bf16";
+  EXPECT_TRUE(verify::verify(to_problem(in), c, opt).passed);
 }
 
 TEST(Verify, ShapeMismatchIsUnusable) {
