@@ -65,6 +65,10 @@ expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/lib/input" --candidate
   --docs 40,56 --convention zigzag --ranks 3
 expect 1 "verify    FAILED" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/attn_docs" \
   --convention zigzag --ranks 3
+mkdir -p "$T/in_cu" && cp "$T/lib/input/"*.npy "$T/in_cu/" && "$MK" --cu "$T/in_cu/cu_seqlens.npy" 40,56 ||
+  fail "cu_seqlens"
+expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/in_cu" --candidate "$T/attn_docs" \
+  --convention zigzag --ranks 3
 "$LOOM" attn --input "$T/lib/input" --output "$T/attn_win" --backward --ranks 4 --layout stripe \
   --window 17 --iters 1 --warmup 0 --quiet >/dev/null || fail "loom attn --window"
 expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/attn_win" \

@@ -4,6 +4,8 @@
 // S = 96, causal, H = 2, Hkv = 1, D = 16).
 // make_defects --shard SRC DST CONVENTION P: SRC's global out/lse/dq/dk/dv.npy -> DST per rank.
 // make_defects --bf16 SRC DST: SRC's q, k, v, dout rounded to bf16 (nearest even), as float32.
+// make_defects --cu FILE L1,L2,...: cu_seqlens.npy [0, L1, L1+L2, ...] in int32, as torch
+// writes it.
 // make_defects --relayout SRC DST BSHD|HSD: global [S,H,D] files (and lse [H,S]) rewritten as
 // [1,S,H,D] (lse [1,H,S]) or [H,S,D] (lse unchanged).
 #include <cmath>
@@ -12,6 +14,7 @@
 #include <string>
 
 #include "loom/bf16.h"
+#include "loom/cp.h"
 #include "loom/npy.h"
 #include "unit/tolerance.h"
 #include "verify/defect_ring.h"
@@ -103,7 +106,28 @@ int bf16_mode(int argc, char** argv) {
   return 0;
 }
 
+int cu_mode(int argc, char** argv) {
+  if (argc != 4) return 2;
+  const std::vector<int64_t> v = parse_doc_lengths(argv[3]);  // document lengths
+  std::vector<int32_t> cu = {0};
+  for (int64_t x : v) cu.push_back(cu.back() + static_cast<int32_t>(x));
+  std::string header =
+      "{'descr': '<i4', 'fortran_order': False, 'shape': (" + std::to_string(cu.size()) + ",), }";
+  while ((10 + header.size() + 1) % 64) header += ' ';
+  header += '\n';
+  std::string bytes = "\x93NUMPY";
+  bytes += '\x01';
+  bytes += '\x00';
+  bytes += static_cast<char>(header.size() & 0xff);
+  bytes += static_cast<char>(header.size() >> 8);
+  bytes += header;
+  bytes.append(reinterpret_cast<const char*>(cu.data()), cu.size() * 4);
+  write_file_atomic(argv[2], bytes);
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--cu") return cu_mode(argc, argv);
   if (argc >= 2 && std::string(argv[1]) == "--bf16") return bf16_mode(argc, argv);
   if (argc >= 2 && std::string(argv[1]) == "--shard") return shard_mode(argc, argv);
   if (argc >= 2 && std::string(argv[1]) == "--relayout") return relayout_mode(argc, argv);
