@@ -37,6 +37,7 @@ namespace {
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 constexpr int64_t kSampleRows = 256;
 constexpr int64_t kLocRows = 1024;
+constexpr double kLocBytes = 512.0 * 1024 * 1024;
 // A defect model is named when it leaves at most this share of the error's norm unexplained.
 constexpr double kNameResidual = 0.5;
 
@@ -1073,7 +1074,13 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
     std::iota(c.rows.begin(), c.rows.end(), 0);
   }
   {
-    const size_t step = (c.rows.size() + kLocRows - 1) / kLocRows;
+    // At most kLocRows rows, and at most kLocBytes for the pair partials of every row (out and
+    // dq shares per KV chunk, and the six mask-offset partials), so a large problem is
+    // localised on fewer rows instead of exhausting memory.
+    const double per_row = 8.0 * static_cast<double>(c.H * c.D) * (2.0 * c.nc + 6.0);
+    const int64_t cap = std::max<int64_t>(
+        16, std::min<int64_t>(kLocRows, static_cast<int64_t>(kLocBytes / per_row)));
+    const size_t step = (c.rows.size() + cap - 1) / cap;
     for (size_t i = 0; i < c.rows.size(); i += step) c.lrows.push_back(c.rows[i]);
     for (int64_t r : c.lrows) c.lrow_chunk.push_back(c.chunk_of[r]);
   }
