@@ -107,7 +107,8 @@ struct Options {
   std::string dtype = "fp32";
   bool localise = true;
   // Above this many tokens out, lse and dq are compared on 256 evenly spaced query rows and dk,
-  // dv are not compared (they need every query row).
+  // dv are not compared (they need every query row). Localisation uses at most 1024 of the
+  // compared rows (fewer when the pair partials would pass 512 MiB).
   int64_t full_check_max = 4096;
 };
 
@@ -133,12 +134,13 @@ struct TensorCheck {
 };
 
 struct Diagnosis {
-  std::string kind;     // dropped_step, doubled_step, mask_offset, row_order, bf16_between_steps,
-                        // no_lse_merge, stale_kv_backward, wrong_scale, unexplained
+  // dropped_step, doubled_step, mask_offset, row_order, bf16_between_steps, bf16_storage,
+  // no_lse_merge, stale_kv_backward, wrong_scale, non_finite, unexplained
+  std::string kind;
   std::string text;     // one sentence in words
   double residual = 1;  // ||candidate - model|| / ||candidate - reference|| (0: fully explained)
-  std::vector<int> ranks, steps, q_chunks, kv_chunks, heads;
-  double value = 0;  // wrong_scale: the scale the candidate used
+  std::vector<int> ranks, steps, q_chunks, kv_chunks;  // what it names (empty: all / none)
+  double value = 0;  // wrong_scale: the scale the candidate used; mask_offset: the offset (chunks)
 };
 
 struct Report {
