@@ -752,6 +752,52 @@ void order_model(const Ctx& c, const Tensor<double>& cand, const Reference& ref,
   consider(all, d);
 }
 
+// GQA head mapping: query head h read KV head h mod Hkv (torch's repeat() instead of
+// repeat_interleave()) where h / (H / Hkv) is right. Computed with the reference on query heads
+// permuted so that its h / group mapping reads the KV head the wrong mapping reads.
+void gqa_model(const Ctx& c, const Tensor<double>& cand, const Observed& ob,
+               std::vector<Diagnosis>& all) {
+  if (c.Hkv <= 1 || c.Hkv == c.H) return;
+  // pi(h') = j * Hkv + kv for h' = kv * group + j: head pi(h') reads kv under h mod Hkv.
+  std::vector<int64_t> pi(c.H);
+  for (int64_t kv = 0; kv < c.Hkv; ++kv)
+    for (int64_t j = 0; j < c.group; ++j) pi[kv * c.group + j] = j * c.Hkv + kv;
+  Problem pq = c.p;
+  for (int64_t i = 0; i < c.S; ++i)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t d = 0; d < c.D; ++d)
+        pq.q[(i * c.H + h) * c.D + d] = c.p.q[(i * c.H + pi[h]) * c.D + d];
+  Ctx sub(pq, c.o);
+  sub.sh = c.sh;
+  sub.S = c.S;
+  sub.H = c.H;
+  sub.Hkv = c.Hkv;
+  sub.D = c.D;
+  sub.group = c.group;
+  sub.pos = c.pos;
+  sub.doc = c.doc;
+  sub.rows = c.lrows;
+  const Reference r = run_reference(sub, c.scale, false);
+  std::vector<double> pred(r.out.numel());
+  for (size_t ri = 0; ri < c.lrows.size(); ++ri)
+    for (int64_t h = 0; h < c.H; ++h)
+      std::copy(r.out.data() + (ri * c.H + h) * c.D, r.out.data() + (ri * c.H + h + 1) * c.D,
+                pred.data() + (ri * c.H + pi[h]) * c.D);
+  Diagnosis d;
+  d.kind = "gqa_mapping";
+  std::vector<bool> every(c.nc, true);
+  d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
+    std::copy(pred.data() + (ri * c.H + h) * c.D, pred.data() + (ri * c.H + h + 1) * c.D, y);
+  });
+  (void)cand;
+  std::ostringstream os;
+  os << "wrong GQA head mapping: query head h read KV head h mod " << c.Hkv
+     << " (KV heads repeated, torch repeat) instead of h / " << c.group
+     << " (each KV head shared by " << c.group << " consecutive query heads, repeat_interleave)";
+  d.text = os.str();
+  consider(all, d);
+}
+
 // Softmax scale: one-dimensional search on log(scale) for the scale that best explains out.
 void scale_model(const Ctx& c, const Tensor<double>& cand, std::vector<Diagnosis>& all,
                  double e_norm2) {
@@ -1207,6 +1253,7 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
     }
     order_model(c, *cand.out, ref, all);
     scale_model(c, *cand.out, all, ob.e2);
+    gqa_model(c, *cand.out, ob, all);
     rep.heat_tensor = "out";
     // Two directions per pair: w_ib (O_ib - out_i), the first-order effect of scaling the
     // pair's weight in the merge (dropped, doubled, masked pairs), and O_ib itself, which a

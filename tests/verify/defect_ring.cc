@@ -25,8 +25,24 @@ bool hits(const Injected& inj, Defect kind, int r, int s) {
 
 }  // namespace
 
-RingOutputs run_defect_ring(const RingInputs& in, const verify::Sharding& sh, const Injected& inj,
+RingOutputs run_defect_ring(const RingInputs& in_, const verify::Sharding& sh, const Injected& inj,
                             bool backward) {
+  // gqa_mapping: query heads permuted so that the kernels' h / group mapping reads the KV head
+  // that h mod Hkv names; un-permuted at the end.
+  const int64_t Hq = in_.q.size(1), Hk = in_.k.size(1), G = Hq / Hk;
+  std::vector<int64_t> pi(Hq);
+  for (int64_t kv = 0; kv < Hk; ++kv)
+    for (int64_t j = 0; j < G; ++j) pi[kv * G + j] = j * Hk + kv;
+  RingInputs permuted;
+  if (inj.kind == Defect::gqa_mapping) {
+    permuted = in_;
+    const int64_t S_ = in_.q.size(0), D_ = in_.q.size(2);
+    for (int64_t i = 0; i < S_; ++i)
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t d = 0; d < D_; ++d)
+          permuted.q[(i * Hq + h) * D_ + d] = in_.q[(i * Hq + pi[h]) * D_ + d];
+  }
+  const RingInputs& in = inj.kind == Defect::gqa_mapping ? permuted : in_;
   const int P = sh.ranks;
   const int64_t S = in.q.size(0), H = in.q.size(1), D = in.q.size(2), Hkv = in.k.size(1);
   KernelConfig cfg;
@@ -100,6 +116,16 @@ RingOutputs run_defect_ring(const RingInputs& in, const verify::Sharding& sh, co
                 o.out.data() + dest[i] * H * D);
       for (int64_t h = 0; h < H; ++h) o.lse[h * S + dest[i]] = lse_r[r][h * n + i];
     }
+  }
+  if (inj.kind == Defect::gqa_mapping) {
+    Tensor<float> out = o.out;
+    for (int64_t i = 0; i < S; ++i)
+      for (int64_t h = 0; h < H; ++h)
+        std::copy(out.data() + (i * H + h) * D, out.data() + (i * H + h + 1) * D,
+                  o.out.data() + (i * H + pi[h]) * D);
+    Tensor<float> lse = o.lse;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < S; ++i) o.lse[pi[h] * S + i] = lse[h * S + i];
   }
   if (!backward) return o;
 

@@ -26,6 +26,7 @@ enum class Defect {
   no_lse_merge,  // out += partial output of each step (the first seed's loop), no lse weighting
   stale_kv,      // backward: at ring step `step` the KV block of step - 1 is used again
   wrong_scale,   // softmax scale 1/D instead of 1/sqrt(D)
+  gqa_mapping,   // query head h reads KV head h mod Hkv instead of h / (H / Hkv)
 };
 
 struct Injected {

@@ -249,6 +249,18 @@ TEST(DefectLibraryZigzag, MaskOffByOneChunk) {
   }
 }
 
+TEST(DefectLibraryZigzag, WrongGqaMapping) {
+  RingInputs in = inputs(96, 4, 2, 16, true, 24);
+  const auto r = check(in, "zigzag", 4, {Defect::gqa_mapping, -1, -1, 0});
+  ASSERT_FALSE(r.passed);
+  ASSERT_EQ(first_kind(r), "gqa_mapping") << r.summary();
+  EXPECT_LT(r.diagnoses[0].residual, 0.01);
+  // With the same GQA heads, the other defects are still named as themselves.
+  EXPECT_EQ(first_kind(check(in, "zigzag", 4, {Defect::dropped_step, 1, 2, 0})), "dropped_step");
+  EXPECT_EQ(first_kind(check(in, "zigzag", 4, {Defect::no_lse_merge, -1, -1, 0})), "no_lse_merge");
+  EXPECT_EQ(first_kind(check(in, "zigzag", 4, {Defect::wrong_scale, -1, -1, 0})), "wrong_scale");
+}
+
 TEST(DefectLibraryZigzag, WrongZigzagOrder) {
   const RingInputs in = inputs(96, 2, 1, 16, true, 22);
   const auto r = check(in, "zigzag", 4, {Defect::zigzag_order, -1, -1, 0});
