@@ -135,7 +135,7 @@ struct TensorCheck {
 
 struct Diagnosis {
   // dropped_step, doubled_step, mask_offset, row_order, bf16_between_steps, bf16_storage,
-  // no_lse_merge, stale_kv_backward, wrong_scale, non_finite, unexplained
+  // gqa_mapping, no_lse_merge, stale_kv_backward, wrong_scale, non_finite, unexplained
   std::string kind;
   std::string text;     // one sentence in words
   double residual = 1;  // ||candidate - model|| / ||candidate - reference|| (0: fully explained)
