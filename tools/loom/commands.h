@@ -11,6 +11,8 @@ void add_attn_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 // Registers `loom plan` (tools/loom/plan.cc).
 void add_plan_command(CLI::App& app);
+// Registers `loom verify` (tools/loom/verify.cc).
+void add_verify_command(CLI::App& app);
 
 // Adds a check to every integer option of `command`: a value must be a plain integer that fits
 // its type (CLI11 alone would turn "99999999999999999999" into INT64_MAX), and unsigned ones

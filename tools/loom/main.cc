@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   loom::tools::add_attn_command(app);
   loom::tools::add_train_command(app);
   loom::tools::add_plan_command(app);
+  loom::tools::add_verify_command(app);
   // A usage error is one line and exit status 2 (--help and --version print and exit 0).
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
     return std::string("loom: error: ") + e.what() + " (see loom --help)\n";

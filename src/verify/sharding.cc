@@ -1,0 +1,213 @@
+// Sharding conventions of other context-parallel implementations, as token lists per rank, and
+// the chunks localisation speaks of. Each convention is written from that project's code (cited
+// in loom/verify.h and docs/verify.md); loom's own three come from ShardPlan::make.
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+#include "loom/cp.h"
+#include "loom/verify.h"
+
+namespace loom::verify {
+
+std::vector<std::string> convention_names() {
+  return {"contiguous", "zigzag", "stripe", "rfa-zigzag", "te-thd", "torch-headtail", "megatron"};
+}
+
+namespace {
+
+std::string choices() {
+  std::string s;
+  const auto names = convention_names();
+  for (size_t i = 0; i < names.size(); ++i) s += (i ? ", " : "") + names[i];
+  return s;
+}
+
+// Adds the tokens [first, first + count) as one chunk owned by rank r.
+void add_chunk(Sharding& sh, int r, int64_t first, int64_t count,
+               std::vector<std::vector<int64_t>>& chunk_tokens, std::vector<int>& owner,
+               int64_t chunk_id) {
+  for (int64_t i = 0; i < count; ++i) sh.tokens[r].push_back(first + i);
+  if (count <= 0) return;
+  auto& c = chunk_tokens[static_cast<size_t>(chunk_id)];
+  for (int64_t i = 0; i < count; ++i) c.push_back(first + i);
+  owner[static_cast<size_t>(chunk_id)] = r;
+}
+
+// The dual-chunk ("head and tail") split shared by rfa-zigzag, te-thd, torch-headtail and
+// megatron: every document is cut into 2P pieces of `piece(len, c)` tokens starting at
+// `start(len, c)`, and rank r takes piece r then piece 2P - 1 - r of every document, document
+// after document. Chunk c of the result is the union of piece c over the documents.
+template <class Begin>
+void dual_chunk(Sharding& sh, const std::vector<int64_t>& docs, Begin begin) {
+  const int P = sh.ranks;
+  std::vector<std::vector<int64_t>> chunk_tokens(2 * P);
+  std::vector<int> owner(2 * P, -1);
+  int64_t start = 0;
+  for (int64_t len : docs) {
+    for (int r = 0; r < P; ++r) {
+      for (int64_t c : {static_cast<int64_t>(r), static_cast<int64_t>(2 * P - 1 - r)}) {
+        const int64_t b = begin(len, c), e = begin(len, c + 1);
+        add_chunk(sh, r, start + b, e - b, chunk_tokens, owner, c);
+      }
+    }
+    start += len;
+  }
+  for (int c = 0; c < 2 * P; ++c) {
+    if (chunk_tokens[c].empty()) continue;
+    std::sort(chunk_tokens[c].begin(), chunk_tokens[c].end());
+    sh.chunks.push_back(chunk_tokens[c]);
+    sh.chunk_rank.push_back(owner[c]);
+  }
+}
+
+}  // namespace
+
+Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
+                       const std::vector<int64_t>& doc_lengths) {
+  LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
+  LOOM_CHECK(ranks >= 1, InvalidArgument, "--ranks must be >= 1, got " << ranks);
+  std::vector<int64_t> docs = doc_lengths;
+  if (docs.empty()) docs.push_back(seq);
+  int64_t total = 0;
+  for (int64_t l : docs) {
+    LOOM_CHECK(l >= 1, InvalidArgument, "document lengths must be positive, got " << l);
+    total += l;
+  }
+  LOOM_CHECK(total == seq, InvalidArgument,
+             "document lengths sum to " << total << " but the sequence has " << seq << " tokens");
+  Sharding sh;
+  sh.convention = convention;
+  sh.seq = seq;
+  sh.ranks = ranks;
+  sh.tokens.assign(ranks, {});
+  const int64_t two_p = 2 * static_cast<int64_t>(ranks);
+
+  if (convention == "contiguous" || convention == "zigzag" || convention == "stripe") {
+    const ShardPlan plan = ShardPlan::make(parse_layout(convention), seq, ranks, doc_lengths);
+    sh.tokens = plan.tokens;
+    if (ranks == 1) {
+      // One rank: cut the sequence into up to 8 contiguous chunks, only for localisation.
+      const int64_t n = std::min<int64_t>(8, seq);
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t b = c * (seq / n) + std::min(c, seq % n);
+        const int64_t e = (c + 1) * (seq / n) + std::min(c + 1, seq % n);
+        std::vector<int64_t> t(static_cast<size_t>(e - b));
+        std::iota(t.begin(), t.end(), b);
+        sh.chunks.push_back(t);
+        sh.chunk_rank.push_back(0);
+      }
+      return sh;
+    }
+    if (convention == "stripe") {
+      // A stripe rank's tokens are one chunk (its KV block).
+      for (int r = 0; r < ranks; ++r) {
+        if (plan.tokens[r].empty()) continue;
+        sh.chunks.push_back(plan.tokens[r]);
+        sh.chunk_rank.push_back(r);
+      }
+      return sh;
+    }
+    // contiguous: P chunks; zigzag: 2P chunks; with documents, chunk c is the union of piece c
+    // of every document. Pieces follow ShardPlan's rule: a run of L tokens cut into n pieces
+    // gives the first L mod n pieces one more token.
+    const int pieces = convention == "zigzag" ? 2 * ranks : ranks;
+    std::vector<std::vector<int64_t>> ct(pieces);
+    std::vector<int> owner(pieces, -1);
+    int64_t start = 0;
+    for (int64_t len : docs) {
+      const int64_t base = len / pieces, extra = len % pieces, big = extra * (base + 1);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t c = t < big ? t / (base + 1) : extra + (t - big) / std::max<int64_t>(base, 1);
+        ct[c].push_back(start + t);
+        owner[c] = convention == "zigzag" && c >= ranks ? static_cast<int>(2 * ranks - 1 - c)
+                                                        : static_cast<int>(c);
+      }
+      start += len;
+    }
+    for (int c = 0; c < pieces; ++c) {
+      if (ct[c].empty()) continue;
+      std::sort(ct[c].begin(), ct[c].end());
+      sh.chunks.push_back(ct[c]);
+      sh.chunk_rank.push_back(owner[c]);
+    }
+    return sh;
+  }
+
+  if (convention == "rfa-zigzag") {
+    // torch.chunk(n): chunks of ceil(L / n) tokens; fewer than n chunks when L is too short.
+    for (int64_t len : docs) {
+      const int64_t size = (len + two_p - 1) / two_p;
+      const int64_t count = (len + size - 1) / size;
+      LOOM_CHECK(count == two_p, InvalidArgument,
+                 "rfa-zigzag: torch.chunk(" << two_p << ") of a sequence of " << len
+                                            << " tokens gives only " << count
+                                            << " chunks, so ring-flash-attention's extract_local "
+                                               "cannot index chunk "
+                                            << two_p - 1);
+    }
+    dual_chunk(sh, docs, [&](int64_t len, int64_t c) {
+      const int64_t size = (len + two_p - 1) / two_p;
+      return std::min(len, c * size);
+    });
+    return sh;
+  }
+
+  if (convention == "te-thd" || convention == "torch-headtail" || convention == "megatron") {
+    for (size_t d = 0; d < docs.size(); ++d)
+      LOOM_CHECK(
+          docs[d] % two_p == 0, InvalidArgument,
+          convention << " needs every " << (doc_lengths.empty() ? "sequence" : "document")
+                     << " length divisible by 2 * ranks = " << two_p << "; "
+                     << (doc_lengths.empty() ? "the sequence" : "document " + std::to_string(d))
+                     << " has " << docs[d] << " tokens");
+    dual_chunk(sh, docs, [&](int64_t len, int64_t c) { return c * (len / two_p); });
+    return sh;
+  }
+  throw InvalidArgument("unknown convention '" + convention + "' (choose " + choices() + ")");
+}
+
+Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>>& local,
+                            const std::string& what) {
+  LOOM_CHECK(static_cast<int>(local.size()) == sh.ranks, InvalidArgument,
+             what << ": expected " << sh.ranks << " per-rank tensors, got " << local.size());
+  LOOM_CHECK(local[0].dim() == 3, InvalidArgument,
+             what << ".rank0 has shape " << shape_str(local[0].shape()) << ", expected 3 dims");
+  const int64_t a = local[0].size(1), b = local[0].size(2);
+  Tensor<double> g({sh.seq, a, b});
+  for (int r = 0; r < sh.ranks; ++r) {
+    const auto& t = local[r];
+    const int64_t n = static_cast<int64_t>(sh.tokens[r].size());
+    LOOM_CHECK(t.dim() == 3 && t.size(0) == n && t.size(1) == a && t.size(2) == b, InvalidArgument,
+               what << ".rank" << r << " has shape " << shape_str(t.shape()) << " but "
+                    << sh.convention << " with " << sh.ranks << " ranks gives rank " << r << " "
+                    << n << " rows of [" << a << ", " << b << "]");
+    for (int64_t i = 0; i < n; ++i)
+      std::copy(t.data() + i * a * b, t.data() + (i + 1) * a * b,
+                g.data() + sh.tokens[r][i] * a * b);
+  }
+  return g;
+}
+
+Tensor<double> unshard_cols(const Sharding& sh, const std::vector<Tensor<double>>& local,
+                            const std::string& what) {
+  LOOM_CHECK(static_cast<int>(local.size()) == sh.ranks, InvalidArgument,
+             what << ": expected " << sh.ranks << " per-rank tensors, got " << local.size());
+  LOOM_CHECK(local[0].dim() == 2, InvalidArgument,
+             what << ".rank0 has shape " << shape_str(local[0].shape()) << ", expected [H, n]");
+  const int64_t a = local[0].size(0);
+  Tensor<double> g({a, sh.seq});
+  for (int r = 0; r < sh.ranks; ++r) {
+    const auto& t = local[r];
+    const int64_t n = static_cast<int64_t>(sh.tokens[r].size());
+    LOOM_CHECK(t.dim() == 2 && t.size(0) == a && t.size(1) == n, InvalidArgument,
+               what << ".rank" << r << " has shape " << shape_str(t.shape()) << " but "
+                    << sh.convention << " with " << sh.ranks << " ranks gives rank " << r << " ["
+                    << a << ", " << n << "]");
+    for (int64_t h = 0; h < a; ++h)
+      for (int64_t i = 0; i < n; ++i) g[h * sh.seq + sh.tokens[r][i]] = t[h * n + i];
+  }
+  return g;
+}
+
+}  // namespace loom::verify

@@ -1,0 +1,1349 @@
+// verify(): compare a candidate's tensors with the fp64 reference and localise what is wrong.
+//
+// Check. The reference (loom's fp64 reference kernels) runs on the check rows: every query row
+// up to options.full_check_max tokens, else 256 evenly spaced ones. Each present tensor is
+// compared by normwise relative error against its written tolerance (tolerance()).
+//
+// Localisation. On the localisation rows (the check rows, at most kLocRows of them) the fp64
+// partial attention of every (query chunk a, KV chunk b) pair is computed: O_ib, lse_ib, so that
+//     out_i = sum_b w_ib O_ib,  w_ib = exp(lse_ib - lse_i),  lse_i = log sum_b exp(lse_ib),
+// and, with a gradient, the pair's share dq_ib of dq_i (dq_i = sum_b dq_ib exactly, because the
+// backward uses the final lse). Two things are then built from these pairs:
+//  * a heat map: the candidate's error E_i is fitted, per query chunk and head, by least squares
+//    to the pair directions (forward: the first-order effect of scaling pair b's weight,
+//    w_ib (O_ib - out_i); dq: dq_ib); each pair's share of the explained energy is its cell;
+//  * defect models: each known defect predicts the candidate exactly from the pairs (a dropped
+//    or doubled ring step changes the multiplicity of one KV block in the merge, a mask offset
+//    swaps which pairs are full, causal or empty, a sum without the log-sum-exp merge adds the
+//    blocks' normalised outputs, bf16 rounding between steps is simulated step by step, a wrong
+//    scale is found by a one-dimensional search). The model with the smallest residual
+//    ||candidate - model|| / ||candidate - reference|| is the diagnosis when it explains most of
+//    the error.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <sstream>
+
+#include "loom/bf16.h"
+#include "loom/verify.h"
+
+namespace loom::verify {
+
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+constexpr int64_t kSampleRows = 256;
+constexpr int64_t kLocRows = 1024;
+constexpr double kLocBytes = 512.0 * 1024 * 1024;
+// A defect model is named when it leaves at most this share of the error's norm unexplained.
+constexpr double kNameResidual = 0.5;
+
+bool finite(double x) {
+  return std::isfinite(x);
+}
+
+double lse_add(double a, double b) {
+  if (a == kNegInf) return b;
+  if (b == kNegInf) return a;
+  const double m = std::max(a, b);
+  return m + std::log1p(std::exp(-std::fabs(a - b)));
+}
+
+double round_bf16(double x) {
+  return static_cast<double>(to_float(to_bf16(static_cast<float>(x))));
+}
+
+std::string join(const std::vector<int>& v, const std::string& sep = ", ") {
+  std::ostringstream os;
+  for (size_t i = 0; i < v.size(); ++i) os << (i ? sep : "") << v[i];
+  return os.str();
+}
+
+std::string chunk_list(const std::vector<int>& v) {
+  if (v.size() == 1) return "KV chunk " + std::to_string(v[0]);
+  std::string s = "KV chunks ";
+  for (size_t i = 0; i < v.size(); ++i)
+    s += (i == 0 ? "" : (i + 1 == v.size() ? " and " : ", ")) + std::to_string(v[i]);
+  return s;
+}
+
+// Everything the check and the models share.
+struct Ctx {
+  const Problem& p;
+  const Options& o;
+  Sharding sh;
+  int64_t S, H, Hkv, D, group;
+  double scale;
+  std::vector<int64_t> pos;
+  std::vector<int32_t> doc;
+  std::vector<int> chunk_of;  // token -> chunk
+  int nc = 0;                 // chunks
+  std::vector<int64_t> rows;  // check rows (ascending global tokens)
+  bool sampled = false;
+  std::vector<int64_t> lrows;   // localisation rows (subset of rows)
+  std::vector<int> lrow_chunk;  // chunk of each localisation row
+
+  Ctx(const Problem& p_, const Options& o_) : p(p_), o(o_) {}
+
+  Tokens all_tokens() const { return Tokens{pos.data(), doc.empty() ? nullptr : doc.data(), S}; }
+  bool vis(int64_t i, int64_t j) const {
+    return visible(p.mask, i, doc.empty() ? 0 : doc[i], j, doc.empty() ? 0 : doc[j]);
+  }
+  // Steps of the ring: the step at which query chunk a's rank holds KV chunk b's block.
+  int step_of(int a, int b) const {
+    const int P = sh.ranks;
+    return ((sh.chunk_rank[a] - sh.chunk_rank[b]) % P + P) % P;
+  }
+};
+
+// Reference out, lse (and dq, dk, dv) on the check rows.
+struct Reference {
+  Tensor<double> out;     // [rows, H, D]
+  Tensor<double> lse;     // [H, rows]
+  Tensor<double> dq;      // [rows, H, D]
+  Tensor<double> dk, dv;  // [S, Hkv, D], only when every row is checked
+};
+
+Tensor<double> gather_rows(const Tensor<double>& x, const std::vector<int64_t>& rows) {
+  const int64_t w = x.size(1) * x.size(2);
+  Tensor<double> y({static_cast<int64_t>(rows.size()), x.size(1), x.size(2)});
+  for (size_t r = 0; r < rows.size(); ++r)
+    std::copy(x.data() + rows[r] * w, x.data() + (rows[r] + 1) * w, y.data() + r * w);
+  return y;
+}
+
+Reference run_reference(const Ctx& c, double scale, bool backward) {
+  Reference ref;
+  const int64_t n = static_cast<int64_t>(c.rows.size());
+  Tensor<double> q = gather_rows(c.p.q, c.rows);
+  std::vector<int64_t> qpos(c.rows.begin(), c.rows.end());
+  std::vector<int32_t> qdoc;
+  for (int64_t r : c.rows)
+    if (!c.doc.empty()) qdoc.push_back(c.doc[r]);
+  Tokens qt{qpos.data(), qdoc.empty() ? nullptr : qdoc.data(), n};
+  ref.out = Tensor<double>({n, c.H, c.D});
+  ref.lse = Tensor<double>({c.H, n});
+  reference_forward(q.view3(), c.p.k.view3(), c.p.v.view3(), qt, c.all_tokens(), c.p.mask, scale,
+                    ref.out.view3(), ref.lse.data());
+  if (backward) {
+    Tensor<double> dout = gather_rows(c.p.dout, c.rows);
+    ref.dq = Tensor<double>({n, c.H, c.D});
+    Tensor<double> dk({c.S, c.Hkv, c.D}), dv({c.S, c.Hkv, c.D});
+    reference_backward(q.view3(), c.p.k.view3(), c.p.v.view3(), dout.view3(), qt, c.all_tokens(),
+                       c.p.mask, scale, ref.dq.view3(), dk.view3(), dv.view3());
+    if (!c.sampled) {
+      ref.dk = std::move(dk);
+      ref.dv = std::move(dv);
+    }
+  }
+  return ref;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Comparison of one tensor.
+
+struct Cmp {
+  double err2 = 0, ref2 = 0, max_abs = 0;
+  int64_t non_finite = 0, inf_mismatch = 0;
+  void add(double x, double r) {
+    const bool r_inf = std::isinf(r) && r < 0;
+    if (!finite(x)) {
+      if (r_inf && std::isinf(x) && x < 0) return;  // both -inf (lse of an empty row)
+      if (std::isinf(x) && x < 0) {
+        ++inf_mismatch;
+      } else {
+        ++non_finite;
+      }
+      return;
+    }
+    if (r_inf) {
+      ++inf_mismatch;
+      return;
+    }
+    const double e = x - r;
+    err2 += e * e;
+    ref2 += r * r;
+    max_abs = std::max(max_abs, std::fabs(e));
+  }
+  double rel() const {
+    if (non_finite || inf_mismatch) return std::numeric_limits<double>::infinity();
+    return ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+  }
+};
+
+// Row-major [rows, H, D] comparison of candidate rows (global tensor) against reference rows.
+TensorCheck compare_rows(const Ctx& c, const std::string& name, const Tensor<double>& cand,
+                         const Tensor<double>& ref, const std::vector<int64_t>& rows,
+                         bool kv_rows) {
+  TensorCheck t;
+  t.name = name;
+  t.present = t.compared = true;
+  t.tolerance = tolerance(name, c.o.dtype);
+  t.sampled = c.sampled && !kv_rows;
+  const int64_t A = cand.size(1), B = cand.size(2);
+  Cmp all;
+  std::vector<Cmp> per_rank(c.sh.ranks), per_chunk(c.nc), per_head(A);
+  std::vector<int> rank_of(c.S, 0);
+  for (int r = 0; r < c.sh.ranks; ++r)
+    for (int64_t tok : c.sh.tokens[r]) rank_of[tok] = r;
+  for (size_t ri = 0; ri < rows.size(); ++ri) {
+    const int64_t g = rows[ri];
+    for (int64_t h = 0; h < A; ++h)
+      for (int64_t d = 0; d < B; ++d) {
+        const double x = cand[(g * A + h) * B + d];
+        const double r = ref[(static_cast<int64_t>(kv_rows ? g : ri) * A + h) * B + d];
+        all.add(x, r);
+        per_rank[rank_of[g]].add(x, r);
+        per_chunk[c.chunk_of[g]].add(x, r);
+        per_head[h].add(x, r);
+      }
+  }
+  t.rel_err = all.rel();
+  t.max_abs_err = all.max_abs;
+  t.non_finite = all.non_finite;
+  t.inf_mismatch = all.inf_mismatch;
+  t.passed = t.rel_err <= t.tolerance;
+  for (auto& x : per_rank) t.per_rank.push_back(x.rel());
+  for (auto& x : per_chunk) t.per_chunk.push_back(x.rel());
+  for (auto& x : per_head) t.per_head.push_back(x.rel());
+  return t;
+}
+
+TensorCheck compare_lse(const Ctx& c, const Tensor<double>& cand, const Tensor<double>& ref) {
+  TensorCheck t;
+  t.name = "lse";
+  t.present = t.compared = true;
+  t.tolerance = tolerance("lse", c.o.dtype);
+  t.sampled = c.sampled;
+  Cmp all;
+  std::vector<Cmp> per_rank(c.sh.ranks), per_chunk(c.nc), per_head(c.H);
+  std::vector<int> rank_of(c.S, 0);
+  for (int r = 0; r < c.sh.ranks; ++r)
+    for (int64_t tok : c.sh.tokens[r]) rank_of[tok] = r;
+  const int64_t n = static_cast<int64_t>(c.rows.size());
+  for (int64_t h = 0; h < c.H; ++h)
+    for (int64_t ri = 0; ri < n; ++ri) {
+      const int64_t g = c.rows[ri];
+      const double x = cand[h * c.S + g], r = ref[h * n + ri];
+      all.add(x, r);
+      per_rank[rank_of[g]].add(x, r);
+      per_chunk[c.chunk_of[g]].add(x, r);
+      per_head[h].add(x, r);
+    }
+  t.rel_err = all.rel();
+  t.max_abs_err = all.max_abs;
+  t.non_finite = all.non_finite;
+  t.inf_mismatch = all.inf_mismatch;
+  t.passed = t.rel_err <= t.tolerance;
+  for (auto& x : per_rank) t.per_rank.push_back(x.rel());
+  for (auto& x : per_chunk) t.per_chunk.push_back(x.rel());
+  for (auto& x : per_head) t.per_head.push_back(x.rel());
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pair partials on the localisation rows.
+
+struct Pairs {
+  int64_t n = 0;  // localisation rows
+  int nc = 0;
+  int64_t H = 0, D = 0;
+  // [b][ri][h][d] and [b][ri][h]: partial attention of row ri over KV chunk b (true mask).
+  std::vector<double> o, lse;
+  std::vector<double> out, out_lse;  // merged: [ri][h][d], [ri][h]
+  // Mask-offset partials for b in {a-1, a, a+1} (slot 0..2): full (every key of b visible, as if
+  // b were a past chunk) and tril (key local index <= query local index, as if b were the
+  // diagonal chunk). Only when has_alt.
+  bool has_alt = false;
+  std::vector<double> full_o, full_lse, tril_o, tril_lse;  // [slot][ri][h][d], [slot][ri][h]
+  // dq shares: [b][ri][h][d]; only when has_dq.
+  bool has_dq = false;
+  std::vector<double> dq;
+  std::vector<double> dq_sum;  // [ri][h][d]
+  size_t oi(int b, int64_t ri, int64_t h) const {
+    return ((static_cast<size_t>(b) * n + ri) * H + h) * D;
+  }
+  size_t li(int b, int64_t ri, int64_t h) const {
+    return (static_cast<size_t>(b) * n + ri) * H + h;
+  }
+};
+
+// Partial over the keys `keys` visible to row i (through `vis`), head h: lse and normalised out.
+template <class Vis>
+void partial(const Ctx& c, double scale, int64_t i, int64_t h, const std::vector<int64_t>& keys,
+             Vis vis, std::vector<double>& s, double* o, double& lse) {
+  const int64_t g = h / c.group;
+  const double* qi = c.p.q.data() + (i * c.H + h) * c.D;
+  double m = kNegInf;
+  s.resize(keys.size());
+  for (size_t t = 0; t < keys.size(); ++t) {
+    const int64_t j = keys[t];
+    if (!vis(i, j, t)) {
+      s[t] = kNegInf;
+      continue;
+    }
+    const double* kj = c.p.k.data() + (j * c.Hkv + g) * c.D;
+    double dot = 0;
+    for (int64_t d = 0; d < c.D; ++d) dot += qi[d] * kj[d];
+    s[t] = scale * dot;
+    m = std::max(m, s[t]);
+  }
+  std::fill(o, o + c.D, 0.0);
+  if (m == kNegInf) {
+    lse = kNegInf;
+    return;
+  }
+  double l = 0;
+  for (size_t t = 0; t < keys.size(); ++t) {
+    if (s[t] == kNegInf) continue;
+    const double e = std::exp(s[t] - m);
+    l += e;
+    const double* vj = c.p.v.data() + (keys[t] * c.Hkv + g) * c.D;
+    for (int64_t d = 0; d < c.D; ++d) o[d] += e * vj[d];
+  }
+  for (int64_t d = 0; d < c.D; ++d) o[d] /= l;
+  lse = m + std::log(l);
+}
+
+Pairs compute_pairs(const Ctx& c, bool want_alt, bool want_dq) {
+  Pairs pr;
+  pr.n = static_cast<int64_t>(c.lrows.size());
+  pr.nc = c.nc;
+  pr.H = c.H;
+  pr.D = c.D;
+  pr.o.assign(static_cast<size_t>(c.nc) * pr.n * c.H * c.D, 0.0);
+  pr.lse.assign(static_cast<size_t>(c.nc) * pr.n * c.H, kNegInf);
+  pr.out.assign(static_cast<size_t>(pr.n) * c.H * c.D, 0.0);
+  pr.out_lse.assign(static_cast<size_t>(pr.n) * c.H, kNegInf);
+  pr.has_alt = want_alt;
+  if (want_alt) {
+    pr.full_o.assign(3 * static_cast<size_t>(pr.n) * c.H * c.D, 0.0);
+    pr.tril_o = pr.full_o;
+    pr.full_lse.assign(3 * static_cast<size_t>(pr.n) * c.H, kNegInf);
+    pr.tril_lse = pr.full_lse;
+  }
+  pr.has_dq = want_dq;
+  if (want_dq) {
+    pr.dq.assign(pr.o.size(), 0.0);
+    pr.dq_sum.assign(pr.out.size(), 0.0);
+  }
+  // Local index of each token inside its chunk (for the tril treatment).
+  std::vector<int64_t> local(c.S, 0);
+  for (int b = 0; b < c.nc; ++b)
+    for (size_t t = 0; t < c.sh.chunks[b].size(); ++t) local[c.sh.chunks[b][t]] = t;
+
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t ri = 0; ri < pr.n; ++ri) {
+    std::vector<double> s;
+    const int64_t i = c.lrows[ri];
+    const int a = c.chunk_of[i];
+    for (int64_t h = 0; h < c.H; ++h) {
+      double L = kNegInf;
+      for (int b = 0; b < c.nc; ++b) {
+        double* o = pr.o.data() + pr.oi(b, ri, h);
+        partial(
+            c, c.scale, i, h, c.sh.chunks[b],
+            [&](int64_t qi, int64_t kj, size_t) { return c.vis(qi, kj); }, s, o,
+            pr.lse[pr.li(b, ri, h)]);
+        L = lse_add(L, pr.lse[pr.li(b, ri, h)]);
+      }
+      pr.out_lse[ri * c.H + h] = L;
+      double* out = pr.out.data() + (ri * c.H + h) * c.D;
+      if (L != kNegInf)
+        for (int b = 0; b < c.nc; ++b) {
+          const double w = std::exp(pr.lse[pr.li(b, ri, h)] - L);
+          if (w == 0) continue;
+          const double* o = pr.o.data() + pr.oi(b, ri, h);
+          for (int64_t d = 0; d < c.D; ++d) out[d] += w * o[d];
+        }
+      if (want_alt) {
+        for (int slot = 0; slot < 3; ++slot) {
+          const int b = a - 1 + slot;
+          if (b < 0 || b >= c.nc) continue;
+          const size_t li = (static_cast<size_t>(slot) * pr.n + ri) * c.H + h;
+          partial(
+              c, c.scale, i, h, c.sh.chunks[b], [&](int64_t, int64_t, size_t) { return true; }, s,
+              pr.full_o.data() + li * c.D, pr.full_lse[li]);
+          const int64_t qloc = local[i];
+          partial(
+              c, c.scale, i, h, c.sh.chunks[b],
+              [&](int64_t, int64_t, size_t t) { return static_cast<int64_t>(t) <= qloc; }, s,
+              pr.tril_o.data() + li * c.D, pr.tril_lse[li]);
+        }
+      }
+      if (want_dq && L != kNegInf) {
+        // dq_ib = scale sum_{j in b} p_ij (dout_i . v_j - delta_i) k_j with the final lse.
+        const int64_t g = h / c.group;
+        const double* qi = c.p.q.data() + (i * c.H + h) * c.D;
+        const double* doi = c.p.dout.data() + (i * c.H + h) * c.D;
+        double delta = 0;
+        for (int64_t d = 0; d < c.D; ++d) delta += doi[d] * out[d];
+        double* sum = pr.dq_sum.data() + (ri * c.H + h) * c.D;
+        for (int b = 0; b < c.nc; ++b) {
+          double* dqb = pr.dq.data() + pr.oi(b, ri, h);
+          for (int64_t j : c.sh.chunks[b]) {
+            if (!c.vis(i, j)) continue;
+            const double* kj = c.p.k.data() + (j * c.Hkv + g) * c.D;
+            const double* vj = c.p.v.data() + (j * c.Hkv + g) * c.D;
+            double sc = 0, dp = 0;
+            for (int64_t d = 0; d < c.D; ++d) {
+              sc += qi[d] * kj[d];
+              dp += doi[d] * vj[d];
+            }
+            const double pij = std::exp(c.scale * sc - L);
+            const double ds = pij * (dp - delta);
+            for (int64_t d = 0; d < c.D; ++d) dqb[d] += c.scale * ds * kj[d];
+          }
+          for (int64_t d = 0; d < c.D; ++d) sum[d] += dqb[d];
+        }
+      }
+    }
+  }
+  return pr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Defect models. A model predicts the candidate on the localisation rows; residual() compares.
+
+// The candidate on the localisation rows: [ri][h][d] (non-finite values read as 0, the value of
+// a row that sees nothing) and the per-chunk error energy against the reference.
+struct Observed {
+  std::vector<double> x;         // candidate
+  std::vector<double> ref;       // reference (merged pairs, or dq_sum)
+  std::vector<double> chunk_e2;  // ||x - ref||^2 per query chunk
+  double e2 = 0;
+};
+
+Observed observe(const Ctx& c, const Tensor<double>& cand, const std::vector<double>& ref) {
+  Observed ob;
+  const int64_t n = static_cast<int64_t>(c.lrows.size()), w = c.H * c.D;
+  ob.x.resize(static_cast<size_t>(n * w));
+  ob.ref = ref;
+  ob.chunk_e2.assign(c.nc, 0.0);
+  for (int64_t ri = 0; ri < n; ++ri)
+    for (int64_t e = 0; e < w; ++e) {
+      double x = cand[c.lrows[ri] * w + e];
+      if (!finite(x)) x = 0;
+      ob.x[ri * w + e] = x;
+      const double d = x - ref[ri * w + e];
+      ob.chunk_e2[c.lrow_chunk[ri]] += d * d;
+    }
+  for (double e : ob.chunk_e2) ob.e2 += e;
+  return ob;
+}
+
+// Residual of a model that changes only the rows of `touched` chunks; predict(ri, h, out) fills
+// the model's D values of row ri, head h.
+double residual(const Ctx& c, const Observed& ob, const std::vector<bool>& touched,
+                const std::function<void(int64_t, int64_t, double*)>& predict) {
+  double r2 = 0;
+  for (int a = 0; a < c.nc; ++a)
+    if (!touched[a]) r2 += ob.chunk_e2[a];
+  std::vector<double> y(c.D);
+  for (size_t ri = 0; ri < c.lrows.size(); ++ri) {
+    if (!touched[c.lrow_chunk[ri]]) continue;
+    for (int64_t h = 0; h < c.H; ++h) {
+      predict(static_cast<int64_t>(ri), h, y.data());
+      const double* x = ob.x.data() + (ri * c.H + h) * c.D;
+      for (int64_t d = 0; d < c.D; ++d) r2 += (x[d] - y[d]) * (x[d] - y[d]);
+    }
+  }
+  return ob.e2 > 0 ? std::sqrt(r2 / ob.e2) : 0.0;
+}
+
+// Forward model from KV-chunk multiplicities: m(a, b) in {0, 1, 2} with the true partials.
+double multiplicity_residual(const Ctx& c, const Pairs& pr, const Observed& ob,
+                             const std::function<int(int, int)>& mult,
+                             const std::vector<bool>& touched) {
+  return residual(c, ob, touched, [&](int64_t ri, int64_t h, double* y) {
+    const int a = c.lrow_chunk[ri];
+    double L = kNegInf;
+    for (int b = 0; b < c.nc; ++b) {
+      const int m = mult(a, b);
+      if (m > 0) L = lse_add(L, pr.lse[pr.li(b, ri, h)] + std::log(static_cast<double>(m)));
+    }
+    std::fill(y, y + c.D, 0.0);
+    if (L == kNegInf) return;
+    for (int b = 0; b < c.nc; ++b) {
+      const int m = mult(a, b);
+      if (m == 0) continue;
+      const double w = m * std::exp(pr.lse[pr.li(b, ri, h)] - L);
+      const double* o = pr.o.data() + pr.oi(b, ri, h);
+      for (int64_t d = 0; d < c.D; ++d) y[d] += w * o[d];
+    }
+  });
+}
+
+void consider(std::vector<Diagnosis>& all, Diagnosis d) {
+  if (std::isfinite(d.residual)) all.push_back(std::move(d));
+}
+
+// Ranks' KV chunks.
+std::vector<std::vector<int>> rank_chunks(const Ctx& c) {
+  std::vector<std::vector<int>> rc(c.sh.ranks);
+  for (int b = 0; b < c.nc; ++b) rc[c.sh.chunk_rank[b]].push_back(b);
+  return rc;
+}
+
+void forward_models(const Ctx& c, const Pairs& pr, const Observed& ob,
+                    std::vector<Diagnosis>& all) {
+  const int P = c.sh.ranks;
+  const auto rc = rank_chunks(c);
+  std::vector<bool> every(c.nc, true);
+  // Dropped and doubled ring steps: every rank, or one rank.
+  if (P > 1) {
+    for (int m : {0, 2}) {
+      for (int s = 0; s < P; ++s) {
+        Diagnosis d;
+        d.kind = m == 0 ? "dropped_step" : "doubled_step";
+        d.steps = {s};
+        d.residual = multiplicity_residual(
+            c, pr, ob, [&](int a, int b) { return c.step_of(a, b) == s ? m : 1; }, every);
+        std::ostringstream os;
+        os << "every rank " << (m == 0 ? "skipped" : "counted twice") << " ring step " << s
+           << ": rank r's queries " << (m == 0 ? "lack" : "count twice")
+           << " the contribution of the KV block of rank (r - " << s << ") mod " << P;
+        d.text = os.str();
+        consider(all, d);
+        for (int r = 0; r < P; ++r) {
+          std::vector<bool> touched(c.nc, false);
+          for (int a : rc[r]) touched[a] = true;
+          Diagnosis e;
+          e.kind = d.kind;
+          e.steps = {s};
+          e.ranks = {r};
+          const int src = ((r - s) % P + P) % P;
+          e.kv_chunks = rc[src];
+          e.q_chunks = rc[r];
+          e.residual = multiplicity_residual(
+              c, pr, ob,
+              [&](int a, int b) { return c.sh.chunk_rank[a] == r && c.step_of(a, b) == s ? m : 1; },
+              touched);
+          std::ostringstream es;
+          es << "rank " << r << "'s queries " << (m == 0 ? "lack" : "count twice")
+             << " the contribution of " << chunk_list(rc[src]) << " (ring step " << s
+             << ", the KV block of rank " << src << ")";
+          e.text = es.str();
+          consider(all, e);
+        }
+      }
+    }
+  } else {
+    // One rank, no ring: a missing or doubled KV chunk for one query chunk.
+    for (int m : {0, 2})
+      for (int a = 0; a < c.nc; ++a)
+        for (int b = 0; b < c.nc; ++b) {
+          std::vector<bool> touched(c.nc, false);
+          touched[a] = true;
+          Diagnosis e;
+          e.kind = m == 0 ? "dropped_step" : "doubled_step";
+          e.q_chunks = {a};
+          e.kv_chunks = {b};
+          e.residual = multiplicity_residual(
+              c, pr, ob, [&](int qa, int kb) { return qa == a && kb == b ? m : 1; }, touched);
+          e.text = "query chunk " + std::to_string(a) + (m == 0 ? " lacks" : " counts twice") +
+                   " the contribution of KV chunk " + std::to_string(b);
+          consider(all, e);
+        }
+  }
+
+  // Sum of the blocks' normalised outputs, no log-sum-exp weighting (the first seed's loop:
+  // `output += attn_output_chunk`). Blocks: each rank's KV shard, and (a variant) each chunk.
+  for (int variant = 0; variant < 2; ++variant) {
+    if (variant == 1 && (P == 1 || c.nc == P)) continue;  // blocks are chunks: the same model
+    Diagnosis d;
+    d.kind = "no_lse_merge";
+    d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
+      std::fill(y, y + c.D, 0.0);
+      auto add_block = [&](const std::vector<int>& chunks) {
+        double L = kNegInf;
+        for (int b : chunks) L = lse_add(L, pr.lse[pr.li(b, ri, h)]);
+        if (L == kNegInf) return;
+        for (int b : chunks) {
+          const double w = std::exp(pr.lse[pr.li(b, ri, h)] - L);
+          const double* o = pr.o.data() + pr.oi(b, ri, h);
+          for (int64_t d2 = 0; d2 < c.D; ++d2) y[d2] += w * o[d2];
+        }
+      };
+      if (variant == 0 && P > 1) {
+        for (int r = 0; r < P; ++r) add_block(rc[r]);
+      } else {
+        for (int b = 0; b < c.nc; ++b) add_block({b});
+      }
+    });
+    d.text = std::string("missing log-sum-exp merge: the partial outputs of the ") +
+             (variant == 0 && P > 1 ? "ring steps" : "KV chunks") +
+             " were added (out += partial) instead of weighted by exp(lse_step - lse)";
+    consider(all, d);
+  }
+
+  // Mask offset by one chunk (causal, no window, chunks in position order).
+  if (pr.has_alt) {
+    for (int delta : {-1, +1}) {
+      Diagnosis d;
+      d.kind = "mask_offset";
+      d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
+        const int a = c.lrow_chunk[ri];
+        // Pair treatment by rule(a, b + delta): b' < a full, b' == a causal, b' > a none.
+        struct Part {
+          const double* o;
+          double lse;
+        };
+        std::vector<Part> parts;
+        for (int b = 0; b < c.nc; ++b) {
+          const int bp = b + delta;
+          if (bp > a) continue;
+          const int slot = b - a + 1;
+          if (slot >= 0 && slot <= 2) {
+            const size_t li = (static_cast<size_t>(slot) * pr.n + ri) * c.H + h;
+            if (bp < a)
+              parts.push_back({pr.full_o.data() + li * c.D, pr.full_lse[li]});
+            else
+              parts.push_back({pr.tril_o.data() + li * c.D, pr.tril_lse[li]});
+          } else {
+            parts.push_back({pr.o.data() + pr.oi(b, ri, h), pr.lse[pr.li(b, ri, h)]});
+          }
+        }
+        double L = kNegInf;
+        for (auto& q : parts) L = lse_add(L, q.lse);
+        std::fill(y, y + c.D, 0.0);
+        if (L == kNegInf) return;
+        for (auto& q : parts) {
+          const double w = std::exp(q.lse - L);
+          for (int64_t d2 = 0; d2 < c.D; ++d2) y[d2] += w * q.o[d2];
+        }
+      });
+      d.value = delta;
+      d.text = delta < 0 ? "the diagonal blocks are masked with the wrong offset: each query "
+                           "chunk sees its own KV chunk in full and the next chunk causally "
+                           "(mask shifted one chunk into the future)"
+                         : "the diagonal blocks are masked with the wrong offset: each query "
+                           "chunk sees the previous KV chunk causally and its own not at all "
+                           "(mask shifted one chunk into the past)";
+      consider(all, d);
+    }
+  }
+
+  // bf16 rounding of the running output between ring steps (merge in ring order on each rank;
+  // variant 1 also rounds each step's partial output, as a bf16 flash-attention call returns it).
+  if (P > 1) {
+    for (int variant = 0; variant < 2; ++variant) {
+      Diagnosis d;
+      d.kind = "bf16_between_steps";
+      // The model's relative error of the running output after each step (how it grows).
+      std::vector<double> step_e2(P, 0.0), step_r2(P, 0.0);
+      d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
+        const int a = c.lrow_chunk[ri];
+        const int r = c.sh.chunk_rank[a];
+        double L = kNegInf, Lx = kNegInf;
+        std::fill(y, y + c.D, 0.0);
+        std::vector<double> ob_(c.D), exact(c.D, 0.0);
+        for (int s = 0; s < P; ++s) {
+          const int src = ((r - s) % P + P) % P;
+          double Lb = kNegInf;
+          for (int b : rc[src]) Lb = lse_add(Lb, pr.lse[pr.li(b, ri, h)]);
+          if (Lb != kNegInf) {
+            std::fill(ob_.begin(), ob_.end(), 0.0);
+            for (int b : rc[src]) {
+              const double w = std::exp(pr.lse[pr.li(b, ri, h)] - Lb);
+              const double* o = pr.o.data() + pr.oi(b, ri, h);
+              for (int64_t d2 = 0; d2 < c.D; ++d2) ob_[d2] += w * o[d2];
+            }
+            const double Lxn = lse_add(Lx, Lb);
+            const double xa = Lx == kNegInf ? 0.0 : std::exp(Lx - Lxn), xb = std::exp(Lb - Lxn);
+            for (int64_t d2 = 0; d2 < c.D; ++d2) exact[d2] = xa * exact[d2] + xb * ob_[d2];
+            Lx = Lxn;
+            if (variant == 1)
+              for (auto& v : ob_) v = round_bf16(v);
+            const double Ln = lse_add(L, Lb);
+            const double wa = L == kNegInf ? 0.0 : std::exp(L - Ln), wb = std::exp(Lb - Ln);
+            for (int64_t d2 = 0; d2 < c.D; ++d2) y[d2] = round_bf16(wa * y[d2] + wb * ob_[d2]);
+            L = static_cast<double>(static_cast<float>(Ln));
+          }
+          for (int64_t d2 = 0; d2 < c.D; ++d2) {
+            step_e2[s] += (y[d2] - exact[d2]) * (y[d2] - exact[d2]);
+            step_r2[s] += exact[d2] * exact[d2];
+          }
+        }
+      });
+      std::ostringstream os;
+      os.precision(2);
+      std::vector<double> rel(P);
+      for (int s = 0; s < P; ++s) rel[s] = step_r2[s] > 0 ? std::sqrt(step_e2[s] / step_r2[s]) : 0;
+      const bool grows = rel[P - 1] > 1.2 * rel[0];
+      os << (grows ? "the error grows with ring step: " : "")
+         << "partial results were rounded to bf16 between steps (the running output is kept in "
+            "bf16 while the ring merges; keep it in fp32); relative error of the running output "
+            "after ring steps 0.."
+         << P - 1 << " in that model:";
+      for (int s = 0; s < P; ++s) os << " " << rel[s];
+      d.text = os.str();
+      consider(all, d);
+    }
+  }
+}
+
+// Chunk-level row order: which reference chunk does each candidate chunk slot hold?
+void order_model(const Ctx& c, const Tensor<double>& cand, const Reference& ref,
+                 std::vector<Diagnosis>& all) {
+  if (c.sampled) return;
+  const int64_t w = c.H * c.D;
+  std::vector<int> pi(c.nc);
+  bool identity = true;
+  double r2 = 0, e2 = 0;
+  for (int a = 0; a < c.nc; ++a) {
+    const auto& ta = c.sh.chunks[a];
+    double best = std::numeric_limits<double>::infinity(), self = 0;
+    int arg = a;
+    for (int b = 0; b < c.nc; ++b) {
+      const auto& tb = c.sh.chunks[b];
+      if (tb.size() != ta.size()) continue;
+      double dist = 0;
+      for (size_t t = 0; t < ta.size(); ++t)
+        for (int64_t e = 0; e < w; ++e) {
+          double x = cand[ta[t] * w + e];
+          if (!finite(x)) x = 0;
+          const double dd = x - ref.out[tb[t] * w + e];
+          dist += dd * dd;
+        }
+      if (b == a) self = dist;
+      if (dist < best) {
+        best = dist;
+        arg = b;
+      }
+    }
+    pi[a] = arg;
+    if (arg != a) identity = false;
+    r2 += best;
+    e2 += self;
+  }
+  if (identity || e2 == 0) return;
+  Diagnosis d;
+  d.kind = "row_order";
+  d.residual = std::sqrt(r2 / e2);
+  std::ostringstream detail;
+  int shown = 0;
+  for (int a = 0; a < c.nc; ++a) {
+    if (pi[a] == a) continue;
+    d.q_chunks.push_back(a);
+    if (std::find(d.ranks.begin(), d.ranks.end(), c.sh.chunk_rank[a]) == d.ranks.end())
+      d.ranks.push_back(c.sh.chunk_rank[a]);
+    if (shown++ < 4)
+      detail << (shown > 1 ? "; " : "") << "where " << c.sh.convention << " puts chunk " << a
+             << " (rank " << c.sh.chunk_rank[a] << ") the candidate holds chunk " << pi[a];
+  }
+  if (shown > 4) detail << "; ...";
+  std::sort(d.ranks.begin(), d.ranks.end());
+  // The common zigzag mistake: a rank's two chunks swapped.
+  bool swapped = c.sh.ranks > 1;
+  for (int a = 0; a < c.nc && swapped; ++a)
+    if (pi[a] != a && c.sh.chunk_rank[pi[a]] != c.sh.chunk_rank[a]) swapped = false;
+  std::ostringstream os;
+  if (swapped)
+    os << "wrong zigzag order: rank" << (d.ranks.size() > 1 ? "s " : " ") << join(d.ranks)
+       << (d.ranks.size() > 1 ? " hold their" : " holds its") << " chunks in swapped order ("
+       << detail.str() << ")";
+  else
+    os << "rows are in the wrong order: " << detail.str();
+  d.text = os.str();
+  consider(all, d);
+}
+
+// GQA head mapping: query head h read KV head h mod Hkv (torch's repeat() instead of
+// repeat_interleave()) where h / (H / Hkv) is right. Computed with the reference on query heads
+// permuted so that its h / group mapping reads the KV head the wrong mapping reads.
+void gqa_model(const Ctx& c, const Tensor<double>& cand, const Observed& ob,
+               std::vector<Diagnosis>& all) {
+  if (c.Hkv <= 1 || c.Hkv == c.H) return;
+  // pi(h') = j * Hkv + kv for h' = kv * group + j: head pi(h') reads kv under h mod Hkv.
+  std::vector<int64_t> pi(c.H);
+  for (int64_t kv = 0; kv < c.Hkv; ++kv)
+    for (int64_t j = 0; j < c.group; ++j) pi[kv * c.group + j] = j * c.Hkv + kv;
+  Problem pq = c.p;
+  for (int64_t i = 0; i < c.S; ++i)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t d = 0; d < c.D; ++d)
+        pq.q[(i * c.H + h) * c.D + d] = c.p.q[(i * c.H + pi[h]) * c.D + d];
+  Ctx sub(pq, c.o);
+  sub.sh = c.sh;
+  sub.S = c.S;
+  sub.H = c.H;
+  sub.Hkv = c.Hkv;
+  sub.D = c.D;
+  sub.group = c.group;
+  sub.pos = c.pos;
+  sub.doc = c.doc;
+  sub.rows = c.lrows;
+  const Reference r = run_reference(sub, c.scale, false);
+  std::vector<double> pred(r.out.numel());
+  for (size_t ri = 0; ri < c.lrows.size(); ++ri)
+    for (int64_t h = 0; h < c.H; ++h)
+      std::copy(r.out.data() + (ri * c.H + h) * c.D, r.out.data() + (ri * c.H + h + 1) * c.D,
+                pred.data() + (ri * c.H + pi[h]) * c.D);
+  Diagnosis d;
+  d.kind = "gqa_mapping";
+  std::vector<bool> every(c.nc, true);
+  d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
+    std::copy(pred.data() + (ri * c.H + h) * c.D, pred.data() + (ri * c.H + h + 1) * c.D, y);
+  });
+  (void)cand;
+  std::ostringstream os;
+  os << "wrong GQA head mapping: query head h read KV head h mod " << c.Hkv
+     << " (KV heads repeated, torch repeat) instead of h / " << c.group
+     << " (each KV head shared by " << c.group << " consecutive query heads, repeat_interleave)";
+  d.text = os.str();
+  consider(all, d);
+}
+
+// Softmax scale: one-dimensional search on log(scale) for the scale that best explains out.
+void scale_model(const Ctx& c, const Tensor<double>& cand, std::vector<Diagnosis>& all,
+                 double e_norm2) {
+  // Rows for the search: up to 64 of the localisation rows.
+  Ctx sub(c.p, c.o);
+  sub.sh = c.sh;
+  sub.S = c.S;
+  sub.H = c.H;
+  sub.Hkv = c.Hkv;
+  sub.D = c.D;
+  sub.group = c.group;
+  sub.pos = c.pos;
+  sub.doc = c.doc;
+  const size_t step = std::max<size_t>(1, c.lrows.size() / 64);
+  for (size_t i = 0; i < c.lrows.size(); i += step) sub.rows.push_back(c.lrows[i]);
+  const int64_t w = c.H * c.D;
+  auto err = [&](double sc, double* ref2 = nullptr) {
+    const Reference r = run_reference(sub, sc, false);
+    double e = 0, n2 = 0;
+    for (size_t ri = 0; ri < sub.rows.size(); ++ri)
+      for (int64_t k = 0; k < w; ++k) {
+        double x = cand[sub.rows[ri] * w + k];
+        if (!finite(x)) x = 0;
+        const double d = x - r.out[ri * w + k];
+        e += d * d;
+        n2 += r.out[ri * w + k] * r.out[ri * w + k];
+      }
+    if (ref2) *ref2 = n2;
+    return e;
+  };
+  const double e_true = err(c.scale);
+  if (e_true == 0) return;
+  // Coarse grid over [scale / 64, 64 scale], then golden-section refinement.
+  double best_t = 0, best = e_true;
+  for (int k = -24; k <= 24; ++k) {
+    const double t = k * std::log(64.0) / 24;
+    const double e = err(c.scale * std::exp(t));
+    if (e < best) {
+      best = e;
+      best_t = t;
+    }
+  }
+  double lo = best_t - std::log(64.0) / 24, hi = best_t + std::log(64.0) / 24;
+  const double g = (std::sqrt(5.0) - 1) / 2;
+  double x1 = hi - g * (hi - lo), x2 = lo + g * (hi - lo);
+  double f1 = err(c.scale * std::exp(x1)), f2 = err(c.scale * std::exp(x2));
+  for (int it = 0; it < 30; ++it) {
+    if (f1 < f2) {
+      hi = x2;
+      x2 = x1;
+      f2 = f1;
+      x1 = hi - g * (hi - lo);
+      f1 = err(c.scale * std::exp(x1));
+    } else {
+      lo = x1;
+      x1 = x2;
+      f1 = f2;
+      x2 = lo + g * (hi - lo);
+      f2 = err(c.scale * std::exp(x2));
+    }
+  }
+  const double t = f1 < f2 ? x1 : x2;
+  const double fe = std::min(f1, f2);
+  if (std::fabs(t) < 1e-3) return;
+  (void)e_norm2;
+  Diagnosis d;
+  d.kind = "wrong_scale";
+  d.value = c.scale * std::exp(t);
+  d.residual = std::sqrt(fe / e_true);
+  std::ostringstream os;
+  os.precision(6);
+  os << "wrong softmax scale: the candidate used " << d.value;
+  const double D = static_cast<double>(c.D);
+  struct Guess {
+    double v;
+    const char* name;
+  };
+  for (Guess gs : {Guess{1.0, "1"}, Guess{1.0 / D, "1/D"}, Guess{1.0 / std::sqrt(D), "1/sqrt(D)"},
+                   Guess{std::sqrt(D), "sqrt(D)"}})
+    if (std::fabs(d.value / gs.v - 1) < 1e-3) os << " (= " << gs.name << ")";
+  os << ", the problem's scale is " << c.scale;
+  d.text = os.str();
+  consider(all, d);
+}
+
+// Backward: dq shares with multiplicities (a dropped step) or a stale KV block (the block of
+// step s - 1 used again at step s).
+void backward_models(const Ctx& c, const Pairs& pr, const Observed& ob,
+                     std::vector<Diagnosis>& all) {
+  const int P = c.sh.ranks;
+  if (P < 2) return;
+  const auto rc = rank_chunks(c);
+  auto run = [&](const std::function<double(int, int)>& coef, const std::vector<bool>& touched) {
+    return residual(c, ob, touched, [&](int64_t ri, int64_t h, double* y) {
+      const int a = c.lrow_chunk[ri];
+      std::fill(y, y + c.D, 0.0);
+      for (int b = 0; b < c.nc; ++b) {
+        const double m = coef(a, b);
+        if (m == 0) continue;
+        const double* g = pr.dq.data() + pr.oi(b, ri, h);
+        for (int64_t d = 0; d < c.D; ++d) y[d] += m * g[d];
+      }
+    });
+  };
+  for (int s = 0; s < P; ++s) {
+    for (int r = -1; r < P; ++r) {
+      std::vector<bool> touched(c.nc, r < 0);
+      if (r >= 0)
+        for (int a : rc[r]) touched[a] = true;
+      auto on = [&](int a) { return r < 0 || c.sh.chunk_rank[a] == r; };
+      Diagnosis d;
+      d.kind = "dropped_step";
+      d.steps = {s};
+      if (r >= 0) d.ranks = {r};
+      d.residual =
+          run([&](int a, int b) { return on(a) && c.step_of(a, b) == s ? 0.0 : 1.0; }, touched);
+      std::ostringstream os;
+      os << "in the backward, " << (r < 0 ? "every rank" : "rank " + std::to_string(r))
+         << "'s dq lacks the contribution of ring step " << s;
+      d.text = os.str();
+      consider(all, d);
+      if (s == 0) continue;
+      Diagnosis e;
+      e.kind = "stale_kv_backward";
+      e.steps = {s};
+      if (r >= 0) e.ranks = {r};
+      e.residual = run(
+          [&](int a, int b) {
+            if (!on(a)) return 1.0;
+            const int st = c.step_of(a, b);
+            return st == s ? 0.0 : (st == s - 1 ? 2.0 : 1.0);
+          },
+          touched);
+      std::ostringstream es;
+      es << "stale KV in the backward: at ring step " << s << " "
+         << (r < 0 ? "every rank" : "rank " + std::to_string(r))
+         << " computed with the KV block of step " << s - 1
+         << " again (the received block was not used), so dq counts step " << s - 1
+         << "'s keys twice and lacks step " << s << "'s";
+      e.text = es.str();
+      consider(all, e);
+    }
+  }
+}
+
+// Heat map: pair shares of the explained error energy. Direction k (0 <= k < per_pair * nc)
+// belongs to pair k % nc; basis(k, ri, h, tmp) returns its D values on row ri, head h.
+std::vector<std::vector<double>> heat_map(
+    const Ctx& c, const Observed& ob, int per_pair,
+    const std::function<const double*(int, int64_t, int64_t, std::vector<double>&)>& basis) {
+  std::vector<std::vector<double>> heat(c.nc, std::vector<double>(c.nc, 0.0));
+  if (ob.e2 == 0) return heat;
+  std::vector<std::vector<int64_t>> rows_of(c.nc);
+  for (size_t ri = 0; ri < c.lrows.size(); ++ri) rows_of[c.lrow_chunk[ri]].push_back(ri);
+  const int nb = per_pair * c.nc;
+  std::vector<double> tmp(c.D);
+  for (int a = 0; a < c.nc; ++a) {
+    if (rows_of[a].empty()) continue;
+    for (int64_t h = 0; h < c.H; ++h) {
+      // Pair directions over the rows of chunk a, head h, and the error there.
+      std::vector<std::vector<double>> cols(nb);
+      for (int b = 0; b < nb; ++b) {
+        cols[b].resize(rows_of[a].size() * c.D);
+        for (size_t t = 0; t < rows_of[a].size(); ++t) {
+          const double* g = basis(b, rows_of[a][t], h, tmp);
+          std::copy(g, g + c.D, cols[b].begin() + t * c.D);
+        }
+      }
+      std::vector<double> e(rows_of[a].size() * c.D);
+      for (size_t t = 0; t < rows_of[a].size(); ++t)
+        for (int64_t d = 0; d < c.D; ++d) {
+          const size_t k = (rows_of[a][t] * c.H + h) * c.D + d;
+          e[t * c.D + d] = ob.x[k] - ob.ref[k];
+        }
+      double e0 = 0;
+      for (double x : e) e0 += x * x;
+      if (e0 == 0) continue;
+      // Orthogonal matching pursuit: repeatedly take the pair whose direction (orthogonalised
+      // against the pairs already taken) removes the most error energy, and credit it with that
+      // energy. The forward directions sum to zero over b, so a plain least-squares fit would
+      // spread the credit; pursuit gives it to the pairs that explain the error.
+      auto dotp = [](const std::vector<double>& x, const std::vector<double>& y) {
+        double s = 0;
+        for (size_t k = 0; k < x.size(); ++k) s += x[k] * y[k];
+        return s;
+      };
+      std::vector<std::vector<double>> basis_q;
+      std::vector<bool> taken(nb, false);
+      for (int it = 0; it < nb; ++it) {
+        int best = -1;
+        double best_gain = 0;
+        std::vector<double> best_u;
+        for (int b = 0; b < nb; ++b) {
+          if (taken[b]) continue;
+          std::vector<double> u = cols[b];
+          const double n0 = dotp(u, u);
+          if (n0 == 0) continue;
+          for (const auto& qv : basis_q) {
+            const double pj = dotp(qv, u);
+            for (size_t k = 0; k < u.size(); ++k) u[k] -= pj * qv[k];
+          }
+          const double nu = dotp(u, u);
+          if (nu <= 1e-12 * n0) continue;
+          const double pr = dotp(u, e);
+          const double gain = pr * pr / nu;
+          if (gain > best_gain) {
+            best_gain = gain;
+            best = b;
+            best_u = std::move(u);
+          }
+        }
+        if (best < 0 || best_gain < 1e-4 * e0) break;
+        taken[best] = true;
+        const double nu = std::sqrt(dotp(best_u, best_u));
+        for (auto& x : best_u) x /= nu;
+        const double pr = dotp(best_u, e);
+        for (size_t k = 0; k < e.size(); ++k) e[k] -= pr * best_u[k];
+        basis_q.push_back(std::move(best_u));
+        heat[a][best % c.nc] += best_gain / ob.e2;
+      }
+    }
+  }
+  for (auto& row : heat)
+    for (double& v : row) v = std::min(1.0, v);
+  return heat;
+}
+
+std::string unexplained_text(const Ctx& c, const std::vector<std::vector<double>>& heat,
+                             const TensorCheck& t) {
+  std::ostringstream os;
+  os << "no known defect explains the " << t.name << " error";
+  // Top pairs of the heat map.
+  std::vector<std::pair<double, std::pair<int, int>>> cells;
+  for (int a = 0; a < c.nc; ++a)
+    for (int b = 0; b < c.nc; ++b)
+      if (heat[a][b] > 0.05) cells.push_back({heat[a][b], {a, b}});
+  std::sort(cells.rbegin(), cells.rend());
+  if (!cells.empty()) {
+    os << "; it is concentrated in ";
+    for (size_t i = 0; i < std::min<size_t>(3, cells.size()); ++i) {
+      const int a = cells[i].second.first, b = cells[i].second.second;
+      os << (i ? ", " : "") << "query chunk " << a << " x KV chunk " << b;
+      if (c.sh.ranks > 1)
+        os << " (rank " << c.sh.chunk_rank[a] << ", ring step " << c.step_of(a, b) << ")";
+      os << " " << static_cast<int>(std::lround(100 * cells[i].first)) << "%";
+    }
+  }
+  // Heads.
+  if (!t.per_head.empty()) {
+    const double mx = *std::max_element(t.per_head.begin(), t.per_head.end());
+    std::vector<int> bad;
+    for (size_t h = 0; h < t.per_head.size(); ++h)
+      if (t.per_head[h] > 0.1 * mx && t.per_head[h] > t.tolerance)
+        bad.push_back(static_cast<int>(h));
+    if (!bad.empty() && bad.size() < t.per_head.size())
+      os << "; only head" << (bad.size() > 1 ? "s " : " ") << join(bad)
+         << (bad.size() > 1 ? " are" : " is") << " wrong";
+  }
+  if (c.sh.ranks > 1 && !t.per_rank.empty()) {
+    std::vector<int> bad;
+    for (size_t r = 0; r < t.per_rank.size(); ++r)
+      if (t.per_rank[r] > t.tolerance) bad.push_back(static_cast<int>(r));
+    if (!bad.empty() && static_cast<int>(bad.size()) < c.sh.ranks)
+      os << "; only rank" << (bad.size() > 1 ? "s " : " ") << join(bad)
+         << (bad.size() > 1 ? " are" : " is") << " wrong";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+double tolerance(const std::string& tensor, const std::string& dtype) {
+  constexpr double kFp32 = 1e-5, kBf16 = 2.0 / 256.0;
+  if (dtype == "fp32") return kFp32;
+  if (dtype == "bf16") return tensor == "lse" ? kFp32 : kBf16;
+  throw InvalidArgument("unknown dtype '" + dtype + "' (choose fp32 or bf16)");
+}
+
+Report verify(const Problem& p, const Candidate& cand, const Options& o) {
+  LOOM_CHECK(p.q.dim() == 3 && p.k.dim() == 3 && p.v.dim() == 3, InvalidArgument,
+             "q, k, v must be [S, H, D] and [S, Hkv, D]");
+  Ctx c(p, o);
+  c.S = p.q.size(0);
+  c.H = p.q.size(1);
+  c.D = p.q.size(2);
+  c.Hkv = p.k.size(1);
+  LOOM_CHECK(c.S >= 1 && c.H >= 1 && c.D >= 1 && c.Hkv >= 1, InvalidArgument,
+             "q " << shape_str(p.q.shape()) << " and k " << shape_str(p.k.shape())
+                  << " must be non-empty");
+  LOOM_CHECK(p.k.shape() == p.v.shape(), InvalidArgument,
+             "k " << shape_str(p.k.shape()) << " and v " << shape_str(p.v.shape())
+                  << " must have the same shape");
+  LOOM_CHECK(p.k.size(0) == c.S && p.k.size(2) == c.D, InvalidArgument,
+             "k " << shape_str(p.k.shape()) << " does not match q " << shape_str(p.q.shape()));
+  LOOM_CHECK(c.H % c.Hkv == 0, InvalidArgument,
+             "heads " << c.H << " must be a multiple of kv heads " << c.Hkv);
+  (void)tolerance("out", o.dtype);
+  c.group = c.H / c.Hkv;
+  c.scale = p.scale > 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(c.D));
+  c.sh = make_sharding(o.convention, c.S, o.ranks, p.doc_lengths);
+  c.nc = static_cast<int>(c.sh.chunks.size());
+  c.pos.resize(c.S);
+  std::iota(c.pos.begin(), c.pos.end(), 0);
+  if (!p.doc_lengths.empty()) {
+    int32_t d = 0;
+    for (int64_t len : p.doc_lengths) {
+      for (int64_t t = 0; t < len; ++t) c.doc.push_back(d);
+      ++d;
+    }
+  }
+  c.chunk_of.assign(c.S, 0);
+  for (int b = 0; b < c.nc; ++b)
+    for (int64_t t : c.sh.chunks[b]) c.chunk_of[t] = b;
+  c.sampled = c.S > o.full_check_max;
+  if (c.sampled) {
+    for (int64_t i = 0; i < kSampleRows; ++i) c.rows.push_back(i * (c.S - 1) / (kSampleRows - 1));
+    c.rows.erase(std::unique(c.rows.begin(), c.rows.end()), c.rows.end());
+  } else {
+    c.rows.resize(c.S);
+    std::iota(c.rows.begin(), c.rows.end(), 0);
+  }
+  {
+    // At most kLocRows rows, and at most kLocBytes for the pair partials of every row (out and
+    // dq shares per KV chunk, and the six mask-offset partials), so a large problem is
+    // localised on fewer rows instead of exhausting memory.
+    const double per_row = 8.0 * static_cast<double>(c.H * c.D) * (2.0 * c.nc + 6.0);
+    const int64_t cap = std::max<int64_t>(
+        16, std::min<int64_t>(kLocRows, static_cast<int64_t>(kLocBytes / per_row)));
+    const size_t step = (c.rows.size() + cap - 1) / cap;
+    for (size_t i = 0; i < c.rows.size(); i += step) c.lrows.push_back(c.rows[i]);
+    for (int64_t r : c.lrows) c.lrow_chunk.push_back(c.chunk_of[r]);
+  }
+
+  // Shapes of the candidate's tensors.
+  auto check_shape = [&](const std::optional<Tensor<double>>& t, const char* name,
+                         std::vector<int64_t> want) {
+    if (!t) return;
+    LOOM_CHECK(t->shape() == want, InvalidArgument,
+               "candidate " << name << " has shape " << shape_str(t->shape()) << ", expected "
+                            << shape_str(want));
+  };
+  check_shape(cand.out, "out", {c.S, c.H, c.D});
+  check_shape(cand.lse, "lse", {c.H, c.S});
+  check_shape(cand.dq, "dq", {c.S, c.H, c.D});
+  check_shape(cand.dk, "dk", {c.S, c.Hkv, c.D});
+  check_shape(cand.dv, "dv", {c.S, c.Hkv, c.D});
+  const bool any_grad = cand.dq || cand.dk || cand.dv;
+  if (any_grad)
+    LOOM_CHECK(p.dout.numel() > 0, InvalidArgument,
+               "the candidate has gradients (dq, dk or dv) but the input has no dout.npy");
+  if (p.dout.numel() > 0)
+    LOOM_CHECK(
+        p.dout.shape() == p.q.shape(), InvalidArgument,
+        "dout " << shape_str(p.dout.shape()) << " must have q's shape " << shape_str(p.q.shape()));
+  LOOM_CHECK(cand.out || cand.lse || any_grad, InvalidArgument,
+             "the candidate holds none of out, lse, dq, dk, dv");
+
+  Report rep;
+  rep.convention = o.convention;
+  rep.ranks = o.ranks;
+  rep.seq = c.S;
+  rep.heads = c.H;
+  rep.kv_heads = c.Hkv;
+  rep.head_dim = c.D;
+  rep.chunk_rank = c.sh.chunk_rank;
+
+  const Reference ref = run_reference(c, c.scale, any_grad);
+  std::vector<int64_t> all_rows(c.S);
+  std::iota(all_rows.begin(), all_rows.end(), 0);
+  auto absent = [&](const char* n) {
+    TensorCheck t;
+    t.name = n;
+    rep.tensors.push_back(t);
+    rep.absent.push_back(n);
+  };
+  if (cand.out)
+    rep.tensors.push_back(compare_rows(c, "out", *cand.out, ref.out, c.rows, false));
+  else
+    absent("out");
+  if (cand.lse)
+    rep.tensors.push_back(compare_lse(c, *cand.lse, ref.lse));
+  else
+    absent("lse");
+  if (cand.dq)
+    rep.tensors.push_back(compare_rows(c, "dq", *cand.dq, ref.dq, c.rows, false));
+  else
+    absent("dq");
+  for (const char* n : {"dk", "dv"}) {
+    const auto& t = std::string(n) == "dk" ? cand.dk : cand.dv;
+    if (!t) {
+      absent(n);
+      continue;
+    }
+    if (c.sampled) {
+      TensorCheck x;
+      x.name = n;
+      x.present = true;
+      x.passed = true;
+      x.tolerance = tolerance(n, o.dtype);
+      rep.tensors.push_back(x);
+      continue;
+    }
+    rep.tensors.push_back(
+        compare_rows(c, n, *t, std::string(n) == "dk" ? ref.dk : ref.dv, all_rows, true));
+  }
+  rep.passed = true;
+  for (const auto& t : rep.tensors)
+    if (t.compared && !t.passed) rep.passed = false;
+  if (rep.passed || !o.localise) return rep;
+
+  // Localisation: the forward first (out, else nothing), then dq.
+  const TensorCheck* out_t = nullptr;
+  const TensorCheck* dq_t = nullptr;
+  for (const auto& t : rep.tensors) {
+    if (t.name == "out" && t.compared && !t.passed) out_t = &t;
+    if (t.name == "dq" && t.compared && !t.passed) dq_t = &t;
+  }
+  const bool alt =
+      p.mask.causal && p.mask.window == 0 && p.doc_lengths.empty() && o.convention != "stripe";
+  std::vector<Diagnosis> all;
+  if (out_t) {
+    const Pairs pr = compute_pairs(c, alt, false);
+    const Observed ob = observe(c, *cand.out, pr.out);
+    forward_models(c, pr, ob, all);
+    if (o.dtype == "fp32" && out_t->rel_err <= tolerance("out", "bf16")) {
+      // A bf16 implementation checked with fp32 tolerances: every value of out is a bf16
+      // number, and out is the exact answer rounded once to bf16.
+      bool all_bf16 = true;
+      for (double x : cand.out->vec()) {
+        const float f = static_cast<float>(x);
+        if (std::isfinite(f) && to_float(to_bf16(f)) != f) {
+          all_bf16 = false;
+          break;
+        }
+      }
+      if (all_bf16) {
+        Diagnosis d;
+        d.kind = "bf16_storage";
+        std::vector<bool> every(c.nc, true);
+        d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
+          const double* x = pr.out.data() + (ri * c.H + h) * c.D;
+          for (int64_t k = 0; k < c.D; ++k) y[k] = round_bf16(x[k]);
+        });
+        std::ostringstream os;
+        os.precision(3);
+        os << "out is stored in bf16 (every value is a bf16 number, the exact answer rounded "
+              "once) and its error "
+           << out_t->rel_err << " is within the bf16 tolerance " << tolerance("out", "bf16")
+           << ": a bf16 implementation checked with fp32 tolerances; check it with --dtype bf16";
+        d.text = os.str();
+        consider(all, d);
+      }
+    }
+    order_model(c, *cand.out, ref, all);
+    scale_model(c, *cand.out, all, ob.e2);
+    gqa_model(c, *cand.out, ob, all);
+    rep.heat_tensor = "out";
+    // Two directions per pair: w_ib (O_ib - out_i), the first-order effect of scaling the
+    // pair's weight in the merge (dropped, doubled, masked pairs), and O_ib itself, which a
+    // merge without log-sum-exp weights adds with the wrong weight.
+    rep.heat = heat_map(
+        c, ob, 2, [&](int k, int64_t ri, int64_t h, std::vector<double>& tmp) -> const double* {
+          const int b = k % c.nc;
+          const double L = pr.out_lse[ri * c.H + h];
+          const double lb = pr.lse[pr.li(b, ri, h)];
+          const double w = (L == kNegInf || lb == kNegInf) ? 0.0 : std::exp(lb - L);
+          const double* o_ = pr.o.data() + pr.oi(b, ri, h);
+          const double* out = pr.out.data() + (ri * c.H + h) * c.D;
+          if (k >= c.nc) return o_;
+          for (int64_t d = 0; d < c.D; ++d) tmp[d] = w * (o_[d] - out[d]);
+          return tmp.data();
+        });
+  } else if (dq_t) {
+    const Pairs pr = compute_pairs(c, false, true);
+    const Observed ob = observe(c, *cand.dq, pr.dq_sum);
+    backward_models(c, pr, ob, all);
+    rep.heat_tensor = "dq";
+    rep.heat = heat_map(c, ob, 1,
+                        [&](int b, int64_t ri, int64_t h, std::vector<double>&) -> const double* {
+                          return pr.dq.data() + pr.oi(b, ri, h);
+                        });
+  }
+  std::stable_sort(all.begin(), all.end(),
+                   [](const Diagnosis& a, const Diagnosis& b) { return a.residual < b.residual; });
+  // Non-finite values are named first, with where the first one is.
+  {
+    const std::optional<Tensor<double>>* ts[] = {&cand.out, &cand.lse, &cand.dq, &cand.dk,
+                                                 &cand.dv};
+    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+    std::vector<int> rank_of(c.S, 0);
+    for (int r = 0; r < c.sh.ranks; ++r)
+      for (int64_t tok : c.sh.tokens[r]) rank_of[tok] = r;
+    for (int i = 0; i < 5; ++i) {
+      if (!*ts[i]) continue;
+      const Tensor<double>& t = **ts[i];
+      const bool lse = i == 1;
+      int64_t count = 0, first = -1;
+      for (int64_t e = 0; e < t.numel(); ++e)
+        if (std::isnan(t[e]) || (std::isinf(t[e]) && !(lse && t[e] < 0))) {
+          ++count;
+          if (first < 0) first = e;
+        }
+      if (!count) continue;
+      const int64_t A = lse ? t.size(0) : t.size(1), Bw = lse ? 1 : t.size(2);
+      const int64_t tok = lse ? first % c.S : first / (A * Bw);
+      const int64_t head = lse ? first / c.S : (first / Bw) % A;
+      Diagnosis d;
+      d.kind = "non_finite";
+      d.residual = 1;
+      d.ranks = {rank_of[tok]};
+      d.q_chunks = {c.chunk_of[tok]};
+      std::ostringstream os;
+      os << names[i] << " has " << count << " non-finite value" << (count > 1 ? "s" : "")
+         << " (NaN or Inf); the first at token " << tok << ", head " << head << " (rank "
+         << rank_of[tok] << ", chunk " << c.chunk_of[tok] << ")";
+      d.text = os.str();
+      rep.diagnoses.push_back(d);
+    }
+  }
+  // Keep the named diagnosis (the best, when it explains the error) and a few runners-up.
+  const TensorCheck* main_t = out_t ? out_t : dq_t;
+  if (!all.empty() && all[0].residual <= kNameResidual) {
+    for (size_t i = 0; i < all.size() && rep.diagnoses.size() < 3; ++i)
+      if (i == 0 || all[i].residual <= kNameResidual) rep.diagnoses.push_back(all[i]);
+  } else if (main_t) {
+    Diagnosis d;
+    d.kind = "unexplained";
+    d.residual = all.empty() ? 1.0 : all[0].residual;
+    d.text = unexplained_text(c, rep.heat, *main_t);
+    rep.diagnoses.push_back(d);
+  } else {
+    Diagnosis d;
+    d.kind = "unexplained";
+    std::ostringstream os;
+    os << "only ";
+    bool first = true;
+    for (const auto& t : rep.tensors)
+      if (t.compared && !t.passed) {
+        os << (first ? "" : ", ") << t.name;
+        first = false;
+      }
+    os << " failed; localisation works on out (forward) and dq (backward)";
+    d.text = os.str();
+    rep.diagnoses.push_back(d);
+  }
+  return rep;
+}
+
+}  // namespace loom::verify

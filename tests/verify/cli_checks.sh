@@ -1,0 +1,118 @@
+#!/bin/bash
+# loom verify end to end: the defect library named from per-rank files, loom attn's own outputs
+# passing in every strategy and layout (global, and per rank in every convention), layouts on
+# disk, the JSON report and the heat map, and unusable input (exit status 2).
+# Usage: cli_checks.sh LOOM MAKE_DEFECTS
+set -u
+LOOM=$1
+MK=$2
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+fails=0
+fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
+
+# expect RC PATTERN -- command...: exit status RC and output matching PATTERN.
+expect() {
+  local rc=$1 pat=$2
+  shift 3
+  local out got
+  out=$("$@" 2>&1)
+  got=$?
+  if [ "$got" != "$rc" ]; then fail "exit $got (want $rc): $*"; echo "$out" | tail -5; return; fi
+  if ! grep -q -- "$pat" <<<"$out"; then fail "no '$pat' in output of: $*"; echo "$out" | tail -5; fi
+}
+
+"$MK" "$T/lib" zigzag 4 96 || { echo "make_defects failed"; exit 1; }
+V() { "$LOOM" verify --input "$T/lib/input" --convention zigzag --ranks 4 "$@"; }
+expect 0 "verify    PASSED" -- V --candidate "$T/lib/correct"
+expect 1 "rank 3's queries lack the contribution of KV chunks 1 and 6 (ring step 2" -- V --candidate "$T/lib/dropped_step"
+expect 1 "every rank counted twice ring step 1" -- V --candidate "$T/lib/doubled_step"
+expect 1 "the diagonal blocks are masked with the wrong offset" -- V --candidate "$T/lib/mask_offset"
+expect 1 "wrong zigzag order" -- V --candidate "$T/lib/zigzag_order"
+expect 1 "the error grows with ring step: partial results were rounded to bf16" -- V --candidate "$T/lib/bf16_steps"
+expect 1 "missing log-sum-exp merge" -- V --candidate "$T/lib/no_lse_merge"
+expect 1 "stale KV in the backward: at ring step 3" -- V --candidate "$T/lib/stale_kv"
+expect 1 "wrong softmax scale: the candidate used 0.0625 (= 1/D)" -- V --candidate "$T/lib/wrong_scale"
+expect 1 "out has 1 non-finite value (NaN or Inf); the first at token 15, head 0" -- V --candidate "$T/lib/nan"
+expect 1 "absent: lse, dq, dk, dv" -- V --candidate "$T/lib/no_lse_merge"
+
+# JSON and heat map.
+V --candidate "$T/lib/dropped_step" --json "$T/r.json" --heatmap "$T/h.svg" --quiet
+[ $? = 1 ] || fail "--quiet run did not exit 1"
+grep -q '"kind": "dropped_step"' "$T/r.json" || fail "JSON lacks the diagnosis kind"
+grep -q '"passed": false' "$T/r.json" || fail "JSON lacks passed: false"
+grep -q '<svg' "$T/h.svg" || fail "heat map is not an SVG"
+grep -q 'query chunk 3 x KV chunk 1: 6' "$T/h.svg" || fail "heat map lacks the dropped pair"
+
+# loom attn's own outputs: every strategy and layout, global order.
+for layout in contiguous zigzag stripe; do
+  for sp in "ring 4" "ulysses 2" "hybrid 4 --ulysses 2" "allgather 4"; do
+    set -- $sp
+    strat=$1 P=$2
+    shift 2
+    out="$T/attn_${strat}_${layout}"
+    "$LOOM" attn --input "$T/lib/input" --output "$out" --backward --strategy "$strat" \
+      --ranks "$P" "$@" --layout "$layout" --iters 1 --warmup 0 --quiet >/dev/null ||
+      { fail "loom attn $strat $layout"; continue; }
+    expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/lib/input" --candidate "$out" \
+      --convention "$layout" --ranks "$P"
+  done
+done
+# Masks: packed documents and a sliding window.
+"$LOOM" attn --input "$T/lib/input" --output "$T/attn_docs" --backward --ranks 3 --layout zigzag \
+  --docs 40,56 --iters 1 --warmup 0 --quiet >/dev/null || fail "loom attn --docs"
+expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/attn_docs" \
+  --docs 40,56 --convention zigzag --ranks 3
+expect 1 "verify    FAILED" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/attn_docs" \
+  --convention zigzag --ranks 3
+mkdir -p "$T/in_cu" && cp "$T/lib/input/"*.npy "$T/in_cu/" && "$MK" --cu "$T/in_cu/cu_seqlens.npy" 40,56 ||
+  fail "cu_seqlens"
+expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/in_cu" --candidate "$T/attn_docs" \
+  --convention zigzag --ranks 3
+"$LOOM" attn --input "$T/lib/input" --output "$T/attn_win" --backward --ranks 4 --layout stripe \
+  --window 17 --iters 1 --warmup 0 --quiet >/dev/null || fail "loom attn --window"
+expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/attn_win" \
+  --window 17 --convention stripe --ranks 4
+# bf16 storage: bf16 inputs, loom attn --dtype bf16, checked with bf16 tolerances (and failing
+# the fp32 ones).
+"$MK" --bf16 "$T/lib/input" "$T/in_bf16" || fail "bf16 inputs"
+"$LOOM" attn --input "$T/in_bf16" --output "$T/attn_bf16" --backward --dtype bf16 --ranks 4 \
+  --iters 1 --warmup 0 --quiet >/dev/null || fail "loom attn --dtype bf16"
+expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/in_bf16" --candidate "$T/attn_bf16" \
+  --dtype bf16 --convention zigzag --ranks 4
+expect 1 "out is stored in bf16 (every value is a bf16 number, the exact answer rounded once)" -- "$LOOM" verify --input "$T/in_bf16" --candidate "$T/attn_bf16" \
+  --convention zigzag --ranks 4
+# The same outputs handed over per rank in every convention.
+for conv in contiguous zigzag stripe rfa-zigzag te-thd torch-headtail megatron; do
+  "$MK" --shard "$T/attn_ring_zigzag" "$T/shard_$conv" "$conv" 4 || fail "shard $conv"
+  expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/lib/input" \
+    --candidate "$T/shard_$conv" --convention "$conv" --ranks 4
+done
+# A wrong convention is caught: zigzag files read as contiguous.
+expect 1 "the per-rank files are in zigzag order, not contiguous" -- "$LOOM" verify --input "$T/lib/input" \
+  --candidate "$T/shard_zigzag" --convention contiguous --ranks 4
+# Layouts on disk.
+for dims in BSHD HSD; do
+  "$MK" --relayout "$T/lib/input" "$T/in_$dims" "$dims" && "$MK" --relayout "$T/attn_ring_zigzag" "$T/c_$dims" "$dims" ||
+    fail "relayout $dims"
+  expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/in_$dims" --candidate "$T/c_$dims" \
+    --layout-dims "$dims"
+done
+
+# Unusable input: exit status 2 with one line.
+expect 2 "is not a directory" -- "$LOOM" verify --input "$T/nope" --candidate "$T/lib/correct"
+expect 2 "gives rank 0 25 rows" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention contiguous --ranks 4 --docs 90,6
+expect 2 "but --ranks is 3" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention zigzag --ranks 3
+expect 2 "unknown convention" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention nonsense
+expect 2 "te-thd needs every" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention te-thd --ranks 4 --docs 90,6
+expect 2 "unknown --layout-dims" -- V --candidate "$T/lib/correct" --layout-dims XYZ
+mkdir -p "$T/empty"
+expect 2 "holds none of out" -- V --candidate "$T/empty"
+printf 'not a npy' >"$T/empty/out.npy"
+expect 2 "out.npy" -- V --candidate "$T/empty"
+
+if [ $fails -ne 0 ]; then
+  echo "$fails check(s) failed"
+  exit 1
+fi
+echo "all loom verify checks passed"

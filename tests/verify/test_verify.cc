@@ -1,0 +1,336 @@
+// loom verify, the library: sharding conventions on hand-worked examples, and the defect library
+// (tests/verify/defect_ring.h): every injected defect must be named, every correct candidate must
+// pass.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "loom/bf16.h"
+#include "loom/verify.h"
+#include "unit/tolerance.h"
+#include "verify/defect_ring.h"
+
+namespace loom::test {
+namespace {
+
+using Tok = std::vector<std::vector<int64_t>>;
+
+Tok tokens(const std::string& conv, int64_t S, int P, const std::vector<int64_t>& docs = {}) {
+  return verify::make_sharding(conv, S, P, docs).tokens;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conventions, worked by hand from each project's code (see loom/verify.h for the citations).
+
+TEST(Conventions, LoomLayouts) {
+  // contiguous: the first S mod P ranks one token longer.
+  EXPECT_EQ(tokens("contiguous", 10, 3), (Tok{{0, 1, 2, 3}, {4, 5, 6}, {7, 8, 9}}));
+  // zigzag: 2P chunks of 3,3,2,2; rank r takes chunks r and 2P-1-r.
+  EXPECT_EQ(tokens("zigzag", 10, 2), (Tok{{0, 1, 2, 8, 9}, {3, 4, 5, 6, 7}}));
+  EXPECT_EQ(tokens("stripe", 7, 3), (Tok{{0, 3, 6}, {1, 4}, {2, 5}}));
+  const auto z = verify::make_sharding("zigzag", 10, 2);
+  ASSERT_EQ(z.chunks.size(), 4u);
+  EXPECT_EQ(z.chunks[3], (std::vector<int64_t>{8, 9}));
+  EXPECT_EQ(z.chunk_rank, (std::vector<int>{0, 1, 1, 0}));
+}
+
+TEST(Conventions, RingFlashAttentionZigzag) {
+  // value.chunk(4) of 10 tokens: chunks of ceil(10/4) = 3: [0,1,2] [3,4,5] [6,7,8] [9].
+  EXPECT_EQ(tokens("rfa-zigzag", 10, 2), (Tok{{0, 1, 2, 9}, {3, 4, 5, 6, 7, 8}}));
+  EXPECT_EQ(tokens("rfa-zigzag", 8, 2), (Tok{{0, 1, 6, 7}, {2, 3, 4, 5}}));
+  // 9 tokens: torch.chunk(4) returns only 3 chunks of 3, extract_local would fail.
+  EXPECT_THROW(tokens("rfa-zigzag", 9, 2), InvalidArgument);
+  // Varlen: per sequence of cu_seqlens [0, 8, 20].
+  EXPECT_EQ(tokens("rfa-zigzag", 20, 2, {8, 12}),
+            (Tok{{0, 1, 6, 7, 8, 9, 10, 17, 18, 19}, {2, 3, 4, 5, 11, 12, 13, 14, 15, 16}}));
+}
+
+TEST(Conventions, TransformerEngineThd) {
+  // thd_partition_indices_kernel, cu_seqlens [0, 8, 12], world 2: local cu = [0, 4, 6];
+  // rank 0: seq 0 halves from chunks 0 and 3 -> 0,1,6,7; seq 1 -> 8, 11.
+  EXPECT_EQ(tokens("te-thd", 12, 2, {8, 4}), (Tok{{0, 1, 6, 7, 8, 11}, {2, 3, 4, 5, 9, 10}}));
+  EXPECT_THROW(tokens("te-thd", 10, 2, {6, 4}), InvalidArgument);  // 6 % 4 != 0
+  EXPECT_EQ(tokens("te-thd", 8, 2), (Tok{{0, 1, 6, 7}, {2, 3, 4, 5}}));
+}
+
+TEST(Conventions, TorchHeadTail) {
+  // _HeadTailLoadBalancer._generate_indices, S = 8, W = 2: chunks view(4, 2), pairs (0,3),(1,2)
+  // -> [0,1,6,7, 2,3,4,5], sharded contiguously.
+  EXPECT_EQ(tokens("torch-headtail", 8, 2), (Tok{{0, 1, 6, 7}, {2, 3, 4, 5}}));
+  EXPECT_THROW(tokens("torch-headtail", 10, 2), InvalidArgument);
+  // _PerDocumentHeadTailLoadBalancer, documents [8, 4]: rank-major per document.
+  EXPECT_EQ(tokens("torch-headtail", 12, 2, {8, 4}),
+            (Tok{{0, 1, 6, 7, 8, 11}, {2, 3, 4, 5, 9, 10}}));
+}
+
+TEST(Conventions, Megatron) {
+  // get_batch_on_this_cp_rank: view [6, 2], index_select [r, 5 - r].
+  EXPECT_EQ(tokens("megatron", 12, 3), (Tok{{0, 1, 10, 11}, {2, 3, 8, 9}, {4, 5, 6, 7}}));
+  EXPECT_THROW(tokens("megatron", 10, 3), InvalidArgument);
+  EXPECT_THROW(tokens("nonsense", 10, 3), InvalidArgument);
+}
+
+TEST(Conventions, RoundTrip) {
+  // Every convention: each token on exactly one rank, chunks partition the sequence, and
+  // unshard(shard(x)) == x.
+  for (const auto& conv : verify::convention_names()) {
+    for (int P : {1, 2, 3, 4}) {
+      const int64_t S = 24 * P;
+      const auto sh = verify::make_sharding(conv, S, P);
+      std::vector<int> seen(S, 0), in_chunk(S, 0);
+      for (const auto& t : sh.tokens)
+        for (int64_t x : t) ++seen[x];
+      for (const auto& c : sh.chunks)
+        for (int64_t x : c) ++in_chunk[x];
+      for (int64_t i = 0; i < S; ++i) {
+        EXPECT_EQ(seen[i], 1) << conv << " P=" << P << " token " << i;
+        EXPECT_EQ(in_chunk[i], 1) << conv << " P=" << P << " token " << i;
+      }
+      Tensor<double> g({S, 2, 3});
+      for (int64_t i = 0; i < g.numel(); ++i) g[i] = static_cast<double>(i);
+      std::vector<Tensor<double>> local, local_lse;
+      for (int r = 0; r < P; ++r) {
+        const int64_t n = static_cast<int64_t>(sh.tokens[r].size());
+        Tensor<double> t({n, 2, 3}), l({2, n});
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t e = 0; e < 6; ++e) t[i * 6 + e] = g[sh.tokens[r][i] * 6 + e];
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t i = 0; i < n; ++i)
+            l[h * n + i] = static_cast<double>(h * S + sh.tokens[r][i]);
+        local.push_back(t);
+        local_lse.push_back(l);
+      }
+      EXPECT_EQ(verify::unshard_rows(sh, local, "x").vec(), g.vec()) << conv;
+      const Tensor<double> lse = verify::unshard_cols(sh, local_lse, "lse");
+      for (int64_t e = 0; e < lse.numel(); ++e) EXPECT_EQ(lse[e], static_cast<double>(e)) << conv;
+    }
+  }
+}
+
+TEST(Conventions, WrongRowCountIsRefused) {
+  const auto sh = verify::make_sharding("zigzag", 16, 2);
+  std::vector<Tensor<double>> local = {Tensor<double>({8, 1, 1}), Tensor<double>({7, 1, 1})};
+  EXPECT_THROW(verify::unshard_rows(sh, local, "out"), InvalidArgument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The defect library.
+
+RingInputs inputs(int64_t S, int64_t H, int64_t Hkv, int64_t D, bool causal, uint32_t seed) {
+  RingInputs in;
+  in.q = random_normal({S, H, D}, seed);
+  in.k = random_normal({S, Hkv, D}, seed + 1);
+  in.v = random_normal({S, Hkv, D}, seed + 2);
+  in.dout = random_normal({S, H, D}, seed + 3);
+  in.mask.causal = causal;
+  in.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  return in;
+}
+
+verify::Report check(const RingInputs& in, const std::string& conv, int P, const Injected& inj,
+                     bool backward = false) {
+  const auto sh = verify::make_sharding(conv, in.q.size(0), P);
+  const RingOutputs o = run_defect_ring(in, sh, inj, backward);
+  verify::Candidate c = to_candidate(o, backward);
+  if (inj.kind == Defect::no_lse_merge) c.lse.reset();  // the seed's loop returns no lse
+  verify::Options opt;
+  opt.convention = conv;
+  opt.ranks = P;
+  return verify::verify(to_problem(in), c, opt);
+}
+
+std::string first_kind(const verify::Report& r) {
+  return r.diagnoses.empty() ? "none" : r.diagnoses[0].kind;
+}
+
+struct Case {
+  std::string conv;
+  int P;
+  int64_t S;
+  bool causal;
+};
+
+class DefectLibrary : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DefectLibrary, CorrectRingPasses) {
+  const Case& k = GetParam();
+  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 11);
+  const auto r = check(in, k.conv, k.P, {}, true);
+  EXPECT_TRUE(r.passed) << r.summary();
+  EXPECT_TRUE(r.diagnoses.empty());
+}
+
+TEST_P(DefectLibrary, DroppedStepOnOneRank) {
+  const Case& k = GetParam();
+  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 12);
+  // The last rank's step 1 (never empty: its queries are the latest ones).
+  const int r0 = k.P - 1;
+  const auto r = check(in, k.conv, k.P, {Defect::dropped_step, 1, r0, 0});
+  ASSERT_FALSE(r.passed);
+  ASSERT_EQ(first_kind(r), "dropped_step") << r.summary();
+  EXPECT_EQ(r.diagnoses[0].ranks, std::vector<int>{r0});
+  EXPECT_EQ(r.diagnoses[0].steps, std::vector<int>{1});
+  EXPECT_NE(r.diagnoses[0].text.find("rank " + std::to_string(r0) + "'s queries lack"),
+            std::string::npos)
+      << r.diagnoses[0].text;
+  EXPECT_LT(r.diagnoses[0].residual, 0.01);
+}
+
+TEST_P(DefectLibrary, DroppedStepEverywhere) {
+  const Case& k = GetParam();
+  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 13);
+  const auto r = check(in, k.conv, k.P, {Defect::dropped_step, 1, -1, 0});
+  ASSERT_EQ(first_kind(r), "dropped_step") << r.summary();
+  EXPECT_TRUE(r.diagnoses[0].ranks.empty()) << r.diagnoses[0].text;
+  EXPECT_EQ(r.diagnoses[0].steps, std::vector<int>{1});
+}
+
+TEST_P(DefectLibrary, DoubledStep) {
+  const Case& k = GetParam();
+  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 14);
+  const auto r = check(in, k.conv, k.P, {Defect::doubled_step, 0, 0, 0});
+  ASSERT_EQ(first_kind(r), "doubled_step") << r.summary();
+  EXPECT_EQ(r.diagnoses[0].ranks, std::vector<int>{0});
+  EXPECT_EQ(r.diagnoses[0].steps, std::vector<int>{0});
+}
+
+TEST_P(DefectLibrary, Bf16BetweenSteps) {
+  const Case& k = GetParam();
+  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 15);
+  const auto r = check(in, k.conv, k.P, {Defect::bf16_steps, -1, -1, 0});
+  ASSERT_FALSE(r.passed);
+  EXPECT_EQ(first_kind(r), "bf16_between_steps") << r.summary();
+}
+
+TEST_P(DefectLibrary, NoLseMerge) {
+  const Case& k = GetParam();
+  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 16);
+  const auto r = check(in, k.conv, k.P, {Defect::no_lse_merge, -1, -1, 0});
+  ASSERT_FALSE(r.passed);
+  EXPECT_EQ(first_kind(r), "no_lse_merge") << r.summary();
+  EXPECT_NE(r.summary().find("missing log-sum-exp merge"), std::string::npos);
+}
+
+TEST_P(DefectLibrary, WrongScale) {
+  const Case& k = GetParam();
+  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 17);
+  const auto r = check(in, k.conv, k.P, {Defect::wrong_scale, -1, -1, 0});
+  ASSERT_EQ(first_kind(r), "wrong_scale") << r.summary();
+  EXPECT_NEAR(r.diagnoses[0].value, 1.0 / 16, 1e-4);
+}
+
+TEST_P(DefectLibrary, StaleKvInBackward) {
+  const Case& k = GetParam();
+  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 18);
+  const auto r = check(in, k.conv, k.P, {Defect::stale_kv, k.P - 1, -1, 0}, true);
+  ASSERT_FALSE(r.passed);
+  EXPECT_TRUE(r.tensors[0].passed);  // the forward is right
+  ASSERT_EQ(first_kind(r), "stale_kv_backward") << r.summary();
+  EXPECT_EQ(r.diagnoses[0].steps, std::vector<int>{k.P - 1});
+}
+
+INSTANTIATE_TEST_SUITE_P(Verify, DefectLibrary,
+                         ::testing::Values(Case{"zigzag", 4, 96, true}, Case{"zigzag", 3, 90, true},
+                                           Case{"contiguous", 3, 87, false},
+                                           Case{"rfa-zigzag", 2, 64, true},
+                                           Case{"megatron", 4, 64, true}));
+
+// Layout-specific defects: the causal mask off by one chunk and the zigzag order.
+TEST(DefectLibraryZigzag, MaskOffByOneChunk) {
+  for (int offset : {-1, +1}) {
+    const RingInputs in = inputs(96, 2, 1, 16, true, 21);
+    const auto r = check(in, "zigzag", 4, {Defect::mask_offset, -1, -1, offset});
+    ASSERT_FALSE(r.passed);
+    ASSERT_EQ(first_kind(r), "mask_offset") << offset << "\n" << r.summary();
+    EXPECT_EQ(r.diagnoses[0].value, offset);
+    EXPECT_NE(r.diagnoses[0].text.find("the diagonal blocks are masked with the wrong offset"),
+              std::string::npos);
+  }
+}
+
+TEST(DefectLibraryZigzag, WrongGqaMapping) {
+  RingInputs in = inputs(96, 4, 2, 16, true, 24);
+  const auto r = check(in, "zigzag", 4, {Defect::gqa_mapping, -1, -1, 0});
+  ASSERT_FALSE(r.passed);
+  ASSERT_EQ(first_kind(r), "gqa_mapping") << r.summary();
+  EXPECT_LT(r.diagnoses[0].residual, 0.01);
+  // With the same GQA heads, the other defects are still named as themselves.
+  EXPECT_EQ(first_kind(check(in, "zigzag", 4, {Defect::dropped_step, 1, 2, 0})), "dropped_step");
+  EXPECT_EQ(first_kind(check(in, "zigzag", 4, {Defect::no_lse_merge, -1, -1, 0})), "no_lse_merge");
+  EXPECT_EQ(first_kind(check(in, "zigzag", 4, {Defect::wrong_scale, -1, -1, 0})), "wrong_scale");
+}
+
+TEST(DefectLibraryZigzag, WrongZigzagOrder) {
+  const RingInputs in = inputs(96, 2, 1, 16, true, 22);
+  const auto r = check(in, "zigzag", 4, {Defect::zigzag_order, -1, -1, 0});
+  ASSERT_FALSE(r.passed);
+  ASSERT_EQ(first_kind(r), "row_order") << r.summary();
+  EXPECT_NE(r.diagnoses[0].text.find("wrong zigzag order"), std::string::npos);
+  EXPECT_EQ(r.diagnoses[0].ranks.size(), 4u);
+}
+
+TEST(DefectLibraryZigzag, HeatMapPointsAtTheDroppedPair) {
+  // Rank 2 drops step 1: it lacks rank 1's block, chunks 1 and 6 (zigzag, P = 4). Rank 2 holds
+  // query chunks 2 and 5. The heat map's largest cells must be in those rows and columns.
+  const RingInputs in = inputs(96, 2, 1, 16, true, 23);
+  const auto r = check(in, "zigzag", 4, {Defect::dropped_step, 1, 2, 0});
+  ASSERT_EQ(r.heat.size(), 8u);
+  double in_pairs = 0, total = 0;
+  for (int a = 0; a < 8; ++a)
+    for (int b = 0; b < 8; ++b) {
+      total += r.heat[a][b];
+      if ((a == 2 || a == 5) && (b == 1 || b == 6)) in_pairs += r.heat[a][b];
+    }
+  EXPECT_GT(in_pairs, 0.8 * total);
+  EXPECT_GT(total, 0.5);
+  const std::string svg = r.heatmap_svg();
+  EXPECT_NE(svg.find("<svg"), std::string::npos);
+  EXPECT_NE(svg.find("query chunk 2 x KV chunk 1"), std::string::npos);
+}
+
+TEST(Verify, Bf16StorageCheckedAsFp32IsNamed) {
+  // A correct ring whose out is rounded once to bf16 (as a bf16 implementation stores it):
+  // fails the fp32 tolerance, passes the bf16 one, and is named as bf16 storage, not a defect.
+  const RingInputs in = inputs(96, 2, 1, 16, true, 33);
+  const auto sh = verify::make_sharding("zigzag", 96, 4);
+  RingOutputs o = run_defect_ring(in, sh, {}, false);
+  for (float& x : o.out.vec()) x = to_float(to_bf16(x));
+  verify::Candidate c;
+  c.out = convert<double>(o.out);
+  verify::Options opt;
+  opt.convention = "zigzag";
+  opt.ranks = 4;
+  const auto r = verify::verify(to_problem(in), c, opt);
+  ASSERT_FALSE(r.passed);
+  EXPECT_EQ(first_kind(r), "bf16_storage") << r.summary();
+  opt.dtype = "bf16";
+  EXPECT_TRUE(verify::verify(to_problem(in), c, opt).passed);
+}
+
+TEST(Verify, ShapeMismatchIsUnusable) {
+  const RingInputs in = inputs(32, 2, 1, 8, true, 31);
+  verify::Candidate c;
+  c.out = Tensor<double>({31, 2, 8});
+  verify::Options opt;
+  EXPECT_THROW(verify::verify(to_problem(in), c, opt), InvalidArgument);
+  verify::Candidate none;
+  EXPECT_THROW(verify::verify(to_problem(in), none, opt), InvalidArgument);
+}
+
+TEST(Verify, AbsentTensorsAreReported) {
+  const RingInputs in = inputs(40, 2, 2, 8, true, 32);
+  const auto sh = verify::make_sharding("zigzag", 40, 2);
+  const RingOutputs o = run_defect_ring(in, sh, {}, false);
+  verify::Candidate c;
+  c.out = convert<double>(o.out);
+  verify::Options opt;
+  opt.convention = "zigzag";
+  opt.ranks = 2;
+  const auto r = verify::verify(to_problem(in), c, opt);
+  EXPECT_TRUE(r.passed);
+  EXPECT_EQ(r.absent, (std::vector<std::string>{"lse", "dq", "dk", "dv"}));
+}
+
+}  // namespace
+}  // namespace loom::test

@@ -1,0 +1,395 @@
+// `loom verify`: check another implementation's attention outputs (out, lse, dq, dk, dv, global or
+// per rank in a named sharding convention) against loom's fp64 reference, and localise what is
+// wrong. Exit status: 0 pass, 1 fail, 2 unusable input. The library does the work
+// (loom/verify.h); this file reads files, reorders layouts and prints.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "loom/cp.h"
+#include "loom/npy.h"
+#include "loom/verify.h"
+
+namespace loom::tools {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct VerifyOptions {
+  std::string input, candidate, convention = "contiguous", layout_dims = "SHD", dtype = "fp32";
+  int ranks = 1;
+  bool causal = true;
+  int64_t window = 0;
+  std::string docs;
+  double scale = 0;
+  std::string json, heatmap;
+  bool quiet = false;
+};
+
+// Layout of the tensors on disk: [S, H, D] (lse [H, S]), [B, S, H, D] (lse [B, H, S]) or
+// [H, S, D] (lse [H, S]).
+enum class Dims { shd, bshd, hsd };
+
+Dims parse_dims(const std::string& s) {
+  if (s == "SHD" || s == "shd" || s == "S,H,D") return Dims::shd;
+  if (s == "BSHD" || s == "bshd" || s == "B,S,H,D") return Dims::bshd;
+  if (s == "HSD" || s == "hsd" || s == "H,S,D") return Dims::hsd;
+  throw InvalidArgument("unknown --layout-dims '" + s + "' (choose SHD, BSHD or HSD)");
+}
+
+// Batch element b of a row tensor on disk as [S, H, D].
+Tensor<double> rows_to_shd(const Tensor<double>& x, Dims dims, int64_t b, const std::string& what) {
+  if (dims == Dims::shd) {
+    LOOM_CHECK(x.dim() == 3, InvalidArgument,
+               what << " has shape " << shape_str(x.shape()) << " but --layout-dims SHD needs "
+                    << "[S, H, D]");
+    return x;
+  }
+  if (dims == Dims::bshd) {
+    LOOM_CHECK(x.dim() == 4, InvalidArgument,
+               what << " has shape " << shape_str(x.shape()) << " but --layout-dims BSHD needs "
+                    << "[B, S, H, D]");
+    const int64_t S = x.size(1), H = x.size(2), D = x.size(3);
+    Tensor<double> y({S, H, D});
+    std::copy(x.data() + b * S * H * D, x.data() + (b + 1) * S * H * D, y.data());
+    return y;
+  }
+  LOOM_CHECK(x.dim() == 3, InvalidArgument,
+             what << " has shape " << shape_str(x.shape()) << " but --layout-dims HSD needs "
+                  << "[H, S, D]");
+  const int64_t H = x.size(0), S = x.size(1), D = x.size(2);
+  Tensor<double> y({S, H, D});
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t d = 0; d < D; ++d) y[(s * H + h) * D + d] = x[(h * S + s) * D + d];
+  return y;
+}
+
+// Batch element b of an lse tensor on disk as [H, S].
+Tensor<double> lse_to_hs(const Tensor<double>& x, Dims dims, int64_t b, const std::string& what) {
+  if (dims == Dims::bshd) {
+    LOOM_CHECK(x.dim() == 3, InvalidArgument,
+               what << " has shape " << shape_str(x.shape()) << " but --layout-dims BSHD needs "
+                    << "lse [B, H, S]");
+    const int64_t H = x.size(1), S = x.size(2);
+    Tensor<double> y({H, S});
+    std::copy(x.data() + b * H * S, x.data() + (b + 1) * H * S, y.data());
+    return y;
+  }
+  LOOM_CHECK(x.dim() == 2, InvalidArgument,
+             what << " has shape " << shape_str(x.shape()) << " but lse must be [H, S]");
+  return x;
+}
+
+int64_t batch_of(const Tensor<double>& q, Dims dims) {
+  return dims == Dims::bshd && q.dim() == 4 ? q.size(0) : 1;
+}
+
+void require_finite(const Tensor<double>& t, const std::string& name) {
+  for (int64_t i = 0; i < t.numel(); ++i)
+    LOOM_CHECK(
+        std::isfinite(t[i]), InvalidArgument,
+        name << " contains a non-finite value at flat index " << i << "; inputs must be finite");
+}
+
+// A candidate tensor as files: global `name.npy` or per rank `name.rank{r}.npy`.
+struct Files {
+  bool present = false, per_rank = false;
+  Tensor<double> global;
+  std::vector<Tensor<double>> ranks;
+};
+
+Files read_candidate(const std::string& dir, const std::string& name, int ranks) {
+  Files f;
+  const std::string g = dir + "/" + name + ".npy";
+  const std::string r0 = dir + "/" + name + ".rank0.npy";
+  const bool has_g = fs::exists(g), has_r = fs::exists(r0);
+  LOOM_CHECK(
+      !(has_g && has_r), InvalidArgument,
+      "the candidate has both " << name << ".npy and " << name << ".rank0.npy; keep one of them");
+  if (has_g) {
+    f.present = true;
+    f.global = read_npy_f64(g);
+  } else if (has_r) {
+    f.present = true;
+    f.per_rank = true;
+    for (int r = 0; r < ranks; ++r) {
+      const std::string p = dir + "/" + name + ".rank" + std::to_string(r) + ".npy";
+      LOOM_CHECK(fs::exists(p), IoError,
+                 "the candidate has " << name << ".rank0.npy but not " << p << " (--ranks " << ranks
+                                      << ")");
+      f.ranks.push_back(read_npy_f64(p));
+    }
+    const std::string extra = dir + "/" + name + ".rank" + std::to_string(ranks) + ".npy";
+    LOOM_CHECK(!fs::exists(extra), InvalidArgument,
+               "the candidate has " << extra << " but --ranks is " << ranks);
+  }
+  return f;
+}
+
+// Batch element b of a candidate tensor, in global order: rows [S, A, B] or lse [H, S].
+std::optional<Tensor<double>> assemble(const Files& f, const verify::Sharding& sh, Dims dims,
+                                       int64_t b, const std::string& name, bool lse) {
+  if (!f.present) return std::nullopt;
+  if (!f.per_rank)
+    return lse ? lse_to_hs(f.global, dims, b, name + ".npy")
+               : rows_to_shd(f.global, dims, b, name + ".npy");
+  std::vector<Tensor<double>> local;
+  for (int r = 0; r < sh.ranks; ++r) {
+    const std::string what = name + ".rank" + std::to_string(r) + ".npy";
+    local.push_back(lse ? lse_to_hs(f.ranks[r], dims, b, what)
+                        : rows_to_shd(f.ranks[r], dims, b, what));
+  }
+  return lse ? verify::unshard_cols(sh, local, name) : verify::unshard_rows(sh, local, name);
+}
+
+// cu_seqlens.npy as torch and NumPy write it: a 1-d little-endian int32 or int64 array (float
+// arrays are read by read_npy_f64). IoError naming the file for anything else.
+std::vector<int64_t> read_cu_seqlens(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  LOOM_CHECK(f, IoError, "cannot open " << path);
+  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  LOOM_CHECK(bytes.size() >= 10 && bytes.compare(0, 6, "\x93NUMPY") == 0, IoError,
+             path << " is not a .npy file");
+  const int major = static_cast<unsigned char>(bytes[6]);
+  size_t hlen = 0, start = 0;
+  if (major == 1) {
+    hlen = static_cast<unsigned char>(bytes[8]) | static_cast<unsigned char>(bytes[9]) << 8;
+    start = 10;
+  } else {
+    LOOM_CHECK(bytes.size() >= 12, IoError, path << " is truncated");
+    for (int i = 0; i < 4; ++i)
+      hlen |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
+    start = 12;
+  }
+  LOOM_CHECK(start + hlen <= bytes.size(), IoError, path << " is truncated");
+  const std::string header = bytes.substr(start, hlen);
+  int width = 0;
+  if (header.find("'<i4'") != std::string::npos) width = 4;
+  if (header.find("'<i8'") != std::string::npos) width = 8;
+  if (width == 0) {
+    const Tensor<double> c = read_npy_f64(path);  // float arrays, or its error for others
+    std::vector<int64_t> v;
+    for (int64_t i = 0; i < c.numel(); ++i) {
+      LOOM_CHECK(c[i] == std::floor(c[i]), InvalidArgument,
+                 path << " entry " << i << " is not a whole number");
+      v.push_back(static_cast<int64_t>(c[i]));
+    }
+    LOOM_CHECK(c.dim() == 1, InvalidArgument, path << " must be a 1-d array");
+    return v;
+  }
+  LOOM_CHECK(header.find("'fortran_order': False") != std::string::npos, IoError,
+             path << " must be in C order");
+  const size_t data = start + hlen, n = (bytes.size() - data) / width;
+  LOOM_CHECK((bytes.size() - data) % width == 0, IoError, path << " has a partial element");
+  const size_t open = header.find("'shape': (");
+  LOOM_CHECK(open != std::string::npos, IoError, path << " has no shape");
+  const std::string shape = header.substr(open + 10, header.find(')', open) - open - 10);
+  LOOM_CHECK(shape.find(',') != std::string::npos && shape.find(',') == shape.find_last_of(',') &&
+                 std::stoll(shape) == static_cast<long long>(n),
+             IoError,
+             path << " must be a 1-d array of " << n << " entries, header shape (" << shape << ")");
+  std::vector<int64_t> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (width == 4) {
+      int32_t x;
+      std::memcpy(&x, bytes.data() + data + 4 * i, 4);
+      v[i] = x;
+    } else {
+      std::memcpy(&v[i], bytes.data() + data + 8 * i, 8);
+    }
+  }
+  return v;
+}
+
+int run_verify(const VerifyOptions& o) {
+  LOOM_CHECK(fs::is_directory(o.input), IoError, "--input " << o.input << " is not a directory");
+  LOOM_CHECK(fs::is_directory(o.candidate), IoError,
+             "--candidate " << o.candidate << " is not a directory");
+  LOOM_CHECK(o.window >= 0, InvalidArgument, "--window must be >= 0, got " << o.window);
+  LOOM_CHECK(o.scale >= 0 && std::isfinite(o.scale), InvalidArgument,
+             "--scale must be positive, got " << o.scale);
+  const Dims dims = parse_dims(o.layout_dims);
+  (void)verify::tolerance("out", o.dtype);
+  const Tensor<double> q = read_npy_f64(o.input + "/q.npy");
+  const Tensor<double> k = read_npy_f64(o.input + "/k.npy");
+  const Tensor<double> v = read_npy_f64(o.input + "/v.npy");
+  Tensor<double> dout;
+  if (fs::exists(o.input + "/dout.npy")) dout = read_npy_f64(o.input + "/dout.npy");
+  require_finite(q, "q.npy");
+  require_finite(k, "k.npy");
+  require_finite(v, "v.npy");
+  require_finite(dout, "dout.npy");
+  const int64_t B = batch_of(q, dims);
+  std::vector<int64_t> docs;
+  if (!o.docs.empty()) docs = parse_doc_lengths(o.docs);
+  const std::string cu = o.input + "/cu_seqlens.npy";
+  if (fs::exists(cu)) {
+    LOOM_CHECK(o.docs.empty(), InvalidArgument, "give documents either by --docs or by " << cu);
+    const std::vector<int64_t> c = read_cu_seqlens(cu);
+    LOOM_CHECK(c.size() >= 2 && c[0] == 0, InvalidArgument,
+               cu << " must be a 1-d array [0, L1, L1+L2, ...]");
+    for (size_t i = 1; i < c.size(); ++i) {
+      LOOM_CHECK(c[i] > c[i - 1], InvalidArgument,
+                 cu << " must increase strictly (entry " << i << ")");
+      docs.push_back(c[i] - c[i - 1]);
+    }
+  }
+
+  // The convention must be able to split this sequence before any candidate file is read.
+  const int64_t S = dims == Dims::hsd ? q.size(1) : (dims == Dims::bshd ? q.size(1) : q.size(0));
+  (void)verify::make_sharding(o.convention, S, o.ranks, docs);
+
+  // Candidate files, read once.
+  const std::vector<std::string> names = {"out", "lse", "dq", "dk", "dv"};
+  std::vector<Files> files;
+  for (const auto& n : names) files.push_back(read_candidate(o.candidate, n, o.ranks));
+
+  verify::Options vo;
+  vo.convention = o.convention;
+  vo.ranks = o.ranks;
+  vo.dtype = o.dtype;
+  bool passed = true;
+  std::vector<verify::Report> reports;
+  for (int64_t b = 0; b < B; ++b) {
+    verify::Problem p;
+    p.q = rows_to_shd(q, dims, b, "q.npy");
+    p.k = rows_to_shd(k, dims, b, "k.npy");
+    p.v = rows_to_shd(v, dims, b, "v.npy");
+    if (dout.numel()) p.dout = rows_to_shd(dout, dims, b, "dout.npy");
+    p.mask.causal = o.causal;
+    p.mask.window = o.window;
+    p.scale = o.scale;
+    p.doc_lengths = docs;
+    const verify::Sharding sh = verify::make_sharding(o.convention, p.q.size(0), o.ranks, docs);
+    verify::Candidate c;
+    c.out = assemble(files[0], sh, dims, b, "out", false);
+    c.lse = assemble(files[1], sh, dims, b, "lse", true);
+    c.dq = assemble(files[2], sh, dims, b, "dq", false);
+    c.dk = assemble(files[3], sh, dims, b, "dk", false);
+    c.dv = assemble(files[4], sh, dims, b, "dv", false);
+    reports.push_back(verify::verify(p, c, vo));
+    passed = passed && reports.back().passed;
+  }
+
+  // Per-rank files that fail: are they in another convention's order? (A common mistake: the
+  // files were written in one convention and described as another.)
+  bool any_per_rank = false;
+  for (const auto& f : files) any_per_rank = any_per_rank || f.per_rank;
+  if (!passed && any_per_rank && o.ranks > 1) {
+    for (const auto& conv : verify::convention_names()) {
+      if (conv == o.convention) continue;
+      bool all_pass = true;
+      try {
+        verify::Options alt = vo;
+        alt.convention = conv;
+        alt.localise = false;
+        for (int64_t b = 0; b < B && all_pass; ++b) {
+          verify::Problem p;
+          p.q = rows_to_shd(q, dims, b, "q.npy");
+          p.k = rows_to_shd(k, dims, b, "k.npy");
+          p.v = rows_to_shd(v, dims, b, "v.npy");
+          if (dout.numel()) p.dout = rows_to_shd(dout, dims, b, "dout.npy");
+          p.mask.causal = o.causal;
+          p.mask.window = o.window;
+          p.scale = o.scale;
+          p.doc_lengths = docs;
+          const verify::Sharding sh = verify::make_sharding(conv, p.q.size(0), o.ranks, docs);
+          verify::Candidate c;
+          c.out = assemble(files[0], sh, dims, b, "out", false);
+          c.lse = assemble(files[1], sh, dims, b, "lse", true);
+          c.dq = assemble(files[2], sh, dims, b, "dq", false);
+          c.dk = assemble(files[3], sh, dims, b, "dk", false);
+          c.dv = assemble(files[4], sh, dims, b, "dv", false);
+          all_pass = verify::verify(p, c, alt).passed;
+        }
+      } catch (const Error&) {
+        all_pass = false;  // this convention cannot split the sequence or the files
+      }
+      if (!all_pass) continue;
+      verify::Diagnosis d;
+      d.kind = "row_order";
+      d.residual = 0;
+      d.text = "rows are in the wrong order: the per-rank files are in " + conv + " order, not " +
+               o.convention + " (with --convention " + conv + " every tensor passes)";
+      for (auto& r : reports) r.diagnoses.insert(r.diagnoses.begin(), d);
+      break;
+    }
+  }
+
+  // Output: text, then files.
+  const verify::Report* shown = &reports[0];
+  for (const auto& r : reports)
+    if (!r.passed) {
+      shown = &r;
+      break;
+    }
+  if (!o.quiet) {
+    for (size_t b = 0; b < reports.size(); ++b) {
+      if (B > 1) std::printf("batch %zu\n", b);
+      std::fputs(reports[b].summary().c_str(), stdout);
+    }
+  }
+  if (!o.json.empty()) {
+    std::string j;
+    if (B == 1) {
+      j = reports[0].to_json();
+    } else {
+      j = "{\n\"passed\": " + std::string(passed ? "true" : "false") + ",\n\"batches\": [\n";
+      for (size_t b = 0; b < reports.size(); ++b) j += (b ? ",\n" : "") + reports[b].to_json();
+      j += "]\n}\n";
+    }
+    write_file_atomic(o.json, j);
+  }
+  if (!o.heatmap.empty()) write_file_atomic(o.heatmap, shown->heatmap_svg());
+  return passed ? 0 : 1;
+}
+
+}  // namespace
+
+void add_verify_command(CLI::App& app) {
+  auto o = std::make_shared<VerifyOptions>();
+  CLI::App* c = app.add_subcommand(
+      "verify", "check another implementation's outputs against the exact answer, localise errors");
+  c->add_option("--input", o->input, "DIR with q.npy, k.npy, v.npy [, dout.npy, cu_seqlens.npy]")
+      ->required();
+  c->add_option("--candidate", o->candidate,
+                "DIR with any of out, lse, dq, dk, dv (.npy global or .rank{r}.npy per rank)")
+      ->required();
+  c->add_option("--convention", o->convention,
+                "sharding: contiguous, zigzag, stripe, rfa-zigzag, te-thd, torch-headtail, "
+                "megatron")
+      ->capture_default_str();
+  c->add_option("--ranks", o->ranks, "context-parallel world size of the candidate")
+      ->capture_default_str();
+  c->add_flag("--causal,!--no-causal", o->causal, "causal mask (default) or full attention");
+  c->add_option("--window", o->window, "sliding window W: keys with |i - j| < W (0: none)");
+  c->add_option("--docs", o->docs, "packed documents: lengths L1,L2,... summing to S");
+  c->add_option("--scale", o->scale, "softmax scale (default 1/sqrt(D))");
+  c->add_option("--dtype", o->dtype, "candidate storage: fp32 or bf16 (selects the tolerances)")
+      ->capture_default_str();
+  c->add_option("--layout-dims", o->layout_dims, "tensor layout on disk: SHD, BSHD or HSD")
+      ->capture_default_str();
+  c->add_option("--json", o->json, "write the report as JSON to FILE");
+  c->add_option("--heatmap", o->heatmap, "write the (query chunk x KV chunk) heat map SVG to FILE");
+  c->add_flag("--quiet", o->quiet, "print nothing; only the exit status");
+  c->callback([o]() {
+    try {
+      set_exit_code(run_verify(*o));
+    } catch (const Error& e) {
+      // Unusable input: one line, exit status 2 (a failed check is 1).
+      std::fprintf(stderr, "loom: error: %s\n", e.what());
+      set_exit_code(2);
+    }
+  });
+}
+
+}  // namespace loom::tools
