@@ -227,4 +227,13 @@ namespace loom::plan {
 // Takes about 10-20 seconds. Progress lines go to `log` when non-null.
 Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*) = nullptr);
 
+// Point-to-point latency and bandwidth (ping-pong of 0 B and 8 MiB between ranks 0 and 1) and
+// all-to-all / all-gather efficiency against that model, over any communicator of >= 2 ranks
+// (`loom plan --calibrate` under mpirun passes the MPI world: the inter-node link). Collective
+// over c; every rank returns the same figures.
+struct CommFigures {
+  double latency = 0, bandwidth = 0, a2a_eff = 1, allgather_eff = 1;
+};
+CommFigures measure_comm(Communicator& c);
+
 }  // namespace loom::plan

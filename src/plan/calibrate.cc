@@ -108,6 +108,56 @@ struct KernelBench {
 
 }  // namespace
 
+CommFigures measure_comm(Communicator& c) {
+  LOOM_CHECK(c.size() >= 2, InvalidArgument, "measuring communication needs >= 2 ranks");
+  const size_t big = 8 << 20;
+  std::vector<char> buf(big, 1), rbuf(big, 0);
+  // Ping-pong between ranks 0 and 1 (half a round trip); the others wait at the barrier.
+  auto pingpong = [&](size_t bytes) {
+    double t = 0;
+    if (c.rank() <= 1)
+      t = best_time(
+              [&] {
+                if (c.rank() == 0) {
+                  c.isend(buf.data(), bytes, 1, 7)->wait();
+                  c.irecv(rbuf.data(), bytes, 1, 8)->wait();
+                } else {
+                  c.irecv(rbuf.data(), bytes, 0, 7)->wait();
+                  c.isend(buf.data(), bytes, 0, 8)->wait();
+                }
+              },
+              15) /
+          2;
+    c.barrier();
+    return t;
+  };
+  CommFigures f;
+  const double t0 = pingpong(0), t1 = pingpong(big);
+  const int P = c.size();
+  const size_t part = big / static_cast<size_t>(P);
+  std::vector<char> send(part * P, 1), recv(part * P, 0);
+  std::vector<size_t> sb(P, part), so(P);
+  for (int p = 0; p < P; ++p) so[p] = p * part;
+  c.barrier();
+  const double ta = best_time(
+      [&] { c.all_to_all(send.data(), sb.data(), so.data(), recv.data(), sb.data(), so.data()); },
+      7);
+  const double tg = best_time([&] { c.all_gather(send.data(), part, recv.data()); }, 7);
+  f.latency = t0;
+  f.bandwidth = static_cast<double>(big) / std::max(1e-12, t1 - t0);
+  // Each collective moves (P - 1) parts per rank; against the point-to-point model.
+  const double model = (P - 1) * (f.latency + static_cast<double>(part) / f.bandwidth);
+  f.a2a_eff = std::clamp(model / ta, 0.05, 1.0);
+  f.allgather_eff = std::clamp(model / tg, 0.05, 1.0);
+  double v[4] = {f.latency, f.bandwidth, f.a2a_eff, f.allgather_eff};
+  c.all_reduce(v, 4, DType::f64, ReduceOp::max);  // rank 0's figures everywhere (others: 0)
+  f.latency = v[0];
+  f.bandwidth = v[1];
+  f.a2a_eff = v[2];
+  f.allgather_eff = v[3];
+  return f;
+}
+
 Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   LOOM_CHECK(threads >= 1, InvalidArgument, "--threads must be >= 1, got " << threads);
   LOOM_CHECK(ranks_per_node >= 1, InvalidArgument, "ranks per node must be >= 1");
@@ -174,35 +224,13 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   }
   // Local backend: ping-pong, all-to-all, all-gather between 2 ranks.
   double lat = 0, bw = 0, a2a = 0, ag = 0;
-  const size_t big = 8 << 20;
   run_local(2, [&](Communicator& c) {
-    std::vector<char> buf(big, 1), rbuf(big, 0);
-    auto pingpong = [&](size_t bytes) {
-      return best_time(
-                 [&] {
-                   if (c.rank() == 0) {
-                     c.isend(buf.data(), bytes, 1, 7)->wait();
-                     c.irecv(rbuf.data(), bytes, 1, 8)->wait();
-                   } else {
-                     c.irecv(rbuf.data(), bytes, 0, 7)->wait();
-                     c.isend(buf.data(), bytes, 0, 8)->wait();
-                   }
-                 },
-                 15) /
-             2;
-    };
-    const double t0 = pingpong(0), t1 = pingpong(big);
-    std::vector<char> send(2 * big, 1), recv(2 * big, 0);
-    const size_t sb[2] = {big, big}, so[2] = {0, big};
-    c.barrier();
-    const double ta = best_time([&] { c.all_to_all(send.data(), sb, so, recv.data(), sb, so); }, 7);
-    const double tg = best_time([&] { c.all_gather(send.data(), big, recv.data()); }, 7);
+    const CommFigures f = measure_comm(c);
     if (c.rank() == 0) {
-      lat = t0;
-      bw = static_cast<double>(big) / std::max(1e-12, t1 - t0);
-      const double model = lat + static_cast<double>(big) / bw;
-      a2a = std::clamp(model / ta, 0.05, 1.0);
-      ag = std::clamp(model / tg, 0.05, 1.0);
+      lat = f.latency;
+      bw = f.bandwidth;
+      a2a = f.a2a_eff;
+      ag = f.allgather_eff;
     }
   });
   p.intra = Link{bw, lat};

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "commands.h"
+#include "loom/comm.h"
 #include "loom/npy.h"
 #include "loom/plan.h"
 
@@ -206,6 +207,32 @@ int run_plan(const PlanOptions& o) {
   if (!o.calibrate.empty()) {
     std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",
                  o.threads, o.threads == 1 ? "" : "s");
+    if (launched_by_mpirun()) {
+      // Under mpirun: the kernels and the node's local backend on rank 0, then the MPI
+      // point-to-point and collectives of the whole world as the inter-node link.
+      std::unique_ptr<Communicator> world = mpi_world();
+      LOOM_CHECK(world->size() >= 2, InvalidArgument,
+                 "--calibrate under mpirun needs >= 2 processes (got " << world->size() << ")");
+      plan::Profile p;
+      if (world->rank() == 0) p = plan::calibrate(o.threads, o.ranks_per_node, log_line);
+      world->barrier();
+      const plan::CommFigures f = plan::measure_comm(*world);
+      if (world->rank() != 0) return 0;
+      p.inter = plan::Link{f.bandwidth, f.latency};
+      p.a2a_eff = std::min(p.a2a_eff, f.a2a_eff);
+      p.allgather_eff = std::min(p.allgather_eff, f.allgather_eff);
+      p.allreduce_eff = p.allgather_eff;
+      const std::string how = "measured by loom plan --calibrate under mpirun (" +
+                              std::to_string(world->size()) + " MPI processes)";
+      p.sources["links.inter.bandwidth"] = p.sources["links.inter.latency_s"] = how;
+      std::fprintf(stderr,
+                   "  MPI: p2p latency %.1f us, bandwidth %.2f GB/s, a2a eff %.2f, "
+                   "all_gather eff %.2f\n",
+                   f.latency * 1e6, f.bandwidth * 1e-9, f.a2a_eff, f.allgather_eff);
+      write_file_atomic(o.calibrate, plan::profile_json(p));
+      std::printf("loom plan: wrote the profile of this machine to %s\n", o.calibrate.c_str());
+      return 0;
+    }
     plan::Profile p = plan::calibrate(o.threads, o.ranks_per_node, log_line);
     write_file_atomic(o.calibrate, plan::profile_json(p));
     std::printf("loom plan: wrote the profile of this machine to %s\n", o.calibrate.c_str());
