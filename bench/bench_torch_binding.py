@@ -142,6 +142,68 @@ def worker(args):
     dist.destroy_process_group()
 
 
+def alternate(args):
+    """Minimum forward / backward time of each side over N alternating runs: the binding's cost
+    at S = --seq on one process, with load from other jobs falling on both sides alike."""
+    import torch
+    import torch.distributed as dist
+    import loom.torch as lt
+    torch.set_num_threads(1)
+    q, k, v = inputs(args.seq, args.heads, args.kv_heads, args.dim)
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    best = {"torch_f": [], "torch_b": [], "attn_f": [], "attn_b": []}
+    # Same call, same load: the Python call's wall time over the engine's own time inside it
+    # (CpAttention::forward / backward, timed in C++). This is exactly what the binding adds.
+    g = lt._group(pg)
+    op = g.op("ring", "zigzag", 1, True, 0, args.dim ** -0.5, 1, args.seq, args.heads,
+              args.kv_heads, args.dim, False, [])
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    dout = torch.randn(q.shape)
+    inner = {"f": [], "b": []}
+    for _ in range(args.iters + 1):
+        t0 = time.perf_counter()
+        out = lt.cp_attention(qg, kg, vg, group=pg)
+        t1 = time.perf_counter()
+        out.backward(dout)
+        t2 = time.perf_counter()
+        inner["f"].append((t1 - t0) / op.last_forward_s)
+        inner["b"].append((t2 - t1) / op.last_backward_s)
+    fi, bi = statistics.median(inner["f"][1:]), statistics.median(inner["b"][1:])
+    for _ in range(args.alternate):
+        f, b = fwd_bwd_times(lambda a, b_, c: lt.cp_attention(a, b_, c, group=pg), q, k, v,
+                             args.iters, args.warmup)
+        best["torch_f"].append(f)
+        best["torch_b"].append(b)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "r.json")
+            subprocess.run([os.path.join(args.build, "loom"), "attn", "--ranks", "1", "--seq",
+                            str(args.seq), "--heads", str(args.heads), "--kv-heads",
+                            str(args.kv_heads), "--head-dim", str(args.dim), "--threads", "1",
+                            "--iters", str(args.iters), "--warmup", str(args.warmup),
+                            "--backward", "--quiet", "--json", path],
+                           check=True, stdout=subprocess.DEVNULL,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+            rep = json.load(open(path))
+            best["attn_f"].append(min(rep["forward_times_s"]))
+            best["attn_b"].append(min(rep["backward_times_s"]))
+    tf, tb = min(best["torch_f"]), min(best["torch_b"])
+    af, ab = min(best["attn_f"]), min(best["attn_b"])
+    print(f"S={args.seq} H={args.heads} HKV={args.kv_heads} D={args.dim}, 1 process, 1 thread, "
+          f"minimum over {args.alternate} alternating runs x {args.iters} calls:")
+    print(f"  forward   loom.torch.cp_attention {tf * 1e3:8.1f} ms   loom attn {af * 1e3:8.1f} ms"
+          f"   ratio {tf / af:.3f}")
+    print(f"  backward  loom.torch.cp_attention {tb * 1e3:8.1f} ms   loom attn {ab * 1e3:8.1f} ms"
+          f"   ratio {tb / ab:.3f}")
+    print(f"  same call: Python wall time / engine time inside it: forward {fi:.4f}, "
+          f"backward {bi:.4f} (median of {args.iters})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"wall_over_engine_forward": fi, "wall_over_engine_backward": bi,
+                       "torch_forward_s": best["torch_f"], "torch_backward_s": best["torch_b"],
+                       "loom_attn_forward_s": best["attn_f"], "loom_attn_backward_s": best["attn_b"]},
+                      f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096, help="tokens per rank")
@@ -154,6 +216,10 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--check-seq", type=int, default=300, help="length of the correctness check")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--alternate", type=int, default=0,
+                    help="only the 1-process binding cost: N alternating runs of `loom attn "
+                         "--ranks 1` and cp_attention over a 1-rank group, minimum of each (robust "
+                         "on a loaded machine)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -166,6 +232,8 @@ def main():
     import loom.torch as lt
     from loom import _loom
     torch.set_num_threads(1)
+    if args.alternate:
+        return alternate(args)
     res = {"seq_per_rank": args.seq, "heads": args.heads, "kv_heads": args.kv_heads,
            "dim": args.dim, "threads_per_rank": 1, "kernel_path": _loom.kernel_path()}
 

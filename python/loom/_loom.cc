@@ -29,6 +29,7 @@
 #include "loom/comm.h"
 #include "loom/cp.h"
 #include "loom/error.h"
+#include "loom/timer.h"
 #include "torch_comm.h"
 
 namespace py = pybind11;
@@ -125,6 +126,9 @@ struct CpOp {
   std::unique_ptr<loom::CpAttention> attn;
   int64_t rows = 0, heads = 0, kv_heads = 0, dim = 0;
   bool is_bf16 = false;
+  // Seconds inside CpAttention::forward / backward in the last call (for the binding
+  // benchmark: the wall time of the Python call minus these is what the binding costs).
+  double last_forward_s = 0, last_backward_s = 0;
 };
 
 class Group {
@@ -262,6 +266,7 @@ py::tuple cp_forward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const a
   {
     py::gil_scoped_release nogil;
     const int64_t n = op.rows, h = op.heads, hk = op.kv_heads, d = op.dim;
+    loom::ScopedTimer timer(op.last_forward_s = 0);
     if (op.is_bf16) {
       op.attn->forward(view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
                        view<const bf16>(v, n, hk, d), view<bf16>(out, n, h, d),
@@ -290,6 +295,7 @@ py::tuple cp_backward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor dv = at::empty({n, hk, d}, at::kFloat);
   {
     py::gil_scoped_release nogil;
+    loom::ScopedTimer timer(op.last_backward_s = 0);
     if (op.is_bf16) {
       op.attn->backward(view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
                         view<const bf16>(v, n, hk, d), view<const bf16>(out, n, h, d),
@@ -473,6 +479,8 @@ PYBIND11_MODULE(_loom, m) {
 
   py::class_<CpOp, std::shared_ptr<CpOp>>(m, "CpOp")
       .def_readonly("rows", &CpOp::rows)
+      .def_readonly("last_forward_s", &CpOp::last_forward_s)
+      .def_readonly("last_backward_s", &CpOp::last_backward_s)
       .def("metrics", [](CpOp& op) {
         const loom::CpMetrics& mt = op.attn->metrics();
         py::dict d;
