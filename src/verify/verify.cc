@@ -755,8 +755,7 @@ void order_model(const Ctx& c, const Tensor<double>& cand, const Reference& ref,
 // GQA head mapping: query head h read KV head h mod Hkv (torch's repeat() instead of
 // repeat_interleave()) where h / (H / Hkv) is right. Computed with the reference on query heads
 // permuted so that its h / group mapping reads the KV head the wrong mapping reads.
-void gqa_model(const Ctx& c, const Tensor<double>& cand, const Observed& ob,
-               std::vector<Diagnosis>& all) {
+void gqa_model(const Ctx& c, const Observed& ob, std::vector<Diagnosis>& all) {
   if (c.Hkv <= 1 || c.Hkv == c.H) return;
   // pi(h') = j * Hkv + kv for h' = kv * group + j: head pi(h') reads kv under h mod Hkv.
   std::vector<int64_t> pi(c.H);
@@ -789,7 +788,6 @@ void gqa_model(const Ctx& c, const Tensor<double>& cand, const Observed& ob,
   d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
     std::copy(pred.data() + (ri * c.H + h) * c.D, pred.data() + (ri * c.H + h + 1) * c.D, y);
   });
-  (void)cand;
   std::ostringstream os;
   os << "wrong GQA head mapping: query head h read KV head h mod " << c.Hkv
      << " (KV heads repeated, torch repeat) instead of h / " << c.group
@@ -799,8 +797,7 @@ void gqa_model(const Ctx& c, const Tensor<double>& cand, const Observed& ob,
 }
 
 // Softmax scale: one-dimensional search on log(scale) for the scale that best explains out.
-void scale_model(const Ctx& c, const Tensor<double>& cand, std::vector<Diagnosis>& all,
-                 double e_norm2) {
+void scale_model(const Ctx& c, const Tensor<double>& cand, std::vector<Diagnosis>& all) {
   // Rows for the search: up to 64 of the localisation rows.
   Ctx sub(c.p, c.o);
   sub.sh = c.sh;
@@ -862,7 +859,6 @@ void scale_model(const Ctx& c, const Tensor<double>& cand, std::vector<Diagnosis
   const double t = f1 < f2 ? x1 : x2;
   const double fe = std::min(f1, f2);
   if (std::fabs(t) < 1e-3) return;
-  (void)e_norm2;
   Diagnosis d;
   d.kind = "wrong_scale";
   d.value = c.scale * std::exp(t);
@@ -1252,8 +1248,8 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
       }
     }
     order_model(c, *cand.out, ref, all);
-    scale_model(c, *cand.out, all, ob.e2);
-    gqa_model(c, *cand.out, ob, all);
+    scale_model(c, *cand.out, all);
+    gqa_model(c, ob, all);
     rep.heat_tensor = "out";
     // Two directions per pair: w_ib (O_ib - out_i), the first-order effect of scaling the
     // pair's weight in the merge (dropped, doubled, masked pairs), and O_ib itself, which a
