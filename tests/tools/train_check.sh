@@ -121,6 +121,10 @@ expect_error "--ffn -1" "--ffn must be >= 0" "${tiny[@]}" --ffn -1
 expect_error "--eval-batches 0" "--eval-batches must be >= 1" "${tiny[@]}" --eval-batches 0
 expect_error "--seed -1" "must not be negative" "${tiny[@]}" --seed -1
 expect_error "--steps overflow" "out of range" "${tiny[@]}" --steps 99999999999999999999
+expect_error "memory estimate before allocating" "needs about" --quiet --steps 1 \
+  --seq 20000000 --dim 4096 --heads 32 --kv-heads 8 --layers 2 "${data[@]}"
+expect_error "--memory-limit" "(--memory-limit); make the problem smaller" "${tiny[@]}" \
+  --memory-limit 10M
 expect_error "--data /dev/zero" "is not a regular file" --quiet --data /dev/zero
 mkfifo "$work/fifo.txt"
 start=$(date +%s)
