@@ -322,8 +322,11 @@ void pack_kv_rows(View3<const T> x, int64_t begin, int64_t cols, int64_t head, c
     const T* in = x.row(begin + j, head);
     for (int64_t d0 = 0; d0 < x.d; d0 += kNr) {
       float* out = dst + d0 * t.bk + j * kNr;
-      const int64_t n = std::min(kNr, x.d - d0);
-      for (int64_t e = 0; e < n; ++e) out[e] = to_f32(in[d0 + e]);
+      if (d0 + kNr <= x.d) {  // a whole panel row: a fixed-length copy GCC vectorises
+        for (int64_t e = 0; e < kNr; ++e) out[e] = to_f32(in[d0 + e]);
+      } else {
+        for (int64_t e = 0; e < x.d - d0; ++e) out[e] = to_f32(in[d0 + e]);
+      }
     }
   }
 }
@@ -338,8 +341,11 @@ void pack_rows_panels(View3<const T> x, int64_t begin, int64_t rows, int64_t hea
     const T* in = x.row(begin + r, head);
     for (int64_t d0 = 0; d0 < x.d; d0 += kNr) {
       float* out = dst + d0 * t.bq + r * kNr;
-      const int64_t n = std::min(kNr, x.d - d0);
-      for (int64_t e = 0; e < n; ++e) out[e] = to_f32(in[d0 + e]);
+      if (d0 + kNr <= x.d) {  // a whole panel row: a fixed-length copy GCC vectorises
+        for (int64_t e = 0; e < kNr; ++e) out[e] = to_f32(in[d0 + e]);
+      } else {
+        for (int64_t e = 0; e < x.d - d0; ++e) out[e] = to_f32(in[d0 + e]);
+      }
     }
   }
 }
