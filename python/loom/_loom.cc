@@ -152,8 +152,8 @@ class Group {
   // The op for these arguments (cached; construction is collective). `rows` is this rank's
   // shard: batch * S_local (bshd) or T_local (thd).
   std::shared_ptr<CpOp> op(const std::string& strategy, const std::string& layout, int ulysses,
-                           bool causal, int64_t window, double scale, int64_t batch, int64_t rows,
-                           int64_t heads, int64_t kv_heads, int64_t dim, bool is_bf16,
+                           int inner, bool causal, int64_t window, double scale, int64_t batch,
+                           int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, bool is_bf16,
                            const std::vector<int64_t>& doc_lengths);
 
  private:
@@ -162,7 +162,7 @@ class Group {
 };
 
 std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& layout, int ulysses,
-                                bool causal, int64_t window, double scale, int64_t batch,
+                                int inner, bool causal, int64_t window, double scale, int64_t batch,
                                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                                 bool is_bf16, const std::vector<int64_t>& doc_lengths) {
   const loom::Strategy strat = loom::parse_strategy(strategy);
@@ -176,8 +176,8 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   std::memcpy(&scale_bits, &scale, sizeof scale);
   const char* names[] = {"rows",   "batch",      "heads",    "kv_heads", "head_dim",
                          "causal", "window",     "strategy", "layout",   "ulysses",
-                         "dtype",  "cu_seqlens", "scale"};
-  constexpr int kN = 13;
+                         "dtype",  "cu_seqlens", "inner",    "scale"};
+  constexpr int kN = 14;
   const int64_t mine[kN] = {rows,
                             batch,
                             heads,
@@ -190,6 +190,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                             ulysses,
                             is_bf16,
                             docs_hash,
+                            inner,
                             scale_bits};
   std::vector<int64_t> all(static_cast<size_t>(kN) * P);
   {
@@ -201,9 +202,9 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
       LOOM_CHECK(all[r * kN + i] == mine[i], InvalidArgument,
                  "cp_attention: the ranks of the group disagree on "
                      << names[i] << ": rank " << me << " passed "
-                     << (i == 12 ? std::to_string(scale) : std::to_string(mine[i])) << ", rank "
+                     << (i == kN - 1 ? std::to_string(scale) : std::to_string(mine[i])) << ", rank "
                      << r << " passed "
-                     << (i == 12 ? "another scale" : std::to_string(all[r * kN + i])));
+                     << (i == kN - 1 ? "another scale" : std::to_string(all[r * kN + i])));
     }
   }
   int64_t total = 0;
@@ -240,6 +241,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   loom::CpConfig cfg;
   cfg.strategy = strat;
   cfg.ulysses = ulysses;
+  cfg.inner = inner;
   cfg.kernel = kernel_config(causal, window, scale);
   {
     py::gil_scoped_release nogil;

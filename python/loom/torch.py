@@ -258,12 +258,26 @@ class _CpAttention(torch.autograd.Function):
                 dv.to(v.dtype).view(v.shape), None, None, None)
 
 
+def _degree(name, value, takes, strategy, what):
+    """The degree option `name` (ulysses=, inner=), which only strategy `takes` uses and needs."""
+    if value is None:
+        if strategy == takes:
+            raise InvalidArgument(f"strategy={takes!r} needs {name}=N ({what})")
+        return 1 if name == "ulysses" else 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise InvalidArgument(f"{name} must be None or a positive int, got {value!r}")
+    if strategy != takes:
+        raise InvalidArgument(f"{name}= is only for strategy={takes!r} (got strategy={strategy!r})")
+    return int(value)
+
+
 def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=None, causal=True,
-                 window=None, cu_seqlens=None, scale=None, return_lse=False):
+                 window=None, cu_seqlens=None, scale=None, return_lse=False, inner=None):
     """Context-parallel exact attention over the ranks of `group` (a torch.distributed
     ProcessGroup; None: the default group). q, k, v are this rank's shard (loom.torch.shard with
     the same layout and cu_seqlens). strategy: ring, ulysses, hybrid (needs ulysses=U, the
-    ulysses degree), allgather (loom.torch.strategies()). layout: contiguous, zigzag, stripe.
+    ulysses degree), ring2d (needs inner=I, the ranks of each inner ring; the outer ring is
+    the group size / I), allgather (loom.torch.strategies()). layout: contiguous, zigzag, stripe.
     cu_seqlens describes the GLOBAL packed sequence (the same on every rank). Returns this
     rank's out (and lse: [B,H,S_local] or [H,T_local]). Collective: every rank of the group
     calls it with the same arguments but its own shard."""
@@ -273,21 +287,14 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
         raise InvalidArgument(f"strategy must be a string, got {strategy!r}")
     if not isinstance(layout, str) or layout not in layouts:
         raise InvalidArgument(f"unknown layout {layout!r} (choose contiguous, zigzag or stripe)")
-    if ulysses is None:
-        if strategy == "hybrid":
-            raise InvalidArgument("strategy='hybrid' needs ulysses=U (the ulysses degree inside "
-                                  "each group; the ring degree is the group size / U)")
-        u = 1
-    elif isinstance(ulysses, bool) or not isinstance(ulysses, numbers.Integral) or ulysses < 1:
-        raise InvalidArgument(f"ulysses must be None or a positive int, got {ulysses!r}")
-    elif strategy != "hybrid":
-        raise InvalidArgument(f"ulysses= is only for strategy='hybrid' (got strategy={strategy!r})")
-    else:
-        u = int(ulysses)
+    u = _degree("ulysses", ulysses, "hybrid", strategy,
+                "the ulysses degree inside each group; the ring degree is the group size / U")
+    i = _degree("inner", inner, "ring2d", strategy,
+                "the ranks of each inner ring; the outer ring is the group size / I")
     g = _group(group)
     batch, seq, rows = _rows(q, cu_seqlens)
     docs = _doc_lengths(cu_seqlens) if cu_seqlens is not None else []
-    op = g.op(strategy, layout, u, causal, window, scale, batch, rows, heads, kv_heads, dim,
+    op = g.op(strategy, layout, u, i, causal, window, scale, batch, rows, heads, kv_heads, dim,
               q.dtype == torch.bfloat16, docs)
     out, lse = _CpAttention.apply(q, k, v, op, batch, seq)
     return (out, lse) if return_lse else out

@@ -822,8 +822,13 @@ void finish_impl(StateView st, View3<T> out, float* lse, int64_t lse_stride) {
       const float* acc = st.acc + i * st.acc_ss + h * st.dim;
       T* o = out.row(i, h);
       if (l == 0.0f) {
-        for (int64_t d = 0; d < st.dim; ++d) store(o + d, 0.0f);
-        lse[h * lse_stride + i] = kNegInf;
+        // A row that saw no key has m = -inf: out 0, lse -inf. A row whose scores overflowed
+        // (m = +inf or NaN, so every exp(s - m) was 0 or NaN) has no finite answer in fp32: it
+        // is NaN, never a plausible-looking 0, so the callers' non-finite checks see it.
+        const bool saw_no_key = st.m[h * st.ml_stride + i] == kNegInf;
+        const float fill = saw_no_key ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+        for (int64_t d = 0; d < st.dim; ++d) store(o + d, fill);
+        lse[h * lse_stride + i] = saw_no_key ? kNegInf : fill;
         continue;
       }
       const float inv_l = 1.0f / l;

@@ -122,6 +122,8 @@ for pi, (mask_name, batch, seq, docs, causal, window, dtype) in enumerate(proble
                           window=window, cu_seqlens=cu)
                 if strategy == "hybrid":
                     kw["ulysses"] = hybrid_u()
+                if strategy == "ring2d":
+                    kw["inner"] = hybrid_u()
                 try:
                     qs, ks, vs, ds = (lt.shard(x, layout=layout, cu_seqlens=cu) for x in (q, k, v, dout))
                     qs.requires_grad_()
@@ -197,6 +199,8 @@ k = torch.randn(1, 8, P, DIM)
 expect_error(loom.InvalidArgument, "unknown strategy", lambda: lt.cp_attention(q, k, k, strategy="spiral"))
 expect_error(loom.InvalidArgument, "needs ulysses", lambda: lt.cp_attention(q, k, k, strategy="hybrid"))
 expect_error(loom.InvalidArgument, "ulysses= is only", lambda: lt.cp_attention(q, k, k, ulysses=1))
+expect_error(loom.InvalidArgument, "needs inner", lambda: lt.cp_attention(q, k, k, strategy="ring2d"))
+expect_error(loom.InvalidArgument, "inner= is only", lambda: lt.cp_attention(q, k, k, inner=1))
 expect_error(loom.InvalidArgument, "must be a torch.distributed ProcessGroup",
              lambda: lt.cp_attention(q, k, k, group="world"))
 if P > 1:
