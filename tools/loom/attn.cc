@@ -562,6 +562,10 @@ int run_attn(const AttnOptions& o) {
     rep.baseline_s = base.forward_s() + (o.backward ? base.backward_s() : 0.0);
   }
   print_text(rep);
+  for (const RankReport& k : rep.ranks)
+    if (k.spans_dropped > 0 && (!o.trace.empty() || !o.timeline.empty()))
+      std::fprintf(stderr, "loom attn: note: rank %d kept its first %zu spans and dropped %.0f\n",
+                   k.rank, k.spans.size(), k.spans_dropped);
   if (!o.json.empty()) write_file_atomic(o.json, to_json(rep).dump(2) + "\n");
   if (!o.trace.empty()) write_file_atomic(o.trace, chrome_trace(rep));
   if (!o.timeline.empty()) write_file_atomic(o.timeline, timeline_svg(rep));
