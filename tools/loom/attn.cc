@@ -536,6 +536,7 @@ int run_attn(const AttnOptions& o) {
     LOOM_CHECK(o.fault.empty(), InvalidArgument,
                "--fault works on the local backend only (not under mpirun)");
     mpi = mpi_world();
+    check_cp_config(p.cp, mpi->size(), p.H, p.HKV);  // the strategy's rules, before any work
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     const int here = local ? std::max(1, std::atoi(local)) : mpi->size();
     threads = o.threads ? o.threads : default_threads(here);
@@ -547,6 +548,7 @@ int run_attn(const AttnOptions& o) {
     LOOM_CHECK(
         faults.kill_rank < o.ranks && faults.drop_rank < o.ranks && faults.delay_rank < o.ranks,
         InvalidArgument, "--fault " << o.fault << " names a rank outside 0.." << o.ranks - 1);
+    check_cp_config(p.cp, o.ranks, p.H, p.HKV);  // the strategy's rules, before any rank starts
     threads = o.threads ? o.threads : default_threads(o.ranks);
     run_local(
         o.ranks, [&](Communicator& world) { attn_rank(world, o, p, threads, rep, true); }, faults);
