@@ -33,22 +33,20 @@ if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
     set_tests_properties(cp_mpi_np${np} PROPERTIES LABELS "mpi;cp" TIMEOUT 120 PROCESSORS ${np}
                                                    ENVIRONMENT "${loom_cp_mpi_env}")
   endforeach()
-  add_test(NAME loom_attn_mpi_hybrid_np4
-           COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 4 ${loom_cp_mpi_flags}
-                   $<TARGET_FILE:loom> attn --strategy hybrid --ulysses 2 --layout zigzag
-                   --seq 1024 --heads 8 --kv-heads 2 --head-dim 64 --backward --check
-                   --iters 1 --warmup 0 --quiet)
-  set_tests_properties(loom_attn_mpi_hybrid_np4 PROPERTIES LABELS "mpi;tool" TIMEOUT 120
-                       PROCESSORS 4 ENVIRONMENT "${loom_cp_mpi_env}"
-                       PASS_REGULAR_EXPRESSION "check     passed")
-  add_test(NAME loom_attn_mpi_ring2d_np4
-           COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 4 ${loom_cp_mpi_flags}
-                   $<TARGET_FILE:loom> attn --strategy ring2d --inner 2 --layout stripe
-                   --seq 1000 --heads 8 --kv-heads 1 --head-dim 64 --backward --check
-                   --iters 1 --warmup 0 --quiet)
-  set_tests_properties(loom_attn_mpi_ring2d_np4 PROPERTIES LABELS "mpi;tool" TIMEOUT 120
-                       PROCESSORS 4 ENVIRONMENT "${loom_cp_mpi_env}"
-                       PASS_REGULAR_EXPRESSION "check     passed")
+  # `loom attn` under mpirun, checked against fp64: one test per strategy run.
+  function(loom_attn_mpi_np4 name)  # ARGN: the strategy's options
+    add_test(NAME loom_attn_mpi_${name}_np4
+             COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 4 ${loom_cp_mpi_flags}
+                     $<TARGET_FILE:loom> attn ${ARGN} --head-dim 64 --backward --check --iters 1
+                     --warmup 0 --quiet)
+    set_tests_properties(loom_attn_mpi_${name}_np4 PROPERTIES LABELS "mpi;tool" TIMEOUT 120
+                         PROCESSORS 4 ENVIRONMENT "${loom_cp_mpi_env}"
+                         PASS_REGULAR_EXPRESSION "check     passed")
+  endfunction()
+  loom_attn_mpi_np4(hybrid --strategy hybrid --ulysses 2 --layout zigzag --seq 1024 --heads 8
+                    --kv-heads 2)
+  loom_attn_mpi_np4(ring2d --strategy ring2d --inner 2 --layout stripe --seq 1000 --heads 8
+                    --kv-heads 1)
   add_test(NAME loom_attn_mpi_refuses_ranks
            COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 2 ${loom_cp_mpi_flags}
                    $<TARGET_FILE:loom> attn --ranks 2 --seq 64)

@@ -45,6 +45,12 @@ struct View3 {
   bool contiguous() const { return hs == d && ss == h * d; }
 };
 
+// The contiguous [s, h, d] view of the memory at p.
+template <class T>
+View3<T> contiguous_view(T* p, int64_t s, int64_t h, int64_t d) {
+  return View3<T>{p, s, h, d, h * d, d};
+}
+
 template <class T>
 class Tensor {
  public:

@@ -50,7 +50,7 @@ struct Engine {
   // Contiguous [rows, heads, dim] rows at p.
   template <class T>
   View3<T> rows_view(T* p, int64_t rows, int64_t heads) const {
-    return View3<T>{p, rows, heads, dim, heads * dim, dim};
+    return contiguous_view(p, rows, heads, dim);
   }
 
  private:

@@ -244,7 +244,7 @@ struct Gpt::Impl {
   size_t full_rows() const { return static_cast<size_t>(T * nsp); }
 
   View3<float> v3(std::vector<float>& x, int64_t heads) {
-    return View3<float>{x.data(), n, heads, D, heads * D, D};
+    return contiguous_view(x.data(), n, heads, D);
   }
 
   void prepare(const Sequence& seq) {

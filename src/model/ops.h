@@ -33,7 +33,6 @@ bool have_bf16_gemm();
 // Rounds n floats to bf16 (nearest even).
 void to_bf16(const float* x, int64_t n, bf16* out);
 
-
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: y[i, :] = x[i, :] * inv_rms[i] * g,  inv_rms[i] = 1 / sqrt(mean_j x[i, j]^2 + eps).
 template <class T>

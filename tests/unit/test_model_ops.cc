@@ -9,12 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "loom/model/data.h"
-#include "loom/model/gpt.h"
 #include "loom/comm.h"
 #include "loom/error.h"
-#include "ops.h"
+#include "loom/model/data.h"
+#include "loom/model/gpt.h"
 #include "loom/model/trainer.h"
+#include "ops.h"
 
 namespace loom::model {
 namespace {

@@ -685,6 +685,7 @@ int run_attn(const AttnOptions& o) {
     LOOM_CHECK(o.fault.empty(), InvalidArgument,
                "--fault works on the local backend only (not under mpirun)");
     mpi = mpi_world();
+    check_cp_config(p.cp, mpi->size(), p.H, p.HKV);  // the strategy's rules, before any work
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     const int here = local ? std::max(1, std::atoi(local)) : mpi->size();
     check_memory(estimate_attn_bytes(o, p, mpi->size(), 1), memory_limit, "this rank",
@@ -698,6 +699,7 @@ int run_attn(const AttnOptions& o) {
     LOOM_CHECK(
         faults.kill_rank < o.ranks && faults.drop_rank < o.ranks && faults.delay_rank < o.ranks,
         InvalidArgument, "--fault " << o.fault << " names a rank outside 0.." << o.ranks - 1);
+    check_cp_config(p.cp, o.ranks, p.H, p.HKV);  // the strategy's rules, before any rank starts
     check_memory(estimate_attn_bytes(o, p, o.ranks, o.ranks), memory_limit,
                  "loom attn with " + std::to_string(o.ranks) + " rank" + (o.ranks > 1 ? "s" : ""),
                  "--memory-limit");
@@ -723,6 +725,10 @@ int run_attn(const AttnOptions& o) {
   }
   // With an output on standard output ("-"), the table stays off it.
   if (o.json != "-" && o.trace != "-" && o.timeline != "-") print_text(rep);
+  for (const RankReport& k : rep.ranks)
+    if (k.spans_dropped > 0 && (!o.trace.empty() || !o.timeline.empty()))
+      std::fprintf(stderr, "loom attn: note: rank %d kept its first %zu spans and dropped %.0f\n",
+                   k.rank, k.spans.size(), k.spans_dropped);
   if (!o.json.empty()) write_output(o.json, to_json(rep).dump(2) + "\n");
   if (!o.trace.empty()) write_output(o.trace, chrome_trace(rep));
   if (!o.timeline.empty()) write_output(o.timeline, timeline_svg(rep));

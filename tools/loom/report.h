@@ -16,8 +16,9 @@ namespace loom::tools {
 struct RankCounters {
   double compute_s = 0, comm_s = 0, wait_s = 0, window_s = 0;
   double bytes_sent = 0, bytes_recv = 0, tiles = 0, visible_pairs = 0;
-  double fwd_tiles = 0;  // tiles of the last forward
-  double peak_rss = 0;   // bytes (the whole process on the local backend)
+  double fwd_tiles = 0;      // tiles of the last forward
+  double peak_rss = 0;       // bytes (the whole process on the local backend)
+  double spans_dropped = 0;  // spans past CpMetrics::span_limit (not per iteration)
   // From a rank's metrics accumulated over `iters` timed iterations.
   static RankCounters of(const CpMetrics& m, int iters, int64_t peak_rss_bytes);
 };
