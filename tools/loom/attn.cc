@@ -604,7 +604,8 @@ nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
 // Peak bytes of the run in this process, from the problem alone (before anything is allocated).
 // `ranks_here` ranks live in this process (all of them on the local backend, one under mpirun).
 // Counted per rank: the fp32 (and bf16) inputs and outputs of its shard, the strategy's working
-// set (ring: the softmax state and two KV blocks in flight, and the dK/dV partials in backward;
+// set (ring: the softmax state and two KV blocks in flight, and the dK/dV partials in backward,
+// ring2d the same and the outer block in flight;
 // ulysses and hybrid: the re-sharded copies and their send/receive buffers; allgather: the
 // whole K and V and their gradients), and the report's counters. With --check or --output every
 // rank receives the gathered results (gather_rows is an all_gather), rank 0 holds the global
@@ -621,6 +622,9 @@ double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, in
   switch (p.cp.strategy) {
     case Strategy::ring:
       rank += q_rows + 2 * n * H * 4 + 4 * kv_rows + (bw ? 4 * kv_rows + q_rows : 0);
+      break;
+    case Strategy::ring2d:  // the ring's set, plus the outer KV block in flight and its dK/dV
+      rank += q_rows + 2 * n * H * 4 + 6 * kv_rows + (bw ? 6 * kv_rows + q_rows : 0);
       break;
     case Strategy::ulysses:
     case Strategy::hybrid:
