@@ -13,9 +13,9 @@ jobs=$(nproc 2>/dev/null || echo 2)
 (cd build && ctest --output-on-failure -j "$jobs")
 
 sanitized=(test_core test_layout test_reference test_blockwise test_merge test_comm_local
-           test_cp_local)
+           test_cp_local test_verify)
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE=ON \
-  -DLOOM_WITH_MPI=OFF -DLOOM_BUILD_BENCH=OFF > /dev/null
+  -DLOOM_WITH_MPI=OFF -DLOOM_WITH_TORCH=OFF -DLOOM_BUILD_BENCH=OFF > /dev/null
 cmake --build build-asan -j "$jobs" --target "${sanitized[@]}"
 regex="^($(IFS='|'; echo "${sanitized[*]}"))\$"
 # The 7- and 8-rank cases of test_cp_local ran in the Release pass; under the sanitizers they
