@@ -21,6 +21,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -30,6 +31,7 @@
 #include "loom/cp.h"
 #include "loom/error.h"
 #include "loom/timer.h"
+#include "loom/verify.h"
 #include "torch_comm.h"
 
 namespace py = pybind11;
@@ -450,6 +452,43 @@ py::tuple reference_backward(const at::Tensor& q, const at::Tensor& k, const at:
   return py::make_tuple(dq, dk, dv);
 }
 
+// loom verify on global fp64 tensors (loom.torch.verify): the report as JSON text.
+loom::Tensor<double> to_loom(const at::Tensor& x) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  loom::Tensor<double> t(shape);
+  const at::Tensor c = x.to(at::kDouble).contiguous();
+  std::copy_n(c.data_ptr<double>(), t.numel(), t.data());
+  return t;
+}
+
+std::string verify_json(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& dout, bool causal, int64_t window,
+                        double scale, const std::vector<int64_t>& doc_lengths,
+                        const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& lse,
+                        const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                        const std::optional<at::Tensor>& dv, const std::string& convention,
+                        int ranks, const std::string& dtype) {
+  loom::verify::Problem problem;
+  problem.q = to_loom(q);
+  problem.k = to_loom(k);
+  problem.v = to_loom(v);
+  if (dout) problem.dout = to_loom(*dout);
+  problem.mask = loom::Mask{causal, window};
+  problem.scale = scale;
+  problem.doc_lengths = doc_lengths;
+  loom::verify::Candidate cand;
+  const std::pair<const std::optional<at::Tensor>*, std::optional<loom::Tensor<double>>*> parts[] =
+      {{&out, &cand.out}, {&lse, &cand.lse}, {&dq, &cand.dq}, {&dk, &cand.dk}, {&dv, &cand.dv}};
+  for (const auto& [from, to] : parts)
+    if (*from) *to = to_loom(**from);
+  loom::verify::Options opt;
+  opt.convention = convention;
+  opt.ranks = ranks;
+  opt.dtype = dtype;
+  py::gil_scoped_release nogil;
+  return loom::verify::verify(problem, cand, opt).to_json();
+}
+
 // loom::Error kinds -> the classes of loom/errors.py (imported when the first error happens).
 void translate(const loom::Error& e, const char* kind) {
   py::gil_scoped_acquire gil;
@@ -510,6 +549,7 @@ PYBIND11_MODULE(_loom, m) {
   m.def("attention_backward", &attention_backward);
   m.def("reference_forward", &reference_forward);
   m.def("reference_backward", &reference_backward);
+  m.def("verify_json", &verify_json);
   m.def("shard_index", &shard_index);
   m.def("launcher_backend", [] { return loom::launcher_backend(); });
   m.def("kernel_path", [] { return std::string(loom::kernel_path()); });

@@ -400,3 +400,48 @@ def reference_attention(q, k, v, causal=True, window=None, cu_seqlens=None, scal
     q64, k64, v64 = (x.double().contiguous() for x in (q, k, v))
     out, lse = _Reference.apply(q64, k64, v64, meta)
     return (out, lse) if return_lse else out
+
+
+def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=True,
+           window=None, cu_seqlens=None, scale=None, layout="contiguous", ranks=1, dtype=None):
+    """Checks another implementation's results against loom's fp64 reference, like `loom verify`
+    (docs/verify.md), and returns the same report as a dict: "passed", per-tensor errors
+    ("tensors"), "absent" tensors and, when something is wrong, "diagnoses" (best first, each
+    with "kind" and "text"), and the heat map.
+
+    Every tensor is GLOBAL, in token order: q, out, dout, dq [S, H, D] (or [1, S, H, D]), k, v,
+    dk, dv [S, Hkv, D], lse [H, S] (loom.torch.unshard first if you hold shards). Any of out, lse,
+    dq, dk, dv may be None (not checked); dq, dk, dv need dout. layout and ranks name the
+    candidate's sharding (contiguous, zigzag, stripe, rfa-zigzag, te-thd, torch-headtail,
+    megatron), so the diagnosis can speak of ranks, chunks and ring steps. dtype: "fp32" or
+    "bf16" (the tolerances); default from out's dtype."""
+    import json
+
+    def flat(x, name):
+        if x is None:
+            return None
+        _tensor(x, name)
+        if x.dim() == 4:
+            if x.shape[0] != 1:
+                raise InvalidArgument(f"verify: {name} has batch {x.shape[0]}; pass one sequence "
+                                      "([S, H, D] or [1, S, H, D]), or cu_seqlens for packed documents")
+            x = x[0]
+        return x.detach().double().contiguous()
+
+    q64, k64, v64 = (flat(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    heads, kv_heads, dim = _check_qkv(q64, k64, v64, cu_seqlens if cu_seqlens is not None else
+                                      [0, q64.shape[0]], allow_f64=True)
+    window, scale = _check_mask(causal, window, scale, dim)
+    docs = _doc_lengths(cu_seqlens, q64.shape[0]) if cu_seqlens is not None else []
+    if (dq is not None or dk is not None or dv is not None) and dout is None:
+        raise InvalidArgument("verify: dq, dk and dv are checked against the gradient of dout; "
+                              "pass dout")
+    if dtype is None:
+        dtype = "bf16" if out is not None and out.dtype == torch.bfloat16 else "fp32"
+    if isinstance(ranks, bool) or not isinstance(ranks, numbers.Integral) or ranks < 1:
+        raise InvalidArgument(f"verify: ranks must be a positive int, got {ranks!r}")
+    lse64 = None if lse is None else lse.detach().double().contiguous()
+    text = _loom.verify_json(q64, k64, v64, flat(dout, "dout"), causal, window, scale, docs,
+                             flat(out, "out"), lse64, flat(dq, "dq"), flat(dk, "dk"),
+                             flat(dv, "dv"), layout, int(ranks), dtype)
+    return json.loads(text)

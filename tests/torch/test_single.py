@@ -171,5 +171,35 @@ else:
 check(issubclass(loom.NotSupported, NotImplementedError) and issubclass(loom.InvalidArgument, ValueError)
       and issubclass(loom.Timeout, loom.CommError), "error classes")
 
+# loom.torch.verify: loom's own results pass (forward and backward); the first seed's ring loop
+# (partial outputs of two KV blocks added with no log-sum-exp merge) fails and is named.
+gen = torch.Generator().manual_seed(11)
+S, H, HKV, D = 64, 4, 2, 16
+q, k, v, do = (torch.randn(shape, generator=gen) for shape in ((S, H, D), (S, HKV, D), (S, HKV, D), (S, H, D)))
+q4, k4, v4 = (x[None].clone().requires_grad_() for x in (q, k, v))
+o4, l4 = lt.attention(q4, k4, v4, causal=True, return_lse=True)
+o4.backward(do[None])
+rep = lt.verify(o4[0], q, k, v, dout=do, lse=l4[0], dq=q4.grad[0], dk=k4.grad[0], dv=v4.grad[0],
+                layout="zigzag", ranks=2)
+check(rep["passed"] and rep["absent"] == [] and all(t["passed"] for t in rep["tensors"]),
+      f"verify passes loom's own out/lse/dq/dk/dv: {rep['tensors']}")
+kk = k.repeat_interleave(H // HKV, dim=1)
+vv = v.repeat_interleave(H // HKV, dim=1)
+seed = torch.zeros(S, H, D)
+i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+for lo, hi in ((0, S // 2), (S // 2, S)):
+    sc = torch.einsum("shd,thd->hst", q, kk) / D ** 0.5
+    sc = sc.masked_fill(~((j <= i) & (j >= lo) & (j < hi)), float("-inf"))
+    seed += torch.einsum("hst,thd->shd", torch.softmax(sc, -1).nan_to_num(0.0), vv)
+rep = lt.verify(seed, q, k, v, layout="contiguous", ranks=2)
+kinds = [d["kind"] for d in rep["diagnoses"]]
+check(not rep["passed"] and kinds[:1] == ["no_lse_merge"],
+      f"verify names the seed loop's missing log-sum-exp merge: {kinds}")
+rep = lt.verify(o4[0] * (1 + 1e-3), q, k, v)
+check(not rep["passed"], "verify fails an out 0.1 % off")
+expect_error(E, "pass dout", lambda: lt.verify(o4[0], q, k, v, dq=q4.grad[0]))
+expect_error(E, "ranks must be", lambda: lt.verify(o4[0], q, k, v, ranks=0))
+expect_error(E, "unknown", lambda: lt.verify(o4[0], q, k, v, layout="spiral", ranks=2))
+
 print(f"test_single: {checks} checks, {len(failures)} failures", flush=True)
 sys.exit(1 if failures else 0)
