@@ -86,6 +86,10 @@ struct ShardPlan {
   void unshard(const Tensor<float>& local, int r, Tensor<float>& global) const;
 };
 
+// The document lengths of a sequence of `seq` tokens, checked (each >= 1, an int64 sum without
+// overflow, equal to seq); empty doc_lengths give {seq}. InvalidArgument naming the values.
+std::vector<int64_t> checked_doc_lengths(int64_t seq, const std::vector<int64_t>& doc_lengths);
+
 // Parses "L1,L2,..." (positive integers). InvalidArgument naming the bad text.
 std::vector<int64_t> parse_doc_lengths(const std::string& text);
 

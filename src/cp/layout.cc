@@ -54,15 +54,7 @@ int64_t chunk_begin(int64_t len, int64_t n, int64_t c) {
 }
 }  // namespace
 
-ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
-                          const std::vector<int64_t>& doc_lengths) {
-  LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
-  LOOM_CHECK(ranks >= 1, InvalidArgument, "ranks must be >= 1, got " << ranks);
-  ShardPlan p;
-  p.layout = layout;
-  p.seq = seq;
-  p.ranks = ranks;
-  p.doc_lengths = doc_lengths;
+std::vector<int64_t> checked_doc_lengths(int64_t seq, const std::vector<int64_t>& doc_lengths) {
   std::vector<int64_t> docs = doc_lengths;
   if (docs.empty()) docs.push_back(seq);
   int64_t total = 0;
@@ -73,6 +65,19 @@ ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
   }
   LOOM_CHECK(total == seq, InvalidArgument,
              "document lengths sum to " << total << " but the sequence has " << seq << " tokens");
+  return docs;
+}
+
+ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
+                          const std::vector<int64_t>& doc_lengths) {
+  LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
+  LOOM_CHECK(ranks >= 1, InvalidArgument, "ranks must be >= 1, got " << ranks);
+  ShardPlan p;
+  p.layout = layout;
+  p.seq = seq;
+  p.ranks = ranks;
+  p.doc_lengths = doc_lengths;
+  const std::vector<int64_t> docs = checked_doc_lengths(seq, doc_lengths);
   const bool with_docs = !doc_lengths.empty();
   p.tokens.assign(ranks, {});
   p.docs.assign(ranks, {});

@@ -47,15 +47,7 @@ std::vector<std::vector<Chunk>> shard_chunks(Layout layout, int64_t seq, int ran
                                              const std::vector<int64_t>& doc_lengths) {
   LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
   LOOM_CHECK(ranks >= 1, InvalidArgument, "ranks must be >= 1, got " << ranks);
-  std::vector<int64_t> docs = doc_lengths;
-  if (docs.empty()) docs.push_back(seq);
-  int64_t total = 0;
-  for (int64_t l : docs) {
-    LOOM_CHECK(l >= 1, InvalidArgument, "document lengths must be positive, got " << l);
-    total += l;
-  }
-  LOOM_CHECK(total == seq, InvalidArgument,
-             "document lengths sum to " << total << " but the sequence has " << seq << " tokens");
+  const std::vector<int64_t> docs = checked_doc_lengths(seq, doc_lengths);
   std::vector<std::vector<Chunk>> out(ranks);
   auto add = [&](int r, int64_t first, int64_t stride, int64_t count, int32_t doc) {
     if (count > 0) out[r].push_back(Chunk{first, stride, count, doc});
