@@ -14,7 +14,10 @@ jobs=$(nproc 2>/dev/null || echo 2)
 
 sanitized=(test_core test_layout test_reference test_blockwise test_merge test_comm_local
            test_cp_local test_verify)
+# -g1 (line tables) is all a sanitizer report needs for file:line stacks, and compiles ~40 %
+# faster than full -g.
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE=ON \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
   -DLOOM_WITH_MPI=OFF -DLOOM_WITH_TORCH=OFF -DLOOM_BUILD_BENCH=OFF > /dev/null
 cmake --build build-asan -j "$jobs" --target "${sanitized[@]}"
 regex="^($(IFS='|'; echo "${sanitized[*]}"))\$"
