@@ -108,6 +108,20 @@ TEST(Conventions, RoundTrip) {
   }
 }
 
+TEST(Conventions, GatherRowsIsShardingsInverse) {
+  // gather_rows(x, rank r's tokens) is rank r's shard: unshard_rows of the shards gives x back.
+  const auto sh = verify::make_sharding("zigzag", 10, 2);
+  Tensor<double> x({10, 2, 3});
+  std::iota(x.vec().begin(), x.vec().end(), 0.0);
+  std::vector<Tensor<double>> local;
+  for (int r = 0; r < 2; ++r) local.push_back(verify::gather_rows(x, sh.tokens[r]));
+  ASSERT_EQ(local[1].shape(), (std::vector<int64_t>{5, 2, 3}));
+  EXPECT_EQ(local[1][0], 3 * 6.0);  // rank 1's first token is 3
+  EXPECT_EQ(verify::unshard_rows(sh, local, "x").vec(), x.vec());
+  EXPECT_THROW(verify::gather_rows(x, {10}), InvalidArgument);
+  EXPECT_THROW(verify::gather_rows(Tensor<double>({4, 6}), {0}), InvalidArgument);
+}
+
 TEST(Conventions, WrongRowCountIsRefused) {
   const auto sh = verify::make_sharding("zigzag", 16, 2);
   std::vector<Tensor<double>> local = {Tensor<double>({8, 1, 1}), Tensor<double>({7, 1, 1})};
