@@ -30,6 +30,7 @@
 
 #include "loom/comm.h"
 #include "loom/error.h"
+#include "loom/io.h"
 #include "loom/timer.h"
 
 namespace loom {
@@ -54,30 +55,6 @@ struct Result {
   double algbw = 0, busbw = 0;  // GB/s
   int64_t wrong = -1;           // -1: not checked
 };
-
-size_t parse_size(const std::string& text) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  LOOM_CHECK(used > 0 && v > 0, InvalidArgument, "size '" << text << "' is not a positive size");
-  const std::string unit = text.substr(used);
-  double scale = 1;
-  if (unit == "K" || unit == "KiB") {
-    scale = 1024;
-  } else if (unit == "M" || unit == "MiB") {
-    scale = 1024.0 * 1024;
-  } else if (unit == "G" || unit == "GiB") {
-    scale = 1024.0 * 1024 * 1024;
-  } else {
-    LOOM_CHECK(unit.empty() || unit == "B", InvalidArgument,
-               "size '" << text << "': unknown unit '" << unit << "' (B, K, M, G)");
-  }
-  return static_cast<size_t>(v * scale);
-}
 
 float value(int rank, size_t i) {
   return static_cast<float>((rank * 3 + i) % 11);
@@ -124,11 +101,32 @@ class RingStep final : public Op {
   std::vector<float> send_, recv_;
 };
 
-class AllToAll final : public Op {
+// Ops whose receive buffer is one block of `count` elements from each rank (all_to_all,
+// all_gather): the nccl-tests size is the whole receive buffer and the bus factor (P - 1) / P.
+// In a correct result block p holds value(sender_key(p, rank, P), i).
+class BlockOp : public Op {
  public:
   size_t count_for(size_t bytes, int ranks) const override { return bytes / 4 / ranks; }
   double bus_factor(int ranks) const override { return double(ranks - 1) / ranks; }
   size_t size_of(size_t count, int ranks) const override { return count * 4 * ranks; }
+  int64_t wrong(Communicator& c, size_t count) const override {
+    const int n = c.size();
+    int64_t bad = 0;
+    for (int p = 0; p < n; ++p) {
+      for (size_t i = 0; i < count; ++i)
+        bad += recv_[p * count + i] != value(sender_key(p, c.rank(), n), i);
+    }
+    return bad;
+  }
+
+ protected:
+  // The value key of the block rank `from` sends to `rank`.
+  virtual int sender_key(int from, int rank, int ranks) const = 0;
+  std::vector<float> send_, recv_;
+};
+
+class AllToAll final : public BlockOp {
+ public:
   void prepare(Communicator& c, size_t count) override {
     const int n = c.size();
     send_.resize(count * n);
@@ -140,24 +138,13 @@ class AllToAll final : public Op {
   void run(Communicator& c, size_t count) override {
     c.all_to_all(send_.data(), recv_.data(), count * 4);
   }
-  int64_t wrong(Communicator& c, size_t count) const override {
-    const int n = c.size();
-    int64_t bad = 0;
-    for (int p = 0; p < n; ++p) {
-      for (size_t i = 0; i < count; ++i) bad += recv_[p * count + i] != value(p * n + c.rank(), i);
-    }
-    return bad;
-  }
 
  private:
-  std::vector<float> send_, recv_;
+  int sender_key(int from, int rank, int ranks) const override { return from * ranks + rank; }
 };
 
-class AllGather final : public Op {
+class AllGather final : public BlockOp {
  public:
-  size_t count_for(size_t bytes, int ranks) const override { return bytes / 4 / ranks; }
-  double bus_factor(int ranks) const override { return double(ranks - 1) / ranks; }
-  size_t size_of(size_t count, int ranks) const override { return count * 4 * ranks; }
   void prepare(Communicator& c, size_t count) override {
     send_.resize(count);
     recv_.assign(count * c.size(), -1.0f);
@@ -166,16 +153,9 @@ class AllGather final : public Op {
   void run(Communicator& c, size_t count) override {
     c.all_gather(send_.data(), count * 4, recv_.data());
   }
-  int64_t wrong(Communicator& c, size_t count) const override {
-    int64_t bad = 0;
-    for (int p = 0; p < c.size(); ++p) {
-      for (size_t i = 0; i < count; ++i) bad += recv_[p * count + i] != value(p, i);
-    }
-    return bad;
-  }
 
  private:
-  std::vector<float> send_, recv_;
+  int sender_key(int from, int, int) const override { return from; }
 };
 
 class AllReduce final : public Op {
@@ -217,7 +197,8 @@ std::unique_ptr<Op> make_op(const std::string& name) {
 
 // The whole sweep on one rank; rank 0 returns the results.
 std::vector<Result> sweep(Communicator& c, const Options& o) {
-  const size_t lo = parse_size(o.min_bytes), hi = parse_size(o.max_bytes);
+  const size_t lo = static_cast<size_t>(parse_size(o.min_bytes, "--min-bytes"));
+  const size_t hi = static_cast<size_t>(parse_size(o.max_bytes, "--max-bytes"));
   LOOM_CHECK_LE(lo, hi, InvalidArgument, "--min-bytes must not exceed --max-bytes");
   const int n = c.size();
   std::vector<Result> results;
@@ -340,8 +321,10 @@ int main(int argc, char** argv) {
   app.add_option("--ranks", o.ranks, "ranks of the local backend (threads)");
   app.add_option("--backend", o.backend, "auto (mpi under mpirun, else local), local or mpi")
       ->check(CLI::IsMember({"auto", "local", "mpi"}));
-  app.add_option("--min-bytes,-b", o.min_bytes, "smallest size (B, K, M, G)");
-  app.add_option("--max-bytes,-e", o.max_bytes, "largest size (B, K, M, G)");
+  app.add_option("--min-bytes,-b", o.min_bytes,
+                 "smallest size (bytes; K, M, G suffixes, KiB etc. too)");
+  app.add_option("--max-bytes,-e", o.max_bytes,
+                 "largest size (bytes; K, M, G suffixes, KiB etc. too)");
   app.add_option("--iters,-n", o.iters, "timed calls per size");
   app.add_option("--warmup,-w", o.warmup, "untimed calls per size");
   app.add_option("--ops", o.ops, "ring_step, all_to_all, all_gather, all_reduce")->delimiter(',');

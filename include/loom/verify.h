@@ -80,6 +80,11 @@ Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>
 // The same for lse ([A, n_r] per rank, tokens along the last axis) -> [A, S].
 Tensor<double> unshard_cols(const Sharding& sh, const std::vector<Tensor<double>>& local,
                             const std::string& what);
+// The reverse of unshard_rows for one rank (rows = sh.tokens[r]), or any rows: rows `rows` of a
+// [S, A, B] tensor, in that order, as [rows.size(), A, B]. T is float or double. InvalidArgument
+// for a tensor that is not 3-d or a row outside [0, S).
+template <class T>
+Tensor<T> gather_rows(const Tensor<T>& x, const std::vector<int64_t>& rows);
 
 // ---------------------------------------------------------------------------------------------
 // The check.

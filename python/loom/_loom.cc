@@ -24,6 +24,8 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "loom/attention.h"
@@ -61,6 +63,52 @@ View3<T> view(const at::Tensor& t, int64_t rows, int64_t h, int64_t d) {
 
 at::ScalarType storage_type(bool is_bf16) {
   return is_bf16 ? at::kBFloat16 : at::kFloat;
+}
+
+// One attention call's sizes: n rows, h query heads, hk KV heads, head dim d.
+struct Dims {
+  int64_t n, h, hk, d;
+};
+
+// The inputs every op takes: q [n, h, d], k and v [n, hk, d], of storage type st.
+void require_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::ScalarType st,
+                 const Dims& s) {
+  require(q, "q", st, s.n, s.h, s.d);
+  require(k, "k", st, s.n, s.hk, s.d);
+  require(v, "v", st, s.n, s.hk, s.d);
+}
+
+// What a kernel backward takes besides q, k, v: out and dout [n, h, d] of type st, and the fp32
+// lse [h, n] of the forward.
+void require_backward_inputs(const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
+                             at::ScalarType st, const Dims& s) {
+  require(out, "out", st, s.n, s.h, s.d);
+  require(dout, "dout", st, s.n, s.h, s.d);
+  require(lse, "lse", at::kFloat, s.h, s.n, 1);
+}
+
+// The gradients of q, k and v: dq [n, h, d], dk and dv [n, hk, d], of type t; zeroed where the
+// callee accumulates into them.
+struct Grads {
+  at::Tensor dq, dk, dv;
+  py::tuple tuple() const { return py::make_tuple(dq, dk, dv); }
+};
+
+Grads make_grads(const Dims& s, at::ScalarType t, bool zeroed) {
+  const auto make = [&](int64_t heads) {
+    return zeroed ? at::zeros({s.n, heads, s.d}, t) : at::empty({s.n, heads, s.d}, t);
+  };
+  return Grads{make(s.h), make(s.hk), make(s.hk)};
+}
+
+// Calls f(std::type_identity<T>{}) with T the storage type: bf16 or float.
+template <class F>
+void with_storage(bool is_bf16, F&& f) {
+  if (is_bf16) {
+    f(std::type_identity<bf16>{});
+  } else {
+    f(std::type_identity<float>{});
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -261,25 +309,19 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
 }
 
 py::tuple cp_forward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const auto st = storage_type(op.is_bf16);
-  require(q, "q", st, op.rows, op.heads, op.dim);
-  require(k, "k", st, op.rows, op.kv_heads, op.dim);
-  require(v, "v", st, op.rows, op.kv_heads, op.dim);
+  const Dims s{op.rows, op.heads, op.kv_heads, op.dim};
+  require_qkv(q, k, v, storage_type(op.is_bf16), s);
   at::Tensor out = at::empty_like(q);
-  at::Tensor lse = at::empty({op.heads, op.rows}, at::kFloat);
+  at::Tensor lse = at::empty({s.h, s.n}, at::kFloat);
   {
     py::gil_scoped_release nogil;
-    const int64_t n = op.rows, h = op.heads, hk = op.kv_heads, d = op.dim;
+    const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
     loom::ScopedTimer timer(op.last_forward_s = 0);
-    if (op.is_bf16) {
-      op.attn->forward(view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
-                       view<const bf16>(v, n, hk, d), view<bf16>(out, n, h, d),
-                       lse.data_ptr<float>());
-    } else {
-      op.attn->forward(view<const float>(q, n, h, d), view<const float>(k, n, hk, d),
-                       view<const float>(v, n, hk, d), view<float>(out, n, h, d),
-                       lse.data_ptr<float>());
-    }
+    with_storage(op.is_bf16, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      op.attn->forward(view<const T>(q, n, h, d), view<const T>(k, n, hk, d),
+                       view<const T>(v, n, hk, d), view<T>(out, n, h, d), lse.data_ptr<float>());
+    });
   }
   return py::make_tuple(out, lse);
 }
@@ -287,34 +329,23 @@ py::tuple cp_forward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const a
 py::tuple cp_backward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse) {
   const auto st = storage_type(op.is_bf16);
-  const int64_t n = op.rows, h = op.heads, hk = op.kv_heads, d = op.dim;
-  require(q, "q", st, n, h, d);
-  require(k, "k", st, n, hk, d);
-  require(v, "v", st, n, hk, d);
-  require(out, "out", st, n, h, d);
-  require(dout, "dout", st, n, h, d);
-  require(lse, "lse", at::kFloat, h, n, 1);
-  at::Tensor dq = at::empty({n, h, d}, at::kFloat);
-  at::Tensor dk = at::empty({n, hk, d}, at::kFloat);
-  at::Tensor dv = at::empty({n, hk, d}, at::kFloat);
+  const Dims s{op.rows, op.heads, op.kv_heads, op.dim};
+  const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
+  require_qkv(q, k, v, st, s);
+  require_backward_inputs(out, dout, lse, st, s);
+  const Grads g = make_grads(s, at::kFloat, false);
   {
     py::gil_scoped_release nogil;
     loom::ScopedTimer timer(op.last_backward_s = 0);
-    if (op.is_bf16) {
-      op.attn->backward(view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
-                        view<const bf16>(v, n, hk, d), view<const bf16>(out, n, h, d),
-                        view<const bf16>(dout, n, h, d), lse.data_ptr<float>(),
-                        view<float>(dq, n, h, d), view<float>(dk, n, hk, d),
-                        view<float>(dv, n, hk, d));
-    } else {
-      op.attn->backward(view<const float>(q, n, h, d), view<const float>(k, n, hk, d),
-                        view<const float>(v, n, hk, d), view<const float>(out, n, h, d),
-                        view<const float>(dout, n, h, d), lse.data_ptr<float>(),
-                        view<float>(dq, n, h, d), view<float>(dk, n, hk, d),
-                        view<float>(dv, n, hk, d));
-    }
+    with_storage(op.is_bf16, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      op.attn->backward(
+          view<const T>(q, n, h, d), view<const T>(k, n, hk, d), view<const T>(v, n, hk, d),
+          view<const T>(out, n, h, d), view<const T>(dout, n, h, d), lse.data_ptr<float>(),
+          view<float>(g.dq, n, h, d), view<float>(g.dk, n, hk, d), view<float>(g.dv, n, hk, d));
+    });
   }
-  return py::make_tuple(dq, dk, dv);
+  return g.tuple();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -339,26 +370,21 @@ py::tuple attention_forward(const at::Tensor& q, const at::Tensor& k, const at::
                             int64_t heads, int64_t kv_heads, int64_t dim, bool causal,
                             int64_t window, double scale, bool is_bf16) {
   OneRank o = one_rank(batch, len, doc_lengths);
-  const int64_t n = o.rows, h = heads, hk = kv_heads, d = dim;
-  const auto st = storage_type(is_bf16);
-  require(q, "q", st, n, h, d);
-  require(k, "k", st, n, hk, d);
-  require(v, "v", st, n, hk, d);
+  const Dims s{o.rows, heads, kv_heads, dim};
+  const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
+  require_qkv(q, k, v, storage_type(is_bf16), s);
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({h, n}, at::kFloat);
   const loom::KernelConfig cfg = kernel_config(causal, window, scale);
   {
     py::gil_scoped_release nogil;
     loom::SoftmaxState state(n, h, d);
-    if (is_bf16) {
-      loom::attend(state.view(), view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
-                   view<const bf16>(v, n, hk, d), o.tokens, o.tokens, cfg);
-      loom::finish(state.view(), view<bf16>(out, n, h, d), lse.data_ptr<float>(), n);
-    } else {
-      loom::attend(state.view(), view<const float>(q, n, h, d), view<const float>(k, n, hk, d),
-                   view<const float>(v, n, hk, d), o.tokens, o.tokens, cfg);
-      loom::finish(state.view(), view<float>(out, n, h, d), lse.data_ptr<float>(), n);
-    }
+    with_storage(is_bf16, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      loom::attend(state.view(), view<const T>(q, n, h, d), view<const T>(k, n, hk, d),
+                   view<const T>(v, n, hk, d), o.tokens, o.tokens, cfg);
+      loom::finish(state.view(), view<T>(out, n, h, d), lse.data_ptr<float>(), n);
+    });
   }
   return py::make_tuple(out, lse);
 }
@@ -369,40 +395,28 @@ py::tuple attention_backward(const at::Tensor& q, const at::Tensor& k, const at:
                              int64_t heads, int64_t kv_heads, int64_t dim, bool causal,
                              int64_t window, double scale, bool is_bf16) {
   OneRank o = one_rank(batch, len, doc_lengths);
-  const int64_t n = o.rows, h = heads, hk = kv_heads, d = dim;
   const auto st = storage_type(is_bf16);
-  require(q, "q", st, n, h, d);
-  require(k, "k", st, n, hk, d);
-  require(v, "v", st, n, hk, d);
-  require(out, "out", st, n, h, d);
-  require(dout, "dout", st, n, h, d);
-  require(lse, "lse", at::kFloat, h, n, 1);
-  at::Tensor dq = at::zeros({n, h, d}, at::kFloat);
-  at::Tensor dk = at::zeros({n, hk, d}, at::kFloat);
-  at::Tensor dv = at::zeros({n, hk, d}, at::kFloat);
+  const Dims s{o.rows, heads, kv_heads, dim};
+  const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
+  require_qkv(q, k, v, st, s);
+  require_backward_inputs(out, dout, lse, st, s);
+  const Grads g = make_grads(s, at::kFloat, true);
   const loom::KernelConfig cfg = kernel_config(causal, window, scale);
   {
     py::gil_scoped_release nogil;
     std::vector<float> delta(static_cast<size_t>(h * n));
-    if (is_bf16) {
-      loom::compute_delta(view<const bf16>(out, n, h, d), view<const bf16>(dout, n, h, d),
-                          delta.data(), n);
-      loom::attend_backward(view<const bf16>(q, n, h, d), view<const bf16>(k, n, hk, d),
-                            view<const bf16>(v, n, hk, d), view<const bf16>(dout, n, h, d),
+    with_storage(is_bf16, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      loom::compute_delta(view<const T>(out, n, h, d), view<const T>(dout, n, h, d), delta.data(),
+                          n);
+      loom::attend_backward(view<const T>(q, n, h, d), view<const T>(k, n, hk, d),
+                            view<const T>(v, n, hk, d), view<const T>(dout, n, h, d),
                             lse.data_ptr<float>(), delta.data(), n, o.tokens, o.tokens, cfg,
-                            view<float>(dq, n, h, d), view<float>(dk, n, hk, d),
-                            view<float>(dv, n, hk, d));
-    } else {
-      loom::compute_delta(view<const float>(out, n, h, d), view<const float>(dout, n, h, d),
-                          delta.data(), n);
-      loom::attend_backward(view<const float>(q, n, h, d), view<const float>(k, n, hk, d),
-                            view<const float>(v, n, hk, d), view<const float>(dout, n, h, d),
-                            lse.data_ptr<float>(), delta.data(), n, o.tokens, o.tokens, cfg,
-                            view<float>(dq, n, h, d), view<float>(dk, n, hk, d),
-                            view<float>(dv, n, hk, d));
-    }
+                            view<float>(g.dq, n, h, d), view<float>(g.dk, n, hk, d),
+                            view<float>(g.dv, n, hk, d));
+    });
   }
-  return py::make_tuple(dq, dk, dv);
+  return g.tuple();
 }
 
 // loom's fp64 reference (plain loops) over the packed sequence.
@@ -412,9 +426,7 @@ py::tuple reference_forward(const at::Tensor& q, const at::Tensor& k, const at::
                             int64_t window, double scale) {
   OneRank o = one_rank(batch, len, doc_lengths);
   const int64_t n = o.rows, h = heads, hk = kv_heads, d = dim;
-  require(q, "q", at::kDouble, n, h, d);
-  require(k, "k", at::kDouble, n, hk, d);
-  require(v, "v", at::kDouble, n, hk, d);
+  require_qkv(q, k, v, at::kDouble, Dims{n, h, hk, d});
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({h, n}, at::kDouble);
   loom::Mask mask{causal, window};
@@ -434,22 +446,18 @@ py::tuple reference_backward(const at::Tensor& q, const at::Tensor& k, const at:
                              double scale) {
   OneRank o = one_rank(batch, len, doc_lengths);
   const int64_t n = o.rows, h = heads, hk = kv_heads, d = dim;
-  require(q, "q", at::kDouble, n, h, d);
-  require(k, "k", at::kDouble, n, hk, d);
-  require(v, "v", at::kDouble, n, hk, d);
+  require_qkv(q, k, v, at::kDouble, Dims{n, h, hk, d});
   require(dout, "dout", at::kDouble, n, h, d);
-  at::Tensor dq = at::empty({n, h, d}, at::kDouble);
-  at::Tensor dk = at::empty({n, hk, d}, at::kDouble);
-  at::Tensor dv = at::empty({n, hk, d}, at::kDouble);
+  const Grads g = make_grads(Dims{n, h, hk, d}, at::kDouble, false);
   loom::Mask mask{causal, window};
   {
     py::gil_scoped_release nogil;
     loom::reference_backward(view<const double>(q, n, h, d), view<const double>(k, n, hk, d),
                              view<const double>(v, n, hk, d), view<const double>(dout, n, h, d),
-                             o.tokens, o.tokens, mask, scale, view<double>(dq, n, h, d),
-                             view<double>(dk, n, hk, d), view<double>(dv, n, hk, d));
+                             o.tokens, o.tokens, mask, scale, view<double>(g.dq, n, h, d),
+                             view<double>(g.dk, n, hk, d), view<double>(g.dv, n, hk, d));
   }
-  return py::make_tuple(dq, dk, dv);
+  return g.tuple();
 }
 
 // loom verify on global fp64 tensors (loom.torch.verify): the report as JSON text.
@@ -489,7 +497,26 @@ std::string verify_json(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return loom::verify::verify(problem, cand, opt).to_json();
 }
 
-// loom::Error kinds -> the classes of loom/errors.py (imported when the first error happens).
+// loom::Error kinds -> the classes of loom/errors.py (imported when the first error happens): a
+// loom error's class is that of its most derived kind (Timeout before its base CommError), else
+// Error.
+template <class E>
+bool is_kind(const loom::Error& e) {
+  return dynamic_cast<const E*>(&e) != nullptr;
+}
+
+const char* error_class(const loom::Error& e) {
+  static constexpr std::pair<bool (*)(const loom::Error&), const char*> kinds[] = {
+      {is_kind<loom::Timeout>, "Timeout"},
+      {is_kind<loom::CommError>, "CommError"},
+      {is_kind<loom::InvalidArgument>, "InvalidArgument"},
+      {is_kind<loom::NotSupported>, "NotSupported"},
+      {is_kind<loom::IoError>, "IoError"}};
+  for (const auto& [is, name] : kinds)
+    if (is(e)) return name;
+  return "Error";
+}
+
 void translate(const loom::Error& e, const char* kind) {
   py::gil_scoped_acquire gil;
   py::object cls = py::module_::import("loom.errors").attr(kind);
@@ -503,18 +530,8 @@ PYBIND11_MODULE(_loom, m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
-    } catch (const loom::Timeout& e) {
-      translate(e, "Timeout");
-    } catch (const loom::CommError& e) {
-      translate(e, "CommError");
-    } catch (const loom::InvalidArgument& e) {
-      translate(e, "InvalidArgument");
-    } catch (const loom::NotSupported& e) {
-      translate(e, "NotSupported");
-    } catch (const loom::IoError& e) {
-      translate(e, "IoError");
     } catch (const loom::Error& e) {
-      translate(e, "Error");
+      translate(e, error_class(e));
     }
   });
 

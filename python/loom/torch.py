@@ -192,6 +192,32 @@ def _lse_in(lse, batch):
     return lse.permute(1, 0, 2).contiguous().view(lse.shape[1], -1)
 
 
+# The autograd Functions' shared ends: what forward saves and returns, what backward reads and
+# returns.
+
+def _save_forward(ctx, q, k, v, out, lse, batch, seq):
+    """out in q's shape; q, k, v, out and the engine's lse [H, rows] saved for backward; and lse as
+    the caller sees it (_lse_out), marked non-differentiable."""
+    out = out.view(q.shape)
+    ctx.save_for_backward(q, k, v, out, lse)
+    lse_out = _lse_out(lse, batch, seq)
+    ctx.mark_non_differentiable(lse_out)
+    return out, lse_out
+
+
+def _saved(ctx, dout):
+    """(q, k, v, out, lse, dout): the saved tensors and dout contiguous in q's dtype."""
+    q, k, v, out, lse = ctx.saved_tensors
+    return q, k, v, out, lse, dout.to(q.dtype).contiguous()
+
+
+def _input_grads(q, k, v, grads):
+    """The engine's fp32 (dq, dk, dv) in the dtype and shape of q, k and v."""
+    dq, dk, dv = grads
+    return (dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape),
+            dv.to(v.dtype).view(v.shape))
+
+
 # ---------------------------------------------------------------------------------------------
 # One rank.
 
@@ -202,23 +228,17 @@ class _Attention(torch.autograd.Function):
         is_bf16 = q.dtype == torch.bfloat16
         out, lse = _loom.attention_forward(q, k, v, batch, seq, docs, heads, kv_heads, dim,
                                            causal, window, scale, is_bf16)
-        out = out.view(q.shape)
         ctx.meta = meta
-        ctx.save_for_backward(q, k, v, out, lse)
-        lse_out = _lse_out(lse, batch, seq)
-        ctx.mark_non_differentiable(lse_out)
-        return out, lse_out
+        return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, dout = _saved(ctx, dout)
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
         is_bf16 = q.dtype == torch.bfloat16
-        dout = dout.to(q.dtype).contiguous()
-        dq, dk, dv = _loom.attention_backward(q, k, v, out, dout, lse, batch, seq, docs, heads,
-                                              kv_heads, dim, causal, window, scale, is_bf16)
-        return (dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape),
-                dv.to(v.dtype).view(v.shape), None)
+        grads = _loom.attention_backward(q, k, v, out, dout, lse, batch, seq, docs, heads,
+                                         kv_heads, dim, causal, window, scale, is_bf16)
+        return _input_grads(q, k, v, grads) + (None,)
 
 
 def attention(q, k, v, causal=True, window=None, cu_seqlens=None, scale=None, return_lse=False):
@@ -241,21 +261,15 @@ class _CpAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, op, batch, seq):
         out, lse = _loom.cp_forward(op, q, k, v)
-        out = out.view(q.shape)
         ctx.op = op
         ctx.batch = batch
-        ctx.save_for_backward(q, k, v, out, lse)
-        lse_out = _lse_out(lse, batch, seq)
-        ctx.mark_non_differentiable(lse_out)
-        return out, lse_out
+        return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dout = dout.to(q.dtype).contiguous()
-        dq, dk, dv = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse)
-        return (dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape),
-                dv.to(v.dtype).view(v.shape), None, None, None)
+        q, k, v, out, lse, dout = _saved(ctx, dout)
+        grads = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse)
+        return _input_grads(q, k, v, grads) + (None, None, None)
 
 
 def _degree(name, value, takes, strategy, what):

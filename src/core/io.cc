@@ -390,6 +390,7 @@ int64_t parse_size(const std::string& text, const std::string& option) {
   }
   LOOM_CHECK(used > 0, InvalidArgument, option << " '" << text << "' is not a size" << usage);
   std::string suffix = text.substr(used);
+  if (suffix.size() == 3 && suffix.compare(1, 2, "iB") == 0) suffix.resize(1);  // KiB, MiB...
   if (suffix.size() == 2 && (suffix[1] == 'B' || suffix[1] == 'b')) suffix.pop_back();
   if (suffix == "iB") suffix.clear();
   double mul = 1;

@@ -159,21 +159,41 @@ Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
   throw InvalidArgument("unknown convention '" + convention + "' (choose " + choices() + ")");
 }
 
-Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>>& local,
-                            const std::string& what) {
+namespace {
+
+// What both unshard functions check first: one tensor per rank, and rank 0 of `dims` dimensions
+// (`expected` says which, for the message).
+void check_locals(const Sharding& sh, const std::vector<Tensor<double>>& local,
+                  const std::string& what, int64_t dims, const char* expected) {
   LOOM_CHECK(static_cast<int>(local.size()) == sh.ranks, InvalidArgument,
              what << ": expected " << sh.ranks << " per-rank tensors, got " << local.size());
-  LOOM_CHECK(local[0].dim() == 3, InvalidArgument,
-             what << ".rank0 has shape " << shape_str(local[0].shape()) << ", expected 3 dims");
+  LOOM_CHECK(
+      local[0].dim() == dims, InvalidArgument,
+      what << ".rank0 has shape " << shape_str(local[0].shape()) << ", expected " << expected);
+}
+
+// "<what>.rank<r> has shape [..] but <convention> with <P> ranks gives rank <r> ": the start of
+// a per-rank shape error; the caller adds the shape the convention gives.
+std::string rank_mismatch(const Sharding& sh, const std::string& what, int r,
+                          const Tensor<double>& t) {
+  std::ostringstream os;
+  os << what << ".rank" << r << " has shape " << shape_str(t.shape()) << " but " << sh.convention
+     << " with " << sh.ranks << " ranks gives rank " << r << " ";
+  return os.str();
+}
+
+}  // namespace
+
+Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>>& local,
+                            const std::string& what) {
+  check_locals(sh, local, what, 3, "3 dims");
   const int64_t a = local[0].size(1), b = local[0].size(2);
   Tensor<double> g({sh.seq, a, b});
   for (int r = 0; r < sh.ranks; ++r) {
     const auto& t = local[r];
     const int64_t n = static_cast<int64_t>(sh.tokens[r].size());
     LOOM_CHECK(t.dim() == 3 && t.size(0) == n && t.size(1) == a && t.size(2) == b, InvalidArgument,
-               what << ".rank" << r << " has shape " << shape_str(t.shape()) << " but "
-                    << sh.convention << " with " << sh.ranks << " ranks gives rank " << r << " "
-                    << n << " rows of [" << a << ", " << b << "]");
+               rank_mismatch(sh, what, r, t) << n << " rows of [" << a << ", " << b << "]");
     for (int64_t i = 0; i < n; ++i)
       std::copy(t.data() + i * a * b, t.data() + (i + 1) * a * b,
                 g.data() + sh.tokens[r][i] * a * b);
@@ -183,23 +203,35 @@ Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>
 
 Tensor<double> unshard_cols(const Sharding& sh, const std::vector<Tensor<double>>& local,
                             const std::string& what) {
-  LOOM_CHECK(static_cast<int>(local.size()) == sh.ranks, InvalidArgument,
-             what << ": expected " << sh.ranks << " per-rank tensors, got " << local.size());
-  LOOM_CHECK(local[0].dim() == 2, InvalidArgument,
-             what << ".rank0 has shape " << shape_str(local[0].shape()) << ", expected [H, n]");
+  check_locals(sh, local, what, 2, "[H, n]");
   const int64_t a = local[0].size(0);
   Tensor<double> g({a, sh.seq});
   for (int r = 0; r < sh.ranks; ++r) {
     const auto& t = local[r];
     const int64_t n = static_cast<int64_t>(sh.tokens[r].size());
     LOOM_CHECK(t.dim() == 2 && t.size(0) == a && t.size(1) == n, InvalidArgument,
-               what << ".rank" << r << " has shape " << shape_str(t.shape()) << " but "
-                    << sh.convention << " with " << sh.ranks << " ranks gives rank " << r << " ["
-                    << a << ", " << n << "]");
+               rank_mismatch(sh, what, r, t) << "[" << a << ", " << n << "]");
     for (int64_t h = 0; h < a; ++h)
       for (int64_t i = 0; i < n; ++i) g[h * sh.seq + sh.tokens[r][i]] = t[h * n + i];
   }
   return g;
 }
+
+template <class T>
+Tensor<T> gather_rows(const Tensor<T>& x, const std::vector<int64_t>& rows) {
+  LOOM_CHECK(x.dim() == 3, InvalidArgument,
+             "gather_rows needs a 3-d tensor, got shape " << shape_str(x.shape()));
+  const int64_t w = x.size(1) * x.size(2);
+  Tensor<T> y({static_cast<int64_t>(rows.size()), x.size(1), x.size(2)});
+  for (size_t r = 0; r < rows.size(); ++r) {
+    LOOM_CHECK(rows[r] >= 0 && rows[r] < x.size(0), InvalidArgument,
+               "gather_rows: row " << rows[r] << " is outside [0, " << x.size(0) << ")");
+    std::copy(x.data() + rows[r] * w, x.data() + (rows[r] + 1) * w, y.data() + r * w);
+  }
+  return y;
+}
+
+template Tensor<float> gather_rows(const Tensor<float>&, const std::vector<int64_t>&);
+template Tensor<double> gather_rows(const Tensor<double>&, const std::vector<int64_t>&);
 
 }  // namespace loom::verify

@@ -26,6 +26,7 @@
 #include <numeric>
 #include <optional>
 #include <sstream>
+#include <utility>
 
 #include "loom/bf16.h"
 #include "loom/verify.h"
@@ -87,6 +88,21 @@ struct Ctx {
   std::vector<int> lrow_chunk;  // chunk of each localisation row
 
   Ctx(const Problem& p_, const Options& o_) : p(p_), o(o_) {}
+  // For a reference run (run_reference) of problem p_ on rows rows_: c's sharding, sizes and
+  // tokens; no chunks or localisation rows.
+  Ctx(const Problem& p_, const Ctx& c, std::vector<int64_t> rows_)
+      : p(p_),
+        o(c.o),
+        sh(c.sh),
+        S(c.S),
+        H(c.H),
+        Hkv(c.Hkv),
+        D(c.D),
+        group(c.group),
+        scale(c.scale),
+        pos(c.pos),
+        doc(c.doc),
+        rows(std::move(rows_)) {}
 
   Tokens all_tokens() const { return Tokens{pos.data(), doc.empty() ? nullptr : doc.data(), S}; }
   bool vis(int64_t i, int64_t j) const {
@@ -106,14 +122,6 @@ struct Reference {
   Tensor<double> dq;      // [rows, H, D]
   Tensor<double> dk, dv;  // [S, Hkv, D], only when every row is checked
 };
-
-Tensor<double> gather_rows(const Tensor<double>& x, const std::vector<int64_t>& rows) {
-  const int64_t w = x.size(1) * x.size(2);
-  Tensor<double> y({static_cast<int64_t>(rows.size()), x.size(1), x.size(2)});
-  for (size_t r = 0; r < rows.size(); ++r)
-    std::copy(x.data() + rows[r] * w, x.data() + (rows[r] + 1) * w, y.data() + r * w);
-  return y;
-}
 
 Reference run_reference(const Ctx& c, double scale, bool backward) {
   Reference ref;
@@ -174,74 +182,68 @@ struct Cmp {
   }
 };
 
+// One tensor's comparison, whole and per rank, chunk and head of the compared elements.
+struct Breakdown {
+  const Ctx& c;
+  Cmp all;
+  std::vector<Cmp> per_rank, per_chunk, per_head;
+  std::vector<int> rank_of;  // global token -> its rank
+
+  Breakdown(const Ctx& ctx, int64_t heads)
+      : c(ctx), per_rank(ctx.sh.ranks), per_chunk(ctx.nc), per_head(heads), rank_of(ctx.S, 0) {
+    for (int r = 0; r < c.sh.ranks; ++r)
+      for (int64_t tok : c.sh.tokens[r]) rank_of[tok] = r;
+  }
+  // Candidate x against reference r, of global token g and head h.
+  void add(int64_t g, int64_t h, double x, double r) {
+    all.add(x, r);
+    per_rank[rank_of[g]].add(x, r);
+    per_chunk[c.chunk_of[g]].add(x, r);
+    per_head[h].add(x, r);
+  }
+  TensorCheck result(const std::string& name, bool sampled) const {
+    TensorCheck t;
+    t.name = name;
+    t.present = t.compared = true;
+    t.tolerance = tolerance(name, c.o.dtype);
+    t.sampled = sampled;
+    t.rel_err = all.rel();
+    t.max_abs_err = all.max_abs;
+    t.non_finite = all.non_finite;
+    t.inf_mismatch = all.inf_mismatch;
+    t.passed = t.rel_err <= t.tolerance;
+    for (auto& x : per_rank) t.per_rank.push_back(x.rel());
+    for (auto& x : per_chunk) t.per_chunk.push_back(x.rel());
+    for (auto& x : per_head) t.per_head.push_back(x.rel());
+    return t;
+  }
+};
+
 // Row-major [rows, H, D] comparison of candidate rows (global tensor) against reference rows.
 TensorCheck compare_rows(const Ctx& c, const std::string& name, const Tensor<double>& cand,
                          const Tensor<double>& ref, const std::vector<int64_t>& rows,
                          bool kv_rows) {
-  TensorCheck t;
-  t.name = name;
-  t.present = t.compared = true;
-  t.tolerance = tolerance(name, c.o.dtype);
-  t.sampled = c.sampled && !kv_rows;
   const int64_t A = cand.size(1), B = cand.size(2);
-  Cmp all;
-  std::vector<Cmp> per_rank(c.sh.ranks), per_chunk(c.nc), per_head(A);
-  std::vector<int> rank_of(c.S, 0);
-  for (int r = 0; r < c.sh.ranks; ++r)
-    for (int64_t tok : c.sh.tokens[r]) rank_of[tok] = r;
+  Breakdown b(c, A);
   for (size_t ri = 0; ri < rows.size(); ++ri) {
     const int64_t g = rows[ri];
     for (int64_t h = 0; h < A; ++h)
-      for (int64_t d = 0; d < B; ++d) {
-        const double x = cand[(g * A + h) * B + d];
-        const double r = ref[(static_cast<int64_t>(kv_rows ? g : ri) * A + h) * B + d];
-        all.add(x, r);
-        per_rank[rank_of[g]].add(x, r);
-        per_chunk[c.chunk_of[g]].add(x, r);
-        per_head[h].add(x, r);
-      }
+      for (int64_t d = 0; d < B; ++d)
+        b.add(g, h, cand[(g * A + h) * B + d],
+              ref[(static_cast<int64_t>(kv_rows ? g : ri) * A + h) * B + d]);
   }
-  t.rel_err = all.rel();
-  t.max_abs_err = all.max_abs;
-  t.non_finite = all.non_finite;
-  t.inf_mismatch = all.inf_mismatch;
-  t.passed = t.rel_err <= t.tolerance;
-  for (auto& x : per_rank) t.per_rank.push_back(x.rel());
-  for (auto& x : per_chunk) t.per_chunk.push_back(x.rel());
-  for (auto& x : per_head) t.per_head.push_back(x.rel());
-  return t;
+  return b.result(name, c.sampled && !kv_rows);
 }
 
 TensorCheck compare_lse(const Ctx& c, const Tensor<double>& cand, const Tensor<double>& ref) {
-  TensorCheck t;
-  t.name = "lse";
-  t.present = t.compared = true;
-  t.tolerance = tolerance("lse", c.o.dtype);
-  t.sampled = c.sampled;
-  Cmp all;
-  std::vector<Cmp> per_rank(c.sh.ranks), per_chunk(c.nc), per_head(c.H);
-  std::vector<int> rank_of(c.S, 0);
-  for (int r = 0; r < c.sh.ranks; ++r)
-    for (int64_t tok : c.sh.tokens[r]) rank_of[tok] = r;
+  Breakdown b(c, c.H);
   const int64_t n = static_cast<int64_t>(c.rows.size());
   for (int64_t h = 0; h < c.H; ++h)
     for (int64_t ri = 0; ri < n; ++ri) {
       const int64_t g = c.rows[ri];
-      const double x = cand[h * c.S + g], r = ref[h * n + ri];
-      all.add(x, r);
-      per_rank[rank_of[g]].add(x, r);
-      per_chunk[c.chunk_of[g]].add(x, r);
-      per_head[h].add(x, r);
+      b.add(g, h, cand[h * c.S + g], ref[h * n + ri]);
     }
-  t.rel_err = all.rel();
-  t.max_abs_err = all.max_abs;
-  t.non_finite = all.non_finite;
-  t.inf_mismatch = all.inf_mismatch;
-  t.passed = t.rel_err <= t.tolerance;
-  for (auto& x : per_rank) t.per_rank.push_back(x.rel());
-  for (auto& x : per_chunk) t.per_chunk.push_back(x.rel());
-  for (auto& x : per_head) t.per_head.push_back(x.rel());
-  return t;
+  return b.result("lse", c.sampled);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -766,16 +768,7 @@ void gqa_model(const Ctx& c, const Observed& ob, std::vector<Diagnosis>& all) {
     for (int64_t h = 0; h < c.H; ++h)
       for (int64_t d = 0; d < c.D; ++d)
         pq.q[(i * c.H + h) * c.D + d] = c.p.q[(i * c.H + pi[h]) * c.D + d];
-  Ctx sub(pq, c.o);
-  sub.sh = c.sh;
-  sub.S = c.S;
-  sub.H = c.H;
-  sub.Hkv = c.Hkv;
-  sub.D = c.D;
-  sub.group = c.group;
-  sub.pos = c.pos;
-  sub.doc = c.doc;
-  sub.rows = c.lrows;
+  const Ctx sub(pq, c, c.lrows);
   const Reference r = run_reference(sub, c.scale, false);
   std::vector<double> pred(r.out.numel());
   for (size_t ri = 0; ri < c.lrows.size(); ++ri)
@@ -799,17 +792,10 @@ void gqa_model(const Ctx& c, const Observed& ob, std::vector<Diagnosis>& all) {
 // Softmax scale: one-dimensional search on log(scale) for the scale that best explains out.
 void scale_model(const Ctx& c, const Tensor<double>& cand, std::vector<Diagnosis>& all) {
   // Rows for the search: up to 64 of the localisation rows.
-  Ctx sub(c.p, c.o);
-  sub.sh = c.sh;
-  sub.S = c.S;
-  sub.H = c.H;
-  sub.Hkv = c.Hkv;
-  sub.D = c.D;
-  sub.group = c.group;
-  sub.pos = c.pos;
-  sub.doc = c.doc;
+  std::vector<int64_t> rows;
   const size_t step = std::max<size_t>(1, c.lrows.size() / 64);
-  for (size_t i = 0; i < c.lrows.size(); i += step) sub.rows.push_back(c.lrows[i]);
+  for (size_t i = 0; i < c.lrows.size(); i += step) rows.push_back(c.lrows[i]);
+  const Ctx sub(c.p, c, std::move(rows));
   const int64_t w = c.H * c.D;
   auto err = [&](double sc, double* ref2 = nullptr) {
     const Reference r = run_reference(sub, sc, false);

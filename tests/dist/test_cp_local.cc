@@ -47,7 +47,33 @@ std::vector<int64_t> kv_heads_for(Strategy s, int64_t H, int U) {
   return out;
 }
 
+// A case of the matrix: strategy s over layout l with mask mc, [S, H, D] queries over HKV KV
+// heads; U is the ulysses degree of hybrid (or ring2d's inner ring size).
+CpCase matrix_case(Strategy s, Layout l, int U, const MaskCase& mc, int64_t S, int64_t H,
+                   int64_t HKV, int64_t D) {
+  CpCase c;
+  c.strategy = s;
+  c.layout = l;
+  c.ulysses = U;
+  c.inner = s == Strategy::ring2d ? U : 0;
+  c.S = S;
+  c.H = H;
+  c.HKV = HKV;
+  c.D = D;
+  c.causal = mc.causal;
+  c.window = mc.window;
+  c.docs = mc.docs;
+  return c;
+}
+
 using Param = std::tuple<Strategy, int /*P*/, int /*U*/>;
+
+// {s, P, 1} for P = 1, 2, 3, 4, 7, 8: the worlds of a strategy with no second degree.
+std::vector<Param> every_world(Strategy s) {
+  std::vector<Param> out;
+  for (int P : {1, 2, 3, 4, 7, 8}) out.emplace_back(s, P, 1);
+  return out;
+}
 
 class CpAll : public ::testing::TestWithParam<Param> {};
 
@@ -59,18 +85,7 @@ TEST_P(CpAll, MatchesReference) {
   for (Layout layout : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
     for (const MaskCase& mc : masks()) {
       for (int64_t hkv : kv_heads_for(strategy, H, uly)) {
-        CpCase c;
-        c.strategy = strategy;
-        c.layout = layout;
-        c.ulysses = U;
-        c.inner = strategy == Strategy::ring2d ? U : 0;
-        c.S = 51;
-        c.H = H;
-        c.HKV = hkv;
-        c.D = 16;
-        c.causal = mc.causal;
-        c.window = mc.window;
-        c.docs = mc.docs;
+        const CpCase c = matrix_case(strategy, layout, U, mc, 51, H, hkv, 16);
         SCOPED_TRACE(c.name() + " P=" + std::to_string(P));
         EXPECT_NO_THROW(run_local(P, [&](Communicator& w) { run_cp_case(w, c); })) << c.name();
         ++cases;
@@ -85,18 +100,9 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
          "_U" + std::to_string(std::get<2>(info.param));
 }
 
-INSTANTIATE_TEST_SUITE_P(Ring, CpAll,
-                         ::testing::Values(Param{Strategy::ring, 1, 1}, Param{Strategy::ring, 2, 1},
-                                           Param{Strategy::ring, 3, 1}, Param{Strategy::ring, 4, 1},
-                                           Param{Strategy::ring, 7, 1},
-                                           Param{Strategy::ring, 8, 1}),
+INSTANTIATE_TEST_SUITE_P(Ring, CpAll, ::testing::ValuesIn(every_world(Strategy::ring)), param_name);
+INSTANTIATE_TEST_SUITE_P(Ulysses, CpAll, ::testing::ValuesIn(every_world(Strategy::ulysses)),
                          param_name);
-INSTANTIATE_TEST_SUITE_P(
-    Ulysses, CpAll,
-    ::testing::Values(Param{Strategy::ulysses, 1, 1}, Param{Strategy::ulysses, 2, 1},
-                      Param{Strategy::ulysses, 3, 1}, Param{Strategy::ulysses, 4, 1},
-                      Param{Strategy::ulysses, 7, 1}, Param{Strategy::ulysses, 8, 1}),
-    param_name);
 INSTANTIATE_TEST_SUITE_P(Hybrid, CpAll,
                          ::testing::Values(Param{Strategy::hybrid, 2, 2},
                                            Param{Strategy::hybrid, 4, 2},
@@ -104,12 +110,8 @@ INSTANTIATE_TEST_SUITE_P(Hybrid, CpAll,
                                            Param{Strategy::hybrid, 8, 2},
                                            Param{Strategy::hybrid, 8, 4}),
                          param_name);
-INSTANTIATE_TEST_SUITE_P(
-    AllGather, CpAll,
-    ::testing::Values(Param{Strategy::allgather, 1, 1}, Param{Strategy::allgather, 2, 1},
-                      Param{Strategy::allgather, 3, 1}, Param{Strategy::allgather, 4, 1},
-                      Param{Strategy::allgather, 7, 1}, Param{Strategy::allgather, 8, 1}),
-    param_name);
+INSTANTIATE_TEST_SUITE_P(AllGather, CpAll, ::testing::ValuesIn(every_world(Strategy::allgather)),
+                         param_name);
 
 // ring2d: U is the inner ring size; (4, 1) is only an outer ring, (4, 4) only an inner one.
 INSTANTIATE_TEST_SUITE_P(
@@ -133,17 +135,7 @@ TEST(CpBf16, EveryStrategyAndLayout) {
         Run{Strategy::ring2d, 6, 3}}) {
     for (Layout l : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
       for (const MaskCase& mc : masks()) {
-        CpCase c;
-        c.strategy = r.s;
-        c.layout = l;
-        c.ulysses = r.U;
-        c.inner = r.s == Strategy::ring2d ? r.U : 0;
-        c.S = 77;
-        c.H = 8;
-        c.HKV = 2;
-        c.D = 32;
-        c.causal = mc.causal;
-        c.window = mc.window;
+        CpCase c = matrix_case(r.s, l, r.U, mc, 77, 8, 2, 32);
         c.docs = mc.docs.empty() ? std::vector<int64_t>{} : std::vector<int64_t>{30, 1, 46};
         c.bf16 = true;
         SCOPED_TRACE(c.name() + " P=" + std::to_string(r.P));

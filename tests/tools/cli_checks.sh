@@ -6,10 +6,7 @@ set -uo pipefail
 loom="$1"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-pass=0
-fail=0
-ok() { echo "ok   $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; fail=$((fail + 1)); }
+source "$(dirname "$0")/checks.sh"
 
 # expect_ok NAME ARGS...: exit 0 and a passed check
 expect_ok() {
@@ -21,19 +18,8 @@ expect_ok() {
   fi
 }
 
-# expect_error NAME NEEDLE ARGS...: exit code 1, exactly one line on stderr containing NEEDLE
-expect_error() {
-  local name="$1" needle="$2"; shift 2
-  "$loom" attn "$@" > "$work/stdout" 2> "$work/stderr"
-  local rc=$?
-  local lines
-  lines=$(wc -l < "$work/stderr")
-  if [ "$rc" -ne 0 ] && [ "$lines" -eq 1 ] && grep -qF -- "$needle" "$work/stderr"; then
-    ok "$name: $(cat "$work/stderr")"
-  else
-    echo "  rc=$rc stderr lines=$lines:"; cat "$work/stderr"; bad "$name"
-  fi
-}
+# expect_error NAME NEEDLE ARGS...: `loom attn ARGS...` gives one clear error line (checks.sh)
+expect_error() { expect_error_of attn "$@"; }
 
 expect_ok "foundation: one rank, GQA, window, backward" \
   --seq 300 --heads 4 --kv-heads 2 --head-dim 48 --window 50 --backward --check
@@ -277,5 +263,4 @@ expect_error "--seed -1" "must not be negative" --seq 64 --seed -1
 expect_error "--docs ''" "--docs is empty" --seq 64 --docs ""
 expect_error "a fault that never fires" "never fired" --ranks 2 --seq 64 --fault kill:1,at=100000
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+summary

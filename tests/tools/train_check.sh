@@ -8,10 +8,7 @@ loom="$(realpath "$1")"
 src="$2"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-pass=0
-fail=0
-ok() { echo "ok   $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; fail=$((fail + 1)); }
+source "$(dirname "$0")/checks.sh"
 py() { /usr/bin/python3 - "$@"; }
 
 # The default corpus is data/kjv.txt (scripts/setup.sh writes it). Without it, the same text is
@@ -83,19 +80,8 @@ p = sys.argv[1]; b = bytearray(open(p, "rb").read()); b[len(b) // 2] ^= 1; open(
 PY
 echo "step-00000003.ckpt" > "$work/cb/latest"
 
-# expect_error NAME NEEDLE ARGS...: exit code 1, exactly one line on stderr containing NEEDLE
-expect_error() {
-  local name="$1" needle="$2"; shift 2
-  "$loom" train "$@" > "$work/stdout" 2> "$work/stderr"
-  local rc=$?
-  local lines
-  lines=$(wc -l < "$work/stderr")
-  if [ "$rc" -ne 0 ] && [ "$lines" -eq 1 ] && grep -qF -- "$needle" "$work/stderr"; then
-    ok "$name: $(cat "$work/stderr")"
-  else
-    echo "  rc=$rc stderr lines=$lines:"; cat "$work/stderr"; bad "$name"
-  fi
-}
+# expect_error NAME NEEDLE ARGS...: `loom train ARGS...` gives one clear error line (checks.sh)
+expect_error() { expect_error_of train "$@"; }
 expect_error "corrupt checkpoint" "checksum mismatch" --ranks 2 "${small[@]}" \
   --checkpoint-dir "$work/cb" --resume
 expect_error "unreadable data" "cannot read --data" --data "$work/none.txt" --quiet
@@ -200,5 +186,4 @@ PY
 then ok "resume: log cut back to step 3, steps 1-6 once each, symlinked log followed"
 else cat "$work/stderr"; bad "log truncation on resume"; fi
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+summary

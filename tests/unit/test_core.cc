@@ -499,7 +499,9 @@ TEST(Memory, EstimatesAreRefusedInOneLineNamingEstimateLimitAndOption) {
   EXPECT_EQ(parse_size("8G", "--memory-limit"), int64_t{8} << 30);
   EXPECT_EQ(parse_size("512M", "--memory-limit"), int64_t{512} << 20);
   EXPECT_EQ(parse_size("1048576", "--memory-limit"), int64_t{1} << 20);
-  for (const char* bad : {"", "x", "-1G", "0", "nan", "1Q", "1e30G"})
+  EXPECT_EQ(parse_size("64KiB", "--max-bytes"), int64_t{64} << 10);
+  EXPECT_EQ(parse_size("2GiB", "--max-bytes"), int64_t{2} << 30);
+  for (const char* bad : {"", "x", "-1G", "0", "nan", "1Q", "1e30G", "1QiB", "1Ki"})
     EXPECT_THROW(parse_size(bad, "--memory-limit"), InvalidArgument) << bad;
 }
 

@@ -232,16 +232,28 @@ std::string fixture_text() {
   return t;
 }
 
-TEST(ModelGrad, EveryParameterTensorMatchesFiniteDifferences) {
-  const Corpus corpus = make_corpus(fixture_text(), "fixture");
+// The model of the gradient tests: 2 layers, dim 16, 4 query heads over 2 KV heads.
+ModelConfig small_model() {
   ModelConfig mc;
   mc.layers = 2;
   mc.dim = 16;
   mc.heads = 4;
   mc.kv_heads = 2;
-  mc.ffn = 24;
+  return mc;
+}
+
+// One rank, one thread.
+ParallelConfig one_thread() {
   ParallelConfig par;
   par.threads = 1;
+  return par;
+}
+
+TEST(ModelGrad, EveryParameterTensorMatchesFiniteDifferences) {
+  const Corpus corpus = make_corpus(fixture_text(), "fixture");
+  ModelConfig mc = small_model();
+  mc.ffn = 24;
+  const ParallelConfig par = one_thread();
   set_blas_threads(1);
   run_local(1, [&](Communicator& world) {
     Mesh mesh = build_mesh(world, par.mesh);
@@ -286,13 +298,8 @@ TEST(ModelGrad, EveryParameterTensorMatchesFiniteDifferences) {
 // it (not its bytes, not its length), because attention is masked by document and rotary
 // positions restart; without packing it does depend on them.
 TEST(ModelGrad, PackedDocumentsAreIndependent) {
-  ModelConfig mc;
-  mc.layers = 2;
-  mc.dim = 16;
-  mc.heads = 4;
-  mc.kv_heads = 2;
-  ParallelConfig par;
-  par.threads = 1;
+  const ModelConfig mc = small_model();
+  const ParallelConfig par = one_thread();
   const std::string b = "and the people went out of the land";
   auto make = [&](const std::string& a, bool pack) {
     Sequence s;

@@ -11,14 +11,6 @@ namespace loom::test {
 
 namespace {
 
-Tensor<float> rows_of(const Tensor<float>& x, const std::vector<int64_t>& rows) {
-  const int64_t w = x.size(1) * x.size(2);
-  Tensor<float> y({static_cast<int64_t>(rows.size()), x.size(1), x.size(2)});
-  for (size_t r = 0; r < rows.size(); ++r)
-    std::copy(x.data() + rows[r] * w, x.data() + (rows[r] + 1) * w, y.data() + r * w);
-  return y;
-}
-
 bool hits(const Injected& inj, Defect kind, int r, int s) {
   return inj.kind == kind && inj.step == s && (inj.rank < 0 || inj.rank == r);
 }
@@ -63,7 +55,7 @@ RingOutputs run_defect_ring(const RingInputs& in_, const verify::Sharding& sh, c
   std::vector<Tensor<float>> out_r(P), lse_r(P);
   for (int r = 0; r < P; ++r) {
     const int64_t n = static_cast<int64_t>(sh.tokens[r].size());
-    const Tensor<float> q = rows_of(in.q, sh.tokens[r]);
+    const Tensor<float> q = verify::gather_rows(in.q, sh.tokens[r]);
     const Tokens qt{sh.tokens[r].data(), nullptr, n};
     out_r[r] = Tensor<float>({n, H, D});
     lse_r[r] = Tensor<float>({H, n});
@@ -74,7 +66,8 @@ RingOutputs run_defect_ring(const RingInputs& in_, const verify::Sharding& sh, c
     for (int s = 0; s < P; ++s) {
       const int src = ((r - s) % P + P) % P;
       if (hits(inj, Defect::dropped_step, r, s)) continue;
-      const Tensor<float> k = rows_of(in.k, sh.tokens[src]), v = rows_of(in.v, sh.tokens[src]);
+      const Tensor<float> k = verify::gather_rows(in.k, sh.tokens[src]),
+                          v = verify::gather_rows(in.v, sh.tokens[src]);
       const Tokens kt{kpos[src].data(), nullptr, static_cast<int64_t>(kpos[src].size())};
       const int times = hits(inj, Defect::doubled_step, r, s) ? 2 : 1;
       if (!per_step) {
@@ -134,7 +127,8 @@ RingOutputs run_defect_ring(const RingInputs& in_, const verify::Sharding& sh, c
   o.dv = Tensor<float>({S, Hkv, D});
   for (int r = 0; r < P; ++r) {
     const int64_t n = static_cast<int64_t>(sh.tokens[r].size());
-    const Tensor<float> q = rows_of(in.q, sh.tokens[r]), dout = rows_of(in.dout, sh.tokens[r]);
+    const Tensor<float> q = verify::gather_rows(in.q, sh.tokens[r]),
+                        dout = verify::gather_rows(in.dout, sh.tokens[r]);
     const Tokens qt{sh.tokens[r].data(), nullptr, n};
     std::vector<float> delta(static_cast<size_t>(H * n));
     compute_delta(out_r[r].view3(), dout.view3(), delta.data(), n);
@@ -144,7 +138,8 @@ RingOutputs run_defect_ring(const RingInputs& in_, const verify::Sharding& sh, c
       // Stale KV: the block (data and positions) of the previous step is used again.
       const int used = hits(inj, Defect::stale_kv, r, s) ? ((r - s + 1) % P + P) % P : src;
       const int64_t m = static_cast<int64_t>(sh.tokens[used].size());
-      const Tensor<float> k = rows_of(in.k, sh.tokens[used]), v = rows_of(in.v, sh.tokens[used]);
+      const Tensor<float> k = verify::gather_rows(in.k, sh.tokens[used]),
+                          v = verify::gather_rows(in.v, sh.tokens[used]);
       const Tokens kt{sh.tokens[used].data(), nullptr, m};
       Tensor<float> dk({m, Hkv, D}), dv({m, Hkv, D});
       attend_backward(q.view3(), k.view3(), v.view3(), dout.view3(), lse_r[r].data(), delta.data(),

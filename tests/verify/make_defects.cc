@@ -24,14 +24,7 @@ using namespace loom::test;
 
 namespace {
 
-// Rank r's rows of a global [S, A, B] tensor / columns of an [A, S] lse.
-Tensor<float> rows(const Tensor<float>& g, const std::vector<int64_t>& t) {
-  const int64_t w = g.size(1) * g.size(2);
-  Tensor<float> y({static_cast<int64_t>(t.size()), g.size(1), g.size(2)});
-  for (size_t i = 0; i < t.size(); ++i)
-    std::copy(g.data() + t[i] * w, g.data() + (t[i] + 1) * w, y.data() + i * w);
-  return y;
-}
+// Rank r's columns of an [A, S] lse (its rows of a [S, A, B] tensor: verify::gather_rows).
 Tensor<float> cols(const Tensor<float>& g, const std::vector<int64_t>& t) {
   const int64_t A = g.size(0), S = g.size(1), n = static_cast<int64_t>(t.size());
   Tensor<float> y({A, n});
@@ -57,7 +50,7 @@ int shard_mode(int argc, char** argv) {
     const auto sh = verify::make_sharding(conv, S, P);
     for (int r = 0; r < P; ++r)
       write_npy(dst + "/" + n + ".rank" + std::to_string(r) + ".npy",
-                lse ? cols(g, sh.tokens[r]) : rows(g, sh.tokens[r]));
+                lse ? cols(g, sh.tokens[r]) : verify::gather_rows(g, sh.tokens[r]));
   }
   return S > 0 ? 0 : 1;
 }
@@ -178,13 +171,13 @@ int main(int argc, char** argv) {
     fs::create_directories(d);
     for (int r = 0; r < P; ++r) {
       const std::string suffix = ".rank" + std::to_string(r) + ".npy";
-      write_npy(d + "/out" + suffix, rows(o.out, sh.tokens[r]));
+      write_npy(d + "/out" + suffix, verify::gather_rows(o.out, sh.tokens[r]));
       if (n.inj.kind != Defect::no_lse_merge)
         write_npy(d + "/lse" + suffix, cols(o.lse, sh.tokens[r]));
       if (n.backward) {
-        write_npy(d + "/dq" + suffix, rows(o.dq, sh.tokens[r]));
-        write_npy(d + "/dk" + suffix, rows(o.dk, sh.tokens[r]));
-        write_npy(d + "/dv" + suffix, rows(o.dv, sh.tokens[r]));
+        write_npy(d + "/dq" + suffix, verify::gather_rows(o.dq, sh.tokens[r]));
+        write_npy(d + "/dk" + suffix, verify::gather_rows(o.dk, sh.tokens[r]));
+        write_npy(d + "/dv" + suffix, verify::gather_rows(o.dv, sh.tokens[r]));
       }
     }
   }

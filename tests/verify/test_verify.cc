@@ -108,6 +108,20 @@ TEST(Conventions, RoundTrip) {
   }
 }
 
+TEST(Conventions, GatherRowsIsShardingsInverse) {
+  // gather_rows(x, rank r's tokens) is rank r's shard: unshard_rows of the shards gives x back.
+  const auto sh = verify::make_sharding("zigzag", 10, 2);
+  Tensor<double> x({10, 2, 3});
+  std::iota(x.vec().begin(), x.vec().end(), 0.0);
+  std::vector<Tensor<double>> local;
+  for (int r = 0; r < 2; ++r) local.push_back(verify::gather_rows(x, sh.tokens[r]));
+  ASSERT_EQ(local[1].shape(), (std::vector<int64_t>{5, 2, 3}));
+  EXPECT_EQ(local[1][0], 3 * 6.0);  // rank 1's first token is 3
+  EXPECT_EQ(verify::unshard_rows(sh, local, "x").vec(), x.vec());
+  EXPECT_THROW(verify::gather_rows(x, {10}), InvalidArgument);
+  EXPECT_THROW(verify::gather_rows(Tensor<double>({4, 6}), {0}), InvalidArgument);
+}
+
 TEST(Conventions, WrongRowCountIsRefused) {
   const auto sh = verify::make_sharding("zigzag", 16, 2);
   std::vector<Tensor<double>> local = {Tensor<double>({8, 1, 1}), Tensor<double>({7, 1, 1})};
@@ -128,16 +142,31 @@ RingInputs inputs(int64_t S, int64_t H, int64_t Hkv, int64_t D, bool causal, uin
   return in;
 }
 
-verify::Report check(const RingInputs& in, const std::string& conv, int P, const Injected& inj,
-                     bool backward = false) {
-  const auto sh = verify::make_sharding(conv, in.q.size(0), P);
-  const RingOutputs o = run_defect_ring(in, sh, inj, backward);
-  verify::Candidate c = to_candidate(o, backward);
-  if (inj.kind == Defect::no_lse_merge) c.lse.reset();  // the seed's loop returns no lse
+verify::Options options(const std::string& conv, int P) {
   verify::Options opt;
   opt.convention = conv;
   opt.ranks = P;
-  return verify::verify(to_problem(in), c, opt);
+  return opt;
+}
+
+// The defect ring's outputs on in, sharded by conv over P ranks, with inj injected.
+RingOutputs ring(const RingInputs& in, const std::string& conv, int P, const Injected& inj,
+                 bool backward) {
+  return run_defect_ring(in, verify::make_sharding(conv, in.q.size(0), P), inj, backward);
+}
+
+// A candidate of out alone (lse, dq, dk and dv absent).
+verify::Candidate out_only(const Tensor<float>& out) {
+  verify::Candidate c;
+  c.out = convert<double>(out);
+  return c;
+}
+
+verify::Report check(const RingInputs& in, const std::string& conv, int P, const Injected& inj,
+                     bool backward = false) {
+  verify::Candidate c = to_candidate(ring(in, conv, P, inj, backward), backward);
+  if (inj.kind == Defect::no_lse_merge) c.lse.reset();  // the seed's loop returns no lse
+  return verify::verify(to_problem(in), c, options(conv, P));
 }
 
 std::string first_kind(const verify::Report& r) {
@@ -151,12 +180,17 @@ struct Case {
   bool causal;
 };
 
+// One parameterised case: H = 2, Hkv = 1, D = 16 inputs of the case's length and mask (seeded)
+// through the defect ring with inj, then checked.
+verify::Report check_case(const Case& k, uint32_t seed, const Injected& inj,
+                          bool backward = false) {
+  return check(inputs(k.S, 2, 1, 16, k.causal, seed), k.conv, k.P, inj, backward);
+}
+
 class DefectLibrary : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DefectLibrary, CorrectRingPasses) {
-  const Case& k = GetParam();
-  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 11);
-  const auto r = check(in, k.conv, k.P, {}, true);
+  const auto r = check_case(GetParam(), 11, {}, true);
   EXPECT_TRUE(r.passed) << r.summary();
   EXPECT_TRUE(r.diagnoses.empty());
 }
@@ -178,44 +212,34 @@ TEST_P(DefectLibrary, DroppedStepOnOneRank) {
 }
 
 TEST_P(DefectLibrary, DroppedStepEverywhere) {
-  const Case& k = GetParam();
-  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 13);
-  const auto r = check(in, k.conv, k.P, {Defect::dropped_step, 1, -1, 0});
+  const auto r = check_case(GetParam(), 13, {Defect::dropped_step, 1, -1, 0});
   ASSERT_EQ(first_kind(r), "dropped_step") << r.summary();
   EXPECT_TRUE(r.diagnoses[0].ranks.empty()) << r.diagnoses[0].text;
   EXPECT_EQ(r.diagnoses[0].steps, std::vector<int>{1});
 }
 
 TEST_P(DefectLibrary, DoubledStep) {
-  const Case& k = GetParam();
-  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 14);
-  const auto r = check(in, k.conv, k.P, {Defect::doubled_step, 0, 0, 0});
+  const auto r = check_case(GetParam(), 14, {Defect::doubled_step, 0, 0, 0});
   ASSERT_EQ(first_kind(r), "doubled_step") << r.summary();
   EXPECT_EQ(r.diagnoses[0].ranks, std::vector<int>{0});
   EXPECT_EQ(r.diagnoses[0].steps, std::vector<int>{0});
 }
 
 TEST_P(DefectLibrary, Bf16BetweenSteps) {
-  const Case& k = GetParam();
-  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 15);
-  const auto r = check(in, k.conv, k.P, {Defect::bf16_steps, -1, -1, 0});
+  const auto r = check_case(GetParam(), 15, {Defect::bf16_steps, -1, -1, 0});
   ASSERT_FALSE(r.passed);
   EXPECT_EQ(first_kind(r), "bf16_between_steps") << r.summary();
 }
 
 TEST_P(DefectLibrary, NoLseMerge) {
-  const Case& k = GetParam();
-  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 16);
-  const auto r = check(in, k.conv, k.P, {Defect::no_lse_merge, -1, -1, 0});
+  const auto r = check_case(GetParam(), 16, {Defect::no_lse_merge, -1, -1, 0});
   ASSERT_FALSE(r.passed);
   EXPECT_EQ(first_kind(r), "no_lse_merge") << r.summary();
   EXPECT_NE(r.summary().find("missing log-sum-exp merge"), std::string::npos);
 }
 
 TEST_P(DefectLibrary, WrongScale) {
-  const Case& k = GetParam();
-  const RingInputs in = inputs(k.S, 2, 1, 16, k.causal, 17);
-  const auto r = check(in, k.conv, k.P, {Defect::wrong_scale, -1, -1, 0});
+  const auto r = check_case(GetParam(), 17, {Defect::wrong_scale, -1, -1, 0});
   ASSERT_EQ(first_kind(r), "wrong_scale") << r.summary();
   EXPECT_NEAR(r.diagnoses[0].value, 1.0 / 16, 1e-4);
 }
@@ -293,14 +317,10 @@ TEST(Verify, Bf16StorageCheckedAsFp32IsNamed) {
   // A correct ring whose out is rounded once to bf16 (as a bf16 implementation stores it):
   // fails the fp32 tolerance, passes the bf16 one, and is named as bf16 storage, not a defect.
   const RingInputs in = inputs(96, 2, 1, 16, true, 33);
-  const auto sh = verify::make_sharding("zigzag", 96, 4);
-  RingOutputs o = run_defect_ring(in, sh, {}, false);
+  RingOutputs o = ring(in, "zigzag", 4, {}, false);
   for (float& x : o.out.vec()) x = to_float(to_bf16(x));
-  verify::Candidate c;
-  c.out = convert<double>(o.out);
-  verify::Options opt;
-  opt.convention = "zigzag";
-  opt.ranks = 4;
+  const verify::Candidate c = out_only(o.out);
+  verify::Options opt = options("zigzag", 4);
   const auto r = verify::verify(to_problem(in), c, opt);
   ASSERT_FALSE(r.passed);
   EXPECT_EQ(first_kind(r), "bf16_storage") << r.summary();
@@ -320,14 +340,8 @@ TEST(Verify, ShapeMismatchIsUnusable) {
 
 TEST(Verify, AbsentTensorsAreReported) {
   const RingInputs in = inputs(40, 2, 2, 8, true, 32);
-  const auto sh = verify::make_sharding("zigzag", 40, 2);
-  const RingOutputs o = run_defect_ring(in, sh, {}, false);
-  verify::Candidate c;
-  c.out = convert<double>(o.out);
-  verify::Options opt;
-  opt.convention = "zigzag";
-  opt.ranks = 2;
-  const auto r = verify::verify(to_problem(in), c, opt);
+  const verify::Candidate c = out_only(ring(in, "zigzag", 2, {}, false).out);
+  const auto r = verify::verify(to_problem(in), c, options("zigzag", 2));
   EXPECT_TRUE(r.passed);
   EXPECT_EQ(r.absent, (std::vector<std::string>{"lse", "dq", "dk", "dv"}));
 }

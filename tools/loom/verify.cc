@@ -253,13 +253,9 @@ int run_verify(const VerifyOptions& o) {
   std::vector<Files> files;
   for (const auto& n : names) files.push_back(read_candidate(o.candidate, n, o.ranks));
 
-  verify::Options vo;
-  vo.convention = o.convention;
-  vo.ranks = o.ranks;
-  vo.dtype = o.dtype;
-  bool passed = true;
-  std::vector<verify::Report> reports;
-  for (int64_t b = 0; b < B; ++b) {
+  // Batch row b as a problem, and the candidate for it assembled from the files in convention
+  // conv (throws when conv cannot split the sequence or the files).
+  auto problem_of = [&](int64_t b) {
     verify::Problem p;
     p.q = rows_to_shd(q, dims, b, "q.npy");
     p.k = rows_to_shd(k, dims, b, "k.npy");
@@ -269,14 +265,28 @@ int run_verify(const VerifyOptions& o) {
     p.mask.window = o.window;
     p.scale = o.scale;
     p.doc_lengths = docs;
-    const verify::Sharding sh = verify::make_sharding(o.convention, p.q.size(0), o.ranks, docs);
+    return p;
+  };
+  auto candidate_of = [&](const verify::Problem& p, int64_t b, const std::string& conv) {
+    const verify::Sharding sh = verify::make_sharding(conv, p.q.size(0), o.ranks, docs);
     verify::Candidate c;
     c.out = assemble(files[0], sh, dims, b, "out", false);
     c.lse = assemble(files[1], sh, dims, b, "lse", true);
     c.dq = assemble(files[2], sh, dims, b, "dq", false);
     c.dk = assemble(files[3], sh, dims, b, "dk", false);
     c.dv = assemble(files[4], sh, dims, b, "dv", false);
-    reports.push_back(verify::verify(p, c, vo));
+    return c;
+  };
+
+  verify::Options vo;
+  vo.convention = o.convention;
+  vo.ranks = o.ranks;
+  vo.dtype = o.dtype;
+  bool passed = true;
+  std::vector<verify::Report> reports;
+  for (int64_t b = 0; b < B; ++b) {
+    const verify::Problem p = problem_of(b);
+    reports.push_back(verify::verify(p, candidate_of(p, b, o.convention), vo));
     passed = passed && reports.back().passed;
   }
 
@@ -293,23 +303,8 @@ int run_verify(const VerifyOptions& o) {
         alt.convention = conv;
         alt.localise = false;
         for (int64_t b = 0; b < B && all_pass; ++b) {
-          verify::Problem p;
-          p.q = rows_to_shd(q, dims, b, "q.npy");
-          p.k = rows_to_shd(k, dims, b, "k.npy");
-          p.v = rows_to_shd(v, dims, b, "v.npy");
-          if (dout.numel()) p.dout = rows_to_shd(dout, dims, b, "dout.npy");
-          p.mask.causal = o.causal;
-          p.mask.window = o.window;
-          p.scale = o.scale;
-          p.doc_lengths = docs;
-          const verify::Sharding sh = verify::make_sharding(conv, p.q.size(0), o.ranks, docs);
-          verify::Candidate c;
-          c.out = assemble(files[0], sh, dims, b, "out", false);
-          c.lse = assemble(files[1], sh, dims, b, "lse", true);
-          c.dq = assemble(files[2], sh, dims, b, "dq", false);
-          c.dk = assemble(files[3], sh, dims, b, "dk", false);
-          c.dv = assemble(files[4], sh, dims, b, "dv", false);
-          all_pass = verify::verify(p, c, alt).passed;
+          const verify::Problem p = problem_of(b);
+          all_pass = verify::verify(p, candidate_of(p, b, conv), alt).passed;
         }
       } catch (const Error&) {
         all_pass = false;  // this convention cannot split the sequence or the files

@@ -37,6 +37,7 @@
 
 #include "../collectives.h"
 #include "../front.h"
+#include "../split.h"
 #include "loom/comm.h"
 #include "loom/error.h"
 #include "loom/timer.h"
@@ -325,27 +326,13 @@ class LocalComm final : public Communicator, public detail::Transport {
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     tick("split");
-    const int n = size();
-    // (color, key) of every rank, exchanged with the group's all_gather.
-    const int64_t mine[2] = {color, key};
-    std::vector<int64_t> all(2 * n);
-    detail::all_gather(*this, mine, sizeof mine, all.data(), deadline(-1));
+    const detail::SplitGroup g = detail::split_group(*this, color, key, deadline(-1));
     const int64_t seq = split_seq_++;
     if (color < 0) return nullptr;
-    std::vector<int> order;  // old ranks of my color, by (key, old rank)
-    for (int p = 0; p < n; ++p) {
-      if (all[2 * p] == color) order.push_back(p);
-    }
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
-    std::vector<int> members;
-    int new_rank = -1;
-    for (size_t i = 0; i < order.size(); ++i) {
-      members.push_back(world_->world_rank(order[i]));
-      if (order[i] == rank_) new_rank = static_cast<int>(i);
-    }
+    std::vector<int> members;  // world ranks
+    for (int p : g.members) members.push_back(world_->world_rank(p));
     auto sub = world_->join_split(seq, color, members);
-    return std::make_unique<LocalComm>(std::move(sub), new_rank, timeout_s_);
+    return std::make_unique<LocalComm>(std::move(sub), g.new_rank, timeout_s_);
   }
 
   WorkPtr isend(const void* buf, size_t bytes, int peer, int tag) override {

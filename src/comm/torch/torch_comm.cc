@@ -32,6 +32,7 @@
 
 #include "../collectives.h"
 #include "../front.h"
+#include "../split.h"
 #include "loom/error.h"
 #include "loom/timer.h"
 
@@ -113,31 +114,18 @@ class TorchComm final : public Communicator, public detail::Transport {
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
-    const int n = size();
-    const int64_t mine[2] = {color, key};
-    std::vector<int64_t> all(2 * n);
-    detail::all_gather(*this, mine, sizeof mine, all.data(), deadline(-1));
+    const detail::SplitGroup g = detail::split_group(*this, color, key, deadline(-1));
     const int64_t seq = split_seq_++;
     if (color < 0) return nullptr;
-    std::vector<int> order;
-    for (int p = 0; p < n; ++p) {
-      if (all[2 * p] == color) order.push_back(p);
-    }
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
-    std::vector<int> members;
-    int new_rank = -1;
-    for (size_t i = 0; i < order.size(); ++i) {
-      members.push_back(members_[order[i]]);
-      if (order[i] == rank_) new_rank = static_cast<int>(i);
-    }
+    std::vector<int> members;  // torch ranks
+    for (int p : g.members) members.push_back(members_[p]);
     // Children of one split have disjoint members, so they may share an id; children of
     // different splits (or parents) must not. The mix below is the same on every member.
     const uint64_t h =
         (static_cast<uint64_t>(group_id_) * 1000003u + static_cast<uint64_t>(seq) * 7919u +
          static_cast<uint64_t>(color) * 31u + 1u);
     const int id = 2 + static_cast<int>(h % static_cast<uint64_t>(kMaxGroups - 1));
-    return std::make_unique<TorchComm>(pg_, std::move(members), new_rank, id, timeout_s_);
+    return std::make_unique<TorchComm>(pg_, std::move(members), g.new_rank, id, timeout_s_);
   }
 
   WorkPtr isend(const void* buf, size_t bytes, int peer, int tag) override {
@@ -151,33 +139,11 @@ class TorchComm final : public Communicator, public detail::Transport {
   }
 
   WorkPtr post_send(const void* buf, size_t bytes, int peer, int tag, const char* op) override {
-    auto one = std::make_unique<uint8_t>(0);
-    std::vector<at::Tensor> t{wrap(const_cast<void*>(buf), bytes, one.get())};
-    c10::intrusive_ptr<c10d::Work> w;
-    try {
-      w = pg_->send(t, members_[peer], wire_tag(tag));
-    } catch (const std::exception& e) {
-      throw CommError(who(rank_) + ": posting send to " + who(peer) + " failed: " + e.what(),
-                      __FILE__, __LINE__);
-    }
-    stats_.bytes_sent += static_cast<int64_t>(bytes);
-    stats_.messages_sent += 1;
-    return std::make_unique<TorchWork>(*this, std::move(w), true, peer, tag, bytes, op,
-                                       std::move(one));
+    return post(true, const_cast<void*>(buf), bytes, peer, tag, op);
   }
 
   WorkPtr post_recv(void* buf, size_t bytes, int peer, int tag, const char* op, bool) override {
-    auto one = std::make_unique<uint8_t>(0);
-    std::vector<at::Tensor> t{wrap(buf, bytes, one.get())};
-    c10::intrusive_ptr<c10d::Work> w;
-    try {
-      w = pg_->recv(t, members_[peer], wire_tag(tag));
-    } catch (const std::exception& e) {
-      throw CommError(who(rank_) + ": posting recv from " + who(peer) + " failed: " + e.what(),
-                      __FILE__, __LINE__);
-    }
-    return std::make_unique<TorchWork>(*this, std::move(w), false, peer, tag, bytes, op,
-                                       std::move(one));
+    return post(false, buf, bytes, peer, tag, op);
   }
 
   void all_to_all(const void* send, const size_t* send_bytes, const size_t* send_offsets,
@@ -221,6 +187,28 @@ class TorchComm final : public Communicator, public detail::Transport {
  private:
   double deadline(double timeout_s) const { return now_s() + resolve_timeout(timeout_s); }
   int wire_tag(int tag) const { return (group_id_ << kTagBits) + tag + kTagShift; }
+
+  // Posts one send (or recv) of buf on the ProcessGroup: CommError naming both ranks when torch
+  // refuses it; a send is booked in the stats when posted.
+  WorkPtr post(bool send, void* buf, size_t bytes, int peer, int tag, const char* op) {
+    auto one = std::make_unique<uint8_t>(0);
+    std::vector<at::Tensor> t{wrap(buf, bytes, one.get())};
+    c10::intrusive_ptr<c10d::Work> w;
+    try {
+      w = send ? pg_->send(t, members_[peer], wire_tag(tag))
+               : pg_->recv(t, members_[peer], wire_tag(tag));
+    } catch (const std::exception& e) {
+      throw CommError(who(rank_) + ": posting " + (send ? "send to " : "recv from ") + who(peer) +
+                          " failed: " + e.what(),
+                      __FILE__, __LINE__);
+    }
+    if (send) {
+      stats_.bytes_sent += static_cast<int64_t>(bytes);
+      stats_.messages_sent += 1;
+    }
+    return std::make_unique<TorchWork>(*this, std::move(w), send, peer, tag, bytes, op,
+                                       std::move(one));
+  }
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   std::vector<int> members_;  // [group rank] -> ProcessGroup rank

@@ -1,0 +1,28 @@
+# Sourced by the tool check scripts (cli_checks.sh, train_check.sh): the pass/fail counters and
+# the one-clear-error-line check, written once. The sourcing script sets $loom (the binary) and
+# $work (a scratch folder) first, and ends with `summary`.
+pass=0
+fail=0
+ok() { echo "ok   $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL $1"; fail=$((fail + 1)); }
+
+# expect_error_of SUBCOMMAND NAME NEEDLE ARGS...: `loom SUBCOMMAND ARGS...` exits non-zero with
+# exactly one line on stderr, containing NEEDLE. Leaves the output in $work/stdout, $work/stderr.
+expect_error_of() {
+  local sub="$1" name="$2" needle="$3"; shift 3
+  "$loom" "$sub" "$@" > "$work/stdout" 2> "$work/stderr"
+  local rc=$?
+  local lines
+  lines=$(wc -l < "$work/stderr")
+  if [ "$rc" -ne 0 ] && [ "$lines" -eq 1 ] && grep -qF -- "$needle" "$work/stderr"; then
+    ok "$name: $(cat "$work/stderr")"
+  else
+    echo "  rc=$rc stderr lines=$lines:"; cat "$work/stderr"; bad "$name"
+  fi
+}
+
+# The counts, and the exit status: 0 when nothing failed.
+summary() {
+  echo "$pass passed, $fail failed"
+  [ "$fail" -eq 0 ]
+}
