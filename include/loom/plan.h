@@ -48,7 +48,13 @@ struct Profile {
   double memory_bytes = 0;                        // device memory
   double mem_bandwidth = 0;                       // bytes/s (element-wise work: pack, add, finish)
   int64_t block_q = 128, block_k = 128;           // the attention kernel's tile
-  double call_overhead = 0;                       // seconds per kernel call (launch)
+  // The kernel computes on work tiles of whole block_q x block_k tiles, each side the block
+  // times the smallest factor reaching work_tile rows (never more than the call has; loom's CPU
+  // kernels: 128, src/kernels/blockwise.cc work_config). Time is charged per work tile (its
+  // area in block tiles, at the full or partial rate of the work tile's own classification);
+  // the counts reported stay those of block_q x block_k. 0: the work tiles are the block tiles.
+  int64_t work_tile = 0;
+  double call_overhead = 0;  // seconds per kernel call (launch)
   // Calibrated per-tile seconds of this machine's kernel ("cpu" profiles, from --calibrate):
   // [fwd full, fwd partial, bwd full, bwd partial] for fp32 and for bf16 storage, measured at
   // head_dim calib_head_dim (scaled linearly in D). Zero: use peak x efficiency.
@@ -114,6 +120,7 @@ struct AttnCase {
   std::vector<int64_t> doc_lengths;  // empty: one document
   int ranks = 1;                     // P, the cp group
   int ulysses = 1;                   // hybrid: U (P % U == 0)
+  int inner = 1;                     // ring2d: I, the inner ring (P % I == 0)
   int64_t heads = 1, kv_heads = 1, head_dim = 64;
   Mask mask;
   int64_t block_q = 64, block_k = 64;  // kernel tiles (loom attn's defaults)
@@ -188,6 +195,7 @@ struct PlanRequest {
 
 struct Candidate {
   int dp = 1, tp = 1, ulysses = 1, ring = 1;
+  int inner = 1;  // ring2d: the inner ring's size (ring = the whole cp group)
   std::string strategy;
   Layout layout = Layout::zigzag;
   bool checkpoint = false;

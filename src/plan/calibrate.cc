@@ -12,6 +12,7 @@
 #include <numeric>
 #include <vector>
 
+#include "../kernels/tile_ops.h"
 #include "loom/comm.h"
 #include "loom/error.h"
 #include "loom/plan.h"
@@ -165,6 +166,7 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   p.name = "this machine (loom plan --calibrate)";
   p.kind = "cpu";
   p.block_q = p.block_k = 64;
+  p.work_tile = kernels::select_ops().work_tile;  // the kernels' work tiles (blockwise.cc)
   p.calib_head_dim = 64;
   p.threads_per_device = threads;
   p.devices_per_node = ranks_per_node;
@@ -257,10 +259,10 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   p.gemm_eff = 1.0;
   const std::string how = "measured by loom plan --calibrate on this machine (threads per rank " +
                           std::to_string(threads) + ")";
-  for (const char* f : {"device.tile_s.fp32", "device.tile_s.bf16", "device.call_overhead_s",
-                        "device.alone_speedup", "device.mem_bandwidth", "links.intra.bandwidth",
-                        "links.intra.latency_s", "collectives.a2a_eff", "collectives.allgather_eff",
-                        "collectives.allreduce_eff"})
+  for (const char* f : {"device.tile_s.fp32", "device.work_tile", "device.tile_s.bf16",
+                        "device.call_overhead_s", "device.alone_speedup", "device.mem_bandwidth",
+                        "links.intra.bandwidth", "links.intra.latency_s", "collectives.a2a_eff",
+                        "collectives.allgather_eff", "collectives.allreduce_eff"})
     p.sources[f] = how;
   p.sources["links.inter.bandwidth"] = p.sources["links.inter.latency_s"] =
       "one machine: no inter-node link; set to the intra-node figures";

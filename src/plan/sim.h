@@ -37,12 +37,18 @@ struct SimContext {
   int64_t rows(int r) const;
   int64_t max_rows() const;
   Block block(int first, int count) const;  // union of cp ranks [first, first + count)
-  // Tiles of q rows (block qb) against one KV block, per head; *calls: kernel calls (chunk
-  // pairs the cp layer does not skip).
-  TileCount pair_tiles(const Block& qb, const Block& kb, int* calls) const;
+  // The work of q rows (block qb) against one KV block, per head: the exact block_q x block_k
+  // tiles (what the kernels report), the kernel calls (chunk pairs the cp layer does not skip)
+  // and the work tiles the kernel really computes (Profile::work_tile), in block-tile areas.
+  struct Work {
+    TileCount tiles;
+    int calls = 0;
+    double full = 0, partial = 0;  // work tiles, each weighted by its area in block tiles
+  };
+  Work pair_work(const Block& qb, const Block& kb) const;
 
   // Durations.
-  double kernel_time(const TileCount& tc, int64_t heads, bool backward, int calls, int64_t kv_rows,
+  double kernel_time(const Work& w, int64_t heads, bool backward, int64_t kv_rows,
                      int64_t kv_heads) const;
   double mem_time(double bytes) const;
   // Time multiplier of member i's kernels when only the `busy` members (cp ranks `members`) of

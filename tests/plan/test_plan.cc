@@ -3,9 +3,10 @@
 // 1. shard_chunks() equals ShardPlan::make()'s segments (every layout, odd sizes, documents).
 // 2. count_tiles() equals the tiles the real kernel reports (KernelStats) for chunk pairs of
 //    every layout and mask, odd tile sizes included.
-// 3. For 40 configurations (every strategy x layout x P in {2, 3, 4, 8} x causal / window /
-//    documents / full x GQA), the simulator's per-rank tiles (forward + backward), forward tiles
-//    per step, bytes sent and bytes received equal what `loom attn --json` reports.
+// 3. For 51 configurations (every strategy x layout x P in {2, 3, 4, 8} x causal / window /
+//    documents / full x GQA, and ring2d with inner rings of 1-4 on 2-8 ranks), the simulator's
+//    per-rank tiles (forward + backward), forward tiles per step, bytes sent and bytes received
+//    equal what `loom attn --json` reports.
 // 4. Every shipped profile parses and cites a source for every figure.
 #include <gtest/gtest.h>
 
@@ -107,6 +108,7 @@ TEST(PlanTiles, EqualKernelCounts) {
 struct Config {
   std::string strategy, layout;
   int P, U;
+  int I = 0;  // ring2d: the inner ring
   int64_t S, H, HKV;
   bool causal;
   int64_t window;
@@ -143,6 +145,25 @@ std::vector<Config> configs() {
       }
     }
   }
+  // The double ring: one inner ring (O = 1), rings of one (I = 1), and both axes > 1.
+  const int ring2d[][2] = {{2, 2}, {4, 1}, {4, 2}, {6, 3}, {8, 2}, {8, 4}};
+  for (const auto& [P, I] : ring2d) {
+    Config x;
+    x.strategy = "ring2d";
+    x.layout = layouts[i % 3];
+    x.P = P;
+    x.U = 0;
+    x.I = I;
+    x.S = 141 + 29 * (i % 5) + P;
+    x.H = 4;
+    x.HKV = i % 2 ? 2 : 4;
+    x.causal = i % 3 != 2;
+    x.window = i % 3 == 1 ? 37 : 0;
+    x.dtype = i % 2 ? "bf16" : "fp32";
+    if (i % 2 == 0) x.docs = std::to_string(x.S / 2) + "," + std::to_string(x.S - x.S / 2);
+    c.push_back(x);
+    ++i;
+  }
   return c;
 }
 
@@ -153,6 +174,7 @@ nlohmann::json run_loom_attn(const Config& c, const std::string& json_path) {
       << c.S << " --heads " << c.H << " --kv-heads " << c.HKV << " --dtype " << c.dtype
       << (c.causal ? "" : " --no-causal") << " --window " << c.window;
   if (c.U) cmd << " --ulysses " << c.U;
+  if (c.I) cmd << " --inner " << c.I;
   if (!c.docs.empty()) cmd << " --docs " << c.docs;
   cmd << " --json " << json_path << " > /dev/null";
   const int rc = std::system(cmd.str().c_str());
@@ -188,6 +210,7 @@ TEST(PlanExact, TilesAndBytesEqualLoomAttn) {
     a.doc_lengths = split_docs(c.docs);
     a.ranks = c.P;
     a.ulysses = c.U ? c.U : 1;
+    a.inner = c.I ? c.I : 1;
     a.heads = c.H;
     a.kv_heads = c.HKV;
     a.head_dim = 16;
