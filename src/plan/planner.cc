@@ -264,7 +264,8 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
               c.step_s = c.attn_s + c.recompute_s + c.gemm_s + c.tp_comm_s + c.dp_comm_s;
               c.balance = sim.balance();
               int64_t buf = 0;
-              for (const RankSim& r : sim.ranks) buf = std::max(buf, r.peak_buffer_bytes);
+              for (const RankSim& r : sim.ranks)
+                buf = std::max(buf, r.peak_buffer_bytes + r.gathered_bytes);
               mem += static_cast<double>(buf);
               mem += tokens * static_cast<double>(M.vocab) / tp * 4.0;  // fp32 logits
               c.memory_bytes = mem;

@@ -33,6 +33,10 @@ namespace loom::plan {
 
 namespace {
 
+// The memory seam slots the strategies use (src/cp/strategies/strategy.h; the ring pass: 0-6).
+constexpr int kSlotDelta = 7;
+constexpr int kSlotOwn = 8;
+
 // Synchronises every clock to the latest one (loom attn's barrier between phases).
 void barrier(SimContext& x) {
   const double m = *std::max_element(x.t.begin(), x.t.end());
@@ -156,7 +160,8 @@ void ring_pass(SimContext& x, const std::vector<Ring>& rings, int64_t hl, int64_
       continue;
     }
     const int64_t cap = 2 * g.max_rows() * row;
-    for (int j = 0; j < R; ++j) x.buffer(m[j], 2 * cap * T + (backward ? 5 * cap * 4 : 0));
+    for (int j = 0; j < R; ++j)  // the KV double buffer; backward: partial, 4 accumulators
+      for (int s = 0; s < (backward ? 7 : 2); ++s) x.slot(m[j], s, cap * (s < 2 ? T : 4));
     if (pack_own)
       for (int i = 0; i < R; ++i)
         x.compute(m[i], x.mem_time(2.0 * 2 * g.blocks[i].rows * row * T), step0);
@@ -233,8 +238,9 @@ void ulysses_like(SimContext& x, int U) {
   auto gtotal = [&](int r) { return rings[0].blocks[r / U].rows; };
   for (int r = 0; r < x.P; ++r) {
     const int64_t N = gtotal(r);
-    x.buffer(r, N * (2 * hl + 2 * hkv) * D * T +
-                    (c.backward ? N * (hl * T + hl * 4 + 2 * hkv * 4) * D : 0));
+    x.gathered(r, N * (2 * hl + 2 * hkv) * D * T +
+                      (c.backward ? N * (hl * T + hl * 4 + 2 * hkv * 4) * D : 0));
+    if (c.backward) x.slot(r, kSlotDelta, hl * N * 4);
   }
   // seq_to_head of a [n, h, D] tensor of `elem` bytes per element: member i sends its rows.
   auto to_head = [&](int64_t heads, int64_t elem) {
@@ -344,9 +350,13 @@ void ring2d_schedule(SimContext& x) {
     return rings;
   };
   const int64_t cap = 2 * x.max_rows() * row;
-  for (int r = 0; r < P; ++r)
-    x.buffer(r, 2 * cap * T + (I > 1 ? 2 * cap * T : 0) +
-                    (c.backward ? (1 + (O > 1 ? 4 : 0) + (I > 1 ? 5 : 0)) * cap * 4 : 0));
+  for (int r = 0; r < P; ++r) {    // the outer KV double buffer; backward: the group sum and the
+    x.slot(r, kSlotOwn, cap * T);  // outer accumulators (the inner ring's: in ring_pass)
+    x.slot(r, kSlotOwn + 1, cap * T);
+    if (!c.backward) continue;
+    x.slot(r, kSlotDelta, c.heads * x.rows(r) * 4);
+    for (int s = 2; s < (O > 1 ? 7 : 3); ++s) x.slot(r, kSlotOwn + s, cap * 4);
+  }
   auto pass = [&](bool backward) {
     for (int r = 0; r < P; ++r)  // the own KV packed into the outer buffer
       x.compute(r, x.mem_time(2.0 * 2 * shard[r].rows * row * T), 0);
@@ -429,7 +439,14 @@ void allgather_schedule(SimContext& x) {
     gather(T, "allgather");
     for (int r = 0; r < P; ++r) x.compute(r, x.mem_time(2.0 * per * T), -1);  // own part
   };
-  for (int r = 0; r < P; ++r) x.buffer(r, P * per * T + (c.backward ? (P + 1) * per * 4 : 0));
+  for (int r = 0; r < P; ++r) {  // own and gathered K, V; backward: all dK, dV partials, mine
+    x.slot(r, kSlotOwn, per * T);
+    x.slot(r, kSlotOwn + 1, P * per * T);
+    if (!c.backward) continue;
+    x.slot(r, kSlotDelta, c.heads * x.rows(r) * 4);
+    x.slot(r, kSlotOwn + 2, P * per * 4);
+    x.slot(r, kSlotOwn + 3, per * 4);
+  }
   // Forward.
   for (int r = 0; r < P; ++r) x.compute(r, x.mem_time(x.rows(r) * c.heads * D * 4.0), -1);
   pack_and_gather();

@@ -48,6 +48,7 @@ SimContext::SimContext(const AttnCase& cs, const Profile& pr, AttnSim& o)
   chunks = shard_chunks(c.layout, c.seq, c.ranks, c.doc_lengths);
   t.assign(P, 0.0);
   exposed.assign(P, {});
+  slots.assign(P, {});
   out.ranks.assign(P, RankSim{});
 }
 
@@ -234,8 +235,13 @@ void SimContext::count_tiles_on(int r, const TileCount& tc, int64_t heads, bool 
   }
 }
 
-void SimContext::buffer(int r, int64_t bytes) {
-  out.ranks[r].peak_buffer_bytes = std::max(out.ranks[r].peak_buffer_bytes, bytes);
+void SimContext::slot(int r, int s, int64_t bytes) {
+  if (static_cast<int>(slots[r].size()) <= s) slots[r].resize(s + 1, 0);
+  slots[r][s] = std::max(slots[r][s], bytes);
+}
+
+void SimContext::gathered(int r, int64_t bytes) {
+  out.ranks[r].gathered_bytes = std::max(out.ranks[r].gathered_bytes, bytes);
 }
 
 AttnSim simulate_attention(const AttnCase& c, const Profile& p) {
@@ -260,6 +266,8 @@ AttnSim simulate_attention(const AttnCase& c, const Profile& p) {
   SimContext ctx(c, p, out);
   it->second(ctx);
   ctx.fold_exposed();
+  for (int r = 0; r < c.ranks; ++r)
+    for (int64_t b : ctx.slots[r]) out.ranks[r].peak_buffer_bytes += b;
   for (RankSim& r : out.ranks) {
     out.forward_s = std::max(out.forward_s, r.end_fwd_s);
     r.end_s = std::max(r.end_s, r.end_fwd_s);

@@ -10,6 +10,7 @@
 // slowest member's share of the traffic.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -68,7 +69,11 @@ struct SimContext {
   void count_tiles_on(int r, const TileCount& tc, int64_t heads, bool backward, int step);
   void sent(int r, int64_t bytes) { out.ranks[r].bytes_sent += bytes; }
   void received(int r, int64_t bytes) { out.ranks[r].bytes_recv += bytes; }
-  void buffer(int r, int64_t bytes);  // peak buffer candidate
+  // Rank r's memory seam slot `slot` asks for `bytes` (slots grow, never shrink: Memory in
+  // src/cp/memory.h); their sum is RankSim::peak_buffer_bytes.
+  void slot(int r, int slot, int64_t bytes);
+  std::vector<std::vector<int64_t>> slots;  // [rank][slot]
+  void gathered(int r, int64_t bytes);      // tensors outside the seam (RankSim::gathered_bytes)
   void add_event(int r, const char* kind, int step, double t0, double t1);
   // Exposed seconds by kind, [rank][kind index]; folded into RankSim::comm_by_kind at the end.
   std::vector<std::vector<std::pair<const char*, double>>> exposed;

@@ -5,8 +5,8 @@
 //    every layout and mask, odd tile sizes included.
 // 3. For 51 configurations (every strategy x layout x P in {2, 3, 4, 8} x causal / window /
 //    documents / full x GQA, and ring2d with inner rings of 1-4 on 2-8 ranks), the simulator's
-//    per-rank tiles (forward + backward), forward tiles per step, bytes sent and bytes received
-//    equal what `loom attn --json` reports.
+//    per-rank tiles (forward + backward), forward tiles per step, bytes sent and received, and
+//    peak buffer bytes (the memory seam's slots) equal what `loom attn --json` reports.
 // 4. Every shipped profile parses and cites a source for every figure.
 #include <gtest/gtest.h>
 
@@ -227,6 +227,7 @@ TEST(PlanExact, TilesAndBytesEqualLoomAttn) {
       EXPECT_EQ(jr["step_tiles"].get<std::vector<int64_t>>(), sr.step_tiles) << "rank " << r;
       EXPECT_EQ(jr["bytes_sent"].get<int64_t>(), sr.bytes_sent) << "rank " << r;
       EXPECT_EQ(jr["bytes_recv"].get<int64_t>(), sr.bytes_recv) << "rank " << r;
+      EXPECT_EQ(jr["peak_buffer_bytes"].get<int64_t>(), sr.peak_buffer_bytes) << "rank " << r;
       EXPECT_GT(sr.fwd_tiles, 0);
     }
   }
