@@ -24,41 +24,52 @@ namespace loom::plan {
 
 namespace {
 
-// The fastest of `reps` timed calls after a warm-up (communication: latency and bandwidth are
-// what an undisturbed message achieves).
+// Seconds per call of each of `reps` timed runs of f after a warm-up run; f returns how many
+// calls it made.
 template <class F>
-double best_time(F&& f, int reps) {
+std::vector<double> per_call_times(F&& f, int reps) {
   f();  // warm-up
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {
     const double t0 = now_s();
-    f();
-    t.push_back(now_s() - t0);
+    const int calls = f();
+    t.push_back((now_s() - t0) / calls);
   }
-  return *std::min_element(t.begin(), t.end());
+  std::sort(t.begin(), t.end());
+  return t;
+}
+
+// The fastest of `reps` timed calls (communication: latency and bandwidth are what an
+// undisturbed message achieves).
+template <class F>
+double best_time(F&& f, int reps) {
+  return per_call_times(
+      [&] {
+        f();
+        return 1;
+      },
+      reps)[0];
 }
 
 // A kernel call's typical seconds: the median over `reps` windows of back-to-back calls (each
-// window at least 30 ms) of the window's time per call, after a warm-up. A window is as long
-// as a timed iteration of `loom attn` at the validation sizes, so on a shared machine it sees
-// the same share of the cores that such an iteration sees (the fastest short call would see an
+// window at least 30 ms) of the window's time per call. A window is as long as a timed
+// iteration of `loom attn` at the validation sizes, so on a shared machine it sees the same
+// share of the cores that such an iteration sees (the fastest short call would see an
 // uncontended core, a figure no long run reaches); on a quiet machine the two agree.
-// bench/plan_validate.py takes the median of its rounds likewise.
+// bench/plan_validate.py takes medians likewise.
 template <class F>
 double window_time(F&& f, int reps) {
-  f();  // warm-up
-  std::vector<double> per_call;
-  for (int i = 0; i < reps; ++i) {
-    const double t0 = now_s();
-    int calls = 0;
-    do {
-      f();
-      ++calls;
-    } while (now_s() - t0 < 0.03);
-    per_call.push_back((now_s() - t0) / calls);
-  }
-  std::sort(per_call.begin(), per_call.end());
-  return per_call[per_call.size() / 2];
+  return per_call_times(
+      [&] {
+        const double t0 = now_s();
+        int calls = 0;
+        do {
+          f();
+          ++calls;
+        } while (now_s() - t0 < 0.03);
+        return calls;
+      },
+      reps)[reps / 2];
 }
 
 struct KernelBench {
