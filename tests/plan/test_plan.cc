@@ -7,7 +7,8 @@
 //    documents / full x GQA, and ring2d with inner rings of 1-4 on 2-8 ranks), the simulator's
 //    per-rank tiles (forward + backward), forward tiles per step, bytes sent and received, and
 //    peak buffer bytes (the memory seam's slots) equal what `loom attn --json` reports.
-// 4. Every shipped profile parses and cites a source for every figure.
+// 4. Time is charged per work tile of the kernels.
+// 5. Every shipped profile parses and cites a source for every figure.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -232,6 +233,35 @@ TEST(PlanExact, TilesAndBytesEqualLoomAttn) {
     }
   }
   std::filesystem::remove_all(dir);
+}
+
+// Time is charged per work tile (Profile::work_tile, the CPU kernels' 128 x 128 tiles of whole
+// 64 x 64 config tiles), at the rate of the work tile's own classification. One causal chunk
+// of 256 rows: config tiles 6 full + 4 partial per head; work tiles 1 full + 2 partial, each
+// the area of 4 config tiles. Copies and call overheads are off (no memory bandwidth, 0 s).
+TEST(PlanTime, KernelsAreChargedPerWorkTile) {
+  Profile p;
+  p.kind = "cpu";
+  p.block_q = p.block_k = 64;
+  const double fwd_full = 1e-3, fwd_partial = 3e-3, bwd_full = 2e-3, bwd_partial = 5e-3;
+  const double tiles[4] = {fwd_full, fwd_partial, bwd_full, bwd_partial};
+  std::copy(tiles, tiles + 4, p.tile_s_fp32);
+  AttnCase a;
+  a.strategy = "ring";
+  a.layout = Layout::contiguous;
+  a.seq = 256;
+  a.ranks = 1;
+  a.heads = a.kv_heads = 2;
+  a.head_dim = 64;
+  a.mask.causal = true;
+  for (int64_t work : {int64_t{0}, int64_t{128}}) {
+    p.work_tile = work;
+    const AttnSim sim = simulate_attention(a, p);
+    const double full = work ? 4 * 1 : 6, partial = work ? 4 * 2 : 4;  // in config-tile areas
+    EXPECT_NEAR(sim.forward_s, 2 * (full * fwd_full + partial * fwd_partial), 1e-12) << work;
+    EXPECT_NEAR(sim.backward_s, 2 * (full * bwd_full + partial * bwd_partial), 1e-12) << work;
+    EXPECT_EQ(sim.ranks[0].fwd_tiles, 2 * 10);  // the counts stay the config tiles'
+  }
 }
 
 TEST(PlanProfiles, ShippedProfilesParseAndCiteEveryFigure) {
