@@ -1,17 +1,22 @@
 #!/usr/bin/python3
 """Time validation of `loom plan` on this machine (issue 14).
 
-1. `loom plan --calibrate` measures this machine's profile (1 thread per rank, P ranks at once)
-   right before each problem's runs.
-2. For 14 attention configurations that a 2-core machine can time honestly (P <= 2 ranks,
+1. For 15 attention configurations that a 2-core machine can time honestly (P <= 2 ranks,
    S 2048-16384, every strategy, fp32 and bf16), `loom attn --backward` is timed and
-   `loom plan --simulate` predicts the forward + backward time from the profile.
-3. Criteria: every prediction within 15 % of the measurement, median error <= 8 %, and for
-   each problem timed with several strategies the planner's first choice within 10 % of the
-   fastest measured one.
-Prints a Markdown table (paste into docs/performance.md) and writes JSON with --json FILE.
-Usage: /usr/bin/python3 bench/plan_validate.py [--loom build/loom] [--json out.json]
-Takes about 2-4 minutes on a quiet 2-core machine.
+   `loom plan --simulate` predicts the forward + backward time from a profile of this machine
+   calibrated by `loom plan --calibrate` (1 thread per rank, P ranks computing at once).
+2. Load on a shared machine drifts within seconds, so each problem (a group of configurations
+   with one calibration) runs in --rounds rounds: every round calibrates, then times each of the
+   problem's configurations once (the median of --iters iterations of each pass), in an order
+   rotated by the round. The measurement of a configuration is the median over rounds, and the
+   profile it is predicted from is the field-by-field median of the rounds' profiles: both sides
+   see the same load, and neither is one lucky or unlucky moment.
+3. Criteria: every prediction within 15 % of the measurement, median error <= 8 %, and for each
+   problem timed with several strategies the planner's first choice (the fastest predicted)
+   within 10 % of the fastest measured one. One PASS/FAIL line per criterion.
+Prints a Markdown table (for docs/performance.md) and writes JSON with --json FILE.
+Usage: /usr/bin/python3 bench/plan_validate.py [--loom build/loom] [--rounds 5] [--json out.json]
+Takes about 2-3 minutes on a quiet 2-core machine (--rounds 5).
 """
 import argparse
 import json
@@ -20,14 +25,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
-# (label, strategy, layout, ranks, ulysses, seq, heads, kv_heads, window, dtype)
+# (label, strategy, layout, ranks, degree, seq, heads, kv_heads, window, dtype); degree: the
+# strategy's inner axis (hybrid: --ulysses, ring2d: --inner), 0 for none.
 CONFIGS = [
     ("A", "ring", "zigzag", 2, 0, 4096, 2, 2, 0, "fp32"),
     ("A", "ring", "contiguous", 2, 0, 4096, 2, 2, 0, "fp32"),
     ("A", "ulysses", "zigzag", 2, 0, 4096, 2, 2, 0, "fp32"),
     ("A", "allgather", "zigzag", 2, 0, 4096, 2, 2, 0, "fp32"),
     ("A", "hybrid", "zigzag", 2, 2, 4096, 2, 2, 0, "fp32"),
+    ("A", "ring2d", "zigzag", 2, 1, 4096, 2, 2, 0, "fp32"),
     ("B", "ring", "zigzag", 2, 0, 4096, 2, 2, 0, "bf16"),
     ("B", "ulysses", "zigzag", 2, 0, 4096, 2, 2, 0, "bf16"),
     ("B", "allgather", "zigzag", 2, 0, 4096, 2, 2, 0, "bf16"),
@@ -38,6 +46,7 @@ CONFIGS = [
     ("E", "ring", "zigzag", 1, 0, 2048, 2, 2, 0, "fp32"),
     ("F", "ring", "zigzag", 1, 0, 2048, 2, 2, 0, "bf16"),
 ]
+DEGREE_OPTION = {"hybrid": "--ulysses", "ring2d": "--inner"}
 
 
 def run(cmd):
@@ -47,65 +56,104 @@ def run(cmd):
     return r.stdout
 
 
+def median_profile(profiles):
+    """The field-by-field median of profiles (numbers and number arrays; the rest from the first)."""
+    first = profiles[0]
+    if isinstance(first, dict):
+        return {k: (v if k == "sources" else median_profile([p[k] for p in profiles]))
+                for k, v in first.items()}
+    if isinstance(first, list):
+        return [median_profile([p[i] for p in profiles]) for i in range(len(first))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        m = statistics.median(profiles)
+        return int(m) if isinstance(first, int) else m
+    return first
+
+
+def loadavg():
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loom", default="build/loom")
     ap.add_argument("--json", default="")
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=3, help="timed iterations per run (median kept)")
+    ap.add_argument("--rounds", type=int, default=5, help="calibrate-and-measure rounds (median)")
     a = ap.parse_args()
+    if a.rounds < 1 or a.iters < 1:
+        sys.exit("plan_validate: --rounds and --iters must be >= 1")
     tmp = tempfile.mkdtemp(prefix="loom_plan_validate_")
-    # A profile per problem, calibrated right before its runs (a shared machine's load drifts),
-    # for the number of ranks sharing the machine: a device is "one rank while P ranks run at
-    # once" (the calibration runs its kernels on P ranks concurrently).
-    profs = {}
-    rows = []
-    for (label, strat, layout, P, U, S, H, HKV, W, dtype) in CONFIGS:
-        if label not in profs:
-            profs[label] = os.path.join(tmp, f"profile_{label}.json")
-            run([a.loom, "plan", "--calibrate", profs[label], "--threads", "1",
-                 "--ranks-per-node", str(P)])
-        common = ["--strategy", strat, "--layout", layout, "--seq", str(S), "--heads", str(H),
-                  "--kv-heads", str(HKV), "--head-dim", "64", "--window", str(W), "--dtype", dtype]
-        if U:
-            common += ["--ulysses", str(U)]
-        mj = os.path.join(tmp, "m.json")
-        run([a.loom, "attn", "--quiet", "--backward", "--threads", "1", "--ranks", str(P),
-             "--iters", str(a.iters), "--warmup", "1", "--json", mj] + common)
-        m = json.load(open(mj))
-        # The fastest iteration of each pass: the figure least disturbed by other processes on a
-        # shared machine (the calibration keeps its fastest calls too).
-        measured = min(m["forward_times_s"]) + min(m["backward_times_s"])
-        pj = os.path.join(tmp, "p.json")
-        run([a.loom, "plan", "--simulate", "--profile", profs[label], "--ranks", str(P), "--json", pj]
-            + common)
-        p = json.load(open(pj))
-        predicted = p["forward_s"] + p["backward_s"]
-        err = predicted / measured - 1
-        rows.append(dict(label=label, strategy=strat, layout=layout, ranks=P, ulysses=U, seq=S,
-                         heads=H, kv_heads=HKV, window=W, dtype=dtype, measured_s=measured,
-                         predicted_s=predicted, error=err))
-        print(f"  {label} {strat:9s} {layout:10s} P={P} S={S:5d} W={W:4d} {dtype}: measured "
-              f"{measured*1e3:9.1f} ms, predicted {predicted*1e3:9.1f} ms ({100*err:+.1f} %)",
-              flush=True)
+    t_start = time.time()
+    loads = [loadavg()]
+    labels = sorted(set(c[0] for c in CONFIGS))
+    rows, profiles = [], {}
+    for label in labels:
+        group = [c for c in CONFIGS if c[0] == label]
+        P = group[0][3]
+        samples = {i: [] for i in range(len(group))}
+        round_profiles = []
+        for rnd in range(a.rounds):
+            pf = os.path.join(tmp, f"profile_{label}_{rnd}.json")
+            run([a.loom, "plan", "--calibrate", pf, "--threads", "1", "--ranks-per-node", str(P)])
+            round_profiles.append(json.load(open(pf)))
+            order = list(range(len(group)))
+            order = order[rnd % len(order):] + order[:rnd % len(order)]
+            for i in order:
+                (_, strat, layout, _, U, S, H, HKV, W, dtype) = group[i]
+                mj = os.path.join(tmp, "m.json")
+                run([a.loom, "attn", "--quiet", "--backward", "--threads", "1", "--ranks", str(P),
+                     "--iters", str(a.iters), "--warmup", "1", "--json", mj] + args_of(group[i]))
+                m = json.load(open(mj))
+                # The median iteration of each pass (the calibration keeps the median of its
+                # windows of calls, each about as long as one iteration here).
+                samples[i].append(statistics.median(m["forward_times_s"]) +
+                                  statistics.median(m["backward_times_s"]))
+            loads.append(loadavg())
+        merged = median_profile(round_profiles)
+        pf = os.path.join(tmp, f"profile_{label}.json")
+        with open(pf, "w") as f:
+            json.dump(merged, f, indent=2)
+        profiles[label] = merged
+        for i, cfg in enumerate(group):
+            (_, strat, layout, _, U, S, H, HKV, W, dtype) = cfg
+            pj = os.path.join(tmp, "p.json")
+            run([a.loom, "plan", "--simulate", "--profile", pf, "--ranks", str(P), "--json", pj]
+                + args_of(cfg))
+            p = json.load(open(pj))
+            predicted = p["forward_s"] + p["backward_s"]
+            measured = statistics.median(samples[i])
+            spread = (max(samples[i]) - min(samples[i])) / measured
+            err = predicted / measured - 1
+            rows.append(dict(label=label, strategy=strat, layout=layout, ranks=P, degree=U, seq=S,
+                             heads=H, kv_heads=HKV, window=W, dtype=dtype, measured_s=measured,
+                             samples_s=samples[i], spread=spread, predicted_s=predicted,
+                             error=err))
+            print(f"  {label} {strat:9s} {layout:10s} P={P} S={S:5d} W={W:4d} {dtype}: measured "
+                  f"{measured*1e3:8.1f} ms (spread {100*spread:4.1f} %), predicted "
+                  f"{predicted*1e3:8.1f} ms ({100*err:+.1f} %)", flush=True)
+    elapsed = time.time() - t_start
     errs = [abs(r["error"]) for r in rows]
     worst, med = max(errs), statistics.median(errs)
     choices = []
-    for label in sorted(set(r["label"] for r in rows)):
+    for label in labels:
         group = [r for r in rows if r["label"] == label]
         if len(group) < 2:
             continue
         pick = min(group, key=lambda r: r["predicted_s"])
         best = min(group, key=lambda r: r["measured_s"])
-        choices.append(dict(label=label, pick=pick["strategy"] + "/" + pick["layout"],
-                            fastest=best["strategy"] + "/" + best["layout"],
+        choices.append(dict(label=label, pick=name_of(pick), fastest=name_of(best),
                             ratio=pick["measured_s"] / best["measured_s"]))
     print()
-    print("| problem | strategy / layout | P | S | window | dtype | measured ms | predicted ms | error |")
+    print("| problem | strategy / layout | P | S | window | dtype | measured ms (spread) "
+          "| predicted ms | error |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['label']} | {r['strategy']} / {r['layout']}"
-              f"{' U=' + str(r['ulysses']) if r['ulysses'] else ''} | {r['ranks']} | {r['seq']} | "
-              f"{r['window']} | {r['dtype']} | {r['measured_s']*1e3:.1f} | "
+        print(f"| {r['label']} | {name_of(r)} | {r['ranks']} | {r['seq']} | {r['window']} | "
+              f"{r['dtype']} | {r['measured_s']*1e3:.1f} ({100*r['spread']:.0f} %) | "
               f"{r['predicted_s']*1e3:.1f} | {100*r['error']:+.1f} % |")
     print()
     print("| problem | planner's first choice | fastest measured | first choice / fastest |")
@@ -114,15 +162,33 @@ def main():
         print(f"| {c['label']} | {c['pick']} | {c['fastest']} | {c['ratio']:.3f} |")
     ok_worst, ok_med = worst <= 0.15, med <= 0.08
     ok_pick = all(c["ratio"] <= 1.10 for c in choices)
+    n_pick = sum(c["ratio"] <= 1.10 for c in choices)
     print()
-    print(f"worst error {100*worst:.1f} % (<= 15 %: {'PASS' if ok_worst else 'FAIL'}), "
-          f"median {100*med:.1f} % (<= 8 %: {'PASS' if ok_med else 'FAIL'}), first choice within "
-          f"10 % of the fastest: {'PASS' if ok_pick else 'FAIL'}")
+    print(f"{len(rows)} configurations, {a.rounds} rounds, {elapsed:.0f} s, load average "
+          f"{min(loads):.1f}-{max(loads):.1f} (1-minute, sampled between rounds)")
+    print(f"worst error {100*worst:.1f} % (<= 15 %): {'PASS' if ok_worst else 'FAIL'}")
+    print(f"median error {100*med:.1f} % (<= 8 %): {'PASS' if ok_med else 'FAIL'}")
+    print(f"first choice within 10 % of the fastest measured in {n_pick} of {len(choices)} "
+          f"problems: {'PASS' if ok_pick else 'FAIL'}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(rows=rows, choices=choices, worst=worst, median=med,
-                           profiles={k: json.load(open(f)) for k, f in profs.items()}), f, indent=2)
+            json.dump(dict(rows=rows, choices=choices, worst=worst, median=med, rounds=a.rounds,
+                           seconds=elapsed, loadavg=loads, profiles=profiles), f, indent=2)
     return 0 if (ok_worst and ok_med and ok_pick) else 1
+
+
+def args_of(cfg):
+    (_, strat, layout, _, U, S, H, HKV, W, dtype) = cfg
+    args = ["--strategy", strat, "--layout", layout, "--seq", str(S), "--heads", str(H),
+            "--kv-heads", str(HKV), "--head-dim", "64", "--window", str(W), "--dtype", dtype]
+    if U:
+        args += [DEGREE_OPTION[strat], str(U)]
+    return args
+
+
+def name_of(r):
+    opt = {"hybrid": " U=", "ring2d": " I="}.get(r["strategy"], "")
+    return f"{r['strategy']} / {r['layout']}" + (f"{opt}{r['degree']}" if r["degree"] else "")
 
 
 if __name__ == "__main__":

@@ -141,6 +141,8 @@ struct CpMetrics {
   int64_t bytes_recv = 0;
   int64_t tiles = 0;                // kernel tiles computed (forward and backward)
   int64_t visible_pairs = 0;        // (query, key, head) triples the mask allows, forward only
+  int64_t peak_buffer_bytes = 0;    // the strategy's reused buffers (memory seam slots) at
+                                    // their peak; not a counter (clear_counters keeps it)
   std::vector<int64_t> step_tiles;  // tiles computed at each step of the last forward (ring:
                                     // per ring step; allgather: per KV block; ring2d: per
                                     // (outer, inner) step)

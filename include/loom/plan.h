@@ -48,7 +48,13 @@ struct Profile {
   double memory_bytes = 0;                        // device memory
   double mem_bandwidth = 0;                       // bytes/s (element-wise work: pack, add, finish)
   int64_t block_q = 128, block_k = 128;           // the attention kernel's tile
-  double call_overhead = 0;                       // seconds per kernel call (launch)
+  // The kernel computes on work tiles of whole block_q x block_k tiles, each side the block
+  // times the smallest factor reaching work_tile rows (never more than the call has; loom's CPU
+  // kernels: 128, src/kernels/blockwise.cc work_config). Time is charged per work tile (its
+  // area in block tiles, at the full or partial rate of the work tile's own classification);
+  // the counts reported stay those of block_q x block_k. 0: the work tiles are the block tiles.
+  int64_t work_tile = 0;
+  double call_overhead = 0;  // seconds per kernel call (launch)
   // Calibrated per-tile seconds of this machine's kernel ("cpu" profiles, from --calibrate):
   // [fwd full, fwd partial, bwd full, bwd partial] for fp32 and for bf16 storage, measured at
   // head_dim calib_head_dim (scaled linearly in D). Zero: use peak x efficiency.
@@ -114,6 +120,7 @@ struct AttnCase {
   std::vector<int64_t> doc_lengths;  // empty: one document
   int ranks = 1;                     // P, the cp group
   int ulysses = 1;                   // hybrid: U (P % U == 0)
+  int inner = 1;                     // ring2d: I, the inner ring (P % I == 0)
   int64_t heads = 1, kv_heads = 1, head_dim = 64;
   Mask mask;
   int64_t block_q = 64, block_k = 64;  // kernel tiles (loom attn's defaults)
@@ -138,10 +145,13 @@ struct RankSim {
   int64_t full_tiles = 0, partial_tiles = 0;  // forward + backward
   std::vector<int64_t> step_tiles;         // forward tiles per step (ring step / allgather block)
   int64_t bytes_sent = 0, bytes_recv = 0;  // forward + backward
-  // Peak bytes of the strategy's buffers: the KV double buffer and dK/dV accumulators (ring),
-  // the gathered head-sliced q, k, v, out (ulysses, hybrid), the gathered K, V and dK, dV
-  // (allgather), the softmax state.
+  // Peak bytes of the strategy's reused buffers (the memory seam's slots; equal to
+  // CpMetrics::peak_buffer_bytes): the KV double buffer and dK/dV accumulators (ring, ring2d),
+  // the gathered K, V and dK, dV (allgather), delta.
   int64_t peak_buffer_bytes = 0;
+  // Peak bytes of the head-sliced tensors ulysses and hybrid gather (q, k, v, out, dout, dq,
+  // dk, dv of the group's rows), outside the seam.
+  int64_t gathered_bytes = 0;
   double compute_s = 0, comm_s = 0, idle_s = 0;  // comm_s: exposed (blocked in communication)
   std::map<std::string, double> comm_by_kind;    // exposed seconds by p2p / a2a / allgather ...
   double end_fwd_s = 0, end_s = 0;
@@ -188,6 +198,7 @@ struct PlanRequest {
 
 struct Candidate {
   int dp = 1, tp = 1, ulysses = 1, ring = 1;
+  int inner = 1;  // ring2d: the inner ring's size (ring = the whole cp group)
   std::string strategy;
   Layout layout = Layout::zigzag;
   bool checkpoint = false;
@@ -216,15 +227,16 @@ PlanResult plan(const PlanRequest& req, const Profile& p);
 
 namespace loom::plan {
 
-// Measures this machine (bench_kernels' and bench_comm's methods: the fastest of repeated timed
-// calls after a warm-up) and returns a "cpu" profile for one rank of `threads` OpenMP threads
+// Measures this machine and returns a "cpu" profile for one rank of `threads` OpenMP threads
 // and `ranks_per_node` ranks per node:
-//   tile seconds of the blockwise kernels, forward and backward, fp32 and bf16 storage, full
+//   tile seconds of the blockwise kernels (the median over windows of >= 30 ms of repeated
+//   calls, every rank computing at once), forward and backward, fp32 and bf16 storage, full
 //   tiles (full attention) and partial tiles (every tile masked per element), at the config's
-//   64 x 64 tiles and head_dim 64; a kernel call's overhead; memory bandwidth (memcpy);
+//   64 x 64 tiles and head_dim 64; the kernels' work tile; how much faster one rank runs alone
+//   (interleaved rounds); a kernel call's overhead; memory bandwidth (memcpy);
 //   the local backend's point-to-point latency and bandwidth (ping-pong of 0 B and 8 MiB), and
 //   all-to-all and all-gather efficiency against that point-to-point model.
-// Takes about 10-20 seconds. Progress lines go to `log` when non-null.
+// Takes about 3-5 seconds on a quiet machine. Progress lines go to `log` when non-null.
 Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*) = nullptr);
 
 // Point-to-point latency and bandwidth (ping-pong of 0 B and 8 MiB between ranks 0 and 1) and

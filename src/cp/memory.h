@@ -45,6 +45,12 @@ class Memory {
   void add(View3<float> x, const float* src);
   template <class T>
   void copy(T* dst, const T* src, size_t n);
+  // Bytes the slots hold (slots never shrink, so this is also their peak).
+  size_t held_bytes() const {
+    size_t n = 0;
+    for (const Buf& b : bufs_) n += b.bytes;
+    return n;
+  }
 
   // Events order and time the work of a step. On the CPU an event is the host clock at the
   // moment it is recorded, and elapsed(a, b) is b - a in seconds.

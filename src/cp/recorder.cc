@@ -42,6 +42,7 @@ void Recorder::begin() {
 void Recorder::end() {
   m_.bytes_sent += bytes(true) - sent0_;
   m_.bytes_recv += bytes(false) - recv0_;
+  m_.peak_buffer_bytes = std::max(m_.peak_buffer_bytes, static_cast<int64_t>(mem_.held_bytes()));
   // Length of the union of this call's communication intervals.
   std::sort(window_.begin(), window_.end());
   double total = 0, a = 0, b = -1e300;

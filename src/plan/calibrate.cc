@@ -3,7 +3,8 @@
 // Kernel rates: one kernel call over n = 512 query rows and 512 key rows of H = 4 heads, D = 64,
 // 64 x 64 tiles: full attention gives 8 x 8 x 4 = 256 full tiles; alternating document ids on
 // the rows make every tile partial (both documents in every tile, the mask applied per
-// element). Seconds per tile = the fastest call time over the tile count. The call overhead is
+// element). Seconds per tile = a call's typical time (window_time) over the tile count. The
+// call overhead is
 // a one-tile call's time less one tile. Communication: ping-pong on the local backend between
 // two ranks (half a round trip), 0 bytes for the latency and 8 MiB for the bandwidth; the
 // all-to-all and all-gather of 2 ranks are timed against that model.
@@ -12,6 +13,7 @@
 #include <numeric>
 #include <vector>
 
+#include "../kernels/tile_ops.h"
 #include "loom/comm.h"
 #include "loom/error.h"
 #include "loom/plan.h"
@@ -22,19 +24,52 @@ namespace loom::plan {
 
 namespace {
 
-// The fastest of `reps` timed calls after a warm-up: on a shared machine the minimum is the
-// figure least disturbed by other processes (bench/plan_validate.py takes the minimum of the
-// measured iterations too, so both sides of the comparison mean the same).
+// Seconds per call of each of `reps` timed runs of f after a warm-up run; f returns how many
+// calls it made.
 template <class F>
-double best_time(F&& f, int reps) {
+std::vector<double> per_call_times(F&& f, int reps) {
   f();  // warm-up
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {
     const double t0 = now_s();
-    f();
-    t.push_back(now_s() - t0);
+    const int calls = f();
+    t.push_back((now_s() - t0) / calls);
   }
-  return *std::min_element(t.begin(), t.end());
+  std::sort(t.begin(), t.end());
+  return t;
+}
+
+// The fastest of `reps` timed calls (communication: latency and bandwidth are what an
+// undisturbed message achieves).
+template <class F>
+double best_time(F&& f, int reps) {
+  return per_call_times(
+      [&] {
+        f();
+        return 1;
+      },
+      reps)[0];
+}
+
+// A kernel call's typical seconds: the median over `reps` windows of back-to-back calls (each
+// window at least 30 ms) of the window's time per call. A window is as long as a timed
+// iteration of `loom attn` at the validation sizes, so on a shared machine it sees the same
+// share of the cores that such an iteration sees (the fastest short call would see an
+// uncontended core, a figure no long run reaches); on a quiet machine the two agree.
+// bench/plan_validate.py takes medians likewise.
+template <class F>
+double window_time(F&& f, int reps) {
+  return per_call_times(
+      [&] {
+        const double t0 = now_s();
+        int calls = 0;
+        do {
+          f();
+          ++calls;
+        } while (now_s() - t0 < 0.03);
+        return calls;
+      },
+      reps)[reps / 2];
 }
 
 struct KernelBench {
@@ -83,7 +118,7 @@ struct KernelBench {
     finish(st.view(), out.view3(), lse.data(), n);
     compute_delta(out.view3(), dout.view3(), delta.data(), n);
     if (!backward) {
-      return best_time(
+      return window_time(
           [&] {
             st.reset();
             if (bf)
@@ -93,7 +128,7 @@ struct KernelBench {
           },
           reps);
     }
-    return best_time(
+    return window_time(
         [&] {
           if (bf)
             attend_backward(bq.view3(), bk.view3(), bv.view3(), bdout.view3(), lse.data(),
@@ -165,6 +200,7 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   p.name = "this machine (loom plan --calibrate)";
   p.kind = "cpu";
   p.block_q = p.block_k = 64;
+  p.work_tile = kernels::select_ops().work_tile;  // the kernels' work tiles (blockwise.cc)
   p.calib_head_dim = 64;
   p.threads_per_device = threads;
   p.devices_per_node = ranks_per_node;
@@ -175,14 +211,14 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   const int64_t n = 512, tiles = (n / 64) * (n / 64) * 4;
   // Every rank of the node runs the same kernel at the same time (as `loom attn --ranks N`
   // does), so shared caches, memory bandwidth and cores are contended as in a real run; the
-  // median over ranks of each rank's fastest call is kept.
+  // median over ranks of each rank's typical call is kept.
   std::vector<std::vector<double>> per_rank(ranks_per_node, std::vector<double>(8, 0.0));
   run_local(ranks_per_node, [&](Communicator& c) {
     KernelBench kb(n);
     for (int i = 0; i < 8; ++i) {
       const bool bf = i / 4, bwd = (i / 2) % 2, partial = i % 2;
       c.barrier();
-      per_rank[c.rank()][i] = kb.time(bwd, bf, partial, cfg, 7) / tiles;
+      per_rank[c.rank()][i] = kb.time(bwd, bf, partial, cfg, 5) / tiles;
     }
   });
   for (int i = 0; i < 8; ++i) {
@@ -199,27 +235,41 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
       log(line);
     }
   }
-  // One rank alone (the others idle): how much faster a lone rank's kernels run.
+  // One rank alone (the others idle) against all ranks at once, interleaved in rounds so that
+  // both see the same load (on a shared machine it drifts within seconds): the median over
+  // rounds of rank 0's together / alone time of the fp32 forward call.
   if (ranks_per_node > 1) {
-    KernelBench kb(n);
-    const double alone = kb.time(false, false, false, cfg, 7) / tiles;
-    p.alone_speedup = std::max(1.0, p.tile_s_fp32[0] / alone);
+    constexpr int kRounds = 5;
+    std::vector<double> ratio(kRounds, 1.0);
+    run_local(ranks_per_node, [&](Communicator& c) {
+      KernelBench kb(n);
+      for (int round = 0; round < kRounds; ++round) {
+        c.barrier();
+        const double together = kb.time(false, false, false, cfg, 3);
+        c.barrier();
+        if (c.rank() == 0) ratio[round] = together / kb.time(false, false, false, cfg, 3);
+        c.barrier();
+      }
+    });
+    std::sort(ratio.begin(), ratio.end());
+    p.alone_speedup = std::max(1.0, ratio[kRounds / 2]);
     if (log) {
-      char line[120];
-      std::snprintf(line, sizeof line, "  one rank alone: %.2fx faster", p.alone_speedup);
+      char line[160];
+      std::snprintf(line, sizeof line, "  one rank alone: %.2fx faster (median of %d rounds)",
+                    p.alone_speedup, kRounds);
       log(line);
     }
   }
   // Call overhead: a 64 x 64 call (one tile per head) less its tiles.
   {
     KernelBench small(64);
-    const double one = small.time(false, false, false, cfg, 21);
+    const double one = small.time(false, false, false, cfg, 5);
     p.call_overhead = std::max(0.0, one - 4 * p.tile_s_fp32[0]);
   }
   // Memory bandwidth: memcpy of 64 MiB (read + write counted).
   {
     std::vector<char> a(64 << 20, 1), b(64 << 20, 0);
-    const double t = best_time([&] { std::memcpy(b.data(), a.data(), a.size()); }, 5);
+    const double t = window_time([&] { std::memcpy(b.data(), a.data(), a.size()); }, 5);
     p.mem_bandwidth = 2.0 * static_cast<double>(a.size()) / t;
   }
   // Local backend: ping-pong, all-to-all, all-gather between 2 ranks.
@@ -257,10 +307,10 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   p.gemm_eff = 1.0;
   const std::string how = "measured by loom plan --calibrate on this machine (threads per rank " +
                           std::to_string(threads) + ")";
-  for (const char* f : {"device.tile_s.fp32", "device.tile_s.bf16", "device.call_overhead_s",
-                        "device.alone_speedup", "device.mem_bandwidth", "links.intra.bandwidth",
-                        "links.intra.latency_s", "collectives.a2a_eff", "collectives.allgather_eff",
-                        "collectives.allreduce_eff"})
+  for (const char* f : {"device.tile_s.fp32", "device.work_tile", "device.tile_s.bf16",
+                        "device.call_overhead_s", "device.alone_speedup", "device.mem_bandwidth",
+                        "links.intra.bandwidth", "links.intra.latency_s", "collectives.a2a_eff",
+                        "collectives.allgather_eff", "collectives.allreduce_eff"})
     p.sources[f] = how;
   p.sources["links.inter.bandwidth"] = p.sources["links.inter.latency_s"] =
       "one machine: no inter-node link; set to the intra-node figures";

@@ -37,8 +37,9 @@ double ModelShape::params() const {
 
 std::string Candidate::name() const {
   std::ostringstream o;
-  o << "dp" << dp << " tp" << tp << " u" << ulysses << " r" << ring << " " << strategy << "/"
-    << to_string(layout) << (checkpoint ? " ckpt" : "");
+  o << "dp" << dp << " tp" << tp << " u" << ulysses << " r" << ring;
+  if (inner > 1) o << " i" << inner;
+  o << " " << strategy << "/" << to_string(layout) << (checkpoint ? " ckpt" : "");
   return o.str();
 }
 
@@ -49,6 +50,30 @@ std::vector<int> divisors(int n) {
   for (int i = 1; i <= n; ++i)
     if (n % i == 0) d.push_back(i);
   return d;
+}
+
+// One layer's attention over a cp group of `cp` ranks inside tp; u: the degree of the
+// strategy's inner axis (hybrid, ulysses: U; ring2d: the inner ring).
+AttnCase attn_case(const PlanRequest& req, const Profile& prof, const Mask& mask,
+                   const std::string& strategy, Layout layout, int cp, int u, int tp) {
+  AttnCase a;
+  a.strategy = strategy;
+  a.layout = layout;
+  a.seq = req.seq;
+  a.doc_lengths = req.doc_lengths;
+  a.ranks = cp;
+  a.ulysses = strategy == "ring2d" ? 1 : u;
+  a.inner = strategy == "ring2d" ? u : 1;
+  a.heads = req.model.heads / tp;
+  a.kv_heads = std::max<int64_t>(1, req.model.kv_heads / tp);
+  a.head_dim = req.model.head_dim();
+  a.mask = mask;
+  a.block_q = prof.block_q;
+  a.block_k = prof.block_k;
+  a.dtype_bytes = req.dtype_bytes;
+  a.backward = req.train;
+  a.cp_stride = tp;
+  return a;
 }
 
 // (query, key) pairs the mask allows, per head, over the whole sequence (useful FLOPs).
@@ -137,7 +162,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
       res.rejected.push_back(c);
       continue;
     }
-    const int64_t hl = M.heads / tp, hkv = std::max<int64_t>(1, M.kv_heads / tp);
+    const int64_t hl = M.heads / tp;
     for (int cp : divisors(N / tp)) {
       const int dp = N / tp / cp;
       if (req.seq < 2 * cp) continue;
@@ -159,27 +184,14 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
               Candidate c;
               c.dp = dp;
               c.tp = tp;
-              c.ulysses = u;
-              c.ring = cp / u;
+              const bool two_rings = strategy == "ring2d";
+              c.ulysses = two_rings ? 1 : u;
+              c.inner = two_rings ? u : 1;
+              c.ring = two_rings ? cp : cp / u;
               c.strategy = cp == 1 ? "none" : strategy;
               c.layout = layout;
               c.checkpoint = ckpt;
-              AttnCase a;
-              a.strategy = strategy;
-              a.layout = layout;
-              a.seq = req.seq;
-              a.doc_lengths = req.doc_lengths;
-              a.ranks = cp;
-              a.ulysses = u;
-              a.heads = hl;
-              a.kv_heads = hkv;
-              a.head_dim = M.head_dim();
-              a.mask = mask;
-              a.block_q = prof.block_q;
-              a.block_k = prof.block_k;
-              a.dtype_bytes = req.dtype_bytes;
-              a.backward = req.train;
-              a.cp_stride = tp;
+              const AttnCase a = attn_case(req, prof, mask, strategy, layout, cp, u, tp);
               // Memory.
               const double L = static_cast<double>(M.layers);
               const double tokens = static_cast<double>(req.seq) / cp;
@@ -252,7 +264,8 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
               c.step_s = c.attn_s + c.recompute_s + c.gemm_s + c.tp_comm_s + c.dp_comm_s;
               c.balance = sim.balance();
               int64_t buf = 0;
-              for (const RankSim& r : sim.ranks) buf = std::max(buf, r.peak_buffer_bytes);
+              for (const RankSim& r : sim.ranks)
+                buf = std::max(buf, r.peak_buffer_bytes + r.gathered_bytes);
               mem += static_cast<double>(buf);
               mem += tokens * static_cast<double>(M.vocab) / tp * 4.0;  // fp32 logits
               c.memory_bytes = mem;
@@ -278,22 +291,8 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
                    });
   if (!res.ranked.empty()) {
     const Candidate& w = res.ranked.front();
-    AttnCase a;
-    a.strategy = w.strategy == "none" ? "ring" : w.strategy;
-    a.layout = w.layout;
-    a.seq = req.seq;
-    a.doc_lengths = req.doc_lengths;
-    a.ranks = w.ulysses * w.ring;
-    a.ulysses = w.ulysses;
-    a.heads = M.heads / w.tp;
-    a.kv_heads = std::max<int64_t>(1, M.kv_heads / w.tp);
-    a.head_dim = M.head_dim();
-    a.mask = mask;
-    a.block_q = prof.block_q;
-    a.block_k = prof.block_k;
-    a.dtype_bytes = req.dtype_bytes;
-    a.backward = req.train;
-    a.cp_stride = w.tp;
+    AttnCase a = attn_case(req, prof, mask, w.strategy == "none" ? "ring" : w.strategy, w.layout,
+                           w.ulysses * w.ring, w.strategy == "ring2d" ? w.inner : w.ulysses, w.tp);
     a.timeline = true;
     a.max_events = 4000;
     res.best_attn = simulate_attention(a, prof);
@@ -343,7 +342,8 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
       bool without_fits = false;
       for (const Candidate& c : res.ranked)
         if (!c.checkpoint && c.dp == w.dp && c.tp == w.tp && c.ulysses == w.ulysses &&
-            c.ring == w.ring && c.strategy == w.strategy && c.layout == w.layout)
+            c.inner == w.inner && c.ring == w.ring && c.strategy == w.strategy &&
+            c.layout == w.layout)
           without_fits = true;
       e << "  Activation checkpointing: "
         << (without_fits ? "chosen although the run without it fits, because it frees memory for "

@@ -39,14 +39,22 @@ void get_positive(const json& j, const char* key, double& out, const std::string
              where << ": field '" << path << key << "' must be >= 0, got " << out);
 }
 
-void get_link(const json& j, const char* key, Link& l, const std::string& where) {
-  if (!j.contains(key)) return;
+// The object j[key] (field path + key) holding only `known` fields, or null when absent.
+const json* object_field(const json& j, const char* key, const std::string& where,
+                         const std::string& path, const std::set<std::string>& known) {
+  if (!j.contains(key)) return nullptr;
   const json& x = j.at(key);
+  LOOM_CHECK(x.is_object(), IoError, where << ": field '" << path << key << "' must be an object");
+  refuse_unknown(x, known, where, path + key + ".");
+  return &x;
+}
+
+void get_link(const json& j, const char* key, Link& l, const std::string& where) {
+  const json* x = object_field(j, key, where, "links.", {"bandwidth", "latency_s"});
+  if (!x) return;
   const std::string path = std::string("links.") + key + ".";
-  LOOM_CHECK(x.is_object(), IoError, where << ": field 'links." << key << "' must be an object");
-  refuse_unknown(x, {"bandwidth", "latency_s"}, where, path);
-  get_positive(x, "bandwidth", l.bandwidth, where, path);
-  get_positive(x, "latency_s", l.latency, where, path);
+  get_positive(*x, "bandwidth", l.bandwidth, where, path);
+  get_positive(*x, "latency_s", l.latency, where, path);
 }
 
 void get_tiles(const json& j, const char* key, double* out, const std::string& where) {
@@ -81,58 +89,53 @@ Profile parse_profile(const std::string& text, const std::string& where) {
   get(j, "kind", p.kind, where, "");
   LOOM_CHECK(p.kind == "gpu" || p.kind == "cpu", IoError,
              where << ": field 'kind' must be \"gpu\" or \"cpu\", got \"" << p.kind << "\"");
-  if (j.contains("device")) {
-    const json& d = j.at("device");
-    LOOM_CHECK(d.is_object(), IoError, where << ": field 'device' must be an object");
-    refuse_unknown(d,
-                   {"flops_bf16", "flops_fp32", "attn_fwd_eff", "attn_bwd_eff", "partial_tile_cost",
-                    "gemm_eff", "memory_bytes", "mem_bandwidth", "block_q", "block_k",
-                    "call_overhead_s", "tile_s", "calib_head_dim", "threads", "alone_speedup"},
-                   where, "device.");
+  if (const json* dp = object_field(
+          j, "device", where, "",
+          {"flops_bf16", "flops_fp32", "attn_fwd_eff", "attn_bwd_eff", "partial_tile_cost",
+           "gemm_eff", "memory_bytes", "mem_bandwidth", "block_q", "block_k", "work_tile",
+           "call_overhead_s", "tile_s", "calib_head_dim", "threads", "alone_speedup"})) {
+    const json& d = *dp;
     const std::string at = "device.";
-    get_positive(d, "flops_bf16", p.flops_bf16, where, at);
-    get_positive(d, "flops_fp32", p.flops_fp32, where, at);
-    get_positive(d, "attn_fwd_eff", p.attn_fwd_eff, where, at);
-    get_positive(d, "attn_bwd_eff", p.attn_bwd_eff, where, at);
-    get_positive(d, "partial_tile_cost", p.partial_tile_cost, where, at);
-    get_positive(d, "gemm_eff", p.gemm_eff, where, at);
-    get_positive(d, "memory_bytes", p.memory_bytes, where, at);
-    get_positive(d, "mem_bandwidth", p.mem_bandwidth, where, at);
-    get_positive(d, "call_overhead_s", p.call_overhead, where, at);
-    get(d, "block_q", p.block_q, where, at);
-    get(d, "block_k", p.block_k, where, at);
-    get(d, "calib_head_dim", p.calib_head_dim, where, at);
+    for (auto [key, field] : {std::pair<const char*, double*>{"flops_bf16", &p.flops_bf16},
+                              {"flops_fp32", &p.flops_fp32},
+                              {"attn_fwd_eff", &p.attn_fwd_eff},
+                              {"attn_bwd_eff", &p.attn_bwd_eff},
+                              {"partial_tile_cost", &p.partial_tile_cost},
+                              {"gemm_eff", &p.gemm_eff},
+                              {"memory_bytes", &p.memory_bytes},
+                              {"mem_bandwidth", &p.mem_bandwidth},
+                              {"call_overhead_s", &p.call_overhead},
+                              {"alone_speedup", &p.alone_speedup}})
+      get_positive(d, key, *field, where, at);
+    for (auto [key, field] : {std::pair<const char*, int64_t*>{"block_q", &p.block_q},
+                              {"block_k", &p.block_k},
+                              {"work_tile", &p.work_tile},
+                              {"calib_head_dim", &p.calib_head_dim}})
+      get(d, key, *field, where, at);
+    LOOM_CHECK(p.work_tile >= 0, IoError, where << ": device.work_tile must be >= 0");
     get(d, "threads", p.threads_per_device, where, at);
-    get_positive(d, "alone_speedup", p.alone_speedup, where, at);
     LOOM_CHECK(p.alone_speedup >= 1, IoError, where << ": device.alone_speedup must be >= 1");
     LOOM_CHECK(p.block_q >= 1 && p.block_k >= 1, IoError,
                where << ": device.block_q and device.block_k must be >= 1");
     LOOM_CHECK(p.attn_fwd_eff <= 1 && p.attn_bwd_eff <= 1 && p.gemm_eff <= 1, IoError,
                where << ": efficiencies are fractions of peak (<= 1)");
-    if (d.contains("tile_s")) {
-      const json& t = d.at("tile_s");
-      LOOM_CHECK(t.is_object(), IoError, where << ": field 'device.tile_s' must be an object");
-      refuse_unknown(t, {"fp32", "bf16"}, where, "device.tile_s.");
-      get_tiles(t, "fp32", p.tile_s_fp32, where);
-      get_tiles(t, "bf16", p.tile_s_bf16, where);
+    if (const json* t = object_field(d, "tile_s", where, at, {"fp32", "bf16"})) {
+      get_tiles(*t, "fp32", p.tile_s_fp32, where);
+      get_tiles(*t, "bf16", p.tile_s_bf16, where);
     }
   }
   get(j, "devices_per_node", p.devices_per_node, where, "");
   LOOM_CHECK(p.devices_per_node >= 1, IoError, where << ": devices_per_node must be >= 1");
-  if (j.contains("links")) {
-    const json& l = j.at("links");
-    LOOM_CHECK(l.is_object(), IoError, where << ": field 'links' must be an object");
-    refuse_unknown(l, {"intra", "inter"}, where, "links.");
-    get_link(l, "intra", p.intra, where);
-    get_link(l, "inter", p.inter, where);
+  if (const json* l = object_field(j, "links", where, "", {"intra", "inter"})) {
+    get_link(*l, "intra", p.intra, where);
+    get_link(*l, "inter", p.inter, where);
   }
-  if (j.contains("collectives")) {
-    const json& c = j.at("collectives");
-    LOOM_CHECK(c.is_object(), IoError, where << ": field 'collectives' must be an object");
-    refuse_unknown(c, {"a2a_eff", "allgather_eff", "allreduce_eff"}, where, "collectives.");
-    get_positive(c, "a2a_eff", p.a2a_eff, where, "collectives.");
-    get_positive(c, "allgather_eff", p.allgather_eff, where, "collectives.");
-    get_positive(c, "allreduce_eff", p.allreduce_eff, where, "collectives.");
+  if (const json* c = object_field(j, "collectives", where, "",
+                                   {"a2a_eff", "allgather_eff", "allreduce_eff"})) {
+    for (auto [key, field] : {std::pair<const char*, double*>{"a2a_eff", &p.a2a_eff},
+                              {"allgather_eff", &p.allgather_eff},
+                              {"allreduce_eff", &p.allreduce_eff}})
+      get_positive(*c, key, *field, where, "collectives.");
     LOOM_CHECK(p.a2a_eff > 0 && p.allgather_eff > 0 && p.allreduce_eff > 0, IoError,
                where << ": collective efficiencies must be > 0");
   }
@@ -171,6 +174,7 @@ std::string profile_json(const Profile& p) {
                  {"mem_bandwidth", p.mem_bandwidth},
                  {"block_q", p.block_q},
                  {"block_k", p.block_k},
+                 {"work_tile", p.work_tile},
                  {"call_overhead_s", p.call_overhead},
                  {"calib_head_dim", p.calib_head_dim},
                  {"threads", p.threads_per_device},

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <numeric>
 
 #include "loom/error.h"
 
@@ -32,12 +33,14 @@ std::vector<std::string> schedule_names() {
 }
 
 double AttnSim::balance() const {
-  double mx = 0, sum = 0;
-  for (const RankSim& r : ranks) {
-    mx = std::max(mx, r.compute_s);
-    sum += r.compute_s;
-  }
-  return sum > 0 ? mx / (sum / static_cast<double>(ranks.size())) : 1.0;
+  if (ranks.empty()) return 1.0;
+  const auto slower = [](const RankSim& a, const RankSim& b) { return a.compute_s < b.compute_s; };
+  const double mx = std::max_element(ranks.begin(), ranks.end(), slower)->compute_s;
+  const double mean =
+      std::accumulate(ranks.begin(), ranks.end(), 0.0,
+                      [](double acc, const RankSim& r) { return acc + r.compute_s; }) /
+      static_cast<double>(ranks.size());
+  return mean > 0 ? mx / mean : 1.0;
 }
 
 SimContext::SimContext(const AttnCase& cs, const Profile& pr, AttnSim& o)
@@ -45,6 +48,7 @@ SimContext::SimContext(const AttnCase& cs, const Profile& pr, AttnSim& o)
   chunks = shard_chunks(c.layout, c.seq, c.ranks, c.doc_lengths);
   t.assign(P, 0.0);
   exposed.assign(P, {});
+  slots.assign(P, {});
   out.ranks.assign(P, RankSim{});
 }
 
@@ -69,20 +73,43 @@ Block SimContext::block(int first, int count) const {
   return b;
 }
 
-TileCount SimContext::pair_tiles(const Block& qb, const Block& kb, int* calls) const {
-  TileCount tc;
-  int n = 0;
+namespace {
+
+// A work tile's side over n rows (src/kernels/blockwise.cc work_config): the block times the
+// smallest factor reaching `want` rows, never more blocks than the call has.
+int64_t work_side(int64_t block, int64_t n, int64_t want) {
+  if (want <= 0) return block;
+  const int64_t f = std::min((want + block - 1) / block, (n + block - 1) / block);
+  return block * std::max<int64_t>(1, f);
+}
+
+}  // namespace
+
+SimContext::Work SimContext::pair_work(const Block& qb, const Block& kb) const {
+  Work w;
   const Mask& m = c.mask;
   for (const Chunk& q : qb.chunks)
     for (const Chunk& k : kb.chunks) {
       if (q.count == 0 || k.count == 0 || q.doc != k.doc) continue;
       if (m.causal && k.first > q.last()) continue;
       if (m.window > 0 && std::max(k.first - q.last(), q.first - k.last()) >= m.window) continue;
-      ++n;
-      tc += count_tiles(q, k, m, c.block_q, c.block_k);
+      ++w.calls;
+      const TileCount tc = count_tiles(q, k, m, c.block_q, c.block_k);
+      w.tiles += tc;
+      const int64_t wq = work_side(c.block_q, q.count, p.work_tile),
+                    wk = work_side(c.block_k, k.count, p.work_tile);
+      if (wq == c.block_q && wk == c.block_k) {
+        w.full += static_cast<double>(tc.full);
+        w.partial += static_cast<double>(tc.partial);
+      } else {
+        const TileCount wt = count_tiles(q, k, m, wq, wk);
+        const double area =
+            static_cast<double>(wq * wk) / static_cast<double>(c.block_q * c.block_k);
+        w.full += area * static_cast<double>(wt.full);
+        w.partial += area * static_cast<double>(wt.partial);
+      }
     }
-  if (calls) *calls = n;
-  return tc;
+  return w;
 }
 
 double SimContext::busy_scale(const std::vector<int>& members, const std::vector<bool>& busy,
@@ -105,8 +132,8 @@ double SimContext::mem_time(double bytes) const {
   return p.mem_bandwidth > 0 ? bytes / p.mem_bandwidth : 0.0;
 }
 
-double SimContext::kernel_time(const TileCount& tc, int64_t heads, bool backward, int calls,
-                               int64_t kv_rows, int64_t kv_heads) const {
+double SimContext::kernel_time(const Work& w, int64_t heads, bool backward, int64_t kv_rows,
+                               int64_t kv_heads) const {
   const double d = static_cast<double>(c.head_dim);
   double full = 0, partial = 0;
   const double* cal = c.dtype_bytes == 2 ? p.tile_s_bf16 : p.tile_s_fp32;
@@ -124,12 +151,11 @@ double SimContext::kernel_time(const TileCount& tc, int64_t heads, bool backward
     full = flops / (peak * eff);
     partial = full * p.partial_tile_cost;
   }
-  const double tiles_s = static_cast<double>(heads) * (static_cast<double>(tc.full) * full +
-                                                       static_cast<double>(tc.partial) * partial);
+  const double tiles_s = static_cast<double>(heads) * (w.full * full + w.partial * partial);
   // Each call packs its KV block (k and v; backward also k^T) once.
   const double pack =
       mem_time(static_cast<double>((backward ? 3 : 2) * kv_rows * kv_heads) * d * c.dtype_bytes);
-  return tiles_s + calls * (p.call_overhead + pack);
+  return tiles_s + w.calls * (p.call_overhead + pack);
 }
 
 const Link& SimContext::link(int a, int b) const {
@@ -209,8 +235,13 @@ void SimContext::count_tiles_on(int r, const TileCount& tc, int64_t heads, bool 
   }
 }
 
-void SimContext::buffer(int r, int64_t bytes) {
-  out.ranks[r].peak_buffer_bytes = std::max(out.ranks[r].peak_buffer_bytes, bytes);
+void SimContext::slot(int r, int s, int64_t bytes) {
+  if (static_cast<int>(slots[r].size()) <= s) slots[r].resize(s + 1, 0);
+  slots[r][s] = std::max(slots[r][s], bytes);
+}
+
+void SimContext::gathered(int r, int64_t bytes) {
+  out.ranks[r].gathered_bytes = std::max(out.ranks[r].gathered_bytes, bytes);
 }
 
 AttnSim simulate_attention(const AttnCase& c, const Profile& p) {
@@ -235,6 +266,8 @@ AttnSim simulate_attention(const AttnCase& c, const Profile& p) {
   SimContext ctx(c, p, out);
   it->second(ctx);
   ctx.fold_exposed();
+  for (int r = 0; r < c.ranks; ++r)
+    for (int64_t b : ctx.slots[r]) out.ranks[r].peak_buffer_bytes += b;
   for (RankSim& r : out.ranks) {
     out.forward_s = std::max(out.forward_s, r.end_fwd_s);
     r.end_s = std::max(r.end_s, r.end_fwd_s);

@@ -10,6 +10,7 @@
 // slowest member's share of the traffic.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -37,12 +38,18 @@ struct SimContext {
   int64_t rows(int r) const;
   int64_t max_rows() const;
   Block block(int first, int count) const;  // union of cp ranks [first, first + count)
-  // Tiles of q rows (block qb) against one KV block, per head; *calls: kernel calls (chunk
-  // pairs the cp layer does not skip).
-  TileCount pair_tiles(const Block& qb, const Block& kb, int* calls) const;
+  // The work of q rows (block qb) against one KV block, per head: the exact block_q x block_k
+  // tiles (what the kernels report), the kernel calls (chunk pairs the cp layer does not skip)
+  // and the work tiles the kernel really computes (Profile::work_tile), in block-tile areas.
+  struct Work {
+    TileCount tiles;
+    int calls = 0;
+    double full = 0, partial = 0;  // work tiles, each weighted by its area in block tiles
+  };
+  Work pair_work(const Block& qb, const Block& kb) const;
 
   // Durations.
-  double kernel_time(const TileCount& tc, int64_t heads, bool backward, int calls, int64_t kv_rows,
+  double kernel_time(const Work& w, int64_t heads, bool backward, int64_t kv_rows,
                      int64_t kv_heads) const;
   double mem_time(double bytes) const;
   // Time multiplier of member i's kernels when only the `busy` members (cp ranks `members`) of
@@ -62,7 +69,11 @@ struct SimContext {
   void count_tiles_on(int r, const TileCount& tc, int64_t heads, bool backward, int step);
   void sent(int r, int64_t bytes) { out.ranks[r].bytes_sent += bytes; }
   void received(int r, int64_t bytes) { out.ranks[r].bytes_recv += bytes; }
-  void buffer(int r, int64_t bytes);  // peak buffer candidate
+  // Rank r's memory seam slot `slot` asks for `bytes` (slots grow, never shrink: Memory in
+  // src/cp/memory.h); their sum is RankSim::peak_buffer_bytes.
+  void slot(int r, int slot, int64_t bytes);
+  std::vector<std::vector<int64_t>> slots;  // [rank][slot]
+  void gathered(int r, int64_t bytes);      // tensors outside the seam (RankSim::gathered_bytes)
   void add_event(int r, const char* kind, int step, double t0, double t1);
   // Exposed seconds by kind, [rank][kind index]; folded into RankSim::comm_by_kind at the end.
   std::vector<std::vector<std::pair<const char*, double>>> exposed;

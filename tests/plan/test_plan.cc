@@ -3,10 +3,12 @@
 // 1. shard_chunks() equals ShardPlan::make()'s segments (every layout, odd sizes, documents).
 // 2. count_tiles() equals the tiles the real kernel reports (KernelStats) for chunk pairs of
 //    every layout and mask, odd tile sizes included.
-// 3. For 40 configurations (every strategy x layout x P in {2, 3, 4, 8} x causal / window /
-//    documents / full x GQA), the simulator's per-rank tiles (forward + backward), forward tiles
-//    per step, bytes sent and bytes received equal what `loom attn --json` reports.
-// 4. Every shipped profile parses and cites a source for every figure.
+// 3. For 51 configurations (every strategy x layout x P in {2, 3, 4, 8} x causal / window /
+//    documents / full x GQA, and ring2d with inner rings of 1-4 on 2-8 ranks), the simulator's
+//    per-rank tiles (forward + backward), forward tiles per step, bytes sent and received, and
+//    peak buffer bytes (the memory seam's slots) equal what `loom attn --json` reports.
+// 4. Time is charged per work tile of the kernels.
+// 5. Every shipped profile parses and cites a source for every figure.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -107,6 +109,7 @@ TEST(PlanTiles, EqualKernelCounts) {
 struct Config {
   std::string strategy, layout;
   int P, U;
+  int I = 0;  // ring2d: the inner ring
   int64_t S, H, HKV;
   bool causal;
   int64_t window;
@@ -143,6 +146,25 @@ std::vector<Config> configs() {
       }
     }
   }
+  // The double ring: one inner ring (O = 1), rings of one (I = 1), and both axes > 1.
+  const int ring2d[][2] = {{2, 2}, {4, 1}, {4, 2}, {6, 3}, {8, 2}, {8, 4}};
+  for (const auto& [P, I] : ring2d) {
+    Config x;
+    x.strategy = "ring2d";
+    x.layout = layouts[i % 3];
+    x.P = P;
+    x.U = 0;
+    x.I = I;
+    x.S = 141 + 29 * (i % 5) + P;
+    x.H = 4;
+    x.HKV = i % 2 ? 2 : 4;
+    x.causal = i % 3 != 2;
+    x.window = i % 3 == 1 ? 37 : 0;
+    x.dtype = i % 2 ? "bf16" : "fp32";
+    if (i % 2 == 0) x.docs = std::to_string(x.S / 2) + "," + std::to_string(x.S - x.S / 2);
+    c.push_back(x);
+    ++i;
+  }
   return c;
 }
 
@@ -153,6 +175,7 @@ nlohmann::json run_loom_attn(const Config& c, const std::string& json_path) {
       << c.S << " --heads " << c.H << " --kv-heads " << c.HKV << " --dtype " << c.dtype
       << (c.causal ? "" : " --no-causal") << " --window " << c.window;
   if (c.U) cmd << " --ulysses " << c.U;
+  if (c.I) cmd << " --inner " << c.I;
   if (!c.docs.empty()) cmd << " --docs " << c.docs;
   cmd << " --json " << json_path << " > /dev/null";
   const int rc = std::system(cmd.str().c_str());
@@ -188,6 +211,7 @@ TEST(PlanExact, TilesAndBytesEqualLoomAttn) {
     a.doc_lengths = split_docs(c.docs);
     a.ranks = c.P;
     a.ulysses = c.U ? c.U : 1;
+    a.inner = c.I ? c.I : 1;
     a.heads = c.H;
     a.kv_heads = c.HKV;
     a.head_dim = 16;
@@ -204,10 +228,40 @@ TEST(PlanExact, TilesAndBytesEqualLoomAttn) {
       EXPECT_EQ(jr["step_tiles"].get<std::vector<int64_t>>(), sr.step_tiles) << "rank " << r;
       EXPECT_EQ(jr["bytes_sent"].get<int64_t>(), sr.bytes_sent) << "rank " << r;
       EXPECT_EQ(jr["bytes_recv"].get<int64_t>(), sr.bytes_recv) << "rank " << r;
+      EXPECT_EQ(jr["peak_buffer_bytes"].get<int64_t>(), sr.peak_buffer_bytes) << "rank " << r;
       EXPECT_GT(sr.fwd_tiles, 0);
     }
   }
   std::filesystem::remove_all(dir);
+}
+
+// Time is charged per work tile (Profile::work_tile, the CPU kernels' 128 x 128 tiles of whole
+// 64 x 64 config tiles), at the rate of the work tile's own classification. One causal chunk
+// of 256 rows: config tiles 6 full + 4 partial per head; work tiles 1 full + 2 partial, each
+// the area of 4 config tiles. Copies and call overheads are off (no memory bandwidth, 0 s).
+TEST(PlanTime, KernelsAreChargedPerWorkTile) {
+  Profile p;
+  p.kind = "cpu";
+  p.block_q = p.block_k = 64;
+  const double fwd_full = 1e-3, fwd_partial = 3e-3, bwd_full = 2e-3, bwd_partial = 5e-3;
+  const double tiles[4] = {fwd_full, fwd_partial, bwd_full, bwd_partial};
+  std::copy(tiles, tiles + 4, p.tile_s_fp32);
+  AttnCase a;
+  a.strategy = "ring";
+  a.layout = Layout::contiguous;
+  a.seq = 256;
+  a.ranks = 1;
+  a.heads = a.kv_heads = 2;
+  a.head_dim = 64;
+  a.mask.causal = true;
+  for (int64_t work : {int64_t{0}, int64_t{128}}) {
+    p.work_tile = work;
+    const AttnSim sim = simulate_attention(a, p);
+    const double full = work ? 4 * 1 : 6, partial = work ? 4 * 2 : 4;  // in config-tile areas
+    EXPECT_NEAR(sim.forward_s, 2 * (full * fwd_full + partial * fwd_partial), 1e-12) << work;
+    EXPECT_NEAR(sim.backward_s, 2 * (full * bwd_full + partial * bwd_partial), 1e-12) << work;
+    EXPECT_EQ(sim.ranks[0].fwd_tiles, 2 * 10);  // the counts stay the config tiles'
+  }
 }
 
 TEST(PlanProfiles, ShippedProfilesParseAndCiteEveryFigure) {

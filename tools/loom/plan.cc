@@ -28,7 +28,7 @@ struct PlanOptions {
   // --simulate: one attention case.
   bool simulate = false;
   std::string strategy = "ring", layout = "zigzag", dtype = "fp32";
-  int ranks = 2, ulysses = 0;
+  int ranks = 2, ulysses = 0, inner = 1;
   int64_t heads = 8, kv_heads = 0, head_dim = 64;
   bool causal = true, forward_only = false;
 };
@@ -89,6 +89,7 @@ nlohmann::json candidate_json(const plan::Candidate& c) {
           {"tp", c.tp},
           {"ulysses", c.ulysses},
           {"ring", c.ring},
+          {"inner", c.inner},
           {"strategy", c.strategy},
           {"layout", to_string(c.layout)},
           {"checkpoint", c.checkpoint},
@@ -253,6 +254,7 @@ int run_plan(const PlanOptions& o) {
     c.doc_lengths = docs;
     c.ranks = o.ranks;
     c.ulysses = o.ulysses ? o.ulysses : 1;
+    c.inner = o.inner;
     c.heads = o.heads;
     c.kv_heads = o.kv_heads ? o.kv_heads : o.heads;
     c.head_dim = o.head_dim;
@@ -394,6 +396,7 @@ void add_plan_command(CLI::App& app) {
   c->add_option("--layout", o->layout, "--simulate: layout")->capture_default_str();
   c->add_option("--ranks", o->ranks, "--simulate: cp ranks")->capture_default_str();
   c->add_option("--ulysses", o->ulysses, "--simulate: hybrid ulysses degree");
+  c->add_option("--inner", o->inner, "--simulate: ring2d inner ring size")->capture_default_str();
   c->add_option("--heads", o->heads, "--simulate: query heads")->capture_default_str();
   c->add_option("--kv-heads", o->kv_heads, "--simulate: kv heads (default: heads)");
   c->add_option("--head-dim", o->head_dim, "--simulate: head dim")->capture_default_str();

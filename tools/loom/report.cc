@@ -53,6 +53,7 @@ RankCounters RankCounters::of(const CpMetrics& m, int iters, int64_t peak_rss_by
   c.visible_pairs = static_cast<double>(m.visible_pairs) / it;
   for (int64_t t : m.step_tiles) c.fwd_tiles += static_cast<double>(t);
   c.peak_rss = static_cast<double>(peak_rss_bytes);
+  c.peak_buffer = static_cast<double>(m.peak_buffer_bytes);
   c.spans_dropped = static_cast<double>(m.spans_dropped);
   return c;
 }
@@ -223,6 +224,7 @@ nlohmann::json to_json(const AttnReport& r) {
                      {"forward_tiles", static_cast<int64_t>(k.fwd_tiles)},
                      {"step_tiles", k.step_tiles},
                      {"peak_rss_bytes", static_cast<int64_t>(k.peak_rss)},
+                     {"peak_buffer_bytes", static_cast<int64_t>(k.peak_buffer)},
                      {"spans_dropped", static_cast<int64_t>(k.spans_dropped)}});
   }
   j["ranks"] = ranks;

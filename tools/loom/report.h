@@ -18,6 +18,7 @@ struct RankCounters {
   double bytes_sent = 0, bytes_recv = 0, tiles = 0, visible_pairs = 0;
   double fwd_tiles = 0;      // tiles of the last forward
   double peak_rss = 0;       // bytes (the whole process on the local backend)
+  double peak_buffer = 0;    // bytes of the strategy's buffers (CpMetrics::peak_buffer_bytes)
   double spans_dropped = 0;  // spans past CpMetrics::span_limit (not per iteration)
   // From a rank's metrics accumulated over `iters` timed iterations.
   static RankCounters of(const CpMetrics& m, int iters, int64_t peak_rss_bytes);
