@@ -57,7 +57,7 @@ struct AttnOptions {
   double scale = 0;
   int ranks = 1;
   std::string strategy = "ring", layout = "zigzag";
-  int ulysses = 0, inner = 0;  // degree options (0: not given)
+  DegreeOptions degrees;  // the registry's degree options (--ulysses, --inner, ...)
   bool quiet = false;
   std::string json, trace, timeline, fault;
   std::string dtype = "fp32";
@@ -165,21 +165,7 @@ Problem make_problem(const AttnOptions& o) {
   p.kernel.scale = o.scale > 0 ? static_cast<float>(o.scale)
                                : static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.D)));
   p.cp.strategy = parse_strategy(o.strategy);
-  // The degree options: each strategy's registry entry names the one it takes.
-  const std::string takes = strategy_option(p.cp.strategy);
-  for (const auto& [option, value] : {std::pair{"--ulysses", o.ulysses}, {"--inner", o.inner}}) {
-    if (takes == option) {
-      LOOM_CHECK(value >= 1, InvalidArgument,
-                 "--strategy " << o.strategy << " needs " << option << " N (" << option
-                               << ": docs/strategies.md)");
-    } else {
-      LOOM_CHECK(value == 0, InvalidArgument,
-                 option << " is only for --strategy " << strategies_taking(option)
-                        << " (got --strategy " << o.strategy << ")");
-    }
-  }
-  if (o.ulysses) p.cp.ulysses = o.ulysses;
-  if (o.inner) p.cp.inner = o.inner;
+  o.degrees.apply(p.cp, o.strategy);  // each strategy's registry entry names the one it takes
   return p;
 }
 
@@ -572,44 +558,41 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
 }
 
 nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
-  return {{"seq", p.S},
-          {"heads", p.H},
-          {"kv_heads", p.HKV},
-          {"head_dim", p.D},
-          {"causal", o.causal},
-          {"window", o.window},
-          {"docs", p.doc_lengths},
-          {"backward", o.backward},
-          {"check", o.check},
-          {"input", o.input},
-          {"output", o.output},
-          {"seed", o.seed},
-          {"threads", o.threads},
-          {"iters", o.iters},
-          {"warmup", o.warmup},
-          {"scale", p.kernel.scale},
-          {"ranks", o.ranks},
-          {"strategy", o.strategy},
-          {"layout", o.layout},
-          {"dtype", o.dtype},
-          {"ulysses", o.ulysses},
-          {"inner", o.inner},
-          {"fault", o.fault},
-          {"baseline", o.baseline},
-          {"json", o.json},
-          {"trace", o.trace},
-          {"timeline", o.timeline}};
+  nlohmann::json j = {{"seq", p.S},
+                      {"heads", p.H},
+                      {"kv_heads", p.HKV},
+                      {"head_dim", p.D},
+                      {"causal", o.causal},
+                      {"window", o.window},
+                      {"docs", p.doc_lengths},
+                      {"backward", o.backward},
+                      {"check", o.check},
+                      {"input", o.input},
+                      {"output", o.output},
+                      {"seed", o.seed},
+                      {"threads", o.threads},
+                      {"iters", o.iters},
+                      {"warmup", o.warmup},
+                      {"scale", p.kernel.scale},
+                      {"ranks", o.ranks},
+                      {"strategy", o.strategy},
+                      {"layout", o.layout},
+                      {"dtype", o.dtype},
+                      {"fault", o.fault},
+                      {"baseline", o.baseline},
+                      {"json", o.json},
+                      {"trace", o.trace},
+                      {"timeline", o.timeline}};
+  for (const auto& [name, value] : o.degrees.values()) j[name] = value;  // "ulysses", "inner"
+  return j;
 }
 
 // Peak bytes of the run in this process, from the problem alone (before anything is allocated).
 // `ranks_here` ranks live in this process (all of them on the local backend, one under mpirun).
 // Counted per rank: the fp32 (and bf16) inputs and outputs of its shard, the strategy's working
-// set (ring: the softmax state and two KV blocks in flight, and the dK/dV partials in backward,
-// ring2d the same and the outer block in flight;
-// ulysses and hybrid: the re-sharded copies and their send/receive buffers; allgather: the
-// whole K and V and their gradients), and the report's counters. With --check or --output every
-// rank receives the gathered results (gather_rows is an all_gather), rank 0 holds the global
-// tensors and, with --check, the regenerated inputs and the fp64 reference.
+// set (its registry entry's estimate, strategy_working_bytes), and the report's counters. With
+// --check or --output every rank receives the gathered results (gather_rows is an all_gather), rank
+// 0 holds the global tensors and, with --check, the regenerated inputs and the fp64 reference.
 double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, int ranks_here) {
   const double S = double(p.S), H = double(p.H), HKV = double(p.HKV), D = double(p.D);
   const double P = double(world), n = std::ceil(S / P) + 2;
@@ -619,21 +602,8 @@ double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, in
   rank +=
       q_rows * (bw ? 4 : 2) + kv_rows * (bw ? 4 : 2) + n * H * 4;  // q,out(,dout,dq) k,v(,dk,dv)
   if (p.bf16) rank += (q_rows * (bw ? 3 : 2) + kv_rows * 2) / 2;
-  switch (p.cp.strategy) {
-    case Strategy::ring:
-      rank += q_rows + 2 * n * H * 4 + 4 * kv_rows + (bw ? 4 * kv_rows + q_rows : 0);
-      break;
-    case Strategy::ring2d:  // the ring's set, plus the outer KV block in flight and its dK/dV
-      rank += q_rows + 2 * n * H * 4 + 6 * kv_rows + (bw ? 6 * kv_rows + q_rows : 0);
-      break;
-    case Strategy::ulysses:
-    case Strategy::hybrid:
-      rank += 3 * (q_rows * (bw ? 4 : 2) + kv_rows * (bw ? 4 : 2)) + 4 * kv_rows;
-      break;
-    case Strategy::allgather:
-      rank += q_rows + 2 * S * HKV * D * 4 * (bw ? 2 : 1) + 2 * kv_rows;
-      break;
-  }
+  rank += strategy_working_bytes(
+      p.cp, CpProblem{p.S, static_cast<int64_t>(n), p.H, p.HKV, p.D, world, bw});
   const bool need = o.check || !o.output.empty();
   const double global = S * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;
   if (need) rank += P * n * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;  // gather_rows
@@ -677,8 +647,7 @@ int run_attn(const AttnOptions& o) {
   rep.window = p.kernel.mask.window;
   rep.docs = std::max<size_t>(1, p.doc_lengths.size());
   rep.scale = p.kernel.scale;
-  rep.ulysses = o.ulysses;
-  rep.inner = o.inner;
+  rep.degrees = o.degrees.values();
   int threads = 1;
   bool root = true;
   std::unique_ptr<Communicator> mpi;
@@ -818,8 +787,7 @@ void add_attn_command(CLI::App& app) {
                     ->capture_default_str();
   c->add_option("--strategy", o->strategy, strategy_help())->capture_default_str();
   c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();
-  c->add_option("--ulysses", o->ulysses, "hybrid: ulysses degree U (ring degree = ranks / U)");
-  c->add_option("--inner", o->inner, "ring2d: ranks per inner ring (outer ring = ranks / inner)");
+  o->degrees.add_to(c);
   c->add_option("--dtype", o->dtype,
                 "storage of q, k, v, out, dout: fp32 or bf16 (accumulation is always fp32)")
       ->capture_default_str();

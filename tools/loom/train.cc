@@ -47,7 +47,7 @@ using model::Trainer;
 struct TrainOptions {
   int ranks = 1;
   int dp = 0, tp = 0, ulysses = 0, ring = 0;  // 0: not given
-  int inner = 0;                              // ring2d's inner ring (0: not given)
+  DegreeOptions degrees;  // the registry's degree options but --ulysses (a mesh axis here)
   std::string strategy, layout = "zigzag";
   int64_t seq = 256, layers = 4, dim = 128, heads = 4, kv_heads = 2, ffn = 0;
   int64_t steps = 300, batch = 8, warmup = -1;
@@ -394,17 +394,13 @@ int run_train(const TrainOptions& o) {
   LOOM_CHECK(world >= 1, InvalidArgument, "--ranks must be >= 1, got " << world);
   c.par.mesh = mesh_of(o, world);
   c.par.strategy = strategy_of(o, c.par.mesh);
-  if (strategy_option(c.par.strategy) == "--inner") {
-    LOOM_CHECK(
-        o.inner >= 1, InvalidArgument,
-        "--strategy " << to_string(c.par.strategy) << " needs --inner N (ranks per inner ring)");
-  } else {
-    LOOM_CHECK(o.inner == 0, InvalidArgument,
-               "--inner is only for --strategy " << strategies_taking("--inner")
-                                                 << " (got --strategy " << to_string(c.par.strategy)
-                                                 << ")");
+  {  // the strategy's degree option (hybrid's --ulysses is the mesh's; model::cp_config)
+    CpConfig d;
+    d.strategy = c.par.strategy;
+    o.degrees.apply(d, to_string(c.par.strategy));
+    c.par.inner = d.inner;
+    c.par.degree = d.degree;
   }
-  c.par.inner = o.inner;
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = o.threads ? o.threads : std::max(1, hw / here);
   c.par.threads = threads;
@@ -490,8 +486,7 @@ void add_train_command(CLI::App& app) {
                 "attention over the cp group (default: hybrid when ulysses and ring > 1, ulysses "
                 "when only ulysses > 1, else ring); " +
                     strategy_help());
-  c->add_option("--inner", o->inner,
-                "ring2d: ranks per inner ring of the cp group (outer ring = cp ranks / inner)");
+  o->degrees.add_to(c, {"--ulysses"});
   c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();
   c->add_option("--seq", o->seq, "tokens (bytes) per sequence")->capture_default_str();
   c->add_option("--layers", o->layers, "decoder layers")->capture_default_str();
