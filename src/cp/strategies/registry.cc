@@ -8,17 +8,33 @@ namespace loom {
 
 namespace cp_detail {
 
+// The built-ins, each defined by its file. Adding one: its file, and two lines here (its
+// entry's declaration, and its place in the registration order below).
+extern const StrategyEntry kRingEntry;
+extern const StrategyEntry kUlyssesEntry;
+extern const StrategyEntry kHybridEntry;
+extern const StrategyEntry kAllgatherEntry;
+extern const StrategyEntry kRing2dEntry;
+
 namespace {
 
-// The entries and their public descriptions, in registration order. Adding a built-in
-// strategy: its file, and one line in this list.
+// The entries and their public descriptions, in registration order.
 struct Registry {
-  std::vector<StrategyEntry> entries = {
-      kRingEntry, kUlyssesEntry, kHybridEntry, kAllgatherEntry, kRing2dEntry,
-  };
+  std::vector<StrategyEntry> entries;
   std::vector<StrategyInfo> infos;
   Registry() {
-    for (const StrategyEntry& e : entries) infos.push_back(info_of(e));
+    for (const StrategyEntry* e : {
+             &kRingEntry,
+             &kUlyssesEntry,
+             &kHybridEntry,
+             &kAllgatherEntry,
+             &kRing2dEntry,
+         })
+      add(*e);
+  }
+  void add(const StrategyEntry& e) {
+    entries.push_back(e);
+    infos.push_back(info_of(e));
   }
   static StrategyInfo info_of(const StrategyEntry& e) {
     return StrategyInfo{e.id, std::string(e.id.name()), e.summary, e.degree.flag, e.degree.help};
@@ -55,8 +71,7 @@ void register_strategy(const StrategyEntry& e) {
   LOOM_CHECK(*e.degree.flag == '\0' || e.degree.value, InvalidArgument,
              "register_strategy: '" << e.id.name() << "' declares " << e.degree.flag
                                     << " without the CpConfig value it sets");
-  r.entries.push_back(e);
-  r.infos.push_back(Registry::info_of(e));
+  r.add(e);
 }
 
 }  // namespace cp_detail

@@ -110,11 +110,4 @@ double hybrid_working_bytes(const CpProblem& p);
 const std::vector<StrategyEntry>& registry();
 const StrategyEntry& entry(Strategy s);
 
-// The registration of each strategy, one per file.
-extern const StrategyEntry kRingEntry;
-extern const StrategyEntry kUlyssesEntry;
-extern const StrategyEntry kHybridEntry;
-extern const StrategyEntry kAllgatherEntry;
-extern const StrategyEntry kRing2dEntry;
-
 }  // namespace loom::cp_detail
