@@ -108,8 +108,6 @@ double allgather_sum_bytes(const CpProblem& p) {
 const cp_detail::StrategyEntry kAllgatherSumEntry{
     .id = Strategy{"allgather_sum"},
     .summary = "all-gather K,V, attend last block first, all-reduce dK,dV (a test plug-in)",
-    .degree = {},
-    .splits_heads = false,
     .inner_degree = cp_detail::no_inner_axis,
     .make = cp_detail::make_strategy<AllgatherSum>,
     .working_bytes = allgather_sum_bytes};
@@ -127,7 +125,6 @@ const cp_detail::StrategyEntry kGroupedEntry{
     .id = Strategy{"allgather_sum_grouped"},
     .summary = "allgather_sum over groups of --group consecutive ranks (a test plug-in)",
     .degree = {"--group", "ranks per group", &CpConfig::degree},
-    .splits_heads = false,
     .inner_degree = grouped_inner,
     .make = cp_detail::make_strategy<AllgatherSum>,
     .working_bytes = allgather_sum_bytes};

@@ -756,19 +756,17 @@ void set_exit_code(int code) {
   g_exit_code = code;
 }
 
-void add_attn_command(CLI::App& app) {
-  auto o = std::make_shared<AttnOptions>();
-  CLI::App* c = app.add_subcommand("attn", "run one context-parallel attention and check it");
-  auto* seq = c->add_option("--seq", o->seq, "global sequence length S")->capture_default_str();
-  auto* heads = c->add_option("--heads", o->heads, "query heads H")->capture_default_str();
-  auto* kvh = c->add_option("--kv-heads", o->kv_heads, "key/value heads HKV (default: H)");
-  auto* hd = c->add_option("--head-dim", o->head_dim,
-                           "head dimension D (<= " + std::to_string(kMaxHeadDim) + ")")
-                 ->capture_default_str();
-  c->add_flag("--causal,!--no-causal", o->causal, "causal mask (default) or full attention");
-  c->add_option("--window", o->window, "sliding window W: keys with |i - j| < W (0: none)")
+namespace {
+
+void declare_attn(CLI::App* c, AttnOptions& opts) {
+  AttnOptions* o = &opts;
+  c->add_option("--seq", o->seq, "global sequence length S")->capture_default_str();
+  c->add_option("--heads", o->heads, "query heads H")->capture_default_str();
+  c->add_option("--kv-heads", o->kv_heads, "key/value heads HKV (default: H)");
+  c->add_option("--head-dim", o->head_dim,
+                "head dimension D (<= " + std::to_string(kMaxHeadDim) + ")")
       ->capture_default_str();
-  auto* docs = c->add_option("--docs", o->docs, "packed documents: lengths L1,L2,... summing to S");
+  add_mask_options(c, o->causal, o->window, o->docs);
   c->add_flag("--backward", o->backward, "also run the backward pass");
   c->add_flag("--check", o->check,
               "compare with the fp64 reference (above 4096 tokens: 256 sampled query rows)");
@@ -782,9 +780,8 @@ void add_attn_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--iters", o->iters, "timed iterations")->capture_default_str();
   c->add_option("--warmup", o->warmup, "untimed iterations first")->capture_default_str();
-  auto* scale = c->add_option("--scale", o->scale, "softmax scale > 0 (default 1/sqrt(D))");
-  auto* ranks = c->add_option("--ranks", o->ranks, "ranks on the local backend (threads)")
-                    ->capture_default_str();
+  c->add_option("--scale", o->scale, "softmax scale > 0 (default 1/sqrt(D))");
+  c->add_option("--ranks", o->ranks, "ranks on the local backend (threads)")->capture_default_str();
   c->add_option("--strategy", o->strategy, strategy_help())->capture_default_str();
   c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();
   o->degrees.add_to(c);
@@ -799,18 +796,23 @@ void add_attn_command(CLI::App& app) {
                 "local backend fault injection: kill:R, drop:R or delay:R:MS (see docs/cli.md)");
   c->add_flag("--baseline", o->baseline,
               "also time the same problem on one rank and report the scaling efficiency");
-  c->add_option("--memory-limit", o->memory_limit,
-                "refuse runs whose estimated peak memory is above this (e.g. 8G; default: the "
-                "machine's available memory)");
-  strict_integers(c);
-  c->callback([o, seq, heads, kvh, hd, ranks, docs, scale]() {
-    o->ranks_given = ranks->count() > 0;
-    o->kv_heads_given = kvh->count() > 0;
-    o->scale_given = scale->count() > 0;
-    o->docs_given = docs->count() > 0;
-    o->shape_given = seq->count() + heads->count() + kvh->count() + hd->count() > 0;
-    set_exit_code(run_attn(*o));
-  });
+  add_memory_limit_option(c, o->memory_limit);
+}
+
+}  // namespace
+
+void add_attn_command(CLI::App& app) {
+  add_command<AttnOptions>(app, "attn", "run one context-parallel attention and check it",
+                           declare_attn, [](const CLI::App* c, AttnOptions& o) {
+                             o.ranks_given = c->count("--ranks") > 0;
+                             o.kv_heads_given = c->count("--kv-heads") > 0;
+                             o.scale_given = c->count("--scale") > 0;
+                             o.docs_given = c->count("--docs") > 0;
+                             o.shape_given = c->count("--seq") + c->count("--heads") +
+                                                 c->count("--kv-heads") + c->count("--head-dim") >
+                                             0;
+                             return run_attn(o);
+                           });
 }
 
 }  // namespace loom::tools

@@ -1,4 +1,5 @@
-// Command-line code the subcommands share: the registry's degree options.
+// Command-line code the subcommands share: the registry's degree options, the options several
+// subcommands declare alike.
 #include <sstream>
 
 #include "commands.h"
@@ -54,6 +55,19 @@ std::vector<std::pair<std::string, int>> DegreeOptions::values() const {
   std::vector<std::pair<std::string, int>> v;
   for (const auto& [flag, value] : values_) v.emplace_back(flag.substr(2), value);
   return v;
+}
+
+CLI::Option* add_mask_options(CLI::App* command, bool& causal, int64_t& window, std::string& docs) {
+  command->add_flag("--causal,!--no-causal", causal, "causal mask (default) or full attention");
+  command->add_option("--window", window, "sliding window W: keys with |i - j| < W (0: none)")
+      ->capture_default_str();
+  return command->add_option("--docs", docs, "packed documents: lengths L1,L2,... summing to S");
+}
+
+void add_memory_limit_option(CLI::App* command, std::string& limit) {
+  command->add_option("--memory-limit", limit,
+                      "refuse runs whose estimated peak memory is above this (e.g. 8G; default: "
+                      "the machine's available memory)");
 }
 
 }  // namespace loom::tools

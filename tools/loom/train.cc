@@ -465,16 +465,12 @@ int run_train(const TrainOptions& o) {
   return 0;
 }
 
-}  // namespace
-
-void add_train_command(CLI::App& app) {
-  auto o = std::make_shared<TrainOptions>();
-  CLI::App* c = app.add_subcommand(
-      "train", "train a byte-level GPT with data, tensor, sequence and context parallelism");
-  auto* ranks = c->add_option("--ranks", o->ranks,
-                              "ranks on the local backend (threads); with no mesh sizes given, "
-                              "all of them form the context-parallel ring")
-                    ->capture_default_str();
+void declare_train(CLI::App* c, TrainOptions& opts) {
+  TrainOptions* o = &opts;
+  c->add_option("--ranks", o->ranks,
+                "ranks on the local backend (threads); with no mesh sizes given, "
+                "all of them form the context-parallel ring")
+      ->capture_default_str();
   c->add_option("--dp", o->dp, "data-parallel ranks (default 1)");
   c->add_option("--tp", o->tp, "tensor(+sequence)-parallel ranks (default 1)");
   c->add_option("--ulysses", o->ulysses,
@@ -527,9 +523,7 @@ void add_train_command(CLI::App& app) {
   c->add_option("--keep-checkpoints", o->keep_checkpoints,
                 "keep only the newest N checkpoints in --checkpoint-dir (0: all)")
       ->capture_default_str();
-  c->add_option("--memory-limit", o->memory_limit,
-                "refuse runs whose estimated peak memory is above this (e.g. 8G; default: the "
-                "machine's available memory)");
+  add_memory_limit_option(c, o->memory_limit);
   c->add_option("--data-limit", o->data_limit,
                 "refuse a --data file larger than this (e.g. 4G); --data - reads standard input")
       ->capture_default_str();
@@ -537,11 +531,17 @@ void add_train_command(CLI::App& app) {
                 "OpenMP and OpenBLAS threads per rank (0: cores / ranks); 1 by default because "
                 "spin-waiting threads on a shared machine cost more than they give")
       ->capture_default_str();
-  strict_integers(c);
-  c->callback([o, ranks]() {
-    o->ranks_given = ranks->count() > 0;
-    set_exit_code(run_train(*o));
-  });
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  add_command<TrainOptions>(
+      app, "train", "train a byte-level GPT with data, tensor, sequence and context parallelism",
+      declare_train, [](const CLI::App* c, TrainOptions& o) {
+        o.ranks_given = c->count("--ranks") > 0;
+        return run_train(o);
+      });
 }
 
 }  // namespace loom::tools

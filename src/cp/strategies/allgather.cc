@@ -94,8 +94,6 @@ double allgather_working_bytes(const CpProblem& p) {
 
 extern const StrategyEntry kAllgatherEntry{.id = Strategy::allgather,
                                            .summary = kAllgatherSummary,
-                                           .degree = {},
-                                           .splits_heads = false,
                                            .inner_degree = no_inner_axis,
                                            .make = make_strategy<Allgather>,
                                            .working_bytes = allgather_working_bytes};

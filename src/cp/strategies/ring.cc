@@ -48,8 +48,6 @@ double ring_working_bytes(const CpProblem& p) {
 
 extern const StrategyEntry kRingEntry{.id = Strategy::ring,
                                       .summary = kRingSummary,
-                                      .degree = {},
-                                      .splits_heads = false,
                                       .inner_degree = no_inner_axis,
                                       .make = make_strategy<Ring>,
                                       .working_bytes = ring_working_bytes};

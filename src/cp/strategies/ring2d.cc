@@ -163,7 +163,6 @@ extern const StrategyEntry kRing2dEntry{
     .summary = kRing2dSummary,
     .degree = {"--inner", "ranks per inner ring; the outer ring is ranks / inner",
                &CpConfig::inner},
-    .splits_heads = false,
     .inner_degree = ring2d_inner,
     .make = make_strategy<Ring2d>,
     .working_bytes = ring2d_working_bytes};

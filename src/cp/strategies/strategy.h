@@ -59,10 +59,10 @@ struct DegreeOption {
 };
 
 struct StrategyEntry {
-  Strategy id;          // Strategy{"name"}: its name
-  const char* summary;  // one line: what it is for (help texts, docs)
-  DegreeOption degree;  // the degree option it reads from CpConfig, if any
-  bool splits_heads;    // its inner axis splits heads (ulysses all-to-all)
+  Strategy id;                // Strategy{"name"}: its name
+  const char* summary;        // one line: what it is for (help texts, docs)
+  DegreeOption degree = {};   // the degree option it reads from CpConfig, if any
+  bool splits_heads = false;  // its inner axis splits heads (ulysses all-to-all)
   // The inner degree for P ranks (CpShape::inner); throws InvalidArgument naming the values
   // when cfg does not fit P.
   int (*inner_degree)(int P, const CpConfig& cfg);

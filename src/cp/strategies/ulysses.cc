@@ -16,7 +16,6 @@ constexpr const char* kUlyssesSummary =
     "all-to-all to whole sequences of H/P heads, one attend, all-to-all back (heads % P == 0)";
 extern const StrategyEntry kUlyssesEntry{.id = Strategy::ulysses,
                                          .summary = kUlyssesSummary,
-                                         .degree = {},
                                          .splits_heads = true,
                                          .inner_degree = all_ranks_inner,
                                          .make = make_hybrid,
