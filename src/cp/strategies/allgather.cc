@@ -92,10 +92,7 @@ double allgather_working_bytes(const CpProblem& p) {
   return b.q + all_kv * (p.backward ? 2 : 1) + 2 * b.kv;
 }
 
-extern const StrategyEntry kAllgatherEntry{.id = Strategy::allgather,
-                                           .summary = kAllgatherSummary,
-                                           .inner_degree = no_inner_axis,
-                                           .make = make_strategy<Allgather>,
-                                           .working_bytes = allgather_working_bytes};
+extern constinit const StrategyEntry kAllgatherEntry =
+    one_axis_entry<Allgather>(Strategy::allgather, kAllgatherSummary, allgather_working_bytes);
 
 }  // namespace loom::cp_detail

@@ -96,7 +96,7 @@ double hybrid_working_bytes(const CpProblem& p) {
   return 3 * (b.q * io + b.kv * io) + 4 * b.kv;
 }
 
-extern const StrategyEntry kHybridEntry{
+extern constinit const StrategyEntry kHybridEntry{
     .id = Strategy::hybrid,
     .summary = kHybridSummary,
     .degree = {"--ulysses", "ulysses degree U; the ring degree is ranks / U", &CpConfig::ulysses},

@@ -46,10 +46,7 @@ double ring_working_bytes(const CpProblem& p) {
   return b.q + 2 * b.stat + 4 * b.kv + (p.backward ? 4 * b.kv + b.q : 0);
 }
 
-extern const StrategyEntry kRingEntry{.id = Strategy::ring,
-                                      .summary = kRingSummary,
-                                      .inner_degree = no_inner_axis,
-                                      .make = make_strategy<Ring>,
-                                      .working_bytes = ring_working_bytes};
+extern constinit const StrategyEntry kRingEntry =
+    one_axis_entry<Ring>(Strategy::ring, kRingSummary, ring_working_bytes);
 
 }  // namespace loom::cp_detail

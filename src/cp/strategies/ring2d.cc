@@ -158,7 +158,7 @@ double ring2d_working_bytes(const CpProblem& p) {
   return b.q + 2 * b.stat + 6 * b.kv + (p.backward ? 6 * b.kv + b.q : 0);
 }
 
-extern const StrategyEntry kRing2dEntry{
+extern constinit const StrategyEntry kRing2dEntry{
     .id = Strategy::ring2d,
     .summary = kRing2dSummary,
     .degree = {"--inner", "ranks per inner ring; the outer ring is ranks / inner",

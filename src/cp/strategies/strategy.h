@@ -100,6 +100,17 @@ std::unique_ptr<CpStrategy> make_strategy(Engine& e) {
 inline int no_inner_axis(int, const CpConfig&) {
   return 1;
 }
+// The entry of a strategy whose ranks form one axis (ring, allgather): no degree option, heads
+// not split, inner degree 1.
+template <class S>
+constexpr StrategyEntry one_axis_entry(Strategy id, const char* summary,
+                                       double (*working_bytes)(const CpProblem&)) {
+  return StrategyEntry{.id = id,
+                       .summary = summary,
+                       .inner_degree = no_inner_axis,
+                       .make = make_strategy<S>,
+                       .working_bytes = working_bytes};
+}
 
 // hybrid's implementation and working set, which ulysses (one group) shares.
 std::unique_ptr<CpStrategy> make_hybrid(Engine& e);
