@@ -12,8 +12,10 @@
 // layout. This header uses only the Communicator interface.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "loom/attention.h"
@@ -23,9 +25,30 @@
 namespace loom {
 
 enum class Layout { contiguous, zigzag, stripe };
-// The registry's ids (src/cp/strategies/registry.cc declares each one's name, summary,
-// options and constraints once; everything else reads the registry).
-enum class Strategy { ring, ulysses, hybrid, allgather, ring2d };
+
+// A strategy of the registry, named by its registered name (src/cp/strategies/registry.cc lists
+// the built-ins; register_strategy in the internal strategies/strategy.h adds more). A new
+// strategy needs no edit here: Strategy{"name"} names it. Compared by name; a value type to copy
+// freely. Strategy::ring, ulysses, hybrid, allgather and ring2d name the built-ins.
+class Strategy {
+ public:
+  constexpr Strategy() : name_("ring") {}
+  // The name must be a string literal (consteval: it outlives every copy).
+  template <size_t N>
+  explicit consteval Strategy(const char (&name)[N]) : name_(name, N - 1) {}
+  constexpr std::string_view name() const { return name_; }
+  friend constexpr bool operator==(Strategy a, Strategy b) { return a.name_ == b.name_; }
+
+  static const Strategy ring, ulysses, hybrid, allgather, ring2d;
+
+ private:
+  std::string_view name_;
+};
+inline constexpr Strategy Strategy::ring{"ring"};
+inline constexpr Strategy Strategy::ulysses{"ulysses"};
+inline constexpr Strategy Strategy::hybrid{"hybrid"};
+inline constexpr Strategy Strategy::allgather{"allgather"};
+inline constexpr Strategy Strategy::ring2d{"ring2d"};
 
 Layout parse_layout(const std::string& name);      // InvalidArgument listing the choices
 Strategy parse_strategy(const std::string& name);  // InvalidArgument listing the choices
@@ -36,12 +59,13 @@ std::string to_string(Strategy s);
 struct StrategyInfo {
   Strategy id;
   std::string name;
-  std::string summary;  // one line: what it is for
-  std::string option;   // the degree option it takes ("--ulysses", "--inner") or empty
+  std::string summary;      // one line: what it is for
+  std::string option;       // the degree option it takes ("--ulysses", "--inner") or empty
+  std::string option_help;  // what the option's N is (for --help), or empty
 };
-// Every registered strategy, in registration order.
+// Every registered strategy, in registration order (the built-ins first).
 const std::vector<StrategyInfo>& strategies();
-// "ring, ulysses, hybrid, allgather or ring2d".
+// "ring, ulysses, hybrid, allgather or ring2d" (and any registered later).
 std::string strategy_choices();
 
 // A run of local rows whose tokens form one chunk of the layout (consecutive in the sequence
@@ -97,8 +121,25 @@ struct CpConfig {
   Strategy strategy = Strategy::ring;
   int ulysses = 1;      // hybrid: ulysses degree U (P % U == 0); ulysses: P; ring/allgather: 1
   int inner = 0;        // ring2d: ranks per inner ring (P % inner == 0); others: unused
+  int degree = 0;       // the degree of a registered strategy whose option has no field above
   KernelConfig kernel;  // mask, scale, threads, tile sizes
 };
+
+// Sets the value cfg.strategy's degree option sets (its StrategyInfo::option: cfg.ulysses for
+// hybrid's --ulysses, cfg.inner for ring2d's --inner, ...). InvalidArgument when the strategy
+// takes no degree option.
+void set_degree(CpConfig& cfg, int value);
+
+// A problem as the memory estimates see it: `rows` is the most rows a rank holds.
+struct CpProblem {
+  int64_t seq = 0, rows = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int ranks = 1;
+  bool backward = false;
+};
+// The estimated bytes of cfg.strategy's own working set on one rank (its fp32 buffers beyond the
+// caller's inputs and outputs: softmax state, blocks in flight, re-sharded copies, gradient
+// partials), from the strategy's registry entry. `loom attn --memory-limit` adds the rest.
+double strategy_working_bytes(const CpConfig& cfg, const CpProblem& p);
 
 // How a strategy lays the P ranks of a cp group out: `inner` consecutive cp ranks form an inner
 // group (the mesh's ulysses axis: a ulysses group, or ring2d's inner ring), and the P / inner

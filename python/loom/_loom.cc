@@ -211,6 +211,14 @@ class Group {
   std::map<std::string, std::shared_ptr<CpOp>> cache_;
 };
 
+// The strategy's place in the registry (the ranks compare it).
+int64_t strategy_index(loom::Strategy s) {
+  const auto& all = loom::strategies();
+  for (size_t i = 0; i < all.size(); ++i)
+    if (all[i].id == s) return static_cast<int64_t>(i);
+  return -1;
+}
+
 std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& layout, int ulysses,
                                 int inner, bool causal, int64_t window, double scale, int64_t batch,
                                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -235,7 +243,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                             dim,
                             causal,
                             window,
-                            static_cast<int64_t>(strat),
+                            strategy_index(strat),
                             static_cast<int64_t>(lay),
                             ulysses,
                             is_bf16,
@@ -571,29 +579,16 @@ PYBIND11_MODULE(_loom, m) {
   m.def("launcher_backend", [] { return loom::launcher_backend(); });
   m.def("kernel_path", [] { return std::string(loom::kernel_path()); });
   m.def("strategies", [] {
-    // Every name parse_strategy accepts, probed in order (new strategies appear here by
-    // themselves as long as they are listed in parse_strategy's error text).
+    // Every registered strategy's name, from the registry.
     std::vector<std::string> names;
-    try {
-      loom::parse_strategy("?");
-    } catch (const loom::Error& e) {
-      std::string text = e.what();
-      const size_t open = text.find("(choose ");
-      const size_t close = text.rfind(')');
-      if (open != std::string::npos && close != std::string::npos && close > open) {
-        std::string list = text.substr(open + 8, close - open - 8);
-        std::string word;
-        for (size_t i = 0; i <= list.size(); ++i) {
-          const char c = i < list.size() ? list[i] : ' ';
-          if (c == ',' || c == ' ') {
-            if (!word.empty() && word != "or") names.push_back(word);
-            word.clear();
-          } else {
-            word += c;
-          }
-        }
-      }
-    }
+    for (const loom::StrategyInfo& s : loom::strategies()) names.push_back(s.name);
     return names;
+  });
+  m.def("strategy_options", [] {
+    // name -> (degree option without "--", what N is), for the strategies that take one.
+    std::map<std::string, std::pair<std::string, std::string>> options;
+    for (const loom::StrategyInfo& s : loom::strategies())
+      if (!s.option.empty()) options[s.name] = {s.option.substr(2), s.option_help};
+    return options;
   });
 }

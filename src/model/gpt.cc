@@ -79,8 +79,11 @@ void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t 
 CpConfig cp_config(const ParallelConfig& p, int64_t head_dim) {
   CpConfig cfg;
   cfg.strategy = p.strategy;
-  cfg.ulysses = p.strategy == Strategy::hybrid ? p.mesh.ulysses : 1;
+  // A strategy whose degree option is --ulysses (hybrid) takes the mesh's ulysses degree.
+  for (const StrategyInfo& s : strategies())
+    if (s.id == p.strategy && s.option == "--ulysses") set_degree(cfg, p.mesh.ulysses);
   cfg.inner = p.inner;
+  cfg.degree = p.degree;
   cfg.kernel.mask.causal = true;
   cfg.kernel.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   cfg.kernel.threads = p.threads;

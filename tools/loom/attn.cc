@@ -57,7 +57,7 @@ struct AttnOptions {
   double scale = 0;
   int ranks = 1;
   std::string strategy = "ring", layout = "zigzag";
-  int ulysses = 0, inner = 0;  // degree options (0: not given)
+  DegreeOptions degrees;  // the registry's degree options (--ulysses, --inner, ...)
   bool quiet = false;
   std::string json, trace, timeline, fault;
   std::string dtype = "fp32";
@@ -165,21 +165,7 @@ Problem make_problem(const AttnOptions& o) {
   p.kernel.scale = o.scale > 0 ? static_cast<float>(o.scale)
                                : static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.D)));
   p.cp.strategy = parse_strategy(o.strategy);
-  // The degree options: each strategy's registry entry names the one it takes.
-  const std::string takes = strategy_option(p.cp.strategy);
-  for (const auto& [option, value] : {std::pair{"--ulysses", o.ulysses}, {"--inner", o.inner}}) {
-    if (takes == option) {
-      LOOM_CHECK(value >= 1, InvalidArgument,
-                 "--strategy " << o.strategy << " needs " << option << " N (" << option
-                               << ": docs/strategies.md)");
-    } else {
-      LOOM_CHECK(value == 0, InvalidArgument,
-                 option << " is only for --strategy " << strategies_taking(option)
-                        << " (got --strategy " << o.strategy << ")");
-    }
-  }
-  if (o.ulysses) p.cp.ulysses = o.ulysses;
-  if (o.inner) p.cp.inner = o.inner;
+  o.degrees.apply(p.cp, o.strategy);  // each strategy's registry entry names the one it takes
   return p;
 }
 
@@ -572,44 +558,41 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
 }
 
 nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
-  return {{"seq", p.S},
-          {"heads", p.H},
-          {"kv_heads", p.HKV},
-          {"head_dim", p.D},
-          {"causal", o.causal},
-          {"window", o.window},
-          {"docs", p.doc_lengths},
-          {"backward", o.backward},
-          {"check", o.check},
-          {"input", o.input},
-          {"output", o.output},
-          {"seed", o.seed},
-          {"threads", o.threads},
-          {"iters", o.iters},
-          {"warmup", o.warmup},
-          {"scale", p.kernel.scale},
-          {"ranks", o.ranks},
-          {"strategy", o.strategy},
-          {"layout", o.layout},
-          {"dtype", o.dtype},
-          {"ulysses", o.ulysses},
-          {"inner", o.inner},
-          {"fault", o.fault},
-          {"baseline", o.baseline},
-          {"json", o.json},
-          {"trace", o.trace},
-          {"timeline", o.timeline}};
+  nlohmann::json j = {{"seq", p.S},
+                      {"heads", p.H},
+                      {"kv_heads", p.HKV},
+                      {"head_dim", p.D},
+                      {"causal", o.causal},
+                      {"window", o.window},
+                      {"docs", p.doc_lengths},
+                      {"backward", o.backward},
+                      {"check", o.check},
+                      {"input", o.input},
+                      {"output", o.output},
+                      {"seed", o.seed},
+                      {"threads", o.threads},
+                      {"iters", o.iters},
+                      {"warmup", o.warmup},
+                      {"scale", p.kernel.scale},
+                      {"ranks", o.ranks},
+                      {"strategy", o.strategy},
+                      {"layout", o.layout},
+                      {"dtype", o.dtype},
+                      {"fault", o.fault},
+                      {"baseline", o.baseline},
+                      {"json", o.json},
+                      {"trace", o.trace},
+                      {"timeline", o.timeline}};
+  for (const auto& [name, value] : o.degrees.values()) j[name] = value;  // "ulysses", "inner"
+  return j;
 }
 
 // Peak bytes of the run in this process, from the problem alone (before anything is allocated).
 // `ranks_here` ranks live in this process (all of them on the local backend, one under mpirun).
 // Counted per rank: the fp32 (and bf16) inputs and outputs of its shard, the strategy's working
-// set (ring: the softmax state and two KV blocks in flight, and the dK/dV partials in backward,
-// ring2d the same and the outer block in flight;
-// ulysses and hybrid: the re-sharded copies and their send/receive buffers; allgather: the
-// whole K and V and their gradients), and the report's counters. With --check or --output every
-// rank receives the gathered results (gather_rows is an all_gather), rank 0 holds the global
-// tensors and, with --check, the regenerated inputs and the fp64 reference.
+// set (its registry entry's estimate, strategy_working_bytes), and the report's counters. With
+// --check or --output every rank receives the gathered results (gather_rows is an all_gather), rank
+// 0 holds the global tensors and, with --check, the regenerated inputs and the fp64 reference.
 double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, int ranks_here) {
   const double S = double(p.S), H = double(p.H), HKV = double(p.HKV), D = double(p.D);
   const double P = double(world), n = std::ceil(S / P) + 2;
@@ -619,21 +602,8 @@ double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, in
   rank +=
       q_rows * (bw ? 4 : 2) + kv_rows * (bw ? 4 : 2) + n * H * 4;  // q,out(,dout,dq) k,v(,dk,dv)
   if (p.bf16) rank += (q_rows * (bw ? 3 : 2) + kv_rows * 2) / 2;
-  switch (p.cp.strategy) {
-    case Strategy::ring:
-      rank += q_rows + 2 * n * H * 4 + 4 * kv_rows + (bw ? 4 * kv_rows + q_rows : 0);
-      break;
-    case Strategy::ring2d:  // the ring's set, plus the outer KV block in flight and its dK/dV
-      rank += q_rows + 2 * n * H * 4 + 6 * kv_rows + (bw ? 6 * kv_rows + q_rows : 0);
-      break;
-    case Strategy::ulysses:
-    case Strategy::hybrid:
-      rank += 3 * (q_rows * (bw ? 4 : 2) + kv_rows * (bw ? 4 : 2)) + 4 * kv_rows;
-      break;
-    case Strategy::allgather:
-      rank += q_rows + 2 * S * HKV * D * 4 * (bw ? 2 : 1) + 2 * kv_rows;
-      break;
-  }
+  rank += strategy_working_bytes(
+      p.cp, CpProblem{p.S, static_cast<int64_t>(n), p.H, p.HKV, p.D, world, bw});
   const bool need = o.check || !o.output.empty();
   const double global = S * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;
   if (need) rank += P * n * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;  // gather_rows
@@ -677,8 +647,7 @@ int run_attn(const AttnOptions& o) {
   rep.window = p.kernel.mask.window;
   rep.docs = std::max<size_t>(1, p.doc_lengths.size());
   rep.scale = p.kernel.scale;
-  rep.ulysses = o.ulysses;
-  rep.inner = o.inner;
+  rep.degrees = o.degrees.values();
   int threads = 1;
   bool root = true;
   std::unique_ptr<Communicator> mpi;
@@ -787,19 +756,17 @@ void set_exit_code(int code) {
   g_exit_code = code;
 }
 
-void add_attn_command(CLI::App& app) {
-  auto o = std::make_shared<AttnOptions>();
-  CLI::App* c = app.add_subcommand("attn", "run one context-parallel attention and check it");
-  auto* seq = c->add_option("--seq", o->seq, "global sequence length S")->capture_default_str();
-  auto* heads = c->add_option("--heads", o->heads, "query heads H")->capture_default_str();
-  auto* kvh = c->add_option("--kv-heads", o->kv_heads, "key/value heads HKV (default: H)");
-  auto* hd = c->add_option("--head-dim", o->head_dim,
-                           "head dimension D (<= " + std::to_string(kMaxHeadDim) + ")")
-                 ->capture_default_str();
-  c->add_flag("--causal,!--no-causal", o->causal, "causal mask (default) or full attention");
-  c->add_option("--window", o->window, "sliding window W: keys with |i - j| < W (0: none)")
+namespace {
+
+void declare_attn(CLI::App* c, AttnOptions& opts) {
+  AttnOptions* o = &opts;
+  c->add_option("--seq", o->seq, "global sequence length S")->capture_default_str();
+  c->add_option("--heads", o->heads, "query heads H")->capture_default_str();
+  c->add_option("--kv-heads", o->kv_heads, "key/value heads HKV (default: H)");
+  c->add_option("--head-dim", o->head_dim,
+                "head dimension D (<= " + std::to_string(kMaxHeadDim) + ")")
       ->capture_default_str();
-  auto* docs = c->add_option("--docs", o->docs, "packed documents: lengths L1,L2,... summing to S");
+  add_mask_options(c, o->causal, o->window, o->docs);
   c->add_flag("--backward", o->backward, "also run the backward pass");
   c->add_flag("--check", o->check,
               "compare with the fp64 reference (above 4096 tokens: 256 sampled query rows)");
@@ -813,13 +780,11 @@ void add_attn_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--iters", o->iters, "timed iterations")->capture_default_str();
   c->add_option("--warmup", o->warmup, "untimed iterations first")->capture_default_str();
-  auto* scale = c->add_option("--scale", o->scale, "softmax scale > 0 (default 1/sqrt(D))");
-  auto* ranks = c->add_option("--ranks", o->ranks, "ranks on the local backend (threads)")
-                    ->capture_default_str();
+  c->add_option("--scale", o->scale, "softmax scale > 0 (default 1/sqrt(D))");
+  c->add_option("--ranks", o->ranks, "ranks on the local backend (threads)")->capture_default_str();
   c->add_option("--strategy", o->strategy, strategy_help())->capture_default_str();
   c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();
-  c->add_option("--ulysses", o->ulysses, "hybrid: ulysses degree U (ring degree = ranks / U)");
-  c->add_option("--inner", o->inner, "ring2d: ranks per inner ring (outer ring = ranks / inner)");
+  o->degrees.add_to(c);
   c->add_option("--dtype", o->dtype,
                 "storage of q, k, v, out, dout: fp32 or bf16 (accumulation is always fp32)")
       ->capture_default_str();
@@ -831,18 +796,23 @@ void add_attn_command(CLI::App& app) {
                 "local backend fault injection: kill:R, drop:R or delay:R:MS (see docs/cli.md)");
   c->add_flag("--baseline", o->baseline,
               "also time the same problem on one rank and report the scaling efficiency");
-  c->add_option("--memory-limit", o->memory_limit,
-                "refuse runs whose estimated peak memory is above this (e.g. 8G; default: the "
-                "machine's available memory)");
-  strict_integers(c);
-  c->callback([o, seq, heads, kvh, hd, ranks, docs, scale]() {
-    o->ranks_given = ranks->count() > 0;
-    o->kv_heads_given = kvh->count() > 0;
-    o->scale_given = scale->count() > 0;
-    o->docs_given = docs->count() > 0;
-    o->shape_given = seq->count() + heads->count() + kvh->count() + hd->count() > 0;
-    set_exit_code(run_attn(*o));
-  });
+  add_memory_limit_option(c, o->memory_limit);
+}
+
+}  // namespace
+
+void add_attn_command(CLI::App& app) {
+  add_command<AttnOptions>(app, "attn", "run one context-parallel attention and check it",
+                           declare_attn, [](const CLI::App* c, AttnOptions& o) {
+                             o.ranks_given = c->count("--ranks") > 0;
+                             o.kv_heads_given = c->count("--kv-heads") > 0;
+                             o.scale_given = c->count("--scale") > 0;
+                             o.docs_given = c->count("--docs") > 0;
+                             o.shape_given = c->count("--seq") + c->count("--heads") +
+                                                 c->count("--kv-heads") + c->count("--head-dim") >
+                                             0;
+                             return run_attn(o);
+                           });
 }
 
 }  // namespace loom::tools

@@ -2,6 +2,15 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loom/cp.h"
 
 namespace loom::tools {
 
@@ -19,8 +28,53 @@ void add_verify_command(CLI::App& app);
 // must not be negative.
 void strict_integers(CLI::App* command);
 
+// The degree options of the strategy registry on a command line: one option per distinct flag
+// the registered strategies declare (--ulysses, --inner, ...), its help naming the strategies
+// that take it. Nothing here names a strategy: a new one's option appears by itself.
+class DegreeOptions {
+ public:
+  // Adds the options to `command`, but the flags in `skip` (options the command has already with
+  // another meaning, such as loom train's mesh --ulysses).
+  void add_to(CLI::App* command, const std::set<std::string>& skip = {});
+  // Checks the given values against cfg.strategy (shown as `strategy`): its own option, unless
+  // skipped, must be given (N >= 1), and every other must not; then sets it in cfg (set_degree).
+  // InvalidArgument naming the option.
+  void apply(CpConfig& cfg, const std::string& strategy) const;
+  // The options as given, in flag order, without the leading "--" ({"inner", 2}; 0: not given).
+  std::vector<std::pair<std::string, int>> values() const;
+
+ private:
+  std::map<std::string, int> values_;  // flag -> N (0: not given); map nodes keep their address
+};
+
+// Registers subcommand `name` on a fresh options object O: declare(c, o) adds its options (then
+// every integer one gets strict_integers), and when the subcommand is parsed run(c, o) runs it
+// and returns the exit code.
+template <class O>
+void add_command(CLI::App& app, const std::string& name, const std::string& help,
+                 const std::function<void(CLI::App*, O&)>& declare,
+                 const std::function<int(const CLI::App*, O&)>& run);
+
+// The mask options loom attn and loom verify share: --causal / --no-causal, --window W and
+// --docs L1,L2,... Returns the --docs option (to see whether it was given).
+CLI::Option* add_mask_options(CLI::App* command, bool& causal, int64_t& window, std::string& docs);
+
+// --memory-limit SIZE (loom attn, loom train): refuse runs estimated above it.
+void add_memory_limit_option(CLI::App* command, std::string& limit);
+
 // The exit code the chosen subcommand asked for (0 on success, 1 on a failed check).
 int exit_code();
 void set_exit_code(int code);
+
+template <class O>
+void add_command(CLI::App& app, const std::string& name, const std::string& help,
+                 const std::function<void(CLI::App*, O&)>& declare,
+                 const std::function<int(const CLI::App*, O&)>& run) {
+  auto o = std::make_shared<O>();
+  CLI::App* c = app.add_subcommand(name, help);
+  declare(c, *o);
+  strict_integers(c);
+  c->callback([c, o, run]() { set_exit_code(run(c, *o)); });
+}
 
 }  // namespace loom::tools

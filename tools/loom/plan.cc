@@ -363,12 +363,8 @@ int run_plan(const PlanOptions& o) {
   return r.ranked.empty() ? 1 : 0;
 }
 
-}  // namespace
-
-void add_plan_command(CLI::App& app) {
-  auto o = std::make_shared<PlanOptions>();
-  CLI::App* c = app.add_subcommand(
-      "plan", "predict and rank context-parallel configurations (or --simulate, --calibrate)");
+void declare_plan(CLI::App* c, PlanOptions& opts) {
+  PlanOptions* o = &opts;
   c->add_option("--model", o->model, "llama3-8b, llama3-70b or layers,dim,heads,kv-heads,ffn,vocab")
       ->capture_default_str();
   c->add_option("--seq", o->seq, "tokens per sequence S")->capture_default_str();
@@ -403,7 +399,14 @@ void add_plan_command(CLI::App& app) {
   c->add_option("--dtype", o->dtype, "--simulate: fp32 or bf16")->capture_default_str();
   c->add_flag("--causal,!--no-causal", o->causal, "--simulate: causal mask (default)");
   c->add_flag("--forward-only", o->forward_only, "--simulate: no backward");
-  c->callback([o]() { set_exit_code(run_plan(*o)); });
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app) {
+  add_command<PlanOptions>(
+      app, "plan", "predict and rank context-parallel configurations (or --simulate, --calibrate)",
+      declare_plan, [](const CLI::App*, PlanOptions& o) { return run_plan(o); });
 }
 
 }  // namespace loom::tools

@@ -92,19 +92,6 @@ std::string strategy_help() {
   return h;
 }
 
-std::string strategy_option(Strategy id) {
-  for (const StrategyInfo& s : strategies())
-    if (s.id == id) return s.option;
-  return "";
-}
-
-std::string strategies_taking(const std::string& option) {
-  std::string names;
-  for (const StrategyInfo& s : strategies())
-    if (s.option == option) names += (names.empty() ? "" : " or ") + s.name;
-  return names;
-}
-
 double AttnReport::forward_s() const {
   return median(fwd_times);
 }
@@ -152,8 +139,8 @@ void print_text(const AttnReport& r) {
               static_cast<long long>(r.S), static_cast<long long>(r.H),
               static_cast<long long>(r.HKV), static_cast<long long>(r.D),
               r.causal ? "causal" : "full", static_cast<long long>(r.window), r.docs, r.scale);
-  if (r.ulysses > 0) std::printf(" ulysses=%d", r.ulysses);
-  if (r.inner > 0) std::printf(" inner=%d", r.inner);
+  for (const auto& [name, value] : r.degrees)
+    if (value > 0) std::printf(" %s=%d", name.c_str(), value);
   std::printf(" %s", r.dtype.c_str());
   std::printf("\n");
   std::printf("  forward   %10.3f ms  %8.2f GFLOP/s useful  (median of %d, slowest rank)\n",

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/comm.h"
@@ -34,11 +35,8 @@ struct RankReport : RankCounters {
 std::vector<std::vector<CpMetrics::Span>> gather_spans(Communicator& world,
                                                        const std::vector<CpMetrics::Span>& mine);
 
-// The registry, as the command line shows it: the --strategy help (names and what each is
-// for), the degree option a strategy takes ("" if none), the strategies taking an option.
+// The registry, as the command line shows it: the --strategy help (names and what each is for).
 std::string strategy_help();
-std::string strategy_option(Strategy s);
-std::string strategies_taking(const std::string& option);
 
 // "1.50 MiB".
 std::string human_bytes(double bytes);
@@ -59,8 +57,8 @@ struct AttnReport {
   int64_t window = 0;
   size_t docs = 1;
   double scale = 0;
-  int ulysses = 0, inner = 0;                // degree options given (0: none)
-  std::vector<double> fwd_times, bwd_times;  // slowest rank, per timed iteration
+  std::vector<std::pair<std::string, int>> degrees;  // degree options ({"inner", 2}; 0: none)
+  std::vector<double> fwd_times, bwd_times;          // slowest rank, per timed iteration
   std::vector<RankReport> ranks;
   CheckReport check;
   double baseline_s = -1;  // one-rank forward (+ backward) median, when --baseline

@@ -47,7 +47,7 @@ using model::Trainer;
 struct TrainOptions {
   int ranks = 1;
   int dp = 0, tp = 0, ulysses = 0, ring = 0;  // 0: not given
-  int inner = 0;                              // ring2d's inner ring (0: not given)
+  DegreeOptions degrees;  // the registry's degree options but --ulysses (a mesh axis here)
   std::string strategy, layout = "zigzag";
   int64_t seq = 256, layers = 4, dim = 128, heads = 4, kv_heads = 2, ffn = 0;
   int64_t steps = 300, batch = 8, warmup = -1;
@@ -394,17 +394,13 @@ int run_train(const TrainOptions& o) {
   LOOM_CHECK(world >= 1, InvalidArgument, "--ranks must be >= 1, got " << world);
   c.par.mesh = mesh_of(o, world);
   c.par.strategy = strategy_of(o, c.par.mesh);
-  if (strategy_option(c.par.strategy) == "--inner") {
-    LOOM_CHECK(
-        o.inner >= 1, InvalidArgument,
-        "--strategy " << to_string(c.par.strategy) << " needs --inner N (ranks per inner ring)");
-  } else {
-    LOOM_CHECK(o.inner == 0, InvalidArgument,
-               "--inner is only for --strategy " << strategies_taking("--inner")
-                                                 << " (got --strategy " << to_string(c.par.strategy)
-                                                 << ")");
+  {  // the strategy's degree option (hybrid's --ulysses is the mesh's; model::cp_config)
+    CpConfig d;
+    d.strategy = c.par.strategy;
+    o.degrees.apply(d, to_string(c.par.strategy));
+    c.par.inner = d.inner;
+    c.par.degree = d.degree;
   }
-  c.par.inner = o.inner;
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = o.threads ? o.threads : std::max(1, hw / here);
   c.par.threads = threads;
@@ -469,16 +465,12 @@ int run_train(const TrainOptions& o) {
   return 0;
 }
 
-}  // namespace
-
-void add_train_command(CLI::App& app) {
-  auto o = std::make_shared<TrainOptions>();
-  CLI::App* c = app.add_subcommand(
-      "train", "train a byte-level GPT with data, tensor, sequence and context parallelism");
-  auto* ranks = c->add_option("--ranks", o->ranks,
-                              "ranks on the local backend (threads); with no mesh sizes given, "
-                              "all of them form the context-parallel ring")
-                    ->capture_default_str();
+void declare_train(CLI::App* c, TrainOptions& opts) {
+  TrainOptions* o = &opts;
+  c->add_option("--ranks", o->ranks,
+                "ranks on the local backend (threads); with no mesh sizes given, "
+                "all of them form the context-parallel ring")
+      ->capture_default_str();
   c->add_option("--dp", o->dp, "data-parallel ranks (default 1)");
   c->add_option("--tp", o->tp, "tensor(+sequence)-parallel ranks (default 1)");
   c->add_option("--ulysses", o->ulysses,
@@ -490,8 +482,7 @@ void add_train_command(CLI::App& app) {
                 "attention over the cp group (default: hybrid when ulysses and ring > 1, ulysses "
                 "when only ulysses > 1, else ring); " +
                     strategy_help());
-  c->add_option("--inner", o->inner,
-                "ring2d: ranks per inner ring of the cp group (outer ring = cp ranks / inner)");
+  o->degrees.add_to(c, {"--ulysses"});
   c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();
   c->add_option("--seq", o->seq, "tokens (bytes) per sequence")->capture_default_str();
   c->add_option("--layers", o->layers, "decoder layers")->capture_default_str();
@@ -532,9 +523,7 @@ void add_train_command(CLI::App& app) {
   c->add_option("--keep-checkpoints", o->keep_checkpoints,
                 "keep only the newest N checkpoints in --checkpoint-dir (0: all)")
       ->capture_default_str();
-  c->add_option("--memory-limit", o->memory_limit,
-                "refuse runs whose estimated peak memory is above this (e.g. 8G; default: the "
-                "machine's available memory)");
+  add_memory_limit_option(c, o->memory_limit);
   c->add_option("--data-limit", o->data_limit,
                 "refuse a --data file larger than this (e.g. 4G); --data - reads standard input")
       ->capture_default_str();
@@ -542,11 +531,17 @@ void add_train_command(CLI::App& app) {
                 "OpenMP and OpenBLAS threads per rank (0: cores / ranks); 1 by default because "
                 "spin-waiting threads on a shared machine cost more than they give")
       ->capture_default_str();
-  strict_integers(c);
-  c->callback([o, ranks]() {
-    o->ranks_given = ranks->count() > 0;
-    set_exit_code(run_train(*o));
-  });
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  add_command<TrainOptions>(
+      app, "train", "train a byte-level GPT with data, tensor, sequence and context parallelism",
+      declare_train, [](const CLI::App* c, TrainOptions& o) {
+        o.ranks_given = c->count("--ranks") > 0;
+        return run_train(o);
+      });
 }
 
 }  // namespace loom::tools

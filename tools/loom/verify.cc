@@ -348,12 +348,8 @@ int run_verify(const VerifyOptions& o) {
   return passed ? 0 : 1;
 }
 
-}  // namespace
-
-void add_verify_command(CLI::App& app) {
-  auto o = std::make_shared<VerifyOptions>();
-  CLI::App* c = app.add_subcommand(
-      "verify", "check another implementation's outputs against the exact answer, localise errors");
+void declare_verify(CLI::App* c, VerifyOptions& opts) {
+  VerifyOptions* o = &opts;
   c->add_option("--input", o->input, "DIR with q.npy, k.npy, v.npy [, dout.npy, cu_seqlens.npy]")
       ->required();
   c->add_option("--candidate", o->candidate,
@@ -365,9 +361,7 @@ void add_verify_command(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--ranks", o->ranks, "context-parallel world size of the candidate")
       ->capture_default_str();
-  c->add_flag("--causal,!--no-causal", o->causal, "causal mask (default) or full attention");
-  c->add_option("--window", o->window, "sliding window W: keys with |i - j| < W (0: none)");
-  c->add_option("--docs", o->docs, "packed documents: lengths L1,L2,... summing to S");
+  add_mask_options(c, o->causal, o->window, o->docs);
   c->add_option("--scale", o->scale, "softmax scale (default 1/sqrt(D))");
   c->add_option("--dtype", o->dtype, "candidate storage: fp32 or bf16 (selects the tolerances)")
       ->capture_default_str();
@@ -376,15 +370,23 @@ void add_verify_command(CLI::App& app) {
   c->add_option("--json", o->json, "write the report as JSON to FILE");
   c->add_option("--heatmap", o->heatmap, "write the (query chunk x KV chunk) heat map SVG to FILE");
   c->add_flag("--quiet", o->quiet, "print nothing; only the exit status");
-  c->callback([o]() {
-    try {
-      set_exit_code(run_verify(*o));
-    } catch (const Error& e) {
-      // Unusable input: one line, exit status 2 (a failed check is 1).
-      std::fprintf(stderr, "loom: error: %s\n", e.what());
-      set_exit_code(2);
-    }
-  });
+}
+
+}  // namespace
+
+void add_verify_command(CLI::App& app) {
+  add_command<VerifyOptions>(
+      app, "verify",
+      "check another implementation's outputs against the exact answer, localise errors",
+      declare_verify, [](const CLI::App*, VerifyOptions& o) {
+        try {
+          return run_verify(o);
+        } catch (const Error& e) {
+          // Unusable input: one line, exit status 2 (a failed check is 1).
+          std::fprintf(stderr, "loom: error: %s\n", e.what());
+          return 2;
+        }
+      });
 }
 
 }  // namespace loom::tools

@@ -64,6 +64,7 @@ struct ParallelConfig {
   MeshShape mesh;
   Strategy strategy = Strategy::ring;  // hybrid uses mesh.ulysses as its ulysses degree
   int inner = 0;                       // ring2d: ranks per inner ring (CpConfig::inner)
+  int degree = 0;  // CpConfig::degree: the degree option of a registered strategy without a field
   Layout layout = Layout::zigzag;
   int threads = 1;  // OpenMP threads of the attention kernels on this rank
 };

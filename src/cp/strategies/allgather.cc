@@ -84,8 +84,15 @@ class Allgather : public CpStrategyOf<Allgather> {
 
 constexpr const char* kAllgatherSummary =
     "all-gather K,V, attend, reduce-scatter dK,dV (short sequences, few KV heads)";
-extern const StrategyEntry kAllgatherEntry{
-    Strategy::allgather,     "allgather", kAllgatherSummary, "", false, no_inner_axis,
-    make_strategy<Allgather>};
+// The whole gathered K and V (and their dK,dV partials in backward), and this rank's packed
+// block and reduce-scattered gradient.
+double allgather_working_bytes(const CpProblem& p) {
+  const RowBytes b(p);
+  const double all_kv = 8.0 * double(p.seq) * double(p.kv_heads) * double(p.head_dim);
+  return b.q + all_kv * (p.backward ? 2 : 1) + 2 * b.kv;
+}
+
+extern constinit const StrategyEntry kAllgatherEntry =
+    one_axis_entry<Allgather>(Strategy::allgather, kAllgatherSummary, allgather_working_bytes);
 
 }  // namespace loom::cp_detail

@@ -88,7 +88,21 @@ int hybrid_inner(int P, const CpConfig& cfg) {
 
 constexpr const char* kHybridSummary =
     "ulysses inside groups of U consecutive ranks (a node), ring across the groups";
-extern const StrategyEntry kHybridEntry{
-    Strategy::hybrid, "hybrid", kHybridSummary, "--ulysses", true, hybrid_inner, make_hybrid};
+// The re-sharded copies of q, k, v (out, dout and the gradients in backward), their send and
+// receive buffers, and the ring's KV blocks in flight.
+double hybrid_working_bytes(const CpProblem& p) {
+  const RowBytes b(p);
+  const double io = p.backward ? 4 : 2;
+  return 3 * (b.q * io + b.kv * io) + 4 * b.kv;
+}
+
+extern constinit const StrategyEntry kHybridEntry{
+    .id = Strategy::hybrid,
+    .summary = kHybridSummary,
+    .degree = {"--ulysses", "ulysses degree U; the ring degree is ranks / U", &CpConfig::ulysses},
+    .splits_heads = true,
+    .inner_degree = hybrid_inner,
+    .make = make_hybrid,
+    .working_bytes = hybrid_working_bytes};
 
 }  // namespace loom::cp_detail

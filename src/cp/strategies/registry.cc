@@ -8,29 +8,76 @@ namespace loom {
 
 namespace cp_detail {
 
+// The built-ins, each defined by its file. Adding one: its file, and two lines here (its
+// entry's declaration, and its place in the registration order below).
+extern const StrategyEntry kRingEntry;
+extern const StrategyEntry kUlyssesEntry;
+extern const StrategyEntry kHybridEntry;
+extern const StrategyEntry kAllgatherEntry;
+extern const StrategyEntry kRing2dEntry;
+
+namespace {
+
+// The entries and their public descriptions, in registration order.
+struct Registry {
+  std::vector<StrategyEntry> entries;
+  std::vector<StrategyInfo> infos;
+  Registry() {
+    for (const StrategyEntry* e : {
+             &kRingEntry,
+             &kUlyssesEntry,
+             &kHybridEntry,
+             &kAllgatherEntry,
+             &kRing2dEntry,
+         })
+      add(*e);
+  }
+  void add(const StrategyEntry& e) {
+    entries.push_back(e);
+    infos.push_back(info_of(e));
+  }
+  static StrategyInfo info_of(const StrategyEntry& e) {
+    return StrategyInfo{e.id, std::string(e.id.name()), e.summary, e.degree.flag, e.degree.help};
+  }
+};
+
+Registry& the_registry() {
+  static Registry r;
+  return r;
+}
+
+}  // namespace
+
 const std::vector<StrategyEntry>& registry() {
-  static const std::vector<StrategyEntry> entries = {
-      kRingEntry, kUlyssesEntry, kHybridEntry, kAllgatherEntry, kRing2dEntry,
-  };
-  return entries;
+  return the_registry().entries;
 }
 
 const StrategyEntry& entry(Strategy s) {
   for (const StrategyEntry& e : registry())
     if (e.id == s) return e;
-  throw InvalidArgument("unregistered strategy id " + std::to_string(static_cast<int>(s)));
+  throw InvalidArgument("unknown strategy '" + std::string(s.name()) + "' (choose " +
+                        strategy_choices() + ")");
+}
+
+void register_strategy(const StrategyEntry& e) {
+  Registry& r = the_registry();
+  LOOM_CHECK(!e.id.name().empty(), InvalidArgument, "register_strategy: the name is empty");
+  for (const StrategyEntry& x : r.entries)
+    LOOM_CHECK(!(x.id == e.id), InvalidArgument,
+               "register_strategy: '" << e.id.name() << "' is already registered");
+  LOOM_CHECK(
+      e.inner_degree && e.make && e.working_bytes, InvalidArgument,
+      "register_strategy: '" << e.id.name() << "' needs inner_degree, make and working_bytes");
+  LOOM_CHECK(*e.degree.flag == '\0' || e.degree.value, InvalidArgument,
+             "register_strategy: '" << e.id.name() << "' declares " << e.degree.flag
+                                    << " without the CpConfig value it sets");
+  r.add(e);
 }
 
 }  // namespace cp_detail
 
 const std::vector<StrategyInfo>& strategies() {
-  static const std::vector<StrategyInfo> infos = [] {
-    std::vector<StrategyInfo> v;
-    for (const cp_detail::StrategyEntry& e : cp_detail::registry())
-      v.push_back(StrategyInfo{e.id, e.name, e.summary, e.option});
-    return v;
-  }();
-  return infos;
+  return cp_detail::the_registry().infos;
 }
 
 std::string strategy_choices() {
@@ -38,19 +85,30 @@ std::string strategy_choices() {
   std::string s;
   for (size_t i = 0; i < all.size(); ++i) {
     if (i) s += i + 1 == all.size() ? " or " : ", ";
-    s += all[i].name;
+    s += all[i].id.name();
   }
   return s;
 }
 
 Strategy parse_strategy(const std::string& name) {
   for (const cp_detail::StrategyEntry& e : cp_detail::registry())
-    if (name == e.name) return e.id;
+    if (name == e.id.name()) return e.id;
   throw InvalidArgument("unknown strategy '" + name + "' (choose " + strategy_choices() + ")");
 }
 
 std::string to_string(Strategy s) {
-  return cp_detail::entry(s).name;
+  return std::string(s.name());
+}
+
+void set_degree(CpConfig& cfg, int value) {
+  const cp_detail::StrategyEntry& e = cp_detail::entry(cfg.strategy);
+  LOOM_CHECK(e.degree.value, InvalidArgument,
+             "strategy " << e.id.name() << " takes no degree option (got " << value << ")");
+  cfg.*e.degree.value = value;
+}
+
+double strategy_working_bytes(const CpConfig& cfg, const CpProblem& p) {
+  return cp_detail::entry(cfg.strategy).working_bytes(p);
 }
 
 CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t kv_heads) {
@@ -66,13 +124,13 @@ CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t k
   const int U = shape.inner;
   if (e.splits_heads && U > 1) {
     LOOM_CHECK(heads % U == 0, InvalidArgument,
-               e.name << ": heads (" << heads << ") must be divisible by the ulysses degree (" << U
-                      << ")");
+               e.id.name() << ": heads (" << heads << ") must be divisible by the ulysses degree ("
+                           << U << ")");
     LOOM_CHECK(kv_heads % U == 0 || U % kv_heads == 0, InvalidArgument,
-               e.name << ": kv-heads (" << kv_heads << ") and the ulysses degree (" << U
-                      << ") must divide one another (scatter KV heads when kv-heads % U == 0, "
-                         "replicate them when U % kv-heads == 0); heads = "
-                      << heads);
+               e.id.name() << ": kv-heads (" << kv_heads << ") and the ulysses degree (" << U
+                           << ") must divide one another (scatter KV heads when kv-heads % U == 0, "
+                              "replicate them when U % kv-heads == 0); heads = "
+                           << heads);
     shape.replicate_kv = kv_heads % U != 0;
   }
   return shape;

@@ -39,7 +39,14 @@ class Ring : public CpStrategyOf<Ring> {
 
 constexpr const char* kRingSummary =
     "K,V blocks travel around all ranks while each computes (long sequences, any head count)";
-extern const StrategyEntry kRingEntry{Strategy::ring, "ring",        kRingSummary,       "",
-                                      false,          no_inner_axis, make_strategy<Ring>};
+// The softmax state, this step's and the next step's KV blocks (double-buffered), and in
+// backward the travelling dK,dV sums and the dq partial.
+double ring_working_bytes(const CpProblem& p) {
+  const RowBytes b(p);
+  return b.q + 2 * b.stat + 4 * b.kv + (p.backward ? 4 * b.kv + b.q : 0);
+}
+
+extern constinit const StrategyEntry kRingEntry =
+    one_axis_entry<Ring>(Strategy::ring, kRingSummary, ring_working_bytes);
 
 }  // namespace loom::cp_detail

@@ -152,8 +152,19 @@ int ring2d_inner(int P, const CpConfig& cfg) {
 constexpr const char* kRing2dSummary =
     "double ring: inner rings of --inner consecutive ranks (a node), an outer ring across them; "
     "one inter-node transfer per outer step";
-extern const StrategyEntry kRing2dEntry{
-    Strategy::ring2d,     "ring2d", kRing2dSummary, "--inner", false, ring2d_inner,
-    make_strategy<Ring2d>};
+// The ring's set, plus the outer KV block in flight and its travelling dK,dV sum.
+double ring2d_working_bytes(const CpProblem& p) {
+  const RowBytes b(p);
+  return b.q + 2 * b.stat + 6 * b.kv + (p.backward ? 6 * b.kv + b.q : 0);
+}
+
+extern constinit const StrategyEntry kRing2dEntry{
+    .id = Strategy::ring2d,
+    .summary = kRing2dSummary,
+    .degree = {"--inner", "ranks per inner ring; the outer ring is ranks / inner",
+               &CpConfig::inner},
+    .inner_degree = ring2d_inner,
+    .make = make_strategy<Ring2d>,
+    .working_bytes = ring2d_working_bytes};
 
 }  // namespace loom::cp_detail

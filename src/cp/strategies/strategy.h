@@ -49,16 +49,41 @@ class CpStrategyOf : public CpStrategy {
   Derived& self() { return static_cast<Derived&>(*this); }
 };
 
+// The degree option a strategy takes, declared by its entry: the command line (loom attn, loom
+// train) and the python binding build their options from these.
+struct DegreeOption {
+  const char* flag = "";           // "--inner"; "" when the strategy takes none
+  const char* help = "";           // what N is, for --help
+  int CpConfig::*value = nullptr;  // the CpConfig value it sets (CpConfig::degree for a
+                                   // strategy whose option has no field of its own)
+};
+
 struct StrategyEntry {
-  Strategy id;
-  const char* name;
-  const char* summary;  // one line: what it is for (help texts, docs)
-  const char* option;   // the degree option it reads from CpConfig ("--ulysses", "--inner"), or ""
-  bool splits_heads;    // its inner axis splits heads (ulysses all-to-all)
+  Strategy id;                // Strategy{"name"}: its name
+  const char* summary;        // one line: what it is for (help texts, docs)
+  DegreeOption degree = {};   // the degree option it reads from CpConfig, if any
+  bool splits_heads = false;  // its inner axis splits heads (ulysses all-to-all)
   // The inner degree for P ranks (CpShape::inner); throws InvalidArgument naming the values
   // when cfg does not fit P.
   int (*inner_degree)(int P, const CpConfig& cfg);
   std::unique_ptr<CpStrategy> (*make)(Engine& e);
+  // Estimated bytes of its working set on one rank (strategy_working_bytes in loom/cp.h).
+  double (*working_bytes)(const CpProblem& p);
+};
+
+// Adds a strategy defined outside registry.cc (a test, a plug-in) after the built-ins; call it
+// before any CpAttention is built (not thread-safe against concurrent use of the registry).
+// InvalidArgument when the name is taken or the entry lacks inner_degree, make or working_bytes.
+void register_strategy(const StrategyEntry& e);
+
+// The fp32 bytes of one rank's rows of q ([rows, H, D]), of K or V ([rows, Hkv, D]) and of a
+// softmax statistic ([H, rows]): the units of the working-set estimates.
+struct RowBytes {
+  double q, kv, stat;
+  explicit RowBytes(const CpProblem& p)
+      : q(4.0 * double(p.rows) * double(p.heads) * double(p.head_dim)),
+        kv(4.0 * double(p.rows) * double(p.kv_heads) * double(p.head_dim)),
+        stat(4.0 * double(p.rows) * double(p.heads)) {}
 };
 
 // Memory slots: the ring pass uses 0-6 (engine.h); every strategy may use kSlotDelta for its
@@ -75,19 +100,25 @@ std::unique_ptr<CpStrategy> make_strategy(Engine& e) {
 inline int no_inner_axis(int, const CpConfig&) {
   return 1;
 }
+// The entry of a strategy whose ranks form one axis (ring, allgather): no degree option, heads
+// not split, inner degree 1.
+template <class S>
+constexpr StrategyEntry one_axis_entry(Strategy id, const char* summary,
+                                       double (*working_bytes)(const CpProblem&)) {
+  return StrategyEntry{.id = id,
+                       .summary = summary,
+                       .inner_degree = no_inner_axis,
+                       .make = make_strategy<S>,
+                       .working_bytes = working_bytes};
+}
 
-// hybrid's implementation, which ulysses (one group) shares.
+// hybrid's implementation and working set, which ulysses (one group) shares.
 std::unique_ptr<CpStrategy> make_hybrid(Engine& e);
+double hybrid_working_bytes(const CpProblem& p);
 
-// Every registered strategy (registry.cc), and the one for an id.
+// Every registered strategy (registry.cc), and the one for an id (InvalidArgument listing the
+// choices when it is not registered).
 const std::vector<StrategyEntry>& registry();
 const StrategyEntry& entry(Strategy s);
-
-// The registration of each strategy, one per file.
-extern const StrategyEntry kRingEntry;
-extern const StrategyEntry kUlyssesEntry;
-extern const StrategyEntry kHybridEntry;
-extern const StrategyEntry kAllgatherEntry;
-extern const StrategyEntry kRing2dEntry;
 
 }  // namespace loom::cp_detail

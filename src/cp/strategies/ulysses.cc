@@ -14,7 +14,11 @@ int all_ranks_inner(int P, const CpConfig&) {
 
 constexpr const char* kUlyssesSummary =
     "all-to-all to whole sequences of H/P heads, one attend, all-to-all back (heads % P == 0)";
-extern const StrategyEntry kUlyssesEntry{Strategy::ulysses, "ulysses",  kUlyssesSummary, "", true,
-                                         all_ranks_inner,   make_hybrid};
+extern constinit const StrategyEntry kUlyssesEntry{.id = Strategy::ulysses,
+                                                   .summary = kUlyssesSummary,
+                                                   .splits_heads = true,
+                                                   .inner_degree = all_ranks_inner,
+                                                   .make = make_hybrid,
+                                                   .working_bytes = hybrid_working_bytes};
 
 }  // namespace loom::cp_detail

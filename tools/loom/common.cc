@@ -1,0 +1,73 @@
+// Command-line code the subcommands share: the registry's degree options, the options several
+// subcommands declare alike.
+#include <sstream>
+
+#include "commands.h"
+#include "loom/error.h"
+
+namespace loom::tools {
+
+namespace {
+
+// "hybrid" or "hybrid or foo": the strategies whose degree option is `flag`.
+std::string strategies_taking(const std::string& flag) {
+  std::string names;
+  for (const StrategyInfo& s : strategies())
+    if (s.option == flag) names += (names.empty() ? "" : " or ") + s.name;
+  return names;
+}
+
+const StrategyInfo& info_of(Strategy id) {
+  for (const StrategyInfo& s : strategies())
+    if (s.id == id) return s;
+  return strategies().front();  // not reached: cfg.strategy came from parse_strategy
+}
+
+}  // namespace
+
+void DegreeOptions::add_to(CLI::App* command, const std::set<std::string>& skip) {
+  for (const StrategyInfo& s : strategies()) {
+    if (s.option.empty() || skip.count(s.option) || values_.count(s.option)) continue;
+    std::string help;
+    for (const StrategyInfo& t : strategies())
+      if (t.option == s.option) help += (help.empty() ? "" : "; ") + t.name + ": " + t.option_help;
+    command->add_option(s.option, values_[s.option], help);
+  }
+}
+
+void DegreeOptions::apply(CpConfig& cfg, const std::string& strategy) const {
+  const StrategyInfo& mine = info_of(cfg.strategy);
+  for (const auto& [flag, value] : values_) {
+    if (flag == mine.option) {
+      LOOM_CHECK(value >= 1, InvalidArgument,
+                 "--strategy " << strategy << " needs " << flag << " N (" << mine.option_help
+                               << "; docs/strategies.md)");
+      set_degree(cfg, value);
+    } else {
+      LOOM_CHECK(value == 0, InvalidArgument,
+                 flag << " is only for --strategy " << strategies_taking(flag)
+                      << " (got --strategy " << strategy << ")");
+    }
+  }
+}
+
+std::vector<std::pair<std::string, int>> DegreeOptions::values() const {
+  std::vector<std::pair<std::string, int>> v;
+  for (const auto& [flag, value] : values_) v.emplace_back(flag.substr(2), value);
+  return v;
+}
+
+CLI::Option* add_mask_options(CLI::App* command, bool& causal, int64_t& window, std::string& docs) {
+  command->add_flag("--causal,!--no-causal", causal, "causal mask (default) or full attention");
+  command->add_option("--window", window, "sliding window W: keys with |i - j| < W (0: none)")
+      ->capture_default_str();
+  return command->add_option("--docs", docs, "packed documents: lengths L1,L2,... summing to S");
+}
+
+void add_memory_limit_option(CLI::App* command, std::string& limit) {
+  command->add_option("--memory-limit", limit,
+                      "refuse runs whose estimated peak memory is above this (e.g. 8G; default: "
+                      "the machine's available memory)");
+}
+
+}  // namespace loom::tools
