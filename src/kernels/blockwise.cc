@@ -51,6 +51,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <new>
@@ -282,6 +283,33 @@ inline float to_f32(bf16 x) {
   return to_float(x);
 }
 
+// out[0, n) = in[0, n) widened to fp32. The pointers never alias (caller's tensors into tile
+// buffers); saying so lets GCC copy in vectors: the scalar copies it emitted otherwise were 10 % of
+// a backward call (perf on Zen 3, pack_rows_panels).
+inline void widen(const float* __restrict in, int64_t n, float* __restrict out) {
+  std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
+}
+inline void widen(const bf16* __restrict in, int64_t n, float* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(in[i].bits) << 16;
+    std::memcpy(out + i, &u, 4);
+  }
+}
+// One row piece of a panel: kNr values (a fixed-length copy, in vectors) or the n < kNr at the end
+// of a head dim that is not a multiple of kNr.
+template <class T>
+inline void widen_piece(const T* in, int64_t n, float* out) {
+  if (n == kNr) {
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(out, in, kNr * sizeof(float));
+    } else {
+      widen(in, kNr, out);
+    }
+  } else {
+    widen(in, n, out);
+  }
+}
+
 // rows x d of a view (row r = x.row(begin + r, head)) into a [bq, dp] buffer, zero padded.
 template <class T>
 void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, const TileDims& t,
@@ -289,8 +317,7 @@ void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, cons
   for (int64_t r = 0; r < t.bq; ++r) {
     float* out = dst + r * t.dp;
     if (r < rows) {
-      const T* in = x.row(begin + r, head);
-      for (int64_t d = 0; d < x.d; ++d) out[d] = to_f32(in[d]);
+      widen(x.row(begin + r, head), x.d, out);
       std::fill(out + x.d, out + t.dp, 0.0f);
     } else {
       std::fill(out, out + t.dp, 0.0f);
@@ -320,14 +347,8 @@ void pack_kv_rows(View3<const T> x, int64_t begin, int64_t cols, int64_t head, c
   std::fill(dst, dst + t.bk * t.dp, 0.0f);
   for (int64_t j = 0; j < cols; ++j) {
     const T* in = x.row(begin + j, head);
-    for (int64_t d0 = 0; d0 < x.d; d0 += kNr) {
-      float* out = dst + d0 * t.bk + j * kNr;
-      if (d0 + kNr <= x.d) {  // a whole panel row: a fixed-length copy GCC vectorises
-        for (int64_t e = 0; e < kNr; ++e) out[e] = to_f32(in[d0 + e]);
-      } else {
-        for (int64_t e = 0; e < x.d - d0; ++e) out[e] = to_f32(in[d0 + e]);
-      }
-    }
+    for (int64_t d0 = 0; d0 < x.d; d0 += kNr)
+      widen_piece(in + d0, std::min(kNr, x.d - d0), dst + d0 * t.bk + j * kNr);
   }
 }
 
@@ -337,16 +358,11 @@ template <class T>
 void pack_rows_panels(View3<const T> x, int64_t begin, int64_t rows, int64_t head,
                       const TileDims& t, float* dst) {
   if (rows < t.bq || x.d < t.dp) std::fill(dst, dst + t.bq * t.dp, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* in = x.row(begin + r, head);
-    for (int64_t d0 = 0; d0 < x.d; d0 += kNr) {
-      float* out = dst + d0 * t.bq + r * kNr;
-      if (d0 + kNr <= x.d) {  // a whole panel row: a fixed-length copy GCC vectorises
-        for (int64_t e = 0; e < kNr; ++e) out[e] = to_f32(in[d0 + e]);
-      } else {
-        for (int64_t e = 0; e < x.d - d0; ++e) out[e] = to_f32(in[d0 + e]);
-      }
-    }
+  // Panel by panel, so the stores run sequentially through dst.
+  for (int64_t d0 = 0; d0 < x.d; d0 += kNr) {
+    const int64_t n = std::min(kNr, x.d - d0);
+    float* out = dst + d0 * t.bq;
+    for (int64_t r = 0; r < rows; ++r) widen_piece(x.row(begin + r, head) + d0, n, out + r * kNr);
   }
 }
 
