@@ -41,34 +41,15 @@ using test::rel_error;
 enum class MaskKind { kCausal, kFull, kWindow, kCausalWindow, kDocuments };
 enum class Layout { kContiguous, kZigzag, kStripe, kRandom };
 
+// Names in enum order (test names: gtest parameter suffixes).
 const char* mask_name(MaskKind m) {
-  switch (m) {
-    case MaskKind::kCausal:
-      return "causal";
-    case MaskKind::kFull:
-      return "full";
-    case MaskKind::kWindow:
-      return "window";
-    case MaskKind::kCausalWindow:
-      return "causalwindow";
-    case MaskKind::kDocuments:
-      return "documents";
-  }
-  return "?";
+  static const char* const kNames[] = {"causal", "full", "window", "causalwindow", "documents"};
+  return kNames[static_cast<int>(m)];
 }
 
 const char* layout_name(Layout l) {
-  switch (l) {
-    case Layout::kContiguous:
-      return "contiguous";
-    case Layout::kZigzag:
-      return "zigzag";
-    case Layout::kStripe:
-      return "stripe";
-    case Layout::kRandom:
-      return "random";
-  }
-  return "?";
+  static const char* const kNames[] = {"contiguous", "zigzag", "stripe", "random"};
+  return kNames[static_cast<int>(l)];
 }
 
 struct Case {
