@@ -134,29 +134,51 @@ class SoftmaxState {
   int64_t rows_ = 0;
 };
 
+// Every function below comes in two overloads: fp32 storage and bf16 storage. With bf16, q, k,
+// v (and out, dout) are stored in bf16 and every accumulation is fp32: the softmax state (acc,
+// m, l), lse, delta and the dq, dk, dv accumulators are the same fp32 objects, with the same
+// shapes and contracts. So a context-parallel ring can keep and send its KV blocks in bf16 (half
+// the bytes) while its state and the dk/dv partials travelling with a block stay fp32, and a
+// state filled by bf16 attends can be finished to fp32 or bf16 (or mixed with fp32 attends).
+//
+// bf16 precision: the scores q k^T and (on CPUs with AVX512-BF16) the product p v are formed from
+// bf16 operands with fp32 sums; p is rounded to bf16 for p v only (l sums the unrounded p, so lse
+// has fp32 accuracy). finish() to bf16 rounds out (relative u = 2^-8 per element);
+// compute_delta on that out carries its rounding into dq and dk. The backward itself is fp32 on
+// the exact bf16 inputs (dv has fp32 accuracy). The error bounds against the fp64 reference on
+// the same bf16 inputs are derived in tests/unit/tolerance.h ("bf16 storage").
+
 // Folds the KV block (k, v with tokens kt) into the state of the query rows q (tokens qt).
 // q: [st.rows, H, D] with H == st.heads, D == st.dim; k, v: [Sk, Hkv, D]. D <= 256.
 KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,
                    Tokens qt, Tokens kt, const KernelConfig& cfg);
+KernelStats attend(StateView st, View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                   Tokens qt, Tokens kt, const KernelConfig& cfg);
 
 // out[i, h, :] = acc / l, lse[h * lse_stride + i] = m + log(l); rows with l == 0 give out = 0
-// and lse = -inf.
+// and lse = -inf. bf16: out rounded to bf16 (nearest even); lse fp32.
 void finish(StateView st, View3<float> out, float* lse, int64_t lse_stride);
+void finish(StateView st, View3<bf16> out, float* lse, int64_t lse_stride);
 
 // ---------------------------------------------------------------------------------------------
 // Blockwise backward. Uses the FINAL lse of each query row, so partial gradients from different
 // KV blocks (ring steps) simply add.
 
-// delta[h * stride + i] = sum_d dout[i,h,d] * out[i,h,d].
+// delta[h * stride + i] = sum_d dout[i,h,d] * out[i,h,d] (bf16: widened exactly; fp32 sums).
 void compute_delta(View3<const float> out, View3<const float> dout, float* delta, int64_t stride);
+void compute_delta(View3<const bf16> out, View3<const bf16> dout, float* delta, int64_t stride);
 
-// Accumulates (+=) into dq [Sq,H,D], dk, dv [Sk,Hkv,D] the gradient contributions of the pairs
-// (q rows, this KV block):
+// Accumulates (+=) into dq [Sq,H,D], dk, dv [Sk,Hkv,D] (fp32 for either storage) the gradient
+// contributions of the pairs (q rows, this KV block):
 //   S = scale q k^T, P = exp(S - lse), dv += P^T dout, dP = dout v^T, dS = P (dP - delta),
 //   dq += scale dS k, dk += scale dS^T q.
 // Rows with lse = -inf contribute nothing.
 KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<const float> v,
                             View3<const float> dout, const float* lse, const float* delta,
+                            int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
+                            View3<float> dq, View3<float> dk, View3<float> dv);
+KernelStats attend_backward(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                            View3<const bf16> dout, const float* lse, const float* delta,
                             int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
                             View3<float> dq, View3<float> dk, View3<float> dv);
 
@@ -167,36 +189,6 @@ KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<co
 // Writes the result into (out_a, lse_a). Both -inf: out_a = 0, lse_a = -inf.
 void merge(View3<float> out_a, float* lse_a, View3<const float> out_b, const float* lse_b,
            int64_t lse_stride);
-
-// ---------------------------------------------------------------------------------------------
-// bf16 storage. The same kernels with q, k, v (and out, dout) stored in bf16 and every
-// accumulation in fp32: the softmax state (acc, m, l), lse, delta and the dq, dk, dv accumulators
-// are the fp32 objects of the functions above, with the same shapes and contracts. So a
-// context-parallel ring can keep and send its KV blocks in bf16 (half the bytes) while its state
-// and the dk/dv partials travelling with a block stay fp32, and a state filled by bf16 attends
-// can be finished to fp32 or bf16 (or mixed with fp32 attends).
-//
-// Precision: the scores q k^T and (on CPUs with AVX512-BF16) the product p v are formed from bf16
-// operands with fp32 sums; p is rounded to bf16 for p v only (l sums the unrounded p, so lse has
-// fp32 accuracy). finish() to bf16 rounds out (relative u = 2^-8 per element); compute_delta on
-// that out carries its rounding into dq and dk. The backward itself is fp32 on the exact bf16
-// inputs (dv has fp32 accuracy). The error bounds against the fp64 reference on the same bf16
-// inputs are derived in tests/unit/tolerance.h ("bf16 storage").
-
-KernelStats attend(StateView st, View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
-                   Tokens qt, Tokens kt, const KernelConfig& cfg);
-
-// As finish() above, out rounded to bf16 (nearest even); lse fp32.
-void finish(StateView st, View3<bf16> out, float* lse, int64_t lse_stride);
-
-// delta from bf16 out and dout (widened exactly; fp32 sums).
-void compute_delta(View3<const bf16> out, View3<const bf16> dout, float* delta, int64_t stride);
-
-// As attend_backward() above with bf16 q, k, v, dout; dq, dk, dv fp32 accumulators (+=).
-KernelStats attend_backward(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
-                            View3<const bf16> dout, const float* lse, const float* delta,
-                            int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
-                            View3<float> dq, View3<float> dk, View3<float> dv);
 
 // The instruction-set path the kernels take in this process now, e.g. "avx2", "avx512",
 // "avx512bf16", "sse4", "neon", "scalar" (chosen per call from the CPU and the LOOM_KERNEL

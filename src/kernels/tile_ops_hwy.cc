@@ -5,13 +5,14 @@
 // GEMM. C[M, N] = alpha A B (+ C), M % 4 == 0, N % 16 == 0 (the packing pads to that). The
 // register block is R rows x 2 vectors of C: R = 8 on targets with 32 vector registers (AVX-512,
 // NEON), R = 6 on those with 16 (AVX2, SSE4, SSSE3; 12 accumulators, 2 B vectors and one
-// broadcast fit), 4 and 2 rows at the bottom edge. For each step k of the reduction it loads two
-// vectors of row k of B and broadcasts a(i, k) of each of its rows: 2R multiply-adds for 2 + R
-// loads, so the FMA pipes stay the bound. Columns are the outer loop: a panel of B (K x 2 vectors:
-// 8 KiB on AVX2, 16 KiB on AVX-512 for K = 128) stays in L1 while the row blocks of A pass over
-// it. Each C element is a sequential multiply-add chain over k from 0 (fused where the target has
-// FMA: MulAdd), which dot() reproduces for compute_delta. Vectors are at most 16 floats
-// (CappedTag), so 16 | N makes every row a whole number of vectors on every target.
+// broadcast fit), 4 and 2 rows at the bottom edge (4 + 4 rather than kRows + 2). For each step k of
+// the reduction it loads two vectors of row k of B and broadcasts a(i, k) of each of its rows: 2R
+// multiply-adds for 2 + R loads, so the FMA pipes stay the bound. Columns are the outer loop: a
+// panel of B (K x 2 vectors: 8 KiB on AVX2, 16 KiB on AVX-512 for K = 128) stays in L1 while the
+// row blocks of A pass over it. Each C element is a sequential multiply-add chain over k from 0
+// (fused where the target has FMA: MulAdd), which dot() reproduces for compute_delta. Vectors are
+// at most 16 floats (CappedTag), so 16 | N makes every row a whole number of vectors on every
+// target.
 //
 // exp. The range reduction x = n ln2 + r, |r| <= ln2/2 (n = round(x log2 e)), r = (x - n ln2_hi)
 // - n ln2_lo with ln2_hi exact in 9 bits (n ln2_hi exact for |n| <= 128), the Cephes degree-6
@@ -96,15 +97,16 @@ template <int NV>
 HWY_INLINE void gemm_columns(D d, int64_t M, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                              const float* const* bcol, int64_t ldb, float alpha, bool accumulate,
                              float* c, int64_t ldc) {
+  // A 2-row block has 2 NV multiply-add chains, too few to cover the FMA latency (it runs at
+  // about half rate): rows that would end in kRows + 2 (128 = 21 x 6 + 2 on AVX2) end in 4 + 4.
+  const int64_t main_end = kRows == 6 && M % kRows == 2 && M >= 8 ? M - 8 : M;
   int64_t i0 = 0;
-  for (; i0 + kRows <= M; i0 += kRows)
+  for (; i0 + kRows <= main_end; i0 += kRows)
     gemm_block<kRows, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate,
                           c + i0 * ldc, ldc);
-  if (i0 + 4 <= M) {
+  for (; i0 + 4 <= M; i0 += 4)  // at most two (kRows + 2 rows left), else at most one
     gemm_block<4, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
                       ldc);
-    i0 += 4;
-  }
   if (i0 + 2 <= M)  // M is even, so this is the last block
     gemm_block<2, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
                       ldc);
@@ -322,6 +324,7 @@ const TileOps* target_ops() {
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/error.h"
@@ -386,40 +389,30 @@ bool cpu_has_avx512_bf16_flag() {
 #endif
 }
 
-// Every target of this build, best first.
+// Every target of this build, best first. HWY_CHOOSE_<T>(target_ops) is this target's function,
+// or nullptr where the build does not compile it; the baseline (emu128 or scalar) comes last.
 std::vector<KernelTarget> build_targets() {
-  std::vector<KernelTarget> t;
+  using Ops = const TileOps* (*)();
+  const std::pair<int64_t, Ops> compiled[] = {
+      {HWY_AVX3_DL, HWY_CHOOSE_AVX3_DL(target_ops)},
+      {HWY_AVX3, HWY_CHOOSE_AVX3(target_ops)},
+      {HWY_AVX2, HWY_CHOOSE_AVX2(target_ops)},
+      {HWY_SSE4, HWY_CHOOSE_SSE4(target_ops)},
+      {HWY_SSSE3, HWY_CHOOSE_SSSE3(target_ops)},
+      {HWY_NEON, HWY_CHOOSE_NEON(target_ops)},
+      {(HWY_TARGETS & HWY_EMU128) ? HWY_EMU128 : HWY_SCALAR, HWY_CHOOSE_FALLBACK(target_ops)}};
   const int64_t supported = hwy::SupportedTargets();
-  auto add = [&](int64_t target, const TileOps* ops) {
-    t.push_back(KernelTarget{ops->name, ops, (supported & target) != 0});
-  };
-#if HWY_TARGETS & HWY_AVX3_DL
-  add(HWY_AVX3_DL, N_AVX3_DL::target_ops());
-#endif
+  std::vector<KernelTarget> t;
+  for (const auto& [target, ops] : compiled) {
+    if (ops == nullptr) continue;
 #if HWY_TARGETS & HWY_AVX3
-  // AVX-512 with native bf16 dot products: the AVX-512 table plus tile_ops_avx512bf16.cc.
-  t.push_back(KernelTarget{avx512bf16_ops()->name, avx512bf16_ops(),
-                           (supported & HWY_AVX3) != 0 && cpu_has_avx512_bf16_flag()});
-  add(HWY_AVX3, N_AVX3::target_ops());
+    // AVX-512 with native bf16 dot products: the AVX-512 table plus tile_ops_avx512bf16.cc.
+    if (target == HWY_AVX3)
+      t.push_back(KernelTarget{avx512bf16_ops()->name, avx512bf16_ops(),
+                               (supported & HWY_AVX3) != 0 && cpu_has_avx512_bf16_flag()});
 #endif
-#if HWY_TARGETS & HWY_AVX2
-  add(HWY_AVX2, N_AVX2::target_ops());
-#endif
-#if HWY_TARGETS & HWY_SSE4
-  add(HWY_SSE4, N_SSE4::target_ops());
-#endif
-#if HWY_TARGETS & HWY_SSSE3
-  add(HWY_SSSE3, N_SSSE3::target_ops());
-#endif
-#if HWY_TARGETS & HWY_NEON
-  add(HWY_NEON, N_NEON::target_ops());
-#endif
-#if HWY_TARGETS & HWY_EMU128
-  add(HWY_EMU128, N_EMU128::target_ops());
-#endif
-#if HWY_TARGETS & HWY_SCALAR
-  add(HWY_SCALAR, N_SCALAR::target_ops());
-#endif
+    t.push_back(KernelTarget{ops()->name, ops(), (supported & target) != 0});
+  }
   return t;
 }
 
