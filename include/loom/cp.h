@@ -65,6 +65,8 @@ struct StrategyInfo {
 };
 // Every registered strategy, in registration order (the built-ins first).
 const std::vector<StrategyInfo>& strategies();
+// The registry's description of s (InvalidArgument listing the choices when s is not registered).
+const StrategyInfo& strategy_info(Strategy s);
 // "ring, ulysses, hybrid, allgather or ring2d" (and any registered later).
 std::string strategy_choices();
 

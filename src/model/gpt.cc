@@ -80,8 +80,7 @@ CpConfig cp_config(const ParallelConfig& p, int64_t head_dim) {
   CpConfig cfg;
   cfg.strategy = p.strategy;
   // A strategy whose degree option is --ulysses (hybrid) takes the mesh's ulysses degree.
-  for (const StrategyInfo& s : strategies())
-    if (s.id == p.strategy && s.option == "--ulysses") set_degree(cfg, p.mesh.ulysses);
+  if (strategy_info(p.strategy).option == "--ulysses") set_degree(cfg, p.mesh.ulysses);
   cfg.inner = p.inner;
   cfg.degree = p.degree;
   cfg.kernel.mask.causal = true;

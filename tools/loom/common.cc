@@ -17,12 +17,6 @@ std::string strategies_taking(const std::string& flag) {
   return names;
 }
 
-const StrategyInfo& info_of(Strategy id) {
-  for (const StrategyInfo& s : strategies())
-    if (s.id == id) return s;
-  return strategies().front();  // not reached: cfg.strategy came from parse_strategy
-}
-
 }  // namespace
 
 void DegreeOptions::add_to(CLI::App* command, const std::set<std::string>& skip) {
@@ -36,7 +30,7 @@ void DegreeOptions::add_to(CLI::App* command, const std::set<std::string>& skip)
 }
 
 void DegreeOptions::apply(CpConfig& cfg, const std::string& strategy) const {
-  const StrategyInfo& mine = info_of(cfg.strategy);
+  const StrategyInfo& mine = strategy_info(cfg.strategy);
   for (const auto& [flag, value] : values_) {
     if (flag == mine.option) {
       LOOM_CHECK(value >= 1, InvalidArgument,

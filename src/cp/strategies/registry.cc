@@ -41,6 +41,11 @@ struct Registry {
   }
 };
 
+[[noreturn]] void throw_unknown_strategy(std::string_view name) {
+  throw InvalidArgument("unknown strategy '" + std::string(name) + "' (choose " +
+                        strategy_choices() + ")");
+}
+
 Registry& the_registry() {
   static Registry r;
   return r;
@@ -55,8 +60,7 @@ const std::vector<StrategyEntry>& registry() {
 const StrategyEntry& entry(Strategy s) {
   for (const StrategyEntry& e : registry())
     if (e.id == s) return e;
-  throw InvalidArgument("unknown strategy '" + std::string(s.name()) + "' (choose " +
-                        strategy_choices() + ")");
+  throw_unknown_strategy(s.name());
 }
 
 void register_strategy(const StrategyEntry& e) {
@@ -80,6 +84,12 @@ const std::vector<StrategyInfo>& strategies() {
   return cp_detail::the_registry().infos;
 }
 
+const StrategyInfo& strategy_info(Strategy s) {
+  for (const StrategyInfo& info : strategies())
+    if (info.id == s) return info;
+  cp_detail::throw_unknown_strategy(s.name());
+}
+
 std::string strategy_choices() {
   const auto& all = cp_detail::registry();
   std::string s;
@@ -93,7 +103,7 @@ std::string strategy_choices() {
 Strategy parse_strategy(const std::string& name) {
   for (const cp_detail::StrategyEntry& e : cp_detail::registry())
     if (name == e.id.name()) return e.id;
-  throw InvalidArgument("unknown strategy '" + name + "' (choose " + strategy_choices() + ")");
+  cp_detail::throw_unknown_strategy(name);
 }
 
 std::string to_string(Strategy s) {
