@@ -21,3 +21,22 @@ add_test(NAME loom_plan_unknown_strategy
                  --profile ${PROJECT_SOURCE_DIR}/plan/profiles/h100_sxm.json)
 set_tests_properties(loom_plan_unknown_strategy PROPERTIES LABELS "plan;tool" TIMEOUT 30
                      PASS_REGULAR_EXPRESSION "unknown strategy 'nope' \\(choose allgather")
+# loom train's step on meshes of this machine: one rank of a tiny model measured, four meshes
+# predicted (the figures' composition is checked in test_plan's PlanTrainStep); bad input refused.
+add_test(NAME loom_plan_train_step
+         COMMAND $<TARGET_FILE:loom> plan --train-step
+                 --profile ${PROJECT_SOURCE_DIR}/plan/profiles/cpu_epyc7763_node.json
+                 --model 1,32,2,2,64,256 --seq 64 --batch 2 --measure-steps 1 --mesh 1,1,1,2
+                 --mesh 2,1,1,1 --mesh 1,2,1,1 --mesh 1,1,2,1)
+set_tests_properties(loom_plan_train_step PROPERTIES LABELS "plan;tool" TIMEOUT 60
+                     PASS_REGULAR_EXPRESSION "1 1 2 1 ulysses +[0-9.]+ +[0-9.]+")
+add_test(NAME loom_plan_train_step_bad_mesh
+         COMMAND $<TARGET_FILE:loom> plan --train-step --mesh 1,1,x,2
+                 --profile ${PROJECT_SOURCE_DIR}/plan/profiles/cpu_epyc7763_node.json)
+set_tests_properties(loom_plan_train_step_bad_mesh PROPERTIES LABELS "plan;tool" TIMEOUT 30
+                     PASS_REGULAR_EXPRESSION "loom: error: --mesh '1,1,x,2': 'x' is not an integer")
+add_test(NAME loom_plan_train_step_vocab
+         COMMAND $<TARGET_FILE:loom> plan --train-step --mesh 1,1,1,2 --model llama3-8b
+                 --profile ${PROJECT_SOURCE_DIR}/plan/profiles/cpu_epyc7763_node.json)
+set_tests_properties(loom_plan_train_step_vocab PROPERTIES LABELS "plan;tool" TIMEOUT 30
+                     PASS_REGULAR_EXPRESSION "vocab must be 256 \\(got 128256\\)")

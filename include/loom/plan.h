@@ -223,6 +223,50 @@ struct PlanResult {
 
 PlanResult plan(const PlanRequest& req, const Profile& p);
 
+// ---------------------------------------------------------------------------------------------
+// One step of loom's own trainer (`loom train`, src/model) on a mesh of this machine.
+//
+// The trainer's work outside attention (GEMMs through OpenBLAS, norms, rotary, SwiGLU, the loss,
+// AdamW) depends on its implementation, not only on FLOPs, so it is measured once on ONE rank
+// (dp = tp = cp = 1, the same model, sequence, batch, dtype and checkpointing) and composed for
+// the mesh: every rank's per-token work shrinks by tp and by the tokens it holds, the mesh's
+// collectives come from the profile's links, and attention comes from the simulator, scaled by
+// the one-rank run's measured attention over the simulator's one-rank figure (the trainer's head
+// dim and call sizes against the profile's calibration shape). Ranks sharing a node's cores run
+// alone_speedup slower than one rank alone.
+
+// Figures of one measured one-rank step (medians over steps), from `loom plan --train-step`.
+struct TrainMeasure {
+  double attention_s = 0;  // CpAttention forward + backward
+  double other_s = 0;      // the rest of forward + backward (GEMMs, element-wise, loss)
+  double update_s = 0;     // gradient sums, clipping, AdamW
+  double rest_s = 0;       // the step's wall time outside forward + backward and the update
+};
+
+struct TrainCase {
+  ModelShape model;              // vocab 256 for loom train
+  int64_t seq = 256, batch = 8;  // tokens per sequence; sequences per step (global, % dp == 0)
+  MeshShape mesh;                // dp x tp x ulysses x ring
+  int inner = 1;                 // ring2d: the inner ring
+  std::string strategy = "ring";
+  Layout layout = Layout::zigzag;
+  int dtype_bytes = 4;      // 4: fp32, 2: bf16
+  bool checkpoint = false;  // activation checkpointing (the measure must use the same)
+};
+
+struct TrainStepPrediction {
+  double step_s = 0;  // wall time of one step on the slowest rank
+  double attention_s = 0, other_s = 0, tp_comm_s = 0, grad_comm_s = 0, update_s = 0, rest_s = 0;
+  double attention_scale = 1;  // measured / simulated one-rank attention
+  AttnSim attention;           // one layer, one sequence, on the mesh's cp group
+};
+
+// Checks the case (InvalidArgument: mesh sizes, divisibility, a strategy the simulator knows)
+// and predicts its step from `one_rank` (measured with the same model, seq, batch, dtype and
+// checkpointing on one rank) and the profile (kernels, alone_speedup, links).
+TrainStepPrediction predict_train_step(const TrainCase& c, const TrainMeasure& one_rank,
+                                       const Profile& p);
+
 }  // namespace loom::plan
 
 namespace loom::plan {

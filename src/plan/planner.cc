@@ -391,3 +391,89 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
 }
 
 }  // namespace loom::plan
+
+namespace loom::plan {
+
+TrainStepPrediction predict_train_step(const TrainCase& c, const TrainMeasure& one,
+                                       const Profile& p) {
+  const ModelShape& M = c.model;
+  const MeshShape& m = c.mesh;
+  LOOM_CHECK(m.dp >= 1 && m.tp >= 1 && m.ulysses >= 1 && m.ring >= 1, InvalidArgument,
+             "mesh sizes must be >= 1 (dp " << m.dp << ", tp " << m.tp << ", ulysses " << m.ulysses
+                                            << ", ring " << m.ring << ")");
+  LOOM_CHECK(c.batch >= 1 && c.batch % m.dp == 0, InvalidArgument,
+             "--batch " << c.batch << " must be a positive multiple of --dp " << m.dp);
+  LOOM_CHECK(M.heads % m.tp == 0 && M.kv_heads % m.tp == 0, InvalidArgument,
+             "tp " << m.tp << " must divide the " << M.heads << " heads and " << M.kv_heads
+                   << " kv heads");
+  LOOM_CHECK(one.attention_s >= 0 && one.other_s > 0 && one.update_s >= 0, InvalidArgument,
+             "the one-rank measure needs positive forward + backward time");
+  const int cp = m.cp(), world = m.world();
+  // Attention of one layer and one sequence on the cp group, and on one rank.
+  AttnCase a;
+  a.strategy = cp == 1 ? "ring" : c.strategy;
+  a.layout = c.layout;
+  a.seq = c.seq;
+  a.ranks = cp;
+  a.ulysses = c.strategy == "hybrid" ? m.ulysses : 1;
+  a.inner = c.strategy == "ring2d" ? c.inner : 1;
+  a.heads = M.heads / m.tp;
+  a.kv_heads = M.kv_heads / m.tp;
+  a.head_dim = M.head_dim();
+  a.mask.causal = true;
+  a.block_q = a.block_k = 64;  // the trainer's CpConfig: KernelConfig's default tiles
+  a.dtype_bytes = c.dtype_bytes;
+  a.cp_stride = m.tp;
+  AttnCase a1 = a;
+  a1.strategy = "ring";
+  a1.layout = Layout::zigzag;
+  a1.ranks = 1;
+  a1.ulysses = a1.inner = 1;
+  a1.heads = M.heads;
+  a1.kv_heads = M.kv_heads;
+  a1.cp_stride = 1;
+  const AttnSim s = simulate_attention(a, p), s1 = simulate_attention(a1, p);
+  const double L = static_cast<double>(M.layers);
+  const double seqs = static_cast<double>(c.batch / m.dp);  // sequences per rank per step
+  // One layer and sequence: forward (twice with checkpointing: the recompute) and backward.
+  const double recompute = c.checkpoint ? 1.0 : 0.0;
+  const auto layer_s = [&](const AttnSim& x) {
+    return x.forward_s * (1 + recompute) + x.backward_s;
+  };
+  // The simulator's figures are for every rank of the node computing at once (the profile's
+  // tile times); a lone rank is alone_speedup faster, ranks sharing the node's cores are not.
+  const double alone = std::max(1.0, p.alone_speedup);
+  const double shared = world > 1 ? alone : 1.0;
+  TrainStepPrediction r;
+  const double sim1_alone = L * static_cast<double>(c.batch) * layer_s(s1) / alone;
+  r.attention_scale = sim1_alone > 0 && one.attention_s > 0 ? one.attention_s / sim1_alone : 1.0;
+  r.attention_s = r.attention_scale * L * seqs * layer_s(s) * shared / alone;
+  // Per-token work: this rank holds seq / cp tokens of each of its sequences and 1 / tp of each
+  // token's work (Megatron tp + sp).
+  const double token_share =
+      seqs / static_cast<double>(c.batch) / static_cast<double>(cp) / static_cast<double>(m.tp);
+  r.other_s = one.other_s * token_share * shared;
+  r.rest_s = one.rest_s * token_share * shared;
+  // TP + SP (inside a node): per layer and sequence, forward 2 all-gathers + 2 reduce-scatters
+  // of the rank's fp32 rows (n / tp of dim), the backward as many, the recompute as many again.
+  if (m.tp > 1) {
+    const double nsp = std::ceil(static_cast<double>(c.seq) / cp / m.tp);
+    const double part = nsp * static_cast<double>(M.dim) * 4.0;
+    const double one_coll = gather_s(part, m.tp, p.intra, p.allgather_eff);
+    r.tp_comm_s = L * seqs * (8.0 + 4.0 * recompute) * one_coll;
+  }
+  // Gradients: the replicated ones (embedding, norms, LM head) summed over the world, the
+  // tp-split ones over dp x cp; fp32, over the inter-node link once the job spans nodes.
+  const double d = static_cast<double>(M.dim), kv = static_cast<double>(M.kv_heads * M.head_dim());
+  const double split = L * (2 * d * d + 2 * d * kv + 3 * d * static_cast<double>(M.ffn));
+  const double replicated = M.params() - split;
+  const Link& link = world > std::max(1, p.devices_per_node) ? p.inter : p.intra;
+  r.grad_comm_s = ring_allreduce_s(4.0 * replicated, world, link, p.allreduce_eff) +
+                  ring_allreduce_s(4.0 * split / m.tp, m.dp * cp, link, p.allreduce_eff);
+  r.update_s = one.update_s * (replicated + split / m.tp) / M.params() * shared;
+  r.attention = s;
+  r.step_s = r.attention_s + r.other_s + r.rest_s + r.tp_comm_s + r.grad_comm_s + r.update_s;
+  return r;
+}
+
+}  // namespace loom::plan

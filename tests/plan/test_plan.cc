@@ -9,6 +9,8 @@
 //    peak buffer bytes (the memory seam's slots) equal what `loom attn --json` reports.
 // 4. Time is charged per work tile of the kernels.
 // 5. Every shipped profile parses and cites a source for every figure.
+// 6. The loom train step model composes a one-rank measure with the mesh: hand-computed
+//    figures for one rank, dp, tp, cp and checkpointing; bad meshes refused.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -314,6 +316,116 @@ TEST(PlanProfiles, BadProfilesAreRefusedByName) {
   } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find("links.intra.bandwidth"), std::string::npos) << e.what();
   }
+}
+
+// A cpu profile with round numbers: 2 ranks per node, a lone rank 1.25x faster.
+Profile train_profile() {
+  Profile p;
+  p.kind = "cpu";
+  p.block_q = p.block_k = 64;
+  const double tiles[4] = {1e-4, 2e-4, 3e-4, 5e-4};
+  std::copy(tiles, tiles + 4, p.tile_s_fp32);
+  p.calib_head_dim = 32;
+  p.alone_speedup = 1.25;
+  p.devices_per_node = 2;
+  p.intra = Link{1e9, 1e-5};
+  p.inter = p.intra;
+  p.allgather_eff = 0.5;
+  p.allreduce_eff = 0.5;
+  p.overlap = false;
+  return p;
+}
+
+TrainCase train_case(int dp, int tp, int u, int r) {
+  TrainCase c;
+  c.model = ModelShape{2, 128, 4, 2, 512, 256};
+  c.seq = 512;
+  c.batch = 4;
+  c.mesh = MeshShape{dp, tp, u, r};
+  c.strategy = u > 1 ? "ulysses" : "ring";
+  return c;
+}
+
+TEST(PlanTrainStep, OneRankReturnsTheMeasure) {
+  const Profile p = train_profile();
+  const TrainMeasure one{0.3, 0.5, 0.04, 0.01};
+  const TrainStepPrediction r = predict_train_step(train_case(1, 1, 1, 1), one, p);
+  EXPECT_NEAR(r.attention_s, 0.3, 1e-12);
+  EXPECT_NEAR(r.other_s, 0.5, 1e-12);
+  EXPECT_NEAR(r.update_s, 0.04, 1e-12);
+  EXPECT_NEAR(r.rest_s, 0.01, 1e-12);
+  EXPECT_EQ(r.tp_comm_s, 0.0);
+  EXPECT_EQ(r.grad_comm_s, 0.0);
+  EXPECT_NEAR(r.step_s, 0.85, 1e-12);
+  // The scale is the measured attention over the simulator's lone-rank figure.
+  AttnCase a;
+  a.seq = 512;
+  a.heads = 4;
+  a.kv_heads = 2;
+  a.head_dim = 32;
+  a.mask.causal = true;
+  const AttnSim s = simulate_attention(a, p);
+  EXPECT_NEAR(r.attention_scale, 0.3 / (2 * 4 * (s.forward_s + s.backward_s) / 1.25), 1e-9);
+}
+
+TEST(PlanTrainStep, MeshesComposeTheMeasure) {
+  const Profile p = train_profile();
+  const TrainMeasure one{0.3, 0.5, 0.04, 0.01};
+  const TrainStepPrediction base = predict_train_step(train_case(1, 1, 1, 1), one, p);
+  const double d = 128, kv = 64, split = 2 * (2 * d * d + 2 * d * kv + 3 * d * 512);
+  const double all = ModelShape{2, 128, 4, 2, 512, 256}.params(), rep = all - split;
+  // Ring all-reduce of B bytes over 2 ranks: 2 latencies + B / (bandwidth x efficiency).
+  const auto ar2 = [](double bytes) { return 2 * 1e-5 + bytes / (1e9 * 0.5); };
+  {  // dp 2: half the sequences per rank, both cores busy, all gradients summed over 2 ranks.
+    const TrainStepPrediction r = predict_train_step(train_case(2, 1, 1, 1), one, p);
+    EXPECT_NEAR(r.other_s, 0.5 / 2 * 1.25, 1e-12);
+    EXPECT_NEAR(r.rest_s, 0.01 / 2 * 1.25, 1e-12);
+    EXPECT_NEAR(r.attention_s, 0.3 / 2 * 1.25, 1e-9);
+    EXPECT_NEAR(r.update_s, 0.04 * 1.25, 1e-12);
+    EXPECT_NEAR(r.grad_comm_s, ar2(4 * rep) + ar2(4 * split), 1e-12);
+    EXPECT_EQ(r.tp_comm_s, 0.0);
+  }
+  {  // tp 2: half of every token's work, 8 collectives per layer and sequence of 256 x 128
+     // fp32 rows per rank (one latency + the part at the effective bandwidth each).
+    const TrainStepPrediction r = predict_train_step(train_case(1, 2, 1, 1), one, p);
+    EXPECT_NEAR(r.other_s, 0.5 / 2 * 1.25, 1e-12);
+    EXPECT_NEAR(r.tp_comm_s, 2 * 4 * 8 * (1e-5 + 256 * 128 * 4 / (1e9 * 0.5)), 1e-12);
+    EXPECT_NEAR(r.grad_comm_s, ar2(4 * rep), 1e-12);
+    EXPECT_NEAR(r.update_s, 0.04 * (rep + split / 2) / all * 1.25, 1e-12);
+    // Two query heads and one kv head per rank: half the one-rank attention, shared cores.
+    EXPECT_NEAR(r.attention_s, 0.3 / 2 * 1.25, 1e-9);
+  }
+  {  // ring cp 2: the simulator's two-rank attention at the one-rank run's scale.
+    const TrainStepPrediction r = predict_train_step(train_case(1, 1, 1, 2), one, p);
+    EXPECT_NEAR(r.other_s, 0.5 / 2 * 1.25, 1e-12);
+    EXPECT_NEAR(r.attention_s,
+                base.attention_scale * 2 * 4 * (r.attention.forward_s + r.attention.backward_s),
+                1e-9);
+    EXPECT_GT(r.attention.ranks[0].bytes_sent, 0);
+    EXPECT_NEAR(r.grad_comm_s, ar2(4 * rep) + ar2(4 * split), 1e-12);
+  }
+  {  // Checkpointing: the one-rank measure already holds the recompute; the mesh's attention
+     // adds the recomputed forward on the simulator's side too.
+    TrainCase c = train_case(1, 1, 1, 2);
+    c.checkpoint = true;
+    const TrainStepPrediction r = predict_train_step(c, one, p);
+    const double layer = 2 * r.attention.forward_s + r.attention.backward_s;
+    EXPECT_NEAR(r.attention_s, r.attention_scale * 2 * 4 * layer, 1e-9);
+    EXPECT_NEAR(r.tp_comm_s, 0.0, 0.0);
+  }
+}
+
+TEST(PlanTrainStep, BadMeshesAreRefused) {
+  const Profile p = train_profile();
+  const TrainMeasure one{0.3, 0.5, 0.04, 0.01};
+  TrainCase c = train_case(3, 1, 1, 1);  // batch 4 over dp 3
+  EXPECT_THROW(predict_train_step(c, one, p), InvalidArgument);
+  EXPECT_THROW(predict_train_step(train_case(1, 3, 1, 1), one, p), InvalidArgument);  // 4 heads
+  c = train_case(1, 1, 1, 2);
+  c.strategy = "nope";
+  EXPECT_THROW(predict_train_step(c, one, p), InvalidArgument);
+  EXPECT_THROW(predict_train_step(train_case(1, 1, 1, 1), TrainMeasure{0.3, 0, 0, 0}, p),
+               InvalidArgument);
 }
 
 }  // namespace

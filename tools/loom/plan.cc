@@ -11,8 +11,10 @@
 
 #include "commands.h"
 #include "loom/comm.h"
+#include "loom/model/trainer.h"
 #include "loom/npy.h"
 #include "loom/plan.h"
+#include "loom/rng.h"
 
 namespace loom::tools {
 
@@ -31,6 +33,10 @@ struct PlanOptions {
   int ranks = 2, ulysses = 0, inner = 1;
   int64_t heads = 8, kv_heads = 0, head_dim = 64;
   bool causal = true, forward_only = false;
+  // --train-step: loom train's step on meshes of this machine.
+  bool train_step = false, checkpoint_activations = false;
+  std::vector<std::string> meshes;
+  int64_t batch = 8, measure_steps = 5;
 };
 
 plan::ModelShape parse_model(const std::string& s) {
@@ -200,11 +206,177 @@ std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
   return os.str();
 }
 
+// --train-step: one rank of loom train's model measured here, then every --mesh predicted.
+// Medians over `steps` steps after two warm-up steps, each figure the step's difference of the
+// trainer's cumulative counters.
+plan::TrainMeasure measure_one_rank(model::TrainConfig c, int64_t steps) {
+  c.par.mesh = MeshShape{};
+  c.par.strategy = Strategy::ring;
+  c.par.inner = c.par.degree = 0;
+  c.steps = steps + 2;
+  // Synthetic text (the step time does not depend on which bytes): words of Philox letters.
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(1 << 20, 4 * (c.seq + 1)));
+  std::string text(bytes, ' ');
+  const uint64_t key = rng_key(c.seed, "train-step text");
+  for (size_t i = 0; i < bytes; ++i) {
+    const uint32_t x = philox4x32({static_cast<uint32_t>(i), 0, 0, 0}, key)[0];
+    text[i] = x % 7 == 0 ? (x % 91 == 0 ? '\n' : ' ') : static_cast<char>('a' + (x >> 8) % 26);
+  }
+  const model::Corpus corpus = model::make_corpus(text, "synthetic text");
+  std::vector<double> att, other, upd, rest;
+  run_local(1, [&](Communicator& w) {
+    model::Trainer t(w, c, corpus);
+    for (int64_t i = 0; i < c.steps; ++i) {
+      const model::RankReport a = t.reports()[0];
+      const model::StepResult r = t.train_step();
+      const model::RankReport b = t.reports()[0];
+      if (i < 2) continue;
+      const double fb = b.total_s - a.total_s, u = b.update_s - a.update_s;
+      att.push_back(b.attention_s - a.attention_s);
+      other.push_back(fb - (b.attention_s - a.attention_s));
+      upd.push_back(u);
+      rest.push_back(std::max(0.0, r.seconds - fb - u));
+    }
+  });
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  return plan::TrainMeasure{median(att), median(other), median(upd), median(rest)};
+}
+
+MeshShape parse_mesh(const std::string& s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long x = std::strtol(item.c_str(), &end, 10);
+    LOOM_CHECK(!item.empty() && end && *end == '\0' && x >= 1 && x <= 1 << 20, InvalidArgument,
+               "--mesh '" << s << "': '" << item << "' is not an integer >= 1");
+    v.push_back(static_cast<int>(x));
+  }
+  LOOM_CHECK(v.size() == 4, InvalidArgument,
+             "--mesh '" << s << "' needs 4 numbers: dp,tp,ulysses,ring");
+  MeshShape m;
+  m.dp = v[0];
+  m.tp = v[1];
+  m.ulysses = v[2];
+  m.ring = v[3];
+  return m;
+}
+
+int run_train_step(const CLI::App* app, const PlanOptions& o) {
+  LOOM_CHECK(!o.profile.empty(), InvalidArgument,
+             "--train-step needs --profile FILE (one written by loom plan --calibrate)");
+  LOOM_CHECK(!o.meshes.empty(), InvalidArgument,
+             "--train-step needs at least one --mesh dp,tp,ulysses,ring");
+  const plan::Profile prof = plan::load_profile(o.profile);
+  // loom train's defaults where the plan defaults (a cluster-sized model) do not apply.
+  plan::ModelShape shape{4, 128, 4, 2, 512, 256};
+  if (app->count("--model")) shape = parse_model(o.model);
+  LOOM_CHECK(shape.vocab == 256, InvalidArgument,
+             "--train-step: loom train is byte-level, so the model's vocab must be 256 (got "
+                 << shape.vocab << ")");
+  const int64_t seq = app->count("--seq") ? o.seq : 256;
+  LOOM_CHECK(o.measure_steps >= 1, InvalidArgument,
+             "--measure-steps must be >= 1, got " << o.measure_steps);
+  LOOM_CHECK(o.threads >= 1, InvalidArgument, "--threads must be >= 1, got " << o.threads);
+  model::TrainConfig c;
+  c.model.layers = shape.layers;
+  c.model.dim = shape.dim;
+  c.model.heads = shape.heads;
+  c.model.kv_heads = shape.kv_heads;
+  c.model.ffn = shape.ffn;
+  c.seq = seq;
+  c.batch = o.batch;
+  c.precision = model::parse_precision(o.dtype);
+  c.checkpoint_activations = o.checkpoint_activations;
+  c.par.layout = parse_layout(o.layout);
+  c.par.threads = o.threads;
+  // Every mesh is checked (as loom train would) before anything is measured.
+  std::vector<plan::TrainCase> cases;
+  for (const std::string& ms : o.meshes) {
+    plan::TrainCase t;
+    t.model = shape;
+    t.model.ffn = c.model.ffn_dim();
+    t.seq = seq;
+    t.batch = o.batch;
+    t.mesh = parse_mesh(ms);
+    model::ParallelConfig par = c.par;
+    par.mesh = t.mesh;
+    if (app->count("--strategy"))
+      par.strategy = parse_strategy(o.strategy);
+    else
+      par.strategy = t.mesh.ulysses > 1 && t.mesh.ring > 1 ? Strategy::hybrid
+                     : t.mesh.ulysses > 1                  ? Strategy::ulysses
+                                                           : Strategy::ring;
+    t.strategy = to_string(par.strategy);
+    t.inner = t.strategy == "ring2d" ? o.inner : 1;
+    par.inner = t.strategy == "ring2d" ? o.inner : 0;
+    model::validate(c.model, par, t.mesh.world(), seq);
+    LOOM_CHECK(o.batch >= 1 && o.batch % t.mesh.dp == 0, InvalidArgument,
+               "--batch " << o.batch << " must be a positive multiple of dp " << t.mesh.dp);
+    t.layout = c.par.layout;
+    t.dtype_bytes = c.precision == model::Precision::bf16 ? 2 : 4;
+    t.checkpoint = o.checkpoint_activations;
+    cases.push_back(t);
+  }
+  model::set_blas_threads(o.threads);
+  std::fprintf(stderr, "loom plan: measuring one rank of the model (%lld steps)...\n",
+               static_cast<long long>(o.measure_steps + 2));
+  const plan::TrainMeasure one = measure_one_rank(c, o.measure_steps);
+  std::printf(
+      "loom plan --train-step: model layers=%lld dim=%lld heads=%lld kv-heads=%lld ffn=%lld, "
+      "seq %lld, batch %lld, %s%s, profile %s\n",
+      static_cast<long long>(shape.layers), static_cast<long long>(shape.dim),
+      static_cast<long long>(shape.heads), static_cast<long long>(shape.kv_heads),
+      static_cast<long long>(c.model.ffn_dim()), static_cast<long long>(seq),
+      static_cast<long long>(o.batch), o.dtype.c_str(),
+      o.checkpoint_activations ? ", activation checkpointing" : "", prof.name.c_str());
+  std::printf(
+      "  one rank, measured: attention %.2f ms, other forward+backward %.2f ms, update %.2f ms, "
+      "rest %.2f ms per step\n",
+      one.attention_s * 1e3, one.other_s * 1e3, one.update_s * 1e3, one.rest_s * 1e3);
+  std::printf("  predicted per step, slowest rank (ms):\n");
+  std::printf("  %-22s %9s %9s %9s %9s %9s %9s %9s\n", "mesh (dp tp u r)", "step", "attention",
+              "other", "tp comm", "grads", "update", "rest");
+  nlohmann::json out;
+  out["one_rank"] = {{"attention_s", one.attention_s},
+                     {"other_s", one.other_s},
+                     {"update_s", one.update_s},
+                     {"rest_s", one.rest_s}};
+  out["meshes"] = nlohmann::json::array();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const plan::TrainCase& t = cases[i];
+    const plan::TrainStepPrediction r = plan::predict_train_step(t, one, prof);
+    char name[64];
+    std::snprintf(name, sizeof name, "%d %d %d %d %s", t.mesh.dp, t.mesh.tp, t.mesh.ulysses,
+                  t.mesh.ring, t.mesh.cp() > 1 ? t.strategy.c_str() : "");
+    std::printf("  %-22s %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", name, r.step_s * 1e3,
+                r.attention_s * 1e3, r.other_s * 1e3, r.tp_comm_s * 1e3, r.grad_comm_s * 1e3,
+                r.update_s * 1e3, r.rest_s * 1e3);
+    out["meshes"].push_back({{"mesh", o.meshes[i]},
+                             {"strategy", t.strategy},
+                             {"step_s", r.step_s},
+                             {"attention_s", r.attention_s},
+                             {"attention_scale", r.attention_scale},
+                             {"other_s", r.other_s},
+                             {"tp_comm_s", r.tp_comm_s},
+                             {"grad_comm_s", r.grad_comm_s},
+                             {"update_s", r.update_s},
+                             {"rest_s", r.rest_s}});
+  }
+  if (!o.json.empty()) write_file_atomic(o.json, out.dump(2) + "\n");
+  return 0;
+}
+
 void log_line(const char* s) {
   std::fprintf(stderr, "%s\n", s);
 }
 
-int run_plan(const PlanOptions& o) {
+int run_plan(const CLI::App* app, const PlanOptions& o) {
+  if (o.train_step) return run_train_step(app, o);
   if (!o.calibrate.empty()) {
     std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",
                  o.threads, o.threads == 1 ? "" : "s");
@@ -399,6 +571,16 @@ void declare_plan(CLI::App* c, PlanOptions& opts) {
   c->add_option("--dtype", o->dtype, "--simulate: fp32 or bf16")->capture_default_str();
   c->add_flag("--causal,!--no-causal", o->causal, "--simulate: causal mask (default)");
   c->add_flag("--forward-only", o->forward_only, "--simulate: no backward");
+  c->add_flag("--train-step", o->train_step,
+              "predict loom train's step time on this machine for each --mesh (--profile from "
+              "--calibrate; --model, --seq, --batch, --dtype as loom train's, default its model)");
+  c->add_option("--mesh", o->meshes, "--train-step: dp,tp,ulysses,ring (repeat for several)");
+  c->add_option("--batch", o->batch, "--train-step: sequences per step")->capture_default_str();
+  c->add_flag("--checkpoint-activations", o->checkpoint_activations,
+              "--train-step: activation checkpointing");
+  c->add_option("--measure-steps", o->measure_steps,
+                "--train-step: measured one-rank steps (after 2 warm-up steps)")
+      ->capture_default_str();
 }
 
 }  // namespace
@@ -406,7 +588,7 @@ void declare_plan(CLI::App* c, PlanOptions& opts) {
 void add_plan_command(CLI::App& app) {
   add_command<PlanOptions>(
       app, "plan", "predict and rank context-parallel configurations (or --simulate, --calibrate)",
-      declare_plan, [](const CLI::App*, PlanOptions& o) { return run_plan(o); });
+      declare_plan, [](const CLI::App* c, PlanOptions& o) { return run_plan(c, o); });
 }
 
 }  // namespace loom::tools

@@ -1,0 +1,138 @@
+#!/usr/bin/python3
+"""Time validation of `loom plan --train-step` against `loom train` on this machine (issue 14).
+
+`loom plan --train-step` measures one rank of the model here (dp = tp = cp = 1) and predicts the
+step time of other meshes from it, the calibrated profile (the simulator's attention, the
+node's contention, the local backend's links) and the mesh's collectives. This script checks
+those predictions against `loom train` runs of the same model on three meshes of two ranks
+(ring cp 2, tp 2, dp 2) and Ulysses cp 2:
+
+1. Load on a shared machine drifts within seconds, so the work runs in --rounds rounds. Every
+   round calibrates a profile (`loom plan --calibrate`, 2 ranks per node), predicts every mesh
+   (`loom plan --train-step`, which measures one rank first), then runs `loom train` on each mesh
+   (--steps steps; the median step after the first two, from --log) in an order rotated by the
+   round.
+2. Each round's measurement is paired with that round's prediction (made seconds before, so
+   both see the same load), and a mesh's error is the median over rounds of predicted /
+   measured - 1; the table also shows the median measurement, the median prediction and that
+   unpaired error.
+3. Criterion (issue 14): every prediction within 20 % of its measurement. One PASS/FAIL line.
+Prints a Markdown table (for docs/performance.md) and writes JSON with --json FILE.
+Usage: /usr/bin/python3 bench/train_validate.py [--loom build/loom] [--rounds 5] [--json out.json]
+Takes about 1.5 minutes on a quiet 2-core machine (--rounds 5).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# The model: loom train options, and the same as loom plan --model layers,dim,heads,kv,ffn,vocab.
+LAYERS, DIM, HEADS, KV, FFN, SEQ, BATCH = 2, 128, 4, 2, 512, 1024, 2
+# (label, dp, tp, ulysses, ring)
+MESHES = [
+    ("ring cp 2", 1, 1, 1, 2),
+    ("tp 2", 1, 2, 1, 1),
+    ("dp 2", 2, 1, 1, 1),
+    ("ulysses cp 2", 1, 1, 2, 1),
+]
+
+
+def run(cmd):
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        sys.exit("train_validate: failed: " + " ".join(cmd) + "\n" + r.stderr)
+    return r.stdout
+
+
+def loadavg():
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loom", default="build/loom")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--rounds", type=int, default=5, help="calibrate-predict-measure rounds")
+    ap.add_argument("--steps", type=int, default=8, help="loom train steps per run")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    a = ap.parse_args()
+    if a.rounds < 1 or a.steps < 3:
+        sys.exit("train_validate: --rounds must be >= 1 and --steps >= 3")
+    tmp = tempfile.mkdtemp(prefix="loom_train_validate_")
+    t0 = time.time()
+    loads = [loadavg()]
+    model = ["--layers", str(LAYERS), "--dim", str(DIM), "--heads", str(HEADS),
+             "--kv-heads", str(KV), "--ffn", str(FFN), "--seq", str(SEQ), "--batch", str(BATCH),
+             "--dtype", a.dtype]
+    measured = {m[0]: [] for m in MESHES}
+    predicted = {m[0]: [] for m in MESHES}
+    one_rank = []
+    for rnd in range(a.rounds):
+        pf = os.path.join(tmp, f"profile_{rnd}.json")
+        run([a.loom, "plan", "--calibrate", pf, "--threads", "1", "--ranks-per-node", "2"])
+        pj = os.path.join(tmp, "predict.json")
+        cmd = [a.loom, "plan", "--train-step", "--profile", pf, "--model",
+               f"{LAYERS},{DIM},{HEADS},{KV},{FFN},256", "--seq", str(SEQ), "--batch",
+               str(BATCH), "--dtype", a.dtype, "--json", pj]
+        for (_, dp, tp, u, r) in MESHES:
+            cmd += ["--mesh", f"{dp},{tp},{u},{r}"]
+        run(cmd)
+        p = json.load(open(pj))
+        one_rank.append(p["one_rank"])
+        for (label, *_), pm in zip(MESHES, p["meshes"]):
+            predicted[label].append(pm["step_s"])
+        order = MESHES[rnd % len(MESHES):] + MESHES[:rnd % len(MESHES)]
+        for (label, dp, tp, u, r) in order:
+            log = os.path.join(tmp, "steps.jsonl")
+            run([a.loom, "train", "--ranks", str(dp * tp * u * r), "--dp", str(dp), "--tp",
+                 str(tp), "--ulysses", str(u), "--ring", str(r), "--steps", str(a.steps),
+                 "--eval-every", "0", "--quiet", "--log", log] + model)
+            steps = [json.loads(line)["seconds"] for line in open(log)][2:]
+            measured[label].append(statistics.median(steps))
+        loads.append(loadavg())
+        print(f"  round {rnd + 1}: " + ", ".join(
+            f"{lbl} {measured[lbl][-1]*1e3:.0f} / {predicted[lbl][-1]*1e3:.0f} ms"
+            for lbl in measured), flush=True)
+    rows = []
+    for (label, dp, tp, u, r) in MESHES:
+        m, pr = statistics.median(measured[label]), statistics.median(predicted[label])
+        spread = (max(measured[label]) - min(measured[label])) / m
+        paired = [x / y for x, y in zip(predicted[label], measured[label])]
+        rows.append(dict(mesh=label, dp=dp, tp=tp, ulysses=u, ring=r, measured_s=m,
+                         samples_s=measured[label], spread=spread, predicted_s=pr,
+                         predictions_s=predicted[label], round_ratios=paired,
+                         error=statistics.median(paired) - 1, unpaired_error=pr / m - 1))
+    elapsed = time.time() - t0
+    print()
+    print(f"Model layers={LAYERS} dim={DIM} heads={HEADS} kv-heads={KV} ffn={FFN}, seq {SEQ}, "
+          f"batch {BATCH}, {a.dtype}, 1 thread per rank, local backend")
+    print()
+    print("| mesh | dp | tp | ulysses | ring | measured ms per step (spread) | predicted ms | "
+          "unpaired error | paired error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for x in rows:
+        print(f"| {x['mesh']} | {x['dp']} | {x['tp']} | {x['ulysses']} | {x['ring']} | "
+              f"{x['measured_s']*1e3:.1f} ({100*x['spread']:.0f} %) | {x['predicted_s']*1e3:.1f} | "
+              f"{100*x['unpaired_error']:+.1f} % | {100*x['error']:+.1f} % |")
+    worst = max(abs(x["error"]) for x in rows)
+    ok = worst <= 0.20
+    print()
+    print(f"{len(rows)} meshes, {a.rounds} rounds, {elapsed:.0f} s, load average "
+          f"{min(loads):.1f}-{max(loads):.1f} (1-minute, sampled between rounds)")
+    print(f"worst error {100*worst:.1f} % (<= 20 %): {'PASS' if ok else 'FAIL'}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(rows=rows, one_rank=one_rank, worst=worst, rounds=a.rounds,
+                           seconds=elapsed, loadavg=loads), f, indent=2)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
