@@ -25,10 +25,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+import validate_common
 
 # (label, strategy, layout, ranks, degree, seq, heads, kv_heads, window, dtype); degree: the
 # strategy's inner axis (hybrid: --ulysses, ring2d: --inner), 0 for none.
@@ -53,10 +54,7 @@ DEGREE_OPTION = {"hybrid": "--ulysses", "ring2d": "--inner"}
 
 
 def run(cmd):
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if r.returncode != 0:
-        sys.exit("plan_validate: failed: " + " ".join(cmd) + "\n" + r.stderr)
-    return r.stdout
+    return validate_common.run(cmd, "plan_validate")
 
 
 def median_profile(profiles):
@@ -73,13 +71,6 @@ def median_profile(profiles):
     return first
 
 
-def loadavg():
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loom", default="build/loom")
@@ -91,7 +82,7 @@ def main():
         sys.exit("plan_validate: --rounds and --iters must be >= 1")
     tmp = tempfile.mkdtemp(prefix="loom_plan_validate_")
     t_start = time.time()
-    loads = [loadavg()]
+    loads = [validate_common.loadavg()]
     labels = sorted(set(c[0] for c in CONFIGS))
     rows, profiles = [], {}
     for label in labels:
@@ -115,7 +106,7 @@ def main():
                 # windows of calls, each about as long as one iteration here).
                 samples[i].append(statistics.median(m["forward_times_s"]) +
                                   statistics.median(m["backward_times_s"]))
-            loads.append(loadavg())
+            loads.append(validate_common.loadavg())
         # Each round's prediction, from that round's profile (paired with its measurements).
         paired = {i: [] for i in range(len(group))}
         for rnd, rp in enumerate(round_profiles):

@@ -25,10 +25,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+import validate_common
 
 # The model: loom train options, and the same as loom plan --model layers,dim,heads,kv,ffn,vocab.
 LAYERS, DIM, HEADS, KV, FFN, SEQ, BATCH = 2, 128, 4, 2, 512, 1024, 2
@@ -42,17 +43,7 @@ MESHES = [
 
 
 def run(cmd):
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if r.returncode != 0:
-        sys.exit("train_validate: failed: " + " ".join(cmd) + "\n" + r.stderr)
-    return r.stdout
-
-
-def loadavg():
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
+    return validate_common.run(cmd, "train_validate")
 
 
 def main():
@@ -67,7 +58,7 @@ def main():
         sys.exit("train_validate: --rounds must be >= 1 and --steps >= 3")
     tmp = tempfile.mkdtemp(prefix="loom_train_validate_")
     t0 = time.time()
-    loads = [loadavg()]
+    loads = [validate_common.loadavg()]
     model = ["--layers", str(LAYERS), "--dim", str(DIM), "--heads", str(HEADS),
              "--kv-heads", str(KV), "--ffn", str(FFN), "--seq", str(SEQ), "--batch", str(BATCH),
              "--dtype", a.dtype]
@@ -96,7 +87,7 @@ def main():
                  "--eval-every", "0", "--quiet", "--log", log] + model)
             steps = [json.loads(line)["seconds"] for line in open(log)][2:]
             measured[label].append(statistics.median(steps))
-        loads.append(loadavg())
+        loads.append(validate_common.loadavg())
         print(f"  round {rnd + 1}: " + ", ".join(
             f"{lbl} {measured[lbl][-1]*1e3:.0f} / {predicted[lbl][-1]*1e3:.0f} ms"
             for lbl in measured), flush=True)
