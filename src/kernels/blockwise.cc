@@ -258,14 +258,8 @@ int thread_count(const KernelConfig& cfg, int64_t tasks) {
 // although its pairs are computed (masked).
 KernelConfig work_config(const KernelConfig& cfg, const TileOps& ops, int64_t sq, int64_t sk) {
   KernelConfig w = cfg;
-  auto factor = [&](int64_t block, int64_t n) {  // never more config tiles than there are
-    const int64_t want = (ops.work_tile + block - 1) / block, have = (n + block - 1) / block;
-    return std::max<int64_t>(1, std::min(want, have));
-  };
-  if (ops.work_tile > 0) {
-    w.block_q = cfg.block_q * factor(cfg.block_q, sq);
-    w.block_k = cfg.block_k * factor(cfg.block_k, sk);
-  }
+  w.block_q = work_tile_side(cfg.block_q, sq, ops.work_tile);
+  w.block_k = work_tile_side(cfg.block_k, sk, ops.work_tile);
   return w;
 }
 
@@ -998,6 +992,15 @@ KernelStats attend_backward(View3<const bf16> q, View3<const bf16> k, View3<cons
                             int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
                             View3<float> dq, View3<float> dk, View3<float> dv) {
   return attend_backward_impl(q, k, v, dout, lse, delta, ml_stride, qt, kt, cfg, dq, dk, dv);
+}
+
+int64_t work_tile_side(int64_t block, int64_t n, int64_t want) {
+  LOOM_CHECK_GE(block, 1, InvalidArgument, "work_tile_side: block must be >= 1");
+  LOOM_CHECK_GE(n, 0, InvalidArgument, "work_tile_side: n must be >= 0");
+  if (want <= 0) return block;
+  // never more blocks than the n rows have
+  const int64_t factor = std::min((want + block - 1) / block, (n + block - 1) / block);
+  return block * std::max<int64_t>(1, factor);
 }
 
 const char* kernel_path() {
