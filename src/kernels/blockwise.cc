@@ -13,7 +13,7 @@
 //           pairs are all visible becomes full.
 //
 // Forward (per query head h and q-tile, on the state's rows): for each non-empty k-tile, the
-// tile's scores s = scale q k^T (tile_scores), the online softmax update (softmax_update)
+// tile's scores s = scale q k^T, the online softmax update (softmax_update)
 //   m' = max(m, max_j s_j),  p_j = exp(s_j - m'),  alpha = exp(m - m'),
 //   l' = alpha l + sum_j p_j,  acc' = alpha acc,
 // and acc' += p v (tile_pv). A row that has seen no visible key keeps m = -inf, l = 0, acc = 0;
@@ -35,7 +35,11 @@
 // tile GEMM and the softmax loops have no remainders. The forward packs the whole KV block once
 // per call (k^T and v, tile-major) and each (head, q-tile) task packs its q rows; a backward task
 // packs its k-tile once (k, k^T, v^T) and the q and dout rows of each tile it visits (fp32 tiles
-// with full rows and D % kNr == 0 are read, and dq accumulated, in place instead).
+// with full rows and D % kNr == 0 are read, and dq accumulated, in place instead). The forward's
+// tile GEMMs prefetch the operand of the step after them while they compute
+// (TileOps::gemm_panels_next): the scores GEMM this tile's v, the p v GEMM the next non-empty
+// tile's k^T, so the packed KV block (4 MiB per head at S = 4096, D = 128: beyond L2) arrives from
+// L3 during arithmetic rather than at the start of each GEMM.
 //
 // Paths. The tile arithmetic (GEMM, softmax steps, delta's dot) goes through the TileOps table of
 // kernels::select_ops() (tile_ops.h: one Highway source per instruction-set target, chosen per
@@ -440,12 +444,6 @@ PackedKvBf16 pack_kv_bf16(View3<const bf16> k, View3<const bf16> v, const TilePl
 // ---------------------------------------------------------------------------------------------
 // Tile steps. s is [bq, bk]; only rows < rows and columns < cols are real.
 
-// s = scale * q k^T from q [bq, dp] and k^T [dp, bk] (column panels, pack_transposed).
-void tile_scores(const TileOps& ops, const float* q, const float* kt, float scale,
-                 const TileDims& t, float* s) {
-  ops.gemm_panels(t.bq, t.bk, t.dp, q, t.dp, 1, kt, t.dp * kNr, scale, false, s, t.bk);
-}
-
 // Sets the scores of the pairs the mask hides to -inf (partial tiles only).
 void mask_tile(const Mask& mask, const Workspace& ws, int64_t rows, int64_t cols, const TileDims& t,
                float* s) {
@@ -533,17 +531,31 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws)
   float* l = ws.row_l.get();
   load_state(a.st, h, q0, rows, t, acc, m, l);
 
-  for (int64_t kj = 0; kj < plan.k_tiles; ++kj) {
+  const TileOps& ops = *a.ops;
+  const int64_t tile_n = t.dp * t.bk;  // floats of one packed k^T or v tile
+  auto next_tile = [&](int64_t kj) {   // the next non-empty k-tile after kj, or k_tiles
+    for (++kj; kj < plan.k_tiles && plan.at(qi, kj) == TileKind::kEmpty;) ++kj;
+    return kj;
+  };
+  for (int64_t kj = next_tile(-1); kj < plan.k_tiles;) {
     const TileKind kind = plan.at(qi, kj);
-    if (kind == TileKind::kEmpty) continue;
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
-    tile_scores(*a.ops, ws.q.get(), a.kv->kt(g, kj), a.cfg->scale, t, ws.s.get());
+    const int64_t kn = next_tile(kj);
+    // s = scale q k^T, v of this tile prefetched meanwhile
+    ops.gemm_panels_next(t.bq, t.bk, t.dp, ws.q.get(), t.dp, 1, a.kv->kt(g, kj), t.dp * kNr,
+                         a.cfg->scale, false, ws.s.get(), t.bk, a.kv->v(g, kj), tile_n);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
       mask_tile(a.cfg->mask, ws, rows, cols, t, ws.s.get());
     }
-    a.ops->softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
-    tile_pv(*a.ops, ws.s.get(), a.kv->v(g, kj), t, acc);
+    ops.softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
+    // acc += p v, the next tile's k^T prefetched meanwhile
+    if (kn < plan.k_tiles)
+      ops.gemm_panels_next(t.bq, t.dp, t.bk, ws.s.get(), t.bk, 1, a.kv->v(g, kj), t.bk * kNr, 1.0f,
+                           true, acc, t.dp, a.kv->kt(g, kn), tile_n);
+    else
+      tile_pv(ops, ws.s.get(), a.kv->v(g, kj), t, acc);
+    kj = kn;
   }
 
   store_state(a.st, h, q0, rows, t, acc, m, l);

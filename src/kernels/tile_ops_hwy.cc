@@ -93,23 +93,41 @@ HWY_INLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_t 
   }
 }
 
+// A prefetch stream spread over a GEMM's register blocks: `per_block` cache lines of [p, end)
+// towards L2 before each block, so the lines the caller reads next arrive while this GEMM computes,
+// without a burst of prefetches that fills the miss queues.
+struct PrefetchStream {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t per_block = 0;
+  HWY_INLINE void step() {
+    for (int64_t i = 0; i < per_block && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 2);
+  }
+};
+
 template <int NV>
 HWY_INLINE void gemm_columns(D d, int64_t M, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                              const float* const* bcol, int64_t ldb, float alpha, bool accumulate,
-                             float* c, int64_t ldc) {
+                             float* c, int64_t ldc, PrefetchStream& pf) {
   // A 2-row block has 2 NV multiply-add chains, too few to cover the FMA latency (it runs at
   // about half rate): rows that would end in kRows + 2 (128 = 21 x 6 + 2 on AVX2) end in 4 + 4.
   const int64_t main_end = kRows == 6 && M % kRows == 2 && M >= 8 ? M - 8 : M;
   int64_t i0 = 0;
-  for (; i0 + kRows <= main_end; i0 += kRows)
+  for (; i0 + kRows <= main_end; i0 += kRows) {
+    pf.step();
     gemm_block<kRows, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate,
                           c + i0 * ldc, ldc);
-  for (; i0 + 4 <= M; i0 += 4)  // at most two (kRows + 2 rows left), else at most one
+  }
+  for (; i0 + 4 <= M; i0 += 4) {  // at most two (kRows + 2 rows left), else at most one
+    pf.step();
     gemm_block<4, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
                       ldc);
-  if (i0 + 2 <= M)  // M is even, so this is the last block
+  }
+  if (i0 + 2 <= M) {  // M is even, so this is the last block
+    pf.step();
     gemm_block<2, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
                       ldc);
+  }
 }
 
 // Prefetches rows x len floats (row stride `stride`) towards L2, a cache line at a time.
@@ -128,18 +146,29 @@ HWY_INLINE void prefetch_2d(const float* p, int64_t rows, int64_t len, int64_t s
 template <bool kPanels>
 HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
                           int64_t a_ks, const float* b, int64_t ldb, int64_t b_ps, float alpha,
-                          bool accumulate, float* c, int64_t ldc) {
-  if constexpr (kPanels)
-    prefetch_2d(b, N / kNr, K * kNr, b_ps);
-  else
-    prefetch_2d(b, K, N, ldb);
-  if (a_ks == 1)
-    prefetch_2d(a, M, K, a_rs);
-  else
-    prefetch_2d(a, K, M, a_ks);
-  if (accumulate) prefetch_2d(c, M, N, ldc);
+                          bool accumulate, float* c, int64_t ldc, const float* next = nullptr,
+                          int64_t next_n = 0) {
   const D d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  PrefetchStream pf;
+  if (next == nullptr) {
+    if constexpr (kPanels)
+      prefetch_2d(b, N / kNr, K * kNr, b_ps);
+    else
+      prefetch_2d(b, K, N, ldb);
+    if (a_ks == 1)
+      prefetch_2d(a, M, K, a_rs);
+    else
+      prefetch_2d(a, K, M, a_ks);
+    if (accumulate) prefetch_2d(c, M, N, ldc);
+  } else {
+    const int64_t row_blocks = (M + kRows - 1) / kRows + 1;
+    const int64_t blocks = (N + 2 * L - 1) / (2 * L) * row_blocks;
+    const int64_t lines = (next_n * 4 + 63) / 64;
+    pf.p = reinterpret_cast<const char*>(next);
+    pf.end = pf.p + next_n * 4;
+    pf.per_block = (lines + blocks - 1) / blocks;
+  }
   const int64_t kstride = kPanels ? kNr : ldb;
   auto col = [&](int64_t j) { return kPanels ? b + (j / kNr) * b_ps + j % kNr : b + j; };
   int64_t j0 = 0;
@@ -149,11 +178,11 @@ HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64
         for (int64_t j = 0; j < 2 * L; j += 16)
           __builtin_prefetch(b + k * ldb + j0 + 2 * L + j, 0, 3);
     const float* bcol[2] = {col(j0), col(j0 + L)};
-    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc);
+    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc, pf);
   }
   for (; j0 < N; j0 += L) {
     const float* bcol[1] = {col(j0)};
-    gemm_columns<1>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc);
+    gemm_columns<1>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc, pf);
   }
 }
 
@@ -166,6 +195,12 @@ void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, 
                  const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
                  int64_t ldc) {
   gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc);
+}
+
+void gemm_panels_next(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                      const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
+                      int64_t ldc, const float* next, int64_t next_n) {
+  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, next_n);
 }
 
 HWY_INLINE V exp_v(D d, V x) {
@@ -308,6 +343,7 @@ const TileOps* target_ops() {
                            128,
                            gemm,
                            gemm_panels,
+                           gemm_panels_next,
                            softmax_update,
                            probs,
                            ds,
