@@ -203,22 +203,47 @@ void gemm_panels_next(int64_t M, int64_t N, int64_t K, const float* a, int64_t a
   gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, next_n);
 }
 
-HWY_INLINE V exp_v(D d, V x) {
+// exp of N vectors in place, the N independent chains interleaved step by step (one chain is ~17
+// dependent operations; interleaving lets the FP pipes overlap them). n = round(x log2 e) by the
+// magic-number addition t = x log2 e + (1.5 2^23 + 127): t's low mantissa bits are n + 127, so
+// 2^n is t's bits shifted left by 23 (no float-to-int conversion); the same rounding (to nearest
+// even) as before. No lower clamp: for x < kExpMin (and -inf, where r is NaN) the result is masked
+// to exactly 0 at the end. x <= 88 after the upper clamp keeps n + 127 <= 254.
+template <int N>
+HWY_INLINE void exp_vn(D d, V* x) {
   const hn::RebindToSigned<D> di;
-  const V xc = hn::Min(hn::Max(x, hn::Set(d, kExpMin)), hn::Set(d, 88.0f));
-  const V n = hn::Round(hn::Mul(xc, hn::Set(d, 1.44269504088896341f)));
-  V r = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc);
-  r = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r);
-  V p = hn::Set(d, 1.9875691500e-4f);
-  p = hn::MulAdd(p, r, hn::Set(d, 1.3981999507e-3f));
-  p = hn::MulAdd(p, r, hn::Set(d, 8.3334519073e-3f));
-  p = hn::MulAdd(p, r, hn::Set(d, 4.1665795894e-2f));
-  p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
-  p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
-  const V y = hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));
-  const V pow2n =
-      hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127))));
-  return hn::IfThenElseZero(x >= hn::Set(d, kExpMin), hn::Mul(y, pow2n));
+  const V magic = hn::Set(d, 12582912.0f + 127.0f);
+  V t[N], r[N], p[N];
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) {
+    const V xc = hn::Min(x[i], hn::Set(d, 88.0f));
+    t[i] = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), magic);
+    const V n = hn::Sub(t[i], magic);
+    r[i] = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc);
+    r[i] = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r[i]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i)
+    p[i] = hn::MulAdd(hn::Set(d, 1.9875691500e-4f), r[i], hn::Set(d, 1.3981999507e-3f));
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 8.3334519073e-3f));
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 4.1665795894e-2f));
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 1.6666665459e-1f));
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 5.0000001201e-1f));
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) {
+    const V y = hn::MulAdd(p[i], hn::Mul(r[i], r[i]), hn::Add(r[i], hn::Set(d, 1.0f)));
+    const V pow2n = hn::BitCast(d, hn::ShiftLeft<23>(hn::BitCast(di, t[i])));
+    x[i] = hn::IfThenElseZero(x[i] >= hn::Set(d, kExpMin), hn::Mul(y, pow2n));
+  }
+}
+
+HWY_INLINE V exp_v(D d, V x) {
+  exp_vn<1>(d, &x);
+  return x;
 }
 
 void zero_row(D d, float* x, int64_t n) {
@@ -253,6 +278,15 @@ void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t 
     const V mv = hn::Set(d, m_new);
     V sum = hn::Zero(d);
     int64_t j = 0;
+    for (; j + 2 * L <= whole; j += 2 * L) {  // 2 vectors at a time, their exps interleaved
+      V x[2];
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) x[i] = hn::Sub(hn::LoadU(d, sr + j + i * L), mv);
+      exp_vn<2>(d, x);
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) hn::StoreU(x[i], d, sr + j + i * L);
+      sum = hn::Add(sum, hn::Add(x[0], x[1]));
+    }
     for (; j < whole; j += L) {
       const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv));
       hn::StoreU(p, d, sr + j);
@@ -288,6 +322,14 @@ void probs(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse,
     }
     const V lv = hn::Set(d, lse[r]);
     int64_t j = 0;
+    for (; j + 4 * L <= whole; j += 4 * L) {  // 4 vectors at a time, their exps interleaved
+      V x[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) x[i] = hn::Sub(hn::LoadU(d, sr + j + i * L), lv);
+      exp_vn<4>(d, x);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) hn::StoreU(x[i], d, sr + j + i * L);
+    }
     for (; j < whole; j += L) hn::StoreU(exp_v(d, hn::Sub(hn::LoadU(d, sr + j), lv)), d, sr + j);
     if (j < cols) {
       const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), lv));
