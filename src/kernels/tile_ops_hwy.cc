@@ -35,6 +35,7 @@
 #include "hwy/highway.h"
 // clang-format on
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -251,61 +252,80 @@ void zero_row(D d, float* x, int64_t n) {
   for (int64_t j = 0; j < n; j += L) hn::StoreU(hn::Zero(d), d, x + j);
 }
 
+// The rows go in chunks of kChunk: first the maxima of all the chunk's rows (independent passes,
+// which the out-of-order core overlaps) and their rescale factors alpha in one vector exp, then
+// each row's exp pass. Row by row, each row's max, its reduction across lanes and the scalar exp
+// of alpha formed a dependency chain of ~130 cycles that its exp pass waited on.
 void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,
                     float* m, float* l, float* acc) {
   const D d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
+  constexpr int64_t kChunk = 8;
   const V neg_inf = hn::Set(d, kNegInfF);
   const int64_t whole = cols / L * L;  // columns in whole vectors
-  for (int64_t r = 0; r < bq; ++r) {
-    float* sr = s + r * bk;
-    float tile_max = kNegInfF;
-    if (r < rows) {
-      V vmax = neg_inf;
-      for (int64_t j = 0; j < whole; j += L) vmax = hn::Max(vmax, hn::LoadU(d, sr + j));
-      if (whole < cols)
-        vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(cols - whole)),
-                                            hn::LoadU(d, sr + whole), neg_inf));
-      tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+  for (int64_t r0 = 0; r0 < bq; r0 += kChunk) {
+    const int64_t n = std::min(kChunk, bq - r0);
+    // m_new and m - m_new of the chunk's rows (0 where m_new = -inf: those rows are skipped);
+    // 16 entries so that whole vectors of any target's width (at most 16 floats) can be read.
+    HWY_ALIGN float m_new[16] = {}, dm[16] = {}, alpha[16];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = r0 + i;
+      float tile_max = kNegInfF;
+      if (r < rows) {
+        const float* sr = s + r * bk;
+        V vmax = neg_inf;
+        for (int64_t j = 0; j < whole; j += L) vmax = hn::Max(vmax, hn::LoadU(d, sr + j));
+        if (whole < cols)
+          vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(cols - whole)),
+                                              hn::LoadU(d, sr + whole), neg_inf));
+        tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+      }
+      m_new[i] = m[r] > tile_max ? m[r] : tile_max;
+      dm[i] = m_new[i] == kNegInfF ? 0.0f : m[r] - m_new[i];  // m[r] = -inf: -inf, alpha 0
     }
-    const float m_new = m[r] > tile_max ? m[r] : tile_max;
-    if (m_new == kNegInfF) {  // padding, or no visible key so far: nothing to add
-      zero_row(d, sr, bk);
-      continue;
-    }
-    const float alpha = hn::GetLane(exp_v(d, hn::Set(d, m[r] - m_new)));  // m[r] = -inf: 0
-    const V mv = hn::Set(d, m_new);
-    V sum = hn::Zero(d);
-    int64_t j = 0;
-    for (; j + 2 * L <= whole; j += 2 * L) {  // 2 vectors at a time, their exps interleaved
-      V x[2];
+    for (int64_t i = 0; i < kChunk; i += L) hn::Store(exp_v(d, hn::Load(d, dm + i)), d, alpha + i);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = r0 + i;
+      float* sr = s + r * bk;
+      if (m_new[i] == kNegInfF) {  // padding, or no visible key so far: nothing to add
+        zero_row(d, sr, bk);
+        continue;
+      }
+      const V mv = hn::Set(d, m_new[i]);
+      V sum = hn::Zero(d);
+      int64_t j = 0;
+      for (; j + 2 * L <= whole; j += 2 * L) {  // 2 vectors at a time, their exps interleaved
+        V x[2];
 #pragma GCC unroll 2
-      for (int i = 0; i < 2; ++i) x[i] = hn::Sub(hn::LoadU(d, sr + j + i * L), mv);
-      exp_vn<2>(d, x);
+        for (int k = 0; k < 2; ++k) x[k] = hn::Sub(hn::LoadU(d, sr + j + k * L), mv);
+        exp_vn<2>(d, x);
 #pragma GCC unroll 2
-      for (int i = 0; i < 2; ++i) hn::StoreU(x[i], d, sr + j + i * L);
-      sum = hn::Add(sum, hn::Add(x[0], x[1]));
-    }
-    for (; j < whole; j += L) {
-      const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv));
-      hn::StoreU(p, d, sr + j);
-      sum = hn::Add(sum, p);
-    }
-    if (j < cols) {
-      const V p = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)),
-                                     exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv)));
-      hn::StoreU(p, d, sr + j);
-      sum = hn::Add(sum, p);
-      j += L;
-    }
-    for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
-    l[r] = alpha * l[r] + hn::GetLane(hn::SumOfLanes(d, sum));
-    m[r] = m_new;
-    if (alpha != 1.0f) {
-      const V av = hn::Set(d, alpha);
-      float* ar = acc + r * dp;
-      for (int64_t e = 0; e < dp; e += L) hn::StoreU(hn::Mul(av, hn::LoadU(d, ar + e)), d, ar + e);
+        for (int k = 0; k < 2; ++k) hn::StoreU(x[k], d, sr + j + k * L);
+        sum = hn::Add(sum, hn::Add(x[0], x[1]));
+      }
+      for (; j < whole; j += L) {
+        const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv));
+        hn::StoreU(p, d, sr + j);
+        sum = hn::Add(sum, p);
+      }
+      if (j < cols) {
+        const V p = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)),
+                                       exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv)));
+        hn::StoreU(p, d, sr + j);
+        sum = hn::Add(sum, p);
+        j += L;
+      }
+      for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
+      const float a = alpha[i];
+      l[r] = a * l[r] + hn::GetLane(hn::SumOfLanes(d, sum));
+      m[r] = m_new[i];
+      if (a != 1.0f) {
+        const V av = hn::Set(d, a);
+        float* ar = acc + r * dp;
+        for (int64_t e = 0; e < dp; e += L)
+          hn::StoreU(hn::Mul(av, hn::LoadU(d, ar + e)), d, ar + e);
+      }
     }
   }
 }
@@ -322,13 +342,13 @@ void probs(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse,
     }
     const V lv = hn::Set(d, lse[r]);
     int64_t j = 0;
-    for (; j + 4 * L <= whole; j += 4 * L) {  // 4 vectors at a time, their exps interleaved
-      V x[4];
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) x[i] = hn::Sub(hn::LoadU(d, sr + j + i * L), lv);
-      exp_vn<4>(d, x);
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) hn::StoreU(x[i], d, sr + j + i * L);
+    for (; j + 2 * L <= whole; j += 2 * L) {  // 2 vectors at a time, their exps interleaved
+      V x[2];
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) x[i] = hn::Sub(hn::LoadU(d, sr + j + i * L), lv);
+      exp_vn<2>(d, x);
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) hn::StoreU(x[i], d, sr + j + i * L);
     }
     for (; j < whole; j += L) hn::StoreU(exp_v(d, hn::Sub(hn::LoadU(d, sr + j), lv)), d, sr + j);
     if (j < cols) {
