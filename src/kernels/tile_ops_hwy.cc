@@ -206,14 +206,16 @@ void gemm_panels_next(int64_t M, int64_t N, int64_t K, const float* a, int64_t a
 
 // exp of N vectors in place, the N independent chains interleaved step by step (one chain is ~17
 // dependent operations; interleaving lets the FP pipes overlap them). n = round(x log2 e) by the
-// magic-number addition t = x log2 e + (1.5 2^23 + 127): t's low mantissa bits are n + 127, so
-// 2^n is t's bits shifted left by 23 (no float-to-int conversion); the same rounding (to nearest
-// even) as before. No lower clamp: for x < kExpMin (and -inf, where r is NaN) the result is masked
-// to exactly 0 at the end. x <= 88 after the upper clamp keeps n + 127 <= 254.
+// magic-number addition t = x log2 e + 1.5 2^23: t's low mantissa bits are n (two's complement,
+// above a set bit 22), so n << 23 is t's bits shifted left by 23, and y 2^n is that added to y's
+// bits (no float-to-int conversion, no multiply: the FMA pipes carry the rest); the same rounding
+// of n (to nearest even) as before, and the same result: for x in [kExpMin, 88] y 2^n is a normal
+// float (e^-87 > 2^-126), so adding n to its exponent is the exact product. No lower clamp: for
+// x < kExpMin (and -inf, where r is NaN) the result is masked to exactly 0 at the end.
 template <int N>
 HWY_INLINE void exp_vn(D d, V* x) {
   const hn::RebindToSigned<D> di;
-  const V magic = hn::Set(d, 12582912.0f + 127.0f);
+  const V magic = hn::Set(d, 12582912.0f);
   V t[N], r[N], p[N];
 #pragma GCC unroll 4
   for (int i = 0; i < N; ++i) {
@@ -237,8 +239,9 @@ HWY_INLINE void exp_vn(D d, V* x) {
 #pragma GCC unroll 4
   for (int i = 0; i < N; ++i) {
     const V y = hn::MulAdd(p[i], hn::Mul(r[i], r[i]), hn::Add(r[i], hn::Set(d, 1.0f)));
-    const V pow2n = hn::BitCast(d, hn::ShiftLeft<23>(hn::BitCast(di, t[i])));
-    x[i] = hn::IfThenElseZero(x[i] >= hn::Set(d, kExpMin), hn::Mul(y, pow2n));
+    const auto n23 = hn::ShiftLeft<23>(hn::BitCast(di, t[i]));
+    const V y2n = hn::BitCast(d, hn::Add(hn::BitCast(di, y), n23));
+    x[i] = hn::IfThenElseZero(x[i] >= hn::Set(d, kExpMin), y2n);
   }
 }
 
