@@ -664,9 +664,11 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       const TileKind kind = plan.at(qi, kj);
       if (kind == TileKind::kEmpty) continue;
       const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
-      // fp32 tiles with full rows and no head-dim padding are read (q, dout) and accumulated
-      // (dq) in place, with their views' row strides; the others go through packed buffers.
-      const bool direct = std::is_same_v<T, float> && rows == t.bq && dim == t.dp;
+      // Tiles with full rows and no head-dim padding accumulate dq (fp32 for either storage) in
+      // place, and fp32 ones also read q and dout in place, with their views' row strides; the
+      // others go through packed buffers.
+      const bool whole = rows == t.bq && dim == t.dp;
+      const bool direct = std::is_same_v<T, float> && whole;
       const float* qp = ws.q.get();
       const float* doutp = ws.dout.get();
       int64_t q_rs = t.dp, dout_rs = t.dp;
@@ -712,7 +714,7 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       ops.gemm_panels(t.bk, t.dp, t.bq, dp, 1, t.bk, ws.q_pan.get(), t.bq * kNr, 1.0f, true,
                       ws.dk.get(), t.dp);
       // dq [bq, dp] += ds k: in place (c + 1 * sum, the same rounding as adding a tile result)
-      if (direct) {
+      if (whole) {
         ops.gemm_panels(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, true,
                         dq_sink.row(q0, h), dq_sink.ss);
         continue;
