@@ -255,6 +255,39 @@ void zero_row(D d, float* x, int64_t n) {
   for (int64_t j = 0; j < n; j += L) hn::StoreU(hn::Zero(d), d, x + j);
 }
 
+// Row sr [bk] of a score tile: sr[j] = exp(sr[j] - shift) for j < cols, 0 for cols <= j < bk
+// (bk a whole number of vectors). Returns the lanes' partial sums of the new values.
+HWY_INLINE V exp_row(D d, float* sr, int64_t cols, int64_t bk, float shift) {
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t whole = cols / L * L;  // columns in whole vectors
+  const V sv = hn::Set(d, shift);
+  V sum = hn::Zero(d);
+  int64_t j = 0;
+  for (; j + 2 * L <= whole; j += 2 * L) {  // 2 vectors at a time, their exps interleaved
+    V x[2];
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) x[k] = hn::Sub(hn::LoadU(d, sr + j + k * L), sv);
+    exp_vn<2>(d, x);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) hn::StoreU(x[k], d, sr + j + k * L);
+    sum = hn::Add(sum, hn::Add(x[0], x[1]));
+  }
+  for (; j < whole; j += L) {
+    const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), sv));
+    hn::StoreU(p, d, sr + j);
+    sum = hn::Add(sum, p);
+  }
+  if (j < cols) {
+    const V p = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)),
+                                   exp_v(d, hn::Sub(hn::LoadU(d, sr + j), sv)));
+    hn::StoreU(p, d, sr + j);
+    sum = hn::Add(sum, p);
+    j += L;
+  }
+  for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
+  return sum;
+}
+
 // The rows go in chunks of kChunk: first the maxima of all the chunk's rows (independent passes,
 // which the out-of-order core overlaps) and their rescale factors alpha in one vector exp, then
 // each row's exp pass. Row by row, each row's max, its reduction across lanes and the scalar exp
@@ -295,31 +328,7 @@ void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t 
         zero_row(d, sr, bk);
         continue;
       }
-      const V mv = hn::Set(d, m_new[i]);
-      V sum = hn::Zero(d);
-      int64_t j = 0;
-      for (; j + 2 * L <= whole; j += 2 * L) {  // 2 vectors at a time, their exps interleaved
-        V x[2];
-#pragma GCC unroll 2
-        for (int k = 0; k < 2; ++k) x[k] = hn::Sub(hn::LoadU(d, sr + j + k * L), mv);
-        exp_vn<2>(d, x);
-#pragma GCC unroll 2
-        for (int k = 0; k < 2; ++k) hn::StoreU(x[k], d, sr + j + k * L);
-        sum = hn::Add(sum, hn::Add(x[0], x[1]));
-      }
-      for (; j < whole; j += L) {
-        const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv));
-        hn::StoreU(p, d, sr + j);
-        sum = hn::Add(sum, p);
-      }
-      if (j < cols) {
-        const V p = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)),
-                                       exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv)));
-        hn::StoreU(p, d, sr + j);
-        sum = hn::Add(sum, p);
-        j += L;
-      }
-      for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
+      const V sum = exp_row(d, sr, cols, bk, m_new[i]);
       const float a = alpha[i];
       l[r] = a * l[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       m[r] = m_new[i];
@@ -335,31 +344,13 @@ void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t 
 
 void probs(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse, float* s) {
   const D d;
-  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  const int64_t whole = cols / L * L;
   for (int64_t r = 0; r < bq; ++r) {
     float* sr = s + r * bk;
     if (r >= rows || lse[r] == -std::numeric_limits<float>::infinity()) {
       zero_row(d, sr, bk);
       continue;
     }
-    const V lv = hn::Set(d, lse[r]);
-    int64_t j = 0;
-    for (; j + 2 * L <= whole; j += 2 * L) {  // 2 vectors at a time, their exps interleaved
-      V x[2];
-#pragma GCC unroll 2
-      for (int i = 0; i < 2; ++i) x[i] = hn::Sub(hn::LoadU(d, sr + j + i * L), lv);
-      exp_vn<2>(d, x);
-#pragma GCC unroll 2
-      for (int i = 0; i < 2; ++i) hn::StoreU(x[i], d, sr + j + i * L);
-    }
-    for (; j < whole; j += L) hn::StoreU(exp_v(d, hn::Sub(hn::LoadU(d, sr + j), lv)), d, sr + j);
-    if (j < cols) {
-      const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), lv));
-      hn::StoreU(hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)), p), d, sr + j);
-      j += L;
-    }
-    for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
+    exp_row(d, sr, cols, bk, lse[r]);
   }
 }
 
