@@ -177,15 +177,16 @@ TilePlan plan_tiles(const Tokens& qt, const Tokens& kt, const Mask& mask, int64_
 // ---------------------------------------------------------------------------------------------
 // Per-thread tile buffers.
 
-// A zero-initialised buffer aligned to 64 bytes (one cache line; room for wide vectors).
+// A buffer aligned to 64 bytes (one cache line; room for wide vectors), zero-initialised unless
+// `zero` is false (then the caller writes every element before reading it).
 template <class T>
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  explicit AlignedBuffer(int64_t n)
+  explicit AlignedBuffer(int64_t n, bool zero = true)
       : data_(static_cast<T*>(::operator new[](
             static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T), std::align_val_t{64}))) {
-    std::fill(data_.get(), data_.get() + n, T{});
+    if (zero) std::fill(data_.get(), data_.get() + n, T{});
   }
   T* get() const { return data_.get(); }
 
@@ -329,7 +330,7 @@ void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, cons
 template <class T>
 void pack_transposed(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
                      float* dst) {
-  std::fill(dst, dst + t.dp * t.bk, 0.0f);
+  if (cols < t.bk || x.d < t.dp) std::fill(dst, dst + t.dp * t.bk, 0.0f);  // padding
   for (int64_t j = 0; j < cols; ++j) {
     const T* in = x.row(begin + j, head);
     float* out = dst + (j / kNr) * t.dp * kNr + j % kNr;
@@ -342,7 +343,7 @@ void pack_transposed(View3<const T> x, int64_t begin, int64_t cols, int64_t head
 template <class T>
 void pack_kv_rows(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
                   float* dst) {
-  std::fill(dst, dst + t.bk * t.dp, 0.0f);
+  if (cols < t.bk || x.d < t.dp) std::fill(dst, dst + t.bk * t.dp, 0.0f);  // padding
   for (int64_t j = 0; j < cols; ++j) {
     const T* in = x.row(begin + j, head);
     for (int64_t d0 = 0; d0 < x.d; d0 += kNr)
@@ -377,14 +378,15 @@ void pack_tokens(const Tokens& t, int64_t begin, int64_t count, int64_t* pos, in
 template <class E>
 class PackedKvTiles {
  public:
-  // pack(g, k0, cols, kt, v) fills one tile from key rows [k0, k0 + cols) of kv head g.
+  // pack(g, k0, cols, kt, v) fills one tile from key rows [k0, k0 + cols) of kv head g; zero:
+  // whether the tiles start zeroed (false: pack writes every element, padding included).
   template <class Pack>
   PackedKvTiles(int64_t kv_heads, int64_t keys, const TilePlan& plan, const TileDims& t,
-                int threads, const Pack& pack)
+                int threads, bool zero, const Pack& pack)
       : tile_elems_(t.dp * t.bk),
         k_tiles_(plan.k_tiles),
-        kt_(kv_heads * plan.k_tiles * tile_elems_),
-        v_(kv_heads * plan.k_tiles * tile_elems_) {
+        kt_(kv_heads * plan.k_tiles * tile_elems_, zero),
+        v_(kv_heads * plan.k_tiles * tile_elems_, zero) {
     const int64_t tiles = kv_heads * plan.k_tiles;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < tiles; ++i) {
@@ -412,7 +414,7 @@ using PackedKv = PackedKvTiles<float>;
 template <class T>
 PackedKv pack_kv(View3<const T> k, View3<const T> v, const TilePlan& plan, const TileDims& t,
                  int threads) {
-  return PackedKv(k.h, k.s, plan, t, threads,
+  return PackedKv(k.h, k.s, plan, t, threads, false,  // the packs write the padding
                   [&](int64_t g, int64_t k0, int64_t cols, float* kt, float* vt) {
                     pack_transposed(k, k0, cols, g, t, kt);
                     pack_kv_rows(v, k0, cols, g, t, vt);
@@ -428,7 +430,7 @@ using PackedKvBf16 = PackedKvTiles<uint16_t>;
 
 PackedKvBf16 pack_kv_bf16(View3<const bf16> k, View3<const bf16> v, const TilePlan& plan,
                           const TileDims& t, int threads) {
-  return PackedKvBf16(k.h, k.s, plan, t, threads,
+  return PackedKvBf16(k.h, k.s, plan, t, threads, true,  // padding left zero
                       [&](int64_t g, int64_t k0, int64_t cols, uint16_t* kt, uint16_t* vt) {
                         for (int64_t j = 0; j < cols; ++j) {
                           const bf16* kr = k.row(k0 + j, g);
