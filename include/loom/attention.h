@@ -197,6 +197,14 @@ void merge(View3<float> out_a, float* lse_a, View3<const float> out_b, const flo
 // cannot run.
 const char* kernel_path();
 
+// One side of the work tiles the kernels compute on (src/kernels/blockwise.cc): over n rows cut
+// into blocks of `block` rows, the block times the smallest factor whose product reaches `want`
+// rows, never more blocks than the n rows have (so at least `block`, and `block` when want <= 0
+// or n <= block). Preconditions: block >= 1, n >= 0. The planner's simulation (src/plan/sim.cc)
+// uses it to charge the same work tiles; `want` is the path's minimum work-tile side (128 on
+// every CPU path, plan Profile::work_tile).
+int64_t work_tile_side(int64_t block, int64_t n, int64_t want);
+
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 }  // namespace loom

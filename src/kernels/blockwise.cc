@@ -13,7 +13,7 @@
 //           pairs are all visible becomes full.
 //
 // Forward (per query head h and q-tile, on the state's rows): for each non-empty k-tile, the
-// tile's scores s = scale q k^T (tile_scores), the online softmax update (softmax_update)
+// tile's scores s = scale q k^T, the online softmax update (softmax_update)
 //   m' = max(m, max_j s_j),  p_j = exp(s_j - m'),  alpha = exp(m - m'),
 //   l' = alpha l + sum_j p_j,  acc' = alpha acc,
 // and acc' += p v (tile_pv). A row that has seen no visible key keeps m = -inf, l = 0, acc = 0;
@@ -35,7 +35,11 @@
 // tile GEMM and the softmax loops have no remainders. The forward packs the whole KV block once
 // per call (k^T and v, tile-major) and each (head, q-tile) task packs its q rows; a backward task
 // packs its k-tile once (k, k^T, v^T) and the q and dout rows of each tile it visits (fp32 tiles
-// with full rows and D % kNr == 0 are read, and dq accumulated, in place instead).
+// with full rows and D % kNr == 0 are read, and dq accumulated, in place instead). The forward's
+// tile GEMMs prefetch the operand of the step after them while they compute
+// (TileOps::gemm_panels_next): the scores GEMM this tile's v, the p v GEMM the next non-empty
+// tile's k^T, so the packed KV block (4 MiB per head at S = 4096, D = 128: beyond L2) arrives from
+// L3 during arithmetic rather than at the start of each GEMM.
 //
 // Paths. The tile arithmetic (GEMM, softmax steps, delta's dot) goes through the TileOps table of
 // kernels::select_ops() (tile_ops.h: one Highway source per instruction-set target, chosen per
@@ -173,15 +177,16 @@ TilePlan plan_tiles(const Tokens& qt, const Tokens& kt, const Mask& mask, int64_
 // ---------------------------------------------------------------------------------------------
 // Per-thread tile buffers.
 
-// A zero-initialised buffer aligned to 64 bytes (one cache line; room for wide vectors).
+// A buffer aligned to 64 bytes (one cache line; room for wide vectors), zero-initialised unless
+// `zero` is false (then the caller writes every element before reading it).
 template <class T>
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  explicit AlignedBuffer(int64_t n)
+  explicit AlignedBuffer(int64_t n, bool zero = true)
       : data_(static_cast<T*>(::operator new[](
             static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T), std::align_val_t{64}))) {
-    std::fill(data_.get(), data_.get() + n, T{});
+    if (zero) std::fill(data_.get(), data_.get() + n, T{});
   }
   T* get() const { return data_.get(); }
 
@@ -258,14 +263,8 @@ int thread_count(const KernelConfig& cfg, int64_t tasks) {
 // although its pairs are computed (masked).
 KernelConfig work_config(const KernelConfig& cfg, const TileOps& ops, int64_t sq, int64_t sk) {
   KernelConfig w = cfg;
-  auto factor = [&](int64_t block, int64_t n) {  // never more config tiles than there are
-    const int64_t want = (ops.work_tile + block - 1) / block, have = (n + block - 1) / block;
-    return std::max<int64_t>(1, std::min(want, have));
-  };
-  if (ops.work_tile > 0) {
-    w.block_q = cfg.block_q * factor(cfg.block_q, sq);
-    w.block_k = cfg.block_k * factor(cfg.block_k, sk);
-  }
+  w.block_q = work_tile_side(cfg.block_q, sq, ops.work_tile);
+  w.block_k = work_tile_side(cfg.block_k, sk, ops.work_tile);
   return w;
 }
 
@@ -331,7 +330,7 @@ void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, cons
 template <class T>
 void pack_transposed(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
                      float* dst) {
-  std::fill(dst, dst + t.dp * t.bk, 0.0f);
+  if (cols < t.bk || x.d < t.dp) std::fill(dst, dst + t.dp * t.bk, 0.0f);  // padding
   for (int64_t j = 0; j < cols; ++j) {
     const T* in = x.row(begin + j, head);
     float* out = dst + (j / kNr) * t.dp * kNr + j % kNr;
@@ -344,7 +343,7 @@ void pack_transposed(View3<const T> x, int64_t begin, int64_t cols, int64_t head
 template <class T>
 void pack_kv_rows(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
                   float* dst) {
-  std::fill(dst, dst + t.bk * t.dp, 0.0f);
+  if (cols < t.bk || x.d < t.dp) std::fill(dst, dst + t.bk * t.dp, 0.0f);  // padding
   for (int64_t j = 0; j < cols; ++j) {
     const T* in = x.row(begin + j, head);
     for (int64_t d0 = 0; d0 < x.d; d0 += kNr)
@@ -379,14 +378,15 @@ void pack_tokens(const Tokens& t, int64_t begin, int64_t count, int64_t* pos, in
 template <class E>
 class PackedKvTiles {
  public:
-  // pack(g, k0, cols, kt, v) fills one tile from key rows [k0, k0 + cols) of kv head g.
+  // pack(g, k0, cols, kt, v) fills one tile from key rows [k0, k0 + cols) of kv head g; zero:
+  // whether the tiles start zeroed (false: pack writes every element, padding included).
   template <class Pack>
   PackedKvTiles(int64_t kv_heads, int64_t keys, const TilePlan& plan, const TileDims& t,
-                int threads, const Pack& pack)
+                int threads, bool zero, const Pack& pack)
       : tile_elems_(t.dp * t.bk),
         k_tiles_(plan.k_tiles),
-        kt_(kv_heads * plan.k_tiles * tile_elems_),
-        v_(kv_heads * plan.k_tiles * tile_elems_) {
+        kt_(kv_heads * plan.k_tiles * tile_elems_, zero),
+        v_(kv_heads * plan.k_tiles * tile_elems_, zero) {
     const int64_t tiles = kv_heads * plan.k_tiles;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < tiles; ++i) {
@@ -414,7 +414,7 @@ using PackedKv = PackedKvTiles<float>;
 template <class T>
 PackedKv pack_kv(View3<const T> k, View3<const T> v, const TilePlan& plan, const TileDims& t,
                  int threads) {
-  return PackedKv(k.h, k.s, plan, t, threads,
+  return PackedKv(k.h, k.s, plan, t, threads, false,  // the packs write the padding
                   [&](int64_t g, int64_t k0, int64_t cols, float* kt, float* vt) {
                     pack_transposed(k, k0, cols, g, t, kt);
                     pack_kv_rows(v, k0, cols, g, t, vt);
@@ -430,7 +430,7 @@ using PackedKvBf16 = PackedKvTiles<uint16_t>;
 
 PackedKvBf16 pack_kv_bf16(View3<const bf16> k, View3<const bf16> v, const TilePlan& plan,
                           const TileDims& t, int threads) {
-  return PackedKvBf16(k.h, k.s, plan, t, threads,
+  return PackedKvBf16(k.h, k.s, plan, t, threads, true,  // padding left zero
                       [&](int64_t g, int64_t k0, int64_t cols, uint16_t* kt, uint16_t* vt) {
                         for (int64_t j = 0; j < cols; ++j) {
                           const bf16* kr = k.row(k0 + j, g);
@@ -445,12 +445,6 @@ PackedKvBf16 pack_kv_bf16(View3<const bf16> k, View3<const bf16> v, const TilePl
 
 // ---------------------------------------------------------------------------------------------
 // Tile steps. s is [bq, bk]; only rows < rows and columns < cols are real.
-
-// s = scale * q k^T from q [bq, dp] and k^T [dp, bk] (column panels, pack_transposed).
-void tile_scores(const TileOps& ops, const float* q, const float* kt, float scale,
-                 const TileDims& t, float* s) {
-  ops.gemm_panels(t.bq, t.bk, t.dp, q, t.dp, 1, kt, t.dp * kNr, scale, false, s, t.bk);
-}
 
 // Sets the scores of the pairs the mask hides to -inf (partial tiles only).
 void mask_tile(const Mask& mask, const Workspace& ws, int64_t rows, int64_t cols, const TileDims& t,
@@ -539,17 +533,31 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws)
   float* l = ws.row_l.get();
   load_state(a.st, h, q0, rows, t, acc, m, l);
 
-  for (int64_t kj = 0; kj < plan.k_tiles; ++kj) {
+  const TileOps& ops = *a.ops;
+  const int64_t tile_n = t.dp * t.bk;  // floats of one packed k^T or v tile
+  auto next_tile = [&](int64_t kj) {   // the next non-empty k-tile after kj, or k_tiles
+    for (++kj; kj < plan.k_tiles && plan.at(qi, kj) == TileKind::kEmpty;) ++kj;
+    return kj;
+  };
+  for (int64_t kj = next_tile(-1); kj < plan.k_tiles;) {
     const TileKind kind = plan.at(qi, kj);
-    if (kind == TileKind::kEmpty) continue;
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
-    tile_scores(*a.ops, ws.q.get(), a.kv->kt(g, kj), a.cfg->scale, t, ws.s.get());
+    const int64_t kn = next_tile(kj);
+    // s = scale q k^T, v of this tile prefetched meanwhile
+    ops.gemm_panels_next(t.bq, t.bk, t.dp, ws.q.get(), t.dp, 1, a.kv->kt(g, kj), t.dp * kNr,
+                         a.cfg->scale, false, ws.s.get(), t.bk, a.kv->v(g, kj), tile_n);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
       mask_tile(a.cfg->mask, ws, rows, cols, t, ws.s.get());
     }
-    a.ops->softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
-    tile_pv(*a.ops, ws.s.get(), a.kv->v(g, kj), t, acc);
+    ops.softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
+    // acc += p v, the next tile's k^T prefetched meanwhile
+    if (kn < plan.k_tiles)
+      ops.gemm_panels_next(t.bq, t.dp, t.bk, ws.s.get(), t.bk, 1, a.kv->v(g, kj), t.bk * kNr, 1.0f,
+                           true, acc, t.dp, a.kv->kt(g, kn), tile_n);
+    else
+      tile_pv(ops, ws.s.get(), a.kv->v(g, kj), t, acc);
+    kj = kn;
   }
 
   store_state(a.st, h, q0, rows, t, acc, m, l);
@@ -658,9 +666,11 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       const TileKind kind = plan.at(qi, kj);
       if (kind == TileKind::kEmpty) continue;
       const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
-      // fp32 tiles with full rows and no head-dim padding are read (q, dout) and accumulated
-      // (dq) in place, with their views' row strides; the others go through packed buffers.
-      const bool direct = std::is_same_v<T, float> && rows == t.bq && dim == t.dp;
+      // Tiles with full rows and no head-dim padding accumulate dq (fp32 for either storage) in
+      // place, and fp32 ones also read q and dout in place, with their views' row strides; the
+      // others go through packed buffers.
+      const bool whole = rows == t.bq && dim == t.dp;
+      const bool direct = std::is_same_v<T, float> && whole;
       const float* qp = ws.q.get();
       const float* doutp = ws.dout.get();
       int64_t q_rs = t.dp, dout_rs = t.dp;
@@ -706,7 +716,7 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       ops.gemm_panels(t.bk, t.dp, t.bq, dp, 1, t.bk, ws.q_pan.get(), t.bq * kNr, 1.0f, true,
                       ws.dk.get(), t.dp);
       // dq [bq, dp] += ds k: in place (c + 1 * sum, the same rounding as adding a tile result)
-      if (direct) {
+      if (whole) {
         ops.gemm_panels(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, true,
                         dq_sink.row(q0, h), dq_sink.ss);
         continue;
@@ -998,6 +1008,15 @@ KernelStats attend_backward(View3<const bf16> q, View3<const bf16> k, View3<cons
                             int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
                             View3<float> dq, View3<float> dk, View3<float> dv) {
   return attend_backward_impl(q, k, v, dout, lse, delta, ml_stride, qt, kt, cfg, dq, dk, dv);
+}
+
+int64_t work_tile_side(int64_t block, int64_t n, int64_t want) {
+  LOOM_CHECK_GE(block, 1, InvalidArgument, "work_tile_side: block must be >= 1");
+  LOOM_CHECK_GE(n, 0, InvalidArgument, "work_tile_side: n must be >= 0");
+  if (want <= 0) return block;
+  // never more blocks than the n rows have
+  const int64_t factor = std::min((want + block - 1) / block, (n + block - 1) / block);
+  return block * std::max<int64_t>(1, factor);
 }
 
 const char* kernel_path() {

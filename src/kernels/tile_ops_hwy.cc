@@ -15,12 +15,12 @@
 // target.
 //
 // exp. The range reduction x = n ln2 + r, |r| <= ln2/2 (n = round(x log2 e)), r = (x - n ln2_hi)
-// - n ln2_lo with ln2_hi exact in 9 bits (n ln2_hi exact for |n| <= 128), the Cephes degree-6
-// polynomial for exp(r) (relative 1.2e-7 on that interval) evaluated by Horner, times 2^n built in
-// the exponent bits. Bound used by the tests (test_kernels_exp.cc): relative error <= 4 ulp
-// (4.8e-7) of exp(x) on [-87, 0], exactly 0 for x < -87 and for x = -inf. x must not be NaN.
-// hwy/contrib/math's Exp was evaluated too (docs/performance.md): it handles the full range with
-// more steps, which the kernels (arguments s - m <= 0) do not need.
+// - n ln2_lo with ln2_hi exact in 9 bits (n ln2_hi exact for |n| <= 128), exp(r) = 1 + r + r^2 P(r)
+// with P of degree 4 (see exp_vn) evaluated by Horner, times 2^n added to the exponent bits. Bound
+// used by the tests (test_kernels_exp.cc): relative error <= 4 ulp (4.8e-7) of exp(x) on [-87, 0],
+// exactly 0 for x < -87 and for x = -inf. x must not be NaN. hwy/contrib/math's Exp was evaluated
+// too (docs/performance.md): it handles the full range with more steps, which the kernels
+// (arguments s - m <= 0) do not need.
 //
 // SVE targets are disabled: the register blocks are arrays of vectors, which SVE's sizeless
 // vector types do not allow (NEON, fixed 128-bit, is compiled on Arm).
@@ -35,6 +35,7 @@
 #include "hwy/highway.h"
 // clang-format on
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -93,23 +94,41 @@ HWY_INLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_t 
   }
 }
 
+// A prefetch stream spread over a GEMM's register blocks: `per_block` cache lines of [p, end)
+// towards L2 before each block, so the lines the caller reads next arrive while this GEMM computes,
+// without a burst of prefetches that fills the miss queues.
+struct PrefetchStream {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t per_block = 0;
+  HWY_INLINE void step() {
+    for (int64_t i = 0; i < per_block && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 2);
+  }
+};
+
 template <int NV>
 HWY_INLINE void gemm_columns(D d, int64_t M, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                              const float* const* bcol, int64_t ldb, float alpha, bool accumulate,
-                             float* c, int64_t ldc) {
+                             float* c, int64_t ldc, PrefetchStream& pf) {
   // A 2-row block has 2 NV multiply-add chains, too few to cover the FMA latency (it runs at
   // about half rate): rows that would end in kRows + 2 (128 = 21 x 6 + 2 on AVX2) end in 4 + 4.
   const int64_t main_end = kRows == 6 && M % kRows == 2 && M >= 8 ? M - 8 : M;
   int64_t i0 = 0;
-  for (; i0 + kRows <= main_end; i0 += kRows)
+  for (; i0 + kRows <= main_end; i0 += kRows) {
+    pf.step();
     gemm_block<kRows, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate,
                           c + i0 * ldc, ldc);
-  for (; i0 + 4 <= M; i0 += 4)  // at most two (kRows + 2 rows left), else at most one
+  }
+  for (; i0 + 4 <= M; i0 += 4) {  // at most two (kRows + 2 rows left), else at most one
+    pf.step();
     gemm_block<4, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
                       ldc);
-  if (i0 + 2 <= M)  // M is even, so this is the last block
+  }
+  if (i0 + 2 <= M) {  // M is even, so this is the last block
+    pf.step();
     gemm_block<2, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
                       ldc);
+  }
 }
 
 // Prefetches rows x len floats (row stride `stride`) towards L2, a cache line at a time.
@@ -128,18 +147,29 @@ HWY_INLINE void prefetch_2d(const float* p, int64_t rows, int64_t len, int64_t s
 template <bool kPanels>
 HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
                           int64_t a_ks, const float* b, int64_t ldb, int64_t b_ps, float alpha,
-                          bool accumulate, float* c, int64_t ldc) {
-  if constexpr (kPanels)
-    prefetch_2d(b, N / kNr, K * kNr, b_ps);
-  else
-    prefetch_2d(b, K, N, ldb);
-  if (a_ks == 1)
-    prefetch_2d(a, M, K, a_rs);
-  else
-    prefetch_2d(a, K, M, a_ks);
-  if (accumulate) prefetch_2d(c, M, N, ldc);
+                          bool accumulate, float* c, int64_t ldc, const float* next = nullptr,
+                          int64_t next_n = 0) {
   const D d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  PrefetchStream pf;
+  if (next == nullptr) {
+    if constexpr (kPanels)
+      prefetch_2d(b, N / kNr, K * kNr, b_ps);
+    else
+      prefetch_2d(b, K, N, ldb);
+    if (a_ks == 1)
+      prefetch_2d(a, M, K, a_rs);
+    else
+      prefetch_2d(a, K, M, a_ks);
+    if (accumulate) prefetch_2d(c, M, N, ldc);
+  } else {
+    const int64_t row_blocks = (M + kRows - 1) / kRows + 1;
+    const int64_t blocks = (N + 2 * L - 1) / (2 * L) * row_blocks;
+    const int64_t lines = (next_n * 4 + 63) / 64;
+    pf.p = reinterpret_cast<const char*>(next);
+    pf.end = pf.p + next_n * 4;
+    pf.per_block = (lines + blocks - 1) / blocks;
+  }
   const int64_t kstride = kPanels ? kNr : ldb;
   auto col = [&](int64_t j) { return kPanels ? b + (j / kNr) * b_ps + j % kNr : b + j; };
   int64_t j0 = 0;
@@ -149,11 +179,11 @@ HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64
         for (int64_t j = 0; j < 2 * L; j += 16)
           __builtin_prefetch(b + k * ldb + j0 + 2 * L + j, 0, 3);
     const float* bcol[2] = {col(j0), col(j0 + L)};
-    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc);
+    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc, pf);
   }
   for (; j0 < N; j0 += L) {
     const float* bcol[1] = {col(j0)};
-    gemm_columns<1>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc);
+    gemm_columns<1>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc, pf);
   }
 }
 
@@ -168,22 +198,57 @@ void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, 
   gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc);
 }
 
-HWY_INLINE V exp_v(D d, V x) {
+void gemm_panels_next(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                      const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
+                      int64_t ldc, const float* next, int64_t next_n) {
+  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, next_n);
+}
+
+// exp of N vectors in place, the N independent chains interleaved step by step (one chain is ~17
+// dependent operations; interleaving lets the FP pipes overlap them). n = round(x log2 e) by the
+// magic-number addition t = x log2 e + 1.5 2^23: t's low mantissa bits are n (two's complement,
+// above a set bit 22), so n << 23 is t's bits shifted left by 23, and y 2^n is that added to y's
+// bits (no float-to-int conversion, no multiply: the FMA pipes carry the rest); the same rounding
+// of n (to nearest even) as before, and the same result: for x in [kExpMin, 88] y 2^n is a normal
+// float (e^-87 > 2^-126), so adding n to its exponent is the exact product. No lower clamp: for
+// x < kExpMin (and -inf, where r is NaN) the result is masked to exactly 0 at the end.
+template <int N>
+HWY_INLINE void exp_vn(D d, V* x) {
   const hn::RebindToSigned<D> di;
-  const V xc = hn::Min(hn::Max(x, hn::Set(d, kExpMin)), hn::Set(d, 88.0f));
-  const V n = hn::Round(hn::Mul(xc, hn::Set(d, 1.44269504088896341f)));
-  V r = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc);
-  r = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r);
-  V p = hn::Set(d, 1.9875691500e-4f);
-  p = hn::MulAdd(p, r, hn::Set(d, 1.3981999507e-3f));
-  p = hn::MulAdd(p, r, hn::Set(d, 8.3334519073e-3f));
-  p = hn::MulAdd(p, r, hn::Set(d, 4.1665795894e-2f));
-  p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
-  p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
-  const V y = hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));
-  const V pow2n =
-      hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127))));
-  return hn::IfThenElseZero(x >= hn::Set(d, kExpMin), hn::Mul(y, pow2n));
+  const V magic = hn::Set(d, 12582912.0f);
+  V t[N], r[N], p[N];
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) {
+    const V xc = hn::Min(x[i], hn::Set(d, 88.0f));
+    t[i] = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), magic);
+    const V n = hn::Sub(t[i], magic);
+    r[i] = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc);
+    r[i] = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r[i]);
+  }
+  // exp(r) = 1 + r + r^2 P(r), P of degree 4 fitted for the least maximum relative error of
+  // exp on |r| <= ln2 / 2 (approximation error 3.1e-9, below the final rounding; Cephes' degree-5
+  // P had 5e-11 there and the same 0.99 ulp overall): one multiply-add fewer.
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i)
+    p[i] = hn::MulAdd(hn::Set(d, 0.00138145383f), r[i], hn::Set(d, 0.00836874545f));
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 0.041668389f));
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 0.166665211f));
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 0.49999994f));
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) {
+    const V y = hn::MulAdd(p[i], hn::Mul(r[i], r[i]), hn::Add(r[i], hn::Set(d, 1.0f)));
+    const auto n23 = hn::ShiftLeft<23>(hn::BitCast(di, t[i]));
+    const V y2n = hn::BitCast(d, hn::Add(hn::BitCast(di, y), n23));
+    x[i] = hn::IfThenElseZero(x[i] >= hn::Set(d, kExpMin), y2n);
+  }
+}
+
+HWY_INLINE V exp_v(D d, V x) {
+  exp_vn<1>(d, &x);
+  return x;
 }
 
 void zero_row(D d, float* x, int64_t n) {
@@ -191,75 +256,102 @@ void zero_row(D d, float* x, int64_t n) {
   for (int64_t j = 0; j < n; j += L) hn::StoreU(hn::Zero(d), d, x + j);
 }
 
+// Row sr [bk] of a score tile: sr[j] = exp(sr[j] - shift) for j < cols, 0 for cols <= j < bk
+// (bk a whole number of vectors). Returns the lanes' partial sums of the new values.
+HWY_INLINE V exp_row(D d, float* sr, int64_t cols, int64_t bk, float shift) {
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t whole = cols / L * L;  // columns in whole vectors
+  const V sv = hn::Set(d, shift);
+  V sum = hn::Zero(d);
+  int64_t j = 0;
+  for (; j + 2 * L <= whole; j += 2 * L) {  // 2 vectors at a time, their exps interleaved
+    V x[2];
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) x[k] = hn::Sub(hn::LoadU(d, sr + j + k * L), sv);
+    exp_vn<2>(d, x);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) hn::StoreU(x[k], d, sr + j + k * L);
+    sum = hn::Add(sum, hn::Add(x[0], x[1]));
+  }
+  for (; j < whole; j += L) {
+    const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), sv));
+    hn::StoreU(p, d, sr + j);
+    sum = hn::Add(sum, p);
+  }
+  if (j < cols) {
+    const V p = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)),
+                                   exp_v(d, hn::Sub(hn::LoadU(d, sr + j), sv)));
+    hn::StoreU(p, d, sr + j);
+    sum = hn::Add(sum, p);
+    j += L;
+  }
+  for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
+  return sum;
+}
+
+// The rows go in chunks of kChunk: first the maxima of all the chunk's rows (independent passes,
+// which the out-of-order core overlaps) and their rescale factors alpha in one vector exp, then
+// each row's exp pass. Row by row, each row's max, its reduction across lanes and the scalar exp
+// of alpha formed a dependency chain of ~130 cycles that its exp pass waited on.
 void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,
                     float* m, float* l, float* acc) {
   const D d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
+  constexpr int64_t kChunk = 8;
   const V neg_inf = hn::Set(d, kNegInfF);
   const int64_t whole = cols / L * L;  // columns in whole vectors
-  for (int64_t r = 0; r < bq; ++r) {
-    float* sr = s + r * bk;
-    float tile_max = kNegInfF;
-    if (r < rows) {
-      V vmax = neg_inf;
-      for (int64_t j = 0; j < whole; j += L) vmax = hn::Max(vmax, hn::LoadU(d, sr + j));
-      if (whole < cols)
-        vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(cols - whole)),
-                                            hn::LoadU(d, sr + whole), neg_inf));
-      tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+  for (int64_t r0 = 0; r0 < bq; r0 += kChunk) {
+    const int64_t n = std::min(kChunk, bq - r0);
+    // m_new and m - m_new of the chunk's rows (0 where m_new = -inf: those rows are skipped);
+    // 16 entries so that whole vectors of any target's width (at most 16 floats) can be read.
+    HWY_ALIGN float m_new[16] = {}, dm[16] = {}, alpha[16];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = r0 + i;
+      float tile_max = kNegInfF;
+      if (r < rows) {
+        const float* sr = s + r * bk;
+        V vmax = neg_inf;
+        for (int64_t j = 0; j < whole; j += L) vmax = hn::Max(vmax, hn::LoadU(d, sr + j));
+        if (whole < cols)
+          vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(cols - whole)),
+                                              hn::LoadU(d, sr + whole), neg_inf));
+        tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+      }
+      m_new[i] = m[r] > tile_max ? m[r] : tile_max;
+      dm[i] = m_new[i] == kNegInfF ? 0.0f : m[r] - m_new[i];  // m[r] = -inf: -inf, alpha 0
     }
-    const float m_new = m[r] > tile_max ? m[r] : tile_max;
-    if (m_new == kNegInfF) {  // padding, or no visible key so far: nothing to add
-      zero_row(d, sr, bk);
-      continue;
-    }
-    const float alpha = hn::GetLane(exp_v(d, hn::Set(d, m[r] - m_new)));  // m[r] = -inf: 0
-    const V mv = hn::Set(d, m_new);
-    V sum = hn::Zero(d);
-    int64_t j = 0;
-    for (; j < whole; j += L) {
-      const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv));
-      hn::StoreU(p, d, sr + j);
-      sum = hn::Add(sum, p);
-    }
-    if (j < cols) {
-      const V p = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)),
-                                     exp_v(d, hn::Sub(hn::LoadU(d, sr + j), mv)));
-      hn::StoreU(p, d, sr + j);
-      sum = hn::Add(sum, p);
-      j += L;
-    }
-    for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
-    l[r] = alpha * l[r] + hn::GetLane(hn::SumOfLanes(d, sum));
-    m[r] = m_new;
-    if (alpha != 1.0f) {
-      const V av = hn::Set(d, alpha);
-      float* ar = acc + r * dp;
-      for (int64_t e = 0; e < dp; e += L) hn::StoreU(hn::Mul(av, hn::LoadU(d, ar + e)), d, ar + e);
+    for (int64_t i = 0; i < kChunk; i += L) hn::Store(exp_v(d, hn::Load(d, dm + i)), d, alpha + i);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = r0 + i;
+      float* sr = s + r * bk;
+      if (m_new[i] == kNegInfF) {  // padding, or no visible key so far: nothing to add
+        zero_row(d, sr, bk);
+        continue;
+      }
+      const V sum = exp_row(d, sr, cols, bk, m_new[i]);
+      const float a = alpha[i];
+      l[r] = a * l[r] + hn::GetLane(hn::SumOfLanes(d, sum));
+      m[r] = m_new[i];
+      if (a != 1.0f) {
+        const V av = hn::Set(d, a);
+        float* ar = acc + r * dp;
+        for (int64_t e = 0; e < dp; e += L)
+          hn::StoreU(hn::Mul(av, hn::LoadU(d, ar + e)), d, ar + e);
+      }
     }
   }
 }
 
 void probs(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse, float* s) {
   const D d;
-  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  const int64_t whole = cols / L * L;
   for (int64_t r = 0; r < bq; ++r) {
     float* sr = s + r * bk;
     if (r >= rows || lse[r] == -std::numeric_limits<float>::infinity()) {
       zero_row(d, sr, bk);
       continue;
     }
-    const V lv = hn::Set(d, lse[r]);
-    int64_t j = 0;
-    for (; j < whole; j += L) hn::StoreU(exp_v(d, hn::Sub(hn::LoadU(d, sr + j), lv)), d, sr + j);
-    if (j < cols) {
-      const V p = exp_v(d, hn::Sub(hn::LoadU(d, sr + j), lv));
-      hn::StoreU(hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)), p), d, sr + j);
-      j += L;
-    }
-    for (; j < bk; j += L) hn::StoreU(hn::Zero(d), d, sr + j);
+    exp_row(d, sr, cols, bk, lse[r]);
   }
 }
 
@@ -308,6 +400,7 @@ const TileOps* target_ops() {
                            128,
                            gemm,
                            gemm_panels,
+                           gemm_panels_next,
                            softmax_update,
                            probs,
                            ds,

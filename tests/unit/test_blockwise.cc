@@ -1096,5 +1096,18 @@ TEST(KernelPath, LoomKernelNamesAreCheckedAndAutoIsTheBest) {
   }
 }
 
+TEST(WorkTiles, SideIsTheSmallestMultipleOfTheBlockReachingWantWithinTheRows) {
+  EXPECT_EQ(work_tile_side(64, 4096, 128), 128);   // 2 blocks of 64
+  EXPECT_EQ(work_tile_side(48, 4096, 128), 144);   // 3 blocks of 48 (2 reach only 96)
+  EXPECT_EQ(work_tile_side(128, 4096, 128), 128);  // already there
+  EXPECT_EQ(work_tile_side(200, 4096, 128), 200);  // a block larger than want stays
+  EXPECT_EQ(work_tile_side(40, 77, 128), 80);      // only 2 blocks of rows (77 = 40 + 37)
+  EXPECT_EQ(work_tile_side(64, 10, 128), 64);      // fewer rows than a block
+  EXPECT_EQ(work_tile_side(64, 0, 128), 64);       // no rows: still one block
+  EXPECT_EQ(work_tile_side(64, 4096, 0), 64);      // want 0: the config's tiles
+  EXPECT_THROW(work_tile_side(0, 10, 128), InvalidArgument);
+  EXPECT_THROW(work_tile_side(64, -1, 128), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace loom
