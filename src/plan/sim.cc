@@ -73,18 +73,6 @@ Block SimContext::block(int first, int count) const {
   return b;
 }
 
-namespace {
-
-// A work tile's side over n rows (src/kernels/blockwise.cc work_config): the block times the
-// smallest factor reaching `want` rows, never more blocks than the call has.
-int64_t work_side(int64_t block, int64_t n, int64_t want) {
-  if (want <= 0) return block;
-  const int64_t f = std::min((want + block - 1) / block, (n + block - 1) / block);
-  return block * std::max<int64_t>(1, f);
-}
-
-}  // namespace
-
 SimContext::Work SimContext::pair_work(const Block& qb, const Block& kb) const {
   Work w;
   const Mask& m = c.mask;
@@ -96,8 +84,9 @@ SimContext::Work SimContext::pair_work(const Block& qb, const Block& kb) const {
       ++w.calls;
       const TileCount tc = count_tiles(q, k, m, c.block_q, c.block_k);
       w.tiles += tc;
-      const int64_t wq = work_side(c.block_q, q.count, p.work_tile),
-                    wk = work_side(c.block_k, k.count, p.work_tile);
+      // The kernels' own work tiles (loom::work_tile_side, src/kernels/blockwise.cc).
+      const int64_t wq = work_tile_side(c.block_q, q.count, p.work_tile),
+                    wk = work_tile_side(c.block_k, k.count, p.work_tile);
       if (wq == c.block_q && wk == c.block_k) {
         w.full += static_cast<double>(tc.full);
         w.partial += static_cast<double>(tc.partial);
