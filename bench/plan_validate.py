@@ -18,8 +18,8 @@
    problem timed with several strategies the planner's first choice (the fastest predicted)
    within 10 % of the fastest measured one. One PASS/FAIL line per criterion.
 Prints a Markdown table (for docs/performance.md) and writes JSON with --json FILE.
-Usage: /usr/bin/python3 bench/plan_validate.py [--loom build/loom] [--rounds 5] [--json out.json]
-Takes about 2-3 minutes on a quiet 2-core machine (--rounds 5).
+Usage: /usr/bin/python3 bench/plan_validate.py [--loom build/loom] [--rounds 7] [--json out.json]
+Takes about 4 minutes on a quiet 2-core machine (--rounds 7).
 """
 import argparse
 import json
@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--loom", default="build/loom")
     ap.add_argument("--json", default="")
     ap.add_argument("--iters", type=int, default=3, help="timed iterations per run (median kept)")
-    ap.add_argument("--rounds", type=int, default=5, help="calibrate-and-measure rounds (median)")
+    ap.add_argument("--rounds", type=int, default=7, help="calibrate-and-measure rounds (median)")
     a = ap.parse_args()
     if a.rounds < 1 or a.iters < 1:
         sys.exit("plan_validate: --rounds and --iters must be >= 1")

@@ -18,8 +18,8 @@ those predictions against `loom train` runs of the same model on three meshes of
    unpaired error.
 3. Criterion (issue 14): every prediction within 20 % of its measurement. One PASS/FAIL line.
 Prints a Markdown table (for docs/performance.md) and writes JSON with --json FILE.
-Usage: /usr/bin/python3 bench/train_validate.py [--loom build/loom] [--rounds 5] [--json out.json]
-Takes about 1.5 minutes on a quiet 2-core machine (--rounds 5).
+Usage: /usr/bin/python3 bench/train_validate.py [--loom build/loom] [--rounds 7] [--json out.json]
+Takes about 1.5 minutes on a quiet 2-core machine (--rounds 7).
 """
 import argparse
 import json
@@ -50,7 +50,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loom", default="build/loom")
     ap.add_argument("--json", default="")
-    ap.add_argument("--rounds", type=int, default=5, help="calibrate-predict-measure rounds")
+    ap.add_argument("--rounds", type=int, default=7, help="calibrate-predict-measure rounds")
     ap.add_argument("--steps", type=int, default=8, help="loom train steps per run")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     a = ap.parse_args()

@@ -276,10 +276,10 @@ namespace loom::plan {
 //   tile seconds of the blockwise kernels (the median over windows of >= 30 ms of repeated
 //   calls, every rank computing at once), forward and backward, fp32 and bf16 storage, full
 //   tiles (full attention) and partial tiles (every tile masked per element), at the config's
-//   64 x 64 tiles and head_dim 64; the kernels' work tile; how much faster one rank runs alone
-//   (interleaved rounds); a kernel call's overhead; memory bandwidth (memcpy);
-//   the local backend's point-to-point latency and bandwidth (ping-pong of 0 B and 8 MiB), and
-//   all-to-all and all-gather efficiency against that point-to-point model.
+//   64 x 64 tiles, head_dim 64 and 2 heads (src/plan/calibrate.cc); the kernels' work tile; how
+//   much faster one rank runs alone (interleaved rounds); a kernel call's overhead; memory
+//   bandwidth (memcpy); the local backend's point-to-point latency and bandwidth (ping-pong of 0 B
+//   and 8 MiB), and all-to-all and all-gather efficiency against that point-to-point model.
 // Takes about 3-5 seconds on a quiet machine. Progress lines go to `log` when non-null.
 Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*) = nullptr);
 

@@ -1,13 +1,17 @@
 // `loom plan --calibrate`: the machine's profile, measured.
 //
-// Kernel rates: one kernel call over n = 512 query rows and 512 key rows of H = 4 heads, D = 64,
-// 64 x 64 tiles: full attention gives 8 x 8 x 4 = 256 full tiles; alternating document ids on
-// the rows make every tile partial (both documents in every tile, the mask applied per
-// element). Seconds per tile = a call's typical time (window_time) over the tile count. The
-// call overhead is
-// a one-tile call's time less one tile. Communication: ping-pong on the local backend between
-// two ranks (half a round trip), 0 bytes for the latency and 8 MiB for the bandwidth; the
-// all-to-all and all-gather of 2 ranks are timed against that model.
+// Kernel rates: one kernel call over n = 512 query rows and 512 key rows of H = kCalibHeads = 2
+// heads, D = 64, 64 x 64 tiles: full attention gives 8 x 8 x 2 = 128 full tiles; alternating
+// document ids on the rows make every tile partial (both documents in every tile, the mask
+// applied per element). Seconds per tile = a call's typical time (window_time) over the tile
+// count. The call overhead is a one-tile call's time less one tile.
+// A tile's time grows with the heads of the [S, H, D] rows (their row stride): measured in one
+// process on the Zen 3 VM at n = 1024, D = 64, fp32, per tile forward / backward relative to
+// H = 2: H = 1 0.97 / 0.92, H = 4 1.06 / 1.08, H = 8 1.17 / 1.22. The profile has one figure, so
+// it is taken at 2 heads, the heads per rank of bench/plan_validate.py's configurations and of
+// loom train's default model over tp = 2 (docs/planning.md). Communication: ping-pong on the local
+// backend between two ranks (half a round trip), 0 bytes for the latency and 8 MiB for the
+// bandwidth; the all-to-all and all-gather of 2 ranks are timed against that model.
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -23,6 +27,8 @@
 namespace loom::plan {
 
 namespace {
+
+constexpr int64_t kCalibHeads = 2;  // heads of the calibration calls (see the top of the file)
 
 // Seconds per call of each of `reps` timed runs of f after a warm-up run; f returns how many
 // calls it made.
@@ -73,7 +79,7 @@ double window_time(F&& f, int reps) {
 }
 
 struct KernelBench {
-  int64_t n, H = 4, D = 64;
+  int64_t n, H = kCalibHeads, D = 64;
   std::vector<int64_t> pos;
   std::vector<int32_t> doc_same, doc_alt;
   Tensor<float> q, k, v, dout, out, dq, dk, dv;
@@ -208,7 +214,7 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   KernelConfig cfg;
   cfg.scale = 0.125f;
   cfg.threads = threads;
-  const int64_t n = 512, tiles = (n / 64) * (n / 64) * 4;
+  const int64_t n = 512, tiles = (n / 64) * (n / 64) * kCalibHeads;
   // Every rank of the node runs the same kernel at the same time (as `loom attn --ranks N`
   // does), so shared caches, memory bandwidth and cores are contended as in a real run; the
   // median over ranks of each rank's typical call is kept.
@@ -264,7 +270,7 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   {
     KernelBench small(64);
     const double one = small.time(false, false, false, cfg, 5);
-    p.call_overhead = std::max(0.0, one - 4 * p.tile_s_fp32[0]);
+    p.call_overhead = std::max(0.0, one - kCalibHeads * p.tile_s_fp32[0]);
   }
   // Memory bandwidth: memcpy of 64 MiB (read + write counted).
   {
