@@ -147,14 +147,25 @@ TEST(RunLocal, ReceiveFromReturnedRankFailsAtOnce) {
 }
 
 TEST(RunLocal, SplitGroupsArePoisonedWithTheWorld) {
+  // Rank 3 gives up only once ranks 0 and 1 have posted their receive inside the pair, so their
+  // failure comes through the pair (not through the world's split, which they may still be
+  // finishing otherwise: a race this test once lost under the sanitizers). Bounded: after 5 s it
+  // gives up anyway.
+  std::atomic<int> posted{0};
   const RunResult run = run_recorded(
       4,
-      [](Communicator& c) {
+      [&](Communicator& c) {
         auto pair = c.split(c.rank() / 2, 0);  // {0, 1} and {2, 3}
-        if (c.rank() == 3) throw std::runtime_error("rank three gives up");
+        if (c.rank() == 3) {
+          const double t0 = now_s();
+          while (posted.load() < 2 && now_s() - t0 < 5.0) std::this_thread::yield();
+          throw std::runtime_error("rank three gives up");
+        }
         if (c.rank() < 2) {
           int64_t x = 0;  // both wait for each other inside the pair: only poisoning ends this
-          pair->irecv(&x, sizeof x, 1 - pair->rank(), 5)->wait();
+          auto request = pair->irecv(&x, sizeof x, 1 - pair->rank(), 5);
+          ++posted;
+          request->wait();
         } else {
           c.barrier();
         }
