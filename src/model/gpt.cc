@@ -76,6 +76,12 @@ void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t 
                       << " context-parallel ranks (need >= " << 2 * cp << ")");
 }
 
+Strategy default_strategy(const MeshShape& mesh) {
+  if (mesh.ulysses > 1 && mesh.ring > 1) return Strategy::hybrid;
+  if (mesh.ulysses > 1) return Strategy::ulysses;
+  return Strategy::ring;
+}
+
 CpConfig cp_config(const ParallelConfig& p, int64_t head_dim) {
   CpConfig cfg;
   cfg.strategy = p.strategy;

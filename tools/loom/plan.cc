@@ -305,12 +305,8 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
     t.mesh = parse_mesh(ms);
     model::ParallelConfig par = c.par;
     par.mesh = t.mesh;
-    if (app->count("--strategy"))
-      par.strategy = parse_strategy(o.strategy);
-    else
-      par.strategy = t.mesh.ulysses > 1 && t.mesh.ring > 1 ? Strategy::hybrid
-                     : t.mesh.ulysses > 1                  ? Strategy::ulysses
-                                                           : Strategy::ring;
+    par.strategy =
+        app->count("--strategy") ? parse_strategy(o.strategy) : model::default_strategy(t.mesh);
     t.strategy = to_string(par.strategy);
     t.inner = t.strategy == "ring2d" ? o.inner : 1;
     par.inner = t.strategy == "ring2d" ? o.inner : 0;

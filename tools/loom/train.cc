@@ -179,10 +179,7 @@ MeshShape mesh_of(const TrainOptions& o, int world) {
 }
 
 Strategy strategy_of(const TrainOptions& o, const MeshShape& s) {
-  if (!o.strategy.empty()) return parse_strategy(o.strategy);
-  if (s.ulysses > 1 && s.ring > 1) return Strategy::hybrid;
-  if (s.ulysses > 1) return Strategy::ulysses;
-  return Strategy::ring;
+  return o.strategy.empty() ? model::default_strategy(s) : parse_strategy(o.strategy);
 }
 
 std::string human_time(double s) {

@@ -73,6 +73,9 @@ struct ParallelConfig {
 // dim % heads, head_dim even, heads and kv_heads divisible by tp, ffn by tp, ulysses/hybrid head
 // rules, mesh product == world when world > 0, ...).
 void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t seq);
+// loom train's strategy when none is named: hybrid when ulysses and ring > 1, ulysses when only
+// ulysses > 1, else ring.
+Strategy default_strategy(const MeshShape& mesh);
 // The CpConfig of the model's attention (strategy, its degrees, causal mask) on this mesh.
 CpConfig cp_config(const ParallelConfig& p, int64_t head_dim);
 
