@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 packages=(g++ cmake make libgtest-dev libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
           libopenblas-dev python3 python3-numpy bible-kjv clang libclang-rt-14-dev
-          libhwy-dev pybind11-dev libtorch-dev python3-torch)
+          libhwy-dev pybind11-dev libtorch-dev python3-torch ninja-build)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -20,7 +20,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+# Ninja compiles a target's sources while the libraries it links are still building (Make waits
+# for them): on 2 cores a clean build took 297 s instead of 356 s, and the sanitized one in
+# scripts/test.sh 319 s instead of 488 s. A build/ configured earlier keeps its own generator
+# (CMake refuses to switch one).
+generator=()
+[ -f build/CMakeCache.txt ] || generator=(-G Ninja)
+cmake "${generator[@]}" -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$jobs"
 
 # The default corpus of `loom train`: the King James Bible, one verse per line (written once).

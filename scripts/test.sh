@@ -16,7 +16,9 @@ sanitized=(test_core test_layout test_reference test_blockwise test_merge test_c
            test_cp_local test_verify)
 # -g1 (line tables) is all a sanitizer report needs for file:line stacks, and compiles ~40 %
 # faster than full -g.
-cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE=ON \
+generator=()
+[ -f build-asan/CMakeCache.txt ] || generator=(-G Ninja)  # as in setup.sh
+cmake "${generator[@]}" -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE=ON \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
   -DLOOM_WITH_MPI=OFF -DLOOM_WITH_TORCH=OFF -DLOOM_BUILD_BENCH=OFF > /dev/null
 cmake --build build-asan -j "$jobs" --target "${sanitized[@]}"
