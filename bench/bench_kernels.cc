@@ -8,12 +8,13 @@
 // reported. Useful FLOPs count only visible (query, key, head) triples, as reported by the
 // kernel: forward 4 * D * pairs, backward 2.5x that.
 //
-// The sgemm rate is measured in the same run, right before and right after each row, C = A B with
-// M = N = K = --gemm-n, with the thread count of the row (the row's rate is the faster of the two:
-// its quiet-moment rate in the same minute as its kernel calls): OpenBLAS's cblas_sgemm where CMake
-// found it (threads set with openblas_set_num_threads, the run-time form of OPENBLAS_NUM_THREADS),
-// else a naive blocked sgemm. The ratio columns are kernel GFLOP/s over that rate: on shared
-// machines ratios drift less than absolute times.
+// The sgemm rate is measured in the same run, right before and right after each row's timed calls,
+// C = A B with M = N = K = --gemm-n, with the thread count of the row, over windows of back-to-back
+// calls as long as the row's forward call (sgemm_window_gflops); the row's rate is the faster of
+// the two. The sgemm is OpenBLAS's cblas_sgemm where CMake found it (threads set with
+// openblas_set_num_threads, the run-time form of OPENBLAS_NUM_THREADS), else a naive blocked
+// sgemm. The ratio columns are kernel GFLOP/s over that rate: on shared machines ratios drift less
+// than absolute times.
 //
 // Before timing, a small problem (S = 256, causal, GQA, tiles that do not divide S) is checked
 // against the fp64 reference (relative norm error <= 1e-5, the kFp32RelTol of the tests); a
@@ -32,6 +33,7 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <numeric>
@@ -95,10 +97,17 @@ double cpu_seconds() {
 }
 
 constexpr int kMinReps = 2;
+// warm_up (when given) runs after the warm-up call with its duration in seconds, before any timed
+// call.
 template <class F>
-double best_time(F&& f, double min_time, int threads = 1) {
+double best_time(F&& f, double min_time, int threads = 1,
+                 const std::function<void(double)>& warm_up = nullptr) {
   const bool cpu = g_cpu_time && threads == 1;
-  f();
+  {
+    Stopwatch sw;
+    f();
+    if (warm_up) warm_up(sw.elapsed_s());
+  }
   double best = 1e300;
   Stopwatch total;
   for (int rep = 0; rep < kMinReps || total.elapsed_s() < min_time; ++rep) {
@@ -145,12 +154,24 @@ void sgemm(int64_t n, const float* a, const float* b, float* c, int threads) {
 }
 #endif
 
-double sgemm_gflops(int64_t n, int threads, double min_time) {
+// The sgemm rate over windows as long as a kernel call: back-to-back calls of M = N = K = n lasting
+// about `seconds` (at least one), timed as one, the faster of two windows. A shared machine's
+// noise comes in bursts: the best of many short calls finds a quiet 30 ms, a one-second kernel
+// call never does, so the short-call rate would overstate what the machine gives a long call
+// (here 1024^3 calls: best 78-79 GFLOP/s; 4096^3 calls of 1.4 s: best 69-71).
+double sgemm_window_gflops(int64_t n, int threads, double seconds) {
   const Tensor<float> a = random_normal({n, n}, 1), b = random_normal({n, n}, 2);
   Tensor<float> c({n, n});
-  const double t =
-      best_time([&] { sgemm(n, a.data(), b.data(), c.data(), threads); }, min_time, threads);
-  return 2.0 * static_cast<double>(n * n * n) / t * 1e-9;
+  Stopwatch one;
+  sgemm(n, a.data(), b.data(), c.data(), threads);
+  const int64_t calls = std::max<int64_t>(1, std::llround(seconds / one.elapsed_s()));
+  double best = 1e300;
+  for (int w = 0; w < 2; ++w) {
+    Stopwatch sw;
+    for (int64_t i = 0; i < calls; ++i) sgemm(n, a.data(), b.data(), c.data(), threads);
+    best = std::min(best, sw.elapsed_s());
+  }
+  return 2.0 * static_cast<double>(n * n * n) * static_cast<double>(calls) / best * 1e-9;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -169,9 +190,10 @@ struct Row {
 
 // One shape: sq query rows at positions [sk - sq, sk) against sk keys at [0, sk) (sq == sk: the
 // whole sequence; sq < sk with !causal: one ring step's block pair).
+// before_timing runs once, with the forward's warm-up duration, before any timed call.
 template <class T>
 Row run_shape_t(const Options& o, int64_t sq, int64_t sk, int64_t d, bool causal, int threads,
-                double gemm_gflops, const char* dtype) {
+                const std::function<void(double)>& before_timing, const char* dtype) {
   const int64_t h = o.heads, hkv = o.kv_heads;
   const Tensor<float> q32 = random_normal({sq, h, d}, 11), k32 = random_normal({sk, hkv, d}, 12),
                       v32 = random_normal({sk, hkv, d}, 13), do32 = random_normal({sq, h, d}, 14);
@@ -202,7 +224,7 @@ Row run_shape_t(const Options& o, int64_t sq, int64_t sk, int64_t d, bool causal
         stats = attend(st.view(), q.view3(), k.view3(), v.view3(), qt, kt, cfg);
         finish(st.view(), out.view3(), lse.data(), sq);
       },
-      o.min_time, threads);
+      o.min_time, threads, before_timing);
   compute_delta(View3<const T>(out.view3()), dout.view3(), delta.data(), sq);
   Tensor<float> dq({sq, h, d}), dk({sk, hkv, d}), dv({sk, hkv, d});
   const double bwd_s = best_time(
@@ -225,13 +247,14 @@ Row run_shape_t(const Options& o, int64_t sq, int64_t sk, int64_t d, bool causal
              bwd_s,
              fwd_flops / fwd_s * 1e-9,
              2.5 * fwd_flops / bwd_s * 1e-9,
-             gemm_gflops};
+             0.0};
 }
 
 Row run_shape(const Options& o, const std::string& dtype, int64_t sq, int64_t sk, int64_t d,
-              bool causal, int threads, double gemm_gflops) {
-  if (dtype == "bf16") return run_shape_t<bf16>(o, sq, sk, d, causal, threads, gemm_gflops, "bf16");
-  return run_shape_t<float>(o, sq, sk, d, causal, threads, gemm_gflops, "fp32");
+              bool causal, int threads, const std::function<void(double)>& before_timing) {
+  if (dtype == "bf16")
+    return run_shape_t<bf16>(o, sq, sk, d, causal, threads, before_timing, "bf16");
+  return run_shape_t<float>(o, sq, sk, d, causal, threads, before_timing, "fp32");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -415,8 +438,10 @@ int run(const Options& o) {
     std::printf("kernel path: %s (LOOM_KERNEL = auto | portable | %s)\n", kernel_path(),
                 all.c_str());
   }
-  std::printf("sgemm: %s, M = N = K = %lld, measured right before each row with its threads\n",
-              kGemmName, static_cast<long long>(o.gemm_n));
+  std::printf(
+      "sgemm: %s, M = N = K = %lld, before and after each row with its threads, windows as long "
+      "as its forward call\n",
+      kGemmName, static_cast<long long>(o.gemm_n));
   std::printf("\n%5s %6s %6s %3s %4s %4s %6s %3s %7s | %9s %8s %6s | %9s %8s %6s\n", "dtype", "Sq",
               "Sk", "H", "Hkv", "D", "mask", "thr", "sgemm", "fwd ms", "GFLOP/s", "/gemm", "bwd ms",
               "GFLOP/s", "/gemm");
@@ -424,19 +449,23 @@ int run(const Options& o) {
   std::vector<Row> done;
   auto measure = [&](const std::string& dtype, int64_t sq, int64_t sk, int64_t d, bool causal,
                      int threads) {
-    // The sgemm rate right before the row: on a shared machine the load drifts, and a ratio
-    // of two measurements minutes apart would mostly measure that drift.
-    // And right after it: the row's rate is the faster of the two, so a dip in either sgemm
-    // measurement neither inflates nor deflates the row's ratio.
-    const double gemm_before = sgemm_gflops(o.gemm_n, threads, o.min_time);
+    // The row's sgemm rate: windows as long as its forward call (sgemm_window_gflops), right
+    // before its timed calls and right after them, the faster of the two. On a shared machine
+    // the load drifts, and a ratio of two measurements minutes apart would mostly measure that
+    // drift; the faster of before / after keeps a dip in either from moving the row's ratio.
+    double gemm_before = 0, window_s = 0;
+    auto before = [&](double warm_s) {
+      window_s = warm_s;
+      gemm_before = sgemm_window_gflops(o.gemm_n, threads, window_s);
 #if LOOM_BENCH_OPENBLAS
-    // OpenBLAS's worker threads keep spinning for a while after a call; on a machine with
-    // few cores they would compete with the kernels' OpenMP threads. Let them go idle.
-    openblas_set_num_threads(1);
-    if (threads > 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      // OpenBLAS's worker threads keep spinning for a while after a call; on a machine with
+      // few cores they would compete with the kernels' OpenMP threads. Let them go idle.
+      openblas_set_num_threads(1);
+      if (threads > 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
 #endif
-    Row r = run_shape(o, dtype, sq, sk, d, causal, threads, gemm_before);
-    r.gemm_gflops = std::max(gemm_before, sgemm_gflops(o.gemm_n, threads, o.min_time));
+    };
+    Row r = run_shape(o, dtype, sq, sk, d, causal, threads, before);
+    r.gemm_gflops = std::max(gemm_before, sgemm_window_gflops(o.gemm_n, threads, window_s));
     std::printf(
         "%5s %6lld %6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | %9.1f %8.1f "
         "%6.2f\n",
@@ -517,6 +546,12 @@ int run(const Options& o) {
   const std::string path = kernel_path();
   const bool avx512 = path.rfind("avx512", 0) == 0;
   std::printf("\ntargets (issue 10, %s path), from the rows above:\n", path.c_str());
+  // Rates of two 1-thread rows over each other, each over its own sgemm (fwd_ratio / bwd_ratio):
+  // the rows ran a minute or more apart, and the machine's speed drifts by more than the targets'
+  // margins in that time; the 2-thread / 1-thread targets stay raw (a second thread is what they
+  // measure).
+  auto rel_fwd = [](const Row& a, const Row& b) { return a.fwd_ratio() / b.fwd_ratio(); };
+  auto rel_bwd = [](const Row& a, const Row& b) { return a.bwd_ratio() / b.bwd_ratio(); };
   const int64_t big = o.seqs.back();
   const std::string tb = " S=" + std::to_string(big);
   for (int64_t d : o.dims) {
@@ -528,10 +563,8 @@ int run(const Options& o) {
       target("fp32 bwd / row's sgemm, full, 1 thr," + tag, full->bwd_ratio(), avx512 ? 0.70 : 0.65);
     }
     if (!avx512 && full && causal) {
-      target("fp32 causal fwd useful rate / full, 1 thr," + tag,
-             causal->fwd_gflops / full->fwd_gflops, 0.85);
-      target("fp32 causal bwd useful rate / full, 1 thr," + tag,
-             causal->bwd_gflops / full->bwd_gflops, 0.85);
+      target("fp32 causal fwd useful rate / full, 1 thr," + tag, rel_fwd(*causal, *full), 0.85);
+      target("fp32 causal bwd useful rate / full, 1 thr," + tag, rel_bwd(*causal, *full), 0.85);
     }
     for (const std::string& dtype : o.dtypes) {
       const Row* one = find(dtype, big, d, false, 1);
@@ -544,16 +577,14 @@ int run(const Options& o) {
       if (!avx512 && one && ring && o.ring != big) {
         const std::string rt = " " + std::to_string(o.ring) + "x" + std::to_string(o.ring) +
                                " / S=" + std::to_string(big) + ", D=" + std::to_string(d);
-        target(dtype + " ring-step fwd," + rt, ring->fwd_gflops / one->fwd_gflops, 0.80);
-        target(dtype + " ring-step bwd," + rt, ring->bwd_gflops / one->bwd_gflops, 0.80);
+        target(dtype + " ring-step fwd," + rt, rel_fwd(*ring, *one), 0.80);
+        target(dtype + " ring-step bwd," + rt, rel_bwd(*ring, *one), 0.80);
       }
     }
     const Row* b16 = find("bf16", big, d, false, 1);
     if (full && b16) {
-      target("bf16 fwd / fp32 fwd, full, 1 thr," + tag, b16->fwd_gflops / full->fwd_gflops,
-             avx512 ? 1.6 : 0.95);
-      target("bf16 bwd / fp32 bwd, full, 1 thr," + tag, b16->bwd_gflops / full->bwd_gflops,
-             avx512 ? 1.3 : 0.95);
+      target("bf16 fwd / fp32 fwd, full, 1 thr," + tag, rel_fwd(*b16, *full), avx512 ? 1.6 : 0.95);
+      target("bf16 bwd / fp32 bwd, full, 1 thr," + tag, rel_bwd(*b16, *full), avx512 ? 1.3 : 0.95);
     }
   }
   const bool has64 = std::count(o.dims.begin(), o.dims.end(), 64) > 0;
@@ -563,8 +594,8 @@ int run(const Options& o) {
     const Row* large = find("fp32", big, 128, false, 1);
     if (small && large) {
       const std::string tag = ", full, 1 thr, D=64 / D=128";
-      target("fp32 fwd" + tag, small->fwd_gflops / large->fwd_gflops, 0.85);
-      target("fp32 bwd" + tag, small->bwd_gflops / large->bwd_gflops, 0.85);
+      target("fp32 fwd" + tag, rel_fwd(*small, *large), 0.85);
+      target("fp32 bwd" + tag, rel_bwd(*small, *large), 0.85);
     }
   }
   // PyTorch eager on the same shapes (bench/torch_compare.py --json, run on the same machine).
