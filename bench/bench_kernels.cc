@@ -70,6 +70,7 @@ struct Options {
   double min_time = 0.5;
   bool no_check = false;
   bool tile_ops = false;
+  double sgemm_window = 0;  // > 0: print one-thread sgemm over windows this long, and exit
   std::string json, torch_json;
 };
 
@@ -669,9 +670,22 @@ int main(int argc, char** argv) {
                "time one-thread rows by the process CPU clock (for loaded machines)");
   app.add_flag("--tile-ops", o.tile_ops,
                "time the tile operations of every runnable target on one work tile instead");
+  app.add_option("--sgemm-window", o.sgemm_window,
+                 "only print the one-thread sgemm rate over windows of back-to-back calls this "
+                 "many seconds long (to set beside a `loom attn` run of calls as long)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--json", o.json, "also write the results as JSON to this file");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (o.sgemm_window > 0) {
+#if LOOM_BENCH_OPENBLAS
+      openblas_set_num_threads(1);
+#endif
+      std::printf("sgemm (%s), 1 thread, M = N = K = %lld, windows of %.2f s: %.1f GFLOP/s\n",
+                  loom::kGemmName, static_cast<long long>(o.gemm_n), o.sgemm_window,
+                  loom::sgemm_window_gflops(o.gemm_n, 1, o.sgemm_window));
+      return 0;
+    }
     return o.tile_ops ? loom::run_tile_ops(o) : loom::run(o);
   } catch (const loom::Error& e) {
     std::fprintf(stderr, "bench_kernels: %s\n", e.what());
