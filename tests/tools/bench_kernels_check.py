@@ -1,0 +1,91 @@
+#!/usr/bin/python3
+"""Checks bench_kernels' target lines against its own rows (a tiny sweep; no timing is judged).
+
+  bench_kernels_check.py BENCH_KERNELS WORKDIR
+
+Runs BENCH_KERNELS on S = 256, D = 128 and 64 (in that order: the D = 64 / D = 128 line once
+divided by the last --dim), fp32 and bf16, with a ring-step row, and checks from its --json that
+  - every row's sgemm rate is positive and each ratio is the row's rate over it;
+  - each target's value is what its rows give: the sgemm lines the D = 128 row's ratios, the
+    row-over-row lines the quotient of the two rows' ratios, in the right order;
+  - the sgemm lines appear for D = 128 only, and the D = 64 / D = 128 line appears once per kind;
+  - "met" is value >= target.
+Exit 0 when all hold, else 1 with one line per failure.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+
+def main():
+    bench, work = sys.argv[1], sys.argv[2]
+    os.makedirs(work, exist_ok=True)
+    out = os.path.join(work, "bench.json")
+    cmd = [bench, "--seq", "256", "--dim", "128", "64", "--dtype", "fp32", "bf16", "--ring", "128",
+           "--threads", "1", "--min-time", "0.01", "--heads", "2", "--kv-heads", "2",
+           "--gemm-n", "128", "--json", out]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        print(f"bench_kernels exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+        return 1
+    doc = json.load(open(out))
+    rows, targets = doc["results"], doc["targets"]
+    bad = []
+
+    def row(dtype, sq, dim, causal):
+        for x in rows:
+            if (x["dtype"], x["seq_q"], x["dim"], x["causal"], x["threads"]) == (dtype, sq, dim,
+                                                                                  causal, 1):
+                return x
+        bad.append(f"no row {dtype} {sq} D={dim} causal={causal}")
+        return None
+
+    for x in rows:
+        if not x["gemm_gflops"] > 0:
+            bad.append(f"row without an sgemm rate: {x}")
+            continue
+        for k in ("fwd", "bwd"):
+            if not math.isclose(x[f"{k}_ratio"], x[f"{k}_gflops"] / x["gemm_gflops"],
+                                rel_tol=1e-9):
+                bad.append(f"{k}_ratio is not {k}_gflops / gemm_gflops: {x}")
+
+    def expect(what, value):
+        hits = [t for t in targets if t["what"] == what]
+        if len(hits) != 1:
+            bad.append(f"{len(hits)} target lines named '{what}' (want 1)")
+            return
+        t = hits[0]
+        if not math.isclose(t["value"], value, rel_tol=1e-9):
+            bad.append(f"'{what}': value {t['value']} but its rows give {value}")
+        if t["met"] != (t["value"] >= t["target"]):
+            bad.append(f"'{what}': met is {t['met']} for {t['value']} vs {t['target']}")
+
+    f128, f64 = row("fp32", 256, 128, False), row("fp32", 256, 64, False)
+    c64, b128 = row("fp32", 256, 64, True), row("bf16", 256, 128, False)
+    ring64 = row("fp32", 128, 64, False)
+    if None in (f128, f64, c64, b128, ring64):
+        print("\n".join(bad))
+        return 1
+    tag = " S=256 D="
+    expect("fp32 fwd / row's sgemm, full, 1 thr," + tag + "128", f128["fwd_ratio"])
+    expect("fp32 bwd / row's sgemm, full, 1 thr," + tag + "128", f128["bwd_ratio"])
+    if any(t["what"].startswith("fp32 fwd / row's sgemm") and t["what"].endswith("D=64")
+           for t in targets):
+        bad.append("an sgemm-ratio target at D = 64 (issue 10 sets them at D = 128)")
+    expect("fp32 fwd, full, 1 thr, D=64 / D=128", f64["fwd_ratio"] / f128["fwd_ratio"])
+    expect("fp32 bwd, full, 1 thr, D=64 / D=128", f64["bwd_ratio"] / f128["bwd_ratio"])
+    expect("fp32 causal fwd useful rate / full, 1 thr," + tag + "64",
+           c64["fwd_ratio"] / f64["fwd_ratio"])
+    expect("bf16 bwd / fp32 bwd, full, 1 thr," + tag + "128", b128["bwd_ratio"] / f128["bwd_ratio"])
+    expect("fp32 ring-step fwd, 128x128 / S=256, D=64", ring64["fwd_ratio"] / f64["fwd_ratio"])
+    if bad:
+        print("\n".join(bad))
+        return 1
+    print(f"bench_kernels targets: {len(targets)} lines consistent with {len(rows)} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
