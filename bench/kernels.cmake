@@ -23,13 +23,3 @@ if(loom_bench_openblas)
   target_compile_definitions(bench_kernels PRIVATE LOOM_BENCH_OPENBLAS=1)
 endif()
 message(STATUS "loom: bench_kernels sgemm from OpenBLAS: ${loom_bench_openblas}")
-
-# Its target lines against its own rows on a tiny sweep (tests/tools/bench_kernels_check.py):
-# which rows each line divides, and in which order. Nothing is timed against a threshold.
-find_program(LOOM_SYSTEM_PYTHON NAMES python3 PATHS /usr/bin NO_DEFAULT_PATH)
-if(LOOM_BUILD_TESTS AND LOOM_SYSTEM_PYTHON)
-  add_test(NAME bench_kernels_targets
-           COMMAND ${LOOM_SYSTEM_PYTHON} ${PROJECT_SOURCE_DIR}/tests/tools/bench_kernels_check.py
-                   $<TARGET_FILE:bench_kernels> ${CMAKE_CURRENT_BINARY_DIR}/bench_kernels_check)
-  set_tests_properties(bench_kernels_targets PROPERTIES TIMEOUT 300 LABELS "tool")
-endif()

@@ -6,6 +6,14 @@ if(LOOM_SYSTEM_PYTHON)
            COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/output_check.sh $<TARGET_FILE:loom>)
   set_tests_properties(loom_output_vs_numpy PROPERTIES TIMEOUT 300 LABELS "tool")
 endif()
+# bench_kernels' target lines against its own rows on a tiny sweep: which rows each line divides,
+# and in which order. Nothing is timed against a threshold.
+if(LOOM_SYSTEM_PYTHON AND LOOM_BUILD_BENCH)
+  add_test(NAME bench_kernels_targets
+           COMMAND ${LOOM_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/tools/bench_kernels_check.py
+                   $<TARGET_FILE:bench_kernels> ${CMAKE_CURRENT_BINARY_DIR}/bench_kernels_check)
+  set_tests_properties(bench_kernels_targets PROPERTIES TIMEOUT 300 LABELS "tool")
+endif()
 add_test(NAME loom_cli_checks COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/cli_checks.sh $<TARGET_FILE:loom>)
 set_tests_properties(loom_cli_checks PROPERTIES TIMEOUT 600 LABELS "tool")
 
