@@ -39,7 +39,9 @@
 // tile GEMMs prefetch the operand of the step after them while they compute
 // (TileOps::gemm_panels_next): the scores GEMM this tile's v, the p v GEMM the next non-empty
 // tile's k^T, so the packed KV block (4 MiB per head at S = 4096, D = 128: beyond L2) arrives from
-// L3 during arithmetic rather than at the start of each GEMM.
+// L3 during arithmetic rather than at the start of each GEMM. The backward's do the same for the
+// rows each pair reads from the caller's tensors: the dv and dk GEMMs the next pair's q and dout
+// rows, the dp GEMM this pair's dq rows.
 //
 // Paths. The tile arithmetic (GEMM, softmax steps, delta's dot) goes through the TileOps table of
 // kernels::select_ops() (tile_ops.h: one Highway source per instruction-set target, chosen per
@@ -54,6 +56,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -534,8 +537,8 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws)
   load_state(a.st, h, q0, rows, t, acc, m, l);
 
   const TileOps& ops = *a.ops;
-  const int64_t tile_n = t.dp * t.bk;  // floats of one packed k^T or v tile
-  auto next_tile = [&](int64_t kj) {   // the next non-empty k-tile after kj, or k_tiles
+  const int64_t tile_bytes = t.dp * t.bk * 4;  // one packed k^T or v tile
+  auto next_tile = [&](int64_t kj) {           // the next non-empty k-tile after kj, or k_tiles
     for (++kj; kj < plan.k_tiles && plan.at(qi, kj) == TileKind::kEmpty;) ++kj;
     return kj;
   };
@@ -545,7 +548,7 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws)
     const int64_t kn = next_tile(kj);
     // s = scale q k^T, v of this tile prefetched meanwhile
     ops.gemm_panels_next(t.bq, t.bk, t.dp, ws.q.get(), t.dp, 1, a.kv->kt(g, kj), t.dp * kNr,
-                         a.cfg->scale, false, ws.s.get(), t.bk, a.kv->v(g, kj), tile_n);
+                         a.cfg->scale, false, ws.s.get(), t.bk, a.kv->v(g, kj), 1, tile_bytes, 0);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
       mask_tile(a.cfg->mask, ws, rows, cols, t, ws.s.get());
@@ -554,7 +557,7 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws)
     // acc += p v, the next tile's k^T prefetched meanwhile
     if (kn < plan.k_tiles)
       ops.gemm_panels_next(t.bq, t.dp, t.bk, ws.s.get(), t.bk, 1, a.kv->v(g, kj), t.bk * kNr, 1.0f,
-                           true, acc, t.dp, a.kv->kt(g, kn), tile_n);
+                           true, acc, t.dp, a.kv->kt(g, kn), 1, tile_bytes, 0);
     else
       tile_pv(ops, ws.s.get(), a.kv->v(g, kj), t, acc);
     kj = kn;
@@ -661,11 +664,28 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
   float* dp = ws.dp.get();
   float* dq_tile = ws.acc.get();
 
+  // The pair after (h, qi) in this task's order: (head, first row, rows), rows = 0 after the last.
+  const auto next_pair = [&](int64_t h, int64_t qi) {
+    for (;;) {
+      if (++qi == plan.q_tiles) {
+        qi = 0;
+        if (++h == (g + 1) * group) return std::array<int64_t, 3>{h, 0, 0};
+      }
+      if (plan.at(qi, kj) != TileKind::kEmpty) {
+        const int64_t q0 = plan.q_begin(qi);
+        return std::array<int64_t, 3>{h, q0, std::min(plan.block_q, a.q.s - q0)};
+      }
+    }
+  };
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
     for (int64_t qi = 0; qi < plan.q_tiles; ++qi) {
       const TileKind kind = plan.at(qi, kj);
       if (kind == TileKind::kEmpty) continue;
       const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
+      const auto [nh, nq0, nrows] = next_pair(h, qi);
+      const T* next_q = nrows > 0 ? a.q.row(nq0, nh) : nullptr;
+      const T* next_dout = nrows > 0 ? a.dout.row(nq0, nh) : nullptr;
       // Tiles with full rows and no head-dim padding accumulate dq (fp32 for either storage) in
       // place, and fp32 ones also read q and dout in place, with their views' row strides; the
       // others go through packed buffers.
@@ -682,6 +702,11 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
           dout_rs = a.dout.ss;
         }
       }
+      // The column panels first: the pack reads q and dout from memory (prefetched towards L2
+      // during the previous pair's dv and dk GEMMs, below) and leaves them in L1 / L2 for the
+      // direct GEMMs' reads.
+      pack_rows_panels(a.dout, q0, rows, h, t, ws.dout_pan.get());
+      pack_rows_panels(a.q, q0, rows, h, t, ws.q_pan.get());
       if (!direct) {
         pack_rows(a.q, q0, rows, h, t, ws.q.get());
         pack_rows(a.dout, q0, rows, h, t, ws.dout.get());
@@ -704,17 +729,20 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       // dv [bk, dp] += p^T dout
       // (B in column panels: rows of q and dout a view row stride apart would share a few L1
       // sets; bench_kernels --tile-ops measured row-major B 10-15 % slower.)
-      pack_rows_panels(a.dout, q0, rows, h, t, ws.dout_pan.get());
-      pack_rows_panels(a.q, q0, rows, h, t, ws.q_pan.get());
-      ops.gemm_panels(t.bk, t.dp, t.bq, s, 1, t.bk, ws.dout_pan.get(), t.bq * kNr, 1.0f, true,
-                      ws.dv.get(), t.dp);
+      // (its prefetch stream: the next pair's q rows)
+      ops.gemm_panels_next(t.bk, t.dp, t.bq, s, 1, t.bk, ws.dout_pan.get(), t.bq * kNr, 1.0f, true,
+                           ws.dv.get(), t.dp, next_q, nrows, row_bytes,
+                           a.q.ss * static_cast<int64_t>(sizeof(T)));
       // dp [bq, bk] = dout v^T
-      ops.gemm_panels(t.bq, t.bk, t.dp, doutp, dout_rs, 1, ws.v.get(), t.dp * kNr, 1.0f, false, dp,
-                      t.bk);
+      // (its prefetch stream: this pair's dq rows, which the last GEMM accumulates in place)
+      ops.gemm_panels_next(t.bq, t.bk, t.dp, doutp, dout_rs, 1, ws.v.get(), t.dp * kNr, 1.0f, false,
+                           dp, t.bk, dq_sink.row(q0, h), rows, dim * 4, dq_sink.ss * 4);
       ops.ds(s, delta, scale, t.bq, t.bk, dp);
       // dk [bk, dp] += ds^T q
-      ops.gemm_panels(t.bk, t.dp, t.bq, dp, 1, t.bk, ws.q_pan.get(), t.bq * kNr, 1.0f, true,
-                      ws.dk.get(), t.dp);
+      // (its prefetch stream: the next pair's dout rows)
+      ops.gemm_panels_next(t.bk, t.dp, t.bq, dp, 1, t.bk, ws.q_pan.get(), t.bq * kNr, 1.0f, true,
+                           ws.dk.get(), t.dp, next_dout, nrows, row_bytes,
+                           a.dout.ss * static_cast<int64_t>(sizeof(T)));
       // dq [bq, dp] += ds k: in place (c + 1 * sum, the same rounding as adding a tile result)
       if (whole) {
         ops.gemm_panels(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, true,

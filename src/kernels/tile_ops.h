@@ -53,12 +53,15 @@ struct TileOps {
   void (*gemm_panels)(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                       const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
                       int64_t ldc);
-  // gemm_panels that also prefetches next[0, next_n) towards L2 (the operands the caller reads
-  // after this call), a few cache lines per register block, in place of gemm_panels' up-front
-  // prefetch of this call's own operands. next must not be null.
+  // gemm_panels that also prefetches towards L2 what the caller reads after this call: next_rows
+  // rows of next_bytes bytes, next_stride bytes apart, from next; a few cache lines per register
+  // block, in place of gemm_panels' up-front prefetch of this call's own operands (which it keeps
+  // when next is null or the region is empty). Prefetches are hints: the region need not be
+  // mapped.
   void (*gemm_panels_next)(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
                            int64_t a_ks, const float* b, int64_t b_ps, float alpha, bool accumulate,
-                           float* c, int64_t ldc, const float* next, int64_t next_n);
+                           float* c, int64_t ldc, const void* next, int64_t next_rows,
+                           int64_t next_bytes, int64_t next_stride);
   // Online softmax update of rows [0, rows) of the scores s: s becomes p = exp(s - m') (zero in
   // the padding and in rows that have seen no visible key), l and acc [bq, dp] are rescaled.
   void (*softmax_update)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,

@@ -94,15 +94,23 @@ HWY_INLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_t 
   }
 }
 
-// A prefetch stream spread over a GEMM's register blocks: `per_block` cache lines of [p, end)
-// towards L2 before each block, so the lines the caller reads next arrive while this GEMM computes,
-// without a burst of prefetches that fills the miss queues.
+// A prefetch stream spread over a GEMM's register blocks: `per_block` cache lines before each
+// block, towards L2, of `rows` rows of `len` bytes, `stride` bytes apart, starting at `row`, so the
+// lines the caller reads next arrive while this GEMM computes, without a burst of prefetches that
+// fills the miss queues.
 struct PrefetchStream {
-  const char* p = nullptr;
-  const char* end = nullptr;
-  int64_t per_block = 0;
+  const char* row = nullptr;
+  int64_t off = 0, len = 0, stride = 0, rows = 0, per_block = 0;
   HWY_INLINE void step() {
-    for (int64_t i = 0; i < per_block && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 2);
+    for (int64_t i = 0; i < per_block && rows > 0; ++i) {
+      __builtin_prefetch(row + off, 0, 2);
+      off += 64;
+      if (off >= len) {
+        off = 0;
+        row += stride;
+        --rows;
+      }
+    }
   }
 };
 
@@ -147,12 +155,12 @@ HWY_INLINE void prefetch_2d(const float* p, int64_t rows, int64_t len, int64_t s
 template <bool kPanels>
 HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
                           int64_t a_ks, const float* b, int64_t ldb, int64_t b_ps, float alpha,
-                          bool accumulate, float* c, int64_t ldc, const float* next = nullptr,
-                          int64_t next_n = 0) {
+                          bool accumulate, float* c, int64_t ldc, const void* next = nullptr,
+                          int64_t next_rows = 0, int64_t next_bytes = 0, int64_t next_stride = 0) {
   const D d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   PrefetchStream pf;
-  if (next == nullptr) {
+  if (next == nullptr || next_rows <= 0 || next_bytes <= 0) {
     if constexpr (kPanels)
       prefetch_2d(b, N / kNr, K * kNr, b_ps);
     else
@@ -165,9 +173,11 @@ HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64
   } else {
     const int64_t row_blocks = (M + kRows - 1) / kRows + 1;
     const int64_t blocks = (N + 2 * L - 1) / (2 * L) * row_blocks;
-    const int64_t lines = (next_n * 4 + 63) / 64;
-    pf.p = reinterpret_cast<const char*>(next);
-    pf.end = pf.p + next_n * 4;
+    const int64_t lines = next_rows * ((next_bytes + 63) / 64);
+    pf.row = static_cast<const char*>(next);
+    pf.len = next_bytes;
+    pf.stride = next_stride;
+    pf.rows = next_rows;
     pf.per_block = (lines + blocks - 1) / blocks;
   }
   const int64_t kstride = kPanels ? kNr : ldb;
@@ -200,8 +210,10 @@ void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, 
 
 void gemm_panels_next(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                       const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
-                      int64_t ldc, const float* next, int64_t next_n) {
-  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, next_n);
+                      int64_t ldc, const void* next, int64_t next_rows, int64_t next_bytes,
+                      int64_t next_stride) {
+  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, next_rows,
+                  next_bytes, next_stride);
 }
 
 // exp of N vectors in place, the N independent chains interleaved step by step (one chain is ~17
