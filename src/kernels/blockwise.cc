@@ -642,9 +642,11 @@ struct BackwardArgs {
 };
 
 // dk, dv of k-tile kj of kv head g, and the dq contributions of its pairs (added into dq_sink).
+// (next_g, next_kj): the task this thread runs next (next_kj < 0: none), whose first rows the last
+// pair prefetches.
 template <class T>
 void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& ws,
-                   View3<float> dq_sink) {
+                   View3<float> dq_sink, int64_t next_g, int64_t next_kj) {
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
   const int64_t group = a.q.h / a.k.h;
@@ -664,16 +666,25 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
   float* dp = ws.dp.get();
   float* dq_tile = ws.acc.get();
 
-  // The pair after (h, qi) in this task's order: (head, first row, rows), rows = 0 after the last.
+  // The pair after (h, qi): (head, first row, rows, whether it is the next task's first), rows = 0
+  // when there is none. The pairs of a task run head by head, q-tile by q-tile.
   const auto next_pair = [&](int64_t h, int64_t qi) {
+    int64_t task_kj = kj, end = (g + 1) * group;
+    int64_t in_next = 0;  // 1 once the scan has moved on to the next task
     for (;;) {
       if (++qi == plan.q_tiles) {
         qi = 0;
-        if (++h == (g + 1) * group) return std::array<int64_t, 3>{h, 0, 0};
+        if (++h == end) {
+          if (in_next == 1 || next_kj < 0) return std::array<int64_t, 4>{0, 0, 0, 0};
+          in_next = 1;
+          task_kj = next_kj;
+          h = next_g * group;
+          end = h + group;
+        }
       }
-      if (plan.at(qi, kj) != TileKind::kEmpty) {
+      if (plan.at(qi, task_kj) != TileKind::kEmpty) {
         const int64_t q0 = plan.q_begin(qi);
-        return std::array<int64_t, 3>{h, q0, std::min(plan.block_q, a.q.s - q0)};
+        return std::array<int64_t, 4>{h, q0, std::min(plan.block_q, a.q.s - q0), in_next};
       }
     }
   };
@@ -683,9 +694,14 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       const TileKind kind = plan.at(qi, kj);
       if (kind == TileKind::kEmpty) continue;
       const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
-      const auto [nh, nq0, nrows] = next_pair(h, qi);
+      const auto [nh, nq0, nrows, last] = next_pair(h, qi);
       const T* next_q = nrows > 0 ? a.q.row(nq0, nh) : nullptr;
       const T* next_dout = nrows > 0 ? a.dout.row(nq0, nh) : nullptr;
+      // The last pair before the next task also prefetches that task's k and v rows (its packs).
+      const int64_t nk0 = last ? plan.k_begin(next_kj) : 0;
+      const int64_t ncols = last ? std::min(plan.block_k, a.k.s - nk0) : 0;
+      const T* next_k = last ? a.k.row(nk0, next_g) : nullptr;
+      const T* next_v = last ? a.v.row(nk0, next_g) : nullptr;
       // Tiles with full rows and no head-dim padding accumulate dq (fp32 for either storage) in
       // place, and fp32 ones also read q and dout in place, with their views' row strides; the
       // others go through packed buffers.
@@ -719,8 +735,10 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
 
       const TileOps& ops = *a.ops;
       // s [bq, bk] = scale q k^T
-      ops.gemm_panels(t.bq, t.bk, t.dp, qp, q_rs, 1, ws.kt.get(), t.dp * kNr, scale, false, s,
-                      t.bk);
+      // (its prefetch stream, before another task: that task's v rows)
+      ops.gemm_panels_next(t.bq, t.bk, t.dp, qp, q_rs, 1, ws.kt.get(), t.dp * kNr, scale, false, s,
+                           t.bk, next_v, ncols, row_bytes,
+                           a.v.ss * static_cast<int64_t>(sizeof(T)));
       if (kind == TileKind::kPartial) {
         pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
         mask_tile(a.cfg->mask, ws, rows, cols, t, s);
@@ -744,13 +762,15 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
                            ws.dk.get(), t.dp, next_dout, nrows, row_bytes,
                            a.dout.ss * static_cast<int64_t>(sizeof(T)));
       // dq [bq, dp] += ds k: in place (c + 1 * sum, the same rounding as adding a tile result)
+      // (its prefetch stream, before another task: that task's k rows)
+      const int64_t k_ss = a.k.ss * static_cast<int64_t>(sizeof(T));
       if (whole) {
-        ops.gemm_panels(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, true,
-                        dq_sink.row(q0, h), dq_sink.ss);
+        ops.gemm_panels_next(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, true,
+                             dq_sink.row(q0, h), dq_sink.ss, next_k, ncols, row_bytes, k_ss);
         continue;
       }
-      ops.gemm_panels(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, false, dq_tile,
-                      t.dp);
+      ops.gemm_panels_next(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, false,
+                           dq_tile, t.dp, next_k, ncols, row_bytes, k_ss);
       for (int64_t r = 0; r < rows; ++r) {
         float* out = dq_sink.row(q0 + r, h);
         const float* in = dq_tile + r * t.dp;
@@ -974,10 +994,12 @@ KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const
                  : View3<float>{
                        dq_part[static_cast<size_t>(tid - 1)].get(), q.s, q.h, q.d, q.h * q.d, q.d};
     // Round robin over (k-tile, kv head): causal k-tiles differ in work; a static schedule keeps
-    // the dq sums deterministic.
-#pragma omp for schedule(static, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      backward_task(args, task % k.h, task / k.h, ws[static_cast<size_t>(tid)], sink);
+    // the dq sums deterministic (thread t runs tasks t, t + team, ...: schedule(static, 1), spelt
+    // out so that each task knows the thread's next one).
+    for (int64_t task = tid; task < tasks; task += team) {
+      const int64_t next = task + team;
+      backward_task(args, task % k.h, task / k.h, ws[static_cast<size_t>(tid)], sink,
+                    next < tasks ? next % k.h : 0, next < tasks ? next / k.h : -1);
     }
   }
 
