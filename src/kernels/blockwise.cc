@@ -57,6 +57,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -74,6 +75,7 @@ namespace {
 
 using kernels::kMr;
 using kernels::kNr;
+using kernels::PrefetchRegion;
 using kernels::round_up;
 using kernels::TileOps;
 
@@ -521,9 +523,11 @@ struct ForwardArgs {
   const TileOps* ops;
 };
 
-// Folds every non-empty k-tile into the state rows of q-tile qi, head h.
+// Folds every non-empty k-tile into the state rows of q-tile qi, head h. (next_h, next_qi): the
+// task this thread runs next (next_qi < 0: none), whose first operands the last tile prefetches.
 template <class T>
-void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws) {
+void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws, int64_t next_h,
+                  int64_t next_qi) {
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
   const int64_t g = h / (a.q.h / a.k.h);
@@ -547,17 +551,34 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws)
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
     const int64_t kn = next_tile(kj);
     // s = scale q k^T, v of this tile prefetched meanwhile
+    const PrefetchRegion this_v{a.kv->v(g, kj), 1, tile_bytes, 0};
     ops.gemm_panels_next(t.bq, t.bk, t.dp, ws.q.get(), t.dp, 1, a.kv->kt(g, kj), t.dp * kNr,
-                         a.cfg->scale, false, ws.s.get(), t.bk, a.kv->v(g, kj), 1, tile_bytes, 0);
+                         a.cfg->scale, false, ws.s.get(), t.bk, &this_v, 1);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
       mask_tile(a.cfg->mask, ws, rows, cols, t, ws.s.get());
     }
     ops.softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
-    // acc += p v, the next tile's k^T prefetched meanwhile
-    if (kn < plan.k_tiles)
+    // acc += p v, the next tile's k^T prefetched meanwhile; after the last tile, the next task's
+    // first k^T tile, its q rows and its state rows
+    PrefetchRegion next[3];
+    int64_t regions = 0;
+    if (kn < plan.k_tiles) {
+      next[regions++] = {a.kv->kt(g, kn), 1, tile_bytes, 0};
+    } else if (next_qi >= 0) {
+      const int64_t ng = next_h / (a.q.h / a.k.h), nq0 = plan.q_begin(next_qi);
+      const int64_t nrows = std::min(plan.block_q, a.q.s - nq0);
+      int64_t nk = 0;
+      while (nk < plan.k_tiles && plan.at(next_qi, nk) == TileKind::kEmpty) ++nk;
+      if (nk < plan.k_tiles) next[regions++] = {a.kv->kt(ng, nk), 1, tile_bytes, 0};
+      next[regions++] = {a.q.row(nq0, next_h), nrows, a.q.d * static_cast<int64_t>(sizeof(T)),
+                         a.q.ss * static_cast<int64_t>(sizeof(T))};
+      next[regions++] = {a.st.acc + nq0 * a.st.acc_ss + next_h * a.st.dim, nrows, a.st.dim * 4,
+                         a.st.acc_ss * 4};
+    }
+    if (regions > 0)
       ops.gemm_panels_next(t.bq, t.dp, t.bk, ws.s.get(), t.bk, 1, a.kv->v(g, kj), t.bk * kNr, 1.0f,
-                           true, acc, t.dp, a.kv->kt(g, kn), 1, tile_bytes, 0);
+                           true, acc, t.dp, next, regions);
     else
       tile_pv(ops, ws.s.get(), a.kv->v(g, kj), t, acc);
     kj = kn;
@@ -736,9 +757,10 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       const TileOps& ops = *a.ops;
       // s [bq, bk] = scale q k^T
       // (its prefetch stream, before another task: that task's v rows)
+      const PrefetchRegion v_rows{next_v, ncols, row_bytes,
+                                  a.v.ss * static_cast<int64_t>(sizeof(T))};
       ops.gemm_panels_next(t.bq, t.bk, t.dp, qp, q_rs, 1, ws.kt.get(), t.dp * kNr, scale, false, s,
-                           t.bk, next_v, ncols, row_bytes,
-                           a.v.ss * static_cast<int64_t>(sizeof(T)));
+                           t.bk, &v_rows, 1);
       if (kind == TileKind::kPartial) {
         pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
         mask_tile(a.cfg->mask, ws, rows, cols, t, s);
@@ -748,29 +770,33 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       // (B in column panels: rows of q and dout a view row stride apart would share a few L1
       // sets; bench_kernels --tile-ops measured row-major B 10-15 % slower.)
       // (its prefetch stream: the next pair's q rows)
+      const PrefetchRegion q_rows{next_q, nrows, row_bytes,
+                                  a.q.ss * static_cast<int64_t>(sizeof(T))};
       ops.gemm_panels_next(t.bk, t.dp, t.bq, s, 1, t.bk, ws.dout_pan.get(), t.bq * kNr, 1.0f, true,
-                           ws.dv.get(), t.dp, next_q, nrows, row_bytes,
-                           a.q.ss * static_cast<int64_t>(sizeof(T)));
+                           ws.dv.get(), t.dp, &q_rows, 1);
       // dp [bq, bk] = dout v^T
       // (its prefetch stream: this pair's dq rows, which the last GEMM accumulates in place)
+      const PrefetchRegion dq_rows{dq_sink.row(q0, h), rows, dim * 4, dq_sink.ss * 4};
       ops.gemm_panels_next(t.bq, t.bk, t.dp, doutp, dout_rs, 1, ws.v.get(), t.dp * kNr, 1.0f, false,
-                           dp, t.bk, dq_sink.row(q0, h), rows, dim * 4, dq_sink.ss * 4);
+                           dp, t.bk, &dq_rows, 1);
       ops.ds(s, delta, scale, t.bq, t.bk, dp);
       // dk [bk, dp] += ds^T q
       // (its prefetch stream: the next pair's dout rows)
+      const PrefetchRegion dout_rows{next_dout, nrows, row_bytes,
+                                     a.dout.ss * static_cast<int64_t>(sizeof(T))};
       ops.gemm_panels_next(t.bk, t.dp, t.bq, dp, 1, t.bk, ws.q_pan.get(), t.bq * kNr, 1.0f, true,
-                           ws.dk.get(), t.dp, next_dout, nrows, row_bytes,
-                           a.dout.ss * static_cast<int64_t>(sizeof(T)));
+                           ws.dk.get(), t.dp, &dout_rows, 1);
       // dq [bq, dp] += ds k: in place (c + 1 * sum, the same rounding as adding a tile result)
       // (its prefetch stream, before another task: that task's k rows)
-      const int64_t k_ss = a.k.ss * static_cast<int64_t>(sizeof(T));
+      const PrefetchRegion k_rows{next_k, ncols, row_bytes,
+                                  a.k.ss * static_cast<int64_t>(sizeof(T))};
       if (whole) {
         ops.gemm_panels_next(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, true,
-                             dq_sink.row(q0, h), dq_sink.ss, next_k, ncols, row_bytes, k_ss);
+                             dq_sink.row(q0, h), dq_sink.ss, &k_rows, 1);
         continue;
       }
       ops.gemm_panels_next(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, false,
-                           dq_tile, t.dp, next_k, ncols, row_bytes, k_ss);
+                           dq_tile, t.dp, &k_rows, 1);
       for (int64_t r = 0; r < rows; ++r) {
         float* out = dq_sink.row(q0 + r, h);
         const float* in = dq_tile + r * t.dp;
@@ -861,11 +887,20 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
   const ForwardArgs<T> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
   for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false);
 
-    // Late q-tiles first: under a causal mask they carry the most keys (dynamic balance).
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t qi = plan.q_tiles - 1 - task / q.h, h = task % q.h;
-    forward_task(args, h, qi, ws[static_cast<size_t>(omp_get_thread_num())]);
+  // Late q-tiles first: under a causal mask they carry the most keys. Dynamic balance, each
+  // thread claiming its next task before it runs the current one (so that the current one can
+  // prefetch the next one's operands).
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    Workspace& w = ws[static_cast<size_t>(omp_get_thread_num())];
+    for (int64_t task = claimed.fetch_add(1); task < tasks;) {
+      const int64_t next = claimed.fetch_add(1);
+      const int64_t qi = plan.q_tiles - 1 - task / q.h, h = task % q.h;
+      forward_task(args, h, qi, w, next < tasks ? next % q.h : 0,
+                   next < tasks ? plan.q_tiles - 1 - next / q.h : -1);
+      task = next;
+    }
   }
   return stats;
 }

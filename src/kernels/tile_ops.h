@@ -23,6 +23,12 @@ constexpr int64_t round_up(int64_t x, int64_t m) {
 
 constexpr float kExpMin = -87.0f;  // below this exp(x) < 1.7e-38: returned as 0
 
+// rows rows of bytes bytes each, stride bytes apart, from p (p null or rows or bytes <= 0: empty).
+struct PrefetchRegion {
+  const void* p = nullptr;
+  int64_t rows = 0, bytes = 0, stride = 0;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Instruction-set paths. The blockwise kernels do all their tile arithmetic through one TileOps
 // table, chosen once per kernel call by select_ops(). The tables come from tile_ops_hwy.cc, one
@@ -53,15 +59,13 @@ struct TileOps {
   void (*gemm_panels)(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                       const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
                       int64_t ldc);
-  // gemm_panels that also prefetches towards L2 what the caller reads after this call: next_rows
-  // rows of next_bytes bytes, next_stride bytes apart, from next; a few cache lines per register
-  // block, in place of gemm_panels' up-front prefetch of this call's own operands (which it keeps
-  // when next is null or the region is empty). Prefetches are hints: the region need not be
-  // mapped.
+  // gemm_panels that also prefetches towards L2 what the caller reads after this call: the
+  // `regions` regions of next, in order, a few cache lines per register block, in place of
+  // gemm_panels' up-front prefetch of this call's own operands (which it keeps when there is
+  // nothing to prefetch). Prefetches are hints: a region need not be mapped.
   void (*gemm_panels_next)(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
                            int64_t a_ks, const float* b, int64_t b_ps, float alpha, bool accumulate,
-                           float* c, int64_t ldc, const void* next, int64_t next_rows,
-                           int64_t next_bytes, int64_t next_stride);
+                           float* c, int64_t ldc, const PrefetchRegion* next, int64_t regions);
   // Online softmax update of rows [0, rows) of the scores s: s becomes p = exp(s - m') (zero in
   // the padding and in rows that have seen no visible key), l and acc [bq, dp] are rescaled.
   void (*softmax_update)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,

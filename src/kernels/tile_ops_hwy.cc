@@ -95,20 +95,31 @@ HWY_INLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_t 
 }
 
 // A prefetch stream spread over a GEMM's register blocks: `per_block` cache lines before each
-// block, towards L2, of `rows` rows of `len` bytes, `stride` bytes apart, starting at `row`, so the
-// lines the caller reads next arrive while this GEMM computes, without a burst of prefetches that
-// fills the miss queues.
+// block, towards L2, through the regions in order, so the lines the caller reads next arrive while
+// this GEMM computes, without a burst of prefetches that fills the miss queues.
 struct PrefetchStream {
+  const PrefetchRegion* region = nullptr;
+  const PrefetchRegion* end = nullptr;
   const char* row = nullptr;
-  int64_t off = 0, len = 0, stride = 0, rows = 0, per_block = 0;
+  int64_t off = 0, rows = 0, per_block = 0;
+  HWY_INLINE void start(const PrefetchRegion* r) {
+    for (region = r;
+         region < end && (region->p == nullptr || region->rows <= 0 || region->bytes <= 0);)
+      ++region;
+    if (region < end) {
+      row = static_cast<const char*>(region->p);
+      off = 0;
+      rows = region->rows;
+    }
+  }
   HWY_INLINE void step() {
-    for (int64_t i = 0; i < per_block && rows > 0; ++i) {
+    for (int64_t i = 0; i < per_block && region < end; ++i) {
       __builtin_prefetch(row + off, 0, 2);
       off += 64;
-      if (off >= len) {
+      if (off >= region->bytes) {
         off = 0;
-        row += stride;
-        --rows;
+        row += region->stride;
+        if (--rows == 0) start(region + 1);
       }
     }
   }
@@ -155,12 +166,16 @@ HWY_INLINE void prefetch_2d(const float* p, int64_t rows, int64_t len, int64_t s
 template <bool kPanels>
 HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
                           int64_t a_ks, const float* b, int64_t ldb, int64_t b_ps, float alpha,
-                          bool accumulate, float* c, int64_t ldc, const void* next = nullptr,
-                          int64_t next_rows = 0, int64_t next_bytes = 0, int64_t next_stride = 0) {
+                          bool accumulate, float* c, int64_t ldc,
+                          const PrefetchRegion* next = nullptr, int64_t regions = 0) {
   const D d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   PrefetchStream pf;
-  if (next == nullptr || next_rows <= 0 || next_bytes <= 0) {
+  int64_t lines = 0;
+  for (int64_t i = 0; i < regions; ++i)
+    if (next[i].p != nullptr && next[i].rows > 0 && next[i].bytes > 0)
+      lines += next[i].rows * ((next[i].bytes + 63) / 64);
+  if (lines == 0) {
     if constexpr (kPanels)
       prefetch_2d(b, N / kNr, K * kNr, b_ps);
     else
@@ -173,11 +188,8 @@ HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64
   } else {
     const int64_t row_blocks = (M + kRows - 1) / kRows + 1;
     const int64_t blocks = (N + 2 * L - 1) / (2 * L) * row_blocks;
-    const int64_t lines = next_rows * ((next_bytes + 63) / 64);
-    pf.row = static_cast<const char*>(next);
-    pf.len = next_bytes;
-    pf.stride = next_stride;
-    pf.rows = next_rows;
+    pf.end = next + regions;
+    pf.start(next);
     pf.per_block = (lines + blocks - 1) / blocks;
   }
   const int64_t kstride = kPanels ? kNr : ldb;
@@ -210,10 +222,8 @@ void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, 
 
 void gemm_panels_next(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                       const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
-                      int64_t ldc, const void* next, int64_t next_rows, int64_t next_bytes,
-                      int64_t next_stride) {
-  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, next_rows,
-                  next_bytes, next_stride);
+                      int64_t ldc, const PrefetchRegion* next, int64_t regions) {
+  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, regions);
 }
 
 // exp of N vectors in place, the N independent chains interleaved step by step (one chain is ~17
