@@ -3,3 +3,4 @@ loom_test(test_reference SOURCES unit/test_reference.cc LIBS loom_kernels LABELS
 loom_test(test_blockwise SOURCES unit/test_blockwise.cc LIBS loom_kernels LABELS kernels TIMEOUT 300)
 loom_test(test_merge SOURCES unit/test_merge.cc LIBS loom_kernels LABELS kernels TIMEOUT 60)
 loom_test(test_kernels_exp SOURCES unit/test_kernels_exp.cc LIBS loom_kernels LABELS kernels TIMEOUT 60)
+loom_test(test_kernels_prefetch SOURCES unit/test_kernels_prefetch.cc LIBS loom_kernels LABELS kernels TIMEOUT 60)

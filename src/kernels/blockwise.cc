@@ -39,9 +39,11 @@
 // tile GEMMs prefetch the operand of the step after them while they compute
 // (TileOps::gemm_panels_next): the scores GEMM this tile's v, the p v GEMM the next non-empty
 // tile's k^T, so the packed KV block (4 MiB per head at S = 4096, D = 128: beyond L2) arrives from
-// L3 during arithmetic rather than at the start of each GEMM. The backward's do the same for the
-// rows each pair reads from the caller's tensors: the dv and dk GEMMs the next pair's q and dout
-// rows, the dp GEMM this pair's dq rows.
+// L3 during arithmetic rather than at the start of each GEMM; a task's last p v GEMM prefetches
+// the first k^T tile, q rows and state rows of the task its thread runs next (claimed one ahead).
+// The backward's do the same for the rows each pair reads from the caller's tensors: the dv and
+// dk GEMMs the next pair's q and dout rows, the dp GEMM this pair's dq rows, and a task's last
+// pair the k and v rows of the thread's next task (its scores and dq GEMMs).
 //
 // Paths. The tile arithmetic (GEMM, softmax steps, delta's dot) goes through the TileOps table of
 // kernels::select_ops() (tile_ops.h: one Highway source per instruction-set target, chosen per

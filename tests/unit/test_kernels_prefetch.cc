@@ -1,0 +1,97 @@
+// kernels: TileOps::gemm_panels_next on every compiled instruction-set target that this CPU runs
+// (the others are named as skipped). Its prefetch regions are hints (tile_ops.h): whatever they
+// name (several 2-D regions, a null or empty one, a page that is not readable at all) the product
+// must be bitwise the one gemm_panels computes, and that one within fp32 rounding of an fp64
+// product.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../src/kernels/tile_ops.h"
+
+namespace loom::kernels {
+namespace {
+
+std::vector<std::string> target_names() {
+  std::vector<std::string> names;
+  for (const KernelTarget& t : kernel_targets()) names.push_back(t.name);
+  return names;
+}
+
+class KernelsPrefetch : public ::testing::TestWithParam<std::string> {
+ protected:
+  const TileOps* ops_or_skip() {
+    for (const KernelTarget& t : kernel_targets())
+      if (t.name == GetParam()) return t.runnable ? t.ops : nullptr;
+    ADD_FAILURE() << "no target " << GetParam();
+    return nullptr;
+  }
+};
+
+TEST_P(KernelsPrefetch, RegionsNeverChangeTheProduct) {
+  const TileOps* ops = ops_or_skip();
+  if (ops == nullptr) GTEST_SKIP() << GetParam() << ": this CPU cannot run this target";
+  // C [M, N] = alpha A B (+ C), A row-major [M, K], B in column panels of kNr (K x kNr each).
+  const int64_t M = 40, N = 48, K = 36;
+  std::mt19937 gen(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> a(M * K), b(K * N), c0(M * N), c_ref(M * N), bound(M * N);
+  for (float& x : a) x = normal(gen);
+  for (float& x : b) x = normal(gen);
+  for (float& x : c0) x = normal(gen);
+  const auto bp = [&](int64_t k, int64_t j) { return b[(j / kNr) * K * kNr + k * kNr + j % kNr]; };
+
+  // A page nobody may read, and a region far beyond the buffers: prefetching them must not fault.
+  const long page = sysconf(_SC_PAGESIZE);
+  void* guard =
+      mmap(nullptr, static_cast<size_t>(page), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(guard, MAP_FAILED);
+  std::vector<float> other(4096, 1.0f);
+  const PrefetchRegion regions[] = {
+      {other.data(), 16, 200, 1024},   // 2-D: 16 rows of 200 bytes, 1 KiB apart
+      {nullptr, 8, 64, 64},            // null: skipped
+      {other.data(), 0, 64, 64},       // no rows: skipped
+      {guard, 1, page, 0},             // unreadable page
+      {other.data() + 100, 3, 17, 4},  // rows overlapping, not line aligned
+  };
+
+  for (const bool accumulate : {false, true}) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double sum = 0.0, sum_abs = 0.0;
+        for (int64_t k = 0; k < K; ++k) {
+          sum += double{a[i * K + k]} * double{bp(k, j)};
+          sum_abs += std::fabs(double{a[i * K + k]} * double{bp(k, j)});
+        }
+        const double add = accumulate ? c0[i * N + j] : 0.0;
+        c_ref[i * N + j] = static_cast<float>(0.5 * sum + add);
+        // fp32 sums of K products, then alpha (exact) and the addition: at most K + 2 roundings
+        // of 2^-24 relative each on the magnitudes involved (the standard gamma_K bound).
+        bound[i * N + j] = static_cast<float>((K + 2) * 0x1p-24 * (0.5 * sum_abs + std::fabs(add)));
+      }
+    std::vector<float> plain = c0;
+    ops->gemm_panels(M, N, K, a.data(), K, 1, b.data(), K * kNr, 0.5f, accumulate, plain.data(), N);
+    for (int64_t n = 0; n <= 5; ++n) {  // the first n regions (0: none, the up-front prefetch)
+      std::vector<float> next = c0;
+      ops->gemm_panels_next(M, N, K, a.data(), K, 1, b.data(), K * kNr, 0.5f, accumulate,
+                            next.data(), N, regions, n);
+      for (int64_t e = 0; e < M * N; ++e)
+        ASSERT_EQ(next[e], plain[e])
+            << "regions " << n << " accumulate " << accumulate << " at " << e;
+    }
+    for (int64_t e = 0; e < M * N; ++e) ASSERT_NEAR(plain[e], c_ref[e], bound[e]) << "at " << e;
+  }
+  munmap(guard, static_cast<size_t>(page));
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, KernelsPrefetch, ::testing::ValuesIn(target_names()),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace loom::kernels
