@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "../src/kernels/tile_ops.h"
+#include "kernel_targets.h"
 
 namespace loom::kernels {
 namespace {
@@ -21,24 +21,7 @@ constexpr double kExpUlpBound = 4.0 * 0x1p-23;  // 4 ulp of fp32 (relative)
 
 // One test per compiled target: GetParam() is its LOOM_KERNEL name. A target this CPU cannot
 // run is skipped with its name and the reason.
-std::vector<std::string> target_names() {
-  std::vector<std::string> names;
-  for (const KernelTarget& t : kernel_targets()) names.push_back(t.name);
-  return names;
-}
-
-class KernelsExp : public ::testing::TestWithParam<std::string> {
- protected:
-  const TileOps* ops_or_skip() {
-    for (const KernelTarget& t : kernel_targets())
-      if (t.name == GetParam()) {
-        if (!t.runnable) return nullptr;
-        return t.ops;
-      }
-    ADD_FAILURE() << "no target " << GetParam();
-    return nullptr;
-  }
-};
+using KernelsExp = PerKernelTarget;
 
 TEST_P(KernelsExp, RelativeErrorWithinFourUlp) {
   const TileOps* ops = ops_or_skip();
@@ -84,7 +67,7 @@ TEST_P(KernelsExp, BelowRangeAndMinusInfinityGiveZero) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Targets, KernelsExp, ::testing::ValuesIn(target_names()),
+INSTANTIATE_TEST_SUITE_P(Targets, KernelsExp, ::testing::ValuesIn(kernel_target_names()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -13,26 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "../src/kernels/tile_ops.h"
+#include "kernel_targets.h"
 
 namespace loom::kernels {
 namespace {
 
-std::vector<std::string> target_names() {
-  std::vector<std::string> names;
-  for (const KernelTarget& t : kernel_targets()) names.push_back(t.name);
-  return names;
-}
-
-class KernelsPrefetch : public ::testing::TestWithParam<std::string> {
- protected:
-  const TileOps* ops_or_skip() {
-    for (const KernelTarget& t : kernel_targets())
-      if (t.name == GetParam()) return t.runnable ? t.ops : nullptr;
-    ADD_FAILURE() << "no target " << GetParam();
-    return nullptr;
-  }
-};
+using KernelsPrefetch = PerKernelTarget;
 
 TEST_P(KernelsPrefetch, RegionsNeverChangeTheProduct) {
   const TileOps* ops = ops_or_skip();
@@ -90,7 +76,7 @@ TEST_P(KernelsPrefetch, RegionsNeverChangeTheProduct) {
   munmap(guard, static_cast<size_t>(page));
 }
 
-INSTANTIATE_TEST_SUITE_P(Targets, KernelsPrefetch, ::testing::ValuesIn(target_names()),
+INSTANTIATE_TEST_SUITE_P(Targets, KernelsPrefetch, ::testing::ValuesIn(kernel_target_names()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
