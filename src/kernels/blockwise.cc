@@ -544,14 +544,15 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws,
 
   const TileOps& ops = *a.ops;
   const int64_t tile_bytes = t.dp * t.bk * 4;  // one packed k^T or v tile
-  auto next_tile = [&](int64_t kj) {           // the next non-empty k-tile after kj, or k_tiles
-    for (++kj; kj < plan.k_tiles && plan.at(qi, kj) == TileKind::kEmpty;) ++kj;
+  // The next non-empty k-tile of q-tile i after kj, or k_tiles.
+  auto next_tile = [&](int64_t i, int64_t kj) {
+    for (++kj; kj < plan.k_tiles && plan.at(i, kj) == TileKind::kEmpty;) ++kj;
     return kj;
   };
-  for (int64_t kj = next_tile(-1); kj < plan.k_tiles;) {
+  for (int64_t kj = next_tile(qi, -1); kj < plan.k_tiles;) {
     const TileKind kind = plan.at(qi, kj);
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
-    const int64_t kn = next_tile(kj);
+    const int64_t kn = next_tile(qi, kj);
     // s = scale q k^T, v of this tile prefetched meanwhile
     const PrefetchRegion this_v{a.kv->v(g, kj), 1, tile_bytes, 0};
     ops.gemm_panels_next(t.bq, t.bk, t.dp, ws.q.get(), t.dp, 1, a.kv->kt(g, kj), t.dp * kNr,
@@ -570,8 +571,7 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws,
     } else if (next_qi >= 0) {
       const int64_t ng = next_h / (a.q.h / a.k.h), nq0 = plan.q_begin(next_qi);
       const int64_t nrows = std::min(plan.block_q, a.q.s - nq0);
-      int64_t nk = 0;
-      while (nk < plan.k_tiles && plan.at(next_qi, nk) == TileKind::kEmpty) ++nk;
+      const int64_t nk = next_tile(next_qi, -1);
       if (nk < plan.k_tiles) next[regions++] = {a.kv->kt(ng, nk), 1, tile_bytes, 0};
       next[regions++] = {a.q.row(nq0, next_h), nrows, a.q.d * static_cast<int64_t>(sizeof(T)),
                          a.q.ss * static_cast<int64_t>(sizeof(T))};
@@ -711,7 +711,7 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       }
     }
   };
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+  const int64_t elem = sizeof(T), row_bytes = dim * elem;
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
     for (int64_t qi = 0; qi < plan.q_tiles; ++qi) {
       const TileKind kind = plan.at(qi, kj);
@@ -759,8 +759,7 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       const TileOps& ops = *a.ops;
       // s [bq, bk] = scale q k^T
       // (its prefetch stream, before another task: that task's v rows)
-      const PrefetchRegion v_rows{next_v, ncols, row_bytes,
-                                  a.v.ss * static_cast<int64_t>(sizeof(T))};
+      const PrefetchRegion v_rows{next_v, ncols, row_bytes, a.v.ss * elem};
       ops.gemm_panels_next(t.bq, t.bk, t.dp, qp, q_rs, 1, ws.kt.get(), t.dp * kNr, scale, false, s,
                            t.bk, &v_rows, 1);
       if (kind == TileKind::kPartial) {
@@ -772,8 +771,7 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       // (B in column panels: rows of q and dout a view row stride apart would share a few L1
       // sets; bench_kernels --tile-ops measured row-major B 10-15 % slower.)
       // (its prefetch stream: the next pair's q rows)
-      const PrefetchRegion q_rows{next_q, nrows, row_bytes,
-                                  a.q.ss * static_cast<int64_t>(sizeof(T))};
+      const PrefetchRegion q_rows{next_q, nrows, row_bytes, a.q.ss * elem};
       ops.gemm_panels_next(t.bk, t.dp, t.bq, s, 1, t.bk, ws.dout_pan.get(), t.bq * kNr, 1.0f, true,
                            ws.dv.get(), t.dp, &q_rows, 1);
       // dp [bq, bk] = dout v^T
@@ -784,14 +782,12 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       ops.ds(s, delta, scale, t.bq, t.bk, dp);
       // dk [bk, dp] += ds^T q
       // (its prefetch stream: the next pair's dout rows)
-      const PrefetchRegion dout_rows{next_dout, nrows, row_bytes,
-                                     a.dout.ss * static_cast<int64_t>(sizeof(T))};
+      const PrefetchRegion dout_rows{next_dout, nrows, row_bytes, a.dout.ss * elem};
       ops.gemm_panels_next(t.bk, t.dp, t.bq, dp, 1, t.bk, ws.q_pan.get(), t.bq * kNr, 1.0f, true,
                            ws.dk.get(), t.dp, &dout_rows, 1);
       // dq [bq, dp] += ds k: in place (c + 1 * sum, the same rounding as adding a tile result)
       // (its prefetch stream, before another task: that task's k rows)
-      const PrefetchRegion k_rows{next_k, ncols, row_bytes,
-                                  a.k.ss * static_cast<int64_t>(sizeof(T))};
+      const PrefetchRegion k_rows{next_k, ncols, row_bytes, a.k.ss * elem};
       if (whole) {
         ops.gemm_panels_next(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, true,
                              dq_sink.row(q0, h), dq_sink.ss, &k_rows, 1);

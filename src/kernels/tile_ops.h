@@ -27,6 +27,7 @@ constexpr float kExpMin = -87.0f;  // below this exp(x) < 1.7e-38: returned as 0
 struct PrefetchRegion {
   const void* p = nullptr;
   int64_t rows = 0, bytes = 0, stride = 0;
+  bool empty() const { return p == nullptr || rows <= 0 || bytes <= 0; }
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -103,9 +103,7 @@ struct PrefetchStream {
   const char* row = nullptr;
   int64_t off = 0, rows = 0, per_block = 0;
   HWY_INLINE void start(const PrefetchRegion* r) {
-    for (region = r;
-         region < end && (region->p == nullptr || region->rows <= 0 || region->bytes <= 0);)
-      ++region;
+    for (region = r; region < end && region->empty();) ++region;
     if (region < end) {
       row = static_cast<const char*>(region->p);
       off = 0;
@@ -173,8 +171,7 @@ HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64
   PrefetchStream pf;
   int64_t lines = 0;
   for (int64_t i = 0; i < regions; ++i)
-    if (next[i].p != nullptr && next[i].rows > 0 && next[i].bytes > 0)
-      lines += next[i].rows * ((next[i].bytes + 63) / 64);
+    if (!next[i].empty()) lines += next[i].rows * ((next[i].bytes + 63) / 64);
   if (lines == 0) {
     if constexpr (kPanels)
       prefetch_2d(b, N / kNr, K * kNr, b_ps);
