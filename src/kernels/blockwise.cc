@@ -16,8 +16,8 @@
 // tile's scores s = scale q k^T, the online softmax update (softmax_update)
 //   m' = max(m, max_j s_j),  p_j = exp(s_j - m'),  alpha = exp(m - m'),
 //   l' = alpha l + sum_j p_j,  acc' = alpha acc,
-// and acc' += p v (tile_pv). A row that has seen no visible key keeps m = -inf, l = 0, acc = 0;
-// the update never forms exp(-inf - -inf). finish() divides acc by l.
+// and acc' += p v (TileOps::gemm_panels). A row that has seen no visible key keeps m = -inf, l = 0,
+// acc = 0; the update never forms exp(-inf - -inf). finish() divides acc by l.
 //
 // Backward (per kv head g and k-tile, over the query heads that read g and all q-tiles):
 //   s = scale q k^T, p = exp(s - lse), dv += p^T dout, dp = dout v^T,
@@ -51,10 +51,13 @@
 // whole config tiles (work_config); KernelStats always counts the config's block_q x block_k
 // tiles.
 //
-// bf16 storage. q, k, v, dout are widened to fp32 when packed, except in the forward on a path
-// with bf16 dot products (avx512bf16): there K and V are packed once per call as bf16 pairs
-// (PackedKvBf16), s = q k^T and acc += p v run as vdpbf16ps GEMMs, and p is rounded to bf16 for
-// p v only. Every accumulation is fp32.
+// bf16 storage. q and dout are widened to fp32 when packed. The forward packs K and V once per
+// call as bf16: on a path with bf16 dot products (avx512bf16) as bf16 pairs (PackedKvPairs), with
+// s = q k^T and acc += p v as vdpbf16ps GEMMs and p rounded to bf16 for p v only; on every other
+// path in the fp32 tiles' column panels (PackedKvTiles<uint16_t>), each panel widened into an L1
+// scratch inside the GEMM (TileOps::gemm_panels_bf16), so the arithmetic is bitwise the fp32
+// path's on the widened values with half the packed bytes. The backward widens its k-tile when
+// packing. Every accumulation is fp32.
 #include <omp.h>
 
 #include <algorithm>
@@ -215,8 +218,13 @@ TileDims tile_dims(const KernelConfig& cfg, int64_t dim) {
   return TileDims{round_up(cfg.block_q, kMr), round_up(cfg.block_k, kNr), round_up(dim, kNr)};
 }
 
+// How the forward keeps its packed KV block: fp32 tiles (PackedKv), bf16 in the same column
+// panels (PackedKvTiles<uint16_t>, widened panel by panel inside TileOps::gemm_panels_bf16), or
+// bf16 pairs for the vdpbf16ps dot products (PackedKvPairs).
+enum class KvStore { kFp32, kBf16Panels, kBf16Pairs };
+
 struct Workspace {
-  Workspace(const TileDims& t, bool backward, bool bf16_dots = false)
+  Workspace(const TileDims& t, bool backward, KvStore kv = KvStore::kFp32)
       : q(t.bq * t.dp),
         s(t.bq * t.bk),
         acc(t.bq * t.dp),
@@ -226,10 +234,11 @@ struct Workspace {
         k_pos(static_cast<size_t>(t.bk)),
         q_doc(static_cast<size_t>(t.bq)),
         k_doc(static_cast<size_t>(t.bk)) {
-    if (bf16_dots) {
+    if (kv == KvStore::kBf16Pairs) {
       q16 = AlignedBf16(t.bq * t.dp);
       p16 = AlignedBf16(t.bq * t.bk);
     }
+    if (kv == KvStore::kBf16Panels) panel = AlignedFloats(2 * std::max(t.bk, t.dp) * kNr);
     if (backward) {
       kt = AlignedFloats(t.dp * t.bk);
       v = AlignedFloats(t.bk * t.dp);
@@ -253,6 +262,8 @@ struct Workspace {
   AlignedFloats q_pan, dout_pan;
   // The bf16-dot forward: q rows [bq, dp] and probabilities [bq, bk] as bf16.
   AlignedBf16 q16, p16;
+  // The forward with bf16 panels: the scratch of gemm_panels_bf16 (two widened panels).
+  AlignedFloats panel;
   std::vector<int64_t> q_pos, k_pos;
   std::vector<int32_t> q_doc, k_doc;
 };
@@ -316,6 +327,23 @@ inline void widen_piece(const T* in, int64_t n, float* out) {
   }
 }
 
+// The same piece kept as bf16 bit patterns (the forward's bf16 panels).
+inline void widen_piece(const bf16* in, int64_t n, uint16_t* out) {
+  static_assert(sizeof(bf16) == sizeof(uint16_t));
+  std::memcpy(out, in, static_cast<size_t>(n) * sizeof(uint16_t));
+}
+
+// An element of a T view as a packed tile of E holds it: fp32 (widened) or bf16 bits (kept).
+template <class E, class T>
+inline E packed_element(T x) {
+  if constexpr (std::is_same_v<E, float>) {
+    return to_f32(x);
+  } else {
+    static_assert(std::is_same_v<E, uint16_t> && std::is_same_v<T, bf16>);
+    return x.bits;
+  }
+}
+
 // rows x d of a view (row r = x.row(begin + r, head)) into a [bq, dp] buffer, zero padded.
 template <class T>
 void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, const TileDims& t,
@@ -334,23 +362,23 @@ void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, cons
 // cols rows of a KV view, transposed, into a [dp, bk] buffer in column panels of kNr (the layout
 // of TileOps::gemm_panels: element (d, j) at (j / kNr) * dp * kNr + d * kNr + j % kNr), zero
 // padded.
-template <class T>
+template <class T, class E>
 void pack_transposed(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
-                     float* dst) {
-  if (cols < t.bk || x.d < t.dp) std::fill(dst, dst + t.dp * t.bk, 0.0f);  // padding
+                     E* dst) {
+  if (cols < t.bk || x.d < t.dp) std::fill(dst, dst + t.dp * t.bk, E{});  // padding
   for (int64_t j = 0; j < cols; ++j) {
     const T* in = x.row(begin + j, head);
-    float* out = dst + (j / kNr) * t.dp * kNr + j % kNr;
-    for (int64_t d = 0; d < x.d; ++d) out[d * kNr] = to_f32(in[d]);
+    E* out = dst + (j / kNr) * t.dp * kNr + j % kNr;
+    for (int64_t d = 0; d < x.d; ++d) out[d * kNr] = packed_element<E>(in[d]);
   }
 }
 
 // cols rows of a KV view into a [bk, dp] buffer in column panels of kNr (element (j, d) at
 // (d / kNr) * bk * kNr + j * kNr + d % kNr), zero padded.
-template <class T>
+template <class T, class E>
 void pack_kv_rows(View3<const T> x, int64_t begin, int64_t cols, int64_t head, const TileDims& t,
-                  float* dst) {
-  if (cols < t.bk || x.d < t.dp) std::fill(dst, dst + t.bk * t.dp, 0.0f);  // padding
+                  E* dst) {
+  if (cols < t.bk || x.d < t.dp) std::fill(dst, dst + t.bk * t.dp, E{});  // padding
   for (int64_t j = 0; j < cols; ++j) {
     const T* in = x.row(begin + j, head);
     for (int64_t d0 = 0; d0 < x.d; d0 += kNr)
@@ -381,7 +409,7 @@ void pack_tokens(const Tokens& t, int64_t begin, int64_t count, int64_t* pos, in
 
 // The forward's KV block packed once per call, tile-major: tile (g, kj) for kv head g and k-tile kj
 // holds kt(g, kj) and v(g, kj), dp x bk elements each. Every (head, q-tile) task reads the same
-// packed tiles instead of packing them again. E: float (PackedKv) or bf16 bits (PackedKvBf16).
+// packed tiles instead of packing them again. E: float (PackedKv) or bf16 bits (panels or pairs).
 template <class E>
 class PackedKvTiles {
  public:
@@ -414,18 +442,19 @@ class PackedKvTiles {
   AlignedBuffer<E> kt_, v_;
 };
 
-// fp32 tiles: kt(g, kj) is k^T [dp, bk] (pack_transposed), v(g, kj) is v [bk, dp] (pack_kv_rows),
-// both in column panels, zero padded.
+// Tiles in column panels, zero padded: kt(g, kj) is k^T [dp, bk] (pack_transposed), v(g, kj) is
+// v [bk, dp] (pack_kv_rows). E = float: fp32 (PackedKv), for gemm_panels; E = uint16_t: bf16 bits
+// of a bf16 KV block, for gemm_panels_bf16 (half the bytes to keep and to stream from L3).
 using PackedKv = PackedKvTiles<float>;
 
-template <class T>
-PackedKv pack_kv(View3<const T> k, View3<const T> v, const TilePlan& plan, const TileDims& t,
-                 int threads) {
-  return PackedKv(k.h, k.s, plan, t, threads, false,  // the packs write the padding
-                  [&](int64_t g, int64_t k0, int64_t cols, float* kt, float* vt) {
-                    pack_transposed(k, k0, cols, g, t, kt);
-                    pack_kv_rows(v, k0, cols, g, t, vt);
-                  });
+template <class E, class T>
+PackedKvTiles<E> pack_kv(View3<const T> k, View3<const T> v, const TilePlan& plan,
+                         const TileDims& t, int threads) {
+  return PackedKvTiles<E>(k.h, k.s, plan, t, threads, false,  // the packs write the padding
+                          [&](int64_t g, int64_t k0, int64_t cols, E* kt, E* vt) {
+                            pack_transposed(k, k0, cols, g, t, kt);
+                            pack_kv_rows(v, k0, cols, g, t, vt);
+                          });
 }
 
 // The bf16-dot forward's tiles, for vdpbf16ps, which multiplies pairs of adjacent bf16 along the
@@ -433,21 +462,21 @@ PackedKv pack_kv(View3<const T> k, View3<const T> v, const TilePlan& plan, const
 //   kt(g, kj) [dp/2][bk][2]: element (t, j, e) = k[j, 2t + e]   (B of s = q k^T, pairs along d)
 //   v(g, kj)  [bk/2][dp][2]: element (u, d, e) = v[2u + e, d]   (B of acc += p v, pairs along j)
 // zero padded (dp and bk are even: multiples of kNr).
-using PackedKvBf16 = PackedKvTiles<uint16_t>;
+using PackedKvPairs = PackedKvTiles<uint16_t>;
 
-PackedKvBf16 pack_kv_bf16(View3<const bf16> k, View3<const bf16> v, const TilePlan& plan,
-                          const TileDims& t, int threads) {
-  return PackedKvBf16(k.h, k.s, plan, t, threads, true,  // padding left zero
-                      [&](int64_t g, int64_t k0, int64_t cols, uint16_t* kt, uint16_t* vt) {
-                        for (int64_t j = 0; j < cols; ++j) {
-                          const bf16* kr = k.row(k0 + j, g);
-                          const bf16* vr = v.row(k0 + j, g);
-                          for (int64_t d = 0; d < k.d; ++d) {
-                            kt[(d / 2) * 2 * t.bk + 2 * j + (d & 1)] = kr[d].bits;
-                            vt[(j / 2) * 2 * t.dp + 2 * d + (j & 1)] = vr[d].bits;
-                          }
-                        }
-                      });
+PackedKvPairs pack_kv_pairs(View3<const bf16> k, View3<const bf16> v, const TilePlan& plan,
+                            const TileDims& t, int threads) {
+  return PackedKvPairs(k.h, k.s, plan, t, threads, true,  // padding left zero
+                       [&](int64_t g, int64_t k0, int64_t cols, uint16_t* kt, uint16_t* vt) {
+                         for (int64_t j = 0; j < cols; ++j) {
+                           const bf16* kr = k.row(k0 + j, g);
+                           const bf16* vr = v.row(k0 + j, g);
+                           for (int64_t d = 0; d < k.d; ++d) {
+                             kt[(d / 2) * 2 * t.bk + 2 * j + (d & 1)] = kr[d].bits;
+                             vt[(j / 2) * 2 * t.dp + 2 * d + (j & 1)] = vr[d].bits;
+                           }
+                         }
+                       });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -474,9 +503,18 @@ void mask_tile(const Mask& mask, const Workspace& ws, int64_t rows, int64_t cols
   }
 }
 
-// acc [bq, dp] += p [bq, bk] v [bk, dp] (column panels, pack_kv_rows).
-void tile_pv(const TileOps& ops, const float* p, const float* v, const TileDims& t, float* acc) {
-  ops.gemm_panels(t.bq, t.dp, t.bk, p, t.bk, 1, v, t.bk * kNr, 1.0f, true, acc, t.dp);
+// The forward's GEMMs on a packed KV tile b (column panels of fp32 or of bf16 bits, see
+// PackedKvTiles), prefetching `regions` regions of next meanwhile (none: its own operands).
+void gemm_kv(const TileOps& ops, int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
+             const float* b, int64_t b_ps, float alpha, bool accumulate, float* c, int64_t ldc,
+             Workspace&, const PrefetchRegion* next, int64_t regions) {
+  ops.gemm_panels_next(M, N, K, a, a_rs, 1, b, b_ps, alpha, accumulate, c, ldc, next, regions);
+}
+void gemm_kv(const TileOps& ops, int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
+             const uint16_t* b, int64_t b_ps, float alpha, bool accumulate, float* c, int64_t ldc,
+             Workspace& ws, const PrefetchRegion* next, int64_t regions) {
+  ops.gemm_panels_bf16(M, N, K, a, a_rs, 1, b, b_ps, alpha, accumulate, c, ldc, ws.panel.get(),
+                       next, regions);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -513,7 +551,8 @@ void store_state(const StateView& st, int64_t h, int64_t q0, int64_t rows, const
   }
 }
 
-template <class T>
+// E: the packed KV block's element (float, or uint16_t for bf16 panels or pairs).
+template <class T, class E = float>
 struct ForwardArgs {
   StateView st;
   View3<const T> q, k, v;
@@ -521,14 +560,14 @@ struct ForwardArgs {
   const KernelConfig* cfg;
   const TilePlan* plan;
   TileDims dims;
-  const PackedKv* kv;
+  const PackedKvTiles<E>* kv;
   const TileOps* ops;
 };
 
 // Folds every non-empty k-tile into the state rows of q-tile qi, head h. (next_h, next_qi): the
 // task this thread runs next (next_qi < 0: none), whose first operands the last tile prefetches.
-template <class T>
-void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws, int64_t next_h,
+template <class T, class E>
+void forward_task(const ForwardArgs<T, E>& a, int64_t h, int64_t qi, Workspace& ws, int64_t next_h,
                   int64_t next_qi) {
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
@@ -543,7 +582,7 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws,
   load_state(a.st, h, q0, rows, t, acc, m, l);
 
   const TileOps& ops = *a.ops;
-  const int64_t tile_bytes = t.dp * t.bk * 4;  // one packed k^T or v tile
+  const int64_t tile_bytes = t.dp * t.bk * static_cast<int64_t>(sizeof(E));  // a k^T or v tile
   // The next non-empty k-tile of q-tile i after kj, or k_tiles.
   auto next_tile = [&](int64_t i, int64_t kj) {
     for (++kj; kj < plan.k_tiles && plan.at(i, kj) == TileKind::kEmpty;) ++kj;
@@ -555,8 +594,8 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws,
     const int64_t kn = next_tile(qi, kj);
     // s = scale q k^T, v of this tile prefetched meanwhile
     const PrefetchRegion this_v{a.kv->v(g, kj), 1, tile_bytes, 0};
-    ops.gemm_panels_next(t.bq, t.bk, t.dp, ws.q.get(), t.dp, 1, a.kv->kt(g, kj), t.dp * kNr,
-                         a.cfg->scale, false, ws.s.get(), t.bk, &this_v, 1);
+    gemm_kv(ops, t.bq, t.bk, t.dp, ws.q.get(), t.dp, a.kv->kt(g, kj), t.dp * kNr, a.cfg->scale,
+            false, ws.s.get(), t.bk, ws, &this_v, 1);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
       mask_tile(a.cfg->mask, ws, rows, cols, t, ws.s.get());
@@ -578,11 +617,8 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws,
       next[regions++] = {a.st.acc + nq0 * a.st.acc_ss + next_h * a.st.dim, nrows, a.st.dim * 4,
                          a.st.acc_ss * 4};
     }
-    if (regions > 0)
-      ops.gemm_panels_next(t.bq, t.dp, t.bk, ws.s.get(), t.bk, 1, a.kv->v(g, kj), t.bk * kNr, 1.0f,
-                           true, acc, t.dp, next, regions);
-    else
-      tile_pv(ops, ws.s.get(), a.kv->v(g, kj), t, acc);
+    gemm_kv(ops, t.bq, t.dp, t.bk, ws.s.get(), t.bk, a.kv->v(g, kj), t.bk * kNr, 1.0f, true, acc,
+            t.dp, ws, next, regions);
     kj = kn;
   }
 
@@ -592,8 +628,7 @@ void forward_task(const ForwardArgs<T>& a, int64_t h, int64_t qi, Workspace& ws,
 // forward_task with bf16 dot products: s = scale q k^T and acc += p v by vdpbf16ps on bf16
 // operands (exact products, fp32 sums); the softmax and acc stay fp32. p is rounded to bf16 for
 // the p v product only; l sums the unrounded p.
-void forward_task_bf16(const ForwardArgs<bf16>& a, const PackedKvBf16& kv, int64_t h, int64_t qi,
-                       Workspace& ws) {
+void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t qi, Workspace& ws) {
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
   const TileOps& ops = *a.ops;
@@ -617,7 +652,7 @@ void forward_task_bf16(const ForwardArgs<bf16>& a, const PackedKvBf16& kv, int64
     const TileKind kind = plan.at(qi, kj);
     if (kind == TileKind::kEmpty) continue;
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
-    ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, t.dp, kv.kt(g, kj), 2 * t.bk, a.cfg->scale, false,
+    ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, t.dp, a.kv->kt(g, kj), 2 * t.bk, a.cfg->scale, false,
                   ws.s.get(), t.bk);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
@@ -625,8 +660,8 @@ void forward_task_bf16(const ForwardArgs<bf16>& a, const PackedKvBf16& kv, int64
     }
     ops.softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
     ops.to_bf16(ws.s.get(), ws.p16.get(), t.bq * t.bk);
-    ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ws.p16.get(), t.bk, kv.v(g, kj), 2 * t.dp, 1.0f, true, acc,
-                  t.dp);
+    ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ws.p16.get(), t.bk, a.kv->v(g, kj), 2 * t.dp, 1.0f, true,
+                  acc, t.dp);
   }
   store_state(a.st, h, q0, rows, t, acc, m, l);
 }
@@ -852,6 +887,27 @@ void check_attend(const StateView& st, int64_t q_s, int64_t q_h, int64_t q_d,
                        << q_s << ", " << q_h << ", " << q_d << "]");
 }
 
+// Runs forward_task over every (head, q-tile): late q-tiles first (under a causal mask they carry
+// the most keys), dynamic balance, each thread claiming its next task before it runs the current
+// one (so that the current one can prefetch the next one's operands).
+template <class T, class E>
+void run_forward_tasks(const ForwardArgs<T, E>& args, std::vector<Workspace>& ws, int64_t tasks,
+                       int threads) {
+  const int64_t q_tiles = args.plan->q_tiles, heads = args.q.h;
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    Workspace& w = ws[static_cast<size_t>(omp_get_thread_num())];
+    for (int64_t task = claimed.fetch_add(1); task < tasks;) {
+      const int64_t next = claimed.fetch_add(1);
+      const int64_t qi = q_tiles - 1 - task / heads, h = task % heads;
+      forward_task(args, h, qi, w, next < tasks ? next % heads : 0,
+                   next < tasks ? q_tiles - 1 - next / heads : -1);
+      task = next;
+    }
+  }
+}
+
 template <class T>
 KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<const T> v,
                         Tokens qt, Tokens kt, const KernelConfig& cfg) {
@@ -870,35 +926,26 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
   ws.reserve(static_cast<size_t>(threads));
   if constexpr (std::is_same_v<T, bf16>) {
     if (ops.gemm_bf16 != nullptr) {  // bf16 dot products (vdpbf16ps), fp32 softmax and acc
-      const PackedKvBf16 packed = pack_kv_bf16(k, v, plan, dims, threads);
-      const ForwardArgs<T> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, nullptr, &ops};
-      for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false, true);
+      const PackedKvPairs packed = pack_kv_pairs(k, v, plan, dims, threads);
+      const ForwardArgs<T, uint16_t> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
+      for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false, KvStore::kBf16Pairs);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t qi = plan.q_tiles - 1 - task / q.h, h = task % q.h;
-        forward_task_bf16(args, packed, h, qi, ws[static_cast<size_t>(omp_get_thread_num())]);
+        forward_task_bf16(args, h, qi, ws[static_cast<size_t>(omp_get_thread_num())]);
       }
       return stats;
     }
-  }
-  const PackedKv packed = pack_kv(k, v, plan, dims, threads);
-  const ForwardArgs<T> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
-  for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false);
-
-  // Late q-tiles first: under a causal mask they carry the most keys. Dynamic balance, each
-  // thread claiming its next task before it runs the current one (so that the current one can
-  // prefetch the next one's operands).
-  std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(threads)
-  {
-    Workspace& w = ws[static_cast<size_t>(omp_get_thread_num())];
-    for (int64_t task = claimed.fetch_add(1); task < tasks;) {
-      const int64_t next = claimed.fetch_add(1);
-      const int64_t qi = plan.q_tiles - 1 - task / q.h, h = task % q.h;
-      forward_task(args, h, qi, w, next < tasks ? next % q.h : 0,
-                   next < tasks ? plan.q_tiles - 1 - next / q.h : -1);
-      task = next;
-    }
+    // bf16 panels, widened inside the GEMMs: half the packed block's bytes.
+    const PackedKvTiles<uint16_t> packed = pack_kv<uint16_t>(k, v, plan, dims, threads);
+    const ForwardArgs<T, uint16_t> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
+    for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false, KvStore::kBf16Panels);
+    run_forward_tasks(args, ws, tasks, threads);
+  } else {
+    const PackedKv packed = pack_kv<float>(k, v, plan, dims, threads);
+    const ForwardArgs<T> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
+    for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false);
+    run_forward_tasks(args, ws, tasks, threads);
   }
   return stats;
 }

@@ -67,6 +67,15 @@ struct TileOps {
   void (*gemm_panels_next)(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
                            int64_t a_ks, const float* b, int64_t b_ps, float alpha, bool accumulate,
                            float* c, int64_t ldc, const PrefetchRegion* next, int64_t regions);
+  // gemm_panels_next with B in the same column panels as bf16 bit patterns (b_ps in elements):
+  // each panel is widened to fp32 (exactly) into scratch, 2 * K * kNr floats that the caller
+  // provides (no alignment needed), just before the row blocks pass over it. The product is
+  // bitwise gemm_panels_next's on the widened B; B's bytes from memory are halved. regions may be
+  // 0 (then it prefetches its own operands, as gemm_panels does).
+  void (*gemm_panels_bf16)(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
+                           int64_t a_ks, const uint16_t* b, int64_t b_ps, float alpha,
+                           bool accumulate, float* c, int64_t ldc, float* scratch,
+                           const PrefetchRegion* next, int64_t regions);
   // Online softmax update of rows [0, rows) of the scores s: s becomes p = exp(s - m') (zero in
   // the padding and in rows that have seen no visible key), l and acc [bq, dp] are rescaled.
   void (*softmax_update)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,

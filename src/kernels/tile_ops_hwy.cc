@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "tile_ops.h"
 
@@ -148,11 +149,24 @@ HWY_INLINE void gemm_columns(D d, int64_t M, int64_t K, const float* a, int64_t 
   }
 }
 
-// Prefetches rows x len floats (row stride `stride`) towards L2, a cache line at a time.
-HWY_INLINE void prefetch_2d(const float* p, int64_t rows, int64_t len, int64_t stride) {
-  constexpr int64_t kLine = 16;  // floats per 64-byte line
+// Prefetches rows x len elements (row stride `stride` elements) towards L2, a cache line at a time.
+template <class E>
+HWY_INLINE void prefetch_2d(const E* p, int64_t rows, int64_t len, int64_t stride) {
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(E));  // elements per 64-byte line
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < len; j += kLine) __builtin_prefetch(p + r * stride + j, 0, 2);
+}
+
+// out[0, n) = the bf16 bit patterns in[0, n) widened to fp32 (exact: the bits shifted into the
+// high half), n a multiple of the vector length.
+HWY_INLINE void widen_bf16(D d, const uint16_t* HWY_RESTRICT in, int64_t n,
+                           float* HWY_RESTRICT out) {
+  const hn::RebindToUnsigned<D> du;
+  const hn::Rebind<uint16_t, D> d16;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t i = 0; i < n; i += L)
+    hn::StoreU(hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, in + i)))), d,
+               out + i);
 }
 
 // The first row block of each column panel reads its B rows for the first time; from memory that
@@ -160,12 +174,18 @@ HWY_INLINE void prefetch_2d(const float* p, int64_t rows, int64_t len, int64_t s
 // row-major from memory). Prefetching the operands up front lets the memory system fetch them in
 // parallel with the first panel's compute, and panel-major B (gemm_panels) makes B one
 // sequential stream per panel.
-// B(k, j) = panels ? b[(j / kNr) * b_ps + k * kNr + j % kNr] : b[k * ldb + j].
-template <bool kPanels>
+// B(k, j) = panels ? b[(j / kNr) * b_ps + k * kNr + j % kNr] : b[k * ldb + j]. BT = uint16_t
+// (panels only): b holds bf16 bit patterns, and each panel is widened into scratch (two slots of
+// K x kNr floats, so that a register block may span two panels) just before the row blocks pass
+// over it: the same multiply-adds on the same (exactly widened) values as with fp32 panels.
+template <bool kPanels, class BT = float>
 HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
-                          int64_t a_ks, const float* b, int64_t ldb, int64_t b_ps, float alpha,
+                          int64_t a_ks, const BT* b, int64_t ldb, int64_t b_ps, float alpha,
                           bool accumulate, float* c, int64_t ldc,
-                          const PrefetchRegion* next = nullptr, int64_t regions = 0) {
+                          const PrefetchRegion* next = nullptr, int64_t regions = 0,
+                          float* scratch = nullptr) {
+  constexpr bool kBf16 = std::is_same_v<BT, uint16_t>;
+  static_assert(kPanels || !kBf16, "bf16 B comes in panels");
   const D d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   PrefetchStream pf;
@@ -190,17 +210,31 @@ HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64
     pf.per_block = (lines + blocks - 1) / blocks;
   }
   const int64_t kstride = kPanels ? kNr : ldb;
-  auto col = [&](int64_t j) { return kPanels ? b + (j / kNr) * b_ps + j % kNr : b + j; };
+  auto col = [&](int64_t j) -> const float* {
+    if constexpr (kBf16)
+      return scratch + ((j / kNr) & 1) * K * kNr + j % kNr;
+    else
+      return kPanels ? b + (j / kNr) * b_ps + j % kNr : b + j;
+  };
+  // bf16: the panels of columns < end into scratch (those not there yet).
+  int64_t widened = 0;
+  auto widen_to = [&](int64_t end) {
+    if constexpr (kBf16)
+      for (; widened * kNr < end; ++widened)
+        widen_bf16(d, b + widened * b_ps, K * kNr, scratch + (widened & 1) * K * kNr);
+  };
   int64_t j0 = 0;
   for (; j0 + 2 * L <= N; j0 += 2 * L) {
     if (!kPanels && j0 + 2 * L < N)  // the next panel towards L1 while this one computes
       for (int64_t k = 0; k < K; ++k)
         for (int64_t j = 0; j < 2 * L; j += 16)
           __builtin_prefetch(b + k * ldb + j0 + 2 * L + j, 0, 3);
+    widen_to(j0 + 2 * L);
     const float* bcol[2] = {col(j0), col(j0 + L)};
     gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc, pf);
   }
   for (; j0 < N; j0 += L) {
+    widen_to(j0 + L);
     const float* bcol[1] = {col(j0)};
     gemm_columns<1>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc, pf);
   }
@@ -221,6 +255,13 @@ void gemm_panels_next(int64_t M, int64_t N, int64_t K, const float* a, int64_t a
                       const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
                       int64_t ldc, const PrefetchRegion* next, int64_t regions) {
   gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, regions);
+}
+
+void gemm_panels_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                      const uint16_t* b, int64_t b_ps, float alpha, bool accumulate, float* c,
+                      int64_t ldc, float* scratch, const PrefetchRegion* next, int64_t regions) {
+  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, regions,
+                  scratch);
 }
 
 // exp of N vectors in place, the N independent chains interleaved step by step (one chain is ~17
@@ -420,6 +461,7 @@ const TileOps* target_ops() {
                            gemm,
                            gemm_panels,
                            gemm_panels_next,
+                           gemm_panels_bf16,
                            softmax_update,
                            probs,
                            ds,

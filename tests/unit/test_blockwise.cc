@@ -1055,6 +1055,45 @@ TEST_P(PerTarget, Bf16MatchesReference) {
   }
 }
 
+// Without bf16 dot products, bf16 storage is exact widening and then the fp32 arithmetic: the
+// forward keeps its packed KV as bf16 panels and widens each inside the GEMM
+// (TileOps::gemm_panels_bf16), the backward widens when packing. So a bf16 problem must give
+// bitwise the state and gradients of the fp32 problem holding the same (widened) values.
+TEST_P(PerTarget, Bf16IsTheFp32ArithmeticOfTheWidenedValues) {
+  const ScopedKernelPath scoped(GetParam().c_str());
+  if (GetParam() == "avx512bf16") GTEST_SKIP() << "bf16 dot products: rounded p, see Bf16Sweep";
+  for (const Case& c : target_cases()) {
+    SCOPED_TRACE(c.name());
+    const Bf16Problem b = make_bf16_problem(c, static_cast<uint32_t>(c.s * 23 + c.d));
+    const Problem& p = b.p;
+    const KernelConfig cfg = config(p, c.block_q, c.block_k, c.threads);
+    SoftmaxState narrow(p.sq, p.h, p.d), wide(p.sq, p.h, p.d);
+    attend(narrow.view(), b.q.view3(), b.k.view3(), b.v.view3(), p.qt(), p.kt(), cfg);
+    attend(wide.view(), p.q.view3(), p.k.view3(), p.v.view3(), p.qt(), p.kt(), cfg);
+    const StateView n = narrow.view(), w = wide.view();
+    for (int64_t e = 0; e < p.sq * p.h * p.d; ++e) ASSERT_EQ(n.acc[e], w.acc[e]) << "acc " << e;
+    for (int64_t e = 0; e < p.sq * p.h; ++e) {
+      ASSERT_EQ(n.m[e], w.m[e]) << "m " << e;
+      ASSERT_EQ(n.l[e], w.l[e]) << "l " << e;
+    }
+    // The backward on the same lse and delta.
+    Tensor<float> out({p.sq, p.h, p.d});
+    std::vector<float> lse(static_cast<size_t>(p.h * p.sq)), delta(lse.size());
+    finish(wide.view(), out.view3(), lse.data(), p.sq);
+    compute_delta(out.view3(), p.dout.view3(), delta.data(), p.sq);
+    Tensor<float> dq[2] = {Tensor<float>({p.sq, p.h, p.d}), Tensor<float>({p.sq, p.h, p.d})};
+    Tensor<float> dk[2] = {Tensor<float>({p.sk, p.hkv, p.d}), Tensor<float>({p.sk, p.hkv, p.d})};
+    Tensor<float> dv[2] = {Tensor<float>({p.sk, p.hkv, p.d}), Tensor<float>({p.sk, p.hkv, p.d})};
+    attend_backward(b.q.view3(), b.k.view3(), b.v.view3(), b.dout.view3(), lse.data(), delta.data(),
+                    p.sq, p.qt(), p.kt(), cfg, dq[0].view3(), dk[0].view3(), dv[0].view3());
+    attend_backward(p.q.view3(), p.k.view3(), p.v.view3(), p.dout.view3(), lse.data(), delta.data(),
+                    p.sq, p.qt(), p.kt(), cfg, dq[1].view3(), dk[1].view3(), dv[1].view3());
+    ASSERT_EQ(dq[0].vec(), dq[1].vec()) << "dq";
+    ASSERT_EQ(dk[0].vec(), dk[1].vec()) << "dk";
+    ASSERT_EQ(dv[0].vec(), dv[1].vec()) << "dv";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, PerTarget, ::testing::ValuesIn(compiled_targets()),
                          [](const auto& info) { return info.param; });
 

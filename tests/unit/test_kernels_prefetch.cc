@@ -2,7 +2,8 @@
 // (the others are named as skipped). Its prefetch regions are hints (tile_ops.h): whatever they
 // name (several 2-D regions, a null or empty one, a page that is not readable at all) the product
 // must be bitwise the one gemm_panels computes, and that one within fp32 rounding of an fp64
-// product.
+// product. TileOps::gemm_panels_bf16 (B as bf16 panels, widened inside) must be bitwise
+// gemm_panels on the widened B, with or without regions, reading no more scratch than it is given.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "kernel_targets.h"
+#include "loom/bf16.h"
 
 namespace loom::kernels {
 namespace {
@@ -74,6 +76,45 @@ TEST_P(KernelsPrefetch, RegionsNeverChangeTheProduct) {
     for (int64_t e = 0; e < M * N; ++e) ASSERT_NEAR(plain[e], c_ref[e], bound[e]) << "at " << e;
   }
   munmap(guard, static_cast<size_t>(page));
+}
+
+TEST_P(KernelsPrefetch, Bf16PanelsAreTheProductOfTheWidenedPanels) {
+  const TileOps* ops = ops_or_skip();
+  if (ops == nullptr) GTEST_SKIP() << GetParam() << ": this CPU cannot run this target";
+  std::mt19937 gen(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> other(4096, 1.0f);
+  const PrefetchRegion regions[] = {{other.data(), 16, 200, 1024}, {nullptr, 8, 64, 64}};
+  // N = 16: one panel (the remainder loop on 16-lane targets); 48: three panels, so a register
+  // block of two vectors spans two panels on 16-lane targets; 128 x 128: the kernels' tile.
+  const int64_t shapes[][3] = {{12, 16, 8}, {40, 48, 36}, {128, 128, 128}};
+  for (const auto& shape : shapes) {
+    const int64_t M = shape[0], N = shape[1], K = shape[2];
+    SCOPED_TRACE(::testing::Message() << M << " x " << N << " x " << K);
+    std::vector<float> a(M * K), wide(K * N), c0(M * N);
+    std::vector<uint16_t> narrow(K * N);
+    for (float& x : a) x = normal(gen);
+    for (float& x : c0) x = normal(gen);
+    for (int64_t e = 0; e < K * N; ++e) {
+      const bf16 x = to_bf16(normal(gen));
+      narrow[e] = x.bits;
+      wide[e] = to_float(x);
+    }
+    for (const bool accumulate : {false, true}) {
+      std::vector<float> plain = c0;
+      ops->gemm_panels(M, N, K, a.data(), K, 1, wide.data(), K * kNr, 0.5f, accumulate,
+                       plain.data(), N);
+      for (int64_t n = 0; n <= 2; ++n) {
+        std::vector<float> scratch(2 * K * kNr);  // exactly what the contract asks for
+        std::vector<float> c = c0;
+        ops->gemm_panels_bf16(M, N, K, a.data(), K, 1, narrow.data(), K * kNr, 0.5f, accumulate,
+                              c.data(), N, scratch.data(), regions, n);
+        for (int64_t e = 0; e < M * N; ++e)
+          ASSERT_EQ(c[e], plain[e])
+              << "regions " << n << " accumulate " << accumulate << " at " << e;
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, KernelsPrefetch, ::testing::ValuesIn(kernel_target_names()),
