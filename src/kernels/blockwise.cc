@@ -64,6 +64,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -410,6 +411,54 @@ void pack_tokens(const Tokens& t, int64_t begin, int64_t count, int64_t* pos, in
 // The forward's KV block packed once per call, tile-major: tile (g, kj) for kv head g and k-tile kj
 // holds kt(g, kj) and v(g, kj), dp x bk elements each. Every (head, q-tile) task reads the same
 // packed tiles instead of packing them again. E: float (PackedKv) or bf16 bits (panels or pairs).
+//
+// Storage. A block of at most kKeptBytes reuses one buffer per calling thread, kept between calls:
+// a ring of attend() calls on equal KV blocks then writes warm pages instead of faulting in and
+// zeroing fresh ones each step (on Zen 3 the page faults were 20 % of a 512 x 512 fp32 ring-step
+// forward, D = 128, whose packed block is 4 MiB; docs/performance.md, round 7). A larger block, or
+// a second one while a thread's kept buffer is in use, gets a buffer of its own, freed with it.
+// So each thread that has called attend() holds at most kKeptBytes until it exits.
+class KvStorage {
+ public:
+  static constexpr size_t kKeptBytes = size_t{16} << 20;
+  explicit KvStorage(size_t bytes) {
+    Kept& k = kept();
+    if (bytes <= kKeptBytes && !k.in_use) {
+      if (k.bytes < bytes) {
+        k.buf = AlignedBuffer<std::byte>();  // free before allocating the larger one
+        k.buf = AlignedBuffer<std::byte>(static_cast<int64_t>(bytes), false);
+        k.bytes = bytes;
+      }
+      k.in_use = true;
+      kept_ = true;
+      p_ = k.buf.get();
+    } else {
+      own_ = AlignedBuffer<std::byte>(static_cast<int64_t>(bytes), false);
+      p_ = own_.get();
+    }
+  }
+  ~KvStorage() {
+    if (kept_) kept().in_use = false;
+  }
+  KvStorage(const KvStorage&) = delete;
+  KvStorage& operator=(const KvStorage&) = delete;
+  std::byte* get() const { return p_; }
+
+ private:
+  struct Kept {
+    AlignedBuffer<std::byte> buf;
+    size_t bytes = 0;
+    bool in_use = false;
+  };
+  static Kept& kept() {
+    thread_local Kept k;
+    return k;
+  }
+  AlignedBuffer<std::byte> own_;
+  std::byte* p_ = nullptr;
+  bool kept_ = false;
+};
+
 template <class E>
 class PackedKvTiles {
  public:
@@ -420,26 +469,31 @@ class PackedKvTiles {
                 int threads, bool zero, const Pack& pack)
       : tile_elems_(t.dp * t.bk),
         k_tiles_(plan.k_tiles),
-        kt_(kv_heads * plan.k_tiles * tile_elems_, zero),
-        v_(kv_heads * plan.k_tiles * tile_elems_, zero) {
+        elems_(kv_heads * plan.k_tiles * tile_elems_),
+        storage_(static_cast<size_t>(2 * elems_) * sizeof(E)),
+        kt_(reinterpret_cast<E*>(storage_.get())),
+        v_(kt_ + elems_) {
+    if (zero) std::fill(kt_, kt_ + 2 * elems_, E{});
     const int64_t tiles = kv_heads * plan.k_tiles;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t g = i / plan.k_tiles, kj = i % plan.k_tiles;
       const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, keys - k0);
-      pack(g, k0, cols, kt_.get() + i * tile_elems_, v_.get() + i * tile_elems_);
+      pack(g, k0, cols, kt_ + i * tile_elems_, v_ + i * tile_elems_);
     }
   }
   const E* kt(int64_t g, int64_t kj) const {
-    return kt_.get() + (g * k_tiles_ + kj) * tile_elems_;
+    return kt_ + (g * k_tiles_ + kj) * tile_elems_;
   }
   const E* v(int64_t g, int64_t kj) const {
-    return v_.get() + (g * k_tiles_ + kj) * tile_elems_;
+    return v_ + (g * k_tiles_ + kj) * tile_elems_;
   }
 
  private:
-  int64_t tile_elems_, k_tiles_;
-  AlignedBuffer<E> kt_, v_;
+  int64_t tile_elems_, k_tiles_, elems_;
+  KvStorage storage_;
+  E* kt_;
+  E* v_;
 };
 
 // Tiles in column panels, zero padded: kt(g, kj) is k^T [dp, bk] (pack_transposed), v(g, kj) is

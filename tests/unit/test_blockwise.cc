@@ -23,6 +23,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../src/kernels/tile_ops.h"
@@ -623,6 +624,51 @@ TEST(Blockwise, OneAndTwoThreadsAgree) {
     const Result again = run_blockwise(p, config(p, 64, 64, 2));
     EXPECT_EQ(again.dq.vec(), two.dq.vec());
   }
+}
+
+// The forward keeps its packed KV block in a buffer per calling thread between calls, up to
+// 16 MiB (KvStorage in blockwise.cc); a larger block gets its own. Reusing it must never leak one
+// call's values into another: shapes that shrink and grow the block in turn, a block beyond the
+// limit, and two threads calling at once must each give what they give alone, bit for bit.
+TEST(Blockwise, KeptKvBufferNeverMixesCalls) {
+  const Problem narrow = make_problem(Case{300, 40, 4, 2, MaskKind::kCausal, Layout::kZigzag}, 71);
+  const Problem wide = make_problem(Case{300, 128, 4, 4, MaskKind::kFull, Layout::kStripe}, 72);
+  // 8 query rows over 40000 keys, D = 64: a 20 MB packed block, beyond the kept buffer.
+  Problem big;
+  big.sq = 8;
+  big.sk = 40000;
+  big.d = 64;
+  big.h = 2;
+  big.hkv = 1;
+  big.mask = Mask{true, 0};
+  big.scale = 0.125f;
+  big.kpos.resize(static_cast<size_t>(big.sk));
+  std::iota(big.kpos.begin(), big.kpos.end(), 0);
+  big.qpos.assign(big.kpos.end() - big.sq, big.kpos.end());
+  big.q = test::random_normal({big.sq, big.h, big.d}, 73);
+  big.k = test::random_normal({big.sk, big.hkv, big.d}, 74);
+  big.v = test::random_normal({big.sk, big.hkv, big.d}, 75);
+  big.dout = test::random_normal({big.sq, big.h, big.d}, 76);
+
+  const Result n1 = run_blockwise(narrow, config(narrow, 64, 64, 1));
+  expect_matches_reference(n1, run_reference(narrow));
+  const Result w1 = run_blockwise(wide, config(wide, 64, 64, 1));  // grows the kept buffer
+  expect_matches_reference(w1, run_reference(wide));
+  const Result b1 = run_blockwise(big, config(big, 64, 64, 1));  // a buffer of its own
+  expect_matches_reference(b1, run_reference(big));
+  const Result n2 = run_blockwise(narrow, config(narrow, 64, 64, 1));  // the larger kept buffer
+  EXPECT_EQ(n2.out.vec(), n1.out.vec());
+  EXPECT_EQ(n2.lse, n1.lse);
+  // Two threads at once, each with its own kept buffer.
+  Result n3, w3;
+  std::thread a([&] { n3 = run_blockwise(narrow, config(narrow, 64, 64, 1)); });
+  std::thread b([&] { w3 = run_blockwise(wide, config(wide, 64, 64, 1)); });
+  a.join();
+  b.join();
+  EXPECT_EQ(n3.out.vec(), n1.out.vec());
+  EXPECT_EQ(n3.lse, n1.lse);
+  EXPECT_EQ(w3.out.vec(), w1.out.vec());
+  EXPECT_EQ(w3.lse, w1.lse);
 }
 
 TEST(Blockwise, StridedViewsAndSubStates) {
