@@ -143,13 +143,19 @@ class SoftmaxState {
 //
 // bf16 precision: the scores q k^T and (on CPUs with AVX512-BF16) the product p v are formed from
 // bf16 operands with fp32 sums; p is rounded to bf16 for p v only (l sums the unrounded p, so lse
-// has fp32 accuracy). finish() to bf16 rounds out (relative u = 2^-8 per element);
+// has fp32 accuracy); on CPUs without AVX512-BF16 p is not rounded and attend() computes bitwise
+// what the fp32 overload computes on the widened inputs. finish() to bf16 rounds out (relative
+// u = 2^-8 per element);
 // compute_delta on that out carries its rounding into dq and dk. The backward itself is fp32 on
 // the exact bf16 inputs (dv has fp32 accuracy). The error bounds against the fp64 reference on
 // the same bf16 inputs are derived in tests/unit/tolerance.h ("bf16 storage").
 
 // Folds the KV block (k, v with tokens kt) into the state of the query rows q (tokens qt).
 // q: [st.rows, H, D] with H == st.heads, D == st.dim; k, v: [Sk, Hkv, D]. D <= 256.
+// Memory: besides small per-thread tiles, a packed copy of k and v (about 2 Sk Hkv D elements of
+// fp32, or of bf16 for bf16 storage). One of at most 16 MiB stays with the calling thread for its
+// next call (a ring of equal blocks then reuses warm pages), until the thread exits; a larger
+// one is freed on return.
 KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,
                    Tokens qt, Tokens kt, const KernelConfig& cfg);
 KernelStats attend(StateView st, View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
