@@ -38,7 +38,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 
 #include "tile_ops.h"
 
@@ -174,21 +173,16 @@ HWY_INLINE void widen_bf16(D d, const uint16_t* HWY_RESTRICT in, int64_t n,
 // row-major from memory). Prefetching the operands up front lets the memory system fetch them in
 // parallel with the first panel's compute, and panel-major B (gemm_panels) makes B one
 // sequential stream per panel.
-// B(k, j) = panels ? b[(j / kNr) * b_ps + k * kNr + j % kNr] : b[k * ldb + j]. BT = uint16_t
-// (panels only): b holds bf16 bit patterns, and each panel is widened into scratch (two slots of
-// K x kNr floats, so that a register block may span two panels) just before the row blocks pass
-// over it: the same multiply-adds on the same (exactly widened) values as with fp32 panels.
-template <bool kPanels, class BT = float>
-HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
-                          int64_t a_ks, const BT* b, int64_t ldb, int64_t b_ps, float alpha,
-                          bool accumulate, float* c, int64_t ldc,
-                          const PrefetchRegion* next = nullptr, int64_t regions = 0,
-                          float* scratch = nullptr) {
-  constexpr bool kBf16 = std::is_same_v<BT, uint16_t>;
-  static_assert(kPanels || !kBf16, "bf16 B comes in panels");
-  const D d;
-  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  PrefetchStream pf;
+// B(k, j) = panels ? b[(j / kNr) * b_ps + k * kNr + j % kNr] : b[k * ldb + j], elements of BT
+// (fp32, or the bf16 bit patterns of gemm_panels_bf16). With regions of next to prefetch, pf
+// becomes their stream, spread over the register blocks of the whole product; without, the
+// operands are prefetched here.
+template <bool kPanels, class BT>
+HWY_INLINE void gemm_prologue(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
+                              int64_t a_ks, const BT* b, int64_t ldb, int64_t b_ps, bool accumulate,
+                              const float* c, int64_t ldc, const PrefetchRegion* next,
+                              int64_t regions, PrefetchStream& pf) {
+  const int64_t L = static_cast<int64_t>(hn::Lanes(D()));
   int64_t lines = 0;
   for (int64_t i = 0; i < regions; ++i)
     if (!next[i].empty()) lines += next[i].rows * ((next[i].bytes + 63) / 64);
@@ -209,59 +203,80 @@ HWY_INLINE void gemm_impl(int64_t M, int64_t N, int64_t K, const float* a, int64
     pf.start(next);
     pf.per_block = (lines + blocks - 1) / blocks;
   }
-  const int64_t kstride = kPanels ? kNr : ldb;
-  auto col = [&](int64_t j) -> const float* {
-    if constexpr (kBf16)
-      return scratch + ((j / kNr) & 1) * K * kNr + j % kNr;
-    else
-      return kPanels ? b + (j / kNr) * b_ps + j % kNr : b + j;
-  };
-  // bf16: the panels of columns < end into scratch (those not there yet).
-  int64_t widened = 0;
-  auto widen_to = [&](int64_t end) {
-    if constexpr (kBf16)
-      for (; widened * kNr < end; ++widened)
-        widen_bf16(d, b + widened * b_ps, K * kNr, scratch + (widened & 1) * K * kNr);
-  };
+}
+
+// The column blocks of C[M, N] = alpha A B (+ C) for fp32 B in column panels. Not inlined: the
+// one copy per target serves gemm_panels, gemm_panels_next and gemm_panels_bf16 (which calls it
+// per group of widened panels, pf continuing across the calls).
+HWY_NOINLINE void panel_columns(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
+                                int64_t a_ks, const float* b, int64_t b_ps, float alpha,
+                                bool accumulate, float* c, int64_t ldc, PrefetchStream& pf) {
+  const D d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  auto col = [&](int64_t j) { return b + (j / kNr) * b_ps + j % kNr; };
   int64_t j0 = 0;
   for (; j0 + 2 * L <= N; j0 += 2 * L) {
-    if (!kPanels && j0 + 2 * L < N)  // the next panel towards L1 while this one computes
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < 2 * L; j += 16)
-          __builtin_prefetch(b + k * ldb + j0 + 2 * L + j, 0, 3);
-    widen_to(j0 + 2 * L);
     const float* bcol[2] = {col(j0), col(j0 + L)};
-    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc, pf);
+    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, kNr, alpha, accumulate, c + j0, ldc, pf);
   }
   for (; j0 < N; j0 += L) {
-    widen_to(j0 + L);
     const float* bcol[1] = {col(j0)};
-    gemm_columns<1>(d, M, K, a, a_rs, a_ks, bcol, kstride, alpha, accumulate, c + j0, ldc, pf);
+    gemm_columns<1>(d, M, K, a, a_rs, a_ks, bcol, kNr, alpha, accumulate, c + j0, ldc, pf);
   }
 }
 
 void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
           const float* b, int64_t ldb, float alpha, bool accumulate, float* c, int64_t ldc) {
-  gemm_impl<false>(M, N, K, a, a_rs, a_ks, b, ldb, 0, alpha, accumulate, c, ldc);
-}
-
-void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
-                 const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
-                 int64_t ldc) {
-  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc);
+  const D d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  PrefetchStream pf;
+  gemm_prologue<false>(M, N, K, a, a_rs, a_ks, b, ldb, 0, accumulate, c, ldc, nullptr, 0, pf);
+  int64_t j0 = 0;
+  for (; j0 + 2 * L <= N; j0 += 2 * L) {
+    if (j0 + 2 * L < N)  // the next columns towards L1 while these compute
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < 2 * L; j += 16)
+          __builtin_prefetch(b + k * ldb + j0 + 2 * L + j, 0, 3);
+    const float* bcol[2] = {b + j0, b + j0 + L};
+    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + j0, ldc, pf);
+  }
+  for (; j0 < N; j0 += L) {
+    const float* bcol[1] = {b + j0};
+    gemm_columns<1>(d, M, K, a, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + j0, ldc, pf);
+  }
 }
 
 void gemm_panels_next(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                       const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
                       int64_t ldc, const PrefetchRegion* next, int64_t regions) {
-  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, regions);
+  PrefetchStream pf;
+  gemm_prologue<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, accumulate, c, ldc, next, regions, pf);
+  panel_columns(M, N, K, a, a_rs, a_ks, b, b_ps, alpha, accumulate, c, ldc, pf);
 }
 
+void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                 const float* b, int64_t b_ps, float alpha, bool accumulate, float* c,
+                 int64_t ldc) {
+  gemm_panels_next(M, N, K, a, a_rs, a_ks, b, b_ps, alpha, accumulate, c, ldc, nullptr, 0);
+}
+
+// bf16 panels: a group of them (one register block's columns, one or two panels) is widened into
+// scratch, and panel_columns computes that group's columns from it: the same multiply-adds on the
+// same (exactly widened) values as gemm_panels_next on fp32 panels.
 void gemm_panels_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                       const uint16_t* b, int64_t b_ps, float alpha, bool accumulate, float* c,
                       int64_t ldc, float* scratch, const PrefetchRegion* next, int64_t regions) {
-  gemm_impl<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, alpha, accumulate, c, ldc, next, regions,
-                  scratch);
+  const D d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  PrefetchStream pf;
+  gemm_prologue<true>(M, N, K, a, a_rs, a_ks, b, kNr, b_ps, accumulate, c, ldc, next, regions, pf);
+  const int64_t group = std::max<int64_t>(kNr, 2 * L);  // columns: a whole number of panels
+  for (int64_t j0 = 0; j0 < N; j0 += group) {
+    const int64_t n = std::min(group, N - j0);
+    for (int64_t p = 0; p < n / kNr; ++p)
+      widen_bf16(d, b + (j0 / kNr + p) * b_ps, K * kNr, scratch + p * K * kNr);
+    panel_columns(M, n, K, a, a_rs, a_ks, scratch, K * kNr, alpha, accumulate, c + j0, ldc, pf);
+  }
 }
 
 // exp of N vectors in place, the N independent chains interleaved step by step (one chain is ~17
