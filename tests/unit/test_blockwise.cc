@@ -633,15 +633,15 @@ TEST(Blockwise, OneAndTwoThreadsAgree) {
 TEST(Blockwise, KeptKvBufferNeverMixesCalls) {
   const Problem narrow = make_problem(Case{300, 40, 4, 2, MaskKind::kCausal, Layout::kZigzag}, 71);
   const Problem wide = make_problem(Case{200, 128, 2, 2, MaskKind::kFull, Layout::kStripe}, 72);
-  // 8 query rows over 40000 keys, D = 64: a 20 MB packed block, beyond the kept buffer.
+  // 8 query rows over 17000 keys, D = 128: a 17.4 MB packed block, beyond the kept 16 MiB.
   Problem big;
   big.sq = 8;
-  big.sk = 40000;
-  big.d = 64;
-  big.h = 2;
+  big.sk = 17000;
+  big.d = 128;
+  big.h = 1;
   big.hkv = 1;
   big.mask = Mask{true, 0};
-  big.scale = 0.125f;
+  big.scale = 0.0884f;
   big.kpos.resize(static_cast<size_t>(big.sk));
   std::iota(big.kpos.begin(), big.kpos.end(), 0);
   big.qpos.assign(big.kpos.end() - big.sq, big.kpos.end());
