@@ -30,6 +30,7 @@
 #include "loom/attention.h"
 #include "loom/error.h"
 #include "loom/tensor.h"
+#include "unit/kernel_targets.h"
 #include "unit/tolerance.h"
 
 namespace loom {
@@ -653,7 +654,7 @@ TEST(Blockwise, KeptKvBufferNeverMixesCalls) {
   const Result n1 = run_blockwise(narrow, config(narrow, 64, 64, 1));
   expect_matches_reference(n1, run_reference(narrow));
   const Result w1 = run_blockwise(wide, config(wide, 64, 64, 1));  // grows the kept buffer
-  const Result b1 = run_blockwise(big, config(big, 64, 64, 1));  // a buffer of its own
+  const Result b1 = run_blockwise(big, config(big, 64, 64, 1));    // a buffer of its own
   expect_matches_reference(b1, run_reference(big));
   const Result n2 = run_blockwise(narrow, config(narrow, 64, 64, 1));  // the larger kept buffer
   EXPECT_EQ(n2.out.vec(), n1.out.vec());
@@ -1038,12 +1039,6 @@ TEST(Bf16, RingOfBf16BlocksIntoOneFp32State) {
 // tiles that do not divide them, one and two threads. A target this CPU cannot run is skipped
 // with its name.
 
-std::vector<std::string> compiled_targets() {
-  std::vector<std::string> names;
-  for (const kernels::KernelTarget& t : kernels::kernel_targets()) names.push_back(t.name);
-  return names;
-}
-
 std::vector<Case> target_cases() {
   return {Case{77, 72, 8, 2, MaskKind::kCausal, Layout::kZigzag, 48, 40, 2},
           Case{77, 16, 4, 1, MaskKind::kFull, Layout::kRandom, 16, 24, 1},
@@ -1054,12 +1049,11 @@ std::vector<Case> target_cases() {
           Case{300, 128, 4, 2, MaskKind::kCausal, Layout::kZigzag, 64, 64, 2}};
 }
 
-class PerTarget : public ::testing::TestWithParam<std::string> {
+class PerTarget : public kernels::PerKernelTarget {
  protected:
   void SetUp() override {
-    for (const kernels::KernelTarget& t : kernels::kernel_targets())
-      if (t.name == GetParam() && !t.runnable)
-        GTEST_SKIP() << GetParam() << ": compiled, but this CPU cannot run it";
+    if (ops_or_skip() == nullptr)
+      GTEST_SKIP() << GetParam() << ": compiled, but this CPU cannot run it";
   }
 };
 
@@ -1139,7 +1133,7 @@ TEST_P(PerTarget, Bf16IsTheFp32ArithmeticOfTheWidenedValues) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Targets, PerTarget, ::testing::ValuesIn(compiled_targets()),
+INSTANTIATE_TEST_SUITE_P(Targets, PerTarget, ::testing::ValuesIn(kernels::kernel_target_names()),
                          [](const auto& info) { return info.param; });
 
 TEST(KernelPath, LoomKernelNamesAreCheckedAndAutoIsTheBest) {
