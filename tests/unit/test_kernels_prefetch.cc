@@ -4,6 +4,9 @@
 // must be bitwise the one gemm_panels computes, and that one within fp32 rounding of an fp64
 // product. TileOps::gemm_panels_bf16 (B as bf16 panels, widened inside) must be bitwise
 // gemm_panels on the widened B, with or without regions, reading no more scratch than it is given.
+// And TileOps::dot is the chain of multiply-adds each element of every GEMM entry point computes
+// (tile_ops.h), for either layout of A and for K = 128 (a compile-time trip count inside the
+// kernels) as for the K around it.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -112,6 +115,53 @@ TEST_P(KernelsPrefetch, Bf16PanelsAreTheProductOfTheWidenedPanels) {
         for (int64_t e = 0; e < M * N; ++e)
           ASSERT_EQ(c[e], plain[e])
               << "regions " << n << " accumulate " << accumulate << " at " << e;
+      }
+    }
+  }
+}
+
+TEST_P(KernelsPrefetch, EveryGemmElementIsTheDotChain) {
+  const TileOps* ops = ops_or_skip();
+  if (ops == nullptr) GTEST_SKIP() << GetParam() << ": this CPU cannot run this target";
+  std::mt19937 gen(13);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // M = 128: the register blocks and both bottom-edge forms; N = 48: two-vector and one-vector
+  // column blocks on 16-lane targets; K = 128 and its neighbours, 64, and a short one.
+  const int64_t M = 128, N = 48;
+  for (const int64_t K : {int64_t{128}, int64_t{127}, int64_t{129}, int64_t{64}, int64_t{5}}) {
+    std::vector<float> a(M * K), b(K * N), panels(K * N), c0(M * N);
+    for (float& x : a) x = normal(gen);
+    for (float& x : b) x = normal(gen);
+    for (float& x : c0) x = normal(gen);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < N; ++j)
+        panels[(j / kNr) * K * kNr + k * kNr + j % kNr] = b[k * N + j];
+    for (const bool transposed : {false, true}) {  // A(i, k) at a[i K + k], or at a[k M + i]
+      const int64_t a_rs = transposed ? 1 : K, a_ks = transposed ? M : 1;
+      for (const bool accumulate : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "K " << K << (transposed ? " A^T" : " A")
+                                          << (accumulate ? " accumulate" : ""));
+        std::vector<float> row(M), plain = c0, panel = c0, next = c0;
+        ops->gemm(M, N, K, a.data(), a_rs, a_ks, b.data(), N, 0.5f, accumulate, plain.data(), N);
+        ops->gemm_panels(M, N, K, a.data(), a_rs, a_ks, panels.data(), K * kNr, 0.5f, accumulate,
+                         panel.data(), N);
+        const PrefetchRegion region{b.data(), 1, 256, 0};
+        ops->gemm_panels_next(M, N, K, a.data(), a_rs, a_ks, panels.data(), K * kNr, 0.5f,
+                              accumulate, next.data(), N, &region, 1);
+        std::vector<float> ai(K), bj(K);
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < N; ++j) {
+            for (int64_t k = 0; k < K; ++k) {
+              ai[k] = a[i * a_rs + k * a_ks];
+              bj[k] = b[k * N + j];
+            }
+            // alpha = 0.5 scales exactly, so one rounding of the addition remains either way.
+            const float d = 0.5f * ops->dot(ai.data(), bj.data(), K);
+            const float want = accumulate ? d + c0[i * N + j] : d;
+            ASSERT_EQ(plain[i * N + j], want) << "gemm at " << i << ", " << j;
+            ASSERT_EQ(panel[i * N + j], want) << "gemm_panels at " << i << ", " << j;
+            ASSERT_EQ(next[i * N + j], want) << "gemm_panels_next at " << i << ", " << j;
+          }
       }
     }
   }
