@@ -20,9 +20,18 @@
 // against the fp64 reference (relative norm error <= 1e-5, the kFp32RelTol of the tests); a
 // failed check exits non-zero. --no-check skips it.
 //
+// --torch runs PyTorch eager (bench/torch_compare.py, /usr/bin/python3 or --torch-python) on each
+// fp32 one-thread shape right after loom's row and prints it beneath (its sgemm column: torch.mm),
+// so the loom / PyTorch targets divide rates of the same minute; --torch-json reads them from an
+// earlier torch_compare.py run instead. PyTorch runs every head's own k and v (no GQA).
+//
 //   bench_kernels                                  the default sweep, a table
 //   bench_kernels --seq 1024 --dim 64 --json out.json
+//   bench_kernels --seq 4096 --dim 128 64 --dtype fp32 --threads 1 --torch
 #include <omp.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -72,6 +81,8 @@ struct Options {
   bool tile_ops = false;
   double sgemm_window = 0;  // > 0: print one-thread sgemm over windows this long, and exit
   std::string json, torch_json;
+  bool torch = false;  // run bench/torch_compare.py after each fp32 one-thread row
+  std::string torch_python = "/usr/bin/python3";
 };
 
 Tensor<float> random_normal(std::vector<int64_t> shape, uint32_t seed) {
@@ -443,6 +454,70 @@ int run_tile_ops(const Options& o) {
   return 0;
 }
 
+#ifndef LOOM_TORCH_COMPARE
+#define LOOM_TORCH_COMPARE "bench/torch_compare.py"
+#endif
+constexpr int kTorchTimeoutS = 1800;  // one shape of PyTorch eager, forward and backward
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// --torch: PyTorch eager on one shape (bench/torch_compare.py in a child process, under timeout(1),
+// one thread), right after loom's row of the same shape. Returns its JSON row; a child that fails,
+// times out or writes no row is one error naming the command and its last output line.
+nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal) {
+  char path[] = "/tmp/loom_bench_torch_XXXXXX";
+  const int fd = mkstemp(path);
+  LOOM_CHECK(fd >= 0, IoError, "--torch: cannot create a temporary file in /tmp");
+  close(fd);
+  const std::string cmd = "timeout -k 10 " + std::to_string(kTorchTimeoutS) + " " +
+                          shell_quote(o.torch_python) + " " + shell_quote(LOOM_TORCH_COMPARE) +
+                          " --seq " + std::to_string(sq) + " --dim " + std::to_string(d) +
+                          " --heads " + std::to_string(o.heads) + " --dtype fp32 --threads 1" +
+                          " --ring 0 --mask " + (causal ? "causal" : "full") + " --gemm-n " +
+                          std::to_string(o.gemm_n) + " --json " + shell_quote(path) + " 2>&1";
+  std::fflush(stdout);
+  FILE* pipe = popen(cmd.c_str(), "r");
+  std::string out, last;
+  if (pipe != nullptr) {
+    char buf[4096];
+    while (std::fgets(buf, sizeof buf, pipe) != nullptr) out += buf;
+    const int st = pclose(pipe);
+    const size_t end = out.find_last_not_of('\n');
+    if (end != std::string::npos) last = out.substr(out.rfind('\n', end) + 1, std::string::npos);
+    while (!last.empty() && last.back() == '\n') last.pop_back();
+    const int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    if (code != 0) {
+      unlink(path);
+      LOOM_CHECK(
+          false, IoError,
+          "--torch: `" << cmd << "` "
+                       << (code == 124 ? "timed out after " + std::to_string(kTorchTimeoutS) + " s"
+                                       : "exited " + std::to_string(code))
+                       << (last.empty() ? "" : ": " + last));
+    }
+  }
+  LOOM_CHECK(pipe != nullptr, IoError, "--torch: cannot run `" << cmd << "`");
+  std::ifstream f(path);
+  nlohmann::json tj;
+  try {
+    tj = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    unlink(path);
+    LOOM_CHECK(false, IoError,
+               "--torch: " << LOOM_TORCH_COMPARE << " wrote no JSON (" << e.what() << ")");
+  }
+  unlink(path);
+  LOOM_CHECK(tj.contains("results") && tj["results"].is_array() && tj["results"].size() == 1,
+             IoError, "--torch: " << LOOM_TORCH_COMPARE << " wrote no row for this shape");
+  nlohmann::json row = tj["results"][0];
+  row["torch"] = tj.value("torch", std::string("?"));
+  return row;
+}
+
 int run(const Options& o) {
   const int all = o.threads > 0 ? o.threads : omp_get_max_threads();
   std::vector<int> thread_counts = {1};
@@ -476,6 +551,7 @@ int run(const Options& o) {
               "Sk", "H", "Hkv", "D", "mask", "thr", "sgemm", "fwd ms", "GFLOP/s", "/gemm", "bwd ms",
               "GFLOP/s", "/gemm");
   nlohmann::json rows = nlohmann::json::array();
+  nlohmann::json torch_rows = nlohmann::json::array();  // --torch
   std::vector<Row> done;
   auto measure = [&](const std::string& dtype, int64_t sq, int64_t sk, int64_t d, bool causal,
                      int threads) {
@@ -521,6 +597,21 @@ int run(const Options& o) {
                     {"fwd_ratio", r.fwd_ratio()},
                     {"bwd_ratio", r.bwd_ratio()}});
     done.push_back(r);
+    if (o.torch && threads == 1 && dtype == "fp32") {
+      const nlohmann::json t = torch_row(o, sq, d, causal);
+      const double tg = t.value("gemm_gflops", 0.0), tf = t.value("fwd_gflops", 0.0),
+                   tb = t.value("bwd_gflops", 0.0);
+      std::printf(
+          "%5s %6lld %6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | %9.1f %8.1f "
+          "%6.2f\n",
+          "torch", static_cast<long long>(sq), static_cast<long long>(sk),
+          static_cast<long long>(o.heads), static_cast<long long>(o.heads),
+          static_cast<long long>(d), causal ? "causal" : "full", threads, tg,
+          t.value("fwd_s", 0.0) * 1e3, tf, tg > 0 ? tf / tg : 0.0, t.value("bwd_s", 0.0) * 1e3, tb,
+          tg > 0 ? tb / tg : 0.0);
+      std::fflush(stdout);
+      torch_rows.push_back(t);
+    }
   };
   for (const std::string& dtype : o.dtypes)
     for (int64_t s : o.seqs)
@@ -628,20 +719,29 @@ int run(const Options& o) {
       target("fp32 bwd" + tag, rel_bwd(*small, *large), 0.85);
     }
   }
-  // PyTorch eager on the same shapes (bench/torch_compare.py --json, run on the same machine).
-  if (!o.torch_json.empty()) {
-    std::ifstream f(o.torch_json);
-    LOOM_CHECK(f.good(), IoError, "cannot read " << o.torch_json);
+  // PyTorch eager on the same shapes: --torch (each row right after loom's, in this run) or
+  // --torch-json (bench/torch_compare.py --json, an earlier run on the same machine).
+  if (o.torch || !o.torch_json.empty()) {
     nlohmann::json tj;
-    try {
-      tj = nlohmann::json::parse(f);
-    } catch (const std::exception& e) {
-      LOOM_CHECK(false, IoError, o.torch_json << ": not JSON (" << e.what() << ")");
+    if (o.torch) {
+      tj["results"] = torch_rows;
+      tj["torch"] = torch_rows.empty() ? std::string("?") : torch_rows[0].value("torch", "?");
+    } else {
+      std::ifstream f(o.torch_json);
+      LOOM_CHECK(f.good(), IoError, "cannot read " << o.torch_json);
+      try {
+        tj = nlohmann::json::parse(f);
+      } catch (const std::exception& e) {
+        LOOM_CHECK(false, IoError, o.torch_json << ": not JSON (" << e.what() << ")");
+      }
+      LOOM_CHECK(tj.contains("results") && tj["results"].is_array(), IoError,
+                 o.torch_json << ": no \"results\" array (write it with bench/torch_compare.py)");
     }
-    LOOM_CHECK(tj.contains("results") && tj["results"].is_array(), IoError,
-               o.torch_json << ": no \"results\" array (write it with bench/torch_compare.py)");
     const std::string tv = tj.value("torch", std::string("?"));
-    std::printf("\nloom / PyTorch %s eager (%s), same shapes:\n", tv.c_str(), o.torch_json.c_str());
+    std::printf(
+        "\nloom / PyTorch %s eager (%s), same shapes:\n", tv.c_str(),
+        o.torch ? "--torch: each PyTorch row right after loom's, this run" : o.torch_json.c_str());
+    doc["torch"] = tj;
     for (const auto& t : tj["results"]) {
       const Row* r =
           find(t.value("dtype", std::string()), t.value("seq_q", int64_t{0}),
@@ -695,6 +795,11 @@ int main(int argc, char** argv) {
   app.add_option(
       "--torch-json", o.torch_json,
       "bench/torch_compare.py --json output on the same shapes: adds the PyTorch ratios");
+  app.add_flag("--torch", o.torch,
+               "run PyTorch eager (bench/torch_compare.py) on each fp32 one-thread shape right "
+               "after loom's row: the PyTorch ratios from the same minute")
+      ->excludes("--torch-json");
+  app.add_option("--torch-python", o.torch_python, "the Python with torch, for --torch");
   app.add_flag("--cpu-time", loom::g_cpu_time,
                "time one-thread rows by the process CPU clock (for loaded machines)");
   app.add_flag("--tile-ops", o.tile_ops,

@@ -11,6 +11,9 @@ one warm-up. Next to it, torch.mm's fp32 GEMM rate (M = N = K = --gemm-n) with t
 
   /usr/bin/python3 bench/torch_compare.py                       # default sweep, a table
   /usr/bin/python3 bench/torch_compare.py --seq 4096 --dim 128 --threads 1 --json torch.json
+
+`bench_kernels --torch` runs this script itself, one shape at a time right after loom's row
+(--mask full or causal, --ring 0), so that both sides of each ratio come from the same minute.
 """
 import argparse
 import json
@@ -41,6 +44,7 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--mask", choices=["full", "causal", "both"], default="both")
     ap.add_argument("--ring", type=int, default=512, help="ring-step rows (0: none)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gemm-n", type=int, default=1024)
@@ -55,7 +59,7 @@ def main():
             out = f"/tmp/torch_compare_{os.getpid()}_{t}.json"
             cmd = [sys.executable, __file__, "--child", "--threads", str(t), "--json", out,
                    "--seq", *map(str, args.seq), "--dim", *map(str, args.dim),
-                   "--heads", str(args.heads), "--dtype", *args.dtype,
+                   "--heads", str(args.heads), "--dtype", *args.dtype, "--mask", args.mask,
                    "--ring", str(args.ring if i == 0 else 0), "--reps", str(args.reps),
                    "--gemm-n", str(args.gemm_n)]
             if i > 0:
@@ -146,7 +150,7 @@ def main():
     for dtype in args.dtype:
         for s in args.seq:
             for d in args.dim:
-                for causal in (False, True):
+                for causal in {"full": (False,), "causal": (True,), "both": (False, True)}[args.mask]:
                     for threads in args.threads:
                         run(dtype, s, s, d, causal, threads)
     if args.ring > 0:

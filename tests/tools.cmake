@@ -14,6 +14,14 @@ if(LOOM_SYSTEM_PYTHON AND LOOM_BUILD_BENCH)
                    $<TARGET_FILE:bench_kernels> ${CMAKE_CURRENT_BINARY_DIR}/bench_kernels_check)
   set_tests_properties(bench_kernels_targets PROPERTIES TIMEOUT 300 LABELS "tool")
 endif()
+# bench_kernels --torch: PyTorch's rows beside loom's in one run, and its errors.
+if(LOOM_HAVE_TORCH AND LOOM_BUILD_BENCH)
+  add_test(NAME bench_kernels_torch
+           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/tools/bench_torch_check.py
+                   $<TARGET_FILE:bench_kernels> ${Python3_EXECUTABLE}
+                   ${CMAKE_CURRENT_BINARY_DIR}/bench_torch_check)
+  set_tests_properties(bench_kernels_torch PROPERTIES TIMEOUT 300 LABELS "tool;torch")
+endif()
 add_test(NAME loom_cli_checks COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/cli_checks.sh $<TARGET_FILE:loom>)
 set_tests_properties(loom_cli_checks PROPERTIES TIMEOUT 600 LABELS "tool")
 

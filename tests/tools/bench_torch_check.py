@@ -1,0 +1,93 @@
+#!/usr/bin/python3
+"""Checks bench_kernels --torch (PyTorch eager on each shape, right after loom's row) on a tiny sweep.
+
+  bench_torch_check.py BENCH_KERNELS PYTHON_WITH_TORCH WORKDIR
+
+Runs BENCH_KERNELS --torch on S = 256, D = 64 (full and causal) and checks
+  - a PyTorch row follows each fp32 one-thread loom row of the table, with the same shape;
+  - the --json "torch" rows are those shapes, with positive rates;
+  - each "loom / torch" target is loom's row rate over PyTorch's row rate, and "met" is
+    value >= target;
+and that a Python that cannot be run, or --torch with --torch-json, is one error and a non-zero
+exit, leaving no temporary file behind. Nothing is timed against a threshold.
+Exit 0 when all hold, else 1 with one line per failure.
+"""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+
+def main():
+    bench, python, work = sys.argv[1], sys.argv[2], sys.argv[3]
+    os.makedirs(work, exist_ok=True)
+    out = os.path.join(work, "bench_torch.json")
+    base = [bench, "--seq", "256", "--dim", "64", "--dtype", "fp32", "--ring", "0", "--threads",
+            "1", "--min-time", "0.01", "--heads", "2", "--kv-heads", "2", "--gemm-n", "128",
+            "--no-check"]
+    r = subprocess.run(base + ["--torch", "--torch-python", python, "--json", out],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        print(f"bench_kernels --torch exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+        return 1
+    bad = []
+    lines = r.stdout.splitlines()
+    for mask in ("full", "causal"):
+        pat = r"\s+256\s+256\s+2\s+2\s+64\s+" + mask + r"\s+1\s"
+        idx = [i for i, x in enumerate(lines) if re.match(r"\s*fp32" + pat, x)]
+        if len(idx) != 1:
+            bad.append(f"{len(idx)} loom rows for the {mask} shape (want 1)")
+        elif idx[0] + 1 >= len(lines) or not re.match(r"\s*torch" + pat, lines[idx[0] + 1]):
+            bad.append(f"no PyTorch row right after loom's {mask} row")
+    doc = json.load(open(out))
+    loom_rows, torch_rows, targets = doc["results"], doc["torch"]["results"], doc["targets"]
+    for causal in (False, True):
+        key = ("fp32", 256, 256, 64, causal, 1)
+        lr = [x for x in loom_rows if (x["dtype"], x["seq_q"], x["seq_k"], x["dim"], x["causal"],
+                                       x["threads"]) == key]
+        tr = [x for x in torch_rows if (x["dtype"], x["seq_q"], x["seq_k"], x["dim"], x["causal"],
+                                        x["threads"]) == key]
+        if len(lr) != 1 or len(tr) != 1 or tr[0]["heads"] != 2:
+            bad.append(f"{len(lr)} loom and {len(tr)} torch rows for {key} (want 1 each, 2 heads)")
+            continue
+        t = tr[0]
+        if not (t["fwd_gflops"] > 0 and t["bwd_gflops"] > 0 and t["gemm_gflops"] > 0):
+            bad.append(f"a PyTorch rate that is not positive: {t}")
+        tag = f" fp32 Sq=256 D=64 {'causal' if causal else 'full'} 1 thr"
+        kinds = ("fwd",) if causal else ("fwd", "bwd")
+        for k in kinds:
+            hits = [x for x in targets if x["what"] == f"loom / torch {k}," + tag]
+            if len(hits) != 1:
+                bad.append(f"{len(hits)} 'loom / torch {k},{tag}' lines (want 1)")
+                continue
+            want = lr[0][f"{k}_gflops"] / t[f"{k}_gflops"]
+            if not math.isclose(hits[0]["value"], want, rel_tol=1e-9):
+                bad.append(f"'loom / torch {k},{tag}': {hits[0]['value']}, its rows give {want}")
+            if hits[0]["met"] != (hits[0]["value"] >= hits[0]["target"]):
+                bad.append(f"'loom / torch {k},{tag}': met is {hits[0]['met']}")
+
+    # A Python that cannot run: one error line naming the command, a non-zero exit, no temp file.
+    r = subprocess.run(base + ["--torch", "--torch-python", os.path.join(work, "no-such-python")],
+                       capture_output=True, text=True, timeout=120)
+    err = r.stderr.strip().splitlines()
+    if r.returncode == 0 or len(err) != 1 or not err[0].startswith("bench_kernels: --torch: "):
+        bad.append(f"a missing Python: exit {r.returncode}, stderr {r.stderr!r}")
+    else:
+        tmp = re.search(r"--json '([^']+)'", err[0])
+        if not tmp or os.path.exists(tmp.group(1)):
+            bad.append(f"the temporary file of a failed --torch run is left behind: {err[0]}")
+    r = subprocess.run(base + ["--torch", "--torch-json", out], capture_output=True, text=True,
+                       timeout=60)
+    if r.returncode == 0:
+        bad.append("--torch with --torch-json was accepted")
+    if bad:
+        print("\n".join(bad))
+        return 1
+    print(f"bench_kernels --torch: {len(torch_rows)} PyTorch rows, ratios consistent")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
