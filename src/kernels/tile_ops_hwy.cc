@@ -57,13 +57,10 @@ constexpr int kRows = 6;  // 16 vector registers
 #endif
 
 // B operand of one column block: NV vector columns starting at bcol[v], row k at bcol[v] + k * ldb.
-// kK > 0: K == kK, known at compile time (see gemm_columns). Not inlined: one copy of each block
-// shape, compiled with the registers to itself (GCC then keeps the trip count and every pointer in
-// registers), serves every GEMM of the target; a call per block of ~800 cycles costs nothing.
-template <int R, int NV, int kK = 0>
-HWY_NOINLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_t a_rs,
-                             int64_t a_ks, const float* const* bcol, int64_t ldb, float alpha,
-                             bool accumulate, float* HWY_RESTRICT c, int64_t ldc) {
+template <int R, int NV>
+HWY_INLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, int64_t a_ks,
+                           const float* const* bcol, int64_t ldb, float alpha, bool accumulate,
+                           float* HWY_RESTRICT c, int64_t ldc) {
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   V acc[R][NV];
 #pragma GCC unroll 8
@@ -72,7 +69,7 @@ HWY_NOINLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_
     for (int v = 0; v < NV; ++v) acc[r][v] = hn::Zero(d);
   const float* HWY_RESTRICT b0 = bcol[0];
   const float* HWY_RESTRICT b1 = NV > 1 ? bcol[NV - 1] : bcol[0];
-  auto step = [&](int64_t k) HWY_ATTR {
+  for (int64_t k = 0; k < K; ++k) {
     const float* ak = a + k * a_ks;
     V bv[NV];
     bv[0] = hn::LoadU(d, b0 + k * ldb);
@@ -83,12 +80,6 @@ HWY_NOINLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_
 #pragma GCC unroll 2
       for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(av, bv[v], acc[r][v]);
     }
-  };
-  if constexpr (kK > 0) {
-#pragma GCC unroll 2
-    for (int64_t k = 0; k < kK; ++k) step(k);
-  } else {
-    for (int64_t k = 0; k < K; ++k) step(k);
   }
   const V al = hn::Set(d, alpha);
 #pragma GCC unroll 8
@@ -132,7 +123,7 @@ struct PrefetchStream {
   }
 };
 
-template <int NV, int kK = 0>
+template <int NV>
 HWY_INLINE void gemm_columns(D d, int64_t M, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                              const float* const* bcol, int64_t ldb, float alpha, bool accumulate,
                              float* c, int64_t ldc, PrefetchStream& pf) {
@@ -142,33 +133,19 @@ HWY_INLINE void gemm_columns(D d, int64_t M, int64_t K, const float* a, int64_t 
   int64_t i0 = 0;
   for (; i0 + kRows <= main_end; i0 += kRows) {
     pf.step();
-    gemm_block<kRows, NV, kK>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate,
-                              c + i0 * ldc, ldc);
+    gemm_block<kRows, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate,
+                          c + i0 * ldc, ldc);
   }
   for (; i0 + 4 <= M; i0 += 4) {  // at most two (kRows + 2 rows left), else at most one
     pf.step();
-    gemm_block<4, NV, kK>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate,
-                          c + i0 * ldc, ldc);
+    gemm_block<4, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
+                      ldc);
   }
   if (i0 + 2 <= M) {  // M is even, so this is the last block
     pf.step();
     gemm_block<2, NV>(d, K, a + i0 * a_rs, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + i0 * ldc,
                       ldc);
   }
-}
-
-// gemm_columns of two-vector column blocks, with the trip count a compile-time constant for
-// K = 128 (the head dim D = 128, and the reduction over 128-row tiles: every GEMM of the blockwise
-// kernels at D = 128). GCC unrolls that loop by two with each accumulator in a fixed register;
-// with a run-time K the same source compiled to a loop 4-9 % slower on a hot 128^3 tile (Zen 3,
-// docs/performance.md, round 8). K = 64 measured no gain and is not specialised.
-HWY_INLINE void gemm_columns2(D d, int64_t M, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
-                              const float* const* bcol, int64_t ldb, float alpha, bool accumulate,
-                              float* c, int64_t ldc, PrefetchStream& pf) {
-  if (K == 128)
-    gemm_columns<2, 128>(d, M, K, a, a_rs, a_ks, bcol, ldb, alpha, accumulate, c, ldc, pf);
-  else
-    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, ldb, alpha, accumulate, c, ldc, pf);
 }
 
 // Prefetches rows x len elements (row stride `stride` elements) towards L2, a cache line at a time.
@@ -240,7 +217,7 @@ HWY_NOINLINE void panel_columns(int64_t M, int64_t N, int64_t K, const float* a,
   int64_t j0 = 0;
   for (; j0 + 2 * L <= N; j0 += 2 * L) {
     const float* bcol[2] = {col(j0), col(j0 + L)};
-    gemm_columns2(d, M, K, a, a_rs, a_ks, bcol, kNr, alpha, accumulate, c + j0, ldc, pf);
+    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, kNr, alpha, accumulate, c + j0, ldc, pf);
   }
   for (; j0 < N; j0 += L) {
     const float* bcol[1] = {col(j0)};
@@ -261,7 +238,7 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t
         for (int64_t j = 0; j < 2 * L; j += 16)
           __builtin_prefetch(b + k * ldb + j0 + 2 * L + j, 0, 3);
     const float* bcol[2] = {b + j0, b + j0 + L};
-    gemm_columns2(d, M, K, a, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + j0, ldc, pf);
+    gemm_columns<2>(d, M, K, a, a_rs, a_ks, bcol, ldb, alpha, accumulate, c + j0, ldc, pf);
   }
   for (; j0 < N; j0 += L) {
     const float* bcol[1] = {b + j0};

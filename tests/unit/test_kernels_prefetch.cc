@@ -5,8 +5,8 @@
 // product. TileOps::gemm_panels_bf16 (B as bf16 panels, widened inside) must be bitwise
 // gemm_panels on the widened B, with or without regions, reading no more scratch than it is given.
 // And TileOps::dot is the chain of multiply-adds each element of every GEMM entry point computes
-// (tile_ops.h), for either layout of A and for K = 128 (a compile-time trip count inside the
-// kernels) as for the K around it.
+// (tile_ops.h; compute_delta relies on it), for either layout of A and for K = 128 (the kernels'
+// D and tile side) as for the K around it.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
