@@ -141,7 +141,7 @@ TEST_P(KernelsPrefetch, EveryGemmElementIsTheDotChain) {
       for (const bool accumulate : {false, true}) {
         SCOPED_TRACE(::testing::Message() << "K " << K << (transposed ? " A^T" : " A")
                                           << (accumulate ? " accumulate" : ""));
-        std::vector<float> row(M), plain = c0, panel = c0, next = c0;
+        std::vector<float> plain = c0, panel = c0, next = c0;
         ops->gemm(M, N, K, a.data(), a_rs, a_ks, b.data(), N, 0.5f, accumulate, plain.data(), N);
         ops->gemm_panels(M, N, K, a.data(), a_rs, a_ks, panels.data(), K * kNr, 0.5f, accumulate,
                          panel.data(), N);
