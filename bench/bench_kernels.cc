@@ -481,26 +481,26 @@ nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal) {
                           std::to_string(o.gemm_n) + " --json " + shell_quote(path) + " 2>&1";
   std::fflush(stdout);
   FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out, last;
-  if (pipe != nullptr) {
-    char buf[4096];
-    while (std::fgets(buf, sizeof buf, pipe) != nullptr) out += buf;
-    const int st = pclose(pipe);
-    const size_t end = out.find_last_not_of('\n');
-    if (end != std::string::npos) last = out.substr(out.rfind('\n', end) + 1, std::string::npos);
-    while (!last.empty() && last.back() == '\n') last.pop_back();
-    const int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    if (code != 0) {
-      unlink(path);
-      LOOM_CHECK(
-          false, IoError,
-          "--torch: `" << cmd << "` "
-                       << (code == 124 ? "timed out after " + std::to_string(kTorchTimeoutS) + " s"
-                                       : "exited " + std::to_string(code))
-                       << (last.empty() ? "" : ": " + last));
-    }
-  }
+  if (pipe == nullptr) unlink(path);
   LOOM_CHECK(pipe != nullptr, IoError, "--torch: cannot run `" << cmd << "`");
+  std::string last;  // the child's last non-empty output line, for the error message
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, pipe) != nullptr) {
+    std::string line(buf);
+    while (!line.empty() && line.back() == '\n') line.pop_back();
+    if (!line.empty()) last = line;
+  }
+  const int st = pclose(pipe);
+  const int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  if (code != 0) {
+    unlink(path);
+    LOOM_CHECK(
+        false, IoError,
+        "--torch: `" << cmd << "` "
+                     << (code == 124 ? "timed out after " + std::to_string(kTorchTimeoutS) + " s"
+                                     : "exited " + std::to_string(code))
+                     << (last.empty() ? "" : ": " + last));
+  }
   std::ifstream f(path);
   nlohmann::json tj;
   try {
@@ -516,6 +516,19 @@ nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal) {
   nlohmann::json row = tj["results"][0];
   row["torch"] = tj.value("torch", std::string("?"));
   return row;
+}
+
+// One row of the table: a loom row, or PyTorch's beneath it (label "torch", its sgemm torch.mm).
+void print_row(const char* label, int64_t sq, int64_t sk, int64_t heads, int64_t kv_heads,
+               int64_t d, bool causal, int threads, double gemm, double fwd_s, double fwd_gflops,
+               double bwd_s, double bwd_gflops) {
+  std::printf(
+      "%5s %6lld %6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | %9.1f %8.1f %6.2f\n",
+      label, static_cast<long long>(sq), static_cast<long long>(sk), static_cast<long long>(heads),
+      static_cast<long long>(kv_heads), static_cast<long long>(d), causal ? "causal" : "full",
+      threads, gemm, fwd_s * 1e3, fwd_gflops, gemm > 0 ? fwd_gflops / gemm : 0.0, bwd_s * 1e3,
+      bwd_gflops, gemm > 0 ? bwd_gflops / gemm : 0.0);
+  std::fflush(stdout);
 }
 
 int run(const Options& o) {
@@ -572,14 +585,8 @@ int run(const Options& o) {
     };
     Row r = run_shape(o, dtype, sq, sk, d, causal, threads, before);
     r.gemm_gflops = std::max(gemm_before, sgemm_window_gflops(o.gemm_n, threads, window_s));
-    std::printf(
-        "%5s %6lld %6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | %9.1f %8.1f "
-        "%6.2f\n",
-        r.dtype.c_str(), static_cast<long long>(r.sq), static_cast<long long>(r.sk),
-        static_cast<long long>(r.heads), static_cast<long long>(r.kv_heads),
-        static_cast<long long>(r.dim), r.causal ? "causal" : "full", r.threads, r.gemm_gflops,
-        r.fwd_s * 1e3, r.fwd_gflops, r.fwd_ratio(), r.bwd_s * 1e3, r.bwd_gflops, r.bwd_ratio());
-    std::fflush(stdout);
+    print_row(r.dtype.c_str(), r.sq, r.sk, r.heads, r.kv_heads, r.dim, r.causal, r.threads,
+              r.gemm_gflops, r.fwd_s, r.fwd_gflops, r.bwd_s, r.bwd_gflops);
     rows.push_back({{"dtype", r.dtype},
                     {"seq_q", r.sq},
                     {"seq_k", r.sk},
@@ -599,17 +606,9 @@ int run(const Options& o) {
     done.push_back(r);
     if (o.torch && threads == 1 && dtype == "fp32") {
       const nlohmann::json t = torch_row(o, sq, d, causal);
-      const double tg = t.value("gemm_gflops", 0.0), tf = t.value("fwd_gflops", 0.0),
-                   tb = t.value("bwd_gflops", 0.0);
-      std::printf(
-          "%5s %6lld %6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | %9.1f %8.1f "
-          "%6.2f\n",
-          "torch", static_cast<long long>(sq), static_cast<long long>(sk),
-          static_cast<long long>(o.heads), static_cast<long long>(o.heads),
-          static_cast<long long>(d), causal ? "causal" : "full", threads, tg,
-          t.value("fwd_s", 0.0) * 1e3, tf, tg > 0 ? tf / tg : 0.0, t.value("bwd_s", 0.0) * 1e3, tb,
-          tg > 0 ? tb / tg : 0.0);
-      std::fflush(stdout);
+      print_row("torch", sq, sk, o.heads, o.heads, d, causal, threads, t.value("gemm_gflops", 0.0),
+                t.value("fwd_s", 0.0), t.value("fwd_gflops", 0.0), t.value("bwd_s", 0.0),
+                t.value("bwd_gflops", 0.0));
       torch_rows.push_back(t);
     }
   };
