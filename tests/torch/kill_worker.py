@@ -1,7 +1,13 @@
 """The worker of test_kill.py (started by loom.torchrun): every rank enters a long ring
 cp_attention; rank 1 is SIGKILLed from a timer thread while it is inside the call. The others
 must raise loom.CommError (or loom.Timeout) within loom's timeout; each survivor writes what it
-raised, and after how long, to $LOOM_KILL_DIR/rank<R>.txt and exits 3.
+raised, after how long, and whether the launcher had asked it to stop, to
+$LOOM_KILL_DIR/rank<R>.txt and exits 3.
+
+torchrun SIGTERMs the survivors as soon as its monitor sees rank 1 dead (every second here) and
+SIGKILLs them 30 s later. On a loaded machine a survivor may not have reached its next message
+within that second, and would die before it could show what loom raised. So the survivors note
+the SIGTERM and go on: the test checks loom's error, and the 30 s still bound the job.
 """
 import os
 import signal
@@ -23,6 +29,8 @@ gen = torch.Generator().manual_seed(1)
 S = 6000  # long enough that rank 1 is mid-call when it dies
 q = lt.shard(torch.randn(1, S, 4, 64, generator=gen))
 k = lt.shard(torch.randn(1, S, 4, 64, generator=gen))
+sigterm_at = []
+signal.signal(signal.SIGTERM, lambda *_: sigterm_at.append(time.time()))
 dist.barrier()
 if rank == 1:
     threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
@@ -35,6 +43,7 @@ except loom.CommError as e:
     result = f"{type(e).__name__}: {e}"
 elapsed = time.time() - t0
 with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-    f.write(f"{elapsed:.3f}\n{result}\n")
+    asked = f"SIGTERM after {sigterm_at[0] - t0:.3f} s" if sigterm_at else "no SIGTERM"
+    f.write(f"{elapsed:.3f}\n{asked}\n{result}\n")
 sys.stdout.flush()
 os._exit(3)

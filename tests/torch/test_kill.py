@@ -37,20 +37,20 @@ with tempfile.TemporaryDirectory() as tmp:
     for r in (0, 2):
         path = os.path.join(tmp, f"rank{r}.txt")
         if not os.path.exists(path):
-            # torchrun may stop the survivors itself once it sees the dead worker; then they
-            # did not hang either, but we want to see that loom raised: require the report.
+            # The survivors outlast torchrun's SIGTERM (kill_worker.py); no report means
+            # loom did not raise before the SIGKILL 30 s later, or the worker crashed.
             failures.append(f"rank {r} wrote no report (it did not raise before the launcher ended it)")
             continue
-        elapsed, what = open(path).read().split("\n", 1)
-        reports[r] = (float(elapsed), what.strip())
+        elapsed, asked, what = open(path).read().split("\n", 2)
+        reports[r] = (float(elapsed), asked, what.strip())
         if not (what.startswith("CommError") or what.startswith("Timeout")):
             failures.append(f"rank {r}: wanted CommError/Timeout, got: {what.strip()}")
         elif "rank" not in what:
             failures.append(f"rank {r}: the error does not name a rank: {what.strip()}")
         if float(elapsed) > TIMEOUT_S + 5:
             failures.append(f"rank {r} raised after {elapsed} s, past the {TIMEOUT_S} s timeout")
-    for r, (elapsed, what) in sorted(reports.items()):
-        print(f"rank {r} raised after {elapsed:.2f} s: {what[:300]}")
+    for r, (elapsed, asked, what) in sorted(reports.items()):
+        print(f"rank {r} raised after {elapsed:.2f} s ({asked}): {what[:300]}")
     print(f"launcher returned {rc} after {wall:.1f} s")
     if failures:
         print(log[-4000:])
