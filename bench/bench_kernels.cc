@@ -3,31 +3,34 @@
 //
 // For each shape of the sweep (--seq x --dim x causal/full x {1 thread, all threads}; --heads
 // query heads, --kv-heads kv heads) the forward is one attend over all keys plus finish, the
-// backward one attend_backward (delta precomputed). Each is run until --min-time seconds have
-// passed (at least once, after one untimed warm-up when a call is short) and the fastest call is
-// reported. Useful FLOPs count only visible (query, key, head) triples, as reported by the
-// kernel: forward 4 * D * pairs, backward 2.5x that.
+// backward one attend_backward (delta precomputed). Each is called once untimed, then at least 3
+// times and more until --min-time seconds have passed; the GFLOP/s column is the fastest call.
+// Useful FLOPs count only visible (query, key, head) triples, as reported by the kernel: forward
+// 4 * D * pairs, backward 2.5x that.
 //
-// The sgemm rate is measured in the same run, right before and right after each row's timed calls,
-// C = A B with M = N = K = --gemm-n, with the thread count of the row, over windows of back-to-back
-// calls as long as the row's forward call (sgemm_window_gflops); the row's rate is the faster of
-// the two. The sgemm is OpenBLAS's cblas_sgemm where CMake found it (threads set with
-// openblas_set_num_threads, the run-time form of OPENBLAS_NUM_THREADS), else a naive blocked
-// sgemm. The ratio columns are kernel GFLOP/s over that rate: on shared machines ratios drift less
-// than absolute times.
+// The sgemm rate is measured in the same run, between the timed calls: window, call, window, ...,
+// call, window (time_paired), C = A B with M = N = K = --gemm-n, with the thread count of the row,
+// each window back-to-back calls as long as one kernel call. The sgemm is OpenBLAS's cblas_sgemm
+// where CMake found it (threads set with openblas_set_num_threads, the run-time form of
+// OPENBLAS_NUM_THREADS), else a naive blocked sgemm. A row's sgemm column is its fastest window,
+// and its ratio columns are its fastest calls' rates over that: on a shared machine whose speed
+// moves 10-25 % from minute to minute, windows among the calls keep both from the same seconds.
 //
 // Before timing, a small problem (S = 256, causal, GQA, tiles that do not divide S) is checked
 // against the fp64 reference (relative norm error <= 1e-5, the kFp32RelTol of the tests); a
 // failed check exits non-zero. --no-check skips it.
 //
-// --torch runs PyTorch eager (bench/torch_compare.py, /usr/bin/python3 or --torch-python) on each
-// fp32 one-thread shape right after loom's row and prints it beneath (its sgemm column: torch.mm),
-// so the loom / PyTorch targets divide rates of the same minute; --torch-json reads them from an
-// earlier torch_compare.py run instead. PyTorch runs every head's own k and v (no GQA).
+// Where /usr/bin/python3 (or --torch-python) can import torch, PyTorch eager
+// (bench/torch_compare.py) runs on each fp32 one-thread shape right after loom's row and is printed
+// beneath it (its sgemm column: torch.mm), so the loom / PyTorch targets divide rates of the same
+// minute; elsewhere one line says they were skipped. --torch makes them required (a Python without
+// torch is an error),
+// --no-torch leaves them out, --torch-json reads them from an earlier torch_compare.py run
+// instead. PyTorch runs every head's own k and v (no GQA).
 //
 //   bench_kernels                                  the default sweep, a table
 //   bench_kernels --seq 1024 --dim 64 --json out.json
-//   bench_kernels --seq 4096 --dim 128 64 --dtype fp32 --threads 1 --torch
+//   bench_kernels --seq 4096 --dim 128 64 --dtype fp32 bf16 --ring 512 --threads 1
 #include <omp.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -40,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <functional>
@@ -81,7 +85,10 @@ struct Options {
   bool tile_ops = false;
   double sgemm_window = 0;  // > 0: print one-thread sgemm over windows this long, and exit
   std::string json, torch_json;
-  bool torch = false;  // run bench/torch_compare.py after each fp32 one-thread row
+  // PyTorch's rows (bench/torch_compare.py after each fp32 one-thread row): by default where
+  // torch_python can import torch; --torch requires them, --no-torch (or --torch-json) leaves
+  // them out.
+  bool torch = false, no_torch = false;
   std::string torch_python = "/usr/bin/python3";
 };
 
@@ -93,42 +100,17 @@ Tensor<float> random_normal(std::vector<int64_t> shape, uint32_t seed) {
   return x;
 }
 
-// Seconds of the fastest call of f: one untimed warm-up, then at least kMinReps timed calls and
-// more until min_time has passed. The best of several calls is what a shared machine's load
-// disturbs least.
-// With --cpu-time the calls are timed by the process's CPU clock instead of the wall clock: on a
-// machine shared with other work, the time this process was descheduled then does not count (cache
-// and memory-bandwidth interference still does). Meaningful for one-thread rows only (the CPU
-// time of several threads adds up), so the threads > 1 rows keep the wall clock.
+// With --cpu-time the kernel calls and the sgemm windows are timed by the process's CPU clock
+// instead of the wall clock: on a machine shared with other work, the time this process was
+// descheduled then does not count (cache and memory-bandwidth interference still does). Meaningful
+// for one-thread rows only (the CPU time of several threads adds up), so the threads > 1 rows keep
+// the wall clock.
 bool g_cpu_time = false;
 
 double cpu_seconds() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-constexpr int kMinReps = 2;
-// warm_up (when given) runs after the warm-up call with its duration in seconds, before any timed
-// call.
-template <class F>
-double best_time(F&& f, double min_time, int threads = 1,
-                 const std::function<void(double)>& warm_up = nullptr) {
-  const bool cpu = g_cpu_time && threads == 1;
-  {
-    Stopwatch sw;
-    f();
-    if (warm_up) warm_up(sw.elapsed_s());
-  }
-  double best = 1e300;
-  Stopwatch total;
-  for (int rep = 0; rep < kMinReps || total.elapsed_s() < min_time; ++rep) {
-    Stopwatch sw;
-    const double c0 = cpu ? cpu_seconds() : 0.0;
-    f();
-    best = std::min(best, cpu ? cpu_seconds() - c0 : sw.elapsed_s());
-  }
-  return best;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -166,26 +148,87 @@ void sgemm(int64_t n, const float* a, const float* b, float* c, int threads) {
 }
 #endif
 
-// The sgemm rate over windows as long as a kernel call: back-to-back calls of M = N = K = n lasting
-// about `seconds` (at least one), timed as one, the faster of two windows. A shared machine's
-// noise comes in bursts: the best of many short calls finds a quiet 30 ms, a one-second kernel
-// call never does, so the short-call rate would overstate what the machine gives a long call
-// (here 1024^3 calls: best 78-79 GFLOP/s; 4096^3 calls of 1.4 s: best 69-71).
-double sgemm_window_gflops(int64_t n, int threads, double seconds) {
-  const Tensor<float> a = random_normal({n, n}, 1), b = random_normal({n, n}, 2);
-  Tensor<float> c({n, n});
-  Stopwatch one;
-  sgemm(n, a.data(), b.data(), c.data(), threads);
-  const int64_t calls = std::max<int64_t>(1, std::llround(seconds / one.elapsed_s()));
-  const bool cpu = g_cpu_time && threads == 1;  // the clock of the rows' kernel calls
-  double best = 1e300;
-  for (int w = 0; w < 2; ++w) {
+// Windows of back-to-back sgemm calls of M = N = K = n, each about `seconds` long (at least one
+// call; the count is set by one untimed call), timed as one, with the clock of the rows' kernel
+// calls. A shared machine's noise comes in bursts: the best of many short calls finds a quiet
+// 30 ms, a one-second kernel call never does, so the short-call rate would overstate what the
+// machine gives a long call (here 1024^3 calls: best 78-79 GFLOP/s; 4096^3 calls of 1.4 s: best
+// 69-71).
+class SgemmWindow {
+ public:
+  SgemmWindow(int64_t n, int threads, double seconds)
+      : n_(n),
+        threads_(threads),
+        a_(random_normal({n, n}, 1)),
+        b_(random_normal({n, n}, 2)),
+        c_({n, n}) {
+    Stopwatch one;
+    sgemm(n_, a_.data(), b_.data(), c_.data(), threads_);
+    calls_ = std::max<int64_t>(1, std::llround(seconds / one.elapsed_s()));
+  }
+  // GFLOP/s of one window.
+  double gflops() {
+    const bool cpu = g_cpu_time && threads_ == 1;
     Stopwatch sw;
     const double c0 = cpu ? cpu_seconds() : 0.0;
-    for (int64_t i = 0; i < calls; ++i) sgemm(n, a.data(), b.data(), c.data(), threads);
-    best = std::min(best, cpu ? cpu_seconds() - c0 : sw.elapsed_s());
+    for (int64_t i = 0; i < calls_; ++i) sgemm(n_, a_.data(), b_.data(), c_.data(), threads_);
+    const double t = cpu ? cpu_seconds() - c0 : sw.elapsed_s();
+    return 2.0 * static_cast<double>(n_ * n_ * n_) * static_cast<double>(calls_) / t * 1e-9;
   }
-  return 2.0 * static_cast<double>(n * n * n) * static_cast<double>(calls) / best * 1e-9;
+
+ private:
+  int64_t n_;
+  int threads_;
+  Tensor<float> a_, b_, c_;
+  int64_t calls_ = 1;
+};
+
+// The faster of two windows (--sgemm-window).
+double sgemm_window_gflops(int64_t n, int threads, double seconds) {
+  SgemmWindow w(n, threads, seconds);
+  return std::max(w.gflops(), w.gflops());
+}
+
+// The timed calls of one kernel of a row and the sgemm windows between them: one untimed warm-up
+// call, then window, call, window, ..., call, window (at least kMinCalls calls, more until
+// min_time has passed), each window as long as the warm-up call. The windows span the same seconds
+// as the calls, so the fastest call and the fastest window, the least disturbed of each, come
+// from the same stretch of the machine's drifting speed.
+struct Paired {
+  std::vector<double> call_s;  // each timed call, seconds
+  std::vector<double> sgemm;   // windows, GFLOP/s: sgemm[i] right before call i, sgemm[i + 1] after
+  double best_s() const { return *std::min_element(call_s.begin(), call_s.end()); }
+  double best_sgemm() const { return *std::max_element(sgemm.begin(), sgemm.end()); }
+};
+
+constexpr int kMinCalls = 3;
+
+template <class F>
+Paired time_paired(F&& f, double min_time, int threads, int64_t gemm_n) {
+  const bool cpu = g_cpu_time && threads == 1;
+  Stopwatch warm;
+  f();
+  SgemmWindow window(gemm_n, threads, warm.elapsed_s());
+  // With several threads, OpenBLAS's workers spin for a while after a call and the kernels'
+  // OpenMP threads after theirs: on a machine with few cores each would slow the other down. A
+  // pause (untimed) lets them go idle.
+  auto gemm = [&] {
+    if (threads > 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const double g = window.gflops();
+    if (threads > 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    return g;
+  };
+  Paired p;
+  p.sgemm.push_back(gemm());
+  Stopwatch total;
+  while (static_cast<int>(p.call_s.size()) < kMinCalls || total.elapsed_s() < min_time) {
+    Stopwatch sw;
+    const double c0 = cpu ? cpu_seconds() : 0.0;
+    f();
+    p.call_s.push_back(cpu ? cpu_seconds() - c0 : sw.elapsed_s());
+    p.sgemm.push_back(gemm());
+  }
+  return p;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -197,17 +240,24 @@ struct Row {
   bool causal;
   int threads;
   int64_t visible_pairs;
-  double fwd_s, bwd_s, fwd_gflops, bwd_gflops, gemm_gflops;
-  double fwd_ratio() const { return fwd_gflops / gemm_gflops; }
-  double bwd_ratio() const { return bwd_gflops / gemm_gflops; }
+  Paired fwd, bwd;
+  double fwd_flops() const { return 4.0 * static_cast<double>(dim * visible_pairs); }
+  double bwd_flops() const { return 2.5 * fwd_flops(); }
+  double fwd_gflops() const { return fwd_flops() / fwd.best_s() * 1e-9; }
+  double bwd_gflops() const { return bwd_flops() / bwd.best_s() * 1e-9; }
+  // The sgemm column: the fastest of all the row's windows (forward's and backward's), the
+  // ratios' denominator.
+  double gemm_gflops() const { return std::max(fwd.best_sgemm(), bwd.best_sgemm()); }
+  double fwd_ratio() const { return fwd_gflops() / gemm_gflops(); }
+  double bwd_ratio() const { return bwd_gflops() / gemm_gflops(); }
 };
 
 // One shape: sq query rows at positions [sk - sq, sk) against sk keys at [0, sk) (sq == sk: the
-// whole sequence; sq < sk with !causal: one ring step's block pair).
-// before_timing runs once, with the forward's warm-up duration, before any timed call.
+// whole sequence; sq < sk with !causal: one ring step's block pair). The forward and the backward
+// are each timed between sgemm windows (time_paired).
 template <class T>
 Row run_shape_t(const Options& o, int64_t sq, int64_t sk, int64_t d, bool causal, int threads,
-                const std::function<void(double)>& before_timing, const char* dtype) {
+                const char* dtype) {
   const int64_t h = o.heads, hkv = o.kv_heads;
   const Tensor<float> q32 = random_normal({sq, h, d}, 11), k32 = random_normal({sk, hkv, d}, 12),
                       v32 = random_normal({sk, hkv, d}, 13), do32 = random_normal({sq, h, d}, 14);
@@ -232,43 +282,31 @@ Row run_shape_t(const Options& o, int64_t sq, int64_t sk, int64_t d, bool causal
   Tensor<T> out({sq, h, d});
   std::vector<float> lse(static_cast<size_t>(h * sq)), delta(static_cast<size_t>(h * sq));
   KernelStats stats;
-  const double fwd_s = best_time(
+  Paired fwd = time_paired(
       [&] {
         st.reset();
         stats = attend(st.view(), q.view3(), k.view3(), v.view3(), qt, kt, cfg);
         finish(st.view(), out.view3(), lse.data(), sq);
       },
-      o.min_time, threads, before_timing);
+      o.min_time, threads, o.gemm_n);
   compute_delta(View3<const T>(out.view3()), dout.view3(), delta.data(), sq);
   Tensor<float> dq({sq, h, d}), dk({sk, hkv, d}), dv({sk, hkv, d});
-  const double bwd_s = best_time(
+  Paired bwd = time_paired(
       [&] {
         attend_backward(q.view3(), k.view3(), v.view3(), dout.view3(), lse.data(), delta.data(), sq,
                         qt, kt, cfg, dq.view3(), dk.view3(), dv.view3());
       },
-      o.min_time, threads);
-  const double fwd_flops = 4.0 * static_cast<double>(d) * static_cast<double>(stats.visible_pairs);
-  return Row{dtype,
-             sq,
-             sk,
-             h,
-             hkv,
-             d,
-             causal,
-             threads,
-             stats.visible_pairs,
-             fwd_s,
-             bwd_s,
-             fwd_flops / fwd_s * 1e-9,
-             2.5 * fwd_flops / bwd_s * 1e-9,
-             0.0};
+      o.min_time, threads, o.gemm_n);
+  Row r{dtype, sq, sk, h, hkv, d, causal, threads, stats.visible_pairs, {}, {}};
+  r.fwd = std::move(fwd);
+  r.bwd = std::move(bwd);
+  return r;
 }
 
 Row run_shape(const Options& o, const std::string& dtype, int64_t sq, int64_t sk, int64_t d,
-              bool causal, int threads, const std::function<void(double)>& before_timing) {
-  if (dtype == "bf16")
-    return run_shape_t<bf16>(o, sq, sk, d, causal, threads, before_timing, "bf16");
-  return run_shape_t<float>(o, sq, sk, d, causal, threads, before_timing, "fp32");
+              bool causal, int threads) {
+  if (dtype == "bf16") return run_shape_t<bf16>(o, sq, sk, d, causal, threads, "bf16");
+  return run_shape_t<float>(o, sq, sk, d, causal, threads, "fp32");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -518,16 +556,23 @@ nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal) {
   return row;
 }
 
+// Whether o.torch_python can import torch (the default's test for PyTorch's rows).
+bool torch_importable(const Options& o) {
+  const std::string cmd =
+      "timeout -k 5 120 " + shell_quote(o.torch_python) + " -c 'import torch' > /dev/null 2>&1";
+  const int st = std::system(cmd.c_str());
+  return st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
 // One row of the table: a loom row, or PyTorch's beneath it (label "torch", its sgemm torch.mm).
 void print_row(const char* label, int64_t sq, int64_t sk, int64_t heads, int64_t kv_heads,
                int64_t d, bool causal, int threads, double gemm, double fwd_s, double fwd_gflops,
-               double bwd_s, double bwd_gflops) {
+               double fwd_ratio, double bwd_s, double bwd_gflops, double bwd_ratio) {
   std::printf(
       "%5s %6lld %6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | %9.1f %8.1f %6.2f\n",
       label, static_cast<long long>(sq), static_cast<long long>(sk), static_cast<long long>(heads),
       static_cast<long long>(kv_heads), static_cast<long long>(d), causal ? "causal" : "full",
-      threads, gemm, fwd_s * 1e3, fwd_gflops, gemm > 0 ? fwd_gflops / gemm : 0.0, bwd_s * 1e3,
-      bwd_gflops, gemm > 0 ? bwd_gflops / gemm : 0.0);
+      threads, gemm, fwd_s * 1e3, fwd_gflops, fwd_ratio, bwd_s * 1e3, bwd_gflops, bwd_ratio);
   std::fflush(stdout);
 }
 
@@ -557,9 +602,22 @@ int run(const Options& o) {
                 all.c_str());
   }
   std::printf(
-      "sgemm: %s, M = N = K = %lld, before and after each row with its threads, windows as long "
-      "as its forward call\n",
+      "sgemm: %s, M = N = K = %lld, with the row's threads, in windows as long as one kernel call "
+      "between the row's timed calls; the row's fastest window, and /gemm its fastest call over "
+      "that\n",
       kGemmName, static_cast<long long>(o.gemm_n));
+  bool torch = o.torch;
+  if (!o.torch && !o.no_torch && o.torch_json.empty()) {
+    torch = torch_importable(o);
+    if (!torch)
+      std::printf(
+          "PyTorch rows: skipped (%s cannot import torch; --torch-python names a Python that can, "
+          "--no-torch leaves them out)\n",
+          o.torch_python.c_str());
+  }
+  if (torch)
+    std::printf("PyTorch rows: %s %s on each fp32 one-thread shape, right after loom's row\n",
+                o.torch_python.c_str(), LOOM_TORCH_COMPARE);
   std::printf("\n%5s %6s %6s %3s %4s %4s %6s %3s %7s | %9s %8s %6s | %9s %8s %6s\n", "dtype", "Sq",
               "Sk", "H", "Hkv", "D", "mask", "thr", "sgemm", "fwd ms", "GFLOP/s", "/gemm", "bwd ms",
               "GFLOP/s", "/gemm");
@@ -568,25 +626,10 @@ int run(const Options& o) {
   std::vector<Row> done;
   auto measure = [&](const std::string& dtype, int64_t sq, int64_t sk, int64_t d, bool causal,
                      int threads) {
-    // The row's sgemm rate: windows as long as its forward call (sgemm_window_gflops), right
-    // before its timed calls and right after them, the faster of the two. On a shared machine
-    // the load drifts, and a ratio of two measurements minutes apart would mostly measure that
-    // drift; the faster of before / after keeps a dip in either from moving the row's ratio.
-    double gemm_before = 0, window_s = 0;
-    auto before = [&](double warm_s) {
-      window_s = warm_s;
-      gemm_before = sgemm_window_gflops(o.gemm_n, threads, window_s);
-#if LOOM_BENCH_OPENBLAS
-      // OpenBLAS's worker threads keep spinning for a while after a call; on a machine with
-      // few cores they would compete with the kernels' OpenMP threads. Let them go idle.
-      openblas_set_num_threads(1);
-      if (threads > 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
-#endif
-    };
-    Row r = run_shape(o, dtype, sq, sk, d, causal, threads, before);
-    r.gemm_gflops = std::max(gemm_before, sgemm_window_gflops(o.gemm_n, threads, window_s));
+    const Row r = run_shape(o, dtype, sq, sk, d, causal, threads);
     print_row(r.dtype.c_str(), r.sq, r.sk, r.heads, r.kv_heads, r.dim, r.causal, r.threads,
-              r.gemm_gflops, r.fwd_s, r.fwd_gflops, r.bwd_s, r.bwd_gflops);
+              r.gemm_gflops(), r.fwd.best_s(), r.fwd_gflops(), r.fwd_ratio(), r.bwd.best_s(),
+              r.bwd_gflops(), r.bwd_ratio());
     rows.push_back({{"dtype", r.dtype},
                     {"seq_q", r.sq},
                     {"seq_k", r.sk},
@@ -596,19 +639,24 @@ int run(const Options& o) {
                     {"causal", r.causal},
                     {"threads", r.threads},
                     {"visible_pairs", r.visible_pairs},
-                    {"fwd_s", r.fwd_s},
-                    {"bwd_s", r.bwd_s},
-                    {"fwd_gflops", r.fwd_gflops},
-                    {"bwd_gflops", r.bwd_gflops},
-                    {"gemm_gflops", r.gemm_gflops},
+                    {"fwd_s", r.fwd.best_s()},
+                    {"bwd_s", r.bwd.best_s()},
+                    {"fwd_gflops", r.fwd_gflops()},
+                    {"bwd_gflops", r.bwd_gflops()},
+                    {"gemm_gflops", r.gemm_gflops()},
                     {"fwd_ratio", r.fwd_ratio()},
-                    {"bwd_ratio", r.bwd_ratio()}});
+                    {"bwd_ratio", r.bwd_ratio()},
+                    {"fwd_calls_s", r.fwd.call_s},
+                    {"fwd_sgemm", r.fwd.sgemm},
+                    {"bwd_calls_s", r.bwd.call_s},
+                    {"bwd_sgemm", r.bwd.sgemm}});
     done.push_back(r);
-    if (o.torch && threads == 1 && dtype == "fp32") {
+    if (torch && threads == 1 && dtype == "fp32") {
       const nlohmann::json t = torch_row(o, sq, d, causal);
-      print_row("torch", sq, sk, o.heads, o.heads, d, causal, threads, t.value("gemm_gflops", 0.0),
-                t.value("fwd_s", 0.0), t.value("fwd_gflops", 0.0), t.value("bwd_s", 0.0),
-                t.value("bwd_gflops", 0.0));
+      const double tg = t.value("gemm_gflops", 0.0), tf = t.value("fwd_gflops", 0.0),
+                   tb = t.value("bwd_gflops", 0.0);
+      print_row("torch", sq, sk, o.heads, o.heads, d, causal, threads, tg, t.value("fwd_s", 0.0),
+                tf, tg > 0 ? tf / tg : 0.0, t.value("bwd_s", 0.0), tb, tg > 0 ? tb / tg : 0.0);
       torch_rows.push_back(t);
     }
   };
@@ -622,19 +670,18 @@ int run(const Options& o) {
     for (const std::string& dtype : o.dtypes)
       for (int64_t d : o.dims) measure(dtype, o.ring, o.ring, d, false, 1);
 
-  // The issue's targets as ratios of rows of this run: kernel rates over the row's own sgemm rate
-  // (the faster of the measurements right before and right after it: the kernel and the sgemm
-  // times are both best-of calls within the same minute), and rates of rows over each other. The
+  // The issue's targets as ratios of rows of this run: kernel rates over the sgemm windows beside
+  // their calls (the rows' ratios), and rows' ratios over each other. The
   // run's best and worst sgemm are printed beside them: on a shared machine the rate drifts by
   // 20-30 % from minute to minute, and a ratio of measurements minutes apart mostly measures that.
   std::map<int, double> best_gemm, worst_gemm;
   for (const Row& r : done) {
-    best_gemm[r.threads] = std::max(best_gemm[r.threads], r.gemm_gflops);
+    best_gemm[r.threads] = std::max(best_gemm[r.threads], r.gemm_gflops());
     worst_gemm[r.threads] = worst_gemm.count(r.threads)
-                                ? std::min(worst_gemm[r.threads], r.gemm_gflops)
-                                : r.gemm_gflops;
+                                ? std::min(worst_gemm[r.threads], r.gemm_gflops())
+                                : r.gemm_gflops();
   }
-  std::printf("\nsgemm of the run's rows (the faster of before / after each row), worst - best:");
+  std::printf("\nsgemm of the run's rows (each row's fastest window), worst - best:");
   for (const auto& [threads, g] : best_gemm)
     std::printf(" %.1f - %.1f GFLOP/s (%d thr)", worst_gemm[threads], g, threads);
   std::printf("\n");
@@ -666,7 +713,7 @@ int run(const Options& o) {
   const std::string path = kernel_path();
   const bool avx512 = path.rfind("avx512", 0) == 0;
   std::printf("\ntargets (issue 10, %s path), from the rows above:\n", path.c_str());
-  // Rates of two 1-thread rows over each other, each over its own sgemm (fwd_ratio / bwd_ratio):
+  // Two 1-thread rows over each other, each over its own sgemm windows (fwd_ratio / bwd_ratio):
   // the rows ran a minute or more apart, and the machine's speed drifts by more than the targets'
   // margins in that time; the 2-thread / 1-thread targets stay raw (a second thread is what they
   // measure).
@@ -690,8 +737,10 @@ int run(const Options& o) {
       const Row* one = find(dtype, big, d, false, 1);
       const Row* two = find(dtype, big, d, false, 2);
       if (!avx512 && one && two) {
-        target(dtype + " fwd 2 thr / 1 thr, full," + tag, two->fwd_gflops / one->fwd_gflops, 1.85);
-        target(dtype + " bwd 2 thr / 1 thr, full," + tag, two->bwd_gflops / one->bwd_gflops, 1.85);
+        target(dtype + " fwd 2 thr / 1 thr, full," + tag, two->fwd_gflops() / one->fwd_gflops(),
+               1.85);
+        target(dtype + " bwd 2 thr / 1 thr, full," + tag, two->bwd_gflops() / one->bwd_gflops(),
+               1.85);
       }
       const Row* ring = find(dtype, o.ring, d, false, 1);
       if (!avx512 && one && ring && o.ring != big) {
@@ -720,9 +769,9 @@ int run(const Options& o) {
   }
   // PyTorch eager on the same shapes: --torch (each row right after loom's, in this run) or
   // --torch-json (bench/torch_compare.py --json, an earlier run on the same machine).
-  if (o.torch || !o.torch_json.empty()) {
+  if (torch || !o.torch_json.empty()) {
     nlohmann::json tj;
-    if (o.torch) {
+    if (torch) {
       tj["results"] = torch_rows;
       tj["torch"] = torch_rows.empty() ? std::string("?") : torch_rows[0].value("torch", "?");
     } else {
@@ -737,9 +786,8 @@ int run(const Options& o) {
                  o.torch_json << ": no \"results\" array (write it with bench/torch_compare.py)");
     }
     const std::string tv = tj.value("torch", std::string("?"));
-    std::printf(
-        "\nloom / PyTorch %s eager (%s), same shapes:\n", tv.c_str(),
-        o.torch ? "--torch: each PyTorch row right after loom's, this run" : o.torch_json.c_str());
+    std::printf("\nloom / PyTorch %s eager (%s), same shapes:\n", tv.c_str(),
+                torch ? "each PyTorch row right after loom's, this run" : o.torch_json.c_str());
     doc["torch"] = tj;
     for (const auto& t : tj["results"]) {
       const Row* r =
@@ -754,10 +802,10 @@ int run(const Options& o) {
       std::printf("  torch%s: fwd %.1f, bwd %.1f GFLOP/s\n", tag.c_str(), tf, tbw);
       if (r->sq != big || r->threads != 1 || r->dtype != "fp32") continue;
       if (r->causal) {
-        target("loom / torch fwd," + tag, r->fwd_gflops / tf, 5.0);
+        target("loom / torch fwd," + tag, r->fwd_gflops() / tf, 5.0);
       } else {
-        target("loom / torch fwd," + tag, r->fwd_gflops / tf, 2.5);
-        target("loom / torch bwd," + tag, r->bwd_gflops / tbw, 1.5);
+        target("loom / torch fwd," + tag, r->fwd_gflops() / tf, 2.5);
+        target("loom / torch bwd," + tag, r->bwd_gflops() / tbw, 1.5);
       }
     }
   }
@@ -794,11 +842,15 @@ int main(int argc, char** argv) {
   app.add_option(
       "--torch-json", o.torch_json,
       "bench/torch_compare.py --json output on the same shapes: adds the PyTorch ratios");
-  app.add_flag("--torch", o.torch,
-               "run PyTorch eager (bench/torch_compare.py) on each fp32 one-thread shape right "
-               "after loom's row: the PyTorch ratios from the same minute")
-      ->excludes("--torch-json");
-  app.add_option("--torch-python", o.torch_python, "the Python with torch, for --torch");
+  auto* torch_flag =
+      app.add_flag("--torch", o.torch,
+                   "require PyTorch eager (bench/torch_compare.py) on each fp32 one-thread shape "
+                   "right after loom's row, the PyTorch ratios from the same minute (the default "
+                   "where --torch-python can import torch)")
+          ->excludes("--torch-json");
+  app.add_flag("--no-torch", o.no_torch, "leave PyTorch's rows out")->excludes(torch_flag);
+  app.add_option("--torch-python", o.torch_python,
+                 "the Python with torch (default /usr/bin/python3)");
   app.add_flag("--cpu-time", loom::g_cpu_time,
                "time one-thread rows by the process CPU clock (for loaded machines)");
   app.add_flag("--tile-ops", o.tile_ops,

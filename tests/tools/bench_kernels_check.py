@@ -5,7 +5,9 @@
 
 Runs BENCH_KERNELS on S = 256, D = 128 and 64 (in that order: the D = 64 / D = 128 line once
 divided by the last --dim), fp32 and bf16, with a ring-step row, and checks from its --json that
-  - every row's sgemm rate is positive and each ratio is the row's rate over it;
+  - every row has at least 3 timed calls of each kernel with an sgemm window before and after
+    each, its GFLOP/s is its fastest call's, its sgemm rate is its fastest window and each ratio
+    is the row's rate over it;
   - each target's value is what its rows give: the sgemm lines the D = 128 row's ratios, the
     row-over-row lines the quotient of the two rows' ratios, in the right order;
   - the sgemm lines appear for D = 128 only, and the D = 64 / D = 128 line appears once per kind;
@@ -25,7 +27,7 @@ def main():
     out = os.path.join(work, "bench.json")
     cmd = [bench, "--seq", "256", "--dim", "128", "64", "--dtype", "fp32", "bf16", "--ring", "128",
            "--threads", "1", "--min-time", "0.01", "--heads", "2", "--kv-heads", "2",
-           "--gemm-n", "128", "--json", out]
+           "--gemm-n", "128", "--no-torch", "--json", out]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         print(f"bench_kernels exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
@@ -43,9 +45,18 @@ def main():
         return None
 
     for x in rows:
-        if not x["gemm_gflops"] > 0:
-            bad.append(f"row without an sgemm rate: {x}")
-            continue
+        fwd_flops = 4.0 * x["dim"] * x["visible_pairs"]
+        windows = []
+        for k, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
+            calls, gemm = x[f"{k}_calls_s"], x[f"{k}_sgemm"]
+            windows += gemm
+            if len(calls) < 3 or len(gemm) != len(calls) + 1 or min(gemm) <= 0 or min(calls) <= 0:
+                bad.append(f"{k}: want >= 3 calls and a positive window beside each: {x}")
+                continue
+            if not math.isclose(x[f"{k}_gflops"], flops / min(calls) * 1e-9, rel_tol=1e-9):
+                bad.append(f"{k}_gflops is not the fastest call's rate: {x}")
+        if windows and not math.isclose(x["gemm_gflops"], max(windows), rel_tol=1e-9):
+            bad.append(f"gemm_gflops is not the fastest window: {x}")
         for k in ("fwd", "bwd"):
             if not math.isclose(x[f"{k}_ratio"], x[f"{k}_gflops"] / x["gemm_gflops"],
                                 rel_tol=1e-9):

@@ -1,15 +1,19 @@
 #!/usr/bin/python3
-"""Checks bench_kernels --torch (PyTorch eager on each shape, right after loom's row) on a tiny sweep.
+"""Checks bench_kernels' PyTorch rows (PyTorch eager on each shape, right after loom's row) on a
+tiny sweep.
 
   bench_torch_check.py BENCH_KERNELS PYTHON_WITH_TORCH WORKDIR
 
-Runs BENCH_KERNELS --torch on S = 256, D = 64 (full and causal) and checks
+Runs BENCH_KERNELS on S = 256, D = 64 (full and causal), without --torch (the rows are the
+default where the Python can import torch), and checks
   - a PyTorch row follows each fp32 one-thread loom row of the table, with the same shape;
   - the --json "torch" rows are those shapes, with positive rates;
   - each "loom / torch" target is loom's row rate over PyTorch's row rate, and "met" is
     value >= target;
-and that a Python that cannot be run, or --torch with --torch-json, is one error and a non-zero
-exit, leaving no temporary file behind. Nothing is timed against a threshold.
+and that by default a Python that cannot import torch is one "skipped" line, no PyTorch rows and
+a zero exit; that with --torch a Python that cannot be run is one error and a non-zero exit,
+leaving no temporary file behind; and that --torch with --torch-json or --no-torch is refused.
+Nothing is timed against a threshold.
 Exit 0 when all hold, else 1 with one line per failure.
 """
 import json
@@ -27,7 +31,7 @@ def main():
     base = [bench, "--seq", "256", "--dim", "64", "--dtype", "fp32", "--ring", "0", "--threads",
             "1", "--min-time", "0.01", "--heads", "2", "--kv-heads", "2", "--gemm-n", "128",
             "--no-check"]
-    r = subprocess.run(base + ["--torch", "--torch-python", python, "--json", out],
+    r = subprocess.run(base + ["--torch-python", python, "--json", out],
                        capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         print(f"bench_kernels --torch exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
@@ -78,10 +82,23 @@ def main():
         tmp = re.search(r"--json '([^']+)'", err[0])
         if not tmp or os.path.exists(tmp.group(1)):
             bad.append(f"the temporary file of a failed --torch run is left behind: {err[0]}")
-    r = subprocess.run(base + ["--torch", "--torch-json", out], capture_output=True, text=True,
-                       timeout=60)
-    if r.returncode == 0:
-        bad.append("--torch with --torch-json was accepted")
+    # The default with a Python that cannot import torch: skipped, said once, exit 0.
+    notorch = os.path.join(work, "python-without-torch")
+    with open(notorch, "w") as f:
+        f.write("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
+    os.chmod(notorch, 0o755)
+    out2 = os.path.join(work, "bench_notorch.json")
+    r = subprocess.run(base + ["--torch-python", notorch, "--json", out2], capture_output=True,
+                       text=True, timeout=120)
+    skips = [x for x in r.stdout.splitlines() if x.startswith("PyTorch rows: skipped")]
+    if r.returncode != 0 or len(skips) != 1 or notorch not in skips[0]:
+        bad.append(f"a Python without torch by default: exit {r.returncode}, stdout {r.stdout!r}")
+    elif re.search(r"^\s*torch\s", r.stdout, re.M) or "torch" in json.load(open(out2)):
+        bad.append("PyTorch rows although the Python cannot import torch")
+    for other in (["--torch-json", out], ["--no-torch"]):
+        r = subprocess.run(base + ["--torch"] + other, capture_output=True, text=True, timeout=60)
+        if r.returncode == 0:
+            bad.append(f"--torch with {other[0]} was accepted")
     if bad:
         print("\n".join(bad))
         return 1
