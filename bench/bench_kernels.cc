@@ -660,15 +660,17 @@ int run(const Options& o) {
       torch_rows.push_back(t);
     }
   };
-  for (const std::string& dtype : o.dtypes)
-    for (int64_t s : o.seqs)
-      for (int64_t d : o.dims)
-        for (bool causal : {false, true})
+  // The dtypes of a shape in consecutive rows: the bf16 / fp32 lines divide rows a minute apart,
+  // not the length of the sweep.
+  for (int64_t s : o.seqs)
+    for (int64_t d : o.dims)
+      for (bool causal : {false, true})
+        for (const std::string& dtype : o.dtypes)
           for (int threads : thread_counts) measure(dtype, s, s, d, causal, threads);
   // Ring-step size: one shard's queries against one KV block (a later, unmasked ring step).
   if (o.ring > 0)
-    for (const std::string& dtype : o.dtypes)
-      for (int64_t d : o.dims) measure(dtype, o.ring, o.ring, d, false, 1);
+    for (int64_t d : o.dims)
+      for (const std::string& dtype : o.dtypes) measure(dtype, o.ring, o.ring, d, false, 1);
 
   // The targets as ratios of rows of this run: kernel rates over the sgemm windows beside
   // their calls (the rows' ratios), and rows' ratios over each other. The
