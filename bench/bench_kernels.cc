@@ -190,8 +190,8 @@ double sgemm_window_gflops(int64_t n, int threads, double seconds) {
 }
 
 // The timed calls of one kernel of a row and the sgemm windows between them: one untimed warm-up
-// call, then window, call, window, ..., call, window (at least kMinCalls calls, more until
-// min_time has passed), each window as long as the warm-up call. The windows span the same seconds
+// call, then window, call, window, ..., call, window (at least kMinCalls calls, more until they
+// add up to min_time), each window as long as the warm-up call. The windows span the same seconds
 // as the calls, so the fastest call and the fastest window, the least disturbed of each, come
 // from the same stretch of the machine's drifting speed.
 struct Paired {
@@ -220,12 +220,13 @@ Paired time_paired(F&& f, double min_time, int threads, int64_t gemm_n) {
   };
   Paired p;
   p.sgemm.push_back(gemm());
-  Stopwatch total;
-  while (static_cast<int>(p.call_s.size()) < kMinCalls || total.elapsed_s() < min_time) {
+  double in_calls = 0;  // min_time counts the calls, not the windows
+  while (static_cast<int>(p.call_s.size()) < kMinCalls || in_calls < min_time) {
     Stopwatch sw;
     const double c0 = cpu ? cpu_seconds() : 0.0;
     f();
     p.call_s.push_back(cpu ? cpu_seconds() - c0 : sw.elapsed_s());
+    in_calls += sw.elapsed_s();
     p.sgemm.push_back(gemm());
   }
   return p;
