@@ -4,7 +4,8 @@
 // For each shape of the sweep (--seq x --dim x causal/full x {1 thread, all threads}; --heads
 // query heads, --kv-heads kv heads) the forward is one attend over all keys plus finish, the
 // backward one attend_backward (delta precomputed). Each is called once untimed, then at least 3
-// times and more until --min-time seconds have passed; the GFLOP/s column is the fastest call.
+// times and more until the timed calls add up to --min-time seconds; the GFLOP/s column is the
+// fastest call.
 // Useful FLOPs count only visible (query, key, head) triples, as reported by the kernel: forward
 // 4 * D * pairs, backward 2.5x that.
 //
@@ -13,7 +14,7 @@
 // each window back-to-back calls as long as one kernel call. The sgemm is OpenBLAS's cblas_sgemm
 // where CMake found it (threads set with openblas_set_num_threads, the run-time form of
 // OPENBLAS_NUM_THREADS), else a naive blocked sgemm. A row's sgemm column is its fastest window,
-// and its ratio columns are its fastest calls' rates over that: on a shared machine whose speed
+// and its ratio columns are its fastest call's rates over that: on a shared machine whose speed
 // moves 10-25 % from minute to minute, windows among the calls keep both from the same seconds.
 //
 // Before timing, a small problem (S = 256, causal, GQA, tiles that do not divide S) is checked
@@ -21,12 +22,11 @@
 // failed check exits non-zero. --no-check skips it.
 //
 // Where /usr/bin/python3 (or --torch-python) can import torch, PyTorch eager
-// (bench/torch_compare.py) runs on each fp32 one-thread shape right after loom's row and is printed
-// beneath it (its sgemm column: torch.mm), so the loom / PyTorch targets divide rates of the same
-// minute; elsewhere one line says they were skipped. --torch makes them required (a Python without
-// torch is an error),
-// --no-torch leaves them out, --torch-json reads them from an earlier torch_compare.py run
-// instead. PyTorch runs every head's own k and v (no GQA).
+// (bench/torch_compare.py) runs on each fp32 one-thread shape right after loom's row and is
+// printed beneath it (its sgemm column: torch.mm), so the loom / PyTorch targets divide rates of
+// the same minute; elsewhere one line says they were skipped. --torch makes them required (a
+// Python without torch is an error), --no-torch leaves them out, --torch-json reads them from an
+// earlier torch_compare.py run instead. PyTorch runs every head's own k and v (no GQA).
 //
 //   bench_kernels                                  the default sweep, a table
 //   bench_kernels --seq 1024 --dim 64 --json out.json
@@ -46,7 +46,6 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
-#include <functional>
 #include <iostream>
 #include <map>
 #include <numeric>
