@@ -3,7 +3,7 @@
 //
 // For each shape of the sweep (--seq x --dim x causal/full x {1 thread, all threads}; --heads
 // query heads, --kv-heads kv heads) the forward is one attend over all keys plus finish, the
-// backward one attend_backward (delta precomputed). Each is called once untimed, then at least 3
+// backward one attend_backward (delta precomputed). Each is called once untimed, then at least 5
 // times and more until the timed calls add up to --min-time seconds; the GFLOP/s column is the
 // fastest call.
 // Useful FLOPs count only visible (query, key, head) triples, as reported by the kernel: forward
@@ -200,7 +200,7 @@ struct Paired {
   double best_sgemm() const { return *std::max_element(sgemm.begin(), sgemm.end()); }
 };
 
-constexpr int kMinCalls = 3;
+constexpr int kMinCalls = 5;
 
 template <class F>
 Paired time_paired(F&& f, double min_time, int threads, int64_t gemm_n) {

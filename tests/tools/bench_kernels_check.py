@@ -5,7 +5,7 @@
 
 Runs BENCH_KERNELS on S = 256, D = 128 and 64 (in that order: the D = 64 / D = 128 line once
 divided by the last --dim), fp32 and bf16, with a ring-step row, and checks from its --json that
-  - every row has at least 3 timed calls of each kernel with an sgemm window before and after
+  - every row has at least 5 timed calls of each kernel with an sgemm window before and after
     each, its GFLOP/s is its fastest call's, its sgemm rate is its fastest window and each ratio
     is the row's rate over it;
   - each target's value is what its rows give: the sgemm lines the D = 128 row's ratios, the
@@ -50,8 +50,8 @@ def main():
         for k, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
             calls, gemm = x[f"{k}_calls_s"], x[f"{k}_sgemm"]
             windows += gemm
-            if len(calls) < 3 or len(gemm) != len(calls) + 1 or min(gemm) <= 0 or min(calls) <= 0:
-                bad.append(f"{k}: want >= 3 calls and a positive window beside each: {x}")
+            if len(calls) < 5 or len(gemm) != len(calls) + 1 or min(gemm) <= 0 or min(calls) <= 0:
+                bad.append(f"{k}: want >= 5 calls and a positive window beside each: {x}")
                 continue
             if not math.isclose(x[f"{k}_gflops"], flops / min(calls) * 1e-9, rel_tol=1e-9):
                 bad.append(f"{k}_gflops is not the fastest call's rate: {x}")
