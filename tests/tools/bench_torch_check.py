@@ -34,7 +34,8 @@ def main():
     r = subprocess.run(base + ["--torch-python", python, "--json", out],
                        capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
-        print(f"bench_kernels --torch exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+        print(f"bench_kernels (PyTorch rows by default) exited {r.returncode}:\n{r.stdout}\n"
+              f"{r.stderr}")
         return 1
     bad = []
     lines = r.stdout.splitlines()
