@@ -672,9 +672,9 @@ int run(const Options& o) {
     for (int64_t d : o.dims)
       for (const std::string& dtype : o.dtypes) measure(dtype, o.ring, o.ring, d, false, 1);
 
-  // The targets as ratios of rows of this run: kernel rates over the sgemm windows beside
-  // their calls (the rows' ratios), and rows' ratios over each other. The
-  // run's best and worst sgemm are printed beside them: on a shared machine the rate drifts by
+  // The targets as ratios of rows of this run: kernel rates over the sgemm windows among
+  // their calls (the rows' ratios), and rows' ratios over each other. The run's best and worst
+  // sgemm are printed beside them: on a shared machine the rate drifts by
   // 20-30 % from minute to minute, and a ratio of measurements minutes apart mostly measures that.
   std::map<int, double> best_gemm, worst_gemm;
   for (const Row& r : done) {
@@ -769,8 +769,9 @@ int run(const Options& o) {
       target("fp32 bwd" + tag, rel_bwd(*small, *large), 0.85);
     }
   }
-  // PyTorch eager on the same shapes: --torch (each row right after loom's, in this run) or
-  // --torch-json (bench/torch_compare.py --json, an earlier run on the same machine).
+  // PyTorch eager on the same shapes: its rows of this run (each right after loom's; the default
+  // where torch imports, or --torch) or --torch-json (bench/torch_compare.py --json, an earlier
+  // run on the same machine).
   if (torch || !o.torch_json.empty()) {
     nlohmann::json tj;
     if (torch) {
