@@ -504,19 +504,20 @@ std::string shell_quote(const std::string& s) {
 }
 
 // --torch: PyTorch eager on one shape (bench/torch_compare.py in a child process, under timeout(1),
-// one thread), right after loom's row of the same shape. Returns its JSON row; a child that fails,
-// times out or writes no row is one error naming the command and its last output line.
-nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal) {
+// one thread, reps timed calls of each kernel: as many as loom's forward took), right after loom's
+// row of the same shape. Returns its JSON row; a child that fails, times out or writes no row is
+// one error naming the command and its last output line.
+nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal, size_t reps) {
   char path[] = "/tmp/loom_bench_torch_XXXXXX";
   const int fd = mkstemp(path);
   LOOM_CHECK(fd >= 0, IoError, "--torch: cannot create a temporary file in /tmp");
   close(fd);
-  const std::string cmd = "timeout -k 10 " + std::to_string(kTorchTimeoutS) + " " +
-                          shell_quote(o.torch_python) + " " + shell_quote(LOOM_TORCH_COMPARE) +
-                          " --seq " + std::to_string(sq) + " --dim " + std::to_string(d) +
-                          " --heads " + std::to_string(o.heads) + " --dtype fp32 --threads 1" +
-                          " --ring 0 --mask " + (causal ? "causal" : "full") + " --gemm-n " +
-                          std::to_string(o.gemm_n) + " --json " + shell_quote(path) + " 2>&1";
+  const std::string cmd =
+      "timeout -k 10 " + std::to_string(kTorchTimeoutS) + " " + shell_quote(o.torch_python) + " " +
+      shell_quote(LOOM_TORCH_COMPARE) + " --seq " + std::to_string(sq) + " --dim " +
+      std::to_string(d) + " --heads " + std::to_string(o.heads) + " --dtype fp32 --threads 1" +
+      " --ring 0 --mask " + (causal ? "causal" : "full") + " --reps " + std::to_string(reps) +
+      " --gemm-n " + std::to_string(o.gemm_n) + " --json " + shell_quote(path) + " 2>&1";
   std::fflush(stdout);
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) unlink(path);
@@ -652,7 +653,7 @@ int run(const Options& o) {
                     {"bwd_sgemm", r.bwd.sgemm}});
     done.push_back(r);
     if (torch && threads == 1 && dtype == "fp32") {
-      const nlohmann::json t = torch_row(o, sq, d, causal);
+      const nlohmann::json t = torch_row(o, sq, d, causal, r.fwd.call_s.size());
       const double tg = t.value("gemm_gflops", 0.0), tf = t.value("fwd_gflops", 0.0),
                    tb = t.value("bwd_gflops", 0.0);
       print_row("torch", sq, sk, o.heads, o.heads, d, causal, threads, tg, t.value("fwd_s", 0.0),

@@ -7,7 +7,8 @@ softmax, @ v; autograd for the backward) in [H, S, D] layout, the way PyTorch 1.
 attention on CPU (it has no fused CPU scaled_dot_product_attention), and reports the same useful
 FLOP counts as bench_kernels: forward 4 * D * visible pairs, backward 2.5x that; causal counts
 only the S (S + 1) / 2 visible pairs per head. Each measurement is the best of --reps calls after
-one warm-up. Next to it, torch.mm's fp32 GEMM rate (M = N = K = --gemm-n) with the same threads.
+one warm-up; the backward is timed alone, each call on the graph of an untimed forward. Next to
+it, torch.mm's fp32 GEMM rate (M = N = K = --gemm-n) with the same threads.
 
   /usr/bin/python3 bench/torch_compare.py                       # default sweep, a table
   /usr/bin/python3 bench/torch_compare.py --seq 4096 --dim 128 --threads 1 --json torch.json
@@ -27,14 +28,21 @@ import time
 # thread count runs in its own child process with those set (--child marks a child).
 
 
-def best_time(fn, reps):
-    fn()
-    best = float("inf")
-    for _ in range(reps):
+def call_times(fn, reps, setup=None):
+    """The seconds of reps timed calls of fn after one warm-up, each after an untimed setup()."""
+    times = []
+    for i in range(reps + 1):
+        if setup is not None:
+            setup()
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        if i > 0:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def best_time(fn, reps, setup=None):
+    return min(call_times(fn, reps, setup))
 
 
 def main():
@@ -130,17 +138,25 @@ def main():
             with torch.no_grad():
                 forward()
 
-        def fwd_bwd():
-            q.grad = k.grad = v.grad = None
-            forward().backward(dout)
+        # The backward alone, as bench_kernels times loom's: each timed backward runs on the graph
+        # of an untimed forward (the best of one call, not a difference of two bests).
+        graph = []
 
-        t_fwd = best_time(fwd_only, args.reps)
-        t_both = best_time(fwd_bwd, args.reps)
-        t_bwd = max(t_both - t_fwd, 1e-9)
+        def fwd_with_graph():
+            q.grad = k.grad = v.grad = None
+            graph[:] = [forward()]
+
+        def bwd_only():
+            graph.pop().backward(dout)
+
+        fwd_calls = call_times(fwd_only, args.reps)
+        bwd_calls = call_times(bwd_only, args.reps, setup=fwd_with_graph)
+        t_fwd, t_bwd = min(fwd_calls), min(bwd_calls)
         flops = 4.0 * d * pairs
         r = dict(dtype=dtype, seq_q=sq, seq_k=sk, heads=h, dim=d, causal=causal, threads=threads,
                  gemm_gflops=gemm, fwd_s=t_fwd, bwd_s=t_bwd, fwd_gflops=flops / t_fwd * 1e-9,
-                 bwd_gflops=2.5 * flops / t_bwd * 1e-9)
+                 bwd_gflops=2.5 * flops / t_bwd * 1e-9, fwd_calls_s=fwd_calls,
+                 bwd_calls_s=bwd_calls)
         print(f"{dtype:>5} {sq:>6} {sk:>6} {h:>3} {d:>4} {'causal' if causal else 'full':>6} "
               f"{threads:>3} {gemm:>7.1f} | {t_fwd * 1e3:>9.1f} {r['fwd_gflops']:>8.1f} "
               f"{r['fwd_gflops'] / gemm:>6.2f} | {t_bwd * 1e3:>9.1f} {r['bwd_gflops']:>8.1f} "

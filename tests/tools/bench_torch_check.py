@@ -7,7 +7,8 @@ tiny sweep.
 Runs BENCH_KERNELS on S = 256, D = 64 (full and causal), without --torch (the rows are the
 default where the Python can import torch), and checks
   - a PyTorch row follows each fp32 one-thread loom row of the table, with the same shape;
-  - the --json "torch" rows are those shapes, with positive rates;
+  - the --json "torch" rows are those shapes, with positive rates, each from the fastest of as
+    many timed calls as loom's row (the backward timed by itself);
   - each "loom / torch" target is loom's row rate over PyTorch's row rate, and "met" is
     value >= target;
 and that by default a Python that cannot import torch is one "skipped" line, no PyTorch rows and
@@ -60,6 +61,18 @@ def main():
         t = tr[0]
         if not (t["fwd_gflops"] > 0 and t["bwd_gflops"] > 0 and t["gemm_gflops"] > 0):
             bad.append(f"a PyTorch rate that is not positive: {t}")
+        # As many timed calls as loom's forward took (bench_kernels passes --reps), the
+        # backward timed alone: each rate is the useful FLOPs over the fastest of its own calls.
+        calls = len(lr[0]["fwd_calls_s"])
+        pairs = 2 * (256 * 257 // 2 if causal else 256 * 256)
+        for k, flops in (("fwd", 4.0 * 64 * pairs), ("bwd", 10.0 * 64 * pairs)):
+            ts = t.get(f"{k}_calls_s", [])
+            if len(ts) != calls or min(ts, default=0) <= 0:
+                bad.append(f"PyTorch {k} calls {ts} (want {calls} positive times, as loom's row)")
+            elif not (math.isclose(t[f"{k}_s"], min(ts), rel_tol=1e-12) and
+                      math.isclose(t[f"{k}_gflops"], flops / min(ts) * 1e-9, rel_tol=1e-9)):
+                bad.append(f"PyTorch {k}: {t[f'{k}_s']} s, {t[f'{k}_gflops']} GFLOP/s, but its "
+                           f"fastest call {min(ts)} s gives {flops / min(ts) * 1e-9}")
         tag = f" fp32 Sq=256 D=64 {'causal' if causal else 'full'} 1 thr"
         kinds = ("fwd",) if causal else ("fwd", "bwd")
         for k in kinds:
