@@ -41,8 +41,8 @@ def call_times(fn, reps, setup=None):
     return times
 
 
-def best_time(fn, reps, setup=None):
-    return min(call_times(fn, reps, setup))
+def best_time(fn, reps):
+    return min(call_times(fn, reps))
 
 
 def main():
