@@ -675,8 +675,8 @@ int run(const Options& o) {
 
   // The targets as ratios of rows of this run: kernel rates over the sgemm windows among
   // their calls (the rows' ratios), and rows' ratios over each other. The run's best and worst
-  // sgemm are printed beside them: on a shared machine the rate drifts by
-  // 20-30 % from minute to minute, and a ratio of measurements minutes apart mostly measures that.
+  // sgemm are printed beside them: on a shared machine the rate drifts by 20-30 % from minute to
+  // minute, and a ratio of measurements minutes apart mostly measures that.
   std::map<int, double> best_gemm, worst_gemm;
   for (const Row& r : done) {
     best_gemm[r.threads] = std::max(best_gemm[r.threads], r.gemm_gflops());

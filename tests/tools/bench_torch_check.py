@@ -64,7 +64,7 @@ def main():
         # As many timed calls as loom's forward took (bench_kernels passes --reps), the
         # backward timed alone: each rate is the useful FLOPs over the fastest of its own calls.
         calls = len(lr[0]["fwd_calls_s"])
-        pairs = 2 * (256 * 257 // 2 if causal else 256 * 256)
+        pairs = lr[0]["visible_pairs"]  # the same (query, key, head) triples on both sides
         for k, flops in (("fwd", 4.0 * 64 * pairs), ("bwd", 10.0 * 64 * pairs)):
             ts = t.get(f"{k}_calls_s", [])
             if len(ts) != calls or min(ts, default=0) <= 0:
