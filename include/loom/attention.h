@@ -59,7 +59,7 @@ inline constexpr int64_t kMaxHeadDim = 256;
 
 struct KernelConfig {
   Mask mask;
-  float scale = 0.0f;    // softmax scale; must be set (usually 1/sqrt(D))
+  float scale = 0.0f;    // softmax scale; must be set (usually 1/sqrt(D)), 0 < scale <= 2.35e38
   int threads = 0;       // OpenMP threads for this call; 0: OpenMP default
   int64_t block_q = 64;  // tile rows (queries)
   int64_t block_k = 64;  // tile columns (keys)
@@ -103,8 +103,10 @@ int64_t count_visible_pairs(Tokens qt, Tokens kt, const Mask& mask, int64_t head
 // A view of a running softmax state for `rows` query rows:
 //   acc [rows, heads, dim] fp32 (row stride acc_ss, head stride dim),
 //   m, l [heads, rows] fp32 with stride ml_stride between heads.
-// m is the running row max of the scaled scores (-inf before any key), l the running sum of
-// exp(score - m); acc the running sum of exp(score - m) * v.
+// m is the running row max of the scaled scores in base-2 units, score * log2(e) (-inf before
+// any key), l the running sum of exp(score - m ln 2) = 2^(score log2(e) - m); acc the running sum
+// of the same weights times v. (The forward computes its scores in base 2 so that its exp is a
+// cheaper 2^x; finish() converts, and lse is in natural units everywhere.)
 struct StateView {
   float* acc = nullptr;
   float* m = nullptr;
@@ -161,8 +163,8 @@ KernelStats attend(StateView st, View3<const float> q, View3<const float> k, Vie
 KernelStats attend(StateView st, View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
                    Tokens qt, Tokens kt, const KernelConfig& cfg);
 
-// out[i, h, :] = acc / l, lse[h * lse_stride + i] = m + log(l); rows with l == 0 give out = 0
-// and lse = -inf. bf16: out rounded to bf16 (nearest even); lse fp32.
+// out[i, h, :] = acc / l, lse[h * lse_stride + i] = m ln 2 + log(l) (natural log); rows with
+// l == 0 give out = 0 and lse = -inf. bf16: out rounded to bf16 (nearest even); lse fp32.
 void finish(StateView st, View3<float> out, float* lse, int64_t lse_stride);
 void finish(StateView st, View3<bf16> out, float* lse, int64_t lse_stride);
 

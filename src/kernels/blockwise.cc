@@ -13,11 +13,13 @@
 //           pairs are all visible becomes full.
 //
 // Forward (per query head h and q-tile, on the state's rows): for each non-empty k-tile, the
-// tile's scores s = scale q k^T, the online softmax update (softmax_update)
-//   m' = max(m, max_j s_j),  p_j = exp(s_j - m'),  alpha = exp(m - m'),
+// tile's scores in base 2, s = scale log2(e) q k^T (forward_score_scale), the online softmax
+// update (softmax_update)
+//   m' = max(m, max_j s_j),  p_j = 2^(s_j - m'),  alpha = 2^(m - m'),
 //   l' = alpha l + sum_j p_j,  acc' = alpha acc,
-// and acc' += p v (TileOps::gemm_panels). A row that has seen no visible key keeps m = -inf, l = 0,
-// acc = 0; the update never forms exp(-inf - -inf). finish() divides acc by l.
+// and acc' += p v (TileOps::gemm_panels); 2^(s_j - m') is exp of the natural scores' s_j - m'.
+// A row that has seen no visible key keeps m = -inf, l = 0, acc = 0; the update never forms
+// 2^(-inf + inf). finish() divides acc by l and converts m to lse in natural units.
 //
 // Backward (per kv head g and k-tile, over the query heads that read g and all q-tiles):
 //   s = scale q k^T, p = exp(s - lse), dv += p^T dout, dp = dout v^T,
@@ -605,6 +607,15 @@ void store_state(const StateView& st, int64_t h, int64_t q0, int64_t rows, const
   }
 }
 
+// The forward computes its scores in base 2, s2 = scale log2(e) q k^T, so that the softmax's
+// exp(s - m) is 2^(s2 - m2) (TileOps::softmax_update) and the state's m is in the same units.
+// The product is rounded once, from double: a relative change of the scale below 2^-24.
+constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.69314718055994531;
+float forward_score_scale(float scale) {
+  return static_cast<float>(static_cast<double>(scale) * kLog2e);
+}
+
 // E: the packed KV block's element (float, or uint16_t for bf16 panels or pairs).
 template <class T, class E = float>
 struct ForwardArgs {
@@ -636,6 +647,7 @@ void forward_task(const ForwardArgs<T, E>& a, int64_t h, int64_t qi, Workspace& 
   load_state(a.st, h, q0, rows, t, acc, m, l);
 
   const TileOps& ops = *a.ops;
+  const float score_scale = forward_score_scale(a.cfg->scale);
   const int64_t tile_bytes = t.dp * t.bk * static_cast<int64_t>(sizeof(E));  // a k^T or v tile
   // The next non-empty k-tile of q-tile i after kj, or k_tiles.
   auto next_tile = [&](int64_t i, int64_t kj) {
@@ -646,9 +658,9 @@ void forward_task(const ForwardArgs<T, E>& a, int64_t h, int64_t qi, Workspace& 
     const TileKind kind = plan.at(qi, kj);
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
     const int64_t kn = next_tile(qi, kj);
-    // s = scale q k^T, v of this tile prefetched meanwhile
+    // s = scale log2(e) q k^T, v of this tile prefetched meanwhile
     const PrefetchRegion this_v{a.kv->v(g, kj), 1, tile_bytes, 0};
-    gemm_kv(ops, t.bq, t.bk, t.dp, ws.q.get(), t.dp, a.kv->kt(g, kj), t.dp * kNr, a.cfg->scale,
+    gemm_kv(ops, t.bq, t.bk, t.dp, ws.q.get(), t.dp, a.kv->kt(g, kj), t.dp * kNr, score_scale,
             false, ws.s.get(), t.bk, ws, &this_v, 1);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
@@ -686,6 +698,7 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
   const TileOps& ops = *a.ops;
+  const float score_scale = forward_score_scale(a.cfg->scale);
   const int64_t g = h / (a.q.h / a.k.h);
   const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
   const int64_t dim = a.q.d;
@@ -706,7 +719,7 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
     const TileKind kind = plan.at(qi, kj);
     if (kind == TileKind::kEmpty) continue;
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
-    ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, t.dp, a.kv->kt(g, kj), 2 * t.bk, a.cfg->scale, false,
+    ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, t.dp, a.kv->kt(g, kj), 2 * t.bk, score_scale, false,
                   ws.s.get(), t.bk);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
@@ -723,6 +736,10 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
 void check_config(const KernelConfig& cfg) {
   kernels::check_mask(cfg.mask);
   kernels::check_scale(cfg.scale);
+  // The forward's scores carry log2 e in their scale (forward_score_scale), which must be finite.
+  constexpr double kMaxScale = std::numeric_limits<float>::max() / kLog2e;
+  LOOM_CHECK(cfg.scale <= kMaxScale, InvalidArgument,
+             "softmax scale must be at most " << kMaxScale << ", got " << cfg.scale);
   LOOM_CHECK_GE(cfg.threads, 0, InvalidArgument, "threads must be >= 0");
   LOOM_CHECK_GE(cfg.block_q, 1, InvalidArgument, "block_q must be >= 1");
   LOOM_CHECK_GE(cfg.block_k, 1, InvalidArgument, "block_k must be >= 1");
@@ -1037,7 +1054,9 @@ void finish_impl(StateView st, View3<T> out, float* lse, int64_t lse_stride) {
       }
       const float inv_l = 1.0f / l;
       for (int64_t d = 0; d < st.dim; ++d) store(o + d, acc[d] * inv_l);
-      lse[h * lse_stride + i] = st.m[h * st.ml_stride + i] + std::log(l);
+      // m is in base-2 units (forward_score_scale): lse = m ln 2 + log(l), rounded once.
+      const double m = st.m[h * st.ml_stride + i];
+      lse[h * lse_stride + i] = static_cast<float>(m * kLn2 + std::log(static_cast<double>(l)));
     }
   }
 }

@@ -212,8 +212,10 @@ expect_error "--memory-limit names estimate and limit" "(--memory-limit); make t
 expect_error "--memory-limit malformed" "--memory-limit 'lots' is not a size" --seq 64 \
   --memory-limit lots
 # 4. Non-finite results are errors; --check names them.
-expect_error "--scale 3e38 overflows to NaN: an error" "non-finite result: out on rank" \
-  --seq 64 --scale 3e38 --check
+expect_error "--scale 1e38 overflows to NaN: an error" "non-finite result: out on rank" \
+  --seq 64 --scale 1e38 --check
+expect_error "--scale 3e38: above FLT_MAX / log2(e)" "softmax scale must be at most" --seq 64 \
+  --scale 3e38
 expect_error "--scale inf" "--scale must be a positive finite number" --seq 64 --scale inf
 expect_error "--scale 0" "--scale must be a positive finite number" --seq 64 --scale 0
 mkdir -p "$work/big"

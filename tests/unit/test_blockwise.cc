@@ -761,6 +761,10 @@ TEST(Blockwise, RejectsBadArguments) {
   EXPECT_THROW(run(4, 2, 16, -1.0f), InvalidArgument);
   EXPECT_THROW(run(4, 2, 16, std::numeric_limits<float>::infinity()), InvalidArgument);
   EXPECT_THROW(run(4, 2, 16, std::nanf("")), InvalidArgument);
+  // The forward scales by scale log2(e), which must stay finite: at most FLT_MAX / log2(e).
+  EXPECT_NO_THROW(run(4, 2, 16, 2.35e38f));
+  EXPECT_THROW(run(4, 2, 16, 2.36e38f), InvalidArgument);
+  EXPECT_THROW(run(4, 2, 16, std::numeric_limits<float>::max()), InvalidArgument);
   EXPECT_THROW(run(4, 2, 16, 0.1f, 0), InvalidArgument);  // block_q = 0
 
   const Tensor<float> q({4, 2, 8}), k({4, 1, 8}), v5({5, 1, 8});

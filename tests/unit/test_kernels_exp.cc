@@ -67,6 +67,52 @@ TEST_P(KernelsExp, BelowRangeAndMinusInfinityGiveZero) {
   }
 }
 
+// The forward's 2^x (TileOps::exp2): the same bound on [-125, 0] (where the forward calls it:
+// s2 - m2 <= 0) and a little above, with the reduction's breakpoints (the half-integers, where
+// round(x) changes and |f| = 1/2) and the integers (f = 0, y = 2^n exactly).
+TEST_P(KernelsExp, Exp2RelativeErrorWithinFourUlp) {
+  const TileOps* ops = ops_or_skip();
+  if (ops == nullptr) GTEST_SKIP() << GetParam() << ": this CPU cannot run this target";
+  std::vector<float> x;
+  const int n = 1 << 20;
+  for (int i = 0; i < n; ++i) x.push_back(-125.0f + 126.0f * static_cast<float>(i) / (n - 1));
+  for (int k = -125; k <= 1; ++k)
+    for (float off : {-0.5f, -0.4999999f, -1e-6f, 0.0f, 1e-6f, 0.4999999f, 0.5f}) {
+      const float v = static_cast<float>(k) + off;
+      if (v >= -125.0f && v <= 1.0f) x.push_back(v);
+    }
+  while (x.size() % 16 != 0) x.push_back(0.0f);
+  std::vector<float> y(x.size());
+  ops->exp2(x.data(), y.data(), static_cast<int64_t>(x.size()));
+  double worst = 0.0;
+  float worst_x = 0.0f;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double ref = std::exp2(static_cast<double>(x[i]));
+    const double err = std::fabs(static_cast<double>(y[i]) - ref) / ref;
+    if (err > worst) worst = err, worst_x = x[i];
+    if (x[i] == std::floor(x[i])) {
+      EXPECT_EQ(y[i], static_cast<float>(ref)) << ops->name << ": 2^" << x[i];
+    }
+  }
+  EXPECT_LE(worst, kExpUlpBound) << ops->name << " at x = " << worst_x;
+  std::printf("%s: exp2 max relative error %.3e (%.2f ulp) at x = %.7g\n", ops->name, worst,
+              worst / 0x1p-23, static_cast<double>(worst_x));
+}
+
+TEST_P(KernelsExp, Exp2BelowRangeMinusInfinityAndNaNGiveZero) {
+  const TileOps* ops = ops_or_skip();
+  if (ops == nullptr) GTEST_SKIP() << GetParam() << ": this CPU cannot run this target";
+  std::vector<float> x(32);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < x.size(); ++i) x[i] = -125.0001f - 10.0f * static_cast<float>(i);
+  x[5] = -inf;
+  x[7] = std::numeric_limits<float>::quiet_NaN();
+  x[31] = -1e30f;
+  std::vector<float> y(x.size(), 1.0f);
+  ops->exp2(x.data(), y.data(), static_cast<int64_t>(x.size()));
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(y[i], 0.0f) << ops->name << " x " << x[i];
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, KernelsExp, ::testing::ValuesIn(kernel_target_names()),
                          [](const auto& info) { return info.param; });
 
