@@ -13,7 +13,7 @@
 //           pairs are all visible becomes full.
 //
 // Forward (per query head h and q-tile, on the state's rows): for each non-empty k-tile, the
-// tile's scores in base 2, s = scale log2(e) q k^T (forward_score_scale), the online softmax
+// tile's scores in base 2, s = scale log2(e) q k^T (base2_score_scale), the online softmax
 // update (softmax_update)
 //   m' = max(m, max_j s_j),  p_j = 2^(s_j - m'),  alpha = 2^(m - m'),
 //   l' = alpha l + sum_j p_j,  acc' = alpha acc,
@@ -22,7 +22,7 @@
 // 2^(-inf + inf). finish() divides acc by l and converts m to lse in natural units.
 //
 // Backward (per kv head g and k-tile, over the query heads that read g and all q-tiles):
-//   s = scale q k^T, p = exp(s - lse), dv += p^T dout, dp = dout v^T,
+//   s = scale log2(e) q k^T, p = 2^(s - lse log2(e)), dv += p^T dout, dp = dout v^T,
 //   ds = scale p (dp - delta), dk += ds^T q, dq += ds k.
 // dk and dv of a (g, k-tile) belong to one task. dq rows are shared by all k-tiles, so each
 // thread adds its dq contributions into its own buffer (thread 0 into the caller's dq) and the
@@ -607,13 +607,18 @@ void store_state(const StateView& st, int64_t h, int64_t q0, int64_t rows, const
   }
 }
 
-// The forward computes its scores in base 2, s2 = scale log2(e) q k^T, so that the softmax's
-// exp(s - m) is 2^(s2 - m2) (TileOps::softmax_update) and the state's m is in the same units.
-// The product is rounded once, from double: a relative change of the scale below 2^-24.
+// The kernels compute their scores in base 2, s2 = scale log2(e) q k^T, so that the softmax's
+// exp(s - m) is 2^(s2 - m2) (TileOps::softmax_update, probs: a cheaper exp) and the state's m is
+// in the same units; the backward converts the lse it is given. Each product is rounded once,
+// from double: a relative change below 2^-24 of the scale, and of the lse.
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.69314718055994531;
-float forward_score_scale(float scale) {
+float base2_score_scale(float scale) {
   return static_cast<float>(static_cast<double>(scale) * kLog2e);
+}
+// x log2(e), rounded once (-inf stays -inf).
+float to_base2(float x) {
+  return static_cast<float>(static_cast<double>(x) * kLog2e);
 }
 
 // E: the packed KV block's element (float, or uint16_t for bf16 panels or pairs).
@@ -647,7 +652,7 @@ void forward_task(const ForwardArgs<T, E>& a, int64_t h, int64_t qi, Workspace& 
   load_state(a.st, h, q0, rows, t, acc, m, l);
 
   const TileOps& ops = *a.ops;
-  const float score_scale = forward_score_scale(a.cfg->scale);
+  const float score_scale = base2_score_scale(a.cfg->scale);
   const int64_t tile_bytes = t.dp * t.bk * static_cast<int64_t>(sizeof(E));  // a k^T or v tile
   // The next non-empty k-tile of q-tile i after kj, or k_tiles.
   auto next_tile = [&](int64_t i, int64_t kj) {
@@ -658,7 +663,7 @@ void forward_task(const ForwardArgs<T, E>& a, int64_t h, int64_t qi, Workspace& 
     const TileKind kind = plan.at(qi, kj);
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
     const int64_t kn = next_tile(qi, kj);
-    // s = scale log2(e) q k^T, v of this tile prefetched meanwhile
+    // s = scale log2(e) q k^T (base 2), v of this tile prefetched meanwhile
     const PrefetchRegion this_v{a.kv->v(g, kj), 1, tile_bytes, 0};
     gemm_kv(ops, t.bq, t.bk, t.dp, ws.q.get(), t.dp, a.kv->kt(g, kj), t.dp * kNr, score_scale,
             false, ws.s.get(), t.bk, ws, &this_v, 1);
@@ -691,14 +696,14 @@ void forward_task(const ForwardArgs<T, E>& a, int64_t h, int64_t qi, Workspace& 
   store_state(a.st, h, q0, rows, t, acc, m, l);
 }
 
-// forward_task with bf16 dot products: s = scale q k^T and acc += p v by vdpbf16ps on bf16
+// forward_task with bf16 dot products: s = scale log2(e) q k^T and acc += p v by vdpbf16ps on bf16
 // operands (exact products, fp32 sums); the softmax and acc stay fp32. p is rounded to bf16 for
 // the p v product only; l sums the unrounded p.
 void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t qi, Workspace& ws) {
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
   const TileOps& ops = *a.ops;
-  const float score_scale = forward_score_scale(a.cfg->scale);
+  const float score_scale = base2_score_scale(a.cfg->scale);
   const int64_t g = h / (a.q.h / a.k.h);
   const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
   const int64_t dim = a.q.d;
@@ -736,7 +741,7 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
 void check_config(const KernelConfig& cfg) {
   kernels::check_mask(cfg.mask);
   kernels::check_scale(cfg.scale);
-  // The forward's scores carry log2 e in their scale (forward_score_scale), which must be finite.
+  // The scores carry log2 e in their scale (base2_score_scale), which must be finite.
   constexpr double kMaxScale = std::numeric_limits<float>::max() / kLog2e;
   LOOM_CHECK(cfg.scale <= kMaxScale, InvalidArgument,
              "softmax scale must be at most " << kMaxScale << ", got " << cfg.scale);
@@ -781,6 +786,7 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
   const int64_t group = a.q.h / a.k.h;
   const int64_t dim = a.q.d;
   const float scale = a.cfg->scale;
+  const float score_scale = base2_score_scale(scale);
   const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
 
   pack_transposed(a.k, k0, cols, g, t, ws.kt.get());
@@ -857,17 +863,17 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
         pack_rows(a.dout, q0, rows, h, t, ws.dout.get());
       }
       for (int64_t r = 0; r < rows; ++r) {
-        lse[r] = a.lse[h * a.ml_stride + q0 + r];
+        lse[r] = to_base2(a.lse[h * a.ml_stride + q0 + r]);
         delta[r] = a.delta[h * a.ml_stride + q0 + r];
       }
       std::fill(delta + rows, delta + t.bq, 0.0f);
 
       const TileOps& ops = *a.ops;
-      // s [bq, bk] = scale q k^T
+      // s [bq, bk] = scale log2(e) q k^T (base 2, as lse here)
       // (its prefetch stream, before another task: that task's v rows)
       const PrefetchRegion v_rows{next_v, ncols, row_bytes, a.v.ss * elem};
-      ops.gemm_panels_next(t.bq, t.bk, t.dp, qp, q_rs, 1, ws.kt.get(), t.dp * kNr, scale, false, s,
-                           t.bk, &v_rows, 1);
+      ops.gemm_panels_next(t.bq, t.bk, t.dp, qp, q_rs, 1, ws.kt.get(), t.dp * kNr, score_scale,
+                           false, s, t.bk, &v_rows, 1);
       if (kind == TileKind::kPartial) {
         pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
         mask_tile(a.cfg->mask, ws, rows, cols, t, s);
@@ -1054,7 +1060,7 @@ void finish_impl(StateView st, View3<T> out, float* lse, int64_t lse_stride) {
       }
       const float inv_l = 1.0f / l;
       for (int64_t d = 0; d < st.dim; ++d) store(o + d, acc[d] * inv_l);
-      // m is in base-2 units (forward_score_scale): lse = m ln 2 + log(l), rounded once.
+      // m is in base-2 units (base2_score_scale): lse = m ln 2 + log(l), rounded once.
       const double m = st.m[h * st.ml_stride + i];
       lse[h * lse_stride + i] = static_cast<float>(m * kLn2 + std::log(static_cast<double>(l)));
     }

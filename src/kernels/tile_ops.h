@@ -1,5 +1,6 @@
 // Tile operations of the blockwise kernels (internal to src/kernels): a small GEMM on packed tiles,
-// the softmax steps and a vectorised exp, once per instruction-set target.
+// the softmax steps and a vectorised 2^x, once per instruction-set target. The kernels compute
+// their scores in base 2 (scale log2 e q k^T), so the softmax's exp(s - m) is 2^(s2 - m2).
 //
 // The GEMM works on tiles already packed into contiguous, padded buffers: rows padded to a
 // multiple of kMr, columns to a multiple of kNr, so its inner loops have no remainders. The A
@@ -21,7 +22,6 @@ constexpr int64_t round_up(int64_t x, int64_t m) {
   return (x + m - 1) / m * m;
 }
 
-constexpr float kExpMin = -87.0f;    // below this exp(x) < 1.7e-38: returned as 0
 constexpr float kExp2Min = -125.0f;  // below this 2^x < 2^-125 (2.4e-38): returned as 0
 
 // rows rows of bytes bytes each, stride bytes apart, from p (p null or rows or bytes <= 0: empty).
@@ -77,13 +77,13 @@ struct TileOps {
                            int64_t a_ks, const uint16_t* b, int64_t b_ps, float alpha,
                            bool accumulate, float* c, int64_t ldc, float* scratch,
                            const PrefetchRegion* next, int64_t regions);
-  // Online softmax update of rows [0, rows) of the scores s, in base-2 units (the forward's
-  // scale carries log2 e; m in the same units): s becomes p = 2^(s - m') (zero in the padding
-  // and in rows that have seen no visible key), l and acc [bq, dp] are rescaled by 2^(m - m').
+  // Online softmax update of rows [0, rows) of the scores s, in base-2 units (the scale carries
+  // log2 e; m in the same units): s becomes p = 2^(s - m') (zero in the padding and in rows that
+  // have seen no visible key), l and acc [bq, dp] are rescaled by 2^(m - m').
   void (*softmax_update)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,
                          float* m, float* l, float* acc);
-  // Backward: s becomes p = exp(s - lse), natural units (zero in the padding and in rows with
-  // lse = -inf).
+  // Backward: s becomes p = 2^(s - lse), s and lse in base-2 units (zero in the padding and in
+  // rows with lse = -inf).
   void (*probs)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse, float* s);
   // Backward: dp becomes ds = scale * p (dp - delta).
   void (*ds)(const float* p, const float* delta, float scale, int64_t bq, int64_t bk, float* dp);
@@ -101,11 +101,8 @@ struct TileOps {
                     int64_t ldc);
   // y[i] = x[i] rounded to bf16 (nearest, ties to even), n % 16 == 0.
   void (*to_bf16)(const float* x, uint16_t* y, int64_t n);
-  // y[i] = exp(x[i]) by the path's backward exp (for its test), n % 16 == 0. Bound: relative
-  // error <= 4 ulp (4 * 2^-23) for x in [-87, 0]; exactly 0 for x < -87 (and -inf).
-  void (*exp)(const float* x, float* y, int64_t n);
-  // y[i] = 2^x[i] by the path's forward softmax exp (for its test), n % 16 == 0, x[i] <= 127.
-  // Bound: relative error <= 4 ulp for x in [-125, 0]; exactly 0 for x < -125 (and -inf).
+  // y[i] = 2^x[i] by the path's softmax exp (for its test), n % 16 == 0, x[i] <= 127. Bound:
+  // relative error <= 4 ulp (4 * 2^-23) for x in [-125, 0]; exactly 0 for x < -125, -inf and NaN.
   void (*exp2)(const float* x, float* y, int64_t n);
 };
 

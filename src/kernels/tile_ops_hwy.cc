@@ -14,14 +14,14 @@
 // at most 16 floats (CappedTag), so 16 | N makes every row a whole number of vectors on every
 // target.
 //
-// exp. The range reduction x = n ln2 + r, |r| <= ln2/2 (n = round(x log2 e)), r = (x - n ln2_hi)
-// - n ln2_lo with ln2_hi exact in 9 bits (n ln2_hi exact for |n| <= 128), exp(r) = 1 + r + r^2 P(r)
-// with P of degree 4 (see exp_vn) evaluated by Horner, times 2^n added to the exponent bits. Bound
-// used by the tests (test_kernels_exp.cc): relative error <= 4 ulp (4.8e-7) of exp(x) on [-87, 0],
-// exactly 0 for x < -87 and for x = -inf. x must not be NaN. hwy/contrib/math's Exp was evaluated
-// too (docs/performance.md): it handles the full range with more steps, which the kernels
-// (arguments s - m <= 0) do not need. The backward's probs use this exp; the forward's softmax
-// uses 2^x (exp2_vn), its scores scaled by log2 e: an exact reduction and fewer multiply-adds.
+// exp, in base 2. The kernels compute their scores with log2 e folded into the scale (scale log2 e
+// q k^T), so the softmax's exp(s - m) is 2^(s2 - m2) and the exp is 2^x (exp2_vn): x = n + f with
+// n = round(x) and f = x - n exact, 2^f by a polynomial of degree 5, 2^n added to the exponent
+// bits. Bound used by the tests (test_kernels_exp.cc): relative error <= 4 ulp (4.8e-7) of 2^x on
+// [-125, 0], exactly 0 for x < -125, -inf and NaN. Base e needed a Cody-Waite reduction (two more
+// multiply-adds) and a degree-6 polynomial: docs/performance.md, round 11. hwy/contrib/math's Exp
+// was evaluated too: it handles the full range with more steps, which the kernels (arguments
+// s - m <= 0) do not need.
 //
 // SVE targets are disabled: the register blocks are arrays of vectors, which SVE's sizeless
 // vector types do not allow (NEON, fixed 128-bit, is compiled on Arm).
@@ -280,56 +280,17 @@ void gemm_panels_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_t a
   }
 }
 
-// exp of N vectors in place, the N independent chains interleaved step by step (one chain is ~17
-// dependent operations; interleaving lets the FP pipes overlap them). n = round(x log2 e) by the
-// magic-number addition t = x log2 e + 1.5 2^23: t's low mantissa bits are n (two's complement,
-// above a set bit 22), so n << 23 is t's bits shifted left by 23, and y 2^n is that added to y's
-// bits (no float-to-int conversion, no multiply: the FMA pipes carry the rest); the same rounding
-// of n (to nearest even) as before, and the same result: for x in [kExpMin, 88] y 2^n is a normal
-// float (e^-87 > 2^-126), so adding n to its exponent is the exact product. No lower clamp: for
-// x < kExpMin (and -inf, where r is NaN) the result is masked to exactly 0 at the end.
-template <int N>
-HWY_INLINE void exp_vn(D d, V* x) {
-  const hn::RebindToSigned<D> di;
-  const V magic = hn::Set(d, 12582912.0f);
-  V t[N], r[N], p[N];
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) {
-    const V xc = hn::Min(x[i], hn::Set(d, 88.0f));
-    t[i] = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), magic);
-    const V n = hn::Sub(t[i], magic);
-    r[i] = hn::NegMulAdd(n, hn::Set(d, 0.693359375f), xc);
-    r[i] = hn::NegMulAdd(n, hn::Set(d, -2.12194440e-4f), r[i]);
-  }
-  // exp(r) = 1 + r + r^2 P(r), P of degree 4 fitted for the least maximum relative error of
-  // exp on |r| <= ln2 / 2 (approximation error 3.1e-9, below the final rounding; Cephes' degree-5
-  // P had 5e-11 there and the same 0.99 ulp overall): one multiply-add fewer.
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i)
-    p[i] = hn::MulAdd(hn::Set(d, 0.00138145383f), r[i], hn::Set(d, 0.00836874545f));
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 0.041668389f));
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 0.166665211f));
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 0.49999994f));
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) {
-    const V y = hn::MulAdd(p[i], hn::Mul(r[i], r[i]), hn::Add(r[i], hn::Set(d, 1.0f)));
-    const auto n23 = hn::ShiftLeft<23>(hn::BitCast(di, t[i]));
-    const V y2n = hn::BitCast(d, hn::Add(hn::BitCast(di, y), n23));
-    x[i] = hn::IfThenElseZero(x[i] >= hn::Set(d, kExpMin), y2n);
-  }
-}
-
-// 2^x of N vectors in place, for the forward's softmax, whose scores carry log2 e in their scale
-// (so exp(s - m) = 2^(s2 - m2)). n = round(x) by the magic-number addition t = x + 1.5 2^23 (t's
-// low mantissa bits are n, as in exp_vn); f = x - n is exact, |f| <= 1/2, and 2^f = 1 + f Q(f)
-// with Q of degree 4 (coefficients fitted for the least maximum relative error on |f| <= 1/2:
-// approximation error 9.2e-8, 0.77 ulp); y 2^n is n added to y's exponent bits, a normal float for
-// x in [kExp2Min, 127]. Five multiply-adds where exp_vn has nine FMA-pipe operations, and no
-// Cody-Waite steps: the reduction is exact. x must be at most 127 (the forward's arguments are
-// s - m <= 0); x < kExp2Min, -inf and NaN give exactly 0 (f is NaN for -inf: masked at the end).
+// 2^x of N vectors in place, the N independent chains interleaved step by step (one chain is ~12
+// dependent operations; interleaving lets the FP pipes overlap them). The softmax's scores carry
+// log2 e in their scale, so exp(s - m) = 2^(s2 - m2). n = round(x) by the magic-number addition
+// t = x + 1.5 2^23: t's low mantissa bits are n (two's complement, above a set bit 22), rounded
+// to nearest even; f = x - n is exact, |f| <= 1/2, and 2^f = 1 + f Q(f) with Q of degree 4
+// (coefficients fitted for the least maximum relative error on |f| <= 1/2: approximation error
+// 9.2e-8, 0.77 ulp). y 2^n is n << 23 (t's bits shifted left by 23) added to y's bits: no
+// float-to-int conversion, and for x in [kExp2Min, 127] a normal float, so the exact product.
+// Five multiply-adds and three additions: the reduction needs no Cody-Waite steps. x must be at
+// most 127 (the kernels pass s - m <= 0 and s - lse <= 0 up to rounding); x < kExp2Min, -inf and
+// NaN give exactly 0 (f is NaN for -inf: masked at the end).
 template <int N>
 HWY_INLINE void exp2_vn(D d, V* x) {
   const hn::RebindToSigned<D> di;
@@ -358,18 +319,8 @@ HWY_INLINE void exp2_vn(D d, V* x) {
   }
 }
 
-// exp (kBase2 false) or 2^x (true) of N vectors in place.
-template <bool kBase2, int N>
-HWY_INLINE void exp_any(D d, V* x) {
-  if constexpr (kBase2)
-    exp2_vn<N>(d, x);
-  else
-    exp_vn<N>(d, x);
-}
-
-template <bool kBase2 = false>
-HWY_INLINE V exp_v(D d, V x) {
-  exp_any<kBase2, 1>(d, &x);
+HWY_INLINE V exp2_v(D d, V x) {
+  exp2_vn<1>(d, &x);
   return x;
 }
 
@@ -378,10 +329,8 @@ void zero_row(D d, float* x, int64_t n) {
   for (int64_t j = 0; j < n; j += L) hn::StoreU(hn::Zero(d), d, x + j);
 }
 
-// Row sr [bk] of a score tile: sr[j] = exp(sr[j] - shift) (kBase2: 2^(sr[j] - shift)) for j <
-// cols, 0 for cols <= j < bk (bk a whole number of vectors). Returns the lanes' partial sums of
-// the new values.
-template <bool kBase2>
+// Row sr [bk] of a score tile (base-2 units): sr[j] = 2^(sr[j] - shift) for j < cols, 0 for
+// cols <= j < bk (bk a whole number of vectors). Returns the lanes' partial sums of the new values.
 HWY_INLINE V exp_row(D d, float* sr, int64_t cols, int64_t bk, float shift) {
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   const int64_t whole = cols / L * L;  // columns in whole vectors
@@ -392,19 +341,19 @@ HWY_INLINE V exp_row(D d, float* sr, int64_t cols, int64_t bk, float shift) {
     V x[2];
 #pragma GCC unroll 2
     for (int k = 0; k < 2; ++k) x[k] = hn::Sub(hn::LoadU(d, sr + j + k * L), sv);
-    exp_any<kBase2, 2>(d, x);
+    exp2_vn<2>(d, x);
 #pragma GCC unroll 2
     for (int k = 0; k < 2; ++k) hn::StoreU(x[k], d, sr + j + k * L);
     sum = hn::Add(sum, hn::Add(x[0], x[1]));
   }
   for (; j < whole; j += L) {
-    const V p = exp_v<kBase2>(d, hn::Sub(hn::LoadU(d, sr + j), sv));
+    const V p = exp2_v(d, hn::Sub(hn::LoadU(d, sr + j), sv));
     hn::StoreU(p, d, sr + j);
     sum = hn::Add(sum, p);
   }
   if (j < cols) {
     const V p = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)),
-                                   exp_v<kBase2>(d, hn::Sub(hn::LoadU(d, sr + j), sv)));
+                                   exp2_v(d, hn::Sub(hn::LoadU(d, sr + j), sv)));
     hn::StoreU(p, d, sr + j);
     sum = hn::Add(sum, p);
     j += L;
@@ -445,8 +394,7 @@ void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t 
       m_new[i] = m[r] > tile_max ? m[r] : tile_max;
       dm[i] = m_new[i] == kNegInfF ? 0.0f : m[r] - m_new[i];  // m[r] = -inf: -inf, alpha 0
     }
-    for (int64_t i = 0; i < kChunk; i += L)
-      hn::Store(exp_v<true>(d, hn::Load(d, dm + i)), d, alpha + i);
+    for (int64_t i = 0; i < kChunk; i += L) hn::Store(exp2_v(d, hn::Load(d, dm + i)), d, alpha + i);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = r0 + i;
       float* sr = s + r * bk;
@@ -454,7 +402,7 @@ void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t 
         zero_row(d, sr, bk);
         continue;
       }
-      const V sum = exp_row<true>(d, sr, cols, bk, m_new[i]);
+      const V sum = exp_row(d, sr, cols, bk, m_new[i]);
       const float a = alpha[i];
       l[r] = a * l[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       m[r] = m_new[i];
@@ -476,7 +424,7 @@ void probs(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse,
       zero_row(d, sr, bk);
       continue;
     }
-    exp_row<false>(d, sr, cols, bk, lse[r]);
+    exp_row(d, sr, cols, bk, lse[r]);
   }
 }
 
@@ -504,16 +452,10 @@ float dot(const float* a, const float* b, int64_t n) {
   return hn::GetLane(sum);
 }
 
-void exp_n(const float* x, float* y, int64_t n) {
-  const D d;
-  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  for (int64_t i = 0; i < n; i += L) hn::StoreU(exp_v(d, hn::LoadU(d, x + i)), d, y + i);
-}
-
 void exp2_n(const float* x, float* y, int64_t n) {
   const D d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  for (int64_t i = 0; i < n; i += L) hn::StoreU(exp_v<true>(d, hn::LoadU(d, x + i)), d, y + i);
+  for (int64_t i = 0; i < n; i += L) hn::StoreU(exp2_v(d, hn::LoadU(d, x + i)), d, y + i);
 }
 
 }  // namespace
@@ -539,7 +481,6 @@ const TileOps* target_ops() {
                            dot,
                            nullptr,
                            nullptr,
-                           exp_n,
                            exp2_n};
   return &ops;
 }
