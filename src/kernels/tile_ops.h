@@ -83,7 +83,7 @@ struct TileOps {
   void (*softmax_update)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,
                          float* m, float* l, float* acc);
   // Backward: s becomes p = 2^(s - lse), s and lse in base-2 units (zero in the padding and in
-  // rows with lse = -inf).
+  // rows with lse = -inf). s - lse above 127 (an lse that is not these scores') gives 2^127.
   void (*probs)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse, float* s);
   // Backward: dp becomes ds = scale * p (dp - delta).
   void (*ds)(const float* p, const float* delta, float scale, int64_t bq, int64_t bk, float* dp);

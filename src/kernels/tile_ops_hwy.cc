@@ -289,17 +289,21 @@ void gemm_panels_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_t a
 // 9.2e-8, 0.77 ulp). y 2^n is n << 23 (t's bits shifted left by 23) added to y's bits: no
 // float-to-int conversion, and for x in [kExp2Min, 127] a normal float, so the exact product.
 // Five multiply-adds and three additions: the reduction needs no Cody-Waite steps. x must be at
-// most 127 (the kernels pass s - m <= 0 and s - lse <= 0 up to rounding); x < kExp2Min, -inf and
-// NaN give exactly 0 (f is NaN for -inf: masked at the end).
-template <int N>
+// most 127 (the forward passes s - m <= 0 by construction); kClamp takes x above 127 as 127 (the
+// backward's s - lse is <= 0 up to rounding only for the lse of these scores, which the caller
+// passes: a wrong one gives 2^127, never a wrapped exponent). x < kExp2Min, -inf and NaN give
+// exactly 0 (f is NaN for -inf: masked at the end, on the unclamped x).
+template <int N, bool kClamp = false>
 HWY_INLINE void exp2_vn(D d, V* x) {
   const hn::RebindToSigned<D> di;
   const V magic = hn::Set(d, 12582912.0f);
   V t[N], f[N], p[N];
 #pragma GCC unroll 4
   for (int i = 0; i < N; ++i) {
-    t[i] = hn::Add(x[i], magic);
-    f[i] = hn::Sub(x[i], hn::Sub(t[i], magic));
+    V xc = x[i];
+    if constexpr (kClamp) xc = hn::Min(xc, hn::Set(d, 127.0f));
+    t[i] = hn::Add(xc, magic);
+    f[i] = hn::Sub(xc, hn::Sub(t[i], magic));
   }
 #pragma GCC unroll 4
   for (int i = 0; i < N; ++i)
@@ -319,8 +323,9 @@ HWY_INLINE void exp2_vn(D d, V* x) {
   }
 }
 
+template <bool kClamp = false>
 HWY_INLINE V exp2_v(D d, V x) {
-  exp2_vn<1>(d, &x);
+  exp2_vn<1, kClamp>(d, &x);
   return x;
 }
 
@@ -331,6 +336,8 @@ void zero_row(D d, float* x, int64_t n) {
 
 // Row sr [bk] of a score tile (base-2 units): sr[j] = 2^(sr[j] - shift) for j < cols, 0 for
 // cols <= j < bk (bk a whole number of vectors). Returns the lanes' partial sums of the new values.
+// kClamp: exp2_vn's, for the backward.
+template <bool kClamp>
 HWY_INLINE V exp_row(D d, float* sr, int64_t cols, int64_t bk, float shift) {
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   const int64_t whole = cols / L * L;  // columns in whole vectors
@@ -341,19 +348,19 @@ HWY_INLINE V exp_row(D d, float* sr, int64_t cols, int64_t bk, float shift) {
     V x[2];
 #pragma GCC unroll 2
     for (int k = 0; k < 2; ++k) x[k] = hn::Sub(hn::LoadU(d, sr + j + k * L), sv);
-    exp2_vn<2>(d, x);
+    exp2_vn<2, kClamp>(d, x);
 #pragma GCC unroll 2
     for (int k = 0; k < 2; ++k) hn::StoreU(x[k], d, sr + j + k * L);
     sum = hn::Add(sum, hn::Add(x[0], x[1]));
   }
   for (; j < whole; j += L) {
-    const V p = exp2_v(d, hn::Sub(hn::LoadU(d, sr + j), sv));
+    const V p = exp2_v<kClamp>(d, hn::Sub(hn::LoadU(d, sr + j), sv));
     hn::StoreU(p, d, sr + j);
     sum = hn::Add(sum, p);
   }
   if (j < cols) {
     const V p = hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(cols - j)),
-                                   exp2_v(d, hn::Sub(hn::LoadU(d, sr + j), sv)));
+                                   exp2_v<kClamp>(d, hn::Sub(hn::LoadU(d, sr + j), sv)));
     hn::StoreU(p, d, sr + j);
     sum = hn::Add(sum, p);
     j += L;
@@ -402,7 +409,7 @@ void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t 
         zero_row(d, sr, bk);
         continue;
       }
-      const V sum = exp_row(d, sr, cols, bk, m_new[i]);
+      const V sum = exp_row<false>(d, sr, cols, bk, m_new[i]);
       const float a = alpha[i];
       l[r] = a * l[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       m[r] = m_new[i];
@@ -424,7 +431,7 @@ void probs(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse,
       zero_row(d, sr, bk);
       continue;
     }
-    exp_row(d, sr, cols, bk, lse[r]);
+    exp_row<true>(d, sr, cols, bk, lse[r]);
   }
 }
 

@@ -69,6 +69,33 @@ TEST_P(KernelsExp, BelowRangeMinusInfinityAndNaNGiveZero) {
   for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(y[i], 0.0f) << ops->name << " x " << x[i];
 }
 
+// The backward's probs (TileOps::probs): p = 2^(s - lse) in base-2 units, within the same bound;
+// an lse below the row's scores (not these scores' lse: a caller's mistake) gives 2^127, never a
+// wrapped exponent; lse = -inf and NaN give zeros.
+TEST_P(KernelsExp, ProbsClampAWrongLseAndZeroTheEmptyRows) {
+  const TileOps* ops = ops_or_skip();
+  if (ops == nullptr) GTEST_SKIP() << GetParam() << ": this CPU cannot run this target";
+  constexpr int64_t kRows = 5, kCols = 16;
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> lse = {-1e30f, -200.0f, 1.0f, -inf,
+                                  std::numeric_limits<float>::quiet_NaN()};
+  std::vector<float> s(kRows * kCols);
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t j = 0; j < kCols; ++j) s[r * kCols + j] = 0.5f * static_cast<float>(j) - 3.3f;
+  const std::vector<float> scores = s;
+  ops->probs(kRows, kCols, kRows, kCols, lse.data(), s.data());
+  const float big = std::ldexp(1.0f, 127);
+  for (int64_t j = 0; j < kCols; ++j) {
+    EXPECT_EQ(s[0 * kCols + j], big) << ops->name << " lse -1e30, column " << j;
+    EXPECT_EQ(s[1 * kCols + j], big) << ops->name << " lse -200, column " << j;
+    const float x = scores[2 * kCols + j] - lse[2];  // as the kernel forms it, in fp32
+    const double ref = std::exp2(static_cast<double>(x));
+    EXPECT_LE(std::fabs(s[2 * kCols + j] - ref) / ref, kExpUlpBound) << ops->name << " " << j;
+    EXPECT_EQ(s[3 * kCols + j], 0.0f) << ops->name << " lse -inf, column " << j;
+    EXPECT_EQ(s[4 * kCols + j], 0.0f) << ops->name << " lse NaN, column " << j;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, KernelsExp, ::testing::ValuesIn(kernel_target_names()),
                          [](const auto& info) { return info.param; });
 
