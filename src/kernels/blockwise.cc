@@ -13,7 +13,7 @@
 //           pairs are all visible becomes full.
 //
 // Forward (per query head h and q-tile, on the state's rows): for each non-empty k-tile, the
-// tile's scores in base 2, s = scale log2(e) q k^T (base2_score_scale), the online softmax
+// tile's scores in base 2, s = scale log2(e) q k^T (to_base2), the online softmax
 // update (softmax_update)
 //   m' = max(m, max_j s_j),  p_j = 2^(s_j - m'),  alpha = 2^(m - m'),
 //   l' = alpha l + sum_j p_j,  acc' = alpha acc,
@@ -613,10 +613,7 @@ void store_state(const StateView& st, int64_t h, int64_t q0, int64_t rows, const
 // from double: a relative change below 2^-24 of the scale, and of the lse.
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.69314718055994531;
-float base2_score_scale(float scale) {
-  return static_cast<float>(static_cast<double>(scale) * kLog2e);
-}
-// x log2(e), rounded once (-inf stays -inf).
+// x log2(e), rounded once (-inf stays -inf): the scores' scale, and the backward's lse.
 float to_base2(float x) {
   return static_cast<float>(static_cast<double>(x) * kLog2e);
 }
@@ -652,7 +649,7 @@ void forward_task(const ForwardArgs<T, E>& a, int64_t h, int64_t qi, Workspace& 
   load_state(a.st, h, q0, rows, t, acc, m, l);
 
   const TileOps& ops = *a.ops;
-  const float score_scale = base2_score_scale(a.cfg->scale);
+  const float score_scale = to_base2(a.cfg->scale);
   const int64_t tile_bytes = t.dp * t.bk * static_cast<int64_t>(sizeof(E));  // a k^T or v tile
   // The next non-empty k-tile of q-tile i after kj, or k_tiles.
   auto next_tile = [&](int64_t i, int64_t kj) {
@@ -703,7 +700,7 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
   const TileOps& ops = *a.ops;
-  const float score_scale = base2_score_scale(a.cfg->scale);
+  const float score_scale = to_base2(a.cfg->scale);
   const int64_t g = h / (a.q.h / a.k.h);
   const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
   const int64_t dim = a.q.d;
@@ -741,7 +738,7 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
 void check_config(const KernelConfig& cfg) {
   kernels::check_mask(cfg.mask);
   kernels::check_scale(cfg.scale);
-  // The scores carry log2 e in their scale (base2_score_scale), which must be finite.
+  // The scores carry log2 e in their scale (to_base2), which must be finite.
   constexpr double kMaxScale = std::numeric_limits<float>::max() / kLog2e;
   LOOM_CHECK(cfg.scale <= kMaxScale, InvalidArgument,
              "softmax scale must be at most " << kMaxScale << ", got " << cfg.scale);
@@ -786,7 +783,7 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
   const int64_t group = a.q.h / a.k.h;
   const int64_t dim = a.q.d;
   const float scale = a.cfg->scale;
-  const float score_scale = base2_score_scale(scale);
+  const float score_scale = to_base2(scale);
   const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
 
   pack_transposed(a.k, k0, cols, g, t, ws.kt.get());
@@ -1060,7 +1057,7 @@ void finish_impl(StateView st, View3<T> out, float* lse, int64_t lse_stride) {
       }
       const float inv_l = 1.0f / l;
       for (int64_t d = 0; d < st.dim; ++d) store(o + d, acc[d] * inv_l);
-      // m is in base-2 units (base2_score_scale): lse = m ln 2 + log(l), rounded once.
+      // m is in base-2 units (to_base2): lse = m ln 2 + log(l), rounded once.
       const double m = st.m[h * st.ml_stride + i];
       lse[h * lse_stride + i] = static_cast<float>(m * kLn2 + std::log(static_cast<double>(l)));
     }
