@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <numeric>
+#include <random>
 
 #include "loom/bf16.h"
 #include "loom/verify.h"
@@ -326,6 +327,32 @@ TEST(Verify, Bf16StorageCheckedAsFp32IsNamed) {
   EXPECT_EQ(first_kind(r), "bf16_storage") << r.summary();
   opt.dtype = "bf16";
   EXPECT_TRUE(verify::verify(to_problem(in), c, opt).passed);
+}
+
+TEST(Verify, Bf16StorageWithInnerRoundingIsNamed) {
+  // out as a bf16 implementation that also rounds inside gives it (bf16 dot products round the
+  // probabilities of p v): every value a bf16 number, with more error than one rounding of the
+  // exact answer explains, yet within the bf16 tolerance. Named as bf16 storage, with the model's
+  // residual above the naming threshold.
+  const RingInputs in = inputs(96, 2, 1, 16, true, 35);
+  RingOutputs o = ring(in, "zigzag", 4, {}, false);
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<double> noise(-1.5 * kBf16Unit, 1.5 * kBf16Unit);
+  for (float& x : o.out.vec()) x = to_float(to_bf16(static_cast<float>(x * (1.0 + noise(gen)))));
+  const verify::Candidate c = out_only(o.out);
+  verify::Options opt = options("zigzag", 4);
+  const auto r = verify::verify(to_problem(in), c, opt);
+  ASSERT_FALSE(r.passed);
+  ASSERT_EQ(first_kind(r), "bf16_storage") << r.summary();
+  EXPECT_GT(r.diagnoses[0].residual, 0.5) << r.summary();
+  EXPECT_NE(r.diagnoses[0].text.find("more than one rounding"), std::string::npos) << r.summary();
+  opt.dtype = "bf16";
+  EXPECT_TRUE(verify::verify(to_problem(in), c, opt).passed);
+  // The same error in values that are not all bf16 numbers is not bf16 storage.
+  o.out.vec()[5] = std::nextafter(o.out.vec()[5], 1e9f);
+  const auto r2 = verify::verify(to_problem(in), out_only(o.out), options("zigzag", 4));
+  ASSERT_FALSE(r2.passed);
+  EXPECT_NE(first_kind(r2), "bf16_storage") << r2.summary();
 }
 
 TEST(Verify, ShapeMismatchIsUnusable) {
