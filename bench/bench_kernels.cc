@@ -82,7 +82,8 @@ struct Options {
   double min_time = 0.5;
   bool no_check = false;
   bool tile_ops = false;
-  double sgemm_window = 0;  // > 0: print one-thread sgemm over windows this long, and exit
+  double sgemm_window = 0;          // > 0: print one-thread sgemm over windows this long, and exit
+  bool keep_openblas_core = false;  // time the sgemm with the core OpenBLAS chose
   std::string json, torch_json;
   // PyTorch's rows (bench/torch_compare.py after each fp32 one-thread row): by default where
   // torch_python can import torch; --torch requires them, --no-torch (or --torch-json) leaves
@@ -117,6 +118,68 @@ double cpu_seconds() {
 
 #if LOOM_BENCH_OPENBLAS
 const char* kGemmName = "openblas";
+
+// OpenBLAS chooses its kernels (its "core") when it loads: from the CPU, or from
+// OPENBLAS_CORETYPE. The environment may name a core of an older instruction set than the CPU
+// runs (on the Zen 5 machines of this project's sessions it holds OPENBLAS_CORETYPE=Haswell, whose
+// AVX2 sgemm measured 115-121 GFLOP/s against 207-223 for the AVX-512 SkylakeX and Cooperlake
+// kernels OpenBLAS picks itself there): a ratio to that sgemm would overstate an AVX-512 path by
+// 2x. So the sgemm runs the core of the kernel path's instruction set: match_openblas_core
+// re-executes the bench with OPENBLAS_CORETYPE naming an AVX-512 core for an avx512 path where
+// OpenBLAS would run an older one, and Haswell for the avx2 path where it would run an AVX-512
+// one (the AVX2 targets are the AVX2 path against an AVX2 sgemm, on any CPU); other paths keep
+// OpenBLAS's choice. The header line says what was replaced; --keep-openblas-core keeps it.
+// PyTorch's rows inherit the environment, so their torch.mm runs the same core.
+bool avx512_core(const std::string& core) {
+  return core == "SkylakeX" || core == "Cooperlake" || core == "SapphireRapids";
+}
+
+std::string g_core_replaced;  // what the re-execution replaced, for the header line
+
+void match_openblas_core(char** argv) {
+  const char* replaced = std::getenv("LOOM_BENCH_CORE_REPLACED");  // set before re-executing
+  if (replaced != nullptr) {
+    g_core_replaced = replaced;
+    unsetenv("LOOM_BENCH_CORE_REPLACED");
+    return;
+  }
+  std::string path;
+  try {
+    path = kernel_path();
+  } catch (const Error&) {
+    return;  // a LOOM_KERNEL the kernels refuse: the run reports it
+  }
+  const std::string core = openblas_get_corename();
+  const char* want = nullptr;
+  if (path.rfind("avx512", 0) == 0 && !avx512_core(core))
+    want = __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+  else if (path == "avx2" && avx512_core(core))
+    want = "Haswell";
+  if (want == nullptr) return;
+  const char* env = std::getenv("OPENBLAS_CORETYPE");
+  const std::string note = "replaced " + core +
+                           (env != nullptr ? " (OPENBLAS_CORETYPE=" + std::string(env) + ")"
+                                           : std::string(" (OpenBLAS's choice)")) +
+                           " to match the " + path + " path";
+  setenv("OPENBLAS_CORETYPE", want, 1);
+  setenv("LOOM_BENCH_CORE_REPLACED", note.c_str(), 1);
+  execv("/proc/self/exe", argv);
+  std::fprintf(stderr, "bench_kernels: could not re-execute with OPENBLAS_CORETYPE=%s\n", want);
+  if (env != nullptr) {
+    setenv("OPENBLAS_CORETYPE", env, 1);
+  } else {
+    unsetenv("OPENBLAS_CORETYPE");
+  }
+  unsetenv("LOOM_BENCH_CORE_REPLACED");
+}
+
+// "openblas (core SkylakeX, ...)" for the header lines.
+std::string gemm_description() {
+  std::string s = std::string(kGemmName) + " (core " + openblas_get_corename();
+  if (!g_core_replaced.empty()) s += "; " + g_core_replaced;
+  return s + ")";
+}
+
 void sgemm(int64_t n, const float* a, const float* b, float* c, int threads) {
   openblas_set_num_threads(threads);
   const int ni = static_cast<int>(n);
@@ -125,6 +188,10 @@ void sgemm(int64_t n, const float* a, const float* b, float* c, int threads) {
 }
 #else
 const char* kGemmName = "naive-blocked";
+void match_openblas_core(char**) {}
+std::string gemm_description() {
+  return kGemmName;
+}
 // C = A B, row-major n x n: 64 x 64 x 256 blocks, an axpy inner loop GCC vectorises.
 void sgemm(int64_t n, const float* a, const float* b, float* c, int threads) {
   constexpr int64_t kBi = 64, kBj = 256, kBk = 256;
@@ -582,7 +649,11 @@ int run(const Options& o) {
   std::vector<int> thread_counts = {1};
   if (all > 1) thread_counts.push_back(all);
   nlohmann::json doc;
-  doc["gemm"] = {{"impl", kGemmName}, {"n", o.gemm_n}};
+  doc["gemm"] = {{"impl", kGemmName}, {"n", o.gemm_n}, {"description", gemm_description()}};
+#if LOOM_BENCH_OPENBLAS
+  doc["gemm"]["core"] = openblas_get_corename();
+  if (!g_core_replaced.empty()) doc["gemm"]["core_replaced"] = g_core_replaced;
+#endif
   doc["block"] = {o.block_q, o.block_k};
 
   if (!o.no_check) {
@@ -606,7 +677,7 @@ int run(const Options& o) {
       "sgemm: %s, M = N = K = %lld, with the row's threads, in windows as long as one kernel call "
       "between the row's timed calls; the row's fastest window, and /gemm its fastest call over "
       "that\n",
-      kGemmName, static_cast<long long>(o.gemm_n));
+      gemm_description().c_str(), static_cast<long long>(o.gemm_n));
   bool torch = o.torch;
   if (!o.torch && !o.no_torch && o.torch_json.empty()) {
     torch = torch_importable(o);
@@ -863,16 +934,20 @@ int main(int argc, char** argv) {
                  "only print the one-thread sgemm rate over windows of back-to-back calls this "
                  "many seconds long (to set beside a `loom attn` run of calls as long)")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--keep-openblas-core", o.keep_openblas_core,
+               "time OpenBLAS's sgemm with the core it (or OPENBLAS_CORETYPE) chose, even where "
+               "its instruction set is not the kernel path's");
   app.add_option("--json", o.json, "also write the results as JSON to this file");
   CLI11_PARSE(app, argc, argv);
+  if (!o.keep_openblas_core) loom::match_openblas_core(argv);
   try {
     if (o.sgemm_window > 0) {
 #if LOOM_BENCH_OPENBLAS
       openblas_set_num_threads(1);
 #endif
       std::printf("sgemm (%s), 1 thread, M = N = K = %lld, windows of %.2f s: %.1f GFLOP/s\n",
-                  loom::kGemmName, static_cast<long long>(o.gemm_n), o.sgemm_window,
-                  loom::sgemm_window_gflops(o.gemm_n, 1, o.sgemm_window));
+                  loom::gemm_description().c_str(), static_cast<long long>(o.gemm_n),
+                  o.sgemm_window, loom::sgemm_window_gflops(o.gemm_n, 1, o.sgemm_window));
       return 0;
     }
     return o.tile_ops ? loom::run_tile_ops(o) : loom::run(o);
