@@ -148,9 +148,14 @@ class SoftmaxState {
 // has fp32 accuracy); on CPUs without AVX512-BF16 p is not rounded and attend() computes bitwise
 // what the fp32 overload computes on the widened inputs. finish() to bf16 rounds out (relative
 // u = 2^-8 per element);
-// compute_delta on that out carries its rounding into dq and dk. The backward itself is fp32 on
-// the exact bf16 inputs (dv has fp32 accuracy). The error bounds against the fp64 reference on
-// the same bf16 inputs are derived in tests/unit/tolerance.h ("bf16 storage").
+// compute_delta on that out carries its rounding into dq and dk. The backward's five products
+// are, on CPUs with AVX512-BF16, formed from bf16 operands with fp32 sums too: p is rounded to
+// bf16 for dv = p^T dout and ds for dk and dq (each relative u; dv then has bf16 accuracy),
+// while p, ds and every accumulator stay fp32; on CPUs without it the backward is fp32 on the
+// exact bf16 inputs (dv has fp32 accuracy). Memory: with AVX512-BF16 the backward also keeps q
+// and dout transposed, 2 Sq H D bf16 (one of at most 16 MiB kept with the calling thread, as
+// attend's packed copy). The error bounds against the fp64 reference on the same bf16 inputs
+// are derived in tests/unit/tolerance.h ("bf16 storage").
 
 // Folds the KV block (k, v with tokens kt) into the state of the query rows q (tokens qt).
 // q: [st.rows, H, D] with H == st.heads, D == st.dim; k, v: [Sk, Hkv, D]. D <= 256.
@@ -172,7 +177,8 @@ void finish(StateView st, View3<bf16> out, float* lse, int64_t lse_stride);
 // Blockwise backward. Uses the FINAL lse of each query row, so partial gradients from different
 // KV blocks (ring steps) simply add.
 
-// delta[h * stride + i] = sum_d dout[i,h,d] * out[i,h,d] (bf16: widened exactly; fp32 sums).
+// delta[h * stride + i] = sum_d dout[i,h,d] * out[i,h,d] (bf16: exact products, fp32 sums, in
+// the order of the backward's dp GEMM on the path LOOM_KERNEL selects).
 void compute_delta(View3<const float> out, View3<const float> dout, float* delta, int64_t stride);
 void compute_delta(View3<const bf16> out, View3<const bf16> dout, float* delta, int64_t stride);
 

@@ -9,8 +9,10 @@ namespace loom {
 inline constexpr double kFp32RelTol = 1e-5;
 // bf16 storage: u = 2^-8 is bf16's unit roundoff.
 inline constexpr double kBf16Unit = 1.0 / 256.0;
-inline constexpr double kBf16OutRelTol = 2 * kBf16Unit;   // out in bf16
-inline constexpr double kBf16AccRelTol = kBf16Unit;       // out finished to fp32 (bf16-dot path)
-inline constexpr double kBf16GradRelTol = 2 * kBf16Unit;  // dq, dk (dv and lse: kFp32RelTol)
+inline constexpr double kBf16OutRelTol = 2 * kBf16Unit;  // out in bf16
+inline constexpr double kBf16AccRelTol = kBf16Unit;      // out finished to fp32 (bf16-dot path)
+// dq, dk, dv (lse: kFp32RelTol). dv = p^T dout takes p rounded to bf16 on the bf16-dot path
+// (avx512bf16), as the forward's p v does; the widening paths keep dv within kFp32RelTol.
+inline constexpr double kBf16GradRelTol = 2 * kBf16Unit;
 
 }  // namespace loom

@@ -58,8 +58,10 @@
 // s = q k^T and acc += p v as vdpbf16ps GEMMs and p rounded to bf16 for p v only; on every other
 // path in the fp32 tiles' column panels (PackedKvTiles<uint16_t>), each panel widened into an L1
 // scratch inside the GEMM (TileOps::gemm_panels_bf16), so the arithmetic is bitwise the fp32
-// path's on the widened values with half the packed bytes. The backward widens its k-tile when
-// packing. Every accumulation is fp32.
+// path's on the widened values with half the packed bytes. The backward, with bf16 dot products,
+// runs its five products as vdpbf16ps GEMMs (backward_task_bf16, on q and dout transposed once
+// per call: TransposedRows); elsewhere it widens its k-tile when packing. Every accumulation is
+// fp32.
 #include <omp.h>
 
 #include <algorithm>
@@ -242,7 +244,16 @@ struct Workspace {
       p16 = AlignedBf16(t.bq * t.bk);
     }
     if (kv == KvStore::kBf16Panels) panel = AlignedFloats(2 * std::max(t.bk, t.dp) * kNr);
-    if (backward) {
+    if (backward && kv == KvStore::kBf16Pairs) {  // backward_task_bf16
+      kt16 = AlignedBf16(t.dp * t.bk);
+      vt16 = AlignedBf16(t.dp * t.bk);
+      k16 = AlignedBf16(t.bk * t.dp);
+      dout16 = AlignedBf16(t.bq * t.dp);
+      ds16 = AlignedBf16(t.bq * t.bk);
+      dp = AlignedFloats(t.bq * t.bk);
+      dk = AlignedFloats(t.bk * t.dp);
+      dv = AlignedFloats(t.bk * t.dp);
+    } else if (backward) {
       kt = AlignedFloats(t.dp * t.bk);
       v = AlignedFloats(t.bk * t.dp);
       dout = AlignedFloats(t.bq * t.dp);
@@ -264,7 +275,12 @@ struct Workspace {
   // dk += ds^T q and dv += p^T dout.
   AlignedFloats q_pan, dout_pan;
   // The bf16-dot forward: q rows [bq, dp] and probabilities [bq, bk] as bf16.
+  // The bf16-dot backward (backward_task_bf16): q16 and dout16 the q and dout rows [bq, dp], p16
+  // the probabilities and then ds in row pairs [bq / 2, bk, 2], ds16 ds [bq, bk]; kt16, vt16 k
+  // and v pairs along d [dp / 2, bk, 2], k16 k pairs along the keys [bk / 2, dp, 2]; dp as for
+  // fp32, dk and dv transposed [dp, bk].
   AlignedBf16 q16, p16;
+  AlignedBf16 kt16, vt16, k16, dout16, ds16;
   // The forward with bf16 panels: the scratch of gemm_panels_bf16 (two widened panels).
   AlignedFloats panel;
   std::vector<int64_t> q_pos, k_pos;
@@ -359,6 +375,17 @@ void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, cons
     } else {
       std::fill(out, out + t.dp, 0.0f);
     }
+  }
+}
+
+// rows x d of a bf16 view as bf16 bits into a [bq, dp] buffer, zero padded (the row-major A
+// operands of TileOps::gemm_bf16: pairs along d).
+void pack_rows_bits(View3<const bf16> x, int64_t begin, int64_t rows, int64_t head,
+                    const TileDims& t, uint16_t* dst) {
+  for (int64_t r = 0; r < t.bq; ++r) {
+    uint16_t* out = dst + r * t.dp;
+    const bf16* in = r < rows ? x.row(begin + r, head) : nullptr;
+    for (int64_t d = 0; d < t.dp; ++d) out[d] = in != nullptr && d < x.d ? in[d].bits : uint16_t{0};
   }
 }
 
@@ -513,27 +540,92 @@ PackedKvTiles<E> pack_kv(View3<const T> k, View3<const T> v, const TilePlan& pla
                           });
 }
 
-// The bf16-dot forward's tiles, for vdpbf16ps, which multiplies pairs of adjacent bf16 along the
-// reduction:
-//   kt(g, kj) [dp/2][bk][2]: element (t, j, e) = k[j, 2t + e]   (B of s = q k^T, pairs along d)
-//   v(g, kj)  [bk/2][dp][2]: element (u, d, e) = v[2u + e, d]   (B of acc += p v, pairs along j)
-// zero padded (dp and bk are even: multiples of kNr).
+// Key rows [k0, k0 + cols) of kv head g as operands of the vdpbf16ps GEMM (TileOps::gemm_bf16),
+// which multiplies pairs of adjacent bf16 along the reduction; zero padded (dp and bk are even:
+// multiples of kNr):
+//   pairs along d    [dp/2][bk][2]: element (t, j, e) = x[j, 2t + e]  (B of q k^T, dout v^T)
+//   pairs along keys [bk/2][dp][2]: element (u, d, e) = x[2u + e, d]  (B of p v, ds k)
+void pack_pairs_along_d(View3<const bf16> x, int64_t k0, int64_t cols, int64_t g, const TileDims& t,
+                        uint16_t* dst) {
+  std::fill(dst, dst + t.dp * t.bk, uint16_t{0});
+  for (int64_t j = 0; j < cols; ++j) {
+    const bf16* r = x.row(k0 + j, g);
+    for (int64_t d = 0; d < x.d; ++d) dst[(d / 2) * 2 * t.bk + 2 * j + (d & 1)] = r[d].bits;
+  }
+}
+
+void pack_pairs_along_keys(View3<const bf16> x, int64_t k0, int64_t cols, int64_t g,
+                           const TileDims& t, uint16_t* dst) {
+  std::fill(dst, dst + t.bk * t.dp, uint16_t{0});
+  for (int64_t j = 0; j < cols; ++j) {
+    const bf16* r = x.row(k0 + j, g);
+    for (int64_t d = 0; d < x.d; ++d) dst[(j / 2) * 2 * t.dp + 2 * d + (j & 1)] = r[d].bits;
+  }
+}
+
+// The bf16-dot forward's tiles: kt(g, kj) is k in pairs along d (B of s = q k^T), v(g, kj) is v
+// in pairs along the keys (B of acc += p v).
 using PackedKvPairs = PackedKvTiles<uint16_t>;
 
 PackedKvPairs pack_kv_pairs(View3<const bf16> k, View3<const bf16> v, const TilePlan& plan,
                             const TileDims& t, int threads) {
-  return PackedKvPairs(k.h, k.s, plan, t, threads, true,  // padding left zero
+  return PackedKvPairs(k.h, k.s, plan, t, threads, false,  // the packs write the padding
                        [&](int64_t g, int64_t k0, int64_t cols, uint16_t* kt, uint16_t* vt) {
-                         for (int64_t j = 0; j < cols; ++j) {
-                           const bf16* kr = k.row(k0 + j, g);
-                           const bf16* vr = v.row(k0 + j, g);
-                           for (int64_t d = 0; d < k.d; ++d) {
-                             kt[(d / 2) * 2 * t.bk + 2 * j + (d & 1)] = kr[d].bits;
-                             vt[(j / 2) * 2 * t.dp + 2 * d + (j & 1)] = vr[d].bits;
-                           }
-                         }
+                         pack_pairs_along_d(k, k0, cols, g, t, kt);
+                         pack_pairs_along_keys(v, k0, cols, g, t, vt);
                        });
 }
+
+// The bf16-dot backward's q and dout of every head transposed, the A operands of
+// dk^T += q^T ds and dv^T += dout^T p (pairs along the query rows): [H][dp][sp] bf16 bits,
+// element (h, d, i) = x[i, h, d], sp = q_tiles * bq, zero padded. Every k-tile task reads every
+// q-tile, so they are transposed once per call, into one KvStorage (kept between calls where it
+// fits, as the forward's packed block).
+class TransposedRows {
+ public:
+  TransposedRows(View3<const bf16> q, View3<const bf16> dout, int64_t sp, const TileDims& t,
+                 int threads)
+      : sp_(sp),
+        dp_(t.dp),
+        elems_(q.h * t.dp * sp),
+        storage_(static_cast<size_t>(2 * elems_) * sizeof(uint16_t)),
+        q_(reinterpret_cast<uint16_t*>(storage_.get())),
+        dout_(q_ + elems_) {
+    constexpr int64_t kRows = 32;  // rows per block: each d writes 64 contiguous bytes
+    const int64_t blocks = (sp + kRows - 1) / kRows;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < q.h * blocks; ++b) {
+      const int64_t h = b / blocks, i0 = (b % blocks) * kRows;
+      const int64_t n = std::min(kRows, sp - i0);
+      transpose_block(q, h, i0, n, q_);
+      transpose_block(dout, h, i0, n, dout_);
+    }
+  }
+  // Column q0 of head h's [dp][sp] rows (row stride sp()).
+  const uint16_t* q(int64_t h, int64_t q0) const {
+    return q_ + h * dp_ * sp_ + q0;
+  }
+  const uint16_t* dout(int64_t h, int64_t q0) const {
+    return dout_ + h * dp_ * sp_ + q0;
+  }
+  int64_t sp() const {
+    return sp_;
+  }
+
+ private:
+  void transpose_block(View3<const bf16> x, int64_t h, int64_t i0, int64_t n, uint16_t* dst) const {
+    uint16_t* base = dst + h * dp_ * sp_ + i0;
+    for (int64_t d = 0; d < dp_; ++d) {
+      uint16_t* out = base + d * sp_;
+      for (int64_t r = 0; r < n; ++r)
+        out[r] = i0 + r < x.s && d < x.d ? x.row(i0 + r, h)[d].bits : uint16_t{0};
+    }
+  }
+  int64_t sp_, dp_, elems_;
+  KvStorage storage_;
+  uint16_t* q_;
+  uint16_t* dout_;
+};
 
 // ---------------------------------------------------------------------------------------------
 // Tile steps. s is [bq, bk]; only rows < rows and columns < cols are real.
@@ -703,14 +795,9 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
   const float score_scale = to_base2(a.cfg->scale);
   const int64_t g = h / (a.q.h / a.k.h);
   const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
-  const int64_t dim = a.q.d;
 
   uint16_t* q16 = ws.q16.get();
-  for (int64_t r = 0; r < t.bq; ++r) {
-    uint16_t* out = q16 + r * t.dp;
-    const bf16* in = r < rows ? a.q.row(q0 + r, h) : nullptr;
-    for (int64_t d = 0; d < t.dp; ++d) out[d] = in != nullptr && d < dim ? in[d].bits : 0;
-  }
+  pack_rows_bits(a.q, q0, rows, h, t, q16);
   pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
   float* acc = ws.acc.get();
   float* m = ws.row_m.get();
@@ -924,6 +1011,111 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
   }
 }
 
+// backward_task with bf16 dot products (the avx512bf16 path, bf16 storage): the five products
+// are vdpbf16ps GEMMs (TileOps::gemm_bf16) on bf16 operands, with exact products and fp32 sums;
+// the probabilities and ds stay fp32 and are rounded to bf16 only as the operands of the products
+// after them (p of dv, ds of dk and dq). dk and dv are accumulated transposed, [dp, bk]:
+//   s = scale log2(e) q k^T        A q [bq, dp]               B k pairs along d
+//   dv^T += dout^T p               A dout^T (TransposedRows)  B p in row pairs
+//   dp = dout v^T                  A dout [bq, dp]            B v pairs along d
+//   dk^T += q^T ds                 A q^T (TransposedRows)     B ds in row pairs
+//   dq += ds k                     A ds [bq, bk]              B k pairs along the keys
+// q and dout are read in place where a tile has full rows and no head-dim padding, and dq is
+// accumulated in place there (as backward_task does).
+void backward_task_bf16(const BackwardArgs<bf16>& a, const TransposedRows& tr, int64_t g,
+                        int64_t kj, Workspace& ws, View3<float> dq_sink) {
+  const TilePlan& plan = *a.plan;
+  const TileDims& t = a.dims;
+  const TileOps& ops = *a.ops;
+  const int64_t group = a.q.h / a.k.h;
+  const int64_t dim = a.q.d;
+  const float scale = a.cfg->scale;
+  const float score_scale = to_base2(scale);
+  const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
+
+  pack_pairs_along_d(a.k, k0, cols, g, t, ws.kt16.get());
+  pack_pairs_along_d(a.v, k0, cols, g, t, ws.vt16.get());
+  pack_pairs_along_keys(a.k, k0, cols, g, t, ws.k16.get());
+  pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
+  float* dk_t = ws.dk.get();
+  float* dv_t = ws.dv.get();
+  std::fill(dk_t, dk_t + t.dp * t.bk, 0.0f);
+  std::fill(dv_t, dv_t + t.dp * t.bk, 0.0f);
+  float* lse = ws.row_m.get();
+  float* delta = ws.row_l.get();
+  float* s = ws.s.get();
+  float* dp = ws.dp.get();
+  float* dq_tile = ws.acc.get();
+  uint16_t* pairs = ws.p16.get();  // p, then ds, in row pairs
+  uint16_t* ds16 = ws.ds16.get();
+
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+    for (int64_t qi = 0; qi < plan.q_tiles; ++qi) {
+      const TileKind kind = plan.at(qi, kj);
+      if (kind == TileKind::kEmpty) continue;
+      const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
+      const bool whole = rows == t.bq && dim == t.dp;
+      const uint16_t* q16 = ws.q16.get();
+      const uint16_t* dout16 = ws.dout16.get();
+      int64_t q_ld = t.dp, dout_ld = t.dp;
+      if (whole) {
+        static_assert(sizeof(bf16) == sizeof(uint16_t));
+        q16 = reinterpret_cast<const uint16_t*>(a.q.row(q0, h));
+        dout16 = reinterpret_cast<const uint16_t*>(a.dout.row(q0, h));
+        q_ld = a.q.ss;
+        dout_ld = a.dout.ss;
+      } else {
+        pack_rows_bits(a.q, q0, rows, h, t, ws.q16.get());
+        pack_rows_bits(a.dout, q0, rows, h, t, ws.dout16.get());
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        lse[r] = to_base2(a.lse[h * a.ml_stride + q0 + r]);
+        delta[r] = a.delta[h * a.ml_stride + q0 + r];
+      }
+      std::fill(delta + rows, delta + t.bq, 0.0f);
+
+      ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, q_ld, ws.kt16.get(), 2 * t.bk, score_scale, false, s,
+                    t.bk);
+      if (kind == TileKind::kPartial) {
+        pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
+        mask_tile(a.cfg->mask, ws, rows, cols, t, s);
+      }
+      ops.probs(rows, cols, t.bq, t.bk, lse, s);
+      ops.to_bf16_pairs(s, t.bq, t.bk, pairs);
+      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.dout(h, q0), tr.sp(), pairs, 2 * t.bk, 1.0f, true,
+                    dv_t, t.bk);
+      ops.gemm_bf16(t.bq, t.bk, t.dp / 2, dout16, dout_ld, ws.vt16.get(), 2 * t.bk, 1.0f, false, dp,
+                    t.bk);
+      ops.ds(s, delta, scale, t.bq, t.bk, dp);
+      ops.to_bf16_pairs(dp, t.bq, t.bk, pairs);
+      ops.to_bf16(dp, ds16, t.bq * t.bk);
+      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.q(h, q0), tr.sp(), pairs, 2 * t.bk, 1.0f, true, dk_t,
+                    t.bk);
+      if (whole) {  // c + 1 * sum: the same rounding as adding a tile result
+        ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ds16, t.bk, ws.k16.get(), 2 * t.dp, 1.0f, true,
+                      dq_sink.row(q0, h), dq_sink.ss);
+        continue;
+      }
+      ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ds16, t.bk, ws.k16.get(), 2 * t.dp, 1.0f, false, dq_tile,
+                    t.dp);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = dq_sink.row(q0 + r, h);
+        const float* in = dq_tile + r * t.dp;
+        for (int64_t d = 0; d < dim; ++d) out[d] += in[d];
+      }
+    }
+  }
+
+  for (int64_t j = 0; j < cols; ++j) {
+    float* dk_row = a.dk.row(k0 + j, g);
+    float* dv_row = a.dv.row(k0 + j, g);
+    for (int64_t d = 0; d < dim; ++d) {
+      dk_row[d] += dk_t[d * t.bk + j];
+      dv_row[d] += dv_t[d * t.bk + j];
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -1075,6 +1267,24 @@ void compute_delta_impl(View3<const T> out, View3<const T> dout, float* delta, i
   LOOM_CHECK(out.s == 0 || delta != nullptr, InvalidArgument, "delta must not be null");
   LOOM_CHECK_GE(stride, out.s, InvalidArgument, "delta stride too small");
   const TileOps& ops = kernels::select_ops();
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (ops.dot_bf16 != nullptr) {
+      // The bf16-dot backward computes dp = dout v^T by gemm_bf16 on the bf16 values: delta is
+      // its chain for one element (TileOps::dot_bf16), on rows padded to an even length.
+      const int64_t n2 = (out.d + 1) / 2;
+      std::vector<uint16_t> o16(static_cast<size_t>(2 * n2), 0), g16(o16.size(), 0);
+      for (int64_t i = 0; i < out.s; ++i) {
+        for (int64_t h = 0; h < out.h; ++h) {
+          for (int64_t d = 0; d < out.d; ++d) {
+            o16[d] = out.row(i, h)[d].bits;
+            g16[d] = dout.row(i, h)[d].bits;
+          }
+          delta[h * stride + i] = ops.dot_bf16(g16.data(), o16.data(), n2);
+        }
+      }
+      return;
+    }
+  }
   std::vector<float> o_row(static_cast<size_t>(out.d)), g_row(static_cast<size_t>(out.d));
   for (int64_t i = 0; i < out.s; ++i) {
     for (int64_t h = 0; h < out.h; ++h) {
@@ -1131,9 +1341,18 @@ KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const
   const BackwardArgs<T> args{q,         k,  v,   dout,  lse,   delta,
                              ml_stride, qt, kt,  &wcfg, &plan, tile_dims(wcfg, q.d),
                              dk,        dv, &ops};
+  // bf16 storage on a path with bf16 dot products: backward_task_bf16 on q and dout transposed
+  // once (TransposedRows).
+  std::unique_ptr<TransposedRows> transposed;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (ops.gemm_bf16 != nullptr)
+      transposed = std::make_unique<TransposedRows>(q, dout, plan.q_tiles * args.dims.bq, args.dims,
+                                                    threads);
+  }
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
-  for (int i = 0; i < threads; ++i) ws.emplace_back(args.dims, true);
+  for (int i = 0; i < threads; ++i)
+    ws.emplace_back(args.dims, true, transposed ? KvStore::kBf16Pairs : KvStore::kFp32);
   // dq partials of threads 1.. (thread 0 adds into dq itself), [Sq, H, D] each.
   const int64_t dq_elems = q.s * q.h * q.d;
   std::vector<AlignedFloats> dq_part;
@@ -1154,6 +1373,13 @@ KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const
     // out so that each task knows the thread's next one).
     for (int64_t task = tid; task < tasks; task += team) {
       const int64_t next = task + team;
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (transposed) {
+          backward_task_bf16(args, *transposed, task % k.h, task / k.h,
+                             ws[static_cast<size_t>(tid)], sink);
+          continue;
+        }
+      }
       backward_task(args, task % k.h, task / k.h, ws[static_cast<size_t>(tid)], sink,
                     next < tasks ? next % k.h : 0, next < tasks ? next / k.h : -1);
     }

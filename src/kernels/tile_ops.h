@@ -101,6 +101,14 @@ struct TileOps {
                     int64_t ldc);
   // y[i] = x[i] rounded to bf16 (nearest, ties to even), n % 16 == 0.
   void (*to_bf16)(const float* x, uint16_t* y, int64_t n);
+  // Rows 2t and 2t + 1 of x [rows, cols] (row stride cols) rounded to bf16 and interleaved into
+  // the pairs of gemm_bf16's B: y[t * 2 cols + 2j + e] = bf16(x[(2t + e) cols + j]); rows even,
+  // cols % 16 == 0 (nullptr with gemm_bf16).
+  void (*to_bf16_pairs)(const float* x, int64_t rows, int64_t cols, uint16_t* y);
+  // sum_t a(t) . b(t) over n2 bf16 pairs (a + 2t, b + 2t), in the order and with the roundings in
+  // which gemm_bf16 computes one element of C with alpha 1: compute_delta's dot for the
+  // backward's bf16 dp GEMM (nullptr with gemm_bf16).
+  float (*dot_bf16)(const uint16_t* a, const uint16_t* b, int64_t n2);
   // y[i] = 2^x[i] by the path's softmax exp (for its test), n % 16 == 0, x[i] <= 127. Bound:
   // relative error <= 4 ulp (4 * 2^-23) for x in [-125, 0]; exactly 0 for x < -125, -inf and NaN.
   void (*exp2)(const float* x, float* y, int64_t n);
@@ -126,12 +134,15 @@ const TileOps& select_ops();
 // The LOOM_KERNEL name of a Highway target bit (HWY_AVX2, ...).
 const char* target_name(int64_t hwy_target);
 #if defined(__x86_64__)
-// tile_ops_avx512bf16.cc (compiled with AVX-512 + BF16 flags): TileOps::gemm_bf16 and to_bf16 of
-// the avx512bf16 path. Only call them when the CPU reports avx512_bf16.
+// tile_ops_avx512bf16.cc (compiled with AVX-512 + BF16 flags): TileOps::gemm_bf16, to_bf16,
+// to_bf16_pairs and dot_bf16 of the avx512bf16 path. Only call them when the CPU reports
+// avx512_bf16.
 void avx512bf16_gemm(int64_t M, int64_t N, int64_t K2, const uint16_t* a, int64_t lda,
                      const uint16_t* b, int64_t ldb, float alpha, bool accumulate, float* c,
                      int64_t ldc);
 void avx512bf16_to_bf16(const float* x, uint16_t* y, int64_t n);
+void avx512bf16_to_bf16_pairs(const float* x, int64_t rows, int64_t cols, uint16_t* y);
+float avx512bf16_dot(const uint16_t* a, const uint16_t* b, int64_t n2);
 #endif
 
 }  // namespace loom::kernels

@@ -1,7 +1,8 @@
 // The AVX512-BF16 part of the avx512bf16 path (see tile_ops.h): the bf16 dot-product GEMM
-// (vdpbf16ps) and the fp32 -> bf16 rounding (vcvtneps2bf16). Highway 1.0.3, which provides every
+// (vdpbf16ps), its one-element chain (for compute_delta) and the fp32 -> bf16 rounding
+// (vcvtneps2bf16), row-major and into interleaved row pairs. Highway 1.0.3, which provides every
 // other tile operation (tile_ops_hwy.cc), has no native bf16 dot product (its
-// ReorderWidenMulAccumulate for bf16 widens with shifts), so these two stay hand-written.
+// ReorderWidenMulAccumulate for bf16 widens with shifts), so these stay hand-written.
 //
 // This file is compiled with AVX-512 + BF16 flags (src/kernels/CMakeLists.txt) while the rest of
 // loom is not, so nothing here may be reached unless the CPU reports avx512f/bw/vl and avx512_bf16
@@ -105,7 +106,46 @@ void to_bf16_avx512(const float* x, uint16_t* y, int64_t n) {
   }
 }
 
+// Rows 2t and 2t + 1 of x [rows, cols] (row stride cols) rounded to bf16 and interleaved into
+// row t of y: y[t * 2 cols + 2j + e] = bf16(x[(2t + e) cols + j]).
+void to_bf16_pairs_avx512(const float* x, int64_t rows, int64_t cols, uint16_t* y) {
+  for (int64_t t = 0; 2 * t < rows; ++t) {
+    const float* r0 = x + 2 * t * cols;
+    const float* r1 = r0 + cols;
+    uint16_t* out = y + 2 * t * cols;
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __m256bh a = _mm512_cvtneps_pbh(_mm512_loadu_ps(r0 + j));
+      const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(r1 + j));
+      const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(a));
+      const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(b)), 16);
+      _mm512_storeu_si512(out + 2 * j, _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+// One element of gemm_bf16's C: the same vdpbf16ps per pair, in lane 0, in the same order.
+float dot_bf16_avx512(const uint16_t* a, const uint16_t* b, int64_t n2) {
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t t = 0; t < n2; ++t) {
+    uint32_t x, y;
+    __builtin_memcpy(&x, a + 2 * t, 4);
+    __builtin_memcpy(&y, b + 2 * t, 4);
+    const __m128bh av = reinterpret_cast<__m128bh>(_mm_cvtsi32_si128(static_cast<int>(x)));
+    const __m128bh bv = reinterpret_cast<__m128bh>(_mm_cvtsi32_si128(static_cast<int>(y)));
+    acc = _mm_dpbf16_ps(acc, av, bv);
+  }
+  return _mm_cvtss_f32(_mm_mul_ss(_mm_set_ss(1.0f), acc));
+}
+
 }  // namespace
+
+void avx512bf16_to_bf16_pairs(const float* x, int64_t rows, int64_t cols, uint16_t* y) {
+  to_bf16_pairs_avx512(x, rows, cols, y);
+}
+
+float avx512bf16_dot(const uint16_t* a, const uint16_t* b, int64_t n2) {
+  return dot_bf16_avx512(a, b, n2);
+}
 
 void avx512bf16_gemm(int64_t M, int64_t N, int64_t K2, const uint16_t* a, int64_t lda,
                      const uint16_t* b, int64_t ldb, float alpha, bool accumulate, float* c,

@@ -488,6 +488,8 @@ const TileOps* target_ops() {
                            dot,
                            nullptr,
                            nullptr,
+                           nullptr,
+                           nullptr,
                            exp2_n};
   return &ops;
 }
@@ -548,6 +550,8 @@ const TileOps* avx512bf16_ops() {
     t.name = "avx512bf16";
     t.gemm_bf16 = avx512bf16_gemm;
     t.to_bf16 = avx512bf16_to_bf16;
+    t.to_bf16_pairs = avx512bf16_to_bf16_pairs;
+    t.dot_bf16 = avx512bf16_dot;
     return t;
   }();
   return &ops;

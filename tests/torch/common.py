@@ -9,7 +9,9 @@ fp64 reference on the same input values), never loosened to make a test pass:
                                                               rounding of the fp32 gradient to
                                                               the bf16 .grad torch keeps:
                                                               |error| <= u |x| per element)
-        dv                              1e-5 + u             (kFp32RelTol, plus that rounding)
+        dv                              2u + u               (kBf16GradRelTol: the avx512bf16
+                                                              path rounds p for p^T dout; plus
+                                                              that rounding)
         lse                             1e-5                 (kFp32RelTol; lse is fp32)
 The fixed bf16 bounds hold for random normal inputs with at least ~100 keys per row on average
 (tolerance.h); the bf16 cases are sized for that.
@@ -24,7 +26,7 @@ TOL = {
     torch.float32: {"out": FP32_REL_TOL, "dq": FP32_REL_TOL, "dk": FP32_REL_TOL,
                     "dv": FP32_REL_TOL, "lse": FP32_REL_TOL},
     torch.bfloat16: {"out": 2 * BF16_U, "dq": 3 * BF16_U, "dk": 3 * BF16_U,
-                     "dv": FP32_REL_TOL + BF16_U, "lse": FP32_REL_TOL},
+                     "dv": 3 * BF16_U, "lse": FP32_REL_TOL},
 }
 
 

@@ -6,7 +6,7 @@
 // gemm_panels on the widened B, with or without regions, reading no more scratch than it is given.
 // And TileOps::dot is the chain of multiply-adds each element of every GEMM entry point computes
 // (tile_ops.h; compute_delta relies on it), for either layout of A and for K = 128 (the kernels'
-// D and tile side) as for the K around it.
+// D and tile side) as for the K around it; the same for the bf16 dot products and dot_bf16.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -163,6 +163,67 @@ TEST_P(KernelsPrefetch, EveryGemmElementIsTheDotChain) {
             ASSERT_EQ(next[i * N + j], want) << "gemm_panels_next at " << i << ", " << j;
           }
       }
+    }
+  }
+}
+
+// The bf16 dot products (targets with gemm_bf16, else skipped with the reason): gemm_bf16 within
+// fp32 rounding of the fp64 product of the bf16 values (its products are exact), every element
+// bitwise dot_bf16's chain (compute_delta relies on it for the bf16-dot backward), and to_bf16 /
+// to_bf16_pairs the round-to-nearest-even bf16 of each value in their layouts.
+TEST_P(KernelsPrefetch, Bf16DotsAreExactProductsAndTheDotChain) {
+  const TileOps* ops = ops_or_skip();
+  if (ops == nullptr) GTEST_SKIP() << GetParam() << ": this CPU cannot run this target";
+  if (ops->gemm_bf16 == nullptr) {
+    EXPECT_EQ(ops->to_bf16_pairs, nullptr);
+    EXPECT_EQ(ops->dot_bf16, nullptr);
+    GTEST_SKIP() << GetParam() << ": no bf16 dot products on this target (bf16 is widened)";
+  }
+  ASSERT_NE(ops->to_bf16, nullptr);
+  ASSERT_NE(ops->to_bf16_pairs, nullptr);
+  ASSERT_NE(ops->dot_bf16, nullptr);
+  std::mt19937 gen(17);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // M = 24: the 8-row and 4-row blocks; N = 48: two-vector and one-vector column blocks.
+  const int64_t M = 24, N = 48;
+  for (const int64_t K2 : {int64_t{64}, int64_t{1}, int64_t{37}}) {
+    SCOPED_TRACE(::testing::Message() << "K2 " << K2);
+    std::vector<float> af(M * 2 * K2), bf(2 * K2 * N), c0(M * N);
+    for (float& x : af) x = normal(gen);
+    for (float& x : bf) x = normal(gen);
+    for (float& x : c0) x = normal(gen);
+    // A [M, 2 K2] row-major: pairs along its rows. B [2 K2, N] in row pairs (to_bf16_pairs).
+    std::vector<uint16_t> a(af.size()), b(bf.size());
+    ops->to_bf16(af.data(), a.data(), static_cast<int64_t>(af.size()));
+    ops->to_bf16_pairs(bf.data(), 2 * K2, N, b.data());
+    for (size_t i = 0; i < af.size(); ++i) ASSERT_EQ(a[i], to_bf16(af[i]).bits) << i;
+    for (int64_t r = 0; r < 2 * K2; ++r)
+      for (int64_t j = 0; j < N; ++j)
+        ASSERT_EQ(b[(r / 2) * 2 * N + 2 * j + (r & 1)], to_bf16(bf[r * N + j]).bits)
+            << r << ", " << j;
+    for (const bool accumulate : {false, true}) {
+      std::vector<float> c = c0, one = c0;
+      ops->gemm_bf16(M, N, K2, a.data(), 2 * K2, b.data(), 2 * N, 0.5f, accumulate, c.data(), N);
+      ops->gemm_bf16(M, N, K2, a.data(), 2 * K2, b.data(), 2 * N, 1.0f, accumulate, one.data(), N);
+      std::vector<uint16_t> bj(2 * K2);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) {
+          double exact = 0, mag = 0;
+          for (int64_t t = 0; t < 2 * K2; ++t) {
+            const double x =
+                static_cast<double>(to_float(bf16{a[i * 2 * K2 + t]})) *
+                static_cast<double>(to_float(bf16{b[(t / 2) * 2 * N + 2 * j + (t & 1)]}));
+            exact += x;
+            mag += std::fabs(x);
+            bj[t] = b[(t / 2) * 2 * N + 2 * j + (t & 1)];
+          }
+          const double base = accumulate ? c0[i * N + j] : 0.0;
+          // fp32 sums of exact products: |error| <= (2 K2 + 1) 2^-24 (sum |x| + |c|).
+          const double bound = (2 * K2 + 2) * std::ldexp(1.0, -24) * (0.5 * mag + std::fabs(base));
+          ASSERT_LE(std::fabs(c[i * N + j] - (0.5 * exact + base)), bound) << i << ", " << j;
+          const float d = ops->dot_bf16(a.data() + i * 2 * K2, bj.data(), K2);
+          ASSERT_EQ(one[i * N + j], accumulate ? d + c0[i * N + j] : d) << i << ", " << j;
+        }
     }
   }
 }

@@ -34,7 +34,8 @@ using loom::kFp32RelTol;  // fp32 kernels vs the fp64 reference (relative norm)
 //    to fp32 and round nothing here.
 //    => out (bf16):            ||error|| <= u (||out|| + ||W |v|||)
 //       out finished to fp32:  ||error|| <= u ||W |v|||  (widening paths: kFp32RelTol)
-//  * The backward is fp32 on the exact bf16 inputs with the fp32 lse. The one bf16-sized error
+//  * The backward's scores and dp = dout v^T are exact products of the bf16 inputs summed in
+//    fp32, with the fp32 lse, on every path. The one bf16-sized error of the widening paths
 //    enters through delta_i = sum_d dout_id out_id with out rounded as above:
 //    |delta error_i| <= u c_i, c_i = sum_d |dout_id| (|out_id| + (W |v|)_id). It moves
 //    ds_ij = p_ij (dp_ij - delta_i) by p_ij u c_i, hence
@@ -42,6 +43,13 @@ using loom::kFp32RelTol;  // fp32 kernels vs the fp64 reference (relative norm)
 //       dk_j by scale u sum_i p_ij c_i |q_i| => ||dk error|| <= scale u ||(sum_i p_ij c_i
 //       |q_i|)_j||
 //    dv = p^T dout does not see delta: kFp32RelTol; lse: kFp32RelTol.
+//  * With AVX512-BF16 dot products the backward's other products take their fp32 operands
+//    rounded to bf16 too (|e| <= u each): p in dv = p^T dout, ds = scale p (dp - delta) in
+//    dk = ds^T q and dq = ds k. Per element, on top of the above:
+//       |dv_j error| <= u sum_i p_ij |dout_i|,  |dk_j error| <= u sum_i |ds_ij| |q_i|,
+//       |dq_i error| <= u sum_j |ds_ij| |k_j|   (the sums run over the query heads of j's kv head)
+//    => dv: u ||(sum_i p_ij |dout_i|)_j|| (not kFp32RelTol); dq, dk: these norms added to the
+//       delta terms.
 // These bounds are relative to ||reference||, computed per problem by the test (bf16_bounds in
 // test_blockwise.cc) with a factor 1.01 for the first-order approximation and kFp32RelTol added
 // for the fp32 arithmetic. They are large where the problem amplifies the rounding (rows with
@@ -55,7 +63,7 @@ using loom::kBf16Unit;
 // dq and dk <= 0.42 u); small problems can exceed them (S = 7 with documents: dq 4.7 u, within the
 // per-problem bound).
 using loom::kBf16AccRelTol;   // out finished to fp32 (bf16-dot path)
-using loom::kBf16GradRelTol;  // dq, dk (dv: kFp32RelTol)
+using loom::kBf16GradRelTol;  // dq, dk; dv (kFp32RelTol on the widening paths)
 using loom::kBf16OutRelTol;   // out in bf16
 
 // ||x - ref|| / ||ref||; ||x|| when ref is all zero. Infinite when x holds a NaN or an infinity.
