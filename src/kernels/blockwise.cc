@@ -547,19 +547,38 @@ PackedKvTiles<E> pack_kv(View3<const T> k, View3<const T> v, const TilePlan& pla
 //   pairs along keys [bk/2][dp][2]: element (u, d, e) = x[2u + e, d]  (B of p v, ds k)
 void pack_pairs_along_d(View3<const bf16> x, int64_t k0, int64_t cols, int64_t g, const TileDims& t,
                         uint16_t* dst) {
-  std::fill(dst, dst + t.dp * t.bk, uint16_t{0});
+  // In 32-bit words, one pair each: word (t, j) = x[j, 2t .. 2t + 1] (an odd D's last pair ends
+  // in a zero). dst is 64-byte aligned (AlignedBuffer, KvStorage; tiles a multiple of 64 bytes).
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  const int64_t pairs = x.d / 2, bk = t.bk;
+  std::fill(out, out + t.dp / 2 * bk, uint32_t{0});
   for (int64_t j = 0; j < cols; ++j) {
     const bf16* r = x.row(k0 + j, g);
-    for (int64_t d = 0; d < x.d; ++d) dst[(d / 2) * 2 * t.bk + 2 * j + (d & 1)] = r[d].bits;
+    for (int64_t u = 0; u < pairs; ++u) {
+      uint32_t w;
+      std::memcpy(&w, r + 2 * u, 4);
+      out[u * bk + j] = w;
+    }
+    if (x.d & 1) out[pairs * bk + j] = r[x.d - 1].bits;
   }
 }
 
 void pack_pairs_along_keys(View3<const bf16> x, int64_t k0, int64_t cols, int64_t g,
                            const TileDims& t, uint16_t* dst) {
-  std::fill(dst, dst + t.bk * t.dp, uint16_t{0});
-  for (int64_t j = 0; j < cols; ++j) {
-    const bf16* r = x.row(k0 + j, g);
-    for (int64_t d = 0; d < x.d; ++d) dst[(j / 2) * 2 * t.dp + 2 * d + (j & 1)] = r[d].bits;
+  // word (u, d) = x[2u, d] | x[2u + 1, d] << 16 (little-endian: the pair's first element low).
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  const int64_t dp = t.dp, d = x.d;
+  std::fill(out, out + t.bk / 2 * dp, uint32_t{0});
+  for (int64_t j = 0; j < cols; j += 2) {
+    const bf16* r0 = x.row(k0 + j, g);
+    uint32_t* o = out + (j / 2) * dp;
+    if (j + 1 < cols) {
+      const bf16* r1 = x.row(k0 + j + 1, g);
+      for (int64_t e = 0; e < d; ++e)
+        o[e] = static_cast<uint32_t>(r0[e].bits) | static_cast<uint32_t>(r1[e].bits) << 16;
+    } else {
+      for (int64_t e = 0; e < d; ++e) o[e] = r0[e].bits;
+    }
   }
 }
 
@@ -785,6 +804,12 @@ void forward_task(const ForwardArgs<T, E>& a, int64_t h, int64_t qi, Workspace& 
   store_state(a.st, h, q0, rows, t, acc, m, l);
 }
 
+// Hints that bytes bytes from p will be read soon (towards L2).
+void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
 // forward_task with bf16 dot products: s = scale log2(e) q k^T and acc += p v by vdpbf16ps on bf16
 // operands (exact products, fp32 sums); the softmax and acc stay fp32. p is rounded to bf16 for
 // the p v product only; l sums the unrounded p.
@@ -804,16 +829,19 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
   float* l = ws.row_l.get();
   load_state(a.st, h, q0, rows, t, acc, m, l);
 
+  const int64_t tile_bytes = t.dp * t.bk * static_cast<int64_t>(sizeof(uint16_t));
   for (int64_t kj = 0; kj < plan.k_tiles; ++kj) {
     const TileKind kind = plan.at(qi, kj);
     if (kind == TileKind::kEmpty) continue;
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
+    prefetch_l2(a.kv->v(g, kj), tile_bytes);  // this tile's v, while q k^T computes
     ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, t.dp, a.kv->kt(g, kj), 2 * t.bk, score_scale, false,
                   ws.s.get(), t.bk);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
       mask_tile(a.cfg->mask, ws, rows, cols, t, ws.s.get());
     }
+    if (kj + 1 < plan.k_tiles) prefetch_l2(a.kv->kt(g, kj + 1), tile_bytes);  // the next k^T
     ops.softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
     ops.to_bf16(ws.s.get(), ws.p16.get(), t.bq * t.bk);
     ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ws.p16.get(), t.bk, a.kv->v(g, kj), 2 * t.dp, 1.0f, true,
