@@ -887,6 +887,27 @@ struct BackwardArgs {
   const TileOps* ops;
 };
 
+// The tile's rows of the lse (converted to base 2, as the scores) and of delta (0 in the padding).
+template <class T>
+void load_lse_delta(const BackwardArgs<T>& a, int64_t h, int64_t q0, int64_t rows,
+                    const TileDims& t, float* lse, float* delta) {
+  for (int64_t r = 0; r < rows; ++r) {
+    lse[r] = to_base2(a.lse[h * a.ml_stride + q0 + r]);
+    delta[r] = a.delta[h * a.ml_stride + q0 + r];
+  }
+  std::fill(delta + rows, delta + t.bq, 0.0f);
+}
+
+// dst rows [q0, q0 + rows) of head h += the tile's rows (row stride ld; dst.d columns each).
+void add_rows(const float* tile, int64_t ld, int64_t rows, View3<float> dst, int64_t q0,
+              int64_t h) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = dst.row(q0 + r, h);
+    const float* in = tile + r * ld;
+    for (int64_t d = 0; d < dst.d; ++d) out[d] += in[d];
+  }
+}
+
 // dk, dv of k-tile kj of kv head g, and the dq contributions of its pairs (added into dq_sink).
 // (next_g, next_kj): the task this thread runs next (next_kj < 0: none), whose first rows the last
 // pair prefetches.
@@ -974,11 +995,7 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
         pack_rows(a.q, q0, rows, h, t, ws.q.get());
         pack_rows(a.dout, q0, rows, h, t, ws.dout.get());
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        lse[r] = to_base2(a.lse[h * a.ml_stride + q0 + r]);
-        delta[r] = a.delta[h * a.ml_stride + q0 + r];
-      }
-      std::fill(delta + rows, delta + t.bq, 0.0f);
+      load_lse_delta(a, h, q0, rows, t, lse, delta);
 
       const TileOps& ops = *a.ops;
       // s [bq, bk] = scale log2(e) q k^T (base 2, as lse here)
@@ -1019,11 +1036,7 @@ void backward_task(const BackwardArgs<T>& a, int64_t g, int64_t kj, Workspace& w
       }
       ops.gemm_panels_next(t.bq, t.dp, t.bk, dp, t.bk, 1, ws.k.get(), t.bk * kNr, 1.0f, false,
                            dq_tile, t.dp, &k_rows, 1);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = dq_sink.row(q0 + r, h);
-        const float* in = dq_tile + r * t.dp;
-        for (int64_t d = 0; d < dim; ++d) out[d] += in[d];
-      }
+      add_rows(dq_tile, t.dp, rows, dq_sink, q0, h);
     }
   }
 
@@ -1096,11 +1109,7 @@ void backward_task_bf16(const BackwardArgs<bf16>& a, const TransposedRows& tr, i
         pack_rows_bits(a.q, q0, rows, h, t, ws.q16.get());
         pack_rows_bits(a.dout, q0, rows, h, t, ws.dout16.get());
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        lse[r] = to_base2(a.lse[h * a.ml_stride + q0 + r]);
-        delta[r] = a.delta[h * a.ml_stride + q0 + r];
-      }
-      std::fill(delta + rows, delta + t.bq, 0.0f);
+      load_lse_delta(a, h, q0, rows, t, lse, delta);
 
       ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, q_ld, ws.kt16.get(), 2 * t.bk, score_scale, false, s,
                     t.bk);
@@ -1126,11 +1135,7 @@ void backward_task_bf16(const BackwardArgs<bf16>& a, const TransposedRows& tr, i
       }
       ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ds16, t.bk, ws.k16.get(), 2 * t.dp, 1.0f, false, dq_tile,
                     t.dp);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = dq_sink.row(q0 + r, h);
-        const float* in = dq_tile + r * t.dp;
-        for (int64_t d = 0; d < dim; ++d) out[d] += in[d];
-      }
+      add_rows(dq_tile, t.dp, rows, dq_sink, q0, h);
     }
   }
 
