@@ -1,20 +1,39 @@
 #!/usr/bin/env bash
 # Installs what loom needs from Debian's archive (idempotent: installs only what is missing),
 # then configures and builds loom in build/ (Release).
+#   --arm  also installs what the Arm cross build of the kernels needs (scripts/test.sh, step 3):
+#          Debian's arm64 architecture (dpkg --add-architecture), the aarch64 cross compiler,
+#          user-mode QEMU and the arm64 builds of Highway, GoogleTest and libgomp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+arm=0
+for a in "$@"; do
+  case "$a" in
+    --arm) arm=1 ;;
+    *) echo "setup.sh: unknown option $a (accepted: --arm)" >&2; exit 2 ;;
+  esac
+done
+
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
 packages=(g++ cmake make libgtest-dev libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin
           libopenblas-dev python3 python3-numpy bible-kjv clang libclang-rt-14-dev
           libhwy-dev pybind11-dev libtorch-dev python3-torch ninja-build)
+if [ "$arm" -eq 1 ]; then
+  packages+=(g++-aarch64-linux-gnu qemu-user-static libhwy-dev:arm64 libgtest-dev:arm64
+             libgomp1:arm64)
+  if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+    echo "setup: adding Debian's arm64 architecture (dpkg --add-architecture arm64)"
+    $sudo dpkg --add-architecture arm64
+  fi
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
-  sudo=""
-  [ "$(id -u)" -ne 0 ] && sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi

@@ -4,10 +4,12 @@
 #      TCP, label tcp, with a rank killed and a rank stopped), end-to-end tool tests, a ~50 s
 #      random-fault soak (label soak) and bounded libFuzzer runs (label fuzz);
 #   2. build-asan/: the unit and local multi-rank tests again under AddressSanitizer and
-#      UndefinedBehaviorSanitizer.
+#      UndefinedBehaviorSanitizer;
+#   3. build-aarch64/: the kernels cross-compiled for 64-bit Arm, their per-target tests run
+#      under user-mode QEMU at four SVE vector lengths (label emulated, tests/emulated/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --arm
 jobs=$(nproc 2>/dev/null || echo 2)
 
 (cd build && ctest --output-on-failure -j "$jobs")
@@ -28,3 +30,11 @@ regex="^($(IFS='|'; echo "${sanitized[*]}"))\$"
 (cd build-asan && GTEST_FILTER='-*_P7_*:*_P8_*' ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
    ctest --output-on-failure -j "$jobs" -R "$regex")
+
+# 3. The Arm targets (NEON, SVE, SVE2, sve256, sve2_128), cross-compiled and emulated.
+generator=()
+[ -f build-aarch64/CMakeCache.txt ] || generator=(-G Ninja)
+cmake "${generator[@]}" -S . -B build-aarch64 -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
+  -DCMAKE_BUILD_TYPE=Release -DLOOM_KERNELS_ONLY=ON > /dev/null
+cmake --build build-aarch64 -j "$jobs"
+(cd build-aarch64 && ctest --output-on-failure -j "$jobs")

@@ -35,12 +35,15 @@ struct PrefetchRegion {
 // Instruction-set paths. The blockwise kernels do all their tile arithmetic through one TileOps
 // table, chosen once per kernel call by select_ops(). The tables come from tile_ops_hwy.cc, one
 // per Highway target compiled into this build (x86-64: avx512, avx2, sse4, ssse3 and the
-// baseline emu128; Arm: neon and the baseline), plus avx512bf16: the avx512 table with the
+// baseline, scalar with g++ 12.2 and emu128 with a compiler Highway trusts with it; 64-bit Arm:
+// sve2_128, sve256, sve2, sve and the baseline neon), plus avx512bf16: the avx512 table with the
 // vdpbf16ps dot products of tile_ops_avx512bf16.cc (Highway 1.0.3 has no native bf16 dot product),
-// used when the CPU also reports avx512_bf16.
-// The environment variable LOOM_KERNEL forces one: auto (or unset or empty) is the best the CPU
-// runs (HWY_DYNAMIC_DISPATCH, then avx512bf16 over avx512 where the CPU has it); portable is the
-// baseline target (emu128); any other value must be the name of a compiled target the CPU runs,
+// used when the CPU also reports avx512_bf16. sve256 and sve2_128 run only where the SVE vectors
+// are exactly 256 and 128 bits; sve and sve2 at any length.
+// The environment variable LOOM_KERNEL forces one: auto (or unset or empty) is the first target in
+// kernel_targets() that the CPU runs (Highway's order of preference, with avx512bf16 ahead of
+// avx512 where the CPU has it); portable is the baseline target; any other value must be the name
+// of a compiled target the CPU runs,
 // else select_ops() throws (InvalidArgument: not a target name; NotSupported: not compiled, or the
 // CPU cannot run it). All paths give results within the fp32 tolerance of the fp64 reference;
 // they are not bitwise equal (FMA vs separate multiply-add, vector widths).

@@ -23,13 +23,11 @@
 // was evaluated too: it handles the full range with more steps, which the kernels (arguments
 // s - m <= 0) do not need.
 //
-// SVE targets are disabled: the register blocks are arrays of vectors, which SVE's sizeless
-// vector types do not allow (NEON, fixed 128-bit, is compiled on Arm).
+// SVE. Its vector types are sizeless (the length is the CPU's, 128 to 2048 bits), so no vector
+// here is an array element or a class member. Highway uses the largest power of two of lanes that
+// fits (SV_POW2) and D caps that at 16: 4, 8 or 16 floats, which divide kNr on every SVE length.
 
 // clang-format off
-#ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SVE | HWY_SVE2 | HWY_SVE_256 | HWY_SVE2_128)
-#endif
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "tile_ops_hwy.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -57,43 +55,49 @@ constexpr int kRows = 8;  // 32 vector registers
 constexpr int kRows = 6;  // 16 vector registers
 #endif
 
+// c[0, L) = alpha x (+ c[0, L) when accumulate).
+HWY_INLINE void store_scaled(D d, V al, bool accumulate, V x, float* HWY_RESTRICT c) {
+  hn::StoreU(accumulate ? hn::MulAdd(al, x, hn::LoadU(d, c)) : hn::Mul(al, x), d, c);
+}
+
 // B operand of one column block: NV vector columns starting at bcol[v], row k at bcol[v] + k * ldb.
+// The accumulators are named variables c<r><v>, not an array: SVE's vector types are sizeless and
+// cannot be array elements. Rows r >= R are dead code that the compiler removes.
+#define LOOM_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 template <int R, int NV>
 HWY_INLINE void gemm_block(D d, int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, int64_t a_ks,
                            const float* const* bcol, int64_t ldb, float alpha, bool accumulate,
                            float* HWY_RESTRICT c, int64_t ldc) {
+  static_assert(R >= 1 && R <= 8 && (NV == 1 || NV == 2), "register block out of range");
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  V acc[R][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) acc[r][v] = hn::Zero(d);
+#define LOOM_DECLARE(r) V c##r##0 = hn::Zero(d), c##r##1 = hn::Zero(d);
+  LOOM_ROWS(LOOM_DECLARE)
+#undef LOOM_DECLARE
   const float* HWY_RESTRICT b0 = bcol[0];
   const float* HWY_RESTRICT b1 = NV > 1 ? bcol[NV - 1] : bcol[0];
   for (int64_t k = 0; k < K; ++k) {
     const float* ak = a + k * a_ks;
-    V bv[NV];
-    bv[0] = hn::LoadU(d, b0 + k * ldb);
-    if constexpr (NV > 1) bv[NV - 1] = hn::LoadU(d, b1 + k * ldb);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const V av = hn::Set(d, ak[r * a_rs]);
-#pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(av, bv[v], acc[r][v]);
-    }
+    const V bv0 = hn::LoadU(d, b0 + k * ldb);
+    const V bv1 = NV > 1 ? hn::LoadU(d, b1 + k * ldb) : bv0;
+#define LOOM_MULADD(r)                                            \
+  if constexpr (r < R) {                                          \
+    const V av = hn::Set(d, ak[r * a_rs]);                        \
+    c##r##0 = hn::MulAdd(av, bv0, c##r##0);                       \
+    if constexpr (NV > 1) c##r##1 = hn::MulAdd(av, bv1, c##r##1); \
+  }
+    LOOM_ROWS(LOOM_MULADD)
+#undef LOOM_MULADD
   }
   const V al = hn::Set(d, alpha);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float* cr = c + r * ldc;
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) {
-      const V x =
-          accumulate ? hn::MulAdd(al, acc[r][v], hn::LoadU(d, cr + v * L)) : hn::Mul(al, acc[r][v]);
-      hn::StoreU(x, d, cr + v * L);
-    }
+#define LOOM_STORE(r)                                                                \
+  if constexpr (r < R) {                                                             \
+    store_scaled(d, al, accumulate, c##r##0, c + r * ldc);                           \
+    if constexpr (NV > 1) store_scaled(d, al, accumulate, c##r##1, c + r * ldc + L); \
   }
+  LOOM_ROWS(LOOM_STORE)
+#undef LOOM_STORE
 }
+#undef LOOM_ROWS
 
 // A prefetch stream spread over a GEMM's register blocks: `per_block` cache lines before each
 // block, towards L2, through the regions in order, so the lines the caller reads next arrive while
@@ -293,39 +297,47 @@ void gemm_panels_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_t a
 // backward's s - lse is <= 0 up to rounding only for the lse of these scores, which the caller
 // passes: a wrong one gives 2^127, never a wrapped exponent). x < kExp2Min, -inf and NaN give
 // exactly 0 (f is NaN for -inf: masked at the end, on the unclamped x).
+// The N (1 or 2) chains are x0 and x1, named variables rather than an array (SVE's sizeless
+// vector types cannot be array elements); x1 is untouched when N is 1.
 template <int N, bool kClamp = false>
-HWY_INLINE void exp2_vn(D d, V* x) {
+HWY_INLINE void exp2_vn(D d, V& x0, V& x1) {
+  static_assert(N == 1 || N == 2, "one or two chains");
   const hn::RebindToSigned<D> di;
   const V magic = hn::Set(d, 12582912.0f);
-  V t[N], f[N], p[N];
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) {
-    V xc = x[i];
-    if constexpr (kClamp) xc = hn::Min(xc, hn::Set(d, 127.0f));
-    t[i] = hn::Add(xc, magic);
-    f[i] = hn::Sub(xc, hn::Sub(t[i], magic));
+  V xc0 = x0, xc1 = x1;
+  if constexpr (kClamp) {
+    xc0 = hn::Min(xc0, hn::Set(d, 127.0f));
+    if constexpr (N > 1) xc1 = hn::Min(xc1, hn::Set(d, 127.0f));
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i)
-    p[i] = hn::MulAdd(hn::Set(d, 0.0013264698f), f[i], hn::Set(d, 0.009671509f));
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], f[i], hn::Set(d, 0.05550734f));
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], f[i], hn::Set(d, 0.24022242f));
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], f[i], hn::Set(d, 0.693147f));
-#pragma GCC unroll 4
-  for (int i = 0; i < N; ++i) {
-    const V y = hn::MulAdd(p[i], f[i], hn::Set(d, 1.0f));
-    const auto n23 = hn::ShiftLeft<23>(hn::BitCast(di, t[i]));
-    const V y2n = hn::BitCast(d, hn::Add(hn::BitCast(di, y), n23));
-    x[i] = hn::IfThenElseZero(x[i] >= hn::Set(d, kExp2Min), y2n);
+  const V t0 = hn::Add(xc0, magic);
+  const V f0 = hn::Sub(xc0, hn::Sub(t0, magic));
+  const V t1 = N > 1 ? hn::Add(xc1, magic) : t0;
+  const V f1 = N > 1 ? hn::Sub(xc1, hn::Sub(t1, magic)) : f0;
+  // p = Q(f) by Horner's rule, the two chains step by step.
+  V p0 = hn::MulAdd(hn::Set(d, 0.0013264698f), f0, hn::Set(d, 0.009671509f));
+  V p1 = N > 1 ? hn::MulAdd(hn::Set(d, 0.0013264698f), f1, hn::Set(d, 0.009671509f)) : p0;
+#define LOOM_HORNER(coef)                    \
+  p0 = hn::MulAdd(p0, f0, hn::Set(d, coef)); \
+  if constexpr (N > 1) p1 = hn::MulAdd(p1, f1, hn::Set(d, coef));
+  LOOM_HORNER(0.05550734f)
+  LOOM_HORNER(0.24022242f)
+  LOOM_HORNER(0.693147f)
+  LOOM_HORNER(1.0f)
+#undef LOOM_HORNER
+  // y 2^n: n << 23 added to y's exponent bits; 0 below kExp2Min (and for -inf, NaN).
+  const V y2n0 =
+      hn::BitCast(d, hn::Add(hn::BitCast(di, p0), hn::ShiftLeft<23>(hn::BitCast(di, t0))));
+  x0 = hn::IfThenElseZero(hn::Ge(x0, hn::Set(d, kExp2Min)), y2n0);
+  if constexpr (N > 1) {
+    const V y2n1 =
+        hn::BitCast(d, hn::Add(hn::BitCast(di, p1), hn::ShiftLeft<23>(hn::BitCast(di, t1))));
+    x1 = hn::IfThenElseZero(hn::Ge(x1, hn::Set(d, kExp2Min)), y2n1);
   }
 }
 
 template <bool kClamp = false>
 HWY_INLINE V exp2_v(D d, V x) {
-  exp2_vn<1, kClamp>(d, &x);
+  exp2_vn<1, kClamp>(d, x, x);
   return x;
 }
 
@@ -345,13 +357,12 @@ HWY_INLINE V exp_row(D d, float* sr, int64_t cols, int64_t bk, float shift) {
   V sum = hn::Zero(d);
   int64_t j = 0;
   for (; j + 2 * L <= whole; j += 2 * L) {  // 2 vectors at a time, their exps interleaved
-    V x[2];
-#pragma GCC unroll 2
-    for (int k = 0; k < 2; ++k) x[k] = hn::Sub(hn::LoadU(d, sr + j + k * L), sv);
-    exp2_vn<2, kClamp>(d, x);
-#pragma GCC unroll 2
-    for (int k = 0; k < 2; ++k) hn::StoreU(x[k], d, sr + j + k * L);
-    sum = hn::Add(sum, hn::Add(x[0], x[1]));
+    V x0 = hn::Sub(hn::LoadU(d, sr + j), sv);
+    V x1 = hn::Sub(hn::LoadU(d, sr + j + L), sv);
+    exp2_vn<2, kClamp>(d, x0, x1);
+    hn::StoreU(x0, d, sr + j);
+    hn::StoreU(x1, d, sr + j + L);
+    sum = hn::Add(sum, hn::Add(x0, x1));
   }
   for (; j < whole; j += L) {
     const V p = exp2_v<kClamp>(d, hn::Sub(hn::LoadU(d, sr + j), sv));
@@ -558,6 +569,7 @@ const TileOps* avx512bf16_ops() {
 }
 #endif
 
+#if HWY_TARGETS & HWY_AVX3
 bool cpu_has_avx512_bf16_flag() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
@@ -566,30 +578,46 @@ bool cpu_has_avx512_bf16_flag() {
   return false;
 #endif
 }
+#endif
 
-// Every target of this build, best first. HWY_CHOOSE_<T>(target_ops) is this target's function,
-// or nullptr where the build does not compile it; the baseline (emu128 or scalar) comes last.
+// Every target of this build, best first. HWY_CHOOSE_<T>(f) is this target's f, or nullptr where
+// the build does not compile it. The baseline comes last: emu128 (or scalar) on x86-64; on Arm
+// the baseline is neon itself, which has no separate fallback. A target runs here when the CPU
+// has it (hwy::SupportedTargets).
 std::vector<KernelTarget> build_targets() {
   using Ops = const TileOps* (*)();
-  const std::pair<int64_t, Ops> compiled[] = {
-      {HWY_AVX3_DL, HWY_CHOOSE_AVX3_DL(target_ops)},
-      {HWY_AVX3, HWY_CHOOSE_AVX3(target_ops)},
-      {HWY_AVX2, HWY_CHOOSE_AVX2(target_ops)},
-      {HWY_SSE4, HWY_CHOOSE_SSE4(target_ops)},
-      {HWY_SSSE3, HWY_CHOOSE_SSSE3(target_ops)},
-      {HWY_NEON, HWY_CHOOSE_NEON(target_ops)},
-      {(HWY_TARGETS & HWY_EMU128) ? HWY_EMU128 : HWY_SCALAR, HWY_CHOOSE_FALLBACK(target_ops)}};
+  struct Compiled {
+    int64_t target;
+    Ops ops;
+  };
+#define LOOM_COMPILED(T)                \
+  Compiled {                            \
+    HWY_##T, HWY_CHOOSE_##T(target_ops) \
+  }
+  // clang-format off
+  const Compiled compiled[] = {
+      LOOM_COMPILED(AVX3_DL), LOOM_COMPILED(AVX3), LOOM_COMPILED(AVX2), LOOM_COMPILED(SSE4),
+      LOOM_COMPILED(SSSE3), LOOM_COMPILED(SVE2_128), LOOM_COMPILED(SVE_256), LOOM_COMPILED(SVE2),
+      LOOM_COMPILED(SVE), LOOM_COMPILED(NEON),
+#if HWY_TARGETS & (HWY_EMU128 | HWY_SCALAR)
+      Compiled{(HWY_TARGETS & HWY_EMU128) ? HWY_EMU128 : HWY_SCALAR,
+               HWY_CHOOSE_FALLBACK(target_ops)},
+#endif
+  };
+  // clang-format on
+#undef LOOM_COMPILED
   const int64_t supported = hwy::SupportedTargets();
   std::vector<KernelTarget> t;
-  for (const auto& [target, ops] : compiled) {
-    if (ops == nullptr) continue;
+  for (const Compiled& c : compiled) {
+    if (c.ops == nullptr) continue;
+    const bool runs = (supported & c.target) != 0;
 #if HWY_TARGETS & HWY_AVX3
     // AVX-512 with native bf16 dot products: the AVX-512 table plus tile_ops_avx512bf16.cc.
-    if (target == HWY_AVX3)
+    if (c.target == HWY_AVX3)
       t.push_back(KernelTarget{avx512bf16_ops()->name, avx512bf16_ops(),
-                               (supported & HWY_AVX3) != 0 && cpu_has_avx512_bf16_flag()});
+                               runs && cpu_has_avx512_bf16_flag()});
 #endif
-    t.push_back(KernelTarget{ops()->name, ops(), (supported & target) != 0});
+    t.push_back(KernelTarget{c.ops()->name, c.ops(), runs});
   }
   return t;
 }
@@ -620,13 +648,13 @@ const TileOps* find_target(const std::string& name) {
 }
 
 const TileOps& best_ops() {
-  // Highway's choice of the best target this CPU runs; then the bf16 dot products on top of
-  // AVX-512 where the CPU has them.
+  // The first target this CPU runs: the list is in Highway's order of preference (its
+  // HWY_DYNAMIC_DISPATCH choice, less SVE lengths that build_targets rules out), with the bf16 dot
+  // products ahead of plain AVX-512 where the CPU has them. The baseline always runs.
   static const TileOps* best = [] {
-    const TileOps* ops = HWY_DYNAMIC_DISPATCH(target_ops)();
     for (const KernelTarget& k : kernel_targets())
-      if (k.runnable && k.ops->gemm_bf16 != nullptr && k.ops->gemm == ops->gemm) return k.ops;
-    return ops;
+      if (k.runnable) return k.ops;
+    return kernel_targets().back().ops;
   }();
   return *best;
 }

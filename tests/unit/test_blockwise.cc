@@ -1196,6 +1196,11 @@ TEST(KernelPath, LoomKernelNamesAreCheckedAndAutoIsTheBest) {
     const ScopedKernelPath scoped("neon");  // known, not compiled into an x86-64 build
     EXPECT_THROW(attend_once(), NotSupported);
   }
+#elif defined(__aarch64__)
+  {
+    const ScopedKernelPath scoped("avx2");  // known, not compiled into an Arm build
+    EXPECT_THROW(attend_once(), NotSupported);
+  }
 #endif
   {
     const ScopedKernelPath scoped("portable");
