@@ -27,6 +27,10 @@
 // the same minute; elsewhere one line says they were skipped. --torch makes them required (a
 // Python without torch is an error), --no-torch leaves them out, --torch-json reads them from an
 // earlier torch_compare.py run instead. PyTorch runs every head's own k and v (no GQA).
+// Where CMake found a ggml build (-DLOOM_GGML_DIR, bench/kernels.cmake), ggml's CPU flash
+// attention (bench/ggml_compare.cc: forward only, fp32 k and v, its own check against the fp64
+// reference) runs on each fp32 one-thread shape too, printed beneath as `ggml` with loom's row's
+// sgemm; --no-ggml leaves it out. ggml is not in Debian, so by default these rows are not built.
 //
 //   bench_kernels                                  the default sweep, a table
 //   bench_kernels --seq 1024 --dim 64 --json out.json
@@ -89,6 +93,9 @@ struct Options {
   // torch_python can import torch; --torch requires them, --no-torch (or --torch-json) leaves
   // them out.
   bool torch = false, no_torch = false;
+  // ggml's rows (ggml_compare after each fp32 one-thread row) where it was built; --no-ggml leaves
+  // them out.
+  bool no_ggml = false;
   std::string torch_python = "/usr/bin/python3";
 };
 
@@ -570,25 +577,20 @@ std::string shell_quote(const std::string& s) {
   return q + "'";
 }
 
-// --torch: PyTorch eager on one shape (bench/torch_compare.py in a child process, under timeout(1),
-// one thread, reps timed calls of each kernel: as many as loom's forward took), right after loom's
-// row of the same shape. Returns its JSON row; a child that fails, times out or writes no row is
-// one error naming the command and its last output line.
-nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal, size_t reps) {
-  char path[] = "/tmp/loom_bench_torch_XXXXXX";
-  const int fd = mkstemp(path);
-  LOOM_CHECK(fd >= 0, IoError, "--torch: cannot create a temporary file in /tmp");
-  close(fd);
-  const std::string cmd =
-      "timeout -k 10 " + std::to_string(kTorchTimeoutS) + " " + shell_quote(o.torch_python) + " " +
-      shell_quote(LOOM_TORCH_COMPARE) + " --seq " + std::to_string(sq) + " --dim " +
-      std::to_string(d) + " --heads " + std::to_string(o.heads) + " --dtype fp32 --threads 1" +
-      " --ring 0 --mask " + (causal ? "causal" : "full") + " --reps " + std::to_string(reps) +
-      " --gemm-n " + std::to_string(o.gemm_n) + " --json " + shell_quote(path) + " 2>&1";
+#ifndef LOOM_GGML_COMPARE
+#define LOOM_GGML_COMPARE ""  // not built: no ggml was found (bench/kernels.cmake)
+#endif
+constexpr int kGgmlTimeoutS = 900;  // one shape of ggml's forward
+
+// Runs `cmd` (a benchmark child, its output to a pipe) under timeout(1), reading what it wrote to
+// the JSON file `path`; the child's output is dropped. A child that fails, times out or writes no
+// JSON with one row is one error naming `what`, the command and its last output line.
+nlohmann::json child_row(const std::string& what, const std::string& cmd, const char* path,
+                         int timeout_s) {
   std::fflush(stdout);
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) unlink(path);
-  LOOM_CHECK(pipe != nullptr, IoError, "--torch: cannot run `" << cmd << "`");
+  LOOM_CHECK(pipe != nullptr, IoError, what << ": cannot run `" << cmd << "`");
   std::string last;  // the child's last non-empty output line, for the error message
   char buf[4096];
   while (std::fgets(buf, sizeof buf, pipe) != nullptr) {
@@ -600,12 +602,11 @@ nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal, s
   const int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   if (code != 0) {
     unlink(path);
-    LOOM_CHECK(
-        false, IoError,
-        "--torch: `" << cmd << "` "
-                     << (code == 124 ? "timed out after " + std::to_string(kTorchTimeoutS) + " s"
-                                     : "exited " + std::to_string(code))
-                     << (last.empty() ? "" : ": " + last));
+    LOOM_CHECK(false, IoError,
+               what << ": `" << cmd << "` "
+                    << (code == 124 ? "timed out after " + std::to_string(timeout_s) + " s"
+                                    : "exited " + std::to_string(code))
+                    << (last.empty() ? "" : ": " + last));
   }
   std::ifstream f(path);
   nlohmann::json tj;
@@ -613,14 +614,53 @@ nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal, s
     tj = nlohmann::json::parse(f);
   } catch (const std::exception& e) {
     unlink(path);
-    LOOM_CHECK(false, IoError,
-               "--torch: " << LOOM_TORCH_COMPARE << " wrote no JSON (" << e.what() << ")");
+    LOOM_CHECK(false, IoError, what << ": `" << cmd << "` wrote no JSON (" << e.what() << ")");
   }
   unlink(path);
   LOOM_CHECK(tj.contains("results") && tj["results"].is_array() && tj["results"].size() == 1,
-             IoError, "--torch: " << LOOM_TORCH_COMPARE << " wrote no row for this shape");
+             IoError, what << ": `" << cmd << "` wrote no row for this shape");
+  return tj;
+}
+
+// A temporary file for a child's JSON (the child writes it, child_row removes it).
+std::string temp_json(const char* what) {
+  char path[] = "/tmp/loom_bench_child_XXXXXX";
+  const int fd = mkstemp(path);
+  LOOM_CHECK(fd >= 0, IoError, what << ": cannot create a temporary file in /tmp");
+  close(fd);
+  return path;
+}
+
+// --torch: PyTorch eager on one shape (bench/torch_compare.py in a child process, one thread, reps
+// timed calls of each kernel: as many as loom's forward took), right after loom's row of the same
+// shape. Returns its JSON row.
+nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal, size_t reps) {
+  const std::string path = temp_json("--torch");
+  const std::string cmd =
+      "timeout -k 10 " + std::to_string(kTorchTimeoutS) + " " + shell_quote(o.torch_python) + " " +
+      shell_quote(LOOM_TORCH_COMPARE) + " --seq " + std::to_string(sq) + " --dim " +
+      std::to_string(d) + " --heads " + std::to_string(o.heads) + " --dtype fp32 --threads 1" +
+      " --ring 0 --mask " + (causal ? "causal" : "full") + " --reps " + std::to_string(reps) +
+      " --gemm-n " + std::to_string(o.gemm_n) + " --json " + shell_quote(path) + " 2>&1";
+  const nlohmann::json tj = child_row("--torch", cmd, path.c_str(), kTorchTimeoutS);
   nlohmann::json row = tj["results"][0];
   row["torch"] = tj.value("torch", std::string("?"));
+  return row;
+}
+
+// ggml's forward on one shape (ggml_compare, where a ggml build was found), fp32 k and v, one
+// thread, reps timed calls, right after loom's and PyTorch's rows of the shape.
+nlohmann::json ggml_row(const Options& o, int64_t sq, int64_t d, bool causal, size_t reps) {
+  const std::string path = temp_json("ggml");
+  const std::string cmd =
+      "timeout -k 10 " + std::to_string(kGgmlTimeoutS) + " " + shell_quote(LOOM_GGML_COMPARE) +
+      " --seq " + std::to_string(sq) + " --dim " + std::to_string(d) + " --heads " +
+      std::to_string(o.heads) + " --mask " + (causal ? "causal" : "full") + " --kv-type fp32" +
+      " --threads 1 --reps " + std::to_string(reps) + " --json " + shell_quote(path) + " 2>&1";
+  const nlohmann::json gj = child_row("ggml", cmd, path.c_str(), kGgmlTimeoutS);
+  nlohmann::json row = gj["results"][0];
+  row["ggml"] = gj.value("ggml", std::string("?"));
+  row["ggml_commit"] = gj.value("ggml_commit", std::string("?"));
   return row;
 }
 
@@ -633,14 +673,18 @@ bool torch_importable(const Options& o) {
 }
 
 // One row of the table: a loom row, or PyTorch's beneath it (label "torch", its sgemm torch.mm).
+// bwd_s <= 0: no backward (ggml's rows), printed as dashes.
 void print_row(const char* label, int64_t sq, int64_t sk, int64_t heads, int64_t kv_heads,
                int64_t d, bool causal, int threads, double gemm, double fwd_s, double fwd_gflops,
                double fwd_ratio, double bwd_s, double bwd_gflops, double bwd_ratio) {
-  std::printf(
-      "%5s %6lld %6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | %9.1f %8.1f %6.2f\n",
-      label, static_cast<long long>(sq), static_cast<long long>(sk), static_cast<long long>(heads),
-      static_cast<long long>(kv_heads), static_cast<long long>(d), causal ? "causal" : "full",
-      threads, gemm, fwd_s * 1e3, fwd_gflops, fwd_ratio, bwd_s * 1e3, bwd_gflops, bwd_ratio);
+  std::printf("%5s %6lld %6lld %3lld %4lld %4lld %6s %3d %7.1f | %9.1f %8.1f %6.2f | ", label,
+              static_cast<long long>(sq), static_cast<long long>(sk), static_cast<long long>(heads),
+              static_cast<long long>(kv_heads), static_cast<long long>(d),
+              causal ? "causal" : "full", threads, gemm, fwd_s * 1e3, fwd_gflops, fwd_ratio);
+  if (bwd_s > 0)
+    std::printf("%9.1f %8.1f %6.2f\n", bwd_s * 1e3, bwd_gflops, bwd_ratio);
+  else
+    std::printf("%9s %8s %6s\n", "-", "-", "-");
   std::fflush(stdout);
 }
 
@@ -690,11 +734,23 @@ int run(const Options& o) {
   if (torch)
     std::printf("PyTorch rows: %s %s on each fp32 one-thread shape, right after loom's row\n",
                 o.torch_python.c_str(), LOOM_TORCH_COMPARE);
+  const bool ggml = LOOM_GGML_COMPARE[0] != '\0' && !o.no_ggml;
+  if (ggml)
+    std::printf(
+        "ggml rows: %s (ggml_flash_attn_ext, fp32 k and v, forward only) on each fp32 one-thread "
+        "shape after loom's row; its sgemm column and /gemm are loom's row's\n",
+        LOOM_GGML_COMPARE);
+  else
+    std::printf("ggml rows: %s\n",
+                LOOM_GGML_COMPARE[0] == '\0'
+                    ? "not built (no ggml found: -DLOOM_GGML_DIR, bench/kernels.cmake)"
+                    : "left out (--no-ggml)");
   std::printf("\n%5s %6s %6s %3s %4s %4s %6s %3s %7s | %9s %8s %6s | %9s %8s %6s\n", "dtype", "Sq",
               "Sk", "H", "Hkv", "D", "mask", "thr", "sgemm", "fwd ms", "GFLOP/s", "/gemm", "bwd ms",
               "GFLOP/s", "/gemm");
   nlohmann::json rows = nlohmann::json::array();
   nlohmann::json torch_rows = nlohmann::json::array();  // --torch
+  nlohmann::json ggml_rows = nlohmann::json::array();
   std::vector<Row> done;
   auto measure = [&](const std::string& dtype, int64_t sq, int64_t sk, int64_t d, bool causal,
                      int threads) {
@@ -730,6 +786,13 @@ int run(const Options& o) {
       print_row("torch", sq, sk, o.heads, o.heads, d, causal, threads, tg, t.value("fwd_s", 0.0),
                 tf, tg > 0 ? tf / tg : 0.0, t.value("bwd_s", 0.0), tb, tg > 0 ? tb / tg : 0.0);
       torch_rows.push_back(t);
+    }
+    if (ggml && threads == 1 && dtype == "fp32") {
+      const nlohmann::json g = ggml_row(o, sq, d, causal, r.fwd.call_s.size());
+      const double gf = g.value("fwd_gflops", 0.0);
+      print_row("ggml", sq, sk, o.heads, o.heads, d, causal, threads, r.gemm_gflops(),
+                g.value("fwd_s", 0.0), gf, gf / r.gemm_gflops(), 0.0, 0.0, 0.0);
+      ggml_rows.push_back(g);
     }
   };
   // The dtypes of a shape in consecutive rows: the bf16 / fp32 lines divide rows a minute apart,
@@ -884,6 +947,22 @@ int run(const Options& o) {
       }
     }
   }
+  // ggml's rows: loom's forward over ggml's on each shape (no target: the issue names none).
+  if (!ggml_rows.empty()) {
+    std::printf("\nloom / ggml %s (ggml_flash_attn_ext, forward), same shapes:\n",
+                ggml_rows[0].value("ggml", std::string("?")).c_str());
+    for (auto& g : ggml_rows) {
+      const Row* r = find("fp32", g.value("seq", int64_t{0}), g.value("dim", int64_t{0}),
+                          g.value("mask", std::string()) == "causal", 1);
+      const double gf = g.value("fwd_gflops", 0.0);
+      if (!r || gf <= 0) continue;
+      g["loom_over_ggml_fwd"] = r->fwd_gflops() / gf;
+      std::printf("  fp32 Sq=%lld D=%lld %s 1 thr: ggml %.1f GFLOP/s, loom / ggml %.2f\n",
+                  static_cast<long long>(r->sq), static_cast<long long>(r->dim),
+                  r->causal ? "causal" : "full", gf, r->fwd_gflops() / gf);
+    }
+    doc["ggml"] = ggml_rows;
+  }
   doc["targets"] = targets;
   if (g_cpu_time) doc["timing"] = "process CPU time for 1-thread rows (--cpu-time)";
   doc["kernel_path"] = kernel_path();
@@ -924,6 +1003,8 @@ int main(int argc, char** argv) {
                    "where --torch-python can import torch)")
           ->excludes("--torch-json");
   app.add_flag("--no-torch", o.no_torch, "leave PyTorch's rows out")->excludes(torch_flag);
+  app.add_flag("--no-ggml", o.no_ggml,
+               "leave ggml's rows out (they run where ggml_compare was built: -DLOOM_GGML_DIR)");
   app.add_option("--torch-python", o.torch_python,
                  "the Python with torch (default /usr/bin/python3)");
   app.add_flag("--cpu-time", loom::g_cpu_time,

@@ -26,3 +26,20 @@ if(loom_bench_openblas)
   target_compile_definitions(bench_kernels PRIVATE LOOM_BENCH_OPENBLAS=1)
 endif()
 message(STATUS "loom: bench_kernels sgemm from OpenBLAS: ${loom_bench_openblas}")
+
+# ggml_compare (optional): ggml's CPU flash attention (ggml_flash_attn_ext) on bench_kernels'
+# shapes, which bench_kernels then runs for its `ggml` rows. ggml is not in Debian: it is built
+# only when LOOM_GGML_DIR names the install prefix of a ggml build (its lib/cmake/ggml), e.g.
+#   cmake -S ggml -B ggml/build -DGGML_NATIVE=ON -DCMAKE_INSTALL_PREFIX=/opt/ggml && ...install
+#   cmake -S . -B build -DLOOM_GGML_DIR=/opt/ggml
+set(LOOM_GGML_DIR "" CACHE PATH "Install prefix of a ggml build, for bench_kernels' ggml rows")
+if(LOOM_GGML_DIR)
+  find_package(ggml CONFIG REQUIRED PATHS ${LOOM_GGML_DIR} NO_DEFAULT_PATH)
+  add_executable(ggml_compare ${CMAKE_CURRENT_LIST_DIR}/ggml_compare.cc)
+  target_link_libraries(ggml_compare PRIVATE loom_kernels ggml::ggml CLI11::CLI11
+                                             nlohmann_json::nlohmann_json)
+  set_target_properties(ggml_compare PROPERTIES BUILD_RPATH "${LOOM_GGML_DIR}/lib")
+  target_compile_definitions(bench_kernels PRIVATE LOOM_GGML_COMPARE="$<TARGET_FILE:ggml_compare>")
+  add_dependencies(bench_kernels ggml_compare)
+endif()
+message(STATUS "loom: bench_kernels ggml rows: ${LOOM_GGML_DIR}")

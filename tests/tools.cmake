@@ -22,6 +22,15 @@ if(LOOM_HAVE_TORCH AND LOOM_BUILD_BENCH)
                    ${CMAKE_CURRENT_BINARY_DIR}/bench_torch_check)
   set_tests_properties(bench_kernels_torch PROPERTIES TIMEOUT 300 LABELS "tool;torch")
 endif()
+# bench_kernels' ggml rows and ggml_compare, where a ggml build was given (-DLOOM_GGML_DIR, see
+# bench/kernels.cmake): ggml is not in Debian, so CI builds and runs neither.
+if(LOOM_SYSTEM_PYTHON AND LOOM_BUILD_BENCH AND LOOM_GGML_DIR)
+  add_test(NAME bench_kernels_ggml
+           COMMAND ${LOOM_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/tools/bench_ggml_check.py
+                   $<TARGET_FILE:bench_kernels> $<TARGET_FILE:ggml_compare>
+                   ${CMAKE_CURRENT_BINARY_DIR}/bench_ggml_check)
+  set_tests_properties(bench_kernels_ggml PROPERTIES TIMEOUT 300 LABELS "tool")
+endif()
 add_test(NAME loom_cli_checks COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/cli_checks.sh $<TARGET_FILE:loom>)
 set_tests_properties(loom_cli_checks PROPERTIES TIMEOUT 600 LABELS "tool")
 
