@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "../src/kernels/tile_ops.h"
+#include "bench_common.h"
 #include "loom/attention.h"
 #include "loom/error.h"
 #include "loom/tensor.h"
@@ -99,13 +100,8 @@ struct Options {
   std::string torch_python = "/usr/bin/python3";
 };
 
-Tensor<float> random_normal(std::vector<int64_t> shape, uint32_t seed) {
-  Tensor<float> x(std::move(shape));
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (float& e : x.vec()) e = normal(gen);
-  return x;
-}
+using bench::random_normal;
+using bench::rel_error;
 
 // With --cpu-time the kernel calls and the sgemm windows are timed by the process's CPU clock
 // instead of the wall clock: on a machine shared with other work, the time this process was
@@ -385,16 +381,6 @@ Row run_shape(const Options& o, const std::string& dtype, int64_t sq, int64_t sk
 
 // ---------------------------------------------------------------------------------------------
 // Correctness check
-
-double rel_error(const std::vector<float>& x, const std::vector<double>& ref) {
-  double err = 0, norm = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (!std::isfinite(x[i])) return INFINITY;
-    err += (x[i] - ref[i]) * (x[i] - ref[i]);
-    norm += ref[i] * ref[i];
-  }
-  return norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
-}
 
 // The largest relative error of out, lse, dq, dk, dv on a small zigzag-shaped problem.
 double check(int threads) {
@@ -1020,6 +1006,12 @@ int main(int argc, char** argv) {
                "its instruction set is not the kernel path's");
   app.add_option("--json", o.json, "also write the results as JSON to this file");
   CLI11_PARSE(app, argc, argv);
+  if (o.heads < 1 || o.kv_heads < 1 || o.heads % o.kv_heads != 0) {
+    std::fprintf(stderr,
+                 "bench_kernels: --heads %lld must be a positive multiple of --kv-heads %lld\n",
+                 static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads));
+    return 1;
+  }
   if (!o.keep_openblas_core) loom::match_openblas_core(argv);
   try {
     if (o.sgemm_window > 0) {

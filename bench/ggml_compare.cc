@@ -29,10 +29,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "bench_common.h"
 #include "loom/attention.h"
 #include "loom/tensor.h"
 
@@ -109,23 +109,8 @@ class Attention {
   ggml_cgraph* graph_ = nullptr;
 };
 
-loom::Tensor<float> random_normal(std::vector<int64_t> shape, uint32_t seed) {
-  loom::Tensor<float> x(std::move(shape));
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (float& e : x.vec()) e = normal(gen);
-  return x;
-}
-
-double rel_error(const std::vector<float>& x, const std::vector<double>& ref) {
-  double err = 0, norm = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    if (!std::isfinite(x[i])) return INFINITY;
-    err += (x[i] - ref[i]) * (x[i] - ref[i]);
-    norm += ref[i] * ref[i];
-  }
-  return norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
-}
+using loom::bench::random_normal;
+using loom::bench::rel_error;
 
 // ggml's output on a small problem (S = 200, H = 4, the run's D, mask and k/v type) against
 // loom's fp64 reference on the values ggml was given (f16 k and v rounded first).

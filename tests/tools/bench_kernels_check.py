@@ -15,7 +15,8 @@ and checks from each run's --json that
     row-over-row lines the quotient of the two rows' ratios, in the right order;
   - the sgemm lines appear for D = 128 only, and the D = 64 / D = 128 line appears once per kind;
   - each line carries its path's goal, and a path shows only its own list's lines;
-  - "met" is value >= target.
+  - "met" is value >= target;
+and that --heads not a multiple of --kv-heads is one error line and a non-zero exit.
 Exit 0 when all hold, else 1 with one line per failure.
 """
 import json
@@ -142,6 +143,14 @@ def main():
         p2, bad2 = check_run(bench, work, "avx2")
         paths.append(p2)
         bad += bad2
+    # Heads that do not divide: one error line naming both options, a non-zero exit, no rows.
+    r = subprocess.run([bench, "--heads", "6", "--kv-heads", "4", "--no-torch"],
+                       capture_output=True, text=True, timeout=60)
+    err = r.stderr.strip().splitlines()
+    if (r.returncode == 0 or len(err) != 1 or "--heads 6" not in err[0]
+            or "--kv-heads 4" not in err[0] or r.stdout):
+        bad.append(f"--heads 6 --kv-heads 4: exit {r.returncode}, stdout {r.stdout!r}, "
+                   f"stderr {r.stderr!r}")
     if bad:
         print("\n".join(bad))
         return 1
