@@ -774,8 +774,9 @@ int run(const Options& o) {
       torch_rows.push_back(t);
     }
     if (ggml && threads == 1 && dtype == "fp32") {
-      const nlohmann::json g = ggml_row(o, sq, d, causal, r.fwd.call_s.size());
+      nlohmann::json g = ggml_row(o, sq, d, causal, r.fwd.call_s.size());
       const double gf = g.value("fwd_gflops", 0.0);
+      g["loom_over_ggml_fwd"] = gf > 0 ? r.fwd_gflops() / gf : 0.0;
       print_row("ggml", sq, sk, o.heads, o.heads, d, causal, threads, r.gemm_gflops(),
                 g.value("fwd_s", 0.0), gf, gf / r.gemm_gflops(), 0.0, 0.0, 0.0);
       ggml_rows.push_back(g);
@@ -937,16 +938,12 @@ int run(const Options& o) {
   if (!ggml_rows.empty()) {
     std::printf("\nloom / ggml %s (ggml_flash_attn_ext, forward), same shapes:\n",
                 ggml_rows[0].value("ggml", std::string("?")).c_str());
-    for (auto& g : ggml_rows) {
-      const Row* r = find("fp32", g.value("seq", int64_t{0}), g.value("dim", int64_t{0}),
-                          g.value("mask", std::string()) == "causal", 1);
-      const double gf = g.value("fwd_gflops", 0.0);
-      if (!r || gf <= 0) continue;
-      g["loom_over_ggml_fwd"] = r->fwd_gflops() / gf;
+    for (const auto& g : ggml_rows)
       std::printf("  fp32 Sq=%lld D=%lld %s 1 thr: ggml %.1f GFLOP/s, loom / ggml %.2f\n",
-                  static_cast<long long>(r->sq), static_cast<long long>(r->dim),
-                  r->causal ? "causal" : "full", gf, r->fwd_gflops() / gf);
-    }
+                  static_cast<long long>(g.value("seq", int64_t{0})),
+                  static_cast<long long>(g.value("dim", int64_t{0})),
+                  g.value("mask", std::string()).c_str(), g.value("fwd_gflops", 0.0),
+                  g.value("loom_over_ggml_fwd", 0.0));
     doc["ggml"] = ggml_rows;
   }
   doc["targets"] = targets;

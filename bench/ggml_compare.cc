@@ -28,12 +28,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "bench_common.h"
 #include "loom/attention.h"
+#include "loom/error.h"
+#include "loom/io.h"
 #include "loom/tensor.h"
 
 namespace {
@@ -112,6 +113,13 @@ class Attention {
 using loom::bench::random_normal;
 using loom::bench::rel_error;
 
+// Positions 0 .. s - 1: one contiguous sequence, for the reference and the pair count.
+std::vector<int64_t> positions(int64_t s) {
+  std::vector<int64_t> pos(static_cast<size_t>(s));
+  for (int64_t i = 0; i < s; ++i) pos[static_cast<size_t>(i)] = i;
+  return pos;
+}
+
 // ggml's output on a small problem (S = 200, H = 4, the run's D, mask and k/v type) against
 // loom's fp64 reference on the values ggml was given (f16 k and v rounded first).
 double check(const Options& o) {
@@ -125,8 +133,7 @@ double check(const Options& o) {
   Attention a(s, h, d, causal, f16, o.threads);
   a.set(q, k, v);
   a.run();
-  std::vector<int64_t> pos(static_cast<size_t>(s));
-  for (int64_t i = 0; i < s; ++i) pos[static_cast<size_t>(i)] = i;
+  const std::vector<int64_t> pos = positions(s);
   const loom::Tokens t{pos.data(), nullptr, s};
   loom::Tensor<double> ref({s, h, d});
   std::vector<double> lse(static_cast<size_t>(h * s));
@@ -177,8 +184,11 @@ int main(int argc, char** argv) {
     if (i > 0) calls.push_back(sec);  // the first call is the warm-up
   }
   const double best = *std::min_element(calls.begin(), calls.end());
-  const double pairs = causal ? 0.5 * static_cast<double>(s) * static_cast<double>(s + 1) * h
-                              : static_cast<double>(s) * static_cast<double>(s) * h;
+  // Useful FLOPs as bench_kernels counts them: 4 D per (query, key, head) the mask allows.
+  const std::vector<int64_t> pos = positions(s);
+  const loom::Tokens t{pos.data(), nullptr, s};
+  const double pairs =
+      static_cast<double>(loom::count_visible_pairs(t, t, loom::Mask{causal, 0}, h));
   const double gflops = 4.0 * static_cast<double>(d) * pairs / best * 1e-9;
   std::printf("ggml %s S %lld H %lld D %lld %s k/v %s, %d thread(s): fwd %.1f ms, %.1f GFLOP/s\n",
               ggml_version(), static_cast<long long>(s), static_cast<long long>(h),
@@ -194,10 +204,10 @@ int main(int argc, char** argv) {
                                            {"fwd_gflops", gflops},
                                            {"fwd_calls_s", calls}}});
   if (!o.json.empty()) {
-    std::ofstream f(o.json);
-    f << doc.dump(1) << "\n";
-    if (!f) {
-      std::fprintf(stderr, "ggml_compare: cannot write %s\n", o.json.c_str());
+    try {
+      loom::write_output(o.json, doc.dump(1) + "\n");
+    } catch (const loom::Error& e) {
+      std::fprintf(stderr, "ggml_compare: %s\n", e.what());
       return 1;
     }
   }
