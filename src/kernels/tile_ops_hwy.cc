@@ -567,9 +567,7 @@ const TileOps* avx512bf16_ops() {
   }();
   return &ops;
 }
-#endif
 
-#if HWY_TARGETS & HWY_AVX3
 bool cpu_has_avx512_bf16_flag() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
