@@ -9,14 +9,20 @@ where that is an AVX-512 path, again with LOOM_KERNEL=avx2 (issue 10 sets one li
 AVX-512 paths and another for AVX2 and the rest: both lists are checked where the CPU runs both),
 and checks from each run's --json that
   - every row has at least 5 timed calls of each kernel with an sgemm window before and after
-    each, its GFLOP/s is its fastest call's, its sgemm rate is its fastest window and each ratio
-    is the row's rate over it;
+    each, its GFLOP/s is its fastest call's, each kernel's sgemm rate is the fastest of its own
+    windows and its ratio is its rate over that (the row's gemm_gflops: the fastest of all);
   - each target's value is what its rows give: the sgemm lines the D = 128 row's ratios, the
     row-over-row lines the quotient of the two rows' ratios, in the right order;
   - the sgemm lines appear for D = 128 only, and the D = 64 / D = 128 line appears once per kind;
   - each line carries its path's goal, and a path shows only its own list's lines;
   - "met" is value >= target;
 and that --heads not a multiple of --kv-heads is one error line and a non-zero exit.
+Then --thread-scaling (rounds of 1-thread and 2-thread calls beside sgemm windows of both counts):
+that each kernel of each dtype has its rounds with positive times and windows, that its medians
+are the medians of the rounds' t1 / t2, g2 / g1 and their quotient, that the two-thread target
+lines (on non-AVX-512 paths; none on AVX-512 ones) carry loom's median, 1.85 and the right
+verdict, and that --threads 1, --thread-scaling 0 and --cpu-time beside it are refused with a
+non-zero exit.
 Exit 0 when all hold, else 1 with one line per failure.
 """
 import json
@@ -66,12 +72,13 @@ def check_run(bench, work, kernel):
                 continue
             if not math.isclose(x[f"{k}_gflops"], flops / min(calls) * 1e-9, rel_tol=1e-9):
                 bad.append(f"{k}_gflops is not the fastest call's rate: {x}")
+            # Each kernel's ratio is over the fastest window among its own calls, not the row's.
+            if not math.isclose(x[f"{k}_gemm_gflops"], max(gemm), rel_tol=1e-9):
+                bad.append(f"{k}_gemm_gflops is not the fastest of {k}'s windows: {x}")
+            if not math.isclose(x[f"{k}_ratio"], x[f"{k}_gflops"] / max(gemm), rel_tol=1e-9):
+                bad.append(f"{k}_ratio is not {k}_gflops over {k}'s fastest window: {x}")
         if windows and not math.isclose(x["gemm_gflops"], max(windows), rel_tol=1e-9):
-            bad.append(f"gemm_gflops is not the fastest window: {x}")
-        for k in ("fwd", "bwd"):
-            if not math.isclose(x[f"{k}_ratio"], x[f"{k}_gflops"] / x["gemm_gflops"],
-                                rel_tol=1e-9):
-                bad.append(f"{k}_ratio is not {k}_gflops / gemm_gflops: {x}")
+            bad.append(f"gemm_gflops is not the row's fastest window: {x}")
 
     # The sgemm's OpenBLAS kernels are of the path's instruction set (bench_kernels picks them).
     gemm = doc["gemm"]
@@ -134,6 +141,69 @@ def check_run(bench, work, kernel):
     return path, bad
 
 
+def median(x):
+    x = sorted(x)
+    n = len(x)
+    return x[n // 2] if n % 2 else 0.5 * (x[n // 2 - 1] + x[n // 2])
+
+
+def check_scaling(bench, work):
+    """--thread-scaling on a tiny problem: its JSON against its own rounds; returns failures."""
+    out = os.path.join(work, "scaling.json")
+    rounds = 3
+    cmd = [bench, "--thread-scaling", str(rounds), "--seq", "128", "--dim", "64", "--dtype",
+           "fp32", "bf16", "--threads", "2", "--heads", "2", "--kv-heads", "2", "--gemm-n", "64",
+           "--json", out]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOOM_KERNEL", "OPENBLAS_CORETYPE")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if r.returncode != 0:
+        return [f"--thread-scaling exited {r.returncode}:\n{r.stdout}\n{r.stderr}"]
+    doc = json.load(open(out))
+    bad = []
+    ts, targets = doc["thread_scaling"], doc["targets"]
+    avx512 = doc["kernel_path"].startswith("avx512")
+    got = [(x["dtype"], x["kernel"]) for x in ts["results"]]
+    want = [(t, k) for t in ("fp32", "bf16") for k in ("fwd", "bwd")]
+    if got != want or ts["threads"] != 2 or ts["rounds"] != rounds:
+        bad.append(f"--thread-scaling results {got}, threads {ts['threads']}, rounds "
+                   f"{ts['rounds']} (want {want}, 2, {rounds})")
+    for x in ts["results"]:
+        rs = x["rounds"]
+        if len(rs) != rounds or min(min(r.values()) for r in rs) <= 0:
+            bad.append(f"--thread-scaling {x['dtype']} {x['kernel']}: want {rounds} rounds of "
+                       f"positive times and windows: {rs}")
+            continue
+        loom = [r["t1_s"] / r["tn_s"] for r in rs]
+        sgemm = [r["sgemmn"] / r["sgemm1"] for r in rs]
+        for key, vals in (("loom_median", loom), ("sgemm_median", sgemm),
+                          ("quotient_median", [a / b for a, b in zip(loom, sgemm)])):
+            if not math.isclose(x[key], median(vals), rel_tol=1e-9):
+                bad.append(f"--thread-scaling {x['dtype']} {x['kernel']}: {key} {x[key]}, its "
+                           f"rounds give {median(vals)}")
+        what = (f"{x['dtype']} {x['kernel']} 2 thr / 1 thr, paired median, full, S=128 D=64")
+        hits = [t for t in targets if t["what"] == what]
+        if avx512:
+            continue
+        if len(hits) != 1:
+            bad.append(f"{len(hits)} --thread-scaling target lines named '{what}' (want 1)")
+            continue
+        t = hits[0]
+        if (not math.isclose(t["value"], x["loom_median"], rel_tol=1e-9) or t["target"] != 1.85
+                or t["met"] != (t["value"] >= 1.85)):
+            bad.append(f"--thread-scaling target {t} (loom's median {x['loom_median']}, goal 1.85)")
+    if avx512 and targets:
+        bad.append(f"--thread-scaling target lines on the {doc['kernel_path']} path: {targets}")
+    for args, needle in ((["--thread-scaling", "2", "--threads", "1"], "--threads gives 1"),
+                         (["--thread-scaling", "0"], "--thread-scaling"),
+                         # its calls are timed by the wall clock; --cpu-time would mix two clocks
+                         (["--thread-scaling", "2", "--cpu-time"], "--thread-scaling")):
+        r = subprocess.run([bench] + args, capture_output=True, text=True, timeout=60)
+        if r.returncode == 0 or needle not in r.stderr or "thread scaling" in r.stdout:
+            bad.append(f"{' '.join(args)}: exit {r.returncode}, stdout {r.stdout!r}, "
+                       f"stderr {r.stderr!r} (want a refusal naming '{needle}')")
+    return bad
+
+
 def main():
     bench, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
@@ -151,6 +221,7 @@ def main():
             or "--kv-heads 4" not in err[0] or r.stdout):
         bad.append(f"--heads 6 --kv-heads 4: exit {r.returncode}, stdout {r.stdout!r}, "
                    f"stderr {r.stderr!r}")
+    bad += check_scaling(bench, work)
     if bad:
         print("\n".join(bad))
         return 1
