@@ -36,6 +36,7 @@
 //   bench_kernels                                  the default sweep, a table
 //   bench_kernels --seq 1024 --dim 64 --json out.json
 //   bench_kernels --seq 4096 --dim 128 64 --dtype fp32 bf16 --ring 512 --threads 1
+//   bench_kernels --thread-scaling 8 --dtype fp32 bf16 --threads 2   the two-thread lines
 #include <omp.h>
 #include <sys/wait.h>
 #include <unistd.h>
