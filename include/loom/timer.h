@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <vector>
 
 namespace loom {
 
@@ -31,6 +32,9 @@ class ScopedTimer {
   double& sink_;
   double start_;
 };
+
+// The median of v (the mean of the two middle values for an even count), 0 for an empty v.
+double median(std::vector<double> v);
 
 // Peak resident set size of the process in bytes (VmHWM), 0 where unknown.
 int64_t peak_rss_bytes();

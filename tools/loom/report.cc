@@ -6,16 +6,11 @@
 #include <cstdio>
 #include <sstream>
 
+#include "loom/timer.h"
+
 namespace loom::tools {
 
 namespace {
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 double origin(const AttnReport& r) {
   double t = 1e300;
