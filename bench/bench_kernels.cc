@@ -22,16 +22,17 @@
 // against the fp64 reference (relative norm error <= 1e-5, the kFp32RelTol of the tests); a
 // failed check exits non-zero. --no-check skips it.
 //
-// Where /usr/bin/python3 (or --torch-python) can import torch, PyTorch eager
-// (bench/torch_compare.py) runs on each fp32 one-thread shape right after loom's row and is
-// printed beneath it (its sgemm column: torch.mm), so the loom / PyTorch targets divide rates of
-// the same minute; elsewhere one line says they were skipped. --torch makes them required (a
-// Python without torch is an error), --no-torch leaves them out, --torch-json reads them from an
-// earlier torch_compare.py run instead. PyTorch runs every head's own k and v (no GQA).
-// Where CMake found a ggml build (-DLOOM_GGML_DIR, bench/kernels.cmake), ggml's CPU flash
-// attention (bench/ggml_compare.cc: forward only, fp32 k and v, its own check against the fp64
-// reference) runs on each fp32 one-thread shape too, printed beneath as `ggml` with loom's row's
-// sgemm; --no-ggml leaves it out. ggml is not in Debian, so by default these rows are not built.
+// Where /usr/bin/python3 (or --torch-python) can import torch, PyTorch's own attention, eager
+// (bench/torch_compare.py: its scaled dot product attention) runs on each fp32 one-thread shape
+// right after loom's row and is printed beneath it (its sgemm column: torch.mm), so the loom /
+// PyTorch targets divide rates of the same minute; elsewhere one line says they were skipped.
+// --torch makes them required (a Python without torch is an error), --no-torch leaves them out,
+// --torch-json reads them from an earlier torch_compare.py run instead. PyTorch runs every head's
+// own k and v (no GQA). Where CMake found a ggml build (-DLOOM_GGML_DIR, bench/kernels.cmake),
+// ggml's CPU flash attention (bench/ggml_compare.cc: forward only, fp32 k and v, its own check
+// against the fp64 reference) runs on each fp32 one-thread shape too, printed beneath as `ggml`
+// with loom's row's sgemm; --no-ggml leaves it out. ggml is not in Debian, so by default these rows
+// are not built.
 //
 //   bench_kernels                                  the default sweep, a table
 //   bench_kernels --seq 1024 --dim 64 --json out.json
@@ -955,6 +956,8 @@ int run(const Options& o) {
     if (torch) {
       tj["results"] = torch_rows;
       tj["torch"] = torch_rows.empty() ? std::string("?") : torch_rows[0].value("torch", "?");
+      tj["attention"] =
+          torch_rows.empty() ? std::string("?") : torch_rows[0].value("attention", "?");
     } else {
       std::ifstream f(o.torch_json);
       LOOM_CHECK(f.good(), IoError, "cannot read " << o.torch_json);
@@ -966,8 +969,10 @@ int run(const Options& o) {
       LOOM_CHECK(tj.contains("results") && tj["results"].is_array(), IoError,
                  o.torch_json << ": no \"results\" array (write it with bench/torch_compare.py)");
     }
+    // A file written before torch_compare.py named its attention timed the textbook formulation.
     const std::string tv = tj.value("torch", std::string("?"));
-    std::printf("\nloom / PyTorch %s eager (%s), same shapes:\n", tv.c_str(),
+    const std::string ta = tj.value("attention", std::string("unnamed: the textbook formulation"));
+    std::printf("\nloom / PyTorch %s eager, %s (%s), same shapes:\n", tv.c_str(), ta.c_str(),
                 torch ? "each PyTorch row right after loom's, this run" : o.torch_json.c_str());
     doc["torch"] = tj;
     for (const auto& t : tj["results"]) {

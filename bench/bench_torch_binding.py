@@ -5,8 +5,9 @@
                 autograd op loom.torch.attention against the bare C++ entry (_loom), and a
                 trivial torch op (x + 1) for the price of one torch dispatch, forward and
                 forward + backward;
-  2. vs-torch   loom.torch.attention against plain torch eager attention (matmul, mask,
-                softmax, matmul; autograd backward) on one process, S = --seq;
+  2. vs-torch   loom.torch.attention against PyTorch's own attention, eager (its scaled dot
+                product attention through bench/torch_attention.py, autograd backward; GQA by
+                repeating k and v) on one process, S = --seq;
   3. vs-loom    the same context-parallel attention through torch and through the loom
                 command, S = --seq tokens per rank: 1 process (loom.torch.attention and
                 loom.torch.cp_attention over a 1-rank gloo group vs `loom attn --ranks 1`)
@@ -21,7 +22,6 @@ run. Each part checks its result against loom's fp64 reference first (a benchmar
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -31,6 +31,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import torch_attention  # noqa: E402  (bench/torch_attention.py)
 
 
 def median_time(fn, iters, warmup):
@@ -45,16 +47,13 @@ def median_time(fn, iters, warmup):
 
 
 def eager(q, k, v, causal):
-    import torch
-    b, s, h, d = q.shape
-    g = h // k.shape[2]
+    """PyTorch's own attention on [B, S, H, D] q and [B, S, Hkv, D] k, v (bench/torch_attention.py:
+    its scaled dot product attention), k and v repeated to the query heads."""
+    g = q.shape[2] // k.shape[2]
     qh = q.transpose(1, 2)
     kh = k.repeat_interleave(g, dim=2).transpose(1, 2)
     vh = v.repeat_interleave(g, dim=2).transpose(1, 2)
-    scores = qh @ kh.transpose(-1, -2) / math.sqrt(d)
-    if causal:
-        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2)
+    return torch_attention.attention(qh, kh, vh, causal).transpose(1, 2)
 
 
 def fwd_bwd_times(op, q, k, v, iters, warmup):

@@ -1,14 +1,16 @@
 #!/usr/bin/python3
 """PyTorch (CPU) attention on the shapes of bench_kernels, for a side-by-side comparison.
 
-Optional and not part of CI: needs Debian's python3-torch (1.13, `apt-get install python3-torch`)
-run with /usr/bin/python3. It times eager PyTorch attention (scores = q k^T * scale, masked,
-softmax, @ v; autograd for the backward) in [H, S, D] layout, the way PyTorch 1.13 computes
-attention on CPU (it has no fused CPU scaled_dot_product_attention), and reports the same useful
-FLOP counts as bench_kernels: forward 4 * D * visible pairs, backward 2.5x that; causal counts
-only the S (S + 1) / 2 visible pairs per head. Each measurement is the best of --reps calls after
-one warm-up; the backward is timed alone, each call on the graph of an untimed forward. Next to
-it, torch.mm's fp32 GEMM rate (M = N = K = --gemm-n) with the same threads.
+Needs Debian's python3-torch (1.13, `apt-get install python3-torch`) run with /usr/bin/python3.
+It times PyTorch's own attention, eager (bench/torch_attention.py: by default --impl sdpa,
+PyTorch's scaled dot product attention, which PyTorch 1.13 materialises on CPU; autograd for the
+backward) in [H, S, D] layout, after checking it against an fp64 softmax(q k^T / sqrt(D)) v on
+small shapes (a failed check exits 1). It reports the same useful FLOP counts as bench_kernels:
+forward 4 * D * visible pairs, backward 2.5x that; causal counts only the S (S + 1) / 2 visible
+pairs per head. Each measurement is the best of --reps calls after one warm-up; the backward is
+timed alone, each call on the graph of an untimed forward. Next to it, torch.mm's fp32 GEMM rate
+(M = N = K = --gemm-n) with the same threads. --impl textbook times the slower formulation this
+script used before 2026-12-04 (the scale applied to the scores), to reproduce earlier figures.
 
   /usr/bin/python3 bench/torch_compare.py                       # default sweep, a table
   /usr/bin/python3 bench/torch_compare.py --seq 4096 --dim 128 --threads 1 --json torch.json
@@ -22,6 +24,9 @@ import os
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_attention  # noqa: E402  (bench/torch_attention.py, beside this script)
 
 # Debian's torch does its matrix products in OpenBLAS, whose thread pool follows
 # OPENBLAS_NUM_THREADS / OMP_NUM_THREADS read at load time, not torch.set_num_threads. So each
@@ -56,6 +61,8 @@ def main():
     ap.add_argument("--ring", type=int, default=512, help="ring-step rows (0: none)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gemm-n", type=int, default=1024)
+    ap.add_argument("--impl", choices=torch_attention.IMPLS, default="sdpa",
+                    help="PyTorch's attention to time (bench/torch_attention.py)")
     ap.add_argument("--json", default="")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
@@ -69,7 +76,7 @@ def main():
                    "--seq", *map(str, args.seq), "--dim", *map(str, args.dim),
                    "--heads", str(args.heads), "--dtype", *args.dtype, "--mask", args.mask,
                    "--ring", str(args.ring if i == 0 else 0), "--reps", str(args.reps),
-                   "--gemm-n", str(args.gemm_n)]
+                   "--gemm-n", str(args.gemm_n), "--impl", args.impl]
             if i > 0:
                 cmd.append("--no-header")
             rc = subprocess.call(cmd, env=env)
@@ -79,10 +86,10 @@ def main():
                 got = json.load(f)
             os.remove(out)
             rows += got["results"]
-            version = got["torch"]
+            version, impl = got["torch"], got["attention"]
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"torch": version, "results": rows}, f, indent=2)
+                json.dump({"torch": version, "attention": impl, "results": rows}, f, indent=2)
         return 0
     try:
         import torch
@@ -91,9 +98,15 @@ def main():
               file=sys.stderr)
         return 2
 
+    err, case = torch_attention.check(args.impl)
+    if not err <= 1e-5:
+        print(f"torch_compare: PyTorch's attention ({args.impl}) is off the fp64 reference: "
+              f"relative error {err:.3g} > 1e-5 at {case}", file=sys.stderr)
+        return 1
+    impl = torch_attention.describe(args.impl)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if not args.no_header:
-        print(f"torch {torch.__version__}")
+        print(f"torch {torch.__version__}, {impl} (checked: relative error {err:.2g} vs fp64)")
         print(f"{'dtype':>5} {'Sq':>6} {'Sk':>6} {'H':>3} {'D':>4} {'mask':>6} {'thr':>3} "
               f"{'sgemm':>7} | {'fwd ms':>9} {'GFLOP/s':>8} {'/gemm':>6} | {'bwd ms':>9} "
               f"{'GFLOP/s':>8} {'/gemm':>6}", flush=True)
@@ -119,20 +132,12 @@ def main():
         k = torch.randn(h, sk, d, generator=g).to(dtypes[dtype]).requires_grad_()
         v = torch.randn(h, sk, d, generator=g).to(dtypes[dtype]).requires_grad_()
         dout = torch.randn(h, sq, d, generator=g).to(dtypes[dtype])
-        scale = d ** -0.5
-        mask = None
-        pairs = sq * sk * h
-        if causal:  # queries at positions [sk - sq, sk), keys at [0, sk)
-            qpos = torch.arange(sk - sq, sk).unsqueeze(1)
-            kpos = torch.arange(sk).unsqueeze(0)
-            mask = kpos > qpos
-            pairs = int((~mask).sum()) * h
+        # causal: queries at positions [sk - sq, sk), keys at [0, sk)
+        pairs = (sq * sk if not causal else
+                 sum(max(0, min(sk, sk - sq + i + 1)) for i in range(sq))) * h
 
         def forward():
-            s = torch.matmul(q, k.transpose(1, 2)) * scale
-            if mask is not None:
-                s = s.masked_fill(mask, float("-inf"))
-            return torch.matmul(torch.softmax(s, dim=-1), v)
+            return torch_attention.attention(q, k, v, causal, args.impl)
 
         def fwd_only():
             with torch.no_grad():
@@ -154,7 +159,7 @@ def main():
         t_fwd, t_bwd = min(fwd_calls), min(bwd_calls)
         flops = 4.0 * d * pairs
         r = dict(dtype=dtype, seq_q=sq, seq_k=sk, heads=h, dim=d, causal=causal, threads=threads,
-                 gemm_gflops=gemm, fwd_s=t_fwd, bwd_s=t_bwd, fwd_gflops=flops / t_fwd * 1e-9,
+                 attention=impl, gemm_gflops=gemm, fwd_s=t_fwd, bwd_s=t_bwd, fwd_gflops=flops / t_fwd * 1e-9,
                  bwd_gflops=2.5 * flops / t_bwd * 1e-9, fwd_calls_s=fwd_calls,
                  bwd_calls_s=bwd_calls)
         print(f"{dtype:>5} {sq:>6} {sk:>6} {h:>3} {d:>4} {'causal' if causal else 'full':>6} "
@@ -175,7 +180,8 @@ def main():
                 run(dtype, args.ring, args.ring, d, False, 1)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "results": rows}, f, indent=2)
+            json.dump({"torch": torch.__version__, "attention": impl, "results": rows}, f,
+                      indent=2)
     return 0
 
 

@@ -22,6 +22,12 @@ if(LOOM_HAVE_TORCH AND LOOM_BUILD_BENCH)
                    ${CMAKE_CURRENT_BINARY_DIR}/bench_torch_check)
   set_tests_properties(bench_kernels_torch PROPERTIES TIMEOUT 300 LABELS "tool;torch")
 endif()
+# bench/torch_attention.py, the benchmarks' PyTorch side, against fp64 (and its check failing).
+if(LOOM_HAVE_TORCH)
+  add_test(NAME bench_torch_attention
+           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/tools/torch_attention_check.py)
+  set_tests_properties(bench_torch_attention PROPERTIES TIMEOUT 120 LABELS "tool;torch")
+endif()
 # bench_kernels' ggml rows and ggml_compare, where a ggml build was given (-DLOOM_GGML_DIR, see
 # bench/kernels.cmake): ggml is not in Debian, so CI builds and runs neither.
 if(LOOM_SYSTEM_PYTHON AND LOOM_BUILD_BENCH AND LOOM_GGML_DIR)

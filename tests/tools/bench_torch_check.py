@@ -9,6 +9,8 @@ default where the Python can import torch), and checks
   - a PyTorch row follows each fp32 one-thread loom row of the table, with the same shape;
   - the --json "torch" rows are those shapes, with positive rates, each from the fastest of as
     many timed calls as loom's row (the backward timed by itself);
+  - the rows timed PyTorch's own scaled dot product attention (bench/torch_attention.py's
+    default), named in the JSON and in the table's "loom / PyTorch" line;
   - each "loom / torch" target is loom's row rate over PyTorch's row rate, and "met" is
     value >= target;
 and that by default a Python that cannot import torch is one "skipped" line, no PyTorch rows and
@@ -49,6 +51,14 @@ def main():
             bad.append(f"no PyTorch row right after loom's {mask} row")
     doc = json.load(open(out))
     loom_rows, torch_rows, targets = doc["results"], doc["torch"]["results"], doc["targets"]
+    # PyTorch's own attention, not a slower formulation of it (the textbook one, scaling the
+    # scores, ran 15-30 % slower): named at the top, on every row and in the table.
+    sdpa = "scaled_dot_product_attention"
+    names = [doc["torch"].get("attention", "")] + [x.get("attention", "") for x in torch_rows]
+    if not all(sdpa in n for n in names):
+        bad.append(f"PyTorch's rows did not time its scaled dot product attention: {names}")
+    if not [x for x in lines if x.startswith("loom / PyTorch ") and sdpa in x]:
+        bad.append("no 'loom / PyTorch' line naming PyTorch's scaled dot product attention")
     for causal in (False, True):
         key = ("fp32", 256, 256, 64, causal, 1)
         lr = [x for x in loom_rows if (x["dtype"], x["seq_q"], x["seq_k"], x["dim"], x["causal"],
