@@ -1,17 +1,17 @@
 """PyTorch's own attention: the PyTorch side of loom's benchmarks.
 
 bench/torch_compare.py (bench_kernels' PyTorch rows) and bench/bench_torch_binding.py (vs-torch)
-time PyTorch through `attention` here, so that both measure loom against the fastest attention a
-PyTorch user has on CPU, not against a slower formulation of it:
+time PyTorch through `attention` here, so that loom is measured against PyTorch's own attention
+and not only against one formulation of it:
 
-- `sdpa` (the default): PyTorch's scaled dot product attention,
+- `sdpa` (the default here): PyTorch's scaled dot product attention,
   torch.nn.functional.scaled_dot_product_attention (PyTorch >= 2.0) or its 1.13 form
   torch.nn.functional._scaled_dot_product_attention, which returns (output, weights). On CPU in
   1.13 it is materialised (scores, softmax, @ v), with its own causal path.
 - `textbook`: matmul(q, k^T) * scale, masked, softmax, @ v: the scale applied to the S x S scores
-  (an extra pass over them). It is what bench/torch_compare.py timed before 2026-12-04; on Zen 3
-  its forward ran 15-30 % slower than `sdpa` (docs/performance.md, round 15). Kept to reproduce
-  the earlier figures, never the default.
+  (an extra pass over them). It is all that bench/torch_compare.py timed before 2026-12-04.
+Which one is faster depends on the kernel and the minute (docs/performance.md, round 15), so
+torch_compare.py times both by default and keeps each kernel's faster.
 
 Tensors are [..., S, D] (any leading dimensions, the same for q, k and v). Causal follows loom's
 convention: the Sq queries are the last Sq positions of the Sk keys, so query i sees keys
@@ -33,9 +33,9 @@ def _sdpa_function():
 def describe(impl):
     """The name of what `impl` runs, for the benchmarks' headers and JSON."""
     if impl == "textbook":
-        return "matmul, * scale, masked_fill, softmax, matmul"
+        return "textbook (matmul, * scale, masked_fill, softmax, matmul)"
     fn, _ = _sdpa_function()
-    return "torch.nn.functional." + fn.__name__
+    return f"sdpa (torch.nn.functional.{fn.__name__})"
 
 
 def _visible(sq, sk, device=None):

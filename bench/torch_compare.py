@@ -2,15 +2,19 @@
 """PyTorch (CPU) attention on the shapes of bench_kernels, for a side-by-side comparison.
 
 Needs Debian's python3-torch (1.13, `apt-get install python3-torch`) run with /usr/bin/python3.
-It times PyTorch's own attention, eager (bench/torch_attention.py: by default --impl sdpa,
-PyTorch's scaled dot product attention, which PyTorch 1.13 materialises on CPU; autograd for the
-backward) in [H, S, D] layout, after checking it against an fp64 softmax(q k^T / sqrt(D)) v on
-small shapes (a failed check exits 1). It reports the same useful FLOP counts as bench_kernels:
-forward 4 * D * visible pairs, backward 2.5x that; causal counts only the S (S + 1) / 2 visible
-pairs per head. Each measurement is the best of --reps calls after one warm-up; the backward is
-timed alone, each call on the graph of an untimed forward. Next to it, torch.mm's fp32 GEMM rate
-(M = N = K = --gemm-n) with the same threads. --impl textbook times the slower formulation this
-script used before 2026-12-04 (the scale applied to the scores), to reproduce earlier figures.
+It times PyTorch attention, eager (autograd for the backward), in [H, S, D] layout, in the
+formulations of bench/torch_attention.py: PyTorch's own scaled dot product attention (sdpa, which
+PyTorch 1.13 materialises on CPU) and the textbook one (the scale applied to the S x S scores),
+each first checked against an fp64 softmax(q k^T / sqrt(D)) v on small shapes (a failed check
+exits 1). By default (--impl best) both run, alternated call by call (the order reversed every
+round), and each kernel reports the formulation whose fastest call was fastest: loom is compared
+with the best PyTorch of the two, forward and backward separately. --impl sdpa or textbook times
+one alone (the textbook one alone is what this script timed before 2026-12-04).
+It reports the same useful FLOP counts as bench_kernels: forward 4 * D * visible pairs, backward
+2.5x that; causal counts only the S (S + 1) / 2 visible pairs per head. Each measurement is the
+best of --reps calls after one warm-up; the backward is timed alone, each call on the graph of an
+untimed forward. Next to it, torch.mm's fp32 GEMM rate (M = N = K = --gemm-n) with the same
+threads.
 
   /usr/bin/python3 bench/torch_compare.py                       # default sweep, a table
   /usr/bin/python3 bench/torch_compare.py --seq 4096 --dim 128 --threads 1 --json torch.json
@@ -33,21 +37,25 @@ import torch_attention  # noqa: E402  (bench/torch_attention.py, beside this scr
 # thread count runs in its own child process with those set (--child marks a child).
 
 
-def call_times(fn, reps, setup=None):
-    """The seconds of reps timed calls of fn after one warm-up, each after an untimed setup()."""
-    times = []
+def alternated_times(fns, reps, setup=None):
+    """{name: seconds of reps timed calls} of the named fns, after one warm-up each: round i calls
+    every fn once, in order on even rounds and reversed on odd ones, each after an untimed
+    setup(name), so that each formulation sees the same seconds of a drifting machine."""
+    names = list(fns)
+    times = {n: [] for n in names}
     for i in range(reps + 1):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        if i > 0:
-            times.append(time.perf_counter() - t0)
+        for n in (names if i % 2 == 0 else names[::-1]):
+            if setup is not None:
+                setup(n)
+            t0 = time.perf_counter()
+            fns[n]()
+            if i > 0:
+                times[n].append(time.perf_counter() - t0)
     return times
 
 
 def best_time(fn, reps):
-    return min(call_times(fn, reps))
+    return min(alternated_times({"fn": fn}, reps)["fn"])
 
 
 def main():
@@ -61,8 +69,9 @@ def main():
     ap.add_argument("--ring", type=int, default=512, help="ring-step rows (0: none)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gemm-n", type=int, default=1024)
-    ap.add_argument("--impl", choices=torch_attention.IMPLS, default="sdpa",
-                    help="PyTorch's attention to time (bench/torch_attention.py)")
+    ap.add_argument("--impl", choices=("best",) + torch_attention.IMPLS, default="best",
+                    help="PyTorch formulation(s) to time (bench/torch_attention.py); best: all, "
+                         "alternated, each kernel reporting its fastest")
     ap.add_argument("--json", default="")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
@@ -98,15 +107,23 @@ def main():
               file=sys.stderr)
         return 2
 
-    err, case = torch_attention.check(args.impl)
-    if not err <= 1e-5:
-        print(f"torch_compare: PyTorch's attention ({args.impl}) is off the fp64 reference: "
-              f"relative error {err:.3g} > 1e-5 at {case}", file=sys.stderr)
-        return 1
-    impl = torch_attention.describe(args.impl)
+    impls = torch_attention.IMPLS if args.impl == "best" else (args.impl,)
+    errs = {}
+    for name in impls:
+        err, case = torch_attention.check(name)
+        if not err <= 1e-5:
+            print(f"torch_compare: PyTorch's attention ({name}) is off the fp64 reference: "
+                  f"relative error {err:.3g} > 1e-5 at {case}", file=sys.stderr)
+            return 1
+        errs[name] = err
+    names = {name: torch_attention.describe(name) for name in impls}
+    impl = (names[impls[0]] if len(impls) == 1 else
+            "per kernel the faster of " + " and ".join(names.values()))
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if not args.no_header:
-        print(f"torch {torch.__version__}, {impl} (checked: relative error {err:.2g} vs fp64)")
+        checked = ", ".join(f"{n} {e:.2g}" for n, e in errs.items())
+        print(f"torch {torch.__version__}, {impl} (checked against fp64, relative error: "
+              f"{checked})")
         print(f"{'dtype':>5} {'Sq':>6} {'Sk':>6} {'H':>3} {'D':>4} {'mask':>6} {'thr':>3} "
               f"{'sgemm':>7} | {'fwd ms':>9} {'GFLOP/s':>8} {'/gemm':>6} | {'bwd ms':>9} "
               f"{'GFLOP/s':>8} {'/gemm':>6}", flush=True)
@@ -136,36 +153,43 @@ def main():
         pairs = (sq * sk if not causal else
                  sum(max(0, min(sk, sk - sq + i + 1)) for i in range(sq))) * h
 
-        def forward():
-            return torch_attention.attention(q, k, v, causal, args.impl)
+        def forward(name):
+            return torch_attention.attention(q, k, v, causal, name)
 
-        def fwd_only():
+        def fwd_only(name):
             with torch.no_grad():
-                forward()
+                forward(name)
 
         # The backward alone, as bench_kernels times loom's: each timed backward runs on the graph
         # of an untimed forward (the best of one call, not a difference of two bests).
         graph = []
 
-        def fwd_with_graph():
+        def fwd_with_graph(name):
             q.grad = k.grad = v.grad = None
-            graph[:] = [forward()]
+            graph[:] = [forward(name)]
 
         def bwd_only():
             graph.pop().backward(dout)
 
-        fwd_calls = call_times(fwd_only, args.reps)
-        bwd_calls = call_times(bwd_only, args.reps, setup=fwd_with_graph)
-        t_fwd, t_bwd = min(fwd_calls), min(bwd_calls)
+        fwd_calls = alternated_times({n: (lambda n=n: fwd_only(n)) for n in impls}, args.reps)
+        bwd_calls = alternated_times({n: bwd_only for n in impls}, args.reps,
+                                     setup=fwd_with_graph)
+        fwd_best = min(impls, key=lambda n: min(fwd_calls[n]))
+        bwd_best = min(impls, key=lambda n: min(bwd_calls[n]))
+        t_fwd, t_bwd = min(fwd_calls[fwd_best]), min(bwd_calls[bwd_best])
         flops = 4.0 * d * pairs
         r = dict(dtype=dtype, seq_q=sq, seq_k=sk, heads=h, dim=d, causal=causal, threads=threads,
-                 attention=impl, gemm_gflops=gemm, fwd_s=t_fwd, bwd_s=t_bwd, fwd_gflops=flops / t_fwd * 1e-9,
-                 bwd_gflops=2.5 * flops / t_bwd * 1e-9, fwd_calls_s=fwd_calls,
-                 bwd_calls_s=bwd_calls)
+                 attention=impl, fwd_attention=names[fwd_best], bwd_attention=names[bwd_best],
+                 gemm_gflops=gemm, fwd_s=t_fwd, bwd_s=t_bwd, fwd_gflops=flops / t_fwd * 1e-9,
+                 bwd_gflops=2.5 * flops / t_bwd * 1e-9, fwd_calls_s=fwd_calls[fwd_best],
+                 bwd_calls_s=bwd_calls[bwd_best],
+                 formulations={n: dict(attention=names[n], fwd_calls_s=fwd_calls[n],
+                                       bwd_calls_s=bwd_calls[n]) for n in impls})
+        which = "" if len(impls) == 1 else f"   fastest: fwd {fwd_best}, bwd {bwd_best}"
         print(f"{dtype:>5} {sq:>6} {sk:>6} {h:>3} {d:>4} {'causal' if causal else 'full':>6} "
               f"{threads:>3} {gemm:>7.1f} | {t_fwd * 1e3:>9.1f} {r['fwd_gflops']:>8.1f} "
               f"{r['fwd_gflops'] / gemm:>6.2f} | {t_bwd * 1e3:>9.1f} {r['bwd_gflops']:>8.1f} "
-              f"{r['bwd_gflops'] / gemm:>6.2f}", flush=True)
+              f"{r['bwd_gflops'] / gemm:>6.2f}{which}", flush=True)
         rows.append(r)
 
     for dtype in args.dtype:

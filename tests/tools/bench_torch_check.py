@@ -9,8 +9,10 @@ default where the Python can import torch), and checks
   - a PyTorch row follows each fp32 one-thread loom row of the table, with the same shape;
   - the --json "torch" rows are those shapes, with positive rates, each from the fastest of as
     many timed calls as loom's row (the backward timed by itself);
-  - the rows timed PyTorch's own scaled dot product attention (bench/torch_attention.py's
-    default), named in the JSON and in the table's "loom / PyTorch" line;
+  - the rows timed both formulations of bench/torch_attention.py (PyTorch's own scaled dot product
+    attention and the textbook one), alternated, as many calls each, and each kernel's rate is
+    the faster formulation's fastest call, named in the row; the JSON and the table's
+    "loom / PyTorch" line name PyTorch's scaled dot product attention;
   - each "loom / torch" target is loom's row rate over PyTorch's row rate, and "met" is
     value >= target;
 and that by default a Python that cannot import torch is one "skipped" line, no PyTorch rows and
@@ -51,8 +53,8 @@ def main():
             bad.append(f"no PyTorch row right after loom's {mask} row")
     doc = json.load(open(out))
     loom_rows, torch_rows, targets = doc["results"], doc["torch"]["results"], doc["targets"]
-    # PyTorch's own attention, not a slower formulation of it (the textbook one, scaling the
-    # scores, ran 15-30 % slower): named at the top, on every row and in the table.
+    # PyTorch's own attention beside the textbook formulation: named at the top, on every row
+    # and in the table.
     sdpa = "scaled_dot_product_attention"
     names = [doc["torch"].get("attention", "")] + [x.get("attention", "") for x in torch_rows]
     if not all(sdpa in n for n in names):
@@ -75,7 +77,18 @@ def main():
         # backward timed alone: each rate is the useful FLOPs over the fastest of its own calls.
         calls = len(lr[0]["fwd_calls_s"])
         pairs = lr[0]["visible_pairs"]  # the same (query, key, head) triples on both sides
+        forms = t.get("formulations", {})
+        if sorted(forms) != ["sdpa", "textbook"]:
+            bad.append(f"PyTorch formulations {sorted(forms)} (want sdpa and textbook)")
         for k, flops in (("fwd", 4.0 * 64 * pairs), ("bwd", 10.0 * 64 * pairs)):
+            # each formulation as many calls as loom's row; the kernel's rate from the fastest
+            fastest = min(forms.values(), key=lambda f: min(f[f"{k}_calls_s"], default=1e30),
+                          default=None)
+            if [len(f[f"{k}_calls_s"]) for f in forms.values()] != [calls] * len(forms):
+                bad.append(f"PyTorch {k}: formulation call counts, want {calls} each")
+            elif fastest is None or t[f"{k}_calls_s"] != fastest[f"{k}_calls_s"] or \
+                    t.get(f"{k}_attention") != fastest["attention"]:
+                bad.append(f"PyTorch {k}: the row's calls are not the faster formulation's")
             ts = t.get(f"{k}_calls_s", [])
             if len(ts) != calls or min(ts, default=0) <= 0:
                 bad.append(f"PyTorch {k} calls {ts} (want {calls} positive times, as loom's row)")
