@@ -22,10 +22,11 @@
 // against the fp64 reference (relative norm error <= 1e-5, the kFp32RelTol of the tests); a
 // failed check exits non-zero. --no-check skips it.
 //
-// Where /usr/bin/python3 (or --torch-python) can import torch, PyTorch's own attention, eager
-// (bench/torch_compare.py: its scaled dot product attention) runs on each fp32 one-thread shape
-// right after loom's row and is printed beneath it (its sgemm column: torch.mm), so the loom /
-// PyTorch targets divide rates of the same minute; elsewhere one line says they were skipped.
+// Where /usr/bin/python3 (or --torch-python) can import torch, PyTorch attention, eager
+// (bench/torch_compare.py: its scaled dot product attention and the textbook formulation
+// alternated, each kernel the faster) runs on each fp32 one-thread shape right after loom's row
+// and is printed beneath it (its sgemm column: torch.mm), so the loom / PyTorch targets divide
+// rates of the same minute; elsewhere one line says they were skipped.
 // --torch makes them required (a Python without torch is an error), --no-torch leaves them out,
 // --torch-json reads them from an earlier torch_compare.py run instead. PyTorch runs every head's
 // own k and v (no GQA). Where CMake found a ggml build (-DLOOM_GGML_DIR, bench/kernels.cmake),
