@@ -159,10 +159,11 @@ class SoftmaxState {
 
 // Folds the KV block (k, v with tokens kt) into the state of the query rows q (tokens qt).
 // q: [st.rows, H, D] with H == st.heads, D == st.dim; k, v: [Sk, Hkv, D]. D <= 256.
-// Memory: besides small per-thread tiles, a packed copy of k and v (about 2 Sk Hkv D elements of
-// fp32, or of bf16 for bf16 storage). One of at most 16 MiB stays with the calling thread for its
-// next call (a ring of equal blocks then reuses warm pages), until the thread exits; a larger
-// one is freed on return.
+// Memory: besides small per-thread tiles, a packed copy of k and v for a chunk of kv heads at a
+// time (attend_kv_chunk_heads: about 2 Sk D elements of fp32, or of bf16 for bf16 storage, per kv
+// head, as many kv heads as fit in 4 MiB, at least one). One of at most 16 MiB stays with the
+// calling thread for its next call (a ring of equal blocks then reuses warm pages), until the
+// thread exits; a larger one is freed on return.
 KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,
                    Tokens qt, Tokens kt, const KernelConfig& cfg);
 KernelStats attend(StateView st, View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
@@ -218,6 +219,14 @@ const char* kernel_path();
 // uses it to charge the same work tiles; `want` is the path's minimum work-tile side (128 on
 // every CPU path, plan Profile::work_tile).
 int64_t work_tile_side(int64_t block, int64_t n, int64_t want);
+
+// How many kv heads attend() packs and computes at a time when its packed copy of k and v takes
+// `bytes_per_kv_head` bytes per kv head: as many as fit in 4 MiB (kAttendChunkBytes), at least 1,
+// at most kv_heads. Each chunk's copy is written just before its tasks read it, so it is read
+// from the caches rather than from memory (src/kernels/blockwise.cc). Preconditions:
+// kv_heads >= 1, bytes_per_kv_head >= 1.
+constexpr int64_t kAttendChunkBytes = int64_t{4} << 20;
+int64_t attend_kv_chunk_heads(int64_t kv_heads, int64_t bytes_per_kv_head);
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

@@ -34,8 +34,9 @@
 //
 // Packing. Every tile is copied into contiguous buffers padded to the GEMM register block (rows
 // to kMr, columns and head dim to kNr; padding is zero, padded probabilities are zero), so the
-// tile GEMM and the softmax loops have no remainders. The forward packs the whole KV block once
-// per call (k^T and v, tile-major) and each (head, q-tile) task packs its q rows; a backward task
+// tile GEMM and the softmax loops have no remainders. The forward packs the KV block (k^T and v,
+// tile-major) one chunk of kv heads at a time, just before the chunk's tasks read it (see
+// ForwardOrder), and each (head, q-tile) task packs its q rows; a backward task
 // packs its k-tile once (k, k^T, v^T) and the q and dout rows of each tile it visits (fp32 tiles
 // with full rows and D % kNr == 0 are read, and dq accumulated, in place instead). The forward's
 // tile GEMMs prefetch the operand of the step after them while they compute
@@ -437,9 +438,10 @@ void pack_tokens(const Tokens& t, int64_t begin, int64_t count, int64_t* pos, in
   }
 }
 
-// The forward's KV block packed once per call, tile-major: tile (g, kj) for kv head g and k-tile kj
-// holds kt(g, kj) and v(g, kj), dp x bk elements each. Every (head, q-tile) task reads the same
-// packed tiles instead of packing them again. E: float (PackedKv) or bf16 bits (panels or pairs).
+// The forward's KV block packed once per call, tile-major, one chunk of kv heads [g0, g0 + heads)
+// at a time (kv_chunk_heads): tile (g, kj) for kv head g and k-tile kj holds kt(g, kj) and
+// v(g, kj), dp x bk elements each. Every (head, q-tile) task of the chunk reads the same packed
+// tiles instead of packing them again. E: float (PackedKv) or bf16 bits (panels or pairs).
 //
 // Storage. A block of at most kKeptBytes reuses one buffer per calling thread, kept between calls:
 // a ring of attend() calls on equal KV blocks then writes warm pages instead of faulting in and
@@ -491,12 +493,14 @@ class KvStorage {
 template <class E>
 class PackedKvTiles {
  public:
+  using Element = E;
   // pack(g, k0, cols, kt, v) fills one tile from key rows [k0, k0 + cols) of kv head g; zero:
   // whether the tiles start zeroed (false: pack writes every element, padding included).
   template <class Pack>
-  PackedKvTiles(int64_t kv_heads, int64_t keys, const TilePlan& plan, const TileDims& t,
+  PackedKvTiles(int64_t g0, int64_t kv_heads, int64_t keys, const TilePlan& plan, const TileDims& t,
                 int threads, bool zero, const Pack& pack)
-      : tile_elems_(t.dp * t.bk),
+      : g0_(g0),
+        tile_elems_(t.dp * t.bk),
         k_tiles_(plan.k_tiles),
         elems_(kv_heads * plan.k_tiles * tile_elems_),
         storage_(static_cast<size_t>(2 * elems_) * sizeof(E)),
@@ -506,20 +510,21 @@ class PackedKvTiles {
     const int64_t tiles = kv_heads * plan.k_tiles;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < tiles; ++i) {
-      const int64_t g = i / plan.k_tiles, kj = i % plan.k_tiles;
+      const int64_t g = g0 + i / plan.k_tiles, kj = i % plan.k_tiles;
       const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, keys - k0);
       pack(g, k0, cols, kt_ + i * tile_elems_, v_ + i * tile_elems_);
     }
   }
+  // g in [g0, g0 + kv_heads).
   const E* kt(int64_t g, int64_t kj) const {
-    return kt_ + (g * k_tiles_ + kj) * tile_elems_;
+    return kt_ + ((g - g0_) * k_tiles_ + kj) * tile_elems_;
   }
   const E* v(int64_t g, int64_t kj) const {
-    return v_ + (g * k_tiles_ + kj) * tile_elems_;
+    return v_ + ((g - g0_) * k_tiles_ + kj) * tile_elems_;
   }
 
  private:
-  int64_t tile_elems_, k_tiles_, elems_;
+  int64_t g0_, tile_elems_, k_tiles_, elems_;
   KvStorage storage_;
   E* kt_;
   E* v_;
@@ -531,9 +536,10 @@ class PackedKvTiles {
 using PackedKv = PackedKvTiles<float>;
 
 template <class E, class T>
-PackedKvTiles<E> pack_kv(View3<const T> k, View3<const T> v, const TilePlan& plan,
-                         const TileDims& t, int threads) {
-  return PackedKvTiles<E>(k.h, k.s, plan, t, threads, false,  // the packs write the padding
+PackedKvTiles<E> pack_kv(View3<const T> k, View3<const T> v, int64_t g0, int64_t kv_heads,
+                         const TilePlan& plan, const TileDims& t, int threads) {
+  return PackedKvTiles<E>(g0, kv_heads, k.s, plan, t, threads,
+                          false,  // the packs write the padding
                           [&](int64_t g, int64_t k0, int64_t cols, E* kt, E* vt) {
                             pack_transposed(k, k0, cols, g, t, kt);
                             pack_kv_rows(v, k0, cols, g, t, vt);
@@ -586,9 +592,10 @@ void pack_pairs_along_keys(View3<const bf16> x, int64_t k0, int64_t cols, int64_
 // in pairs along the keys (B of acc += p v).
 using PackedKvPairs = PackedKvTiles<uint16_t>;
 
-PackedKvPairs pack_kv_pairs(View3<const bf16> k, View3<const bf16> v, const TilePlan& plan,
-                            const TileDims& t, int threads) {
-  return PackedKvPairs(k.h, k.s, plan, t, threads, false,  // the packs write the padding
+PackedKvPairs pack_kv_pairs(View3<const bf16> k, View3<const bf16> v, int64_t g0, int64_t kv_heads,
+                            const TilePlan& plan, const TileDims& t, int threads) {
+  return PackedKvPairs(g0, kv_heads, k.s, plan, t, threads,
+                       false,  // the packs write the padding
                        [&](int64_t g, int64_t k0, int64_t cols, uint16_t* kt, uint16_t* vt) {
                          pack_pairs_along_d(k, k0, cols, g, t, kt);
                          pack_pairs_along_keys(v, k0, cols, g, t, vt);
@@ -1186,22 +1193,46 @@ void check_attend(const StateView& st, int64_t q_s, int64_t q_h, int64_t q_d,
                        << q_s << ", " << q_h << ", " << q_d << "]");
 }
 
-// Runs forward_task over every (head, q-tile): late q-tiles first (under a causal mask they carry
-// the most keys), dynamic balance, each thread claiming its next task before it runs the current
-// one (so that the current one can prefetch the next one's operands).
+// The forward runs one chunk of kv heads at a time: it packs the chunk's KV block, then runs the
+// chunk's (query head, q-tile) tasks on it. Every q-tile of a head reads the head's whole packed
+// block, 4 MiB at Sk = 4096, D = 128 fp32; packed for all heads at once (32 MiB at H = 8, as large
+// as the last-level cache of the CPUs measured) it was written long before it was read and came
+// from memory, at 0.72-0.77 of the sgemm where one head read 0.99 (Zen 5, docs/performance.md,
+// round 16). A chunk holds as many kv heads as fit in kAttendChunkBytes (at least one), so that a
+// small block (a 512-key ring step: 512 KiB per head) is still packed, and its tasks balanced, in
+// one go (attend_kv_chunk_heads); it is written just before it is read, into the thread's kept
+// KvStorage buffer.
+
+// The task order inside a chunk: kv head outermost, then the q-tiles late first (under a causal
+// mask they carry the most keys), then the query heads that read the kv head, so that
+// consecutive tasks on every thread read the same kv head's tiles. The smallest tasks of the last
+// kv head come last, which keeps the dynamic balance.
+struct ForwardOrder {
+  int64_t g0, q_tiles, group;  // group: query heads per kv head
+  // Task `task` in [0, kv heads of the chunk x group x q_tiles) -> query head h and q-tile qi.
+  void at(int64_t task, int64_t& h, int64_t& qi) const {
+    const int64_t per_g = q_tiles * group, r = task % per_g;
+    h = (g0 + task / per_g) * group + r % group;
+    qi = q_tiles - 1 - r / group;
+  }
+};
+
+// Runs forward_task over `tasks` tasks in `order`, dynamic balance, each thread claiming its next
+// task before it runs the current one (so that the current one can prefetch the next one's
+// operands).
 template <class T, class E>
-void run_forward_tasks(const ForwardArgs<T, E>& args, std::vector<Workspace>& ws, int64_t tasks,
-                       int threads) {
-  const int64_t q_tiles = args.plan->q_tiles, heads = args.q.h;
+void run_forward_tasks(const ForwardArgs<T, E>& args, const ForwardOrder& order,
+                       std::vector<Workspace>& ws, int64_t tasks, int threads) {
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(threads)
   {
     Workspace& w = ws[static_cast<size_t>(omp_get_thread_num())];
     for (int64_t task = claimed.fetch_add(1); task < tasks;) {
       const int64_t next = claimed.fetch_add(1);
-      const int64_t qi = q_tiles - 1 - task / heads, h = task % heads;
-      forward_task(args, h, qi, w, next < tasks ? next % heads : 0,
-                   next < tasks ? q_tiles - 1 - next / heads : -1);
+      int64_t h = 0, qi = 0, next_h = 0, next_qi = -1;
+      order.at(task, h, qi);
+      if (next < tasks) order.at(next, next_h, next_qi);
+      forward_task(args, h, qi, w, next_h, next_qi);
       task = next;
     }
   }
@@ -1218,34 +1249,53 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
   const TilePlan plan =
       plan_tiles(qt, kt, cfg.mask, wcfg.block_q, wcfg.block_k, thread_count(cfg, qt.n));
   const KernelStats stats = accounting_stats(plan, qt, kt, cfg, q.h);
-  const int64_t tasks = q.h * plan.q_tiles;
-  const int threads = thread_count(cfg, tasks);
+  const int64_t group = q.h / k.h;
+  const int threads = thread_count(cfg, q.h * plan.q_tiles);
   const TileDims dims = tile_dims(wcfg, q.d);
+  // The packed block's element: fp32, or bf16 bits (pairs or panels), 2 bytes.
+  const int64_t elem = std::is_same_v<T, bf16> ? 2 : 4;
+  const int64_t chunk =
+      attend_kv_chunk_heads(k.h, std::max<int64_t>(1, 2 * plan.k_tiles * dims.bk * dims.dp * elem));
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
+  // Packs each chunk of kv heads with pack(g0, heads, threads) and runs its tasks with
+  // run(args, order, tasks, threads).
+  const auto each_chunk = [&](const auto& pack, const auto& run) {
+    for (int64_t g0 = 0; g0 < k.h; g0 += chunk) {
+      const int64_t heads = std::min(chunk, k.h - g0), tasks = heads * group * plan.q_tiles;
+      if (tasks == 0) return;  // no query rows: nothing to pack
+      const int team = static_cast<int>(std::min<int64_t>(threads, tasks));
+      const auto packed = pack(g0, heads, team);
+      const ForwardArgs<T, typename std::decay_t<decltype(packed)>::Element> args{
+          st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
+      run(args, ForwardOrder{g0, plan.q_tiles, group}, tasks, team);
+    }
+  };
   if constexpr (std::is_same_v<T, bf16>) {
     if (ops.gemm_bf16 != nullptr) {  // bf16 dot products (vdpbf16ps), fp32 softmax and acc
-      const PackedKvPairs packed = pack_kv_pairs(k, v, plan, dims, threads);
-      const ForwardArgs<T, uint16_t> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
       for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false, KvStore::kBf16Pairs);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-      for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t qi = plan.q_tiles - 1 - task / q.h, h = task % q.h;
-        forward_task_bf16(args, h, qi, ws[static_cast<size_t>(omp_get_thread_num())]);
-      }
+      each_chunk([&](int64_t g0, int64_t heads,
+                     int team) { return pack_kv_pairs(k, v, g0, heads, plan, dims, team); },
+                 [&](const ForwardArgs<T, uint16_t>& args, const ForwardOrder& order, int64_t tasks,
+                     int team) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+                   for (int64_t task = 0; task < tasks; ++task) {
+                     int64_t h = 0, qi = 0;
+                     order.at(task, h, qi);
+                     forward_task_bf16(args, h, qi, ws[static_cast<size_t>(omp_get_thread_num())]);
+                   }
+                 });
       return stats;
     }
-    // bf16 panels, widened inside the GEMMs: half the packed block's bytes.
-    const PackedKvTiles<uint16_t> packed = pack_kv<uint16_t>(k, v, plan, dims, threads);
-    const ForwardArgs<T, uint16_t> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
-    for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false, KvStore::kBf16Panels);
-    run_forward_tasks(args, ws, tasks, threads);
-  } else {
-    const PackedKv packed = pack_kv<float>(k, v, plan, dims, threads);
-    const ForwardArgs<T> args{st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
-    for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false);
-    run_forward_tasks(args, ws, tasks, threads);
   }
+  // fp32 tiles, or for bf16 storage bf16 panels widened inside the GEMMs (half the bytes).
+  using E = std::conditional_t<std::is_same_v<T, bf16>, uint16_t, float>;
+  for (int i = 0; i < threads; ++i)
+    ws.emplace_back(dims, false, std::is_same_v<T, bf16> ? KvStore::kBf16Panels : KvStore::kFp32);
+  each_chunk([&](int64_t g0, int64_t heads,
+                 int team) { return pack_kv<E>(k, v, g0, heads, plan, dims, team); },
+             [&](const ForwardArgs<T, E>& args, const ForwardOrder& order, int64_t tasks,
+                 int team) { run_forward_tasks(args, order, ws, tasks, team); });
   return stats;
 }
 
@@ -1401,20 +1451,24 @@ KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const
         tid == 0 ? dq
                  : View3<float>{
                        dq_part[static_cast<size_t>(tid - 1)].get(), q.s, q.h, q.d, q.h * q.d, q.d};
-    // Round robin over (k-tile, kv head): causal k-tiles differ in work; a static schedule keeps
-    // the dq sums deterministic (thread t runs tasks t, t + team, ...: schedule(static, 1), spelt
-    // out so that each task knows the thread's next one).
+    // Round robin over (kv head, k-tile), kv head outermost: consecutive tasks read the q and dout
+    // rows of the same query heads (4 MiB per head at Sq = 4096, D = 128 fp32), as ForwardOrder
+    // does (no measurable change in the backward's rate on Zen 5). Causal k-tiles differ in work,
+    // and neighbouring k-tiles go to different threads; a static schedule keeps the dq sums
+    // deterministic (thread t runs tasks t, t + team, ...: schedule(static, 1), spelt out so that
+    // each task knows the thread's next one).
+    const int64_t k_tiles = plan.k_tiles;
     for (int64_t task = tid; task < tasks; task += team) {
       const int64_t next = task + team;
       if constexpr (std::is_same_v<T, bf16>) {
         if (transposed) {
-          backward_task_bf16(args, *transposed, task % k.h, task / k.h,
+          backward_task_bf16(args, *transposed, task / k_tiles, task % k_tiles,
                              ws[static_cast<size_t>(tid)], sink);
           continue;
         }
       }
-      backward_task(args, task % k.h, task / k.h, ws[static_cast<size_t>(tid)], sink,
-                    next < tasks ? next % k.h : 0, next < tasks ? next / k.h : -1);
+      backward_task(args, task / k_tiles, task % k_tiles, ws[static_cast<size_t>(tid)], sink,
+                    next < tasks ? next / k_tiles : 0, next < tasks ? next % k_tiles : -1);
     }
   }
 
@@ -1434,6 +1488,12 @@ KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const
 }
 
 }  // namespace
+
+int64_t attend_kv_chunk_heads(int64_t kv_heads, int64_t bytes_per_kv_head) {
+  LOOM_CHECK_GE(kv_heads, 1, InvalidArgument, "kv_heads must be >= 1");
+  LOOM_CHECK_GE(bytes_per_kv_head, 1, InvalidArgument, "bytes_per_kv_head must be >= 1");
+  return std::clamp<int64_t>(kAttendChunkBytes / bytes_per_kv_head, 1, kv_heads);
+}
 
 KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,
                    Tokens qt, Tokens kt, const KernelConfig& cfg) {

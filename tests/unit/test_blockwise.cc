@@ -796,9 +796,10 @@ struct Bf16Problem {
   Tensor<bf16> q, k, v, dout;
 };
 
-Bf16Problem make_bf16_problem(const Case& c, uint32_t seed) {
+// p's inputs rounded to bf16, and p holding the rounded values.
+Bf16Problem to_bf16_problem(Problem p) {
   Bf16Problem b;
-  b.p = make_problem(c, seed);
+  b.p = std::move(p);
   b.q = convert<bf16>(b.p.q);
   b.k = convert<bf16>(b.p.k);
   b.v = convert<bf16>(b.p.v);
@@ -808,6 +809,10 @@ Bf16Problem make_bf16_problem(const Case& c, uint32_t seed) {
   b.p.v = convert<float>(b.v);
   b.p.dout = convert<float>(b.dout);
   return b;
+}
+
+Bf16Problem make_bf16_problem(const Case& c, uint32_t seed) {
+  return to_bf16_problem(make_problem(c, seed));
 }
 
 struct Bf16Result {
@@ -1128,6 +1133,70 @@ TEST_P(PerTarget, Bf16MatchesReference) {
     expect_stats(r.fwd, b.p, cfg);
     expect_stats(r.bwd, b.p, cfg);
   }
+}
+
+// attend() packs and computes a chunk of kv heads at a time (attend_kv_chunk_heads): sq query
+// rows at the end of sk keys (a causal ring step's last block), H = 6 query heads over Hkv = 3
+// kv heads, D = 64, sized so that the packed block of one kv head is 2 MiB (fp32: 32 key tiles of
+// 128 x 64 floats, twice; bf16: 63 tiles of bf16): chunks of 2 kv heads and then 1, so a chunk
+// offset, a query head of the wrong kv head, or a task lost at a chunk's edge fails the
+// reference check. Two threads: the second chunk has fewer tasks per thread.
+Problem make_chunk_problem(int64_t sq, int64_t sk, uint32_t seed) {
+  Problem p;
+  p.sq = sq;
+  p.sk = sk;
+  p.d = 64;
+  p.h = 6;
+  p.hkv = 3;
+  p.mask = Mask{true, 0};
+  p.kpos.resize(static_cast<size_t>(sk));
+  std::iota(p.kpos.begin(), p.kpos.end(), 0);
+  p.qpos.assign(p.kpos.end() - sq, p.kpos.end());
+  p.scale = 1.0f / std::sqrt(static_cast<float>(p.d));
+  p.q = test::random_normal({p.sq, p.h, p.d}, seed + 10);
+  p.k = test::random_normal({p.sk, p.hkv, p.d}, seed + 11);
+  p.v = test::random_normal({p.sk, p.hkv, p.d}, seed + 12);
+  p.dout = test::random_normal({p.sq, p.h, p.d}, seed + 13);
+  return p;
+}
+
+TEST_P(PerTarget, ForwardInChunksOfKvHeads) {
+  const ScopedKernelPath scoped(GetParam().c_str());
+  // The packed block of one kv head: k^T and v tiles of 128 keys x 64 (the work tiles).
+  const auto bytes_per_kv_head = [](int64_t sk, int64_t elem) {
+    return 2 * kernels::round_up(sk, 128) * 64 * elem;
+  };
+  {
+    const Problem p = make_chunk_problem(40, 4000, 71);
+    ASSERT_EQ(attend_kv_chunk_heads(p.hkv, bytes_per_kv_head(p.sk, 4)), 2);
+    const KernelConfig cfg = config(p, 64, 64, 2);
+    const Result r = run_blockwise(p, cfg);
+    expect_matches_reference(r, run_reference(p));
+    expect_stats(r.fwd, p, cfg);
+  }
+  {
+    const Bf16Problem b = to_bf16_problem(make_chunk_problem(40, 8000, 73));
+    ASSERT_EQ(attend_kv_chunk_heads(b.p.hkv, bytes_per_kv_head(b.p.sk, 2)), 2);
+    const KernelConfig cfg = config(b.p, 64, 64, 2);
+    const RefResult ref = run_reference(b.p);
+    const Bf16Bounds bound = bf16_bounds(b.p, ref, GetParam() == "avx512bf16");
+    const Bf16Result r = run_blockwise_bf16(b, cfg);
+    EXPECT_LE(rel_error(r.out_f32.vec(), ref.out.vec()), bound.out_fp32) << "out finished to fp32";
+    EXPECT_LE(lse_rel_error(r.lse, ref.lse), kFp32RelTol) << "lse";
+    EXPECT_LE(rel_error(r.dq.vec(), ref.dq.vec()), bound.dq) << "dq";
+    expect_stats(r.fwd, b.p, cfg);
+  }
+}
+
+TEST(KvChunks, AsManyKvHeadsAsFitInTheChunkBytesAtLeastOne) {
+  EXPECT_EQ(attend_kv_chunk_heads(8, int64_t{4} << 20), 1);    // S 4096, D 128 fp32: one head
+  EXPECT_EQ(attend_kv_chunk_heads(8, int64_t{512} << 10), 8);  // a 512-key ring step: all
+  EXPECT_EQ(attend_kv_chunk_heads(8, int64_t{2} << 20), 2);
+  EXPECT_EQ(attend_kv_chunk_heads(3, (int64_t{2} << 20) + 1), 1);  // just over half: one
+  EXPECT_EQ(attend_kv_chunk_heads(8, int64_t{1} << 30), 1);        // larger than a chunk
+  EXPECT_EQ(attend_kv_chunk_heads(1, 1), 1);
+  EXPECT_THROW(attend_kv_chunk_heads(0, 1), InvalidArgument);
+  EXPECT_THROW(attend_kv_chunk_heads(4, 0), InvalidArgument);
 }
 
 // Without bf16 dot products, bf16 storage is exact widening and then the fp32 arithmetic: the
