@@ -383,10 +383,12 @@ void pack_rows(View3<const T> x, int64_t begin, int64_t rows, int64_t head, cons
 // operands of TileOps::gemm_bf16: pairs along d).
 void pack_rows_bits(View3<const bf16> x, int64_t begin, int64_t rows, int64_t head,
                     const TileDims& t, uint16_t* dst) {
+  static_assert(sizeof(bf16) == sizeof(uint16_t) && std::is_trivially_copyable_v<bf16>);
   for (int64_t r = 0; r < t.bq; ++r) {
     uint16_t* out = dst + r * t.dp;
-    const bf16* in = r < rows ? x.row(begin + r, head) : nullptr;
-    for (int64_t d = 0; d < t.dp; ++d) out[d] = in != nullptr && d < x.d ? in[d].bits : uint16_t{0};
+    const int64_t copied = r < rows ? x.d : 0;
+    if (copied > 0) std::memcpy(out, x.row(begin + r, head), static_cast<size_t>(copied) * 2);
+    std::fill(out + copied, out + t.dp, uint16_t{0});
   }
 }
 
@@ -819,7 +821,9 @@ void prefetch_l2(const void* p, int64_t bytes) {
 
 // forward_task with bf16 dot products: s = scale log2(e) q k^T and acc += p v by vdpbf16ps on bf16
 // operands (exact products, fp32 sums); the softmax and acc stay fp32. p is rounded to bf16 for
-// the p v product only; l sums the unrounded p.
+// the p v product only; l sums the unrounded p. (It prefetches nothing of the next task: spread
+// over the last tiles, prefetching the next task's q and state rows changed nothing measurable,
+// docs/performance.md round 16.)
 void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t qi, Workspace& ws) {
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
@@ -1217,12 +1221,13 @@ struct ForwardOrder {
   }
 };
 
-// Runs forward_task over `tasks` tasks in `order`, dynamic balance, each thread claiming its next
-// task before it runs the current one (so that the current one can prefetch the next one's
-// operands).
-template <class T, class E>
-void run_forward_tasks(const ForwardArgs<T, E>& args, const ForwardOrder& order,
-                       std::vector<Workspace>& ws, int64_t tasks, int threads) {
+// Runs run(w, h, qi, next_h, next_qi) (forward_task or forward_task_bf16 with the thread's
+// workspace w) over `tasks` tasks in `order`, dynamic balance, each thread claiming its next task
+// before it runs the current one (so that the current one can prefetch the next one's operands;
+// next_qi < 0: none).
+template <class Run>
+void run_forward_tasks(const ForwardOrder& order, std::vector<Workspace>& ws, int64_t tasks,
+                       int threads, const Run& run) {
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(threads)
   {
@@ -1232,7 +1237,7 @@ void run_forward_tasks(const ForwardArgs<T, E>& args, const ForwardOrder& order,
       int64_t h = 0, qi = 0, next_h = 0, next_qi = -1;
       order.at(task, h, qi);
       if (next < tasks) order.at(next, next_h, next_qi);
-      forward_task(args, h, qi, w, next_h, next_qi);
+      run(w, h, qi, next_h, next_qi);
       task = next;
     }
   }
@@ -1258,9 +1263,9 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
       attend_kv_chunk_heads(k.h, std::max<int64_t>(1, 2 * plan.k_tiles * dims.bk * dims.dp * elem));
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
-  // Packs each chunk of kv heads with pack(g0, heads, threads) and runs its tasks with
-  // run(args, order, tasks, threads).
-  const auto each_chunk = [&](const auto& pack, const auto& run) {
+  // Packs each chunk of kv heads with pack(g0, heads, threads) and runs its tasks in ForwardOrder
+  // by task(args, w, h, qi, next_h, next_qi) (run_forward_tasks).
+  const auto each_chunk = [&](const auto& pack, const auto& task) {
     for (int64_t g0 = 0; g0 < k.h; g0 += chunk) {
       const int64_t heads = std::min(chunk, k.h - g0), tasks = heads * group * plan.q_tiles;
       if (tasks == 0) return;  // no query rows: nothing to pack
@@ -1268,7 +1273,10 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
       const auto packed = pack(g0, heads, team);
       const ForwardArgs<T, typename std::decay_t<decltype(packed)>::Element> args{
           st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
-      run(args, ForwardOrder{g0, plan.q_tiles, group}, tasks, team);
+      run_forward_tasks(ForwardOrder{g0, plan.q_tiles, group}, ws, tasks, team,
+                        [&](Workspace& w, int64_t h, int64_t qi, int64_t nh, int64_t nqi) {
+                          task(args, w, h, qi, nh, nqi);
+                        });
     }
   };
   if constexpr (std::is_same_v<T, bf16>) {
@@ -1276,14 +1284,8 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
       for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false, KvStore::kBf16Pairs);
       each_chunk([&](int64_t g0, int64_t heads,
                      int team) { return pack_kv_pairs(k, v, g0, heads, plan, dims, team); },
-                 [&](const ForwardArgs<T, uint16_t>& args, const ForwardOrder& order, int64_t tasks,
-                     int team) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-                   for (int64_t task = 0; task < tasks; ++task) {
-                     int64_t h = 0, qi = 0;
-                     order.at(task, h, qi);
-                     forward_task_bf16(args, h, qi, ws[static_cast<size_t>(omp_get_thread_num())]);
-                   }
+                 [](const auto& args, Workspace& w, int64_t h, int64_t qi, int64_t, int64_t) {
+                   forward_task_bf16(args, h, qi, w);
                  });
       return stats;
     }
@@ -1294,8 +1296,9 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
     ws.emplace_back(dims, false, std::is_same_v<T, bf16> ? KvStore::kBf16Panels : KvStore::kFp32);
   each_chunk([&](int64_t g0, int64_t heads,
                  int team) { return pack_kv<E>(k, v, g0, heads, plan, dims, team); },
-             [&](const ForwardArgs<T, E>& args, const ForwardOrder& order, int64_t tasks,
-                 int team) { run_forward_tasks(args, order, ws, tasks, team); });
+             [](const auto& args, Workspace& w, int64_t h, int64_t qi, int64_t nh, int64_t nqi) {
+               forward_task(args, h, qi, w, nh, nqi);
+             });
   return stats;
 }
 
