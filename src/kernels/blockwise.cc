@@ -517,6 +517,10 @@ class PackedKvTiles {
       pack(g, k0, cols, kt_ + i * tile_elems_, v_ + i * tile_elems_);
     }
   }
+  // Bytes of the packed k^T and v tiles of one kv head.
+  static int64_t head_bytes(const TilePlan& plan, const TileDims& t) {
+    return 2 * plan.k_tiles * t.dp * t.bk * static_cast<int64_t>(sizeof(E));
+  }
   // g in [g0, g0 + kv_heads).
   const E* kt(int64_t g, int64_t kj) const {
     return kt_ + ((g - g0_) * k_tiles_ + kj) * tile_elems_;
@@ -1257,10 +1261,10 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
   const int64_t group = q.h / k.h;
   const int threads = thread_count(cfg, q.h * plan.q_tiles);
   const TileDims dims = tile_dims(wcfg, q.d);
-  // The packed block's element: fp32, or bf16 bits (pairs or panels), 2 bytes.
-  const int64_t elem = std::is_same_v<T, bf16> ? 2 : 4;
+  // The packed block's element: fp32, or for bf16 storage bf16 bits (pairs or panels).
+  using E = std::conditional_t<std::is_same_v<T, bf16>, uint16_t, float>;
   const int64_t chunk =
-      attend_kv_chunk_heads(k.h, std::max<int64_t>(1, 2 * plan.k_tiles * dims.bk * dims.dp * elem));
+      attend_kv_chunk_heads(k.h, std::max<int64_t>(1, PackedKvTiles<E>::head_bytes(plan, dims)));
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
   // Packs each chunk of kv heads with pack(g0, heads, threads) and runs its tasks in ForwardOrder
@@ -1291,7 +1295,6 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
     }
   }
   // fp32 tiles, or for bf16 storage bf16 panels widened inside the GEMMs (half the bytes).
-  using E = std::conditional_t<std::is_same_v<T, bf16>, uint16_t, float>;
   for (int i = 0; i < threads; ++i)
     ws.emplace_back(dims, false, std::is_same_v<T, bf16> ? KvStore::kBf16Panels : KvStore::kFp32);
   each_chunk([&](int64_t g0, int64_t heads,

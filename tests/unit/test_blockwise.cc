@@ -126,6 +126,15 @@ struct Problem {
   Tokens kt() const { return {kpos.data(), documents ? kdoc.data() : nullptr, sk}; }
 };
 
+// p's scale (1 / sqrt(d)) and fresh normal q, k, v, dout of p's sizes (seeds seed + 10 .. 13).
+void fill_inputs(Problem& p, uint32_t seed) {
+  p.scale = 1.0f / std::sqrt(static_cast<float>(p.d));
+  p.q = test::random_normal({p.sq, p.h, p.d}, seed + 10);
+  p.k = test::random_normal({p.sk, p.hkv, p.d}, seed + 11);
+  p.v = test::random_normal({p.sk, p.hkv, p.d}, seed + 12);
+  p.dout = test::random_normal({p.sq, p.h, p.d}, seed + 13);
+}
+
 Problem make_problem(const Case& c, uint32_t seed) {
   Problem p;
   p.sq = c.s;
@@ -187,11 +196,7 @@ Problem make_problem(const Case& c, uint32_t seed) {
     for (int64_t x : p.qpos) p.qdoc.push_back(doc_of(x));
     for (int64_t x : p.kpos) p.kdoc.push_back(doc_of(x));
   }
-  p.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
-  p.q = test::random_normal({p.sq, p.h, p.d}, seed + 10);
-  p.k = test::random_normal({p.sk, p.hkv, p.d}, seed + 11);
-  p.v = test::random_normal({p.sk, p.hkv, p.d}, seed + 12);
-  p.dout = test::random_normal({p.sq, p.h, p.d}, seed + 13);
+  fill_inputs(p, seed);
   return p;
 }
 
@@ -1152,11 +1157,7 @@ Problem make_chunk_problem(int64_t sq, int64_t sk, uint32_t seed) {
   p.kpos.resize(static_cast<size_t>(sk));
   std::iota(p.kpos.begin(), p.kpos.end(), 0);
   p.qpos.assign(p.kpos.end() - sq, p.kpos.end());
-  p.scale = 1.0f / std::sqrt(static_cast<float>(p.d));
-  p.q = test::random_normal({p.sq, p.h, p.d}, seed + 10);
-  p.k = test::random_normal({p.sk, p.hkv, p.d}, seed + 11);
-  p.v = test::random_normal({p.sk, p.hkv, p.d}, seed + 12);
-  p.dout = test::random_normal({p.sq, p.h, p.d}, seed + 13);
+  fill_inputs(p, seed);
   return p;
 }
 
