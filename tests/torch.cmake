@@ -5,6 +5,8 @@
 #                      strategy x layout x mask x GQA x dtype, forward and backward, against loom's
 #                      fp64 reference and an independent fp64 torch implementation (N = 3: fp32
 #                      only, to keep the time down; bf16 runs at 2 and 4)
+#   torch_torchrun     loom.torchrun's MASTER_PORT lies outside the ephemeral port range (torch's own
+#                      choice can be taken by any connection's source port before rank 0 binds it)
 #   torch_kill         a worker SIGKILLed mid-call: the others raise within the timeout, the
 #                      launcher returns
 #   torch_example      examples/torch_cp_train.py at 4 processes: its per-step losses match one
@@ -27,6 +29,9 @@ if(LOOM_HAVE_TORCH)
     set_tests_properties(torch_cp_np${np} PROPERTIES LABELS "torch;dist" TIMEOUT 300
                                                      PROCESSORS ${np} ENVIRONMENT "${env}")
   endforeach()
+  add_test(NAME torch_torchrun COMMAND ${Python3_EXECUTABLE} ${loom_torch_dir}/test_torchrun.py)
+  set_tests_properties(torch_torchrun PROPERTIES LABELS "torch" TIMEOUT 60
+                                                 ENVIRONMENT "${loom_torch_env}")
   add_test(NAME torch_kill COMMAND ${Python3_EXECUTABLE} ${loom_torch_dir}/test_kill.py)
   set_tests_properties(torch_kill PROPERTIES LABELS "torch;dist" TIMEOUT 180 PROCESSORS 3
                                              ENVIRONMENT "${loom_torch_env}")

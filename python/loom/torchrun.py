@@ -1,16 +1,74 @@
 """torchrun that works on Debian bookworm: /usr/bin/python3 -m loom.torchrun [torchrun args].
 
-Debian's torch 1.13 with Python 3.11 crashes in torchrun before starting any worker
-("AttributeError: 'NoneType' object has no attribute 'get'" in elastic/multiprocessing/api.py
-to_map): iterating the Std flag enum no longer yields its zero member NONE on Python 3.11, so the
-default `--redirects 0 --tee 0` parses to None. This wrapper teaches Std.from_str the zero value
-and then runs torch.distributed.run unchanged; the workers it starts are plain processes of the
-given script. Passing `--redirects 1 --tee 1` to the real torchrun is another work-around.
+Two fixes, then torch.distributed.run unchanged; the workers it starts are plain processes of the
+given script.
+
+1. Debian's torch 1.13 with Python 3.11 crashes in torchrun before starting any worker
+   ("AttributeError: 'NoneType' object has no attribute 'get'" in elastic/multiprocessing/api.py
+   to_map): iterating the Std flag enum no longer yields its zero member NONE on Python 3.11, so
+   the default `--redirects 0 --tee 0` parses to None. The wrapper teaches Std.from_str the zero
+   value. (Passing `--redirects 1 --tee 1` to the real torchrun is another work-around.)
+
+2. With a c10d rendezvous (`--standalone`, or `--rdzv_backend c10d`) the agent picks the workers'
+   MASTER_PORT by binding port 0, reads the port the kernel gave, closes the socket, and rank 0
+   binds it again seconds later. Port 0 draws from the ephemeral range
+   (/proc/sys/net/ipv4/ip_local_port_range), the same range the kernel draws the source port of
+   every outgoing connection from, so a connection made in between can take the port and rank 0
+   fails with "errno: 98 - Address already in use". The wrapper picks a free port outside that
+   range instead: no outgoing connection is ever given one of those, so only a process that
+   binds that very port by number can race it.
 """
+import random
+import socket
 import sys
 
+from torch.distributed.elastic.agent.server import api as _agent_api
 from torch.distributed.elastic.multiprocessing import api as _api
 import torch.distributed.run as _run
+
+# Ports below this need privileges on most systems; never chosen.
+_FIRST_UNPRIVILEGED = 1024
+_LAST_PORT = 65535
+
+
+def ephemeral_range(path="/proc/sys/net/ipv4/ip_local_port_range"):
+    """(low, high): the kernel's ephemeral port range, both ends included; Linux's default
+    (32768, 60999) where the file cannot be read."""
+    try:
+        with open(path) as f:
+            low, high = (int(x) for x in f.read().split())
+        if _FIRST_UNPRIVILEGED <= low <= high <= _LAST_PORT:
+            return low, high
+    except (OSError, ValueError):
+        pass
+    return 32768, 60999
+
+
+def candidate_ports(low, high):
+    """Every unprivileged port outside [low, high], in random order."""
+    ports = list(range(_FIRST_UNPRIVILEGED, low)) + list(range(high + 1, _LAST_PORT + 1))
+    random.SystemRandom().shuffle(ports)
+    return ports
+
+
+def socket_with_port_outside_ephemeral_range():
+    """A TCP socket bound on localhost to a free port outside the ephemeral range (the replacement
+    for torch's _get_socket_with_port, same contract: the caller reads the port and closes it).
+    Raises RuntimeError when no such port is free."""
+    low, high = ephemeral_range()
+    addrs = socket.getaddrinfo(host="localhost", port=None, family=socket.AF_UNSPEC,
+                               type=socket.SOCK_STREAM)
+    for port in candidate_ports(low, high):
+        for family, type_, proto, _, _ in addrs:
+            s = socket.socket(family, type_, proto)
+            try:
+                s.bind(("localhost", port))
+                s.listen(0)
+                return s
+            except OSError:
+                s.close()
+    raise RuntimeError(f"loom.torchrun: no free port on localhost outside the ephemeral range "
+                       f"{low}-{high}")
 
 
 def _patch():
@@ -25,6 +83,8 @@ def _patch():
         return _api.Std.NONE if result is None else result
 
     _api.Std.from_str = staticmethod(from_str)
+    # SimpleElasticAgent._set_master_addr_port looks the function up in its module at call time.
+    _agent_api._get_socket_with_port = socket_with_port_outside_ephemeral_range
 
 
 def main(argv=None):

@@ -1,0 +1,99 @@
+"""loom.torchrun's port choice: the workers' MASTER_PORT that torchrun's agent publishes lies
+outside the kernel's ephemeral port range once loom.torchrun has patched it (torch's own choice
+lies inside it, where any outgoing connection's source port can take it before rank 0 binds it:
+the "errno: 98 - Address already in use" that once failed torch_cp_np3).
+
+    PYTHONPATH=build/python /usr/bin/python3 tests/torch/test_torchrun.py
+"""
+import os
+import socket
+import sys
+import tempfile
+
+from torch.distributed import HashStore
+from torch.distributed.elastic.agent.server import api as agent_api
+
+import loom.torchrun as lr
+
+failures = []
+checks = 0
+
+
+def check(ok, what):
+    global checks
+    checks += 1
+    if not ok:
+        failures.append(what)
+        print("FAIL", what, flush=True)
+
+
+def published_port():
+    store = HashStore()
+    agent_api.SimpleElasticAgent._set_master_addr_port(store, None, None)
+    return int(store.get("MASTER_PORT").decode())
+
+
+def bindable(port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("localhost", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+low, high = lr.ephemeral_range()
+check(1024 <= low <= high <= 65535, f"ephemeral range {low}-{high} read")
+
+# Unpatched, torch draws from the ephemeral range: the race this wrapper removes.
+stock = [published_port() for _ in range(20)]
+check(all(low <= p <= high for p in stock), f"torch's own ports {stock} lie in {low}-{high}")
+
+lr._patch()
+ports = [published_port() for _ in range(200)]
+outside = [p for p in ports if not low <= p <= high]
+check(len(outside) == len(ports),
+      f"patched: {len(ports) - len(outside)} of {len(ports)} ports inside {low}-{high}")
+check(all(1024 <= p <= 65535 for p in ports), "patched ports are unprivileged")
+check(len(set(ports)) > 100, f"patched ports are drawn at random ({len(set(ports))} distinct)")
+check(all(bindable(p) for p in ports[:20]), "the published port is free once the agent closed it")
+
+# A port another socket holds is never chosen: hold one, exhaust the candidates around it.
+held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+held.bind(("localhost", 0 if high == 65535 else high + 1))
+held.listen(1)
+held_port = held.getsockname()[1]
+original = lr.candidate_ports
+lr.candidate_ports = lambda lo, hi: [held_port] + [p for p in original(lo, hi) if p != held_port]
+try:
+    s = lr.socket_with_port_outside_ephemeral_range()
+    got = s.getsockname()[1]
+    s.close()
+    check(got != held_port, f"a held port ({held_port}) is skipped (got {got})")
+    lr.candidate_ports = lambda lo, hi: [held_port]
+    try:
+        lr.socket_with_port_outside_ephemeral_range()
+        check(False, "no free candidate raises")
+    except RuntimeError as e:
+        check("no free port" in str(e), f"no free candidate: clear error ({e})")
+finally:
+    lr.candidate_ports = original
+    held.close()
+
+# The range file: parsed when sane, Linux's default otherwise.
+with tempfile.TemporaryDirectory() as d:
+    for text, want in (("40000\t50000\n", (40000, 50000)), ("garbage", (32768, 60999)),
+                       ("50000 40000", (32768, 60999)), ("10 20", (32768, 60999))):
+        path = os.path.join(d, "range")
+        with open(path, "w") as f:
+            f.write(text)
+        check(lr.ephemeral_range(path) == want, f"range file {text!r} -> {want}")
+    check(lr.ephemeral_range(os.path.join(d, "missing")) == (32768, 60999), "missing range file")
+cands = lr.candidate_ports(40000, 50000)
+check(not any(40000 <= p <= 50000 for p in cands) and len(cands) == 65535 - 1024 + 1 - 10001,
+      "candidates are every unprivileged port outside the range")
+
+print(f"test_torchrun: {checks} checks, {len(failures)} failed")
+sys.exit(1 if failures else 0)
