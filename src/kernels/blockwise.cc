@@ -25,12 +25,14 @@
 //   s = scale log2(e) q k^T, p = 2^(s - lse log2(e)), dv += p^T dout, dp = dout v^T,
 //   ds = scale p (dp - delta), dk += ds^T q, dq += ds k.
 // dk and dv of a (g, k-tile) belong to one task. dq rows are shared by all k-tiles, so each
-// thread adds its dq contributions into its own buffer (thread 0 into the caller's dq) and the
-// buffers are summed at the end in thread order: race-free and, with the static schedule,
-// deterministic for a given thread count. The cost is (threads - 1) extra fp32 [Sq, H, D]
-// buffers per call. ds = p (dp - delta) cancels when one key carries a row's mass; compute_delta
-// sums over d in the order in which the tile GEMM accumulates dp, so that cancellation is exact
-// instead of amplified rounding noise (see compute_delta).
+// thread adds its dq contributions into its own buffer and the buffers are added into dq in
+// thread order: race-free and, with the static schedule, deterministic for a given thread count.
+// The tasks run one chunk of kv heads at a time on head-major copies of the chunk's q and dout
+// rows, with head-major dq buffers (backward_in_head_chunks: in the caller's [Sq, H, D] layout a
+// head's rows are H D elements apart); the bf16-dot path runs all heads on the caller's rows,
+// thread 0 adding into dq itself (backward_bf16_dots). ds = p (dp - delta) cancels when one key
+// carries a row's mass; compute_delta sums over d in the order in which the tile GEMM accumulates
+// dp, so that cancellation is exact instead of amplified rounding noise (see compute_delta).
 //
 // Packing. Every tile is copied into contiguous buffers padded to the GEMM register block (rows
 // to kMr, columns and head dim to kNr; padding is zero, padded probabilities are zero), so the
@@ -38,13 +40,14 @@
 // tile-major) one chunk of kv heads at a time, just before the chunk's tasks read it (see
 // ForwardOrder), and each (head, q-tile) task packs its q rows; a backward task
 // packs its k-tile once (k, k^T, v^T) and the q and dout rows of each tile it visits (fp32 tiles
-// with full rows and D % kNr == 0 are read, and dq accumulated, in place instead). The forward's
+// with full rows and D % kNr == 0 are read, and dq accumulated, in place in the head-major copies
+// instead). The forward's
 // tile GEMMs prefetch the operand of the step after them while they compute
 // (TileOps::gemm_panels_next): the scores GEMM this tile's v, the p v GEMM the next non-empty
 // tile's k^T, so the packed KV block (4 MiB per head at S = 4096, D = 128: beyond L2) arrives from
 // L3 during arithmetic rather than at the start of each GEMM; a task's last p v GEMM prefetches
 // the first k^T tile, q rows and state rows of the task its thread runs next (claimed one ahead).
-// The backward's do the same for the rows each pair reads from the caller's tensors: the dv and
+// The backward's do the same for the rows each pair reads from the head-major copies: the dv and
 // dk GEMMs the next pair's q and dout rows, the dp GEMM this pair's dq rows, and a task's last
 // pair the k and v rows of the thread's next task (its scores and dq GEMMs).
 //
@@ -1399,6 +1402,124 @@ void compute_delta_impl(View3<const T> out, View3<const T> dout, float* delta, i
   }
 }
 
+// The backward (backward_task) runs one chunk of kv heads at a time on head-major copies of the
+// chunk's query heads' rows: q and dout copied to [heads][Sq][D] (row stride D), and each
+// thread's dq contributions accumulated in a zeroed [heads][Sq][D] buffer of its own, added into
+// dq in thread order when the chunk's tasks are done. In the caller's [Sq, H, D] tensors one
+// head's rows lie H D elements apart (4 KiB at H = 8, D = 128 fp32): every row of a tile is in
+// another 4 KiB page, the rows of q, dout and dq that a pair reads all fall in the same few
+// cache sets, and the hardware prefetchers, which follow a stream within a page, do not fetch
+// them ahead. On the caller's rows the fp32 backward read 0.76-0.85 of the sgemm at H = 8 and
+// 0.96-1.00 at H = 1 (rows contiguous), at Sq = 1024 to 16384; on the copies 0.94-1.01 at H = 8
+// (Zen 5, docs/performance.md, round 17). The copies cost a pass over q, dout and dq per call. A
+// chunk holds as many kv heads as fit in kBackwardChunkBytes (at least one), and at least enough
+// for two tasks per thread (attend_backward_chunk_heads); the chunk's buffers are one KvStorage
+// (kept by the calling thread between calls where they fit).
+template <class T>
+void backward_in_head_chunks(const BackwardArgs<T>& a, std::vector<Workspace>& ws, int threads,
+                             View3<float> dq) {
+  const int64_t group = a.q.h / a.k.h, sq = a.q.s, dim = a.q.d, k_tiles = a.plan->k_tiles;
+  if (sq == 0 || k_tiles == 0) return;
+  const int64_t head_elems = sq * dim;  // one query head's rows
+  const int64_t chunk = attend_backward_chunk_heads(
+      a.k.h, group * head_elems * static_cast<int64_t>(2 * sizeof(T) + sizeof(float) * threads),
+      k_tiles, threads);
+  const int64_t chunk_elems = chunk * group * head_elems;
+  // q and dout (T) of the chunk, then the threads' dq buffers (fp32), each 64-byte aligned.
+  const int64_t rows_bytes = round_up(chunk_elems * static_cast<int64_t>(sizeof(T)), 64);
+  const KvStorage storage(static_cast<size_t>(2 * rows_bytes + threads * chunk_elems * 4));
+  T* q_rows = reinterpret_cast<T*>(storage.get());
+  T* dout_rows = reinterpret_cast<T*>(storage.get() + rows_bytes);
+  float* dq_rows = reinterpret_cast<float*>(storage.get() + 2 * rows_bytes);
+
+  for (int64_t g0 = 0; g0 < a.k.h; g0 += chunk) {
+    const int64_t heads = std::min(chunk, a.k.h - g0), h0 = g0 * group, nq = heads * group;
+    const int64_t tasks = heads * k_tiles;
+    const auto head_major = [&](auto* p) {
+      return View3<std::remove_pointer_t<decltype(p)>>{p, sq, nq, dim, dim, head_elems};
+    };
+    BackwardArgs<T> c = a;
+    c.q = head_major(q_rows);
+    c.dout = head_major(dout_rows);
+    c.k = a.k.heads(g0, heads);
+    c.v = a.v.heads(g0, heads);
+    c.dk = a.dk.heads(g0, heads);
+    c.dv = a.dv.heads(g0, heads);
+    c.lse = a.lse + h0 * a.ml_stride;
+    c.delta = a.delta + h0 * a.ml_stride;
+    const int team_size = static_cast<int>(std::min<int64_t>(threads, tasks));
+#pragma omp parallel num_threads(team_size)
+    {
+      const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+      const View3<float> sink = head_major(dq_rows + tid * nq * head_elems);
+      std::fill(sink.data, sink.data + nq * head_elems, 0.0f);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < sq; ++i) {
+        for (int64_t h = 0; h < nq; ++h) {
+          std::memcpy(q_rows + h * head_elems + i * dim, a.q.row(i, h0 + h), dim * sizeof(T));
+          std::memcpy(dout_rows + h * head_elems + i * dim, a.dout.row(i, h0 + h), dim * sizeof(T));
+        }
+      }  // (the barrier at its end: every thread's tasks read every row)
+      // Round robin over (kv head, k-tile), kv head outermost. Causal k-tiles differ in work, and
+      // neighbouring k-tiles go to different threads; a static schedule keeps the dq sums
+      // deterministic (thread t runs tasks t, t + team, ...: schedule(static, 1), spelt out so
+      // that each task knows the thread's next one).
+      for (int64_t task = tid; task < tasks; task += team) {
+        const int64_t next = task + team;
+        backward_task(c, task / k_tiles, task % k_tiles, ws[static_cast<size_t>(tid)], sink,
+                      next < tasks ? next / k_tiles : 0, next < tasks ? next % k_tiles : -1);
+      }
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < sq; ++i) {
+        for (int64_t h = 0; h < nq; ++h) {
+          float* out = dq.row(i, h0 + h);
+          for (int t = 0; t < team; ++t) {
+            const float* in = dq_rows + (t * nq + h) * head_elems + i * dim;
+            for (int64_t d = 0; d < dim; ++d) out[d] += in[d];
+          }
+        }
+      }
+    }
+  }
+}
+
+// The bf16-dot backward (backward_task_bf16) over all heads at once, on the caller's q, dout and
+// dq rows and q and dout transposed (TransposedRows): round robin over (kv head, k-tile), kv head
+// outermost, a static schedule (deterministic dq sums); thread 0 adds into dq itself, the others
+// into [Sq, H, D] buffers of their own, added into dq in thread order at the end.
+void backward_bf16_dots(const BackwardArgs<bf16>& a, const TransposedRows& tr,
+                        std::vector<Workspace>& ws, int threads, View3<float> dq) {
+  const int64_t k_tiles = a.plan->k_tiles, tasks = a.k.h * k_tiles;
+  const int64_t s = a.q.s, h = a.q.h, d = a.q.d;
+  std::vector<AlignedFloats> dq_part;
+  for (int i = 1; i < threads; ++i) dq_part.emplace_back(s * h * d);
+  int team = 1;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num();
+#pragma omp single
+    team = omp_get_num_threads();
+    const View3<float> sink =
+        tid == 0 ? dq
+                 : View3<float>{dq_part[static_cast<size_t>(tid - 1)].get(), s, h, d, h * d, d};
+    for (int64_t task = tid; task < tasks; task += team)
+      backward_task_bf16(a, tr, task / k_tiles, task % k_tiles, ws[static_cast<size_t>(tid)], sink);
+  }
+  if (team > 1) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < s; ++i) {
+      for (int64_t j = 0; j < h; ++j) {
+        float* out = dq.row(i, j);
+        for (int t = 1; t < team; ++t) {
+          const float* in = dq_part[static_cast<size_t>(t - 1)].get() + (i * h + j) * d;
+          for (int64_t e = 0; e < d; ++e) out[e] += in[e];
+        }
+      }
+    }
+  }
+}
+
 template <class T>
 KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const T> v,
                                  View3<const T> dout, const float* lse, const float* delta,
@@ -1425,71 +1546,22 @@ KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const
   const TilePlan plan =
       plan_tiles(qt, kt, cfg.mask, wcfg.block_q, wcfg.block_k, thread_count(cfg, qt.n));
   const KernelStats stats = accounting_stats(plan, qt, kt, cfg, q.h);
-  const int64_t tasks = k.h * plan.k_tiles;
-  const int threads = thread_count(cfg, tasks);
+  const int threads = thread_count(cfg, k.h * plan.k_tiles);
   const BackwardArgs<T> args{q,         k,  v,   dout,  lse,   delta,
                              ml_stride, qt, kt,  &wcfg, &plan, tile_dims(wcfg, q.d),
                              dk,        dv, &ops};
-  // bf16 storage on a path with bf16 dot products: backward_task_bf16 on q and dout transposed
-  // once (TransposedRows).
-  std::unique_ptr<TransposedRows> transposed;
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (ops.gemm_bf16 != nullptr)
-      transposed = std::make_unique<TransposedRows>(q, dout, plan.q_tiles * args.dims.bq, args.dims,
-                                                    threads);
-  }
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
-  for (int i = 0; i < threads; ++i)
-    ws.emplace_back(args.dims, true, transposed ? KvStore::kBf16Pairs : KvStore::kFp32);
-  // dq partials of threads 1.. (thread 0 adds into dq itself), [Sq, H, D] each.
-  const int64_t dq_elems = q.s * q.h * q.d;
-  std::vector<AlignedFloats> dq_part;
-  for (int i = 1; i < threads; ++i) dq_part.emplace_back(dq_elems);
-
-  int team = 1;
-#pragma omp parallel num_threads(threads)
-  {
-    const int tid = omp_get_thread_num();
-#pragma omp single
-    team = omp_get_num_threads();
-    const View3<float> sink =
-        tid == 0 ? dq
-                 : View3<float>{
-                       dq_part[static_cast<size_t>(tid - 1)].get(), q.s, q.h, q.d, q.h * q.d, q.d};
-    // Round robin over (kv head, k-tile), kv head outermost: consecutive tasks read the q and dout
-    // rows of the same query heads (4 MiB per head at Sq = 4096, D = 128 fp32), as ForwardOrder
-    // does (no measurable change in the backward's rate on Zen 5). Causal k-tiles differ in work,
-    // and neighbouring k-tiles go to different threads; a static schedule keeps the dq sums
-    // deterministic (thread t runs tasks t, t + team, ...: schedule(static, 1), spelt out so that
-    // each task knows the thread's next one).
-    const int64_t k_tiles = plan.k_tiles;
-    for (int64_t task = tid; task < tasks; task += team) {
-      const int64_t next = task + team;
-      if constexpr (std::is_same_v<T, bf16>) {
-        if (transposed) {
-          backward_task_bf16(args, *transposed, task / k_tiles, task % k_tiles,
-                             ws[static_cast<size_t>(tid)], sink);
-          continue;
-        }
-      }
-      backward_task(args, task / k_tiles, task % k_tiles, ws[static_cast<size_t>(tid)], sink,
-                    next < tasks ? next / k_tiles : 0, next < tasks ? next % k_tiles : -1);
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (ops.gemm_bf16 != nullptr) {  // bf16 dot products: on q and dout transposed once
+      const TransposedRows transposed(q, dout, plan.q_tiles * args.dims.bq, args.dims, threads);
+      for (int i = 0; i < threads; ++i) ws.emplace_back(args.dims, true, KvStore::kBf16Pairs);
+      backward_bf16_dots(args, transposed, ws, threads, dq);
+      return stats;
     }
   }
-
-  if (team > 1) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < q.s; ++i) {
-      for (int64_t h = 0; h < q.h; ++h) {
-        float* out = dq.row(i, h);
-        for (int t = 1; t < team; ++t) {
-          const float* in = dq_part[static_cast<size_t>(t - 1)].get() + (i * q.h + h) * q.d;
-          for (int64_t d = 0; d < q.d; ++d) out[d] += in[d];
-        }
-      }
-    }
-  }
+  for (int i = 0; i < threads; ++i) ws.emplace_back(args.dims, true, KvStore::kFp32);
+  backward_in_head_chunks(args, ws, threads, dq);
   return stats;
 }
 
@@ -1499,6 +1571,17 @@ int64_t attend_kv_chunk_heads(int64_t kv_heads, int64_t bytes_per_kv_head) {
   LOOM_CHECK_GE(kv_heads, 1, InvalidArgument, "kv_heads must be >= 1");
   LOOM_CHECK_GE(bytes_per_kv_head, 1, InvalidArgument, "bytes_per_kv_head must be >= 1");
   return std::clamp<int64_t>(kAttendChunkBytes / bytes_per_kv_head, 1, kv_heads);
+}
+
+int64_t attend_backward_chunk_heads(int64_t kv_heads, int64_t bytes_per_kv_head, int64_t k_tiles,
+                                    int threads) {
+  LOOM_CHECK_GE(kv_heads, 1, InvalidArgument, "kv_heads must be >= 1");
+  LOOM_CHECK_GE(bytes_per_kv_head, 1, InvalidArgument, "bytes_per_kv_head must be >= 1");
+  LOOM_CHECK_GE(k_tiles, 1, InvalidArgument, "k_tiles must be >= 1");
+  LOOM_CHECK_GE(threads, 1, InvalidArgument, "threads must be >= 1");
+  const int64_t by_bytes = kBackwardChunkBytes / bytes_per_kv_head;
+  const int64_t by_tasks = (2 * int64_t{threads} + k_tiles - 1) / k_tiles;
+  return std::clamp<int64_t>(std::max(by_bytes, by_tasks), 1, kv_heads);
 }
 
 KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,

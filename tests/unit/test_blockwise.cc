@@ -1200,6 +1200,93 @@ TEST(KvChunks, AsManyKvHeadsAsFitInTheChunkBytesAtLeastOne) {
   EXPECT_THROW(attend_kv_chunk_heads(4, 0), InvalidArgument);
 }
 
+// The backward runs in chunks of kv heads on head-major copies of q and dout, with head-major dq
+// buffers per thread (attend_backward_chunk_heads), on every path the same code around the tile
+// operations (so tested on the path this CPU takes; every backward test runs through it, in one
+// chunk at their sizes): 6 query heads on 3 kv heads, D = 64, two
+// threads, 2000 query rows. A kv head's copies take group x Sq x D x (2 x element + 4 x threads)
+// bytes: 3.9 MiB for fp32, 3.4 MiB for bf16, so the chunks are 2 + 1 kv heads (two tasks per
+// thread over 2 k-tiles ask for 2 as well). Every gradient
+// against the fp64 reference, accumulated onto the caller's nonzero dq, dk, dv; and the same
+// thread count gives the same bits.
+Problem make_backward_chunk_problem(uint32_t seed) {
+  Problem p;
+  p.sq = 2000;
+  p.sk = 136;  // 2 k-tiles (work tiles of 128 keys), the second partial
+  p.d = 64;
+  p.h = 6;
+  p.hkv = 3;
+  p.mask = Mask{true, 0};
+  p.kpos.resize(static_cast<size_t>(p.sk));
+  std::iota(p.kpos.begin(), p.kpos.end(), 0);
+  p.qpos.resize(static_cast<size_t>(p.sq));
+  std::iota(p.qpos.begin(), p.qpos.end(), 0);  // rows past the keys see them all
+  fill_inputs(p, seed);
+  return p;
+}
+
+TEST(Blockwise, BackwardInChunksOfKvHeads) {
+  const auto bytes_per_kv_head = [](const Problem& p, int64_t elem, int threads) {
+    return p.h / p.hkv * p.sq * p.d * (2 * elem + 4 * threads);
+  };
+  const int64_t k_tiles = 2;
+  const Problem p = make_backward_chunk_problem(81);
+  const RefResult ref = run_reference(p);
+  ASSERT_EQ(attend_backward_chunk_heads(p.hkv, bytes_per_kv_head(p, 4, 2), k_tiles, 2), 2);
+  ASSERT_EQ(attend_backward_chunk_heads(p.hkv, bytes_per_kv_head(p, 2, 2), k_tiles, 2), 2);
+  const KernelConfig cfg = config(p, 64, 64, 2);
+  // fp32: onto nonzero gradients (the caller's buffers accumulate: ring steps add).
+  const Result r = run_blockwise(p, cfg);
+  expect_matches_reference(r, ref);
+  std::vector<float> delta(static_cast<size_t>(p.h * p.sq));
+  compute_delta(r.out.view3(), p.dout.view3(), delta.data(), p.sq);
+  const Tensor<float> dq0 = test::random_normal({p.sq, p.h, p.d}, 82),
+                      dk0 = test::random_normal({p.sk, p.hkv, p.d}, 83),
+                      dv0 = test::random_normal({p.sk, p.hkv, p.d}, 84);
+  Tensor<float> dq = dq0, dk = dk0, dv = dv0;
+  attend_backward(p.q.view3(), p.k.view3(), p.v.view3(), p.dout.view3(), r.lse.data(), delta.data(),
+                  p.sq, p.qt(), p.kt(), cfg, dq.view3(), dk.view3(), dv.view3());
+  const auto plus = [](const Tensor<float>& a, const Tensor<double>& b) {
+    std::vector<double> x(a.vec().begin(), a.vec().end());
+    for (size_t e = 0; e < x.size(); ++e) x[e] += b.vec()[e];
+    return x;
+  };
+  EXPECT_LE(rel_error(dq.vec(), plus(dq0, ref.dq)), kFp32RelTol) << "dq onto a nonzero dq";
+  EXPECT_LE(rel_error(dk.vec(), plus(dk0, ref.dk)), kFp32RelTol) << "dk onto a nonzero dk";
+  EXPECT_LE(rel_error(dv.vec(), plus(dv0, ref.dv)), kFp32RelTol) << "dv onto a nonzero dv";
+  // The same thread count: the same bits.
+  const Result again = run_blockwise(p, cfg);
+  EXPECT_EQ(again.dq.vec(), r.dq.vec());
+  EXPECT_EQ(again.dk.vec(), r.dk.vec());
+  EXPECT_EQ(again.dv.vec(), r.dv.vec());
+  // bf16 storage (with bf16 dot products, on avx512bf16, the backward runs all heads at once).
+  const Bf16Problem b = to_bf16_problem(make_backward_chunk_problem(85));
+  const RefResult bref = run_reference(b.p);
+  const Bf16Bounds bound = bf16_bounds(b.p, bref, std::string(kernel_path()) == "avx512bf16");
+  const Bf16Result br = run_blockwise_bf16(b, cfg);
+  EXPECT_LE(rel_error(br.dq.vec(), bref.dq.vec()), bound.dq) << "bf16 dq";
+  EXPECT_LE(rel_error(br.dk.vec(), bref.dk.vec()), bound.dk) << "bf16 dk";
+  EXPECT_LE(rel_error(br.dv.vec(), bref.dv.vec()), bound.dv) << "bf16 dv";
+}
+
+TEST(BackwardChunks, AsManyKvHeadsAsFitInTheChunkBytesAndTwoTasksPerThread) {
+  const int64_t mib = int64_t{1} << 20;
+  EXPECT_EQ(attend_backward_chunk_heads(8, 6 * mib, 32, 1), 1);  // S 4096, D 128 fp32, 1 thread
+  EXPECT_EQ(attend_backward_chunk_heads(8, 1 * mib, 4, 2), 8);   // a 512-row ring step: all
+  EXPECT_EQ(attend_backward_chunk_heads(8, 2 * mib, 32, 2), 4);
+  EXPECT_EQ(attend_backward_chunk_heads(3, 4 * mib + 1, 32, 2), 1);        // just over half: one
+  EXPECT_EQ(attend_backward_chunk_heads(8, int64_t{1} << 40, 32, 16), 1);  // 32 tasks >= 2 x 16
+  // Too few tasks for the threads: more kv heads than the bytes allow, at most all of them.
+  EXPECT_EQ(attend_backward_chunk_heads(8, int64_t{1} << 40, 4, 16), 8);  // 4 x 8 = 32 tasks
+  EXPECT_EQ(attend_backward_chunk_heads(8, int64_t{1} << 40, 3, 2), 2);   // 6 tasks >= 4
+  EXPECT_EQ(attend_backward_chunk_heads(2, int64_t{1} << 40, 1, 16), 2);  // all there are
+  EXPECT_EQ(attend_backward_chunk_heads(1, 1, 1, 1), 1);
+  EXPECT_THROW(attend_backward_chunk_heads(0, 1, 1, 1), InvalidArgument);
+  EXPECT_THROW(attend_backward_chunk_heads(4, 0, 1, 1), InvalidArgument);
+  EXPECT_THROW(attend_backward_chunk_heads(4, 1, 0, 1), InvalidArgument);
+  EXPECT_THROW(attend_backward_chunk_heads(4, 1, 1, 0), InvalidArgument);
+}
+
 // Without bf16 dot products, bf16 storage is exact widening and then the fp32 arithmetic: the
 // forward keeps its packed KV as bf16 panels and widens each inside the GEMM
 // (TileOps::gemm_panels_bf16), the backward widens when packing. So a bf16 problem must give
