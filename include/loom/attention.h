@@ -190,10 +190,9 @@ void compute_delta(View3<const bf16> out, View3<const bf16> dout, float* delta, 
 // Rows with lse = -inf contribute nothing.
 // Memory: besides small per-thread tiles, head-major copies of q and dout and one fp32 dq buffer
 // per thread for a chunk of kv heads' query heads at a time (attend_backward_chunk_heads: about
-// (2 sizeof(T) + 4 threads) Sq D bytes per query head, kv heads in chunks of 8 MiB, at least one),
-// and with bf16 dot products (the avx512bf16 path) q and dout transposed for all heads and one
-// [Sq, H, D] fp32 dq buffer per thread beyond the first. A buffer of at most 16 MiB stays with the
-// calling thread for its next call, as attend()'s.
+// (2 sizeof(T) + 4 threads) Sq D bytes per query head, and with bf16 dot products (the avx512bf16
+// path) 4 Sq D more for q and dout transposed; kv heads in chunks of 8 MiB, at least one). A
+// buffer of at most 16 MiB stays with the calling thread for its next call, as attend()'s.
 KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<const float> v,
                             View3<const float> dout, const float* lse, const float* delta,
                             int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
@@ -234,9 +233,9 @@ int64_t work_tile_side(int64_t block, int64_t n, int64_t want);
 constexpr int64_t kAttendChunkBytes = int64_t{4} << 20;
 int64_t attend_kv_chunk_heads(int64_t kv_heads, int64_t bytes_per_kv_head);
 
-// How many kv heads attend_backward() (on every path but the bf16 dot products') computes at a
-// time when its head-major copies of the query heads' rows take `bytes_per_kv_head` bytes per kv
-// head (q and dout in their storage type and one fp32 dq buffer per thread, for the group of
+// How many kv heads attend_backward() computes at a time when its head-major copies of the query
+// heads' rows take `bytes_per_kv_head` bytes per kv head (q and dout in their storage type, one
+// fp32 dq buffer per thread, and with bf16 dot products q and dout transposed, for the group of
 // query heads that read the kv head): as many as fit in 8 MiB (kBackwardChunkBytes), but at least
 // enough for two of its (kv head, k-tile) tasks per thread over k_tiles tiles per kv head, at
 // least 1 and at most kv_heads. Preconditions: every argument >= 1.

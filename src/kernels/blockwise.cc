@@ -29,8 +29,7 @@
 // thread order: race-free and, with the static schedule, deterministic for a given thread count.
 // The tasks run one chunk of kv heads at a time on head-major copies of the chunk's q and dout
 // rows, with head-major dq buffers (backward_in_head_chunks: in the caller's [Sq, H, D] layout a
-// head's rows are H D elements apart); the bf16-dot path runs all heads on the caller's rows,
-// thread 0 adding into dq itself (backward_bf16_dots). ds = p (dp - delta) cancels when one key
+// head's rows are H D elements apart). ds = p (dp - delta) cancels when one key
 // carries a row's mass; compute_delta sums over d in the order in which the tile GEMM accumulates
 // dp, so that cancellation is exact instead of amplified rounding noise (see compute_delta).
 //
@@ -64,8 +63,8 @@
 // scratch inside the GEMM (TileOps::gemm_panels_bf16), so the arithmetic is bitwise the fp32
 // path's on the widened values with half the packed bytes. The backward, with bf16 dot products,
 // runs its five products as vdpbf16ps GEMMs (backward_task_bf16, on q and dout transposed once
-// per call: TransposedRows); elsewhere it widens its k-tile when packing. Every accumulation is
-// fp32.
+// per chunk of kv heads: TransposedRows); elsewhere it widens its k-tile when packing. Every
+// accumulation is fp32.
 #include <omp.h>
 
 #include <algorithm>
@@ -77,6 +76,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -611,21 +611,19 @@ PackedKvPairs pack_kv_pairs(View3<const bf16> k, View3<const bf16> v, int64_t g0
                        });
 }
 
-// The bf16-dot backward's q and dout of every head transposed, the A operands of
+// The bf16-dot backward's q and dout of every head of a chunk transposed, the A operands of
 // dk^T += q^T ds and dv^T += dout^T p (pairs along the query rows): [H][dp][sp] bf16 bits,
-// element (h, d, i) = x[i, h, d], sp = q_tiles * bq, zero padded. Every k-tile task reads every
-// q-tile, so they are transposed once per call, into one KvStorage (kept between calls where it
-// fits, as the forward's packed block).
+// element (h, d, i) = x[i, h, d], sp = q_tiles * bq, zero padded, in elements(H, sp, t) x 2
+// bf16 of the caller's memory at dst. Every k-tile task reads every q-tile, so they are
+// transposed once per chunk (backward_in_head_chunks).
 class TransposedRows {
  public:
+  static int64_t elements(int64_t heads, int64_t sp, const TileDims& t) {
+    return heads * t.dp * sp;
+  }
   TransposedRows(View3<const bf16> q, View3<const bf16> dout, int64_t sp, const TileDims& t,
-                 int threads)
-      : sp_(sp),
-        dp_(t.dp),
-        elems_(q.h * t.dp * sp),
-        storage_(static_cast<size_t>(2 * elems_) * sizeof(uint16_t)),
-        q_(reinterpret_cast<uint16_t*>(storage_.get())),
-        dout_(q_ + elems_) {
+                 int threads, uint16_t* dst)
+      : sp_(sp), dp_(t.dp), q_(dst), dout_(dst + elements(q.h, sp, t)) {
     constexpr int64_t kRows = 32;  // rows per block: each d writes 64 contiguous bytes
     const int64_t blocks = (sp + kRows - 1) / kRows;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -656,8 +654,7 @@ class TransposedRows {
         out[r] = i0 + r < x.s && d < x.d ? x.row(i0 + r, h)[d].bits : uint16_t{0};
     }
   }
-  int64_t sp_, dp_, elems_;
-  KvStorage storage_;
+  int64_t sp_, dp_;
   uint16_t* q_;
   uint16_t* dout_;
 };
@@ -1402,35 +1399,43 @@ void compute_delta_impl(View3<const T> out, View3<const T> dout, float* delta, i
   }
 }
 
-// The backward (backward_task) runs one chunk of kv heads at a time on head-major copies of the
-// chunk's query heads' rows: q and dout copied to [heads][Sq][D] (row stride D), and each
-// thread's dq contributions accumulated in a zeroed [heads][Sq][D] buffer of its own, added into
-// dq in thread order when the chunk's tasks are done. In the caller's [Sq, H, D] tensors one
-// head's rows lie H D elements apart (4 KiB at H = 8, D = 128 fp32): every row of a tile is in
-// another 4 KiB page, the rows of q, dout and dq that a pair reads all fall in the same few
-// cache sets, and the hardware prefetchers, which follow a stream within a page, do not fetch
-// them ahead. On the caller's rows the fp32 backward read 0.76-0.85 of the sgemm at H = 8 and
+// The backward runs one chunk of kv heads at a time on head-major copies of the chunk's query
+// heads' rows: q and dout copied to [heads][Sq][D] (row stride D), and each thread's dq
+// contributions accumulated in a zeroed [heads][Sq][D] buffer of its own, added into dq in thread
+// order when the chunk's tasks are done. In the caller's [Sq, H, D] tensors one head's rows lie
+// H D elements apart (4 KiB at H = 8, D = 128 fp32): every row of a tile is in another 4 KiB
+// page. On the caller's rows the fp32 backward read 0.76-0.85 of the sgemm at H = 8 and
 // 0.96-1.00 at H = 1 (rows contiguous), at Sq = 1024 to 16384; on the copies 0.94-1.01 at H = 8
-// (Zen 5, docs/performance.md, round 17). The copies cost a pass over q, dout and dq per call. A
-// chunk holds as many kv heads as fit in kBackwardChunkBytes (at least one), and at least enough
-// for two tasks per thread (attend_backward_chunk_heads); the chunk's buffers are one KvStorage
-// (kept by the calling thread between calls where they fit).
+// (Zen 5, docs/performance.md, round 17). The copies cost a pass over q, dout and dq per call.
+// With bf16 dot products (dots: backward_task_bf16) the chunk's q and dout are also transposed
+// (TransposedRows), from the copies. A chunk holds as many kv heads as fit in
+// kBackwardChunkBytes (at least one), and at least enough for two tasks per thread
+// (attend_backward_chunk_heads); the chunk's buffers are one KvStorage (kept by the calling
+// thread between calls where they fit).
 template <class T>
 void backward_in_head_chunks(const BackwardArgs<T>& a, std::vector<Workspace>& ws, int threads,
-                             View3<float> dq) {
+                             bool dots, View3<float> dq) {
   const int64_t group = a.q.h / a.k.h, sq = a.q.s, dim = a.q.d, k_tiles = a.plan->k_tiles;
   if (sq == 0 || k_tiles == 0) return;
   const int64_t head_elems = sq * dim;  // one query head's rows
+  const int64_t sp = a.plan->q_tiles * a.dims.bq;
+  const int64_t transposed_elems = dots ? 2 * TransposedRows::elements(1, sp, a.dims) : 0;
   const int64_t chunk = attend_backward_chunk_heads(
-      a.k.h, group * head_elems * static_cast<int64_t>(2 * sizeof(T) + sizeof(float) * threads),
+      a.k.h,
+      group * (head_elems * static_cast<int64_t>(2 * sizeof(T) + sizeof(float) * threads) +
+               transposed_elems * 2),
       k_tiles, threads);
   const int64_t chunk_elems = chunk * group * head_elems;
-  // q and dout (T) of the chunk, then the threads' dq buffers (fp32), each 64-byte aligned.
+  // q and dout (T), the threads' dq buffers (fp32), the transposed q and dout (bf16 bits), each
+  // 64-byte aligned.
   const int64_t rows_bytes = round_up(chunk_elems * static_cast<int64_t>(sizeof(T)), 64);
-  const KvStorage storage(static_cast<size_t>(2 * rows_bytes + threads * chunk_elems * 4));
+  const int64_t dq_bytes = threads * chunk_elems * 4;
+  const KvStorage storage(
+      static_cast<size_t>(2 * rows_bytes + dq_bytes + chunk * group * transposed_elems * 2));
   T* q_rows = reinterpret_cast<T*>(storage.get());
   T* dout_rows = reinterpret_cast<T*>(storage.get() + rows_bytes);
   float* dq_rows = reinterpret_cast<float*>(storage.get() + 2 * rows_bytes);
+  uint16_t* transposed = reinterpret_cast<uint16_t*>(storage.get() + 2 * rows_bytes + dq_bytes);
 
   for (int64_t g0 = 0; g0 < a.k.h; g0 += chunk) {
     const int64_t heads = std::min(chunk, a.k.h - g0), h0 = g0 * group, nq = heads * group;
@@ -1448,26 +1453,37 @@ void backward_in_head_chunks(const BackwardArgs<T>& a, std::vector<Workspace>& w
     c.lse = a.lse + h0 * a.ml_stride;
     c.delta = a.delta + h0 * a.ml_stride;
     const int team_size = static_cast<int>(std::min<int64_t>(threads, tasks));
+#pragma omp parallel for schedule(static) num_threads(team_size)
+    for (int64_t i = 0; i < sq; ++i) {
+      for (int64_t h = 0; h < nq; ++h) {
+        std::memcpy(q_rows + h * head_elems + i * dim, a.q.row(i, h0 + h), dim * sizeof(T));
+        std::memcpy(dout_rows + h * head_elems + i * dim, a.dout.row(i, h0 + h), dim * sizeof(T));
+      }
+    }
+    std::optional<TransposedRows> tr;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (dots) tr.emplace(c.q, c.dout, sp, a.dims, team_size, transposed);
+    }
 #pragma omp parallel num_threads(team_size)
     {
       const int tid = omp_get_thread_num(), team = omp_get_num_threads();
       const View3<float> sink = head_major(dq_rows + tid * nq * head_elems);
       std::fill(sink.data, sink.data + nq * head_elems, 0.0f);
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < sq; ++i) {
-        for (int64_t h = 0; h < nq; ++h) {
-          std::memcpy(q_rows + h * head_elems + i * dim, a.q.row(i, h0 + h), dim * sizeof(T));
-          std::memcpy(dout_rows + h * head_elems + i * dim, a.dout.row(i, h0 + h), dim * sizeof(T));
-        }
-      }  // (the barrier at its end: every thread's tasks read every row)
       // Round robin over (kv head, k-tile), kv head outermost. Causal k-tiles differ in work, and
       // neighbouring k-tiles go to different threads; a static schedule keeps the dq sums
       // deterministic (thread t runs tasks t, t + team, ...: schedule(static, 1), spelt out so
       // that each task knows the thread's next one).
+      Workspace& w = ws[static_cast<size_t>(tid)];
       for (int64_t task = tid; task < tasks; task += team) {
         const int64_t next = task + team;
-        backward_task(c, task / k_tiles, task % k_tiles, ws[static_cast<size_t>(tid)], sink,
-                      next < tasks ? next / k_tiles : 0, next < tasks ? next % k_tiles : -1);
+        if constexpr (std::is_same_v<T, bf16>) {
+          if (dots) {
+            backward_task_bf16(c, *tr, task / k_tiles, task % k_tiles, w, sink);
+            continue;
+          }
+        }
+        backward_task(c, task / k_tiles, task % k_tiles, w, sink, next < tasks ? next / k_tiles : 0,
+                      next < tasks ? next % k_tiles : -1);
       }
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -1478,42 +1494,6 @@ void backward_in_head_chunks(const BackwardArgs<T>& a, std::vector<Workspace>& w
             const float* in = dq_rows + (t * nq + h) * head_elems + i * dim;
             for (int64_t d = 0; d < dim; ++d) out[d] += in[d];
           }
-        }
-      }
-    }
-  }
-}
-
-// The bf16-dot backward (backward_task_bf16) over all heads at once, on the caller's q, dout and
-// dq rows and q and dout transposed (TransposedRows): round robin over (kv head, k-tile), kv head
-// outermost, a static schedule (deterministic dq sums); thread 0 adds into dq itself, the others
-// into [Sq, H, D] buffers of their own, added into dq in thread order at the end.
-void backward_bf16_dots(const BackwardArgs<bf16>& a, const TransposedRows& tr,
-                        std::vector<Workspace>& ws, int threads, View3<float> dq) {
-  const int64_t k_tiles = a.plan->k_tiles, tasks = a.k.h * k_tiles;
-  const int64_t s = a.q.s, h = a.q.h, d = a.q.d;
-  std::vector<AlignedFloats> dq_part;
-  for (int i = 1; i < threads; ++i) dq_part.emplace_back(s * h * d);
-  int team = 1;
-#pragma omp parallel num_threads(threads)
-  {
-    const int tid = omp_get_thread_num();
-#pragma omp single
-    team = omp_get_num_threads();
-    const View3<float> sink =
-        tid == 0 ? dq
-                 : View3<float>{dq_part[static_cast<size_t>(tid - 1)].get(), s, h, d, h * d, d};
-    for (int64_t task = tid; task < tasks; task += team)
-      backward_task_bf16(a, tr, task / k_tiles, task % k_tiles, ws[static_cast<size_t>(tid)], sink);
-  }
-  if (team > 1) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < s; ++i) {
-      for (int64_t j = 0; j < h; ++j) {
-        float* out = dq.row(i, j);
-        for (int t = 1; t < team; ++t) {
-          const float* in = dq_part[static_cast<size_t>(t - 1)].get() + (i * h + j) * d;
-          for (int64_t e = 0; e < d; ++e) out[e] += in[e];
         }
       }
     }
@@ -1550,18 +1530,13 @@ KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const
   const BackwardArgs<T> args{q,         k,  v,   dout,  lse,   delta,
                              ml_stride, qt, kt,  &wcfg, &plan, tile_dims(wcfg, q.d),
                              dk,        dv, &ops};
+  // bf16 storage on a path with bf16 dot products: backward_task_bf16.
+  const bool dots = std::is_same_v<T, bf16> && ops.gemm_bf16 != nullptr;
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (ops.gemm_bf16 != nullptr) {  // bf16 dot products: on q and dout transposed once
-      const TransposedRows transposed(q, dout, plan.q_tiles * args.dims.bq, args.dims, threads);
-      for (int i = 0; i < threads; ++i) ws.emplace_back(args.dims, true, KvStore::kBf16Pairs);
-      backward_bf16_dots(args, transposed, ws, threads, dq);
-      return stats;
-    }
-  }
-  for (int i = 0; i < threads; ++i) ws.emplace_back(args.dims, true, KvStore::kFp32);
-  backward_in_head_chunks(args, ws, threads, dq);
+  for (int i = 0; i < threads; ++i)
+    ws.emplace_back(args.dims, true, dots ? KvStore::kBf16Pairs : KvStore::kFp32);
+  backward_in_head_chunks(args, ws, threads, dots, dq);
   return stats;
 }
 

@@ -1259,7 +1259,7 @@ TEST(Blockwise, BackwardInChunksOfKvHeads) {
   EXPECT_EQ(again.dq.vec(), r.dq.vec());
   EXPECT_EQ(again.dk.vec(), r.dk.vec());
   EXPECT_EQ(again.dv.vec(), r.dv.vec());
-  // bf16 storage (with bf16 dot products, on avx512bf16, the backward runs all heads at once).
+  // bf16 storage (with bf16 dot products, on avx512bf16, on q and dout transposed per chunk).
   const Bf16Problem b = to_bf16_problem(make_backward_chunk_problem(85));
   const RefResult bref = run_reference(b.p);
   const Bf16Bounds bound = bf16_bounds(b.p, bref, std::string(kernel_path()) == "avx512bf16");
