@@ -1,6 +1,6 @@
 // loom/npy.h: reading and writing NumPy .npy files (format 1.0-3.0).
 //
-// Accepted on read: dtype '<f4' or '<f8' (also '|' byte order for neither), C order. Anything
+// Accepted on read: dtype '<f4' or '<f8' (and '<i4', '<i8' for read_npy_index), C order. Anything
 // else (Fortran order, big-endian, another dtype, a truncated file, a header whose shape does
 // not match the data size, a malformed header) raises IoError with one line naming the file.
 // Reads check the header before the body: a file without the magic, with a header longer than
@@ -23,6 +23,11 @@ namespace loom {
 Tensor<float> read_npy_f32(const std::string& path);
 // Reads an f4 or f8 array, converting to double.
 Tensor<double> read_npy_f64(const std::string& path);
+
+// Reads a 1-d index array (cu_seqlens, as torch and NumPy write it): '<i4' or '<i8', or '<f4' /
+// '<f8' holding whole numbers that fit int64, with the same checks as read_npy_f64 (header
+// before body, regular files only). Throws IoError naming the file.
+std::vector<int64_t> read_npy_index(const std::string& path);
 
 // Parses an in-memory .npy image (used by the reader and the fuzz target); `what` names the
 // source in error messages.

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -128,15 +129,25 @@ Header parse_header(const uint8_t* bytes, size_t size, const std::string& what) 
 
 namespace {
 // Element size of a header's dtype (4 or 8) and the bytes of data it declares; refuses what we
-// cannot read, and sizes that overflow.
-size_t body_bytes(const Header& h, const std::string& what, size_t& esize, size_t& count) {
+// cannot read, and sizes that overflow. `integers`: also accept '<i4' and '<i8' (index arrays
+// such as cu_seqlens); `is_int` says which kind was found.
+size_t body_bytes(const Header& h, const std::string& what, size_t& esize, size_t& count,
+                  bool integers = false, bool* is_int = nullptr) {
   if (h.fortran) fail(what, "Fortran-order arrays are not supported (save with C order)");
+  if (is_int) *is_int = false;
   if (h.descr == "<f4") {
     esize = 4;
   } else if (h.descr == "<f8") {
     esize = 8;
-  } else if (h.descr == ">f4" || h.descr == ">f8") {
+  } else if (integers && (h.descr == "<i4" || h.descr == "<i8")) {
+    esize = h.descr == "<i4" ? 4 : 8;
+    if (is_int) *is_int = true;
+  } else if (h.descr == ">f4" || h.descr == ">f8" || h.descr == ">i4" || h.descr == ">i8") {
     fail(what, "big-endian arrays are not supported (dtype " + h.descr + ")");
+  } else if (integers) {
+    fail(what, "dtype " + h.descr +
+                   " is not supported (need int32 '<i4', int64 '<i8', float32 '<f4' or float64 "
+                   "'<f8')");
   } else {
     fail(what, "dtype " + h.descr + " is not supported (need float32 '<f4' or float64 '<f8')");
   }
@@ -209,9 +220,11 @@ void write_npy_impl(const std::string& path, const Tensor<T>& x, const char* des
 }
 }  // namespace
 
-Tensor<double> read_npy_f64(const std::string& path) {
-  // Header first: the magic, the version and the dict are checked, and the data size they
-  // declare is compared with the file's size, before any of the body is read.
+namespace {
+// Reads path's header and body: the magic, the version and the dict are checked, and the data
+// size they declare is compared with the file's size, before any of the body is read.
+std::vector<uint8_t> read_checked(const std::string& path, Header& h, size_t& esize, size_t& n,
+                                  bool integers = false, bool* is_int = nullptr) {
   InputFile f(path, path);
   const size_t fsize = static_cast<size_t>(f.size());
   std::vector<uint8_t> head(std::min<size_t>(fsize, 12));
@@ -231,13 +244,53 @@ Tensor<double> read_npy_f64(const std::string& path) {
     head.resize(start + hlen);
     if (head.size() > 12) f.read_exact(head.data() + 12, head.size() - 12);
   }
-  const Header h = parse_header(head.data(), head.size(), path);
-  size_t esize = 0, n = 0;
-  const size_t want = body_bytes(h, path, esize, n);
+  h = parse_header(head.data(), head.size(), path);
+  const size_t want = body_bytes(h, path, esize, n, integers, is_int);
   check_body_size(h, want, fsize - h.data_offset, path);
   std::vector<uint8_t> body(want);
   f.read_exact(body.data(), want);
+  return body;
+}
+}  // namespace
+
+Tensor<double> read_npy_f64(const std::string& path) {
+  Header h;
+  size_t esize = 0, n = 0;
+  const std::vector<uint8_t> body = read_checked(path, h, esize, n);
   return decode(h, body.data(), esize, n);
+}
+
+std::vector<int64_t> read_npy_index(const std::string& path) {
+  Header h;
+  size_t esize = 0, n = 0;
+  bool is_int = false;
+  const std::vector<uint8_t> body = read_checked(path, h, esize, n, true, &is_int);
+  if (h.shape.size() != 1)
+    fail(path, "has shape " + shape_str(h.shape) + " but must be a 1-d array");
+  std::vector<int64_t> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (is_int && esize == 4) {
+      int32_t x;
+      std::memcpy(&x, body.data() + 4 * i, 4);
+      v[i] = x;
+    } else if (is_int) {
+      std::memcpy(&v[i], body.data() + 8 * i, 8);
+    } else {
+      double x;
+      if (esize == 4) {
+        float f;
+        std::memcpy(&f, body.data() + 4 * i, 4);
+        x = f;
+      } else {
+        std::memcpy(&x, body.data() + 8 * i, 8);
+      }
+      // Whole numbers that fit int64 (2^63 itself does not); NaN fails both tests.
+      if (!(x == std::floor(x) && std::fabs(x) < 9223372036854775808.0))
+        fail(path, "entry " + std::to_string(i) + " is not a whole number that fits 64 bits");
+      v[i] = static_cast<int64_t>(x);
+    }
+  }
+  return v;
 }
 
 Tensor<float> read_npy_f32(const std::string& path) {

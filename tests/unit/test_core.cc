@@ -190,6 +190,61 @@ TEST_F(Npy, RefusesMalformed) {
   expect_io_error(std::string("\x93NUMPY\x09\x00\x10\x00", 10), "version 9");
 }
 
+// Index arrays (cu_seqlens): int32 and int64 as torch writes them, whole floats; everything else
+// refused with the file's name, and a FIFO without blocking (loom verify read them with an
+// unbounded std::ifstream: a FIFO hung, /dev/zero never ended, a malformed shape was "stoll").
+TEST_F(Npy, ReadsIndexArraysAndRefusesTheRest) {
+  const std::string p = path("cu.npy");
+  auto raw = [](const auto& values) {
+    return std::string(reinterpret_cast<const char*>(values.data()),
+                       values.size() * sizeof(values[0]));
+  };
+  const std::vector<int32_t> i4 = {0, 40, 96};
+  write_raw(p, image("{'descr': '<i4', 'fortran_order': False, 'shape': (3,), }", raw(i4)));
+  EXPECT_EQ(read_npy_index(p), (std::vector<int64_t>{0, 40, 96}));
+  const std::vector<int64_t> i8 = {0, int64_t{1} << 40};
+  write_raw(p, image("{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }", raw(i8)));
+  EXPECT_EQ(read_npy_index(p), i8);
+  const std::vector<double> f8 = {0, 7, 12};
+  write_raw(p, image("{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }", raw(f8)));
+  EXPECT_EQ(read_npy_index(p), (std::vector<int64_t>{0, 7, 12}));
+  auto refused = [&](const std::string& bytes, const std::string& needle) {
+    write_raw(p, bytes);
+    try {
+      read_npy_index(p);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+    }
+  };
+  refused(image("{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }",
+                raw(std::vector<double>{0, 1.5, 3})),
+          "entry 1 is not a whole number");
+  refused(image("{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }",
+                raw(std::vector<double>{0, 1e300})),
+          "entry 1 is not a whole number that fits 64 bits");
+  refused(image("{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }",
+                raw(std::vector<double>{0, NAN})),
+          "entry 1 is not a whole number");
+  refused(image("{'descr': '<i8', 'fortran_order': False, 'shape': (1, 2), }", raw(i8)),
+          "must be a 1-d array");
+  refused(image("{'descr': '<i8', 'fortran_order': False, 'shape': (,), }", raw(i8)),
+          "header says shape");
+  refused(image("{'descr': '<i8', 'fortran_order': False, 'shape': (99999999999999999999,), }",
+                raw(i8)),
+          "is too large");
+  refused(image("{'descr': '<i8', 'fortran_order': False, 'shape': (3,), }", raw(i8)), "truncated");
+  refused(image("{'descr': '<u2', 'fortran_order': False, 'shape': (2,), }", raw(i4)),
+          "dtype <u2 is not supported");
+  std::remove(p.c_str());
+  ASSERT_EQ(::mkfifo(p.c_str(), 0600), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(read_npy_index(p), IoError);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  std::remove(p.c_str());
+}
+
 TEST_F(Npy, RoleShapeAndMissingFile) {
   Tensor<float> x({4, 2});
   const std::string p = path("q.npy");

@@ -111,6 +111,16 @@ expect 2 "holds none of out" -- V --candidate "$T/empty"
 printf 'not a npy' >"$T/empty/out.npy"
 expect 2 "out.npy" -- V --candidate "$T/empty"
 
+# cu_seqlens.npy is read like every other input: a FIFO refused at once, a malformed header named.
+mkdir -p "$T/cu_fifo" && cp "$T/lib/input/"*.npy "$T/cu_fifo/" && mkfifo "$T/cu_fifo/cu_seqlens.npy"
+expect 2 "cu_seqlens.npy: is not a regular file" -- timeout 20 "$LOOM" verify \
+  --input "$T/cu_fifo" --candidate "$T/attn_docs" --convention zigzag --ranks 3
+mkdir -p "$T/cu_bad" && cp "$T/lib/input/"*.npy "$T/cu_bad/"
+"$MK" --cu "$T/cu_bad/cu_seqlens.npy" 40,56 && sed -i 's/(3,)/(,) /' "$T/cu_bad/cu_seqlens.npy" ||
+  fail "malformed cu_seqlens"
+expect 2 "cu_seqlens.npy: header says shape \[\]" -- "$LOOM" verify --input "$T/cu_bad" \
+  --candidate "$T/attn_docs" --convention zigzag --ranks 3
+
 if [ $fails -ne 0 ]; then
   echo "$fails check(s) failed"
   exit 1

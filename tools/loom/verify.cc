@@ -4,10 +4,7 @@
 // (loom/verify.h); this file reads files, reorders layouts and prints.
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -151,65 +148,6 @@ std::optional<Tensor<double>> assemble(const Files& f, const verify::Sharding& s
   return lse ? verify::unshard_cols(sh, local, name) : verify::unshard_rows(sh, local, name);
 }
 
-// cu_seqlens.npy as torch and NumPy write it: a 1-d little-endian int32 or int64 array (float
-// arrays are read by read_npy_f64). IoError naming the file for anything else.
-std::vector<int64_t> read_cu_seqlens(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  LOOM_CHECK(f, IoError, "cannot open " << path);
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  LOOM_CHECK(bytes.size() >= 10 && bytes.compare(0, 6, "\x93NUMPY") == 0, IoError,
-             path << " is not a .npy file");
-  const int major = static_cast<unsigned char>(bytes[6]);
-  size_t hlen = 0, start = 0;
-  if (major == 1) {
-    hlen = static_cast<unsigned char>(bytes[8]) | static_cast<unsigned char>(bytes[9]) << 8;
-    start = 10;
-  } else {
-    LOOM_CHECK(bytes.size() >= 12, IoError, path << " is truncated");
-    for (int i = 0; i < 4; ++i)
-      hlen |= static_cast<size_t>(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
-    start = 12;
-  }
-  LOOM_CHECK(start + hlen <= bytes.size(), IoError, path << " is truncated");
-  const std::string header = bytes.substr(start, hlen);
-  int width = 0;
-  if (header.find("'<i4'") != std::string::npos) width = 4;
-  if (header.find("'<i8'") != std::string::npos) width = 8;
-  if (width == 0) {
-    const Tensor<double> c = read_npy_f64(path);  // float arrays, or its error for others
-    std::vector<int64_t> v;
-    for (int64_t i = 0; i < c.numel(); ++i) {
-      LOOM_CHECK(c[i] == std::floor(c[i]), InvalidArgument,
-                 path << " entry " << i << " is not a whole number");
-      v.push_back(static_cast<int64_t>(c[i]));
-    }
-    LOOM_CHECK(c.dim() == 1, InvalidArgument, path << " must be a 1-d array");
-    return v;
-  }
-  LOOM_CHECK(header.find("'fortran_order': False") != std::string::npos, IoError,
-             path << " must be in C order");
-  const size_t data = start + hlen, n = (bytes.size() - data) / width;
-  LOOM_CHECK((bytes.size() - data) % width == 0, IoError, path << " has a partial element");
-  const size_t open = header.find("'shape': (");
-  LOOM_CHECK(open != std::string::npos, IoError, path << " has no shape");
-  const std::string shape = header.substr(open + 10, header.find(')', open) - open - 10);
-  LOOM_CHECK(shape.find(',') != std::string::npos && shape.find(',') == shape.find_last_of(',') &&
-                 std::stoll(shape) == static_cast<long long>(n),
-             IoError,
-             path << " must be a 1-d array of " << n << " entries, header shape (" << shape << ")");
-  std::vector<int64_t> v(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (width == 4) {
-      int32_t x;
-      std::memcpy(&x, bytes.data() + data + 4 * i, 4);
-      v[i] = x;
-    } else {
-      std::memcpy(&v[i], bytes.data() + data + 8 * i, 8);
-    }
-  }
-  return v;
-}
-
 int run_verify(const VerifyOptions& o) {
   LOOM_CHECK(fs::is_directory(o.input), IoError, "--input " << o.input << " is not a directory");
   LOOM_CHECK(fs::is_directory(o.candidate), IoError,
@@ -234,7 +172,7 @@ int run_verify(const VerifyOptions& o) {
   const std::string cu = o.input + "/cu_seqlens.npy";
   if (fs::exists(cu)) {
     LOOM_CHECK(o.docs.empty(), InvalidArgument, "give documents either by --docs or by " << cu);
-    const std::vector<int64_t> c = read_cu_seqlens(cu);
+    const std::vector<int64_t> c = read_npy_index(cu);
     LOOM_CHECK(c.size() >= 2 && c[0] == 0, InvalidArgument,
                cu << " must be a 1-d array [0, L1, L1+L2, ...]");
     for (size_t i = 1; i < c.size(); ++i) {
