@@ -111,6 +111,33 @@ expect 2 "holds none of out" -- V --candidate "$T/empty"
 printf 'not a npy' >"$T/empty/out.npy"
 expect 2 "out.npy" -- V --candidate "$T/empty"
 
+# BSHD: every tensor must hold q's batch elements. A candidate with fewer was read past its end
+# (garbage or a crash), one with more passed with its extra elements never checked, and an
+# input with none passed silently (a crash with --heatmap).
+/usr/bin/python3 - "$T/in_BSHD" "$T/c_BSHD" "$T/bshd" <<'PY' || fail "BSHD batch files"
+import os, sys
+import numpy as np
+src_in, src_c, dst = sys.argv[1:4]
+def save(d, name, x):
+    os.makedirs(d, exist_ok=True)
+    np.save(os.path.join(d, name + ".npy"), x)
+ld = lambda d, n: np.load(os.path.join(d, n + ".npy"))
+for n in ("q", "k", "v"):
+    save(dst + "/in2", n, np.concatenate([ld(src_in, n)] * 2))
+    save(dst + "/in0", n, ld(src_in, n)[:0])
+out = ld(src_c, "out")
+save(dst + "/c1", "out", out)
+save(dst + "/c2", "out", np.concatenate([out, np.full_like(out, 7.0)]))
+PY
+expect 2 "out.npy has shape \[1, 96, 2, 16\]: 1 batch elements, but q.npy has 2" -- \
+  "$LOOM" verify --input "$T/bshd/in2" --candidate "$T/bshd/c1" --layout-dims BSHD
+expect 2 "out.npy has shape \[2, 96, 2, 16\]: 2 batch elements, but q.npy has 1" -- \
+  "$LOOM" verify --input "$T/in_BSHD" --candidate "$T/bshd/c2" --layout-dims BSHD
+expect 2 "no batch elements to check" -- \
+  "$LOOM" verify --input "$T/bshd/in0" --candidate "$T/bshd/c1" --layout-dims BSHD \
+  --heatmap "$T/bshd/h.svg"
+expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/in_BSHD" --candidate "$T/bshd/c1" \
+  --layout-dims BSHD
 # cu_seqlens.npy is read like every other input: a FIFO refused at once, a malformed header named.
 mkdir -p "$T/cu_fifo" && cp "$T/lib/input/"*.npy "$T/cu_fifo/" && mkfifo "$T/cu_fifo/cu_seqlens.npy"
 expect 2 "cu_seqlens.npy: is not a regular file" -- timeout 20 "$LOOM" verify \

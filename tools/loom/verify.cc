@@ -42,8 +42,17 @@ Dims parse_dims(const std::string& s) {
   throw InvalidArgument("unknown --layout-dims '" + s + "' (choose SHD, BSHD or HSD)");
 }
 
-// Batch element b of a row tensor on disk as [S, H, D].
-Tensor<double> rows_to_shd(const Tensor<double>& x, Dims dims, int64_t b, const std::string& what) {
+// With BSHD every tensor must hold the B batch elements of q: a shorter one would be read past
+// its end, a longer one's extra elements never checked.
+void check_batches(const Tensor<double>& x, int64_t batches, const std::string& what) {
+  LOOM_CHECK(x.size(0) == batches, InvalidArgument,
+             what << " has shape " << shape_str(x.shape()) << ": " << x.size(0)
+                  << " batch elements, but q.npy has " << batches);
+}
+
+// Batch element b (of `batches`, q's B) of a row tensor on disk as [S, H, D].
+Tensor<double> rows_to_shd(const Tensor<double>& x, Dims dims, int64_t b, int64_t batches,
+                           const std::string& what) {
   if (dims == Dims::shd) {
     LOOM_CHECK(x.dim() == 3, InvalidArgument,
                what << " has shape " << shape_str(x.shape()) << " but --layout-dims SHD needs "
@@ -54,6 +63,7 @@ Tensor<double> rows_to_shd(const Tensor<double>& x, Dims dims, int64_t b, const 
     LOOM_CHECK(x.dim() == 4, InvalidArgument,
                what << " has shape " << shape_str(x.shape()) << " but --layout-dims BSHD needs "
                     << "[B, S, H, D]");
+    check_batches(x, batches, what);
     const int64_t S = x.size(1), H = x.size(2), D = x.size(3);
     Tensor<double> y({S, H, D});
     std::copy(x.data() + b * S * H * D, x.data() + (b + 1) * S * H * D, y.data());
@@ -70,12 +80,14 @@ Tensor<double> rows_to_shd(const Tensor<double>& x, Dims dims, int64_t b, const 
   return y;
 }
 
-// Batch element b of an lse tensor on disk as [H, S].
-Tensor<double> lse_to_hs(const Tensor<double>& x, Dims dims, int64_t b, const std::string& what) {
+// Batch element b (of `batches`) of an lse tensor on disk as [H, S].
+Tensor<double> lse_to_hs(const Tensor<double>& x, Dims dims, int64_t b, int64_t batches,
+                         const std::string& what) {
   if (dims == Dims::bshd) {
     LOOM_CHECK(x.dim() == 3, InvalidArgument,
                what << " has shape " << shape_str(x.shape()) << " but --layout-dims BSHD needs "
                     << "lse [B, H, S]");
+    check_batches(x, batches, what);
     const int64_t H = x.size(1), S = x.size(2);
     Tensor<double> y({H, S});
     std::copy(x.data() + b * H * S, x.data() + (b + 1) * H * S, y.data());
@@ -134,16 +146,17 @@ Files read_candidate(const std::string& dir, const std::string& name, int ranks)
 
 // Batch element b of a candidate tensor, in global order: rows [S, A, B] or lse [H, S].
 std::optional<Tensor<double>> assemble(const Files& f, const verify::Sharding& sh, Dims dims,
-                                       int64_t b, const std::string& name, bool lse) {
+                                       int64_t b, int64_t batches, const std::string& name,
+                                       bool lse) {
   if (!f.present) return std::nullopt;
   if (!f.per_rank)
-    return lse ? lse_to_hs(f.global, dims, b, name + ".npy")
-               : rows_to_shd(f.global, dims, b, name + ".npy");
+    return lse ? lse_to_hs(f.global, dims, b, batches, name + ".npy")
+               : rows_to_shd(f.global, dims, b, batches, name + ".npy");
   std::vector<Tensor<double>> local;
   for (int r = 0; r < sh.ranks; ++r) {
     const std::string what = name + ".rank" + std::to_string(r) + ".npy";
-    local.push_back(lse ? lse_to_hs(f.ranks[r], dims, b, what)
-                        : rows_to_shd(f.ranks[r], dims, b, what));
+    local.push_back(lse ? lse_to_hs(f.ranks[r], dims, b, batches, what)
+                        : rows_to_shd(f.ranks[r], dims, b, batches, what));
   }
   return lse ? verify::unshard_cols(sh, local, name) : verify::unshard_rows(sh, local, name);
 }
@@ -167,6 +180,8 @@ int run_verify(const VerifyOptions& o) {
   require_finite(v, "v.npy");
   require_finite(dout, "dout.npy");
   const int64_t B = batch_of(q, dims);
+  LOOM_CHECK(B >= 1, InvalidArgument,
+             "q.npy has shape " << shape_str(q.shape()) << ": no batch elements to check");
   std::vector<int64_t> docs;
   if (!o.docs.empty()) docs = parse_doc_lengths(o.docs);
   const std::string cu = o.input + "/cu_seqlens.npy";
@@ -195,10 +210,10 @@ int run_verify(const VerifyOptions& o) {
   // conv (throws when conv cannot split the sequence or the files).
   auto problem_of = [&](int64_t b) {
     verify::Problem p;
-    p.q = rows_to_shd(q, dims, b, "q.npy");
-    p.k = rows_to_shd(k, dims, b, "k.npy");
-    p.v = rows_to_shd(v, dims, b, "v.npy");
-    if (dout.numel()) p.dout = rows_to_shd(dout, dims, b, "dout.npy");
+    p.q = rows_to_shd(q, dims, b, B, "q.npy");
+    p.k = rows_to_shd(k, dims, b, B, "k.npy");
+    p.v = rows_to_shd(v, dims, b, B, "v.npy");
+    if (dout.numel()) p.dout = rows_to_shd(dout, dims, b, B, "dout.npy");
     p.mask.causal = o.causal;
     p.mask.window = o.window;
     p.scale = o.scale;
@@ -208,11 +223,11 @@ int run_verify(const VerifyOptions& o) {
   auto candidate_of = [&](const verify::Problem& p, int64_t b, const std::string& conv) {
     const verify::Sharding sh = verify::make_sharding(conv, p.q.size(0), o.ranks, docs);
     verify::Candidate c;
-    c.out = assemble(files[0], sh, dims, b, "out", false);
-    c.lse = assemble(files[1], sh, dims, b, "lse", true);
-    c.dq = assemble(files[2], sh, dims, b, "dq", false);
-    c.dk = assemble(files[3], sh, dims, b, "dk", false);
-    c.dv = assemble(files[4], sh, dims, b, "dv", false);
+    c.out = assemble(files[0], sh, dims, b, B, "out", false);
+    c.lse = assemble(files[1], sh, dims, b, B, "lse", true);
+    c.dq = assemble(files[2], sh, dims, b, B, "dq", false);
+    c.dk = assemble(files[3], sh, dims, b, B, "dk", false);
+    c.dv = assemble(files[4], sh, dims, b, B, "dv", false);
     return c;
   };
 
