@@ -40,3 +40,10 @@ add_test(NAME loom_plan_train_step_vocab
                  --profile ${PROJECT_SOURCE_DIR}/plan/profiles/cpu_epyc7763_node.json)
 set_tests_properties(loom_plan_train_step_vocab PROPERTIES LABELS "plan;tool" TIMEOUT 30
                      PASS_REGULAR_EXPRESSION "vocab must be 256 \\(got 128256\\)")
+# The command's bad input: profiles read like every other input (a FIFO refused at once),
+# conflicting modes and out-of-range values refused, outputs that would replace the profile or
+# each other refused (tests/tools/plan_checks.sh).
+add_test(NAME loom_plan_checks
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/tools/plan_checks.sh $<TARGET_FILE:loom>
+                 ${PROJECT_SOURCE_DIR}/plan/profiles)
+set_tests_properties(loom_plan_checks PROPERTIES LABELS "plan;tool" TIMEOUT 300)

@@ -1,11 +1,11 @@
 // Hardware profiles: JSON in, JSON out. Every field has a fixed place; unknown fields are
 // refused (a typo must not silently fall back to a default), missing ones keep their defaults.
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
 #include "loom/error.h"
+#include "loom/io.h"
 #include "loom/plan.h"
 
 namespace loom::plan {
@@ -13,6 +13,8 @@ namespace loom::plan {
 namespace {
 
 using nlohmann::json;
+
+constexpr size_t kMaxProfileBytes = size_t{16} << 20;
 
 void refuse_unknown(const json& j, const std::set<std::string>& known, const std::string& where,
                     const std::string& path) {
@@ -153,11 +155,16 @@ Profile parse_profile(const std::string& text, const std::string& where) {
 }
 
 Profile load_profile(const std::string& path) {
-  std::ifstream in(path);
-  LOOM_CHECK(in.good(), IoError, "cannot read profile " << path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_profile(ss.str(), path);
+  // A regular file only (a FIFO or /dev/zero would block or never end), and a bounded read: the
+  // shipped profiles are a few KiB.
+  std::string text;
+  try {
+    InputFile in(path, "profile");
+    text = in.read_rest(kMaxProfileBytes);
+  } catch (const IoError& e) {
+    throw IoError(std::string("cannot read ") + e.what(), __FILE__, __LINE__);
+  }
+  return parse_profile(text, path);
 }
 
 std::string profile_json(const Profile& p) {

@@ -372,6 +372,14 @@ void log_line(const char* s) {
 }
 
 int run_plan(const CLI::App* app, const PlanOptions& o) {
+  // One mode per run: the others' options would be silently ignored.
+  LOOM_CHECK(int(o.simulate) + int(o.train_step) + int(!o.calibrate.empty()) <= 1, InvalidArgument,
+             "--simulate, --train-step and --calibrate are separate modes; give at most one");
+  LOOM_CHECK(o.top >= 1, InvalidArgument, "--top must be >= 1, got " << o.top);
+  LOOM_CHECK(
+      !app->count("--memory-limit") || (std::isfinite(o.memory_limit_gb) && o.memory_limit_gb > 0),
+      InvalidArgument,
+      "--memory-limit must be a positive number of GB per device, got " << o.memory_limit_gb);
   if (o.train_step) return run_train_step(app, o);
   if (!o.calibrate.empty()) {
     std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",

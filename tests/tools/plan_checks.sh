@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# `loom plan`: bad input gets one clear error line and a non-zero exit, never a hang, a silently
+# ignored option or a replaced input file.
+# Usage: plan_checks.sh LOOM_BINARY PROFILE_DIR
+set -uo pipefail
+loom="$1"
+profiles="$2"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+source "$(dirname "$0")/checks.sh"
+
+expect_error() { expect_error_of plan "$@"; }
+h100="$profiles/h100_sxm.json"
+
+# A profile is read like every other input: a FIFO or a device is refused at once (a FIFO
+# blocked forever, /dev/zero read until memory ran out), a directory named as one.
+mkfifo "$work/fifo.json"
+timeout 20 "$loom" plan --profile "$work/fifo.json" > "$work/stdout" 2> "$work/stderr"
+rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] &&
+  grep -qF "fifo.json: is not a regular file" "$work/stderr" &&
+  ok "FIFO as --profile refused at once: $(cat "$work/stderr")" ||
+  { cat "$work/stderr"; bad "FIFO as --profile (rc=$rc; 124: it blocked)"; }
+timeout 20 "$loom" plan --profile /dev/zero > "$work/stdout" 2> "$work/stderr"
+rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -qF "/dev/zero: is not a regular file" "$work/stderr" &&
+  ok "/dev/zero as --profile refused at once" ||
+  { cat "$work/stderr"; bad "/dev/zero as --profile (rc=$rc; 124: it read forever)"; }
+expect_error "directory as --profile" "is a directory" --profile "$work"
+expect_error "missing --profile" "cannot read profile $work/none.json" --profile "$work/none.json"
+
+# One mode per run: the others' options were silently ignored.
+expect_error "--simulate with --train-step" "separate modes" --simulate --train-step \
+  --mesh 1,1,1,1 --profile "$h100"
+expect_error "--simulate with --calibrate" "separate modes" --simulate --calibrate \
+  "$work/p.json" --profile "$h100"
+[ ! -e "$work/p.json" ] && ok "nothing calibrated or written" || bad "--calibrate ran"
+
+# Out-of-range values are refused, not replaced by a default.
+expect_error "--top 0" "--top must be >= 1, got 0" --profile "$h100" --top 0
+expect_error "--top -3" "--top must be >= 1, got -3" --profile "$h100" --top -3
+expect_error "--memory-limit -5" "--memory-limit must be a positive number of GB" \
+  --profile "$h100" --memory-limit -5
+expect_error "--memory-limit nan" "--memory-limit must be a positive number of GB" \
+  --profile "$h100" --memory-limit nan
+
+# The same run with valid options still works.
+if "$loom" plan --profile "$h100" --top 2 --memory-limit 80 --json "$work/r.json" \
+     --svg "$work/r.svg" > "$work/out" 2>&1 && [ -s "$work/r.json" ] && [ -s "$work/r.svg" ]; then
+  ok "valid run writes --json and --svg"
+else
+  cat "$work/out"; bad "valid run"
+fi
+
+summary
