@@ -68,6 +68,9 @@ expect_error "missing q.npy" "q.npy: cannot open" --input "$work/in"
 printf 'garbage' > "$work/in/q.npy"
 expect_error "garbage q.npy" "not a .npy file" --input "$work/in"
 expect_error "input with shape options" "do not also give --seq" --input "$work/in" --seq 10
+expect_error "an output onto an input" "--input's q.npy name the same file" --input "$work/in" \
+  --json "$work/in/q.npy"
+[ "$(cat "$work/in/q.npy")" = garbage ] && ok "q.npy left as it was" || bad "q.npy replaced"
 
 # Reports: JSON keys, one trace track (process) per rank, an SVG with a row per rank.
 if "$loom" attn --ranks 4 --strategy ring --layout zigzag --seq 512 --heads 4 --kv-heads 2 \

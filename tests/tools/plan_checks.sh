@@ -44,6 +44,17 @@ expect_error "--memory-limit -5" "--memory-limit must be a positive number of GB
 expect_error "--memory-limit nan" "--memory-limit must be a positive number of GB" \
   --profile "$h100" --memory-limit nan
 
+# Outputs never replace the profile read, nor each other.
+cp "$h100" "$work/mine.json"
+before=$(md5sum < "$work/mine.json")
+expect_error "--json onto the profile" "name the same file" --profile "$work/mine.json" \
+  --json "$work/mine.json"
+[ "$(md5sum < "$work/mine.json")" = "$before" ] && ok "the profile is unchanged" ||
+  bad "the profile was replaced"
+expect_error "--json and --svg on one path" "name the same file" --profile "$h100" \
+  --json "$work/r" --svg "$work/r"
+[ ! -e "$work/r" ] && ok "nothing written" || bad "an output was written"
+
 # The same run with valid options still works.
 if "$loom" plan --profile "$h100" --top 2 --memory-limit 80 --json "$work/r.json" \
      --svg "$work/r.svg" > "$work/out" 2>&1 && [ -s "$work/r.json" ] && [ -s "$work/r.svg" ]; then

@@ -123,6 +123,13 @@ expect_error "validation split too short" "the validation split of" --quiet --se
   --layers 1 --dim 32 --heads 2 --kv-heads 1 --batch 2 --data "$work/small.txt"
 expect_error "--log on a full disk" "--log /dev/full: write failed" "${tiny[@]}" --steps 3 \
   --log /dev/full
+# --log on the corpus: the log was truncated at the start, destroying the training text.
+head -c 200000 "${data[1]:-data/kjv.txt}" > "$work/corpus.txt"
+sum_before=$(md5sum < "$work/corpus.txt")
+expect_error "--log on --data" "name the same file" "${tiny0[@]}" --steps 2 \
+  --data "$work/corpus.txt" --log "$work/corpus.txt"
+[ "$(md5sum < "$work/corpus.txt")" = "$sum_before" ] && ok "--data left whole" ||
+  bad "--log destroyed --data"
 if head -c 20000 "${data[1]:-data/kjv.txt}" | "$loom" train "${tiny0[@]}" --steps 2 --data - \
      > "$work/stdin.out" 2>&1 && grep -q "standard input" "$work/stdin.out"; then
   ok "--data - reads standard input"

@@ -147,6 +147,12 @@ mkdir -p "$T/cu_bad" && cp "$T/lib/input/"*.npy "$T/cu_bad/"
   fail "malformed cu_seqlens"
 expect 2 "cu_seqlens.npy: header says shape \[\]" -- "$LOOM" verify --input "$T/cu_bad" \
   --candidate "$T/attn_docs" --convention zigzag --ranks 3
+# Two outputs on one path: refused before anything is written.
+expect 2 "name the same file" -- V --candidate "$T/lib/correct" --json "$T/same" --heatmap "$T/same"
+cp -r "$T/lib/input" "$T/in_copy"
+expect 2 "and --input's q.npy name the same file" -- "$LOOM" verify --input "$T/in_copy" \
+  --candidate "$T/lib/correct" --convention zigzag --ranks 4 --json "$T/in_copy/q.npy"
+cmp -s "$T/lib/input/q.npy" "$T/in_copy/q.npy" || fail "--json replaced q.npy"
 
 if [ $fails -ne 0 ]; then
   echo "$fails check(s) failed"

@@ -623,10 +623,16 @@ double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, in
 
 int run_attn(const AttnOptions& o) {
   // Outputs: distinct paths, and no temporaries left by an earlier killed run.
-  check_distinct_outputs({{"--json", o.json},
-                          {"--trace", o.trace},
-                          {"--timeline", o.timeline},
-                          {"--output", o.output}});
+  std::vector<std::pair<std::string, std::string>> paths;
+  if (!o.input.empty())  // an output must not replace an input (--json in/q.npy did)
+    for (const char* name : {"q.npy", "k.npy", "v.npy", "dout.npy"})
+      paths.emplace_back("--input's " + std::string(name), o.input + "/" + name);
+  for (const auto& [option, path] : {std::pair<const char*, const std::string*>{"--json", &o.json},
+                                     {"--trace", &o.trace},
+                                     {"--timeline", &o.timeline},
+                                     {"--output", &o.output}})
+    paths.emplace_back(option, *path);
+  check_distinct_outputs(paths);
   for (const std::string* out : {&o.json, &o.trace, &o.timeline, &o.output})
     if (!out->empty()) clean_stale_temps(*out);
   const int64_t memory_limit =

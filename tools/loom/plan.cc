@@ -11,6 +11,7 @@
 
 #include "commands.h"
 #include "loom/comm.h"
+#include "loom/io.h"
 #include "loom/model/trainer.h"
 #include "loom/npy.h"
 #include "loom/plan.h"
@@ -380,6 +381,12 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
       !app->count("--memory-limit") || (std::isfinite(o.memory_limit_gb) && o.memory_limit_gb > 0),
       InvalidArgument,
       "--memory-limit must be a positive number of GB per device, got " << o.memory_limit_gb);
+  // Distinct outputs, none of them the profile read (--json p.json --profile p.json replaced the
+  // profile by the ranking; --json and --svg on one path kept only the SVG).
+  check_distinct_outputs({{"--profile", o.profile},
+                          {"--json", o.json},
+                          {"--svg", o.svg},
+                          {"--calibrate", o.calibrate}});
   if (o.train_step) return run_train_step(app, o);
   if (!o.calibrate.empty()) {
     std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",

@@ -403,6 +403,8 @@ int run_train(const TrainOptions& o) {
   c.par.threads = threads;
   model::validate(c.model, c.par, world, c.seq);
   const std::string data = o.data.empty() ? default_data() : o.data;
+  // The log is truncated when the run starts: naming the corpus there destroyed it.
+  if (data != "-") check_distinct_outputs({{"--data", data}, {"--log", o.log}});
   const int64_t data_limit = parse_size(o.data_limit, "--data-limit");
   std::string text;
   try {

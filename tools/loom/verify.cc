@@ -11,6 +11,7 @@
 
 #include "commands.h"
 #include "loom/cp.h"
+#include "loom/io.h"
 #include "loom/npy.h"
 #include "loom/verify.h"
 
@@ -168,6 +169,13 @@ int run_verify(const VerifyOptions& o) {
   LOOM_CHECK(o.window >= 0, InvalidArgument, "--window must be >= 0, got " << o.window);
   LOOM_CHECK(o.scale >= 0 && std::isfinite(o.scale), InvalidArgument,
              "--scale must be positive, got " << o.scale);
+  // Two outputs on one path, or an output onto an input file, are refused before any work.
+  std::vector<std::pair<std::string, std::string>> paths;
+  for (const char* name : {"q.npy", "k.npy", "v.npy", "dout.npy", "cu_seqlens.npy"})
+    paths.emplace_back("--input's " + std::string(name), o.input + "/" + name);
+  paths.emplace_back("--json", o.json);
+  paths.emplace_back("--heatmap", o.heatmap);
+  check_distinct_outputs(paths);
   const Dims dims = parse_dims(o.layout_dims);
   (void)verify::tolerance("out", o.dtype);
   const Tensor<double> q = read_npy_f64(o.input + "/q.npy");
