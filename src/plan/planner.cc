@@ -45,11 +45,17 @@ std::string Candidate::name() const {
 
 namespace {
 
+// The divisors of n >= 1, ascending. Pairs (i, n / i) up to sqrt(n): the loop `i <= n` over int
+// wrapped past INT_MAX for --devices 2147483647 and divided by zero (SIGFPE).
 std::vector<int> divisors(int n) {
-  std::vector<int> d;
-  for (int i = 1; i <= n; ++i)
-    if (n % i == 0) d.push_back(i);
-  return d;
+  std::vector<int> small, large;
+  for (int64_t i = 1; i * i <= n; ++i) {
+    if (n % i != 0) continue;
+    small.push_back(static_cast<int>(i));
+    if (i * i != n) large.push_back(static_cast<int>(n / i));
+  }
+  small.insert(small.end(), large.rbegin(), large.rend());
+  return small;
 }
 
 // One layer's attention over a cp group of `cp` ranks inside tp; u: the degree of the

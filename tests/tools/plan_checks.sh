@@ -55,6 +55,28 @@ expect_error "--json and --svg on one path" "name the same file" --profile "$h10
   --json "$work/r" --svg "$work/r"
 [ ! -e "$work/r" ] && ok "nothing written" || bad "an output was written"
 
+# Sizes: the search's divisor loop wrapped past INT_MAX and divided by zero (SIGFPE); the
+# simulator ran for minutes to centuries (--seq 1e12, 2^63 - 1) or until memory ran out
+# (--ranks 100000) instead of refusing.
+timeout 60 "$loom" plan --profile "$h100" --devices 2147483647 > "$work/stdout" 2> "$work/stderr"
+rc=$?
+[ $rc -eq 1 ] && grep -q "no configuration fits" "$work/stdout" &&
+  ok "--devices 2147483647: searched, nothing fits (exit 1)" ||
+  { cat "$work/stderr"; bad "--devices 2147483647 (rc=$rc)"; }
+for args in "--seq 1000000000000" "--seq 9223372036854775807" "--ranks 100000 --seq 1000000"; do
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout 30 "$loom" plan --simulate --profile "$h100" $args > "$work/stdout" 2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && grep -q "too large to simulate" "$work/stderr" &&
+    [ $(( $(date +%s) - start )) -le 10 ] && ok "--simulate $args: $(cat "$work/stderr")" ||
+    { cat "$work/stderr"; bad "--simulate $args (rc=$rc; 124: still running after 30 s)"; }
+done
+# A long sequence below the limit is still simulated.
+"$loom" plan --simulate --profile "$h100" --seq 1000000000 --ranks 8 > "$work/stdout" 2>&1 &&
+  grep -q "predicted forward" "$work/stdout" && ok "--simulate --seq 1e9 on 8 ranks" ||
+  { cat "$work/stdout"; bad "--simulate --seq 1e9"; }
+
 # The same run with valid options still works.
 if "$loom" plan --profile "$h100" --top 2 --memory-limit 80 --json "$work/r.json" \
      --svg "$work/r.svg" > "$work/out" 2>&1 && [ -s "$work/r.json" ] && [ -s "$work/r.svg" ]; then
