@@ -354,7 +354,11 @@ TEST(Faults, ParseFault) {
   EXPECT_FALSE(FaultPlan{}.any());
   for (const char* bad :
        {"", "kill", "kill:", "kill:x", "kill:-1", "kill:1:2", "kill:1,at=", "kill:1,when=3",
-        "drop:1,at=-2", "delay:1", "delay:1:2,at=3", "delay:a:5", "explode:1"}) {
+        "drop:1,at=-2", "delay:1", "delay:1:2,at=3", "delay:a:5", "explode:1",
+        // Past an int: these were truncated (kill:4294967297 named rank 1, kill:2147483648 a
+        // negative rank, i.e. no fault, delay:0:4294967295 -1 ms).
+        "kill:2147483648", "kill:4294967297", "drop:4294967296", "delay:2147483648:5",
+        "delay:0:4294967295"}) {
     try {
       parse_fault(bad);
       ADD_FAILURE() << "accepted '" << bad << "'";

@@ -267,5 +267,13 @@ expect_error "--kv-heads 0" "--kv-heads must be >= 1" --seq 64 --kv-heads 0
 expect_error "--seed -1" "must not be negative" --seq 64 --seed -1
 expect_error "--docs ''" "--docs is empty" --seq 64 --docs ""
 expect_error "a fault that never fires" "never fired" --ranks 2 --seq 64 --fault kill:1,at=100000
+# Counts that wrapped an int: --warmup 1 --iters 2^31-1 ran no iteration and reported a time of 0
+# with exit 0; kill:2147483648 was a negative rank, i.e. no fault, and kill:4294967297 rank 1.
+expect_error "--warmup + --iters past 2^31" "is more than 2147483647 iterations" --seq 64 \
+  --warmup 1 --iters 2147483647
+expect_error "fault rank past 2^31" "rank 2147483648 is above 2147483647" --ranks 2 --seq 64 \
+  --fault kill:2147483648
+expect_error "fault rank 2^32 + 1" "rank 4294967297 is above 2147483647" --ranks 2 --seq 64 \
+  --fault kill:4294967297
 
 summary

@@ -142,6 +142,11 @@ Problem make_problem(const AttnOptions& o) {
              "--window must be >= 0 (0 = no window), got " << o.window);
   LOOM_CHECK(o.iters >= 1, InvalidArgument, "--iters must be >= 1, got " << o.iters);
   LOOM_CHECK(o.warmup >= 0, InvalidArgument, "--warmup must be >= 0, got " << o.warmup);
+  // The run's iteration count, warmup + iters, is an int: it must not wrap (2^31 - 1 + 1 ran no
+  // iteration at all and reported a time of 0 as a success).
+  LOOM_CHECK(o.iters <= std::numeric_limits<int>::max() - o.warmup, InvalidArgument,
+             "--warmup " << o.warmup << " + --iters " << o.iters << " is more than "
+                         << std::numeric_limits<int>::max() << " iterations");
   LOOM_CHECK(o.threads >= 0, InvalidArgument, "--threads must be >= 0, got " << o.threads);
   // A scale is a positive finite float; the default is 1/sqrt(D).
   LOOM_CHECK(std::isfinite(o.scale) && o.scale >= 0 && (!o.scale_given || o.scale > 0) &&

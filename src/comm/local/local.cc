@@ -26,6 +26,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -580,7 +581,10 @@ std::string what_of(const std::exception_ptr& e) {
   }
 }
 
-int64_t parse_int(const char* name, const std::string& field, const std::string& whole) {
+// A non-negative integer at most `max` (a rank or milliseconds must fit an int: kill:4294967297
+// was rank 1, kill:2147483648 a negative rank, that is no fault at all).
+int64_t parse_int(const char* name, const std::string& field, const std::string& whole,
+                  int64_t max = std::numeric_limits<int64_t>::max()) {
   size_t used = 0;
   long long v = 0;
   try {
@@ -590,12 +594,15 @@ int64_t parse_int(const char* name, const std::string& field, const std::string&
   }
   LOOM_CHECK(used > 0 && used == field.size() && v >= 0, InvalidArgument,
              "fault '" << whole << "': '" << field << "' is not a non-negative " << name);
+  LOOM_CHECK(v <= max, InvalidArgument,
+             "fault '" << whole << "': " << name << " " << field << " is above " << max);
   return v;
 }
 
 }  // namespace
 
 FaultPlan parse_fault(const std::string& text) {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   const std::string usage = "expected kill:R, drop:R, delay:R:MS, optionally ,at=K for kill/drop";
   FaultPlan plan;
   std::string spec = text, at;
@@ -617,7 +624,7 @@ FaultPlan parse_fault(const std::string& text) {
   const std::string& kind = parts[0];
   if (kind == "kill" || kind == "drop") {
     LOOM_CHECK(parts.size() == 2, InvalidArgument, "fault '" << text << "': " << usage);
-    const int rank = static_cast<int>(parse_int("rank", parts[1], text));
+    const int rank = static_cast<int>(parse_int("rank", parts[1], text, kIntMax));
     // Default: the rank's second op / second send, so the fault strikes mid-run.
     const int64_t when = at.empty() ? 1 : parse_int("at", at, text);
     if (kind == "kill") {
@@ -630,8 +637,8 @@ FaultPlan parse_fault(const std::string& text) {
   } else if (kind == "delay") {
     LOOM_CHECK(parts.size() == 3 && at.empty(), InvalidArgument,
                "fault '" << text << "': " << usage);
-    plan.delay_rank = static_cast<int>(parse_int("rank", parts[1], text));
-    plan.delay_ms = static_cast<int>(parse_int("milliseconds", parts[2], text));
+    plan.delay_rank = static_cast<int>(parse_int("rank", parts[1], text, kIntMax));
+    plan.delay_ms = static_cast<int>(parse_int("milliseconds", parts[2], text, kIntMax));
   } else {
     throw InvalidArgument("fault '" + text + "': unknown kind '" + kind + "'; " + usage, __FILE__,
                           __LINE__);
