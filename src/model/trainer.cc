@@ -59,6 +59,14 @@ Trainer::Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corp
   LOOM_CHECK(cfg.batch >= 1 && cfg.batch % s.dp == 0, InvalidArgument,
              "--batch " << cfg.batch << " must be a positive multiple of --dp " << s.dp);
   LOOM_CHECK(cfg.steps >= 1, InvalidArgument, "--steps must be >= 1, got " << cfg.steps);
+  // The run's token counts (per step and in all) are int64: --batch 2^63 - 1 wrapped them and
+  // ran a step of 9e18 windows instead of refusing.
+  int64_t step_tokens = 0, run_tokens = 0;
+  LOOM_CHECK(!__builtin_mul_overflow(cfg.batch, cfg.seq, &step_tokens) &&
+                 !__builtin_mul_overflow(step_tokens, cfg.steps, &run_tokens),
+             InvalidArgument,
+             "--batch " << cfg.batch << " x --seq " << cfg.seq << " x --steps " << cfg.steps
+                        << " tokens do not fit 64 bits");
   LOOM_CHECK(cfg.lr > 0 && cfg.lr <= kMaxLr, InvalidArgument,
              "--lr must be in (0, " << kMaxLr << "], got " << cfg.lr);
   LOOM_CHECK(cfg.weight_decay >= 0 && cfg.lr * cfg.weight_decay <= 1, InvalidArgument,

@@ -107,6 +107,11 @@ expect_error "--ffn -1" "--ffn must be >= 0" "${tiny[@]}" --ffn -1
 expect_error "--eval-batches 0" "--eval-batches must be >= 1" "${tiny[@]}" --eval-batches 0
 expect_error "--seed -1" "must not be negative" "${tiny[@]}" --seed -1
 expect_error "--steps overflow" "out of range" "${tiny[@]}" --steps 99999999999999999999
+# batch x seq x steps past 2^63: the token counts wrapped and a step of 9e18 windows ran on.
+start=$(date +%s)
+expect_error "--batch 2^63 - 1" "tokens do not fit 64 bits" --seq 64 --layers 1 --dim 32 \
+  --heads 2 --kv-heads 1 --eval-every 0 --quiet "${data[@]}" --steps 2 --batch 9223372036854775807
+[ $(( $(date +%s) - start )) -le 30 ] && ok "refused at once" || bad "--batch 2^63 - 1 ran on"
 expect_error "memory estimate before allocating" "needs about" --quiet --steps 1 \
   --seq 20000000 --dim 4096 --heads 32 --kv-heads 8 --layers 2 "${data[@]}"
 expect_error "--memory-limit" "(--memory-limit); make the problem smaller" "${tiny[@]}" \
