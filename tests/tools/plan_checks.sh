@@ -72,6 +72,18 @@ for args in "--seq 1000000000000" "--seq 9223372036854775807" "--ranks 100000 --
     [ $(( $(date +%s) - start )) -le 10 ] && ok "--simulate $args: $(cat "$work/stderr")" ||
     { cat "$work/stderr"; bad "--simulate $args (rc=$rc; 124: still running after 30 s)"; }
 done
+# --train-step measures one real rank of loom train: it had no memory estimate (--seq 1e9 ran on
+# past 3.8 GB); it now refuses as loom train does.
+cpu="$profiles/cpu_epyc7763_node.json"
+start=$(date +%s)
+timeout 60 "$loom" plan --train-step --profile "$cpu" --mesh 1,1,1,1 --seq 1000000000 \
+  > "$work/stdout" 2> "$work/stderr"
+rc=$?
+[ $rc -eq 1 ] && grep -q "one measured rank of the model) needs about" "$work/stderr" &&
+  [ $(( $(date +%s) - start )) -le 10 ] && ok "--train-step --seq 1e9: $(cat "$work/stderr")" ||
+  { cat "$work/stderr"; bad "--train-step --seq 1e9 (rc=$rc; 124: still running after 60 s)"; }
+expect_error "--train-step --memory-limit" "(--memory-limit); make the problem smaller" \
+  --train-step --profile "$cpu" --mesh 1,1,1,1 --memory-limit 0.001
 # A long sequence below the limit is still simulated.
 "$loom" plan --simulate --profile "$h100" --seq 1000000000 --ranks 8 > "$work/stdout" 2>&1 &&
   grep -q "predicted forward" "$work/stdout" && ok "--simulate --seq 1e9 on 8 ranks" ||

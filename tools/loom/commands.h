@@ -12,6 +12,10 @@
 
 #include "loom/cp.h"
 
+namespace loom::model {
+struct TrainConfig;
+}
+
 namespace loom::tools {
 
 // Registers `loom attn`; its callback runs the job and sets exit_code().
@@ -61,6 +65,11 @@ CLI::Option* add_mask_options(CLI::App* command, bool& causal, int64_t& window, 
 
 // --memory-limit SIZE (loom attn, loom train): refuse runs estimated above it.
 void add_memory_limit_option(CLI::App* command, std::string& limit);
+
+// Peak bytes of `loom train` in one process holding `ranks_here` ranks of configuration c, with
+// a corpus of data_bytes (tools/loom/train.cc); loom plan --train-step checks its measured rank
+// against it too.
+double estimate_train_bytes(const model::TrainConfig& c, int ranks_here, double data_bytes);
 
 // The exit code the chosen subcommand asked for (0 on success, 1 on a failed check).
 int exit_code();

@@ -319,6 +319,19 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
     t.checkpoint = o.checkpoint_activations;
     cases.push_back(t);
   }
+  // The measured rank is a real one-rank loom train run: refuse, as loom train does, what does
+  // not fit (--seq 1e9 ran on past 3.8 GB with no estimate), against --memory-limit GB or the
+  // machine's available memory.
+  {
+    model::TrainConfig one = c;
+    one.par.mesh = MeshShape{};
+    const double text_bytes = std::max(double(1 << 20), 4.0 * (double(c.seq) + 1.0));
+    check_memory(estimate_train_bytes(one, 1, text_bytes),
+                 app->count("--memory-limit")
+                     ? static_cast<int64_t>(std::min(o.memory_limit_gb * 1e9, 9e18))
+                     : -1,
+                 "loom plan --train-step (one measured rank of the model)", "--memory-limit");
+  }
   model::set_blas_threads(o.threads);
   std::fprintf(stderr, "loom plan: measuring one rank of the model (%lld steps)...\n",
                static_cast<long long>(o.measure_steps + 2));

@@ -265,29 +265,6 @@ void train_rank(Communicator& world, const TrainOptions& o, const TrainConfig& c
   }
 }
 
-// Peak bytes of the run in this process (`ranks_here` ranks), from the configuration alone:
-// per rank the parameters, gradients and both AdamW moments of its tp piece (fp32, plus a bf16
-// copy), the activations one sequence keeps for backward (every layer's inputs, attention and
-// MLP intermediates of the rank's rows; one layer's with --checkpoint-activations), the logits,
-// and 8 MiB for the thread, its groups and BLAS buffers; once, the corpus (the text and its
-// splits) and 32 MiB for the process itself. (Default run, 4 ranks: estimate 151.5 MiB, measured
-// peak RSS 112 MiB.)
-double estimate_train_bytes(const TrainConfig& c, int ranks_here, double data_bytes) {
-  const model::ModelConfig& m = c.model;
-  const MeshShape& s = c.par.mesh;
-  const double dim = double(m.dim), ffn = double(m.ffn_dim()), L = double(m.layers);
-  const double kv = double(m.kv_heads * m.head_dim()), vocab = double(m.vocab);
-  const double params =
-      2 * vocab * dim + L * (2 * dim * dim + 2 * dim * kv + 3 * dim * ffn + 2 * dim) + dim;
-  const double local = params / s.tp;
-  const double state = local * 4 * 4 + (c.precision == model::Precision::bf16 ? local * 2 : 0);
-  const double rows = std::ceil(double(c.seq) / double(s.cp()));
-  const double per_layer = rows * (10 * dim + 4 * ffn / s.tp) * 4;
-  const double act = (c.checkpoint_activations ? L * rows * dim * 4 + per_layer : L * per_layer) +
-                     double(c.seq) * vocab * 4 * 2;
-  return ranks_here * (state + act + 8.0 * (1 << 20)) + 2 * data_bytes + 32.0 * (1 << 20);
-}
-
 void print_summary(const TrainConfig& c, const Corpus& corpus, const Summary& s, int threads,
                    const std::string& backend) {
   const MeshShape& m = c.par.mesh;
@@ -533,6 +510,29 @@ void declare_train(CLI::App* c, TrainOptions& opts) {
 }
 
 }  // namespace
+
+// Peak bytes of the run in this process (`ranks_here` ranks), from the configuration alone:
+// per rank the parameters, gradients and both AdamW moments of its tp piece (fp32, plus a bf16
+// copy), the activations one sequence keeps for backward (every layer's inputs, attention and
+// MLP intermediates of the rank's rows; one layer's with --checkpoint-activations), the logits,
+// and 8 MiB for the thread, its groups and BLAS buffers; once, the corpus (the text and its
+// splits) and 32 MiB for the process itself. (Default run, 4 ranks: estimate 151.5 MiB, measured
+// peak RSS 112 MiB.)
+double estimate_train_bytes(const TrainConfig& c, int ranks_here, double data_bytes) {
+  const model::ModelConfig& m = c.model;
+  const MeshShape& s = c.par.mesh;
+  const double dim = double(m.dim), ffn = double(m.ffn_dim()), L = double(m.layers);
+  const double kv = double(m.kv_heads * m.head_dim()), vocab = double(m.vocab);
+  const double params =
+      2 * vocab * dim + L * (2 * dim * dim + 2 * dim * kv + 3 * dim * ffn + 2 * dim) + dim;
+  const double local = params / s.tp;
+  const double state = local * 4 * 4 + (c.precision == model::Precision::bf16 ? local * 2 : 0);
+  const double rows = std::ceil(double(c.seq) / double(s.cp()));
+  const double per_layer = rows * (10 * dim + 4 * ffn / s.tp) * 4;
+  const double act = (c.checkpoint_activations ? L * rows * dim * 4 + per_layer : L * per_layer) +
+                     double(c.seq) * vocab * 4 * 2;
+  return ranks_here * (state + act + 8.0 * (1 << 20)) + 2 * data_bytes + 32.0 * (1 << 20);
+}
 
 void add_train_command(CLI::App& app) {
   add_command<TrainOptions>(
