@@ -1147,6 +1147,19 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   rep.chunk_rank = c.sh.chunk_rank;
 
   const Reference ref = run_reference(c, c.scale, any_grad);
+  // Finite inputs whose scores overflow float64 (|scale q.k| > 1.8e308) leave NaN in the
+  // reference: every candidate then "failed" with an infinite error and a diagnosis fitted to
+  // NaN (a correct out was named a dropped step). Such inputs cannot be verified.
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor<double>*>{"out", &ref.out},
+                                {"lse", &ref.lse},
+                                {"dq", &ref.dq},
+                                {"dk", &ref.dk},
+                                {"dv", &ref.dv}})
+    for (int64_t i = 0; i < t->numel(); ++i)
+      LOOM_CHECK(std::isfinite((*t)[i]) || (t == &ref.lse && (*t)[i] == -INFINITY), InvalidArgument,
+                 "the fp64 reference " << name << " is not finite (at flat index " << i
+                                       << "): the scores scale x q.k overflow float64 (scale "
+                                       << c.scale << "); inputs this large cannot be verified");
   std::vector<int64_t> all_rows(c.S);
   std::iota(all_rows.begin(), all_rows.end(), 0);
   auto absent = [&](const char* n) {

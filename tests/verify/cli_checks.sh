@@ -138,6 +138,22 @@ expect 2 "no batch elements to check" -- \
   --heatmap "$T/bshd/h.svg"
 expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/in_BSHD" --candidate "$T/bshd/c1" \
   --layout-dims BSHD
+# Finite inputs whose scores overflow float64: the reference was NaN and a correct out (v = 1, so
+# out = 1 whatever the weights) "failed" with rel inf and a dropped-step diagnosis.
+/usr/bin/python3 - "$T/big" <<'PY' || fail "overflowing inputs"
+import os, sys
+import numpy as np
+d = sys.argv[1]
+os.makedirs(d + "/in", exist_ok=True)
+os.makedirs(d + "/c", exist_ok=True)
+q = np.full((8, 2, 4), 1e200)
+np.save(d + "/in/q.npy", q)
+np.save(d + "/in/k.npy", q)
+np.save(d + "/in/v.npy", np.ones((8, 2, 4)))
+np.save(d + "/c/out.npy", np.ones((8, 2, 4)))
+PY
+expect 2 "the fp64 reference out is not finite" -- "$LOOM" verify --input "$T/big/in" \
+  --candidate "$T/big/c"
 # cu_seqlens.npy is read like every other input: a FIFO refused at once, a malformed header named.
 mkdir -p "$T/cu_fifo" && cp "$T/lib/input/"*.npy "$T/cu_fifo/" && mkfifo "$T/cu_fifo/cu_seqlens.npy"
 expect 2 "cu_seqlens.npy: is not a regular file" -- timeout 20 "$LOOM" verify \
