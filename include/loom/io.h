@@ -49,6 +49,13 @@ void clean_stale_temps(const std::string& path);
 // Refuses (InvalidArgument) two outputs that resolve to the same file, e.g.
 //   {{"--json", "r.json"}, {"--trace", "r.json"}}. Empty paths are ignored.
 void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
+// Refuses (IoError naming `option` and the path), before any work, an output that write_output
+// (or, with `directory`, an OutputSet) could not write: a directory where a file is expected (a
+// file where a directory is), or a missing or unwritable directory to hold it (the temporary and
+// the rename need the parent directory). "-", devices and FIFOs pass (they are checked when
+// written). Empty paths are ignored.
+void check_output_writable(const std::string& path, const std::string& option,
+                           bool directory = false);
 
 class OutputSet {
  public:

@@ -183,6 +183,25 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
   }
 }
 
+void check_output_writable(const std::string& path, const std::string& option, bool directory) {
+  if (path.empty() || path == "-") return;
+  const std::string shown = option + " " + path;
+  std::string target = resolve_output_path(path);
+  while (directory && target.size() > 1 && target.back() == '/') target.pop_back();
+  struct stat st;
+  if (::stat(target.c_str(), &st) == 0) {
+    if (directory && !S_ISDIR(st.st_mode)) throw IoError(shown + ": exists and is not a directory");
+    if (!directory && S_ISDIR(st.st_mode))
+      throw IoError(shown + ": is a directory (a file was expected)");
+    if (!directory && !S_ISREG(st.st_mode)) return;  // a device or FIFO: written directly
+  } else if (errno != ENOENT) {
+    throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
+  }
+  const std::string dir = dir_of(target);
+  if (::access(dir.c_str(), W_OK | X_OK) != 0)
+    throw IoError(shown + ": cannot write into " + dir + " (" + errno_text(errno) + ")");
+}
+
 // ---------------------------------------------------------------------------------------------
 
 OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names)

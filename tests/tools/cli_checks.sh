@@ -167,6 +167,16 @@ expect_error "--trace to a FIFO nobody reads is refused, not blocking" "FIFO tha
   ok "the FIFO is still a FIFO" || bad "FIFO replaced or blocked"
 expect_error "one path for two outputs" "name the same file" --seq 64 --json "$work/rel/a" \
   --trace "$work/rel/a"
+# Unwritable outputs are refused before the run (the whole job ran, printed its table and only
+# then failed to write).
+expect_error "--json into a missing directory" "--json $work/nodir/r.json: cannot write into" \
+  --seq 64 --json "$work/nodir/r.json"
+[ ! -s "$work/stdout" ] && ok "refused before the run: no table" || bad "the run went ahead"
+expect_error "--output into a missing directory" "--output $work/nodir/set: cannot write into" \
+  --seq 64 --output "$work/nodir/set"
+[ ! -s "$work/stdout" ] && ok "refused before the run: no table" || bad "the run went ahead"
+expect_error "--timeline onto a directory" "is a directory" --seq 64 --timeline "$work/rel"
+[ ! -s "$work/stdout" ] && ok "refused before the run: no table" || bad "the run went ahead"
 # 5. --output sets are swapped in whole: a failed run changes nothing; foreign files refused.
 "$loom" attn --ranks 2 --seq 64 --backward --quiet --output "$work/rel/set" > /dev/null 2>&1
 before=$(md5sum "$work/rel/set"/*.npy | md5sum)

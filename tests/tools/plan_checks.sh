@@ -55,6 +55,13 @@ expect_error "--json and --svg on one path" "name the same file" --profile "$h10
   --json "$work/r" --svg "$work/r"
 [ ! -e "$work/r" ] && ok "nothing written" || bad "an output was written"
 
+# Unwritable outputs are refused before the search (or the calibration, or the measurement).
+expect_error "--svg into a missing directory" "--svg $work/nodir/p.svg: cannot write into" \
+  --profile "$h100" --svg "$work/nodir/p.svg"
+[ ! -s "$work/stdout" ] && ok "refused before the search: no table" || bad "the search ran"
+expect_error "--calibrate into a missing directory" "cannot write into" \
+  --calibrate "$work/nodir/p.json"
+
 # Sizes: the search's divisor loop wrapped past INT_MAX and divided by zero (SIGFPE); the
 # simulator ran for minutes to centuries (--seq 1e12, 2^63 - 1) or until memory ran out
 # (--ranks 100000) instead of refusing.

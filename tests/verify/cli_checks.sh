@@ -163,6 +163,9 @@ mkdir -p "$T/cu_bad" && cp "$T/lib/input/"*.npy "$T/cu_bad/"
   fail "malformed cu_seqlens"
 expect 2 "cu_seqlens.npy: header says shape \[\]" -- "$LOOM" verify --input "$T/cu_bad" \
   --candidate "$T/attn_docs" --convention zigzag --ranks 3
+# An unwritable output is refused before the inputs are read (it failed after the check).
+expect 2 "--json $T/nodir/r.json: cannot write into" -- V --candidate "$T/lib/correct" \
+  --json "$T/nodir/r.json" --quiet
 # Two outputs on one path: refused before anything is written.
 expect 2 "name the same file" -- V --candidate "$T/lib/correct" --json "$T/same" --heatmap "$T/same"
 cp -r "$T/lib/input" "$T/in_copy"

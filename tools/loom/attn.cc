@@ -640,6 +640,12 @@ int run_attn(const AttnOptions& o) {
   check_distinct_outputs(paths);
   for (const std::string* out : {&o.json, &o.trace, &o.timeline, &o.output})
     if (!out->empty()) clean_stale_temps(*out);
+  // Unwritable outputs fail here, not after the run (--json nodir/r.json ran the whole job,
+  // printed its table and only then failed).
+  check_output_writable(o.json, "--json");
+  check_output_writable(o.trace, "--trace");
+  check_output_writable(o.timeline, "--timeline");
+  check_output_writable(o.output, "--output", true);
   const int64_t memory_limit =
       o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit");
   const Problem p = make_problem(o);

@@ -400,6 +400,10 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
                           {"--json", o.json},
                           {"--svg", o.svg},
                           {"--calibrate", o.calibrate}});
+  // Unwritable outputs fail before the search, the measurement or the calibration.
+  check_output_writable(o.json, "--json");
+  check_output_writable(o.svg, "--svg");
+  check_output_writable(o.calibrate, "--calibrate");
   if (o.train_step) return run_train_step(app, o);
   if (!o.calibrate.empty()) {
     std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",

@@ -176,6 +176,8 @@ int run_verify(const VerifyOptions& o) {
   paths.emplace_back("--json", o.json);
   paths.emplace_back("--heatmap", o.heatmap);
   check_distinct_outputs(paths);
+  check_output_writable(o.json, "--json");
+  check_output_writable(o.heatmap, "--heatmap");
   const Dims dims = parse_dims(o.layout_dims);
   (void)verify::tolerance("out", o.dtype);
   const Tensor<double> q = read_npy_f64(o.input + "/q.npy");
