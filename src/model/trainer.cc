@@ -372,6 +372,21 @@ void Trainer::load_checkpoint(const std::string& where) {
   } catch (const nlohmann::json::exception& e) {
     LOOM_CHECK(false, IoError, "checkpoint " << path << " has a malformed header: " << e.what());
   }
+  // The header's fields, typed (a checksum proves only that the bytes are as written): a header
+  // that is not an object, or a step outside [0, steps], made the run fail with a raw JSON
+  // type_error, "train" from step -4 into NaN, or "resume" at step 1000 of 2 and exit 0 having
+  // trained nothing.
+  LOOM_CHECK(h.is_object() && h.contains("step") && h["step"].is_number_integer() &&
+                 h.contains("floats_per_tensor") && h["floats_per_tensor"].is_number_unsigned() &&
+                 (!h.contains("run") || h["run"].is_object()),
+             IoError,
+             "checkpoint " << path
+                           << " has a malformed header (no object with an integer step, "
+                              "floats_per_tensor and run)");
+  const int64_t saved_step = h["step"].get<int64_t>();
+  LOOM_CHECK(saved_step >= 0 && saved_step <= cfg_.steps, IoError,
+             "checkpoint " << path << " is at step " << saved_step << ", outside this run's 0.."
+                           << cfg_.steps);
   const nlohmann::json want = run_identity(cfg_, data_hash_),
                        got = h.value("run", nlohmann::json{});
   for (auto it = want.begin(); it != want.end(); ++it)
@@ -402,7 +417,7 @@ void Trainer::load_checkpoint(const std::string& where) {
     scatter_full(full, *dst[i]);
   }
   model_->params_changed();
-  step_ = h.value("step", int64_t{0});
+  step_ = saved_step;
   world_.barrier();
 }
 

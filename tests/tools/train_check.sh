@@ -167,6 +167,35 @@ open(p, "wb").write(b)
 PY
 expect_error "non-finite checkpoint refused" "holds a non-finite value in its weights" \
   --ranks 2 "${tiny[@]}" --steps 6 --checkpoint-dir "$work/nanck" --resume
+# A checksummed header with a step outside the run, or not an object: it resumed at step 1000 of
+# 6 and exited 0 having trained nothing, trained from step -4 into NaN, or failed with a raw
+# JSON type_error.
+for step in 1000 -5 '"two"' array; do
+  rm -rf "$work/stepck" && cp -r "$work/nan" "$work/stepck"
+  py "$work/stepck/step-00000002.ckpt" "$step" <<'PY'
+import json, struct, sys
+p, step = sys.argv[1], sys.argv[2]
+b = open(p, "rb").read()
+hl = struct.unpack_from("<Q", b, 8)[0]
+h = json.loads(b[16:16 + hl])
+if step == "array":
+    h = [h]
+else:
+    h["step"] = json.loads(step)
+hb = json.dumps(h).encode()
+body = struct.pack("<Q", len(hb)) + hb + b[16 + hl:-8]
+x = 0xcbf29ce484222325
+for c in body:
+    x = ((x ^ c) * 0x100000001b3) & 0xffffffffffffffff
+open(p, "wb").write(b[:8] + body + struct.pack("<Q", x))
+PY
+  case "$step" in
+    1000|-5) needle="is at step $step, outside this run's 0..6" ;;
+    *) needle="has a malformed header" ;;
+  esac
+  expect_error "checkpoint header with step $step refused" "$needle" --ranks 2 "${tiny[@]}" \
+    --steps 6 --checkpoint-dir "$work/stepck" --resume
+done
 
 # --keep-checkpoints 2 keeps the newest two; a stale temporary of a dead process is removed.
 mkdir -p "$work/keep"
