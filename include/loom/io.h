@@ -7,7 +7,8 @@
 //     without a reader is refused at once instead of blocking);
 //   * a regular file or a missing path is written atomically: the bytes go to
 //     "<target>.tmp.<pid>-<n>" in the same directory, are flushed to disk, and the temporary
-//     file is renamed over the target only when complete. A failed write removes it.
+//     file is renamed over the target only when complete. A failed write removes it. A
+//     replaced file's permission bits are kept (a new one gets 0666 & ~umask).
 //   * a directory is refused.
 // Every write is checked (a full disk is an IoError naming the path, never a silent loss).
 // clean_stale_temps removes the temporaries a killed run left next to a path (those whose pid

@@ -60,6 +60,11 @@ void write_atomic(const std::string& target, const std::string& bytes, const std
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
   try {
+    // A replaced file keeps its permission bits (a 0600 file became 0644, readable by all).
+    // Best effort: a file system without modes (vfat) refuses fchmod and has none to keep.
+    struct stat old;
+    if (::stat(target.c_str(), &old) == 0 && S_ISREG(old.st_mode))
+      (void)::fchmod(fd, old.st_mode & 07777);
     write_all_fd(fd, bytes, shown);
     if (::fsync(fd) != 0 && errno != EINVAL && errno != EROFS)
       throw IoError(shown + ": write failed (" + errno_text(errno) + ")");

@@ -345,6 +345,29 @@ TEST_F(Io, RegularFileIsReplacedAtomicallyWithNoTemporaryLeft) {
   EXPECT_TRUE(others({"a.json"}).empty());
 }
 
+// The atomic replacement is a new file: it made a private (0600) file 0666 & ~umask (0644 here),
+// readable by everyone. It keeps the replaced file's permission bits now; a new file gets the
+// umask's.
+TEST_F(Io, ReplacedFileKeepsItsMode) {
+  write_output(at("private.json"), "old");
+  ASSERT_EQ(::chmod(at("private.json").c_str(), 0600), 0);
+  write_output(at("private.json"), "new");
+  struct stat st;
+  ASSERT_EQ(::stat(at("private.json").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(slurp(at("private.json")), "new");
+  ASSERT_EQ(::chmod(at("private.json").c_str(), 0640), 0);
+  write_output(at("private.json"), "newer");
+  ASSERT_EQ(::stat(at("private.json").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+  const mode_t mask = ::umask(022);
+  write_output(at("fresh.json"), "x");
+  ::umask(mask);
+  ASSERT_EQ(::stat(at("fresh.json").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0644u);
+  EXPECT_TRUE(others({"private.json", "fresh.json"}).empty());
+}
+
 TEST_F(Io, SymlinkIsFollowedNotReplaced) {
   write_output(at("target.json"), "x");
   fs::create_symlink("target.json", at("link.json"));
