@@ -45,10 +45,10 @@ def ephemeral_range(path="/proc/sys/net/ipv4/ip_local_port_range"):
 
 
 def candidate_ports(low, high):
-    """Every unprivileged port outside [low, high], in random order."""
+    """Every unprivileged port outside [low, high], from a random one on (wrapping around)."""
     ports = list(range(_FIRST_UNPRIVILEGED, low)) + list(range(high + 1, _LAST_PORT + 1))
-    random.SystemRandom().shuffle(ports)
-    return ports
+    start = random.SystemRandom().randrange(len(ports))
+    return ports[start:] + ports[:start]
 
 
 def socket_with_port_outside_ephemeral_range():

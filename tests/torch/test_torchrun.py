@@ -28,8 +28,10 @@ def check(ok, what):
 
 
 def published_port():
+    # master_addr given: the port is chosen all the same, and no fully qualified host name is
+    # looked up (socket.getfqdn, 0.1 s or more each).
     store = HashStore()
-    agent_api.SimpleElasticAgent._set_master_addr_port(store, None, None)
+    agent_api.SimpleElasticAgent._set_master_addr_port(store, "localhost", None)
     return int(store.get("MASTER_PORT").decode())
 
 
@@ -48,16 +50,16 @@ low, high = lr.ephemeral_range()
 check(1024 <= low <= high <= 65535, f"ephemeral range {low}-{high} read")
 
 # Unpatched, torch draws from the ephemeral range: the race this wrapper removes.
-stock = [published_port() for _ in range(20)]
+stock = [published_port() for _ in range(10)]
 check(all(low <= p <= high for p in stock), f"torch's own ports {stock} lie in {low}-{high}")
 
 lr._patch()
-ports = [published_port() for _ in range(200)]
+ports = [published_port() for _ in range(100)]
 outside = [p for p in ports if not low <= p <= high]
 check(len(outside) == len(ports),
       f"patched: {len(ports) - len(outside)} of {len(ports)} ports inside {low}-{high}")
 check(all(1024 <= p <= 65535 for p in ports), "patched ports are unprivileged")
-check(len(set(ports)) > 100, f"patched ports are drawn at random ({len(set(ports))} distinct)")
+check(len(set(ports)) > 50, f"patched ports are drawn at random ({len(set(ports))} distinct)")
 check(all(bindable(p) for p in ports[:20]), "the published port is free once the agent closed it")
 
 # A port another socket holds is never chosen: hold one, exhaust the candidates around it.
