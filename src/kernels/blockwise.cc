@@ -29,26 +29,25 @@
 // thread order: race-free and, with the static schedule, deterministic for a given thread count.
 // The tasks run one chunk of kv heads at a time on head-major copies of the chunk's q and dout
 // rows, with head-major dq buffers (backward_in_head_chunks: in the caller's [Sq, H, D] layout a
-// head's rows are H D elements apart). ds = p (dp - delta) cancels when one key
-// carries a row's mass; compute_delta sums over d in the order in which the tile GEMM accumulates
-// dp, so that cancellation is exact instead of amplified rounding noise (see compute_delta).
+// head's rows are H D elements apart). ds = p (dp - delta) cancels when one key carries a row's
+// mass; compute_delta sums over d in the order in which the tile GEMM accumulates dp, so that
+// cancellation is exact instead of amplified rounding noise (see compute_delta).
 //
 // Packing. Every tile is copied into contiguous buffers padded to the GEMM register block (rows
 // to kMr, columns and head dim to kNr; padding is zero, padded probabilities are zero), so the
 // tile GEMM and the softmax loops have no remainders. The forward packs the KV block (k^T and v,
 // tile-major) one chunk of kv heads at a time, just before the chunk's tasks read it (see
-// ForwardOrder), and each (head, q-tile) task packs its q rows; a backward task
-// packs its k-tile once (k, k^T, v^T) and the q and dout rows of each tile it visits (fp32 tiles
-// with full rows and D % kNr == 0 are read, and dq accumulated, in place in the head-major copies
-// instead). The forward's
-// tile GEMMs prefetch the operand of the step after them while they compute
+// ForwardOrder), and each (head, q-tile) task packs its q rows; a backward task packs its k-tile
+// once (k, k^T, v^T) and the q and dout rows of each tile it visits (fp32 tiles with full rows and
+// D % kNr == 0 are read, and dq accumulated, in place in the head-major copies instead). The
+// forward's tile GEMMs prefetch the operand of the step after them while they compute
 // (TileOps::gemm_panels_next): the scores GEMM this tile's v, the p v GEMM the next non-empty
 // tile's k^T, so the packed KV block (4 MiB per head at S = 4096, D = 128: beyond L2) arrives from
-// L3 during arithmetic rather than at the start of each GEMM; a task's last p v GEMM prefetches
-// the first k^T tile, q rows and state rows of the task its thread runs next (claimed one ahead).
-// The backward's do the same for the rows each pair reads from the head-major copies: the dv and
-// dk GEMMs the next pair's q and dout rows, the dp GEMM this pair's dq rows, and a task's last
-// pair the k and v rows of the thread's next task (its scores and dq GEMMs).
+// L3 during arithmetic rather than at the start of each GEMM; a task's last p v GEMM prefetches the
+// first k^T tile, q rows and state rows of the task its thread runs next (claimed one ahead). The
+// backward's do the same for the rows each pair reads from the head-major copies: the dv and dk
+// GEMMs the next pair's q and dout rows, the dp GEMM this pair's dq rows, and a task's last pair
+// the k and v rows of the thread's next task (its scores and dq GEMMs).
 //
 // Paths. The tile arithmetic (GEMM, softmax steps, delta's dot) goes through the TileOps table of
 // kernels::select_ops() (tile_ops.h: one Highway source per instruction-set target, chosen per
