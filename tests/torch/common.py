@@ -1,5 +1,5 @@
-"""Shared by the loom.torch tests: tolerances, an independent fp64 attention written with plain
-torch ops (no loom code), error measures and seeded inputs.
+"""Shared by the loom.torch tests: a check counter, tolerances, an independent fp64 attention
+written with plain torch ops (no loom code), error measures and seeded inputs.
 
 Tolerances are the ones written down in tests/unit/tolerance.h (relative norm error against the
 fp64 reference on the same input values), never loosened to make a test pass:
@@ -19,6 +19,23 @@ The fixed bf16 bounds hold for random normal inputs with at least ~100 keys per 
 import math
 
 import torch
+
+
+class Checks:
+    """A test script's checks: check(ok, what) counts one; a false ok prints prefix + "FAIL what"
+    and keeps `what` in .failures."""
+
+    def __init__(self, prefix=""):
+        self.count = 0
+        self.failures = []
+        self.prefix = prefix
+
+    def __call__(self, ok, what):
+        self.count += 1
+        if not ok:
+            self.failures.append(what)
+            print(f"{self.prefix}FAIL {what}", flush=True)
+
 
 FP32_REL_TOL = 1e-5
 BF16_U = 1.0 / 256.0

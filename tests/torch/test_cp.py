@@ -17,22 +17,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import loom  # noqa: E402
 import loom.torch as lt  # noqa: E402
-from common import TOL, doc_ids_for, normal, rel_error, torch_attention_fp64  # noqa: E402
+from common import TOL, Checks, doc_ids_for, normal, rel_error, torch_attention_fp64  # noqa: E402
 
 dist.init_process_group("gloo")
 P = dist.get_world_size()
 RANK = dist.get_rank()
-failures = []
-checks = 0
+check = Checks(f"[rank {RANK}] ")
 t_start = time.time()
-
-
-def check(ok, what):
-    global checks
-    checks += 1
-    if not ok:
-        failures.append(what)
-        print(f"[rank {RANK}] FAIL {what}", flush=True)
 
 
 # Problems: (name, batch, seq or docs, causal, window, dtype). bf16 problems are sized for the
@@ -225,12 +216,12 @@ qs = lt.shard(torch.randn(1, 29, 2 * P, DIM))
 out = lt.cp_attention(qs, lt.shard(torch.randn(1, 29, P, DIM)), lt.shard(torch.randn(1, 29, P, DIM)))
 check(out.shape == qs.shape, "a call after the error cases works")
 
-bad = torch.tensor([len(failures)], dtype=torch.int64)
+bad = torch.tensor([len(check.failures)], dtype=torch.int64)
 dist.all_reduce(bad)
 if RANK == 0:
     for (dt, name), e in sorted(worst.items()):
         print(f"worst rel error vs loom reference, {dt} {name}: {e:.3g} (tolerance {TOL[getattr(torch, {'float32': 'float32', 'bfloat16': 'bfloat16'}[dt])][name]:.3g})")
-    print(f"test_cp world {P}: {checks} checks on rank 0, {int(bad.item())} failures over all ranks, "
+    print(f"test_cp world {P}: {check.count} checks on rank 0, {int(bad.item())} failures over all ranks, "
           f"{time.time() - t_start:.1f} s", flush=True)
 # Last: a rank that never comes. Every other rank's wait must end in loom.Timeout naming the
 # ranks, after loom's timeout, not hang. (gloo closes its connections after a timeout, so the
@@ -240,12 +231,12 @@ status = 1 if bad.item() else 0
 if P > 1:
     lt.set_timeout(1.0)
     if RANK != 0:
-        before = len(failures)
+        before = len(check.failures)
         t0 = time.time()
         expect_error(loom.Timeout, "timed out after", lambda: lt._group(None).barrier())
         took = time.time() - t0
         check(0.9 <= took <= 10, f"the timeout took {took:.2f} s (timeout 1 s)")
-        if len(failures) > before:
+        if len(check.failures) > before:
             status = 1
         else:
             print(f"[rank {RANK}] a missing rank: loom.Timeout after {took:.2f} s", flush=True)

@@ -12,18 +12,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import loom  # noqa: E402
 import loom.torch as lt  # noqa: E402
-from common import TOL, doc_ids_for, normal, rel_error, torch_attention_fp64  # noqa: E402
+from common import TOL, Checks, doc_ids_for, normal, rel_error, torch_attention_fp64  # noqa: E402
 
-failures = []
-checks = 0
-
-
-def check(ok, what):
-    global checks
-    checks += 1
-    if not ok:
-        failures.append(what)
-        print("FAIL", what, flush=True)
+check = Checks()
 
 
 def eager_attention(q, k, v, causal, window, scale):
@@ -201,5 +192,5 @@ expect_error(E, "pass dout", lambda: lt.verify(o4[0], q, k, v, dq=q4.grad[0]))
 expect_error(E, "ranks must be", lambda: lt.verify(o4[0], q, k, v, ranks=0))
 expect_error(E, "unknown", lambda: lt.verify(o4[0], q, k, v, layout="spiral", ranks=2))
 
-print(f"test_single: {checks} checks, {len(failures)} failures", flush=True)
-sys.exit(1 if failures else 0)
+print(f"test_single: {check.count} checks, {len(check.failures)} failures", flush=True)
+sys.exit(1 if check.failures else 0)

@@ -15,16 +15,10 @@ from torch.distributed.elastic.agent.server import api as agent_api
 
 import loom.torchrun as lr
 
-failures = []
-checks = 0
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Checks  # noqa: E402
 
-
-def check(ok, what):
-    global checks
-    checks += 1
-    if not ok:
-        failures.append(what)
-        print("FAIL", what, flush=True)
+check = Checks()
 
 
 def published_port():
@@ -97,5 +91,5 @@ cands = lr.candidate_ports(40000, 50000)
 check(not any(40000 <= p <= 50000 for p in cands) and len(cands) == 65535 - 1024 + 1 - 10001,
       "candidates are every unprivileged port outside the range")
 
-print(f"test_torchrun: {checks} checks, {len(failures)} failed")
-sys.exit(1 if failures else 0)
+print(f"test_torchrun: {check.count} checks, {len(check.failures)} failed")
+sys.exit(1 if check.failures else 0)

@@ -118,17 +118,22 @@ class Npy : public ::testing::Test {
     out.push_back(static_cast<char>(d.size() >> 8));
     return out + d + payload;
   }
-  void expect_io_error(const std::string& bytes, const std::string& needle) {
+  // `bytes` in a file, read by read(path): an IoError naming the file and saying `needle`.
+  template <class Read>
+  void expect_read_error(const std::string& bytes, const std::string& needle, const Read& read) {
     const std::string p = path("bad.npy");
     write_raw(p, bytes);
     try {
-      read_npy_f32(p);
-      FAIL() << "no error for " << needle;
+      read(p);
+      ADD_FAILURE() << "no error for " << needle;
     } catch (const IoError& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
     }
     std::remove(p.c_str());
+  }
+  void expect_io_error(const std::string& bytes, const std::string& needle) {
+    expect_read_error(bytes, needle, [](const std::string& p) { read_npy_f32(p); });
   }
 };
 
@@ -209,14 +214,7 @@ TEST_F(Npy, ReadsIndexArraysAndRefusesTheRest) {
   write_raw(p, image("{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }", raw(f8)));
   EXPECT_EQ(read_npy_index(p), (std::vector<int64_t>{0, 7, 12}));
   auto refused = [&](const std::string& bytes, const std::string& needle) {
-    write_raw(p, bytes);
-    try {
-      read_npy_index(p);
-      ADD_FAILURE() << "no error for " << needle;
-    } catch (const IoError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
-    }
+    expect_read_error(bytes, needle, [](const std::string& f) { read_npy_index(f); });
   };
   refused(image("{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }",
                 raw(std::vector<double>{0, 1.5, 3})),
