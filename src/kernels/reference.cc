@@ -17,6 +17,7 @@
 
 #include "checks.h"
 #include "loom/attention.h"
+#include "loom/tolerance.h"
 
 namespace loom {
 namespace {
@@ -148,6 +149,108 @@ int64_t count_visible_pairs(Tokens qt, Tokens kt, const Mask& mask, int64_t head
   for (int64_t i = 0; i < qt.n; ++i)
     for (int64_t j = 0; j < kt.n; ++j) pairs += pair_visible(mask, qt, i, kt, j) ? 1 : 0;
   return pairs * heads;
+}
+
+Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
+                             View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
+                             double scale, bool dots) {
+  kernels::check_qkv(q, k, v, qt, kt);
+  kernels::check_mask(mask);
+  kernels::check_scale(scale);
+  const bool backward = dout.data != nullptr;
+  if (backward) {
+    kernels::check_view(dout, "dout");
+    kernels::check_same_shape(dout, q, "dout and q");
+  }
+  const double u = kBf16Unit;
+  const int64_t D = q.d;
+  // The reference quantities, row by row: out_i = sum_j p_ij v_j, a_i = sum_j p_ij |v_j|
+  // (W |v|), pk_i = sum_j p_ij k_j (W k); the gradients, as reference_backward computes them.
+  std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
+  std::vector<double> out(static_cast<size_t>(D)), a(static_cast<size_t>(D)),
+      pk(static_cast<size_t>(D)), dq(static_cast<size_t>(D)), dq_round(static_cast<size_t>(D));
+  const size_t kv_size = static_cast<size_t>(k.s * k.h * D);
+  std::vector<double> dk(backward ? kv_size : 0), dv(dk.size()), dk_round(dk.size()),
+      dv_round(dk.size()), dk_delta(backward ? static_cast<size_t>(k.s * k.h) : 0);
+  double out_n2 = 0, a_n2 = 0, dq_n2 = 0, dq_delta2 = 0, dq_round2 = 0;
+  for (int64_t h = 0; h < q.h; ++h) {
+    const int64_t g = h / (q.h / k.h);
+    for (int64_t i = 0; i < q.s; ++i) {
+      double lse = 0;
+      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
+      std::fill(out.begin(), out.end(), 0.0);
+      std::fill(a.begin(), a.end(), 0.0);
+      std::fill(pk.begin(), pk.end(), 0.0);
+      for (int64_t j = 0; j < k.s; ++j) {
+        if (p[j] == 0.0) continue;
+        for (int64_t e = 0; e < D; ++e) {
+          out[e] += p[j] * v(j, g, e);
+          a[e] += p[j] * std::fabs(v(j, g, e));
+          pk[e] += p[j] * k(j, g, e);
+        }
+      }
+      for (int64_t e = 0; e < D; ++e) {
+        out_n2 += out[e] * out[e];
+        a_n2 += a[e] * a[e];
+      }
+      if (!backward) continue;
+      // |delta error of row (i, h)| <= u c: out rounded to bf16 (u |out|) and, on the bf16-dot
+      // path, the rounding of the weights in p v (u a).
+      const double* doi = dout.row(i, h);
+      double c = 0, delta = 0, qn = 0, pk2 = 0;
+      for (int64_t e = 0; e < D; ++e) {
+        c += std::fabs(doi[e]) * (std::fabs(out[e]) + a[e]);
+        delta += doi[e] * out[e];
+        qn += q(i, h, e) * q(i, h, e);
+        pk2 += pk[e] * pk[e];
+      }
+      qn = std::sqrt(qn);
+      dq_delta2 += c * c * pk2;  // dq_i moves by scale * delta error * (W k)_i
+      std::fill(dq.begin(), dq.end(), 0.0);
+      std::fill(dq_round.begin(), dq_round.end(), 0.0);
+      for (int64_t j = 0; j < k.s; ++j) {
+        if (p[j] == 0.0) continue;
+        dp[j] = dot(doi, v.row(j, g), D);
+        const double ds = p[j] * (dp[j] - delta);
+        const size_t jg = static_cast<size_t>(j * k.h + g);
+        dk_delta[jg] += p[j] * c * qn;  // dk_j moves by scale sum_i p_ij (delta error) q_i
+        for (int64_t e = 0; e < D; ++e) {
+          const size_t x = jg * static_cast<size_t>(D) + static_cast<size_t>(e);
+          dv[x] += p[j] * doi[e];
+          dk[x] += scale * ds * q(i, h, e);
+          dq[e] += scale * ds * k(j, g, e);
+          if (!dots) continue;
+          // The bf16-dot path rounds p (for dv) and ds (for dk, dq) to bf16 too.
+          dv_round[x] += p[j] * std::fabs(doi[e]);
+          dk_round[x] += std::fabs(scale * ds) * std::fabs(q(i, h, e));
+          dq_round[e] += std::fabs(scale * ds) * std::fabs(k(j, g, e));
+        }
+      }
+      for (int64_t e = 0; e < D; ++e) {
+        dq_n2 += dq[e] * dq[e];
+        dq_round2 += dq_round[e] * dq_round[e];
+      }
+    }
+  }
+  auto norm = [](const std::vector<double>& x) {
+    double n = 0;
+    for (double e : x) n += e * e;
+    return std::sqrt(n);
+  };
+  // Relative to the reference's norm; absolute where the reference is all zero, as the
+  // comparisons measure the error there (tests/unit/tolerance.h rel_error).
+  auto rel = [](double err, double ref) { return ref > 0 ? err / ref : err; };
+  const double slack = 1.01;  // first order in u
+  Bf16Bounds b;
+  b.out = rel(slack * u * (std::sqrt(out_n2) + std::sqrt(a_n2)), std::sqrt(out_n2)) + kFp32RelTol;
+  b.out_fp32 =
+      dots ? rel(slack * u * std::sqrt(a_n2), std::sqrt(out_n2)) + kFp32RelTol : kFp32RelTol;
+  if (!backward) return b;
+  b.dq = rel(slack * u * (scale * std::sqrt(dq_delta2) + std::sqrt(dq_round2)), std::sqrt(dq_n2)) +
+         kFp32RelTol;
+  b.dk = rel(slack * u * (scale * norm(dk_delta) + norm(dk_round)), norm(dk)) + kFp32RelTol;
+  b.dv = rel(slack * u * norm(dv_round), norm(dv)) + kFp32RelTol;
+  return b;
 }
 
 }  // namespace loom

@@ -29,6 +29,7 @@
 #include <utility>
 
 #include "loom/bf16.h"
+#include "loom/tolerance.h"
 #include "loom/verify.h"
 
 namespace loom::verify {
@@ -1052,9 +1053,10 @@ std::string unexplained_text(const Ctx& c, const std::vector<std::vector<double>
 }  // namespace
 
 double tolerance(const std::string& tensor, const std::string& dtype) {
-  constexpr double kFp32 = 1e-5, kBf16 = 2.0 / 256.0;
-  if (dtype == "fp32") return kFp32;
-  if (dtype == "bf16") return tensor == "lse" ? kFp32 : kBf16;
+  // loom/tolerance.h: out in bf16 2u; dq, dk, dv 2u (kBf16GradRelTol); lse stays fp32.
+  static_assert(kBf16OutRelTol == kBf16GradRelTol);
+  if (dtype == "fp32") return kFp32RelTol;
+  if (dtype == "bf16") return tensor == "lse" ? kFp32RelTol : kBf16GradRelTol;
   throw InvalidArgument("unknown dtype '" + dtype + "' (choose fp32 or bf16)");
 }
 

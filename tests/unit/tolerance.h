@@ -21,51 +21,14 @@ namespace loom::test {
 
 using loom::kFp32RelTol;  // fp32 kernels vs the fp64 reference (relative norm)
 
-// bf16 storage (q, k, v, dout, out in bf16; state, lse, delta and gradients fp32). The fp64
-// reference runs on exactly the bf16 input values, so only the kernels' own roundings count.
-// u = 2^-8 is the unit roundoff of bf16 (8 significant bits, round to nearest). Where the
-// kernels round to bf16, and the first-order error bound it gives (W: the attention weights of
-// the reference, p_ij = exp(scale q_i.k_j - lse_i); norms over all rows and heads):
-//  * finish() rounds out to bf16: |error| <= u |out| per element.
-//  * With AVX512-BF16 dot products (path avx512bf16) the weights p are rounded to bf16 for the
-//    product p v only (scores q k^T are exact products of bf16 values summed in fp32, and l sums
-//    the unrounded p, so lse keeps fp32 accuracy): out_i moves by sum_j w_ij e_ij v_j with
-//    |e_ij| <= u, so |error| <= u (W |v|)_i per element. The portable and avx512 paths widen bf16
-//    to fp32 and round nothing here.
-//    => out (bf16):            ||error|| <= u (||out|| + ||W |v|||)
-//       out finished to fp32:  ||error|| <= u ||W |v|||  (widening paths: kFp32RelTol)
-//  * The backward's scores and dp = dout v^T are exact products of the bf16 inputs summed in
-//    fp32, with the fp32 lse, on every path. The one bf16-sized error of the widening paths
-//    enters through delta_i = sum_d dout_id out_id with out rounded as above:
-//    |delta error_i| <= u c_i, c_i = sum_d |dout_id| (|out_id| + (W |v|)_id). It moves
-//    ds_ij = p_ij (dp_ij - delta_i) by p_ij u c_i, hence
-//       dq_i by scale u c_i |(W k)_i|        => ||dq error|| <= scale u ||c o |W k|||
-//       dk_j by scale u sum_i p_ij c_i |q_i| => ||dk error|| <= scale u ||(sum_i p_ij c_i
-//       |q_i|)_j||
-//    dv = p^T dout does not see delta: kFp32RelTol; lse: kFp32RelTol.
-//  * With AVX512-BF16 dot products the backward's other products take their fp32 operands
-//    rounded to bf16 too (|e| <= u each): p in dv = p^T dout, ds = scale p (dp - delta) in
-//    dk = ds^T q and dq = ds k. Per element, on top of the above:
-//       |dv_j error| <= u sum_i p_ij |dout_i|,  |dk_j error| <= u sum_i |ds_ij| |q_i|,
-//       |dq_i error| <= u sum_j |ds_ij| |k_j|   (the sums run over the query heads of j's kv head)
-//    => dv: u ||(sum_i p_ij |dout_i|)_j|| (not kFp32RelTol); dq, dk: these norms added to the
-//       delta terms.
-// These bounds are relative to ||reference||, computed per problem by the test (bf16_bounds in
-// test_blockwise.cc) with a factor 1.01 for the first-order approximation and kFp32RelTol added
-// for the fp32 arithmetic. They are large where the problem amplifies the rounding (rows with
-// one or two keys, where dp - delta nearly cancels): there the error of any implementation that
-// stores out in bf16 is large too. Like kFp32RelTol they are never loosened to make a test pass.
-using loom::kBf16Unit;
-// Fixed bf16 tolerances for tests that do not compute the per-problem bounds (the cp tests): valid
-// where those bounds' amplification is absent, i.e. random normal inputs with at least ~100 keys
-// per row on average (the rows with few keys are then a small part of the norm). The kernel sweep
-// checks them on its cases with S >= 100 (measured there: out <= 0.6 u, fp32 out <= 0.4 u,
-// dq and dk <= 0.42 u; on the bf16-dot path, Zen 5: dv <= 0.44 u, dq and dk <= 0.58 u); small
-// problems can exceed them (S = 7 with documents: dq 4.7 u, within the
-// per-problem bound).
+// bf16 storage: the derivation of the bounds, the per-problem bounds (loom::bf16_error_bounds)
+// and the fixed tolerances valid from loom::kBf16FixedTolMinKeys keys per row are in
+// loom/tolerance.h. The kernel sweep measured, on its cases with S >= 100: out <= 0.6 u, fp32 out
+// <= 0.4 u, dq and dk <= 0.42 u; on the bf16-dot path, Zen 5: dv <= 0.44 u, dq and dk <= 0.58 u.
 using loom::kBf16AccRelTol;   // out finished to fp32 (bf16-dot path)
 using loom::kBf16GradRelTol;  // dq, dk; dv (kFp32RelTol on the widening paths)
 using loom::kBf16OutRelTol;   // out in bf16
+using loom::kBf16Unit;
 
 // ||x - ref|| / ||ref||; ||x|| when ref is all zero. Infinite when x holds a NaN or an infinity.
 template <class X, class R>

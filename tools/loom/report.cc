@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "loom/timer.h"
+#include "loom/tolerance.h"
 
 namespace loom::tools {
 
@@ -160,9 +161,15 @@ void print_text(const AttnReport& r) {
                 k.fwd_tiles, steps.c_str());
   }
   if (r.check.done) {
-    std::printf("  check     %s  max abs err %.3g, max rel err %.3g (%s; tolerance %.0e, %s)\n",
+    char bounds[96] = "";
+    if (r.check.per_problem_bounds)
+      std::snprintf(bounds, sizeof bounds,
+                    ": this problem's bf16 bound, under %g keys per query row",
+                    kBf16FixedTolMinKeys);
+    std::printf("  check     %s  max abs err %.3g, max rel err %.3g (%s; tolerance %.*e%s, %s)\n",
                 r.check.passed ? "passed" : "FAILED", r.check.max_abs, r.check.max_rel,
-                r.check.worst.c_str(), r.check.tolerance,
+                r.check.worst.c_str(), r.check.per_problem_bounds ? 2 : 0, r.check.tolerance,
+                bounds,
                 r.check.sampled ? "sampled: out, lse and dq of 256 evenly spaced query rows; dk, "
                                   "dv unchecked above 4096 tokens"
                                 : "every row");
@@ -211,9 +218,13 @@ nlohmann::json to_json(const AttnReport& r) {
   }
   j["ranks"] = ranks;
   if (r.check.done) {
-    j["check"] = {{"passed", r.check.passed},       {"max_abs_err", r.check.max_abs},
-                  {"max_rel_err", r.check.max_rel}, {"tolerance", r.check.tolerance},
-                  {"sampled", r.check.sampled},     {"worst", r.check.worst}};
+    j["check"] = {{"passed", r.check.passed},
+                  {"max_abs_err", r.check.max_abs},
+                  {"max_rel_err", r.check.max_rel},
+                  {"tolerance", r.check.tolerance},
+                  {"sampled", r.check.sampled},
+                  {"worst", r.check.worst},
+                  {"bounds", r.check.per_problem_bounds ? "per-problem" : "fixed"}};
   } else {
     j["check"] = nullptr;
   }
