@@ -88,6 +88,10 @@ expect_error "unreadable data" "cannot read --data" --data "$work/none.txt" --qu
 expect_error "data is a directory" "cannot read --data" --data "$work" --quiet
 expect_error "unwritable log" "cannot write --log" --log "$work/no/such/dir/log.jsonl" --quiet \
   "${data[@]}"
+# A mesh size of 0 was taken as not given (--dp 0 ran with dp = 1).
+expect_error "--dp 0 refused" "--dp: Value 0 not in range 1 to" --ranks 2 --dp 0 --quiet "${data[@]}"
+expect_error "--ring -3 refused" "--ring: Value -3 not in range 1 to" --ranks 2 --ring -3 --quiet \
+  "${data[@]}"
 expect_error "mesh product" "does not match the 4 ranks" --ranks 4 --tp 2 --quiet "${data[@]}"
 expect_error "heads over tp" "divisible by --tp" --ranks 4 --tp 4 --heads 4 --kv-heads 2 --quiet \
   "${data[@]}"

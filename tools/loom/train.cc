@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -46,7 +47,7 @@ using model::Trainer;
 
 struct TrainOptions {
   int ranks = 1;
-  int dp = 0, tp = 0, ulysses = 0, ring = 0;  // 0: not given
+  int dp = 0, tp = 0, ulysses = 0, ring = 0;  // 0: not given (a given 0 is refused: add_train)
   DegreeOptions degrees;  // the registry's degree options but --ulysses (a mesh axis here)
   std::string strategy, layout = "zigzag";
   int64_t seq = 256, layers = 4, dim = 128, heads = 4, kv_heads = 2, ffn = 0;
@@ -447,13 +448,16 @@ void declare_train(CLI::App* c, TrainOptions& opts) {
                 "ranks on the local backend (threads); with no mesh sizes given, "
                 "all of them form the context-parallel ring")
       ->capture_default_str();
-  c->add_option("--dp", o->dp, "data-parallel ranks (default 1)");
-  c->add_option("--tp", o->tp, "tensor(+sequence)-parallel ranks (default 1)");
-  c->add_option("--ulysses", o->ulysses,
-                "ulysses degree of the context-parallel group (default 1)");
+  // 0 stands for "not given" in TrainOptions, so a given 0 is refused here, not taken as unset.
+  const CLI::Range kPositiveInt(1, std::numeric_limits<int>::max());
+  c->add_option("--dp", o->dp, "data-parallel ranks (default 1)")->check(kPositiveInt);
+  c->add_option("--tp", o->tp, "tensor(+sequence)-parallel ranks (default 1)")->check(kPositiveInt);
+  c->add_option("--ulysses", o->ulysses, "ulysses degree of the context-parallel group (default 1)")
+      ->check(kPositiveInt);
   c->add_option("--ring", o->ring,
                 "ring degree of the context-parallel group (default 1, or --ranks when no mesh "
-                "size is given)");
+                "size is given)")
+      ->check(kPositiveInt);
   c->add_option("--strategy", o->strategy,
                 "attention over the cp group (default: hybrid when ulysses and ring > 1, ulysses "
                 "when only ulysses > 1, else ring); " +
