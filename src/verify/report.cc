@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "loom/tolerance.h"
 #include "loom/verify.h"
 
 namespace loom::verify {
@@ -41,6 +42,7 @@ std::string Report::to_json() const {
   j["kv_heads"] = kv_heads;
   j["head_dim"] = head_dim;
   j["absent"] = absent;
+  j["bounds"] = per_problem_bounds ? "per-problem" : "fixed";
   nlohmann::json ts = nlohmann::json::array();
   for (const auto& t : tensors) {
     if (!t.present) continue;
@@ -87,6 +89,10 @@ std::string Report::summary() const {
   os << "verify    " << (passed ? "PASSED" : "FAILED") << "  (" << convention << ", " << ranks
      << (ranks == 1 ? " rank" : " ranks") << ", S=" << seq << " H=" << heads << " Hkv=" << kv_heads
      << " D=" << head_dim << ")\n";
+  if (per_problem_bounds)
+    os << "  bf16 with under " << kBf16FixedTolMinKeys
+       << " keys per query row: each tensor is held to this problem's own bound (rows with one or "
+          "two keys amplify bf16 rounding in dq and dk; loom/tolerance.h)\n";
   for (const auto& t : tensors) {
     if (!t.present) continue;
     os << "  " << t.name << std::string(5 - std::min<size_t>(4, t.name.size()), ' ');

@@ -87,6 +87,9 @@ struct Ctx {
   bool sampled = false;
   std::vector<int64_t> lrows;   // localisation rows (subset of rows)
   std::vector<int> lrow_chunk;  // chunk of each localisation row
+  // bf16 under kBf16FixedTolMinKeys visible keys per checked row: the problem's own bounds
+  // (loom/tolerance.h), those of the bf16-dot path, which cover the widening paths too.
+  std::optional<Bf16Bounds> bounds;
 
   Ctx(const Problem& p_, const Options& o_) : p(p_), o(o_) {}
   // For a reference run (run_reference) of problem p_ on rows rows_: c's sharding, sizes and
@@ -106,6 +109,13 @@ struct Ctx {
         rows(std::move(rows_)) {}
 
   Tokens all_tokens() const { return Tokens{pos.data(), doc.empty() ? nullptr : doc.data(), S}; }
+  // The tolerance of a tensor: tolerance(), or the per-problem bound; a gradient may be stored
+  // in bf16, which adds u to the bound (as it does to the fixed 2u).
+  double tol(const std::string& name) const {
+    if (!bounds || name == "lse") return tolerance(name, o.dtype);
+    if (name == "out") return bounds->out;
+    return (name == "dq" ? bounds->dq : name == "dk" ? bounds->dk : bounds->dv) + kBf16Unit;
+  }
   bool vis(int64_t i, int64_t j) const {
     return visible(p.mask, i, doc.empty() ? 0 : doc[i], j, doc.empty() ? 0 : doc[j]);
   }
@@ -124,15 +134,25 @@ struct Reference {
   Tensor<double> dk, dv;  // [S, Hkv, D], only when every row is checked
 };
 
+// Positions and documents of the check rows, as Tokens.
+struct RowTokens {
+  std::vector<int64_t> pos;
+  std::vector<int32_t> doc;
+  explicit RowTokens(const Ctx& c) : pos(c.rows.begin(), c.rows.end()) {
+    if (!c.doc.empty())
+      for (int64_t r : c.rows) doc.push_back(c.doc[r]);
+  }
+  Tokens tokens() const {
+    return Tokens{pos.data(), doc.empty() ? nullptr : doc.data(), static_cast<int64_t>(pos.size())};
+  }
+};
+
 Reference run_reference(const Ctx& c, double scale, bool backward) {
   Reference ref;
   const int64_t n = static_cast<int64_t>(c.rows.size());
   Tensor<double> q = gather_rows(c.p.q, c.rows);
-  std::vector<int64_t> qpos(c.rows.begin(), c.rows.end());
-  std::vector<int32_t> qdoc;
-  for (int64_t r : c.rows)
-    if (!c.doc.empty()) qdoc.push_back(c.doc[r]);
-  Tokens qt{qpos.data(), qdoc.empty() ? nullptr : qdoc.data(), n};
+  const RowTokens rt(c);
+  const Tokens qt = rt.tokens();
   ref.out = Tensor<double>({n, c.H, c.D});
   ref.lse = Tensor<double>({c.H, n});
   reference_forward(q.view3(), c.p.k.view3(), c.p.v.view3(), qt, c.all_tokens(), c.p.mask, scale,
@@ -206,7 +226,7 @@ struct Breakdown {
     TensorCheck t;
     t.name = name;
     t.present = t.compared = true;
-    t.tolerance = tolerance(name, c.o.dtype);
+    t.tolerance = c.tol(name);
     t.sampled = sampled;
     t.rel_err = all.rel();
     t.max_abs_err = all.max_abs;
@@ -1149,6 +1169,22 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   rep.chunk_rank = c.sh.chunk_rank;
 
   const Reference ref = run_reference(c, c.scale, any_grad);
+  if (o.dtype == "bf16") {
+    const RowTokens rt(c);
+    const int64_t n = static_cast<int64_t>(c.rows.size());
+    const double keys_per_row =
+        static_cast<double>(count_visible_pairs(rt.tokens(), c.all_tokens(), p.mask, 1)) /
+        static_cast<double>(n);
+    if (keys_per_row < kBf16FixedTolMinKeys) {
+      const Tensor<double> q = gather_rows(p.q, c.rows);
+      const Tensor<double> dout = any_grad ? gather_rows(p.dout, c.rows) : Tensor<double>();
+      c.bounds =
+          bf16_error_bounds(q.view3(), p.k.view3(), p.v.view3(),
+                            any_grad ? View3<const double>(dout.view3()) : View3<const double>{},
+                            rt.tokens(), c.all_tokens(), p.mask, c.scale, true);
+      rep.per_problem_bounds = true;
+    }
+  }
   // Finite inputs whose scores overflow float64 (|scale q.k| > 1.8e308) leave NaN in the
   // reference: every candidate then "failed" with an infinite error and a diagnosis fitted to
   // NaN (a correct out was named a dropped step). Such inputs cannot be verified.
@@ -1193,7 +1229,7 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
       x.name = n;
       x.present = true;
       x.passed = true;
-      x.tolerance = tolerance(n, o.dtype);
+      x.tolerance = c.tol(n);
       rep.tensors.push_back(x);
       continue;
     }
