@@ -155,7 +155,7 @@ class SoftmaxState {
 // exact bf16 inputs (dv has fp32 accuracy). Memory: with AVX512-BF16 the backward also keeps q
 // and dout transposed, 2 Sq H D bf16 (one of at most 16 MiB kept with the calling thread, as
 // attend's packed copy). The error bounds against the fp64 reference on the same bf16 inputs
-// are derived in tests/unit/tolerance.h ("bf16 storage").
+// are derived in loom/tolerance.h (bf16_error_bounds computes them for one problem).
 
 // Folds the KV block (k, v with tokens kt) into the state of the query rows q (tokens qt).
 // q: [st.rows, H, D] with H == st.heads, D == st.dim; k, v: [Sk, Hkv, D]. D <= 256.
