@@ -45,6 +45,14 @@ std::string Candidate::name() const {
 
 namespace {
 
+// Context-parallel degrees that leave each rank fewer tokens than this (one 128 x 128 work tile of
+// loom's kernels, the tile side of FlashAttention's) are rejected unsimulated: every ring step is
+// then a sliver of a tile whose transfer latency costs more than its compute, and a smaller cp with
+// a larger dp on the same devices fits as well (fewer tokens per rank already fit) and runs
+// faster. Their simulations, O(cp^2) steps, were most of a large search: --devices 4096 took 118 s
+// at S = 128K, most of it on cp = 2048 and 4096 (64 and 32 tokens per rank).
+constexpr int64_t kMinTokensPerCpRank = 128;
+
 // The divisors of n >= 1, ascending. Pairs (i, n / i) up to sqrt(n): the loop `i <= n` over int
 // wrapped past INT_MAX for --devices 2147483647 and divided by zero (SIGFPE).
 std::vector<int> divisors(int n) {
@@ -172,6 +180,19 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
     for (int cp : divisors(N / tp)) {
       const int dp = N / tp / cp;
       if (req.seq < 2 * cp) continue;
+      if (cp > 1 && req.seq / cp < kMinTokensPerCpRank) {
+        Candidate c;
+        c.dp = dp;
+        c.tp = tp;
+        c.ring = cp;
+        c.strategy = "-";
+        c.fits = false;
+        c.why_not = "cp " + std::to_string(cp) + " leaves " + std::to_string(req.seq / cp) +
+                    " tokens per rank, under one " + std::to_string(kMinTokensPerCpRank) +
+                    "-token work tile";
+        res.rejected.push_back(c);
+        continue;
+      }
       for (const std::string& strategy : strategies) {
         std::vector<int> us;
         if (strategy == "ring" || strategy == "allgather")

@@ -70,6 +70,19 @@ rc=$?
 [ $rc -eq 1 ] && grep -q "no configuration fits" "$work/stdout" &&
   ok "--devices 2147483647: searched, nothing fits (exit 1)" ||
   { cat "$work/stderr"; bad "--devices 2147483647 (rc=$rc)"; }
+# Context-parallel degrees that leave a rank under one 128-token work tile are rejected with the
+# reason, unsimulated (their O(cp^2) simulations made --devices 4096 take 118 s at S = 128K).
+"$loom" plan --profile "$h100" --devices 1024 --seq 8192 --json "$work/tiles.json" > /dev/null 2>&1
+if /usr/bin/python3 - "$work/tiles.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert max(c["ring"] * c["ulysses"] for c in r["ranked"]) == 64, "cp 64 (128 tokens) is the largest"
+why = [c["why_not"] for c in r["rejected"]]
+assert "cp 128 leaves 64 tokens per rank, under one 128-token work tile" in why, why[:5]
+PY
+then ok "--seq 8192 --devices 1024: cp above 64 rejected (under one work tile per rank)"
+else bad "--seq 8192 --devices 1024: cp above 64 rejected (under one work tile per rank)"
+fi
 for args in "--seq 1000000000000" "--seq 9223372036854775807" "--ranks 100000 --seq 1000000"; do
   start=$(date +%s)
   # shellcheck disable=SC2086
