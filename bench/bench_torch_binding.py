@@ -155,7 +155,7 @@ def alternate(args):
     # (CpAttention::forward / backward, timed in C++). This is exactly what the binding adds.
     g = lt._group(pg)
     op = g.op("ring", "zigzag", 1, 0, True, 0, args.dim ** -0.5, 1, args.seq, args.heads,
-              args.kv_heads, args.dim, False, [])
+              args.kv_heads, args.dim, False, [], q, k, v)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     dout = torch.randn(q.shape)
     inner = {"f": [], "b": []}

@@ -17,8 +17,11 @@
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -85,6 +88,65 @@ void require_backward_inputs(const at::Tensor& out, const at::Tensor& dout, cons
   require(out, "out", st, s.n, s.h, s.d);
   require(dout, "dout", st, s.n, s.h, s.d);
   require(lse, "lse", at::kFloat, s.h, s.n, 1);
+}
+
+// The flat index of the first NaN or Inf in a contiguous fp32 or bf16 tensor, or -1: an exponent
+// of all ones, tested on the bits. One read of the tensor at about 28 GB/s (Zen 5, SSE2 code):
+// for q, k, v at S = 512, H = 8, D = 64 0.11 ms beside a 3.5 ms forward, at S = 4096 0.9 ms
+// beside 119 ms.
+int64_t first_non_finite(const at::Tensor& t) {
+  const int64_t n = t.numel();
+  const auto scan = [n](const auto* bits, auto exp_mask) -> int64_t {
+    constexpr int64_t kBlock = 4096;
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t e = std::min(n, b + kBlock);
+      uint32_t count = 0;  // a count, not a bool: GCC vectorises the sum, not the |=
+      for (int64_t i = b; i < e; ++i) count += (bits[i] & exp_mask) == exp_mask;
+      if (count == 0) continue;
+      for (int64_t i = b; i < e; ++i)
+        if ((bits[i] & exp_mask) == exp_mask) return i;
+    }
+    return -1;
+  };
+  if (t.scalar_type() == at::kBFloat16)
+    return scan(static_cast<const uint16_t*>(t.data_ptr()), static_cast<uint16_t>(0x7f80));
+  return scan(static_cast<const uint32_t*>(t.data_ptr()), static_cast<uint32_t>(0x7f800000));
+}
+
+// loom.torch refuses NaN and Inf inputs: the kernels' online softmax does not carry a NaN score
+// through its running max the way the formula does (a NaN key was dropped, a NaN query gave NaN
+// or 0 by the row's mask), so they would return a finite answer to a non-finite question.
+std::string non_finite_message(const char* name, int64_t index, const Dims& s, int64_t heads) {
+  const int64_t row = index / (heads * s.d), head = index / s.d % heads, dim = index % s.d;
+  std::ostringstream os;
+  os << name << " holds a NaN or Inf (row " << row << ", head " << head << ", dim " << dim
+     << " of this rank's [" << s.n << ", " << heads << ", " << s.d
+     << "]); loom.torch refuses non-finite inputs: its online softmax would not carry them "
+        "through as the formula does";
+  return os.str();
+}
+
+// The first of q, k, v (which 1, 2, 3) or dout (4) that holds a NaN or Inf, as (which, flat
+// index), or (0, -1).
+std::pair<int64_t, int64_t> find_non_finite(std::initializer_list<const at::Tensor*> ts,
+                                            int64_t first_which = 1) {
+  int64_t which = first_which;
+  for (const at::Tensor* t : ts) {
+    const int64_t i = first_non_finite(*t);
+    if (i >= 0) return {which, i};
+    ++which;
+  }
+  return {0, -1};
+}
+
+constexpr const char* kInputNames[] = {"", "q", "k", "v", "dout"};
+
+// InvalidArgument naming the first non-finite input (prefix: who says it).
+void require_finite(std::pair<int64_t, int64_t> found, const Dims& s, const std::string& prefix) {
+  if (found.first == 0) return;
+  const int64_t heads = found.first == 2 || found.first == 3 ? s.hk : s.h;
+  throw loom::InvalidArgument(prefix +
+                              non_finite_message(kInputNames[found.first], found.second, s, heads));
 }
 
 // The gradients of q, k and v: dq [n, h, d], dk and dv [n, hk, d], of type t; zeroed where the
@@ -204,7 +266,8 @@ class Group {
   std::shared_ptr<CpOp> op(const std::string& strategy, const std::string& layout, int ulysses,
                            int inner, bool causal, int64_t window, double scale, int64_t batch,
                            int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, bool is_bf16,
-                           const std::vector<int64_t>& doc_lengths);
+                           const std::vector<int64_t>& doc_lengths, const at::Tensor& q,
+                           const at::Tensor& k, const at::Tensor& v);
 
  private:
   std::shared_ptr<loom::Communicator> comm_;
@@ -222,7 +285,8 @@ int64_t strategy_index(loom::Strategy s) {
 std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& layout, int ulysses,
                                 int inner, bool causal, int64_t window, double scale, int64_t batch,
                                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                                bool is_bf16, const std::vector<int64_t>& doc_lengths) {
+                                bool is_bf16, const std::vector<int64_t>& doc_lengths,
+                                const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const loom::Strategy strat = loom::parse_strategy(strategy);
   const loom::Layout lay = loom::parse_layout(layout);
   const int P = comm_->size(), me = comm_->rank();
@@ -232,10 +296,14 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   for (int64_t l : doc_lengths) docs_hash = (docs_hash ^ l) * 1099511628211LL;
   int64_t scale_bits = 0;
   std::memcpy(&scale_bits, &scale, sizeof scale);
+  // After the arguments every rank compares (1 .. kAgree - 1; 0 is the shard length): which of
+  // this rank's q, k, v holds a NaN or Inf, and where, so that every rank raises the same error
+  // instead of the others waiting for a rank that raised alone.
   const char* names[] = {"rows",   "batch",      "heads",    "kv_heads", "head_dim",
                          "causal", "window",     "strategy", "layout",   "ulysses",
                          "dtype",  "cu_seqlens", "inner",    "scale"};
-  constexpr int kN = 14;
+  constexpr int kAgree = 14, kN = kAgree + 2;
+  const auto bad = find_non_finite({&q, &k, &v});
   const int64_t mine[kN] = {rows,
                             batch,
                             heads,
@@ -249,22 +317,28 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                             is_bf16,
                             docs_hash,
                             inner,
-                            scale_bits};
+                            scale_bits,
+                            bad.first,
+                            bad.second};
   std::vector<int64_t> all(static_cast<size_t>(kN) * P);
   {
     py::gil_scoped_release nogil;
     comm_->all_gather(mine, sizeof mine, all.data());
   }
   for (int r = 0; r < P; ++r) {
-    for (int i = 1; i < kN; ++i) {
+    for (int i = 1; i < kAgree; ++i) {
       LOOM_CHECK(all[r * kN + i] == mine[i], InvalidArgument,
                  "cp_attention: the ranks of the group disagree on "
                      << names[i] << ": rank " << me << " passed "
-                     << (i == kN - 1 ? std::to_string(scale) : std::to_string(mine[i])) << ", rank "
-                     << r << " passed "
-                     << (i == kN - 1 ? "another scale" : std::to_string(all[r * kN + i])));
+                     << (i == kAgree - 1 ? std::to_string(scale) : std::to_string(mine[i]))
+                     << ", rank " << r << " passed "
+                     << (i == kAgree - 1 ? "another scale" : std::to_string(all[r * kN + i])));
     }
   }
+  for (int r = 0; r < P; ++r)
+    require_finite({all[r * kN + kAgree], all[r * kN + kAgree + 1]},
+                   Dims{all[r * kN], heads, kv_heads, dim},
+                   "cp_attention: rank " + std::to_string(r) + "'s ");
   int64_t total = 0;
   for (int r = 0; r < P; ++r) total += all[r * kN];
   int64_t len = 0;
@@ -281,7 +355,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
 
   std::ostringstream key;
   for (int r = 0; r < P; ++r) key << all[r * kN] << ',';
-  for (int i = 1; i < kN; ++i) key << mine[i] << ',';
+  for (int i = 1; i < kAgree; ++i) key << mine[i] << ',';
   auto it = cache_.find(key.str());
   if (it != cache_.end()) return it->second;
 
@@ -341,6 +415,21 @@ py::tuple cp_backward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const 
   const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
   require_qkv(q, k, v, st, s);
   require_backward_inputs(out, dout, lse, st, s);
+  {
+    // Every rank learns whether any rank's dout holds a NaN or Inf (one small all-gather), so
+    // that all raise together rather than wait for the one that raised.
+    const auto bad = find_non_finite({&dout}, 4);
+    const int64_t mine[3] = {op.rows, bad.first, bad.second};
+    const int P = op.comm->size();
+    std::vector<int64_t> all(3 * static_cast<size_t>(P));
+    {
+      py::gil_scoped_release nogil;
+      op.comm->all_gather(mine, sizeof mine, all.data());
+    }
+    for (int r = 0; r < P; ++r)
+      require_finite({all[3 * r + 1], all[3 * r + 2]}, Dims{all[3 * r], s.h, s.hk, s.d},
+                     "cp_attention backward: rank " + std::to_string(r) + "'s ");
+  }
   const Grads g = make_grads(s, at::kFloat, false);
   {
     py::gil_scoped_release nogil;
@@ -381,6 +470,7 @@ py::tuple attention_forward(const at::Tensor& q, const at::Tensor& k, const at::
   const Dims s{o.rows, heads, kv_heads, dim};
   const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
   require_qkv(q, k, v, storage_type(is_bf16), s);
+  require_finite(find_non_finite({&q, &k, &v}), s, "");
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({h, n}, at::kFloat);
   const loom::KernelConfig cfg = kernel_config(causal, window, scale);
@@ -408,6 +498,7 @@ py::tuple attention_backward(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
   require_qkv(q, k, v, st, s);
   require_backward_inputs(out, dout, lse, st, s);
+  require_finite(find_non_finite({&dout}, 4), s, "");
   const Grads g = make_grads(s, at::kFloat, true);
   const loom::KernelConfig cfg = kernel_config(causal, window, scale);
   {

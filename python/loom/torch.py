@@ -309,7 +309,7 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     batch, seq, rows = _rows(q, cu_seqlens)
     docs = _doc_lengths(cu_seqlens) if cu_seqlens is not None else []
     op = g.op(strategy, layout, u, i, causal, window, scale, batch, rows, heads, kv_heads, dim,
-              q.dtype == torch.bfloat16, docs)
+              q.dtype == torch.bfloat16, docs, q, k, v)
     out, lse = _CpAttention.apply(q, k, v, op, batch, seq)
     return (out, lse) if return_lse else out
 

@@ -37,20 +37,28 @@ double dot(const double* a, const double* b, int64_t n) {
 }
 
 // The probabilities p_j of query row i of head h over all keys (0 where the mask hides a key),
-// and the row's lse. Returns false (p all 0, lse = -inf) for a row that sees no key.
+// and the row's lse. Returns false (p all 0, lse = -inf) for a row that sees no key. A NaN
+// score makes lse and every visible weight NaN, as the formula does.
 bool row_probabilities(View3<const double> q, View3<const double> k, const Tokens& qt,
                        const Tokens& kt, const Mask& mask, double scale, int64_t i, int64_t h,
                        std::vector<double>& p, double& lse) {
   const int64_t g = h / (q.h / k.h);
   const double kNegInfD = -std::numeric_limits<double>::infinity();
   double m = kNegInfD;
+  bool nan = false;
   for (int64_t j = 0; j < k.s; ++j) {
     if (pair_visible(mask, qt, i, kt, j)) {
       p[j] = scale * dot(q.row(i, h), k.row(j, g), q.d);
       m = std::max(m, p[j]);
+      nan = nan || std::isnan(p[j]);
     } else {
       p[j] = kNegInfD;
     }
+  }
+  if (nan) {  // as the formula: a NaN score makes the row's lse and every weight NaN
+    for (double& x : p) x = x == kNegInfD ? 0.0 : std::numeric_limits<double>::quiet_NaN();
+    lse = std::numeric_limits<double>::quiet_NaN();
+    return true;
   }
   if (m == kNegInfD) {
     std::fill(p.begin(), p.end(), 0.0);

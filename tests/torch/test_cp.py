@@ -211,6 +211,22 @@ if P > 1:
     expect_error(loom.InvalidArgument, "cu_seqlens describes",
                  lambda: lt.cp_attention(q[0], k[0], k[0], cu_seqlens=[0, 3, 5]))
 
+    # A NaN or Inf on one rank: every rank raises the error naming that rank and tensor (the
+    # kernels do not carry a NaN through their online softmax), none waits for the others.
+    kn = k.clone()
+    if RANK == P - 1:
+        kn[0, 2, 1, 3] = float("nan")
+    expect_error(loom.InvalidArgument,
+                 f"rank {P - 1}'s k holds a NaN or Inf (row 2, head 1, dim 3 of this rank's [8, {P}, {DIM}])",
+                 lambda: lt.cp_attention(q, kn, k))
+    qg = q.clone().requires_grad_()
+    o = lt.cp_attention(qg, k, k)
+    dn = torch.ones_like(o)
+    if RANK == 0:
+        dn[0, 5, 0, 0] = float("inf")
+    expect_error(loom.InvalidArgument, "cp_attention backward: rank 0's dout holds a NaN or Inf (row 5, head 0",
+                 lambda: o.backward(dn))
+
 # One more real call after the errors: the group is still usable.
 qs = lt.shard(torch.randn(1, 29, 2 * P, DIM))
 out = lt.cp_attention(qs, lt.shard(torch.randn(1, 29, P, DIM)), lt.shard(torch.randn(1, 29, P, DIM)))

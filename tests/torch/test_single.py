@@ -153,6 +153,20 @@ expect_error(E, "must start at 0", lambda: lt.attention(qt, kt, kt, cu_seqlens=[
 expect_error(E, "document 1 has length 0", lambda: lt.attention(qt, kt, kt, cu_seqlens=[0, 4, 4, 10]))
 expect_error(E, "1-d int32 or int64", lambda: lt.attention(qt, kt, kt, cu_seqlens=torch.tensor([0.0, 10.0])))
 expect_error(E, "needs a process group", lambda: lt.cp_attention(q, k, k))
+# Non-finite inputs: the kernels dropped a NaN key (a finite answer) and turned a NaN query into
+# NaN or 0 by its mask; loom.torch refuses them, naming the tensor and where.
+for dt in (torch.float32, torch.bfloat16):
+    qn, kn, vn = q.to(dt), k.to(dt).clone(), k.to(dt).clone()
+    kn[1, 3, 1, 5] = float("nan")
+    expect_error(E, "k holds a NaN or Inf (row 12, head 1, dim 5 of this rank's [18, 2, 8])",
+                 lambda: lt.attention(qn, kn, k.to(dt)))
+    vn[0, 0, 0, 0] = float("inf")
+    expect_error(E, "v holds a NaN or Inf (row 0, head 0, dim 0", lambda: lt.attention(qn, k.to(dt), vn))
+    qg = q.to(dt).requires_grad_()
+    o = lt.attention(qg, k.to(dt), k.to(dt))
+    dn = torch.ones_like(o)
+    dn[1, 8, 3, 7] = float("-inf")
+    expect_error(E, "dout holds a NaN or Inf (row 17, head 3, dim 7", lambda: o.backward(dn))
 if torch.cuda.is_available():
     expect_error(loom.NotSupported, "CPU tensors only", lambda: lt.attention(q.cuda(), k.cuda(), k.cuda()))
 else:

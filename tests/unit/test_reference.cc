@@ -118,6 +118,33 @@ TEST(Reference, RowWithoutVisibleKeyIsZeroWithMinusInfLse) {
   }
 }
 
+TEST(Reference, NanScoreMakesTheRowNanAsTheFormulaDoes) {
+  // A NaN in q row 1 and one in key 2: the rows whose scores meet a NaN are NaN (out, lse), the
+  // others stay finite. The running max ignored NaN: a NaN row was returned as empty (0, -inf).
+  const int64_t d = 4, s = 4;
+  Tensor<double> q = random_double({s, 1, d}, 10), k = random_double({s, 1, d}, 11);
+  const Tensor<double> v = random_double({s, 1, d}, 12);
+  q.view3()(1, 0, 2) = std::numeric_limits<double>::quiet_NaN();
+  std::vector<int64_t> pos = {0, 1, 2, 3};
+  const Tokens t{pos.data(), nullptr, s};
+  Tensor<double> out({s, 1, d});
+  std::vector<double> lse(s);
+  reference_forward(q.view3(), k.view3(), v.view3(), t, t, Mask{true, 0}, 0.5, out.view3(),
+                    lse.data());
+  for (int64_t i = 0; i < s; ++i) {
+    EXPECT_EQ(std::isnan(lse[i]), i == 1) << "row " << i;
+    EXPECT_EQ(std::isnan(out.view3()(i, 0, 0)), i == 1) << "row " << i;
+  }
+  q.view3()(1, 0, 2) = 0.5;
+  k.view3()(2, 0, 0) = std::numeric_limits<double>::quiet_NaN();  // seen by rows 2 and 3 (causal)
+  reference_forward(q.view3(), k.view3(), v.view3(), t, t, Mask{true, 0}, 0.5, out.view3(),
+                    lse.data());
+  for (int64_t i = 0; i < s; ++i) {
+    EXPECT_EQ(std::isnan(lse[i]), i >= 2) << "row " << i;
+    EXPECT_EQ(std::isnan(out.view3()(i, 0, 0)), i >= 2) << "row " << i;
+  }
+}
+
 TEST(Reference, RejectsBadArguments) {
   const Tensor<double> q({2, 4, 8}), k({3, 3, 8}), v({3, 3, 8}), k2({3, 2, 8}), v2({3, 2, 8}),
       k_short_dim({3, 2, 7});
