@@ -174,7 +174,7 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   const int64_t D = q.d;
   // The reference quantities, row by row: out_i = sum_j p_ij v_j, a_i = sum_j p_ij |v_j|
   // (W |v|), pk_i = sum_j p_ij k_j (W k); the gradients, as reference_backward computes them.
-  std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
+  std::vector<double> p(static_cast<size_t>(k.s));
   std::vector<double> out(static_cast<size_t>(D)), a(static_cast<size_t>(D)),
       pk(static_cast<size_t>(D)), dq(static_cast<size_t>(D)), dq_round(static_cast<size_t>(D));
   const size_t kv_size = static_cast<size_t>(k.s * k.h * D);
@@ -218,8 +218,7 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
       std::fill(dq_round.begin(), dq_round.end(), 0.0);
       for (int64_t j = 0; j < k.s; ++j) {
         if (p[j] == 0.0) continue;
-        dp[j] = dot(doi, v.row(j, g), D);
-        const double ds = p[j] * (dp[j] - delta);
+        const double ds = p[j] * (dot(doi, v.row(j, g), D) - delta);
         const size_t jg = static_cast<size_t>(j * k.h + g);
         dk_delta[jg] += p[j] * c * qn;  // dk_j moves by scale sum_i p_ij (delta error) q_i
         for (int64_t e = 0; e < D; ++e) {
