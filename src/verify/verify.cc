@@ -1252,7 +1252,14 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
       p.mask.causal && p.mask.window == 0 && p.doc_lengths.empty() && o.convention != "stripe";
   std::vector<Diagnosis> all;
   bool bf16_evident = false;  // a bf16_storage diagnosis that is named whatever its residual
-  if (out_t) {
+  // Where the localised tensor (out, else dq) holds NaN or Inf, those are named (below) and
+  // nothing else: the models and the heat map see them as 0, an error they make up (an out of
+  // NaN was named "rows are in the wrong order").
+  const TensorCheck* loc_t = out_t ? out_t : dq_t;
+  const bool loc_non_finite = loc_t && (loc_t->non_finite > 0 || loc_t->inf_mismatch > 0);
+  if (loc_non_finite) {
+    // nothing to fit
+  } else if (out_t) {
     const Pairs pr = compute_pairs(c, alt, false);
     const Observed ob = observe(c, *cand.out, pr.out);
     forward_models(c, pr, ob, all);
@@ -1362,6 +1369,7 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
       rep.diagnoses.push_back(d);
     }
   }
+  if (loc_non_finite) return rep;
   // Keep the named diagnosis (the best, when it explains the error) and a few runners-up. Where
   // no model explains it, bf16 storage is named when out is all bf16 numbers within the bf16
   // tolerance, whatever its own model leaves (see above).

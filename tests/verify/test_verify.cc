@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -353,6 +354,29 @@ TEST(Verify, Bf16StorageWithInnerRoundingIsNamed) {
   const auto r2 = verify::verify(to_problem(in), out_only(o.out), options("zigzag", 4));
   ASSERT_FALSE(r2.passed);
   EXPECT_NE(first_kind(r2), "bf16_storage") << r2.summary();
+}
+
+TEST(Verify, NonFiniteValuesAreNamedAndNothingElse) {
+  // The models see a NaN as 0, an error it makes up: an out of NaN was named "rows are in the
+  // wrong order" after the NaN diagnosis, and one NaN in a correct out added "no known defect
+  // explains the out error". The NaN or Inf is named, with where the first is, and nothing else.
+  const RingInputs in = inputs(96, 2, 1, 16, true, 36);
+  RingOutputs o = ring(in, "zigzag", 4, {}, false);
+  RingOutputs all_nan = o;
+  for (float& x : all_nan.out.vec()) x = std::nanf("");
+  o.out.vec()[15 * 2 * 16 + 2] = -std::numeric_limits<float>::infinity();  // token 15, head 0
+  for (const RingOutputs* x : {&all_nan, &o}) {
+    const auto r = verify::verify(to_problem(in), out_only(x->out), options("zigzag", 4));
+    ASSERT_FALSE(r.passed);
+    ASSERT_EQ(r.diagnoses.size(), 1u) << r.summary();
+    EXPECT_EQ(r.diagnoses[0].kind, "non_finite") << r.summary();
+    EXPECT_TRUE(r.heat.empty());
+  }
+  const auto r = verify::verify(to_problem(in), out_only(o.out), options("zigzag", 4));
+  EXPECT_NE(r.diagnoses[0].text.find("out has 1 non-finite value (NaN or Inf); the first at token "
+                                     "15, head 0"),
+            std::string::npos)
+      << r.summary();
 }
 
 TEST(Verify, ShapeMismatchIsUnusable) {
