@@ -96,7 +96,9 @@ def _check_mask(causal, window, scale, dim):
     elif isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
         raise InvalidArgument(f"window must be None or a positive int, got {window!r}")
     else:
-        w = int(window)
+        # A window past int64 sees every key, as 2^63 - 1 does (positions are int64): the same
+        # mask, in the engine's int64 (a larger int was a pybind TypeError).
+        w = min(int(window), 2**63 - 1)
     if scale is None:
         s = 1.0 / math.sqrt(dim)
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
@@ -164,8 +166,10 @@ def _group(group):
 
 def set_timeout(seconds, group=None):
     """Sets loom's timeout (seconds) for every wait over `group` (default: LOOM_TIMEOUT_S or 60)."""
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds > 0:
-        raise InvalidArgument(f"timeout must be a positive number of seconds, got {seconds!r}")
+    # At most 1e9 s, as LOOM_TIMEOUT_S: every wait has a timeout (inf was taken, a wait forever).
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < seconds <= 1e9:
+        raise InvalidArgument(
+            f"timeout must be a positive number of seconds, at most 1e9, got {seconds!r}")
     _group(group).timeout_s = float(seconds)
 
 
@@ -280,6 +284,8 @@ def _degree(name, value, takes, strategy, what):
         return 1 if name == "ulysses" else 0
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise InvalidArgument(f"{name} must be None or a positive int, got {value!r}")
+    if value > 2**31 - 1:  # no group has that many ranks (it was a pybind TypeError)
+        raise InvalidArgument(f"{name}={value!r} is larger than any process group")
     if strategy != takes:
         raise InvalidArgument(f"{name}= is only for strategy={takes!r} (got strategy={strategy!r})")
     return int(value)

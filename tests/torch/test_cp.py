@@ -192,6 +192,10 @@ expect_error(loom.InvalidArgument, "needs ulysses", lambda: lt.cp_attention(q, k
 expect_error(loom.InvalidArgument, "ulysses= is only", lambda: lt.cp_attention(q, k, k, ulysses=1))
 expect_error(loom.InvalidArgument, "needs inner", lambda: lt.cp_attention(q, k, k, strategy="ring2d"))
 expect_error(loom.InvalidArgument, "inner= is only", lambda: lt.cp_attention(q, k, k, inner=1))
+expect_error(loom.InvalidArgument, "ulysses=1099511627776 is larger than any process group",
+             lambda: lt.cp_attention(q, k, k, strategy="hybrid", ulysses=2**40))
+expect_error(loom.InvalidArgument, "timeout must be a positive number of seconds, at most 1e9, got inf",
+             lambda: lt.set_timeout(float("inf")))
 expect_error(loom.InvalidArgument, "must be a torch.distributed ProcessGroup",
              lambda: lt.cp_attention(q, k, k, group="world"))
 if P > 1:

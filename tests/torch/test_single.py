@@ -153,6 +153,8 @@ expect_error(E, "must start at 0", lambda: lt.attention(qt, kt, kt, cu_seqlens=[
 expect_error(E, "document 1 has length 0", lambda: lt.attention(qt, kt, kt, cu_seqlens=[0, 4, 4, 10]))
 expect_error(E, "1-d int32 or int64", lambda: lt.attention(qt, kt, kt, cu_seqlens=torch.tensor([0.0, 10.0])))
 expect_error(E, "needs a process group", lambda: lt.cp_attention(q, k, k))
+# A window past int64 is no window (it was a pybind TypeError, not loom's error).
+check(torch.equal(lt.attention(q, k, k, window=2**70), lt.attention(q, k, k)), "window=2**70 is no window")
 # Non-finite inputs: the kernels dropped a NaN key (a finite answer) and turned a NaN query into
 # NaN or 0 by its mask; loom.torch refuses them, naming the tensor and where.
 for dt in (torch.float32, torch.bfloat16):
