@@ -1168,6 +1168,17 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   rep.head_dim = c.D;
   rep.chunk_rank = c.sh.chunk_rank;
 
+  // Non-finite inputs cannot be verified: their NaN reached the reference and was reported as
+  // scores that overflow float64.
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor<double>*>{"q", &p.q},
+                                {"k", &p.k},
+                                {"v", &p.v},
+                                {"dout", &p.dout}})
+    for (int64_t i = 0; i < t->numel(); ++i)
+      LOOM_CHECK(std::isfinite((*t)[i]), InvalidArgument,
+                 name << " holds a NaN or Inf (token " << i / (t->size(1) * t->size(2)) << ", head "
+                      << i / t->size(2) % t->size(1) << ", dim " << i % t->size(2)
+                      << "): inputs must be finite");
   const Reference ref = run_reference(c, c.scale, any_grad);
   if (o.dtype == "bf16") {
     const RowTokens rt(c);

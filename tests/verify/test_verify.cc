@@ -389,6 +389,23 @@ TEST(Verify, ShapeMismatchIsUnusable) {
   EXPECT_THROW(verify::verify(to_problem(in), none, opt), InvalidArgument);
 }
 
+TEST(Verify, NonFiniteInputsAreUnusable) {
+  // A NaN input reached the reference and was reported as scores that overflow float64.
+  const RingInputs in = inputs(32, 2, 1, 8, true, 37);
+  const verify::Candidate c = out_only(ring(in, "zigzag", 2, {}, false).out);
+  verify::Problem p = to_problem(in);
+  p.k[(5 * 1 + 0) * 8 + 3] = std::numeric_limits<double>::quiet_NaN();  // token 5, head 0, dim 3
+  try {
+    verify::verify(p, c, options("zigzag", 2));
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("k holds a NaN or Inf (token 5, head 0, dim 3): inputs "
+                                         "must be finite"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Verify, AbsentTensorsAreReported) {
   const RingInputs in = inputs(40, 2, 2, 8, true, 32);
   const verify::Candidate c = out_only(ring(in, "zigzag", 2, {}, false).out);
