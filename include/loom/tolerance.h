@@ -64,6 +64,10 @@ inline constexpr double kBf16AccRelTol = kBf16Unit;      // out finished to fp32
 inline constexpr double kBf16GradRelTol = 2 * kBf16Unit;
 inline constexpr double kBf16FixedTolMinKeys = 4;  // mean visible keys per query row
 
+// Whether the fixed bf16 tolerances hold for queries qt over keys kt under mask: at least
+// kBf16FixedTolMinKeys visible keys per query row on average (false for no query rows).
+bool bf16_fixed_tolerances_hold(Tokens qt, Tokens kt, const Mask& mask);
+
 // The bounds above for one problem, as relative norm errors (absolute where the reference
 // tensor is all zero); lse keeps kFp32RelTol. A bound that was not computed is +inf.
 struct Bf16Bounds {

@@ -159,6 +159,12 @@ int64_t count_visible_pairs(Tokens qt, Tokens kt, const Mask& mask, int64_t head
   return pairs * heads;
 }
 
+bool bf16_fixed_tolerances_hold(Tokens qt, Tokens kt, const Mask& mask) {
+  if (qt.n <= 0) return false;
+  return static_cast<double>(count_visible_pairs(qt, kt, mask, 1)) >=
+         kBf16FixedTolMinKeys * static_cast<double>(qt.n);
+}
+
 Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                              double scale, bool dots) {

@@ -1182,11 +1182,7 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   const Reference ref = run_reference(c, c.scale, any_grad);
   if (o.dtype == "bf16") {
     const RowTokens rt(c);
-    const int64_t n = static_cast<int64_t>(c.rows.size());
-    const double keys_per_row =
-        static_cast<double>(count_visible_pairs(rt.tokens(), c.all_tokens(), p.mask, 1)) /
-        static_cast<double>(n);
-    if (keys_per_row < kBf16FixedTolMinKeys) {
+    if (!bf16_fixed_tolerances_hold(rt.tokens(), c.all_tokens(), p.mask)) {
       const Tensor<double> q = gather_rows(p.q, c.rows);
       const Tensor<double> dout = any_grad ? gather_rows(p.dout, c.rows) : Tensor<double>();
       c.bounds =

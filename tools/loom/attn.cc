@@ -284,17 +284,12 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
   // visible keys per query row on average), else the problem's own bounds (loom/tolerance.h).
   const double tol = p.bf16 ? kBf16RelTol : kFp32RelTol;
   Bf16Bounds bound{tol, tol, tol, tol, tol};
-  if (p.bf16) {
-    const double keys_per_row =
-        static_cast<double>(count_visible_pairs(qt, all, p.kernel.mask, 1)) /
-        static_cast<double>(std::max<int64_t>(n, 1));
-    if (keys_per_row < kBf16FixedTolMinKeys) {
-      r.per_problem_bounds = true;
-      bound = bf16_error_bounds(qs.view3(), kd.view3(), vd.view3(),
-                                backward ? View3<const double>(dos.view3()) : View3<const double>{},
-                                qt, all, p.kernel.mask, p.kernel.scale,
-                                std::string(kernel_path()) == "avx512bf16");
-    }
+  if (p.bf16 && !bf16_fixed_tolerances_hold(qt, all, p.kernel.mask)) {
+    r.per_problem_bounds = true;
+    bound = bf16_error_bounds(qs.view3(), kd.view3(), vd.view3(),
+                              backward ? View3<const double>(dos.view3()) : View3<const double>{},
+                              qt, all, p.kernel.mask, p.kernel.scale,
+                              std::string(kernel_path()) == "avx512bf16");
   }
   compare("out", out, full_out, rows, w, bound.out, r);
   compare("lse", lse_t, full_lse_t, rows, p.H, kFp32RelTol, r);
