@@ -15,6 +15,13 @@
 // Rows that see no key. A query row that sees no key at all (possible with windows, documents or
 // arbitrary positions) has out = 0 and lse = -inf, and contributes nothing to dq/dk/dv; never NaN.
 //
+// Non-finite inputs are carried through as the formula carries them: wherever a NaN or Inf in q,
+// k or v makes the formula's out, lse, dq, dk or dv NaN or infinite (a NaN in k_j: every row that
+// sees key j, and the gradients those rows reach), the kernels' value is NaN or infinite too, never
+// a finite number. Entries that share a tile with a NaN may become NaN where the formula keeps them
+// finite (0 x NaN in a product, as in a materialised softmax); other heads are untouched. A score
+// of exactly -inf drops its key, as exp(-inf) = 0 does.
+//
 // Precision. Storage fp32 (or bf16: the overloads at the end); every accumulation (scores, m, l,
 // acc, lse, dq/dk/dv) is fp32.
 //

@@ -113,16 +113,14 @@ int64_t first_non_finite(const at::Tensor& t) {
   return scan(static_cast<const uint32_t*>(t.data_ptr()), static_cast<uint32_t>(0x7f800000));
 }
 
-// loom.torch refuses NaN and Inf inputs: the kernels' online softmax does not carry a NaN score
-// through its running max the way the formula does (a NaN key was dropped, a NaN query gave NaN
-// or 0 by the row's mask), so they would return a finite answer to a non-finite question.
+// Under torch.autograd's anomaly detection loom.torch refuses NaN and Inf inputs, naming where
+// the first one is (otherwise it carries them through to NaN outputs, as PyTorch's attention does).
 std::string non_finite_message(const char* name, int64_t index, const Dims& s, int64_t heads) {
   const int64_t row = index / (heads * s.d), head = index / s.d % heads, dim = index % s.d;
   std::ostringstream os;
   os << name << " holds a NaN or Inf (row " << row << ", head " << head << ", dim " << dim
      << " of this rank's [" << s.n << ", " << heads << ", " << s.d
-     << "]); loom.torch refuses non-finite inputs: its online softmax would not carry them "
-        "through as the formula does";
+     << "]); under torch.autograd.detect_anomaly loom.torch refuses non-finite inputs";
   return os.str();
 }
 
@@ -267,7 +265,7 @@ class Group {
                            int inner, bool causal, int64_t window, double scale, int64_t batch,
                            int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, bool is_bf16,
                            const std::vector<int64_t>& doc_lengths, const at::Tensor& q,
-                           const at::Tensor& k, const at::Tensor& v);
+                           const at::Tensor& k, const at::Tensor& v, bool check_finite);
 
  private:
   std::shared_ptr<loom::Communicator> comm_;
@@ -286,7 +284,8 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                                 int inner, bool causal, int64_t window, double scale, int64_t batch,
                                 int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                                 bool is_bf16, const std::vector<int64_t>& doc_lengths,
-                                const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+                                const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                bool check_finite) {
   const loom::Strategy strat = loom::parse_strategy(strategy);
   const loom::Layout lay = loom::parse_layout(layout);
   const int P = comm_->size(), me = comm_->rank();
@@ -296,14 +295,16 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   for (int64_t l : doc_lengths) docs_hash = (docs_hash ^ l) * 1099511628211LL;
   int64_t scale_bits = 0;
   std::memcpy(&scale_bits, &scale, sizeof scale);
-  // After the arguments every rank compares (1 .. kAgree - 1; 0 is the shard length): which of
-  // this rank's q, k, v holds a NaN or Inf, and where, so that every rank raises the same error
+  // After the arguments every rank compares (1 .. kAgree - 1; 0 is the shard length): under
+  // anomaly detection (which the ranks must agree on, as the backward then exchanges too), which
+  // of this rank's q, k, v holds a NaN or Inf, and where, so that every rank raises the same error
   // instead of the others waiting for a rank that raised alone.
   const char* names[] = {"rows",   "batch",      "heads",    "kv_heads", "head_dim",
                          "causal", "window",     "strategy", "layout",   "ulysses",
-                         "dtype",  "cu_seqlens", "inner",    "scale"};
-  constexpr int kAgree = 14, kN = kAgree + 2;
-  const auto bad = find_non_finite({&q, &k, &v});
+                         "dtype",  "cu_seqlens", "inner",    "scale",    "detect_anomaly"};
+  constexpr int kAgree = 15, kN = kAgree + 2, kAnomaly = 14;
+  const auto bad =
+      check_finite ? find_non_finite({&q, &k, &v}) : std::pair<int64_t, int64_t>{0, -1};
   const int64_t mine[kN] = {rows,
                             batch,
                             heads,
@@ -318,6 +319,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                             docs_hash,
                             inner,
                             scale_bits,
+                            check_finite,
                             bad.first,
                             bad.second};
   std::vector<int64_t> all(static_cast<size_t>(kN) * P);
@@ -330,9 +332,9 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
       LOOM_CHECK(all[r * kN + i] == mine[i], InvalidArgument,
                  "cp_attention: the ranks of the group disagree on "
                      << names[i] << ": rank " << me << " passed "
-                     << (i == kAgree - 1 ? std::to_string(scale) : std::to_string(mine[i]))
+                     << (i == kAnomaly - 1 ? std::to_string(scale) : std::to_string(mine[i]))
                      << ", rank " << r << " passed "
-                     << (i == kAgree - 1 ? "another scale" : std::to_string(all[r * kN + i])));
+                     << (i == kAnomaly - 1 ? "another scale" : std::to_string(all[r * kN + i])));
     }
   }
   for (int r = 0; r < P; ++r)
@@ -355,7 +357,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
 
   std::ostringstream key;
   for (int r = 0; r < P; ++r) key << all[r * kN] << ',';
-  for (int i = 1; i < kAgree; ++i) key << mine[i] << ',';
+  for (int i = 1; i < kAnomaly; ++i) key << mine[i] << ',';  // either way, the same op
   auto it = cache_.find(key.str());
   if (it != cache_.end()) return it->second;
 
@@ -409,15 +411,17 @@ py::tuple cp_forward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const a
 }
 
 py::tuple cp_backward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse) {
+                      const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
+                      bool check_finite) {
   const auto st = storage_type(op.is_bf16);
   const Dims s{op.rows, op.heads, op.kv_heads, op.dim};
   const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
   require_qkv(q, k, v, st, s);
   require_backward_inputs(out, dout, lse, st, s);
-  {
-    // Every rank learns whether any rank's dout holds a NaN or Inf (one small all-gather), so
-    // that all raise together rather than wait for the one that raised.
+  if (check_finite) {
+    // Under anomaly detection (agreed in the forward) every rank learns whether any rank's dout
+    // holds a NaN or Inf (one small all-gather), so that all raise together rather than wait for
+    // the one that raised.
     const auto bad = find_non_finite({&dout}, 4);
     const int64_t mine[3] = {op.rows, bad.first, bad.second};
     const int P = op.comm->size();
@@ -465,12 +469,12 @@ OneRank one_rank(int64_t batch, int64_t len, const std::vector<int64_t>& doc_len
 py::tuple attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             int64_t batch, int64_t len, const std::vector<int64_t>& doc_lengths,
                             int64_t heads, int64_t kv_heads, int64_t dim, bool causal,
-                            int64_t window, double scale, bool is_bf16) {
+                            int64_t window, double scale, bool is_bf16, bool check_finite) {
   OneRank o = one_rank(batch, len, doc_lengths);
   const Dims s{o.rows, heads, kv_heads, dim};
   const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
   require_qkv(q, k, v, storage_type(is_bf16), s);
-  require_finite(find_non_finite({&q, &k, &v}), s, "");
+  if (check_finite) require_finite(find_non_finite({&q, &k, &v}), s, "");
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({h, n}, at::kFloat);
   const loom::KernelConfig cfg = kernel_config(causal, window, scale);
@@ -491,14 +495,14 @@ py::tuple attention_backward(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
                              int64_t batch, int64_t len, const std::vector<int64_t>& doc_lengths,
                              int64_t heads, int64_t kv_heads, int64_t dim, bool causal,
-                             int64_t window, double scale, bool is_bf16) {
+                             int64_t window, double scale, bool is_bf16, bool check_finite) {
   OneRank o = one_rank(batch, len, doc_lengths);
   const auto st = storage_type(is_bf16);
   const Dims s{o.rows, heads, kv_heads, dim};
   const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
   require_qkv(q, k, v, st, s);
   require_backward_inputs(out, dout, lse, st, s);
-  require_finite(find_non_finite({&dout}, 4), s, "");
+  if (check_finite) require_finite(find_non_finite({&dout}, 4), s, "");
   const Grads g = make_grads(s, at::kFloat, true);
   const loom::KernelConfig cfg = kernel_config(causal, window, scale);
   {

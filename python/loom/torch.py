@@ -230,8 +230,9 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, meta):
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = meta
         is_bf16 = q.dtype == torch.bfloat16
+        ctx.check = torch.is_anomaly_enabled()
         out, lse = _loom.attention_forward(q, k, v, batch, seq, docs, heads, kv_heads, dim,
-                                           causal, window, scale, is_bf16)
+                                           causal, window, scale, is_bf16, ctx.check)
         ctx.meta = meta
         return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
@@ -241,14 +242,17 @@ class _Attention(torch.autograd.Function):
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
         is_bf16 = q.dtype == torch.bfloat16
         grads = _loom.attention_backward(q, k, v, out, dout, lse, batch, seq, docs, heads,
-                                         kv_heads, dim, causal, window, scale, is_bf16)
+                                         kv_heads, dim, causal, window, scale, is_bf16,
+                                         ctx.check)
         return _input_grads(q, k, v, grads) + (None,)
 
 
 def attention(q, k, v, causal=True, window=None, cu_seqlens=None, scale=None, return_lse=False):
     """Exact attention on this process. q [B,S,H,D] or [T,H,D] with cu_seqlens; k, v with Hkv
     heads. Returns out (q's shape and dtype), and with return_lse=True also lse (fp32, [B,H,S] or
-    [H,T]). scale defaults to 1/sqrt(D)."""
+    [H,T]). scale defaults to 1/sqrt(D). A NaN or Inf in q, k or v gives NaN where the formula
+    does, as PyTorch's attention; under torch.autograd.detect_anomaly it raises InvalidArgument
+    naming the first one."""
     heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens)
     window, scale = _check_mask(causal, window, scale, dim)
     batch, seq, _ = _rows(q, cu_seqlens)
@@ -263,17 +267,18 @@ def attention(q, k, v, causal=True, window=None, cu_seqlens=None, scale=None, re
 
 class _CpAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, op, batch, seq):
+    def forward(ctx, q, k, v, op, batch, seq, check):
         out, lse = _loom.cp_forward(op, q, k, v)
         ctx.op = op
+        ctx.check = check  # agreed by every rank in Group.op
         ctx.batch = batch
         return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, dout = _saved(ctx, dout)
-        grads = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse)
-        return _input_grads(q, k, v, grads) + (None, None, None)
+        grads = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse, ctx.check)
+        return _input_grads(q, k, v, grads) + (None, None, None, None)
 
 
 def _degree(name, value, takes, strategy, what):
@@ -300,7 +305,8 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     the group size / I), allgather (loom.torch.strategies()). layout: contiguous, zigzag, stripe.
     cu_seqlens describes the GLOBAL packed sequence (the same on every rank). Returns this
     rank's out (and lse: [B,H,S_local] or [H,T_local]). Collective: every rank of the group
-    calls it with the same arguments but its own shard."""
+    calls it with the same arguments but its own shard, and in the same anomaly-detection mode
+    (non-finite inputs: as attention())."""
     heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens)
     window, scale = _check_mask(causal, window, scale, dim)
     if not isinstance(strategy, str):
@@ -314,9 +320,10 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     g = _group(group)
     batch, seq, rows = _rows(q, cu_seqlens)
     docs = _doc_lengths(cu_seqlens) if cu_seqlens is not None else []
+    check = torch.is_anomaly_enabled()
     op = g.op(strategy, layout, u, i, causal, window, scale, batch, rows, heads, kv_heads, dim,
-              q.dtype == torch.bfloat16, docs, q, k, v)
-    out, lse = _CpAttention.apply(q, k, v, op, batch, seq)
+              q.dtype == torch.bfloat16, docs, q, k, v, check)
+    out, lse = _CpAttention.apply(q, k, v, op, batch, seq, check)
     return (out, lse) if return_lse else out
 
 

@@ -82,11 +82,13 @@ struct TileOps {
                            const PrefetchRegion* next, int64_t regions);
   // Online softmax update of rows [0, rows) of the scores s, in base-2 units (the scale carries
   // log2 e; m in the same units): s becomes p = 2^(s - m') (zero in the padding and in rows that
-  // have seen no visible key), l and acc [bq, dp] are rescaled by 2^(m - m').
+  // have seen no visible key), l and acc [bq, dp] are rescaled by 2^(m - m'). A NaN score makes
+  // its p, and so the row's l (and acc through p v), NaN, as the formula's exp does.
   void (*softmax_update)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t dp, float* s,
                          float* m, float* l, float* acc);
   // Backward: s becomes p = 2^(s - lse), s and lse in base-2 units (zero in the padding and in
-  // rows with lse = -inf). s - lse above 127 (an lse that is not these scores') gives 2^127.
+  // rows with lse = -inf). s - lse above 127 (an lse that is not these scores') gives 2^127; a
+  // NaN score or lse gives NaN.
   void (*probs)(int64_t rows, int64_t cols, int64_t bq, int64_t bk, const float* lse, float* s);
   // Backward: dp becomes ds = scale * p (dp - delta).
   void (*ds)(const float* p, const float* delta, float scale, int64_t bq, int64_t bk, float* dp);
@@ -113,7 +115,8 @@ struct TileOps {
   // backward's bf16 dp GEMM (nullptr with gemm_bf16).
   float (*dot_bf16)(const uint16_t* a, const uint16_t* b, int64_t n2);
   // y[i] = 2^x[i] by the path's softmax exp (for its test), n % 16 == 0, x[i] <= 127. Bound:
-  // relative error <= 4 ulp (4 * 2^-23) for x in [-125, 0]; exactly 0 for x < -125, -inf and NaN.
+  // relative error <= 4 ulp (4 * 2^-23) for x in [-125, 0]; exactly 0 for x < -125 and -inf; NaN
+  // for NaN.
   void (*exp2)(const float* x, float* y, int64_t n);
 };
 

@@ -35,6 +35,7 @@
 // clang-format on
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -295,8 +296,9 @@ void gemm_panels_bf16(int64_t M, int64_t N, int64_t K, const float* a, int64_t a
 // Five multiply-adds and three additions: the reduction needs no Cody-Waite steps. x must be at
 // most 127 (the forward passes s - m <= 0 by construction); kClamp takes x above 127 as 127 (the
 // backward's s - lse is <= 0 up to rounding only for the lse of these scores, which the caller
-// passes: a wrong one gives 2^127, never a wrapped exponent). x < kExp2Min, -inf and NaN give
-// exactly 0 (f is NaN for -inf: masked at the end, on the unclamped x).
+// passes: a wrong one gives 2^127, never a wrapped exponent). x < kExp2Min and -inf give exactly
+// 0 (f is NaN for -inf: masked at the end, on the unclamped x); NaN gives NaN, so that a NaN
+// score reaches the row's sum and its p v product as the formula's exp would.
 // The N (1 or 2) chains are x0 and x1, named variables rather than an array (SVE's sizeless
 // vector types cannot be array elements); x1 is untouched when N is 1.
 template <int N, bool kClamp = false>
@@ -324,14 +326,16 @@ HWY_INLINE void exp2_vn(D d, V& x0, V& x1) {
   LOOM_HORNER(0.693147f)
   LOOM_HORNER(1.0f)
 #undef LOOM_HORNER
-  // y 2^n: n << 23 added to y's exponent bits; 0 below kExp2Min (and for -inf, NaN).
+  // y 2^n: n << 23 added to y's exponent bits; 0 below kExp2Min (and for -inf); NaN for NaN.
   const V y2n0 =
       hn::BitCast(d, hn::Add(hn::BitCast(di, p0), hn::ShiftLeft<23>(hn::BitCast(di, t0))));
-  x0 = hn::IfThenElseZero(hn::Ge(x0, hn::Set(d, kExp2Min)), y2n0);
+  x0 =
+      hn::IfThenElse(hn::IsNaN(x0), x0, hn::IfThenElseZero(hn::Ge(x0, hn::Set(d, kExp2Min)), y2n0));
   if constexpr (N > 1) {
     const V y2n1 =
         hn::BitCast(d, hn::Add(hn::BitCast(di, p1), hn::ShiftLeft<23>(hn::BitCast(di, t1))));
-    x1 = hn::IfThenElseZero(hn::Ge(x1, hn::Set(d, kExp2Min)), y2n1);
+    x1 = hn::IfThenElse(hn::IsNaN(x1), x1,
+                        hn::IfThenElseZero(hn::Ge(x1, hn::Set(d, kExp2Min)), y2n1));
   }
 }
 
@@ -408,6 +412,12 @@ void softmax_update(int64_t rows, int64_t cols, int64_t bq, int64_t bk, int64_t 
           vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(cols - whole)),
                                               hn::LoadU(d, sr + whole), neg_inf));
         tile_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+        // A NaN score may stay out of Max (x86's max returns its second operand when one is
+        // NaN): a row whose visible scores are all NaN would read -inf, as if it saw no key, and
+        // be skipped. Such rows, and those that see no key here (rare), are read once more.
+        if (tile_max == kNegInfF)
+          for (int64_t j = 0; j < cols; ++j)
+            if (std::isnan(sr[j])) tile_max = std::numeric_limits<float>::quiet_NaN();
       }
       m_new[i] = m[r] > tile_max ? m[r] : tile_max;
       dm[i] = m_new[i] == kNegInfF ? 0.0f : m[r] - m_new[i];  // m[r] = -inf: -inf, alpha 0

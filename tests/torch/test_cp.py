@@ -215,21 +215,52 @@ if P > 1:
     expect_error(loom.InvalidArgument, "cu_seqlens describes",
                  lambda: lt.cp_attention(q[0], k[0], k[0], cu_seqlens=[0, 3, 5]))
 
-    # A NaN or Inf on one rank: every rank raises the error naming that rank and tensor (the
-    # kernels do not carry a NaN through their online softmax), none waits for the others.
+    # A NaN in k on one rank's shard reaches, through every strategy's exchange and merge, every
+    # row that sees that key, as the formula says (loom's fp64 reference); the other kv head stays
+    # finite.
+    gen = torch.Generator().manual_seed(77)
+    qf, kf, vf, df = (torch.randn(1, 64, hk, DIM, generator=gen) for hk in (2 * P, P, P, 2 * P))
+    kf[0, 41, P - 1, 3] = float("nan")
+    qr, kr, vr = (x.double().requires_grad_() for x in (qf, kf, vf))
+    rout = lt.reference_attention(qr, kr, vr)
+    rout.backward(df.double())
+    ref = {"out": rout.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+    for strategy in strategies:
+        kw = {"ulysses": hybrid_u()} if strategy == "hybrid" else {"inner": hybrid_u()} if strategy == "ring2d" else {}
+        qs, ks, vs, ds = (lt.shard(x) for x in (qf, kf, vf, df))
+        qs.requires_grad_()
+        ks.requires_grad_()
+        vs.requires_grad_()
+        o = lt.cp_attention(qs, ks, vs, strategy=strategy, **kw)
+        o.backward(ds)
+        got = {n: lt.unshard(x.detach()) for n, x in (("out", o), ("dq", qs.grad), ("dk", ks.grad), ("dv", vs.grad))}
+        for n in ("out", "dq", "dk", "dv"):
+            miss = ~torch.isfinite(ref[n]) & torch.isfinite(got[n])
+            check(not miss.any(), f"{strategy}: NaN in k: {n} finite where the formula is not, first at "
+                                  f"{miss.nonzero()[:1].tolist()}")
+            clean = list(range(2 * P - 2)) if n in ("out", "dq") else list(range(P - 1))
+            check(torch.isfinite(got[n][:, :, clean]).all(), f"{strategy}: NaN in k: {n} of the clean kv heads finite")
+        check(not torch.isfinite(ref["out"]).all(), "the formula's out is NaN somewhere")
+
+    # Under torch.autograd.detect_anomaly a NaN or Inf on one rank is refused instead: every rank
+    # raises the error naming that rank and tensor, none waits for the others. The ranks must
+    # agree on the mode (the backward's check is one more exchange).
     kn = k.clone()
     if RANK == P - 1:
         kn[0, 2, 1, 3] = float("nan")
-    expect_error(loom.InvalidArgument,
-                 f"rank {P - 1}'s k holds a NaN or Inf (row 2, head 1, dim 3 of this rank's [8, {P}, {DIM}])",
-                 lambda: lt.cp_attention(q, kn, k))
-    qg = q.clone().requires_grad_()
-    o = lt.cp_attention(qg, k, k)
-    dn = torch.ones_like(o)
-    if RANK == 0:
-        dn[0, 5, 0, 0] = float("inf")
-    expect_error(loom.InvalidArgument, "cp_attention backward: rank 0's dout holds a NaN or Inf (row 5, head 0",
-                 lambda: o.backward(dn))
+    with torch.autograd.detect_anomaly():
+        expect_error(loom.InvalidArgument,
+                     f"rank {P - 1}'s k holds a NaN or Inf (row 2, head 1, dim 3 of this rank's [8, {P}, {DIM}])",
+                     lambda: lt.cp_attention(q, kn, k))
+        qg = q.clone().requires_grad_()
+        o = lt.cp_attention(qg, k, k)
+        dn = torch.ones_like(o)
+        if RANK == 0:
+            dn[0, 5, 0, 0] = float("inf")
+        expect_error(loom.InvalidArgument, "cp_attention backward: rank 0's dout holds a NaN or Inf (row 5, head 0",
+                     lambda: o.backward(dn))
+    with torch.autograd.set_detect_anomaly(RANK == 0):
+        expect_error(loom.InvalidArgument, "disagree on detect_anomaly", lambda: lt.cp_attention(q, k, k))
 
 # One more real call after the errors: the group is still usable.
 qs = lt.shard(torch.randn(1, 29, 2 * P, DIM))

@@ -155,20 +155,57 @@ expect_error(E, "1-d int32 or int64", lambda: lt.attention(qt, kt, kt, cu_seqlen
 expect_error(E, "needs a process group", lambda: lt.cp_attention(q, k, k))
 # A window past int64 is no window (it was a pybind TypeError, not loom's error).
 check(torch.equal(lt.attention(q, k, k, window=2**70), lt.attention(q, k, k)), "window=2**70 is no window")
-# Non-finite inputs: the kernels dropped a NaN key (a finite answer) and turned a NaN query into
-# NaN or 0 by its mask; loom.torch refuses them, naming the tensor and where.
+# Non-finite inputs are carried through as PyTorch's attention carries them: out, dq, dk and dv
+# are NaN or Inf wherever the exact formula's are (loom's fp64 reference, row by row), and the
+# other kv head stays finite. The kernels' online softmax once kept a NaN score out of its running
+# max and took its exp as 0: the rows that saw a NaN key came out finite and wrong. S = 150 spans
+# several tiles; the last case leaves a row only NaN keys (window 1).
+gen = torch.Generator().manual_seed(5)
+nan, inf = float("nan"), float("inf")
+poisons = (("q", (0, 70, 1, 3), nan, None), ("k", (0, 10, 1, 5), nan, None),
+           ("v", (0, 130, 0, 0), nan, None), ("k", (0, 40, 0, 2), inf, None),
+           ("k", (0, 99, 1, 0), nan, 1))
+for dt in (torch.float32, torch.bfloat16):
+    for name, idx, val, win in poisons:
+        t = {"q": torch.randn(1, 150, 4, 16, generator=gen), "k": torch.randn(1, 150, 2, 16, generator=gen),
+             "v": torch.randn(1, 150, 2, 16, generator=gen)}
+        t[name][idx] = val
+        what = f"{str(dt)[6:]} {val} in {name}{list(idx)} window {win}"
+        causal = win is None
+        qq, kk, vv = (t[x].to(dt).clone().requires_grad_() for x in "qkv")
+        o = lt.attention(qq, kk, vv, causal=causal, window=win)
+        do = torch.randn(o.shape, generator=gen).to(dt)
+        o.backward(do)
+        qr, kr, vr = (t[x].to(dt).double().detach().requires_grad_() for x in "qkv")
+        orf = lt.reference_attention(qr, kr, vr, causal=causal, window=win)
+        orf.backward(do.double())
+        group = idx[2] // 2 if name == "q" else idx[2]
+        clean_q, clean_kv = [2 * (1 - group), 2 * (1 - group) + 1], [1 - group]
+        check(not torch.isfinite(orf).all(), f"{what}: the formula's out is NaN somewhere")
+        for nm, got, want, clean in (("out", o, orf, clean_q), ("dq", qq.grad, qr.grad, clean_q),
+                                     ("dk", kk.grad, kr.grad, clean_kv), ("dv", vv.grad, vr.grad, clean_kv)):
+            got = got.detach().float()
+            miss = ~torch.isfinite(want) & torch.isfinite(got)
+            check(not miss.any(), f"{what}: {nm} finite where the formula is not, first at "
+                                  f"{miss.nonzero()[:1].tolist()}")
+            check(torch.isfinite(got[:, :, clean]).all(), f"{what}: {nm} of the clean kv head finite")
+# Under torch.autograd.detect_anomaly loom.torch refuses them instead, naming the tensor and where
+# (the mode at the forward call decides for the backward too).
 for dt in (torch.float32, torch.bfloat16):
     qn, kn, vn = q.to(dt), k.to(dt).clone(), k.to(dt).clone()
     kn[1, 3, 1, 5] = float("nan")
-    expect_error(E, "k holds a NaN or Inf (row 12, head 1, dim 5 of this rank's [18, 2, 8])",
-                 lambda: lt.attention(qn, kn, k.to(dt)))
     vn[0, 0, 0, 0] = float("inf")
-    expect_error(E, "v holds a NaN or Inf (row 0, head 0, dim 0", lambda: lt.attention(qn, k.to(dt), vn))
-    qg = q.to(dt).requires_grad_()
-    o = lt.attention(qg, k.to(dt), k.to(dt))
-    dn = torch.ones_like(o)
-    dn[1, 8, 3, 7] = float("-inf")
-    expect_error(E, "dout holds a NaN or Inf (row 17, head 3, dim 7", lambda: o.backward(dn))
+    with torch.autograd.detect_anomaly():
+        expect_error(E, "k holds a NaN or Inf (row 12, head 1, dim 5 of this rank's [18, 2, 8]); "
+                        "under torch.autograd.detect_anomaly loom.torch refuses non-finite inputs",
+                     lambda: lt.attention(qn, kn, k.to(dt)))
+        expect_error(E, "v holds a NaN or Inf (row 0, head 0, dim 0", lambda: lt.attention(qn, k.to(dt), vn))
+        qg = q.to(dt).requires_grad_()
+        o = lt.attention(qg, k.to(dt), k.to(dt))
+        dn = torch.ones_like(o)
+        dn[1, 8, 3, 7] = float("-inf")
+        expect_error(E, "dout holds a NaN or Inf (row 17, head 3, dim 7", lambda: o.backward(dn))
+    check(not torch.isfinite(lt.attention(qn, kn, k.to(dt))).all(), "outside anomaly mode: NaN out")
 if torch.cuda.is_available():
     expect_error(loom.NotSupported, "CPU tensors only", lambda: lt.attention(q.cuda(), k.cuda(), k.cuda()))
 else:

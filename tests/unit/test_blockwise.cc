@@ -1272,6 +1272,100 @@ TEST_P(PerTarget, Bf16IsTheFp32ArithmeticOfTheWidenedValues) {
   }
 }
 
+// Non-finite inputs. Where a NaN or an infinity in q, k or v reaches the formula's answer, the
+// answer is NaN (or infinite): a NaN in q_i makes row i NaN, one in k_j or v_j every row that sees
+// key j, and in the backward every gradient those rows reach. The kernels must give a non-finite
+// value at each such place, never a finite one: a NaN score once stayed out of the running max
+// and its exp was taken as 0, so the rows that saw a NaN key came out finite and wrong. The
+// kernels may also make entries of the same tile non-finite that the formula keeps finite (0 x
+// NaN in a GEMM, as PyTorch's materialised attention does), but never those of the other kv head.
+// The window-1 problem has rows whose only visible key is the NaN one: the tile's max of such a row
+// may read -inf, as if the row saw nothing.
+
+// Every entry of `got` where `want` is non-finite is non-finite, and every entry of the kv head
+// `clean` (element index -> kv head by `head_of`) is finite; one failure per tensor, naming the
+// first offending element. Returns how many entries the formula makes non-finite.
+template <class F>
+int64_t expect_non_finite_where_the_formula_is(const std::vector<float>& got,
+                                               const std::vector<double>& want, F head_of,
+                                               int64_t clean, const char* what) {
+  int64_t non_finite = 0, finite_wrongly = 0, dirty = 0;
+  std::ostringstream first;
+  for (size_t e = 0; e < got.size(); ++e) {
+    if (!std::isfinite(want[e])) {
+      ++non_finite;
+      if (std::isfinite(got[e]) && finite_wrongly++ == 0)
+        first << " element " << e << " is " << got[e] << " where the formula gives " << want[e];
+    }
+    if (head_of(static_cast<int64_t>(e)) == clean && !std::isfinite(got[e]) && dirty++ == 0)
+      first << " element " << e << " of the clean kv head is " << got[e];
+  }
+  EXPECT_EQ(finite_wrongly, 0) << what << ": finite where the formula is not;" << first.str();
+  EXPECT_EQ(dirty, 0) << what << ": non-finite in the clean kv head;" << first.str();
+  return non_finite;
+}
+
+struct Poison {
+  const char* name;
+  char tensor;  // 'q', 'k' or 'v'
+  int64_t row, head;
+  float value;
+};
+
+TEST_P(PerTarget, NonFiniteInputsNeverGiveAFiniteAnswer) {
+  const ScopedKernelPath scoped(GetParam().c_str());
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  // S = 200 over 64 x 64 tiles (the poison in the first, a middle and the last tile), H = 4 over
+  // Hkv = 2; causal, then window 1 (each row sees only its own key).
+  for (const Mask mask : {Mask{true, 0}, Mask{false, 1}}) {
+    const Poison poisons[] = {{"q NaN", 'q', 70, 1, nan},    {"k NaN", 'k', 10, 1, nan},
+                              {"v NaN", 'v', 130, 0, nan},   {"k +inf", 'k', 150, 1, inf},
+                              {"q -inf", 'q', 199, 3, -inf}, {"k NaN, last row", 'k', 199, 0, nan}};
+    for (const Poison& poison : poisons) {
+      SCOPED_TRACE(std::string(poison.name) + (mask.causal ? ", causal" : ", window 1"));
+      Problem p;
+      p.sq = p.sk = 200;
+      p.h = 4;
+      p.hkv = 2;
+      p.d = 32;
+      p.mask = mask;
+      p.qpos.resize(200);
+      std::iota(p.qpos.begin(), p.qpos.end(), 0);
+      p.kpos = p.qpos;
+      fill_inputs(p, 91);
+      Tensor<float>& t = poison.tensor == 'q' ? p.q : poison.tensor == 'k' ? p.k : p.v;
+      for (int64_t e = 0; e < p.d; e += 7) t.view3()(poison.row, poison.head, e) = poison.value;
+      const int64_t group = poison.tensor == 'q' ? poison.head / 2 : poison.head;
+      const int64_t clean = 1 - group;
+      const RefResult ref = run_reference(p);
+      const KernelConfig cfg = config(p, 64, 64, 2);
+      const Result r = run_blockwise(p, cfg);
+      const Bf16Problem b = to_bf16_problem(p);
+      const Bf16Result rb = run_blockwise_bf16(b, cfg);
+      // [S, H, D] element -> kv head; [S, Hkv, D] element -> kv head; [H, S] lse -> kv head.
+      const auto q_head = [&](int64_t e) { return e / p.d % p.h / (p.h / p.hkv); };
+      const auto kv_head = [&](int64_t e) { return e / p.d % p.hkv; };
+      const auto lse_head = [&](int64_t e) { return e / p.sq / (p.h / p.hkv); };
+      for (const bool bf16 : {false, true}) {
+        SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+        const std::vector<float> out = bf16 ? convert<float>(rb.out).vec() : r.out.vec();
+        const int64_t n =
+            expect_non_finite_where_the_formula_is(out, ref.out.vec(), q_head, clean, "out");
+        EXPECT_GT(n, 0) << "the formula's out must be NaN somewhere";
+        expect_non_finite_where_the_formula_is(bf16 ? rb.lse : r.lse, ref.lse, lse_head, clean,
+                                               "lse");
+        expect_non_finite_where_the_formula_is(bf16 ? rb.dq.vec() : r.dq.vec(), ref.dq.vec(),
+                                               q_head, clean, "dq");
+        expect_non_finite_where_the_formula_is(bf16 ? rb.dk.vec() : r.dk.vec(), ref.dk.vec(),
+                                               kv_head, clean, "dk");
+        expect_non_finite_where_the_formula_is(bf16 ? rb.dv.vec() : r.dv.vec(), ref.dv.vec(),
+                                               kv_head, clean, "dv");
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, PerTarget, ::testing::ValuesIn(kernels::kernel_target_names()),
                          [](const auto& info) { return info.param; });
 
