@@ -155,7 +155,7 @@ def alternate(args):
     # (CpAttention::forward / backward, timed in C++). This is exactly what the binding adds.
     g = lt._group(pg)
     op = g.op("ring", "zigzag", 1, 0, True, 0, args.dim ** -0.5, 1, args.seq, args.heads,
-              args.kv_heads, args.dim, False, [], q, k, v)
+              args.kv_heads, args.dim, False, [], q, k, v, False)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     dout = torch.randn(q.shape)
     inner = {"f": [], "b": []}
@@ -241,7 +241,7 @@ def main():
     x = torch.randn(8, 1, 16)
     n = args.tiny_iters
     bare = median_time(
-        lambda: _loom.attention_forward(q, k, v, 1, 8, [], 1, 1, 16, True, 0, 0.25, False), n, 50)
+        lambda: _loom.attention_forward(q, k, v, 1, 8, [], 1, 1, 16, True, 0, 0.25, False, False), n, 50)
     op = median_time(lambda: lt.attention(q, k, v), n, 50)
     add = median_time(lambda: x + 1, n, 50)
     qg = q.clone().requires_grad_()

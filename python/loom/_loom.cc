@@ -241,6 +241,60 @@ struct CpOp {
   double last_forward_s = 0, last_backward_s = 0;
 };
 
+// loom.torch's small all-gathers (a forward's arguments, a backward's check, unshard's
+// description) travel on one internal tag, and gloo aborts the process from its I/O thread when a
+// message is longer than the buffer posted for it (a shorter one is taken, truncated). So every
+// one of them has the same size, kExchangeSlots int64, and starts with what the rank is calling:
+// ranks out of step (one in a backward, another in the next forward) get one clear error each,
+// never an abort or one exchange read as another.
+enum class Phase : int64_t {
+  kForward = 0x6c6f6f6d01,
+  kBackward = 0x6c6f6f6d02,
+  kUnshard = 0x6c6f6f6d03
+};
+constexpr int kExchangeSlots = 24, kExchangeFields = kExchangeSlots - 1;
+
+const char* phase_name(int64_t p) {
+  switch (static_cast<Phase>(p)) {
+    case Phase::kForward:
+      return "cp_attention (the forward)";
+    case Phase::kBackward:
+      return "the backward of cp_attention (under detect_anomaly)";
+    case Phase::kUnshard:
+      return "unshard";
+  }
+  return "an unknown call";
+}
+
+// Every rank's `fields` (at most kExchangeFields; the rest reads 0), rank-major with a stride of
+// kExchangeFields, once every rank has called `phase`.
+std::vector<int64_t> exchange(loom::Communicator& comm, Phase phase,
+                              const std::vector<int64_t>& fields) {
+  LOOM_CHECK(fields.size() <= static_cast<size_t>(kExchangeFields), InvalidArgument,
+             "exchange of " << fields.size() << " fields");
+  const int P = comm.size(), me = comm.rank();
+  int64_t mine[kExchangeSlots] = {};
+  mine[0] = static_cast<int64_t>(phase);
+  std::copy(fields.begin(), fields.end(), mine + 1);
+  std::vector<int64_t> all(static_cast<size_t>(kExchangeSlots) * P);
+  {
+    py::gil_scoped_release nogil;
+    comm.all_gather(mine, sizeof mine, all.data());
+  }
+  std::vector<int64_t> out(static_cast<size_t>(kExchangeFields) * P);
+  for (int r = 0; r < P; ++r) {
+    const int64_t theirs = all[static_cast<size_t>(r) * kExchangeSlots];
+    LOOM_CHECK(theirs == mine[0], InvalidArgument,
+               "loom.torch: rank " << me << " is in " << phase_name(mine[0]) << " while rank " << r
+                                   << " is in " << phase_name(theirs)
+                                   << ": every rank of the group must make the same loom.torch "
+                                      "calls in the same order");
+    std::copy_n(all.begin() + static_cast<ptrdiff_t>(r) * kExchangeSlots + 1, kExchangeFields,
+                out.begin() + static_cast<ptrdiff_t>(r) * kExchangeFields);
+  }
+  return out;
+}
+
 class Group {
  public:
   Group(c10::intrusive_ptr<c10d::ProcessGroup> pg, double timeout_s)
@@ -257,6 +311,21 @@ class Group {
   void barrier() {
     py::gil_scoped_release nogil;
     comm_->barrier();
+  }
+  // unshard's description of its part (at most kExchangeFields numbers), every rank's, rank-major.
+  std::vector<int64_t> unshard_exchange(const std::vector<int64_t>& fields) {
+    return exchange(*comm_, Phase::kUnshard, fields);
+  }
+  // Every rank's bytes (a 1-d uint8 tensor of the same length on every rank): [P, n], under
+  // loom's timeout.
+  at::Tensor all_gather_bytes(const at::Tensor& t) {
+    LOOM_CHECK(
+        t.scalar_type() == at::kByte && t.dim() == 1 && t.is_contiguous() && t.device().is_cpu(),
+        InvalidArgument, "all_gather_bytes takes a contiguous 1-d uint8 CPU tensor");
+    at::Tensor all = at::empty({comm_->size(), t.numel()}, at::kByte);
+    py::gil_scoped_release nogil;
+    comm_->all_gather(t.data_ptr(), static_cast<size_t>(t.numel()), all.data_ptr());
+    return all;
   }
 
   // The op for these arguments (cached; construction is collective). `rows` is this rank's
@@ -305,44 +374,43 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   constexpr int kAgree = 15, kN = kAgree + 2, kAnomaly = 14;
   const auto bad =
       check_finite ? find_non_finite({&q, &k, &v}) : std::pair<int64_t, int64_t>{0, -1};
-  const int64_t mine[kN] = {rows,
-                            batch,
-                            heads,
-                            kv_heads,
-                            dim,
-                            causal,
-                            window,
-                            strategy_index(strat),
-                            static_cast<int64_t>(lay),
-                            ulysses,
-                            is_bf16,
-                            docs_hash,
-                            inner,
-                            scale_bits,
-                            check_finite,
-                            bad.first,
-                            bad.second};
-  std::vector<int64_t> all(static_cast<size_t>(kN) * P);
-  {
-    py::gil_scoped_release nogil;
-    comm_->all_gather(mine, sizeof mine, all.data());
-  }
+  const std::vector<int64_t> mine = {rows,
+                                     batch,
+                                     heads,
+                                     kv_heads,
+                                     dim,
+                                     causal,
+                                     window,
+                                     strategy_index(strat),
+                                     static_cast<int64_t>(lay),
+                                     ulysses,
+                                     is_bf16,
+                                     docs_hash,
+                                     inner,
+                                     scale_bits,
+                                     check_finite,
+                                     bad.first,
+                                     bad.second};
+  static_assert(kN <= kExchangeFields);
+  constexpr int kStride = kExchangeFields;
+  const std::vector<int64_t> all = exchange(*comm_, Phase::kForward, mine);
   for (int r = 0; r < P; ++r) {
     for (int i = 1; i < kAgree; ++i) {
-      LOOM_CHECK(all[r * kN + i] == mine[i], InvalidArgument,
-                 "cp_attention: the ranks of the group disagree on "
-                     << names[i] << ": rank " << me << " passed "
-                     << (i == kAnomaly - 1 ? std::to_string(scale) : std::to_string(mine[i]))
-                     << ", rank " << r << " passed "
-                     << (i == kAnomaly - 1 ? "another scale" : std::to_string(all[r * kN + i])));
+      LOOM_CHECK(
+          all[r * kStride + i] == mine[i], InvalidArgument,
+          "cp_attention: the ranks of the group disagree on "
+              << names[i] << ": rank " << me << " passed "
+              << (i == kAnomaly - 1 ? std::to_string(scale) : std::to_string(mine[i])) << ", rank "
+              << r << " passed "
+              << (i == kAnomaly - 1 ? "another scale" : std::to_string(all[r * kStride + i])));
     }
   }
   for (int r = 0; r < P; ++r)
-    require_finite({all[r * kN + kAgree], all[r * kN + kAgree + 1]},
-                   Dims{all[r * kN], heads, kv_heads, dim},
+    require_finite({all[r * kStride + kAgree], all[r * kStride + kAgree + 1]},
+                   Dims{all[r * kStride], heads, kv_heads, dim},
                    "cp_attention: rank " + std::to_string(r) + "'s ");
   int64_t total = 0;
-  for (int r = 0; r < P; ++r) total += all[r * kN];
+  for (int r = 0; r < P; ++r) total += all[r * kStride];
   int64_t len = 0;
   if (batch > 0) {
     len = total / batch;
@@ -356,7 +424,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   LOOM_CHECK(len >= 1, InvalidArgument, "cp_attention: the global sequence is empty");
 
   std::ostringstream key;
-  for (int r = 0; r < P; ++r) key << all[r * kN] << ',';
+  for (int r = 0; r < P; ++r) key << all[r * kStride] << ',';
   for (int i = 1; i < kAnomaly; ++i) key << mine[i] << ',';  // either way, the same op
   auto it = cache_.find(key.str());
   if (it != cache_.end()) return it->second;
@@ -366,8 +434,8 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   op->plan = make_plan(lay, batch, len, P, doc_lengths);
   for (int r = 0; r < P; ++r) {
     const int64_t expect = op->plan.rows(r);
-    LOOM_CHECK(all[r * kN] == expect, InvalidArgument,
-               "cp_attention: rank " << r << " holds " << all[r * kN] << " rows but layout '"
+    LOOM_CHECK(all[r * kStride] == expect, InvalidArgument,
+               "cp_attention: rank " << r << " holds " << all[r * kStride] << " rows but layout '"
                                      << layout << "' of " << (batch > 0 ? "S = " : "T = ") << len
                                      << " tokens over " << P << " ranks puts " << expect
                                      << " there (shard the input with loom.torch.shard)");
@@ -423,16 +491,13 @@ py::tuple cp_backward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const 
     // holds a NaN or Inf (one small all-gather), so that all raise together rather than wait for
     // the one that raised.
     const auto bad = find_non_finite({&dout}, 4);
-    const int64_t mine[3] = {op.rows, bad.first, bad.second};
-    const int P = op.comm->size();
-    std::vector<int64_t> all(3 * static_cast<size_t>(P));
-    {
-      py::gil_scoped_release nogil;
-      op.comm->all_gather(mine, sizeof mine, all.data());
-    }
-    for (int r = 0; r < P; ++r)
-      require_finite({all[3 * r + 1], all[3 * r + 2]}, Dims{all[3 * r], s.h, s.hk, s.d},
+    const std::vector<int64_t> all =
+        exchange(*op.comm, Phase::kBackward, {op.rows, bad.first, bad.second});
+    for (int r = 0; r < op.comm->size(); ++r) {
+      const int64_t* f = all.data() + static_cast<ptrdiff_t>(r) * kExchangeFields;
+      require_finite({f[1], f[2]}, Dims{f[0], s.h, s.hk, s.d},
                      "cp_attention backward: rank " + std::to_string(r) + "'s ");
+    }
   }
   const Grads g = make_grads(s, at::kFloat, false);
   {
@@ -661,6 +726,8 @@ PYBIND11_MODULE(_loom, m) {
       .def_property_readonly("size", &Group::size)
       .def_property("timeout_s", &Group::timeout_s, &Group::set_timeout_s)
       .def("barrier", &Group::barrier)
+      .def("unshard_exchange", &Group::unshard_exchange)
+      .def("all_gather_bytes", &Group::all_gather_bytes)
       .def("op", &Group::op);
 
   m.def("cp_forward", &cp_forward);

@@ -79,6 +79,9 @@ def _check_qkv(q, k, v, cu_seqlens, allow_f64=False):
     if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise InvalidArgument(
             f"q {list(q.shape)} and k {list(k.shape)} must agree on every dimension but the heads")
+    if q.shape[:-2].numel() == 0:
+        raise InvalidArgument(f"q holds no tokens (shape {list(q.shape)}); loom.torch needs at "
+                              "least one")
     heads, kv_heads, dim = q.shape[-2], k.shape[-2], q.shape[-1]
     if heads < 1 or kv_heads < 1 or heads % kv_heads != 0:
         raise InvalidArgument(
@@ -86,6 +89,18 @@ def _check_qkv(q, k, v, cu_seqlens, allow_f64=False):
     if dim < 1 or dim > 256:
         raise InvalidArgument(f"head_dim must be in [1, 256], got {dim}")
     return heads, kv_heads, dim
+
+
+def _finite(x):
+    """math.isfinite, false for an int too large for a float (isfinite raised OverflowError)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+_MIN_SCALE = 1.401298464324817e-45  # the smallest positive fp32
+_MAX_SCALE = 3.4028234663852886e38 / 1.4426950408889634  # times log2(e) stays finite
 
 
 def _check_mask(causal, window, scale, dim):
@@ -102,10 +117,16 @@ def _check_mask(causal, window, scale, dim):
     if scale is None:
         s = 1.0 / math.sqrt(dim)
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
-            math.isfinite(scale) and scale > 0):
+            _finite(scale) and scale > 0):
         raise InvalidArgument(f"scale must be None or a positive finite number, got {scale!r}")
     else:
         s = float(scale)
+        # The kernels take the scale in fp32, times log2(e): a value that rounds to 0 there or
+        # overflows was reported as "got 0" or "got inf", a number the caller never passed.
+        s32 = torch.tensor(s, dtype=torch.float32).item()
+        if not 0 < s32 <= _MAX_SCALE:
+            raise InvalidArgument(f"scale must be within fp32's range for the kernels "
+                                  f"({_MIN_SCALE:.3g} .. {_MAX_SCALE:.6g}), got {scale!r}")
     return w, s
 
 
@@ -141,10 +162,10 @@ def _doc_lengths(cu_seqlens, total=None, what="T"):
 # ---------------------------------------------------------------------------------------------
 # Groups.
 
-_groups = {}  # id(ProcessGroup) -> (ProcessGroup, _loom.Group)
+_groups = {}  # id(ProcessGroup) -> (ProcessGroup, _loom.Group, registered in torch's group map)
 
 
-def _group(group):
+def _group(group, who="cp_attention"):
     if group is None:
         if not dist.is_available() or not dist.is_initialized():
             launcher = _loom.launcher_backend()  # loom's one launcher check: mpi, torch, local
@@ -152,14 +173,24 @@ def _group(group):
                     "torch.distributed.init_process_group('gloo') first" if launcher == "torch"
                     else "call torch.distributed.init_process_group first (under torchrun), "
                     "or pass group=")
-            raise InvalidArgument(f"cp_attention needs a process group: {hint}")
+            raise InvalidArgument(f"{who} needs a process group: {hint}")
         group = dist.distributed_c10d._get_default_group()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise InvalidArgument(f"{who}: this rank is not a member of the group (torch.distributed "
+                              "gives ranks outside a new_group NON_GROUP_MEMBER)")
     if not isinstance(group, dist.ProcessGroup):
         raise InvalidArgument(
             f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
     entry = _groups.get(id(group))
     if entry is None or entry[0] is not group:
-        entry = (group, _loom.Group(group))
+        # Forget groups that torch.distributed has destroyed since: each entry holds its group,
+        # its sockets and its ops' buffers (30 new_group / destroy_process_group rounds kept 60
+        # file descriptors open). A group torch never registered is kept as long as the process.
+        live = dist.distributed_c10d._pg_map
+        for key, (pg, _, registered) in list(_groups.items()):
+            if registered and pg not in live:
+                del _groups[key]
+        entry = (group, _loom.Group(group), group in live)
         _groups[id(group)] = entry
     return entry[1]
 
@@ -170,7 +201,7 @@ def set_timeout(seconds, group=None):
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < seconds <= 1e9:
         raise InvalidArgument(
             f"timeout must be a positive number of seconds, at most 1e9, got {seconds!r}")
-    _group(group).timeout_s = float(seconds)
+    _group(group, "set_timeout").timeout_s = float(seconds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,11 +231,14 @@ def _lse_in(lse, batch):
 # returns.
 
 def _save_forward(ctx, q, k, v, out, lse, batch, seq):
-    """out in q's shape; q, k, v, out and the engine's lse [H, rows] saved for backward; and lse as
-    the caller sees it (_lse_out), marked non-differentiable."""
-    out = out.view(q.shape)
+    """out (the engine makes it in q's shape: not a view, so that the caller may modify it in
+    place); q, k, v, out and the engine's lse [H, rows] saved for backward; and lse as the caller
+    sees it (_lse_out, never the saved tensor itself), marked non-differentiable."""
+    assert out.shape == q.shape and out._base is None
     ctx.save_for_backward(q, k, v, out, lse)
     lse_out = _lse_out(lse, batch, seq)
+    if lse_out.data_ptr() == lse.data_ptr():  # thd, or B = 1: a copy, [H, rows] floats
+        lse_out = lse_out.clone()
     ctx.mark_non_differentiable(lse_out)
     return out, lse_out
 
@@ -237,6 +271,7 @@ class _Attention(torch.autograd.Function):
         return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, dout = _saved(ctx, dout)
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
@@ -275,6 +310,7 @@ class _CpAttention(torch.autograd.Function):
         return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, dout = _saved(ctx, dout)
         grads = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse, ctx.check)
@@ -327,11 +363,11 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     return (out, lse) if return_lse else out
 
 
-def _shard_args(x, group, layout, cu_seqlens, dim, name):
+def _shard_args(x, group, layout, cu_seqlens, dim, name, who):
     _tensor(x, name)
     if not isinstance(layout, str) or layout not in layouts:
         raise InvalidArgument(f"unknown layout {layout!r} (choose contiguous, zigzag or stripe)")
-    g = _group(group)
+    g = _group(group, who)
     if dim is None:
         dim = 0 if cu_seqlens is not None else 1
     if not isinstance(dim, numbers.Integral) or not -x.dim() <= dim < x.dim():
@@ -342,7 +378,7 @@ def _shard_args(x, group, layout, cu_seqlens, dim, name):
 def shard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     """This rank's part of the global tensor x, split along `dim` (default: 1 for [B, S, ...], 0
     for [T, ...] with cu_seqlens) the way cp_attention expects. Returns a new contiguous tensor."""
-    g, dim = _shard_args(x, group, layout, cu_seqlens, dim, "x")
+    g, dim = _shard_args(x, group, layout, cu_seqlens, dim, "x", "shard")
     length = x.shape[dim]
     if length < 1:
         raise InvalidArgument(f"shard: x has no tokens along dim {dim} (shape {list(x.shape)})")
@@ -354,20 +390,55 @@ def shard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     return x.index_select(dim, idx).contiguous()
 
 
+_UNSHARD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+                   torch.complex128)
+_UNSHARD_MAX_DIMS = 16
+
+
 def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     """The inverse of shard: gathers every rank's part (collective over group) and returns the
-    global tensor on every rank. Not differentiable (use it for outputs and checks)."""
-    g, dim = _shard_args(x, group, layout, cu_seqlens, dim, "x")
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(g.size)]
-    dist.all_gather(sizes, torch.tensor([x.shape[dim]], dtype=torch.int64), group=pg)
-    sizes = [int(s.item()) for s in sizes]
+    global tensor on every rank. Not differentiable (use it for outputs and checks). The ranks
+    must pass parts of one dtype and one shape but along `dim`, with the same layout and
+    cu_seqlens: a rank that differs gets InvalidArgument on every rank; a rank that never calls
+    it, loom.Timeout (set_timeout)."""
+    g, dim = _shard_args(x, group, layout, cu_seqlens, dim, "x", "unshard")
+    if x.dim() > _UNSHARD_MAX_DIMS:
+        raise InvalidArgument(f"unshard takes at most {_UNSHARD_MAX_DIMS} dims, got {x.dim()}")
+    if cu_seqlens is not None:
+        docs = _doc_lengths(cu_seqlens, None, what="the ranks' parts together")
+        docs_key = hash(tuple(docs))
+    else:
+        docs, docs_key = [], -1
+    dtype_key = _UNSHARD_DTYPES.index(x.dtype) if x.dtype in _UNSHARD_DTYPES else -1
+    if dtype_key < 0:
+        raise InvalidArgument(f"unshard: x has dtype {x.dtype}, which it does not gather")
+    shape = list(x.shape)
+    shape[dim] = 0
+    mine = [x.shape[dim], x.dim(), dim, dtype_key, layouts.index(layout), docs_key] + shape
+    # Every rank's description through loom (its timeout; an exchange of one size for every
+    # loom.torch collective): a part of another dtype or shape was read as bytes of this one
+    # (a wrong tensor, or gloo aborting the process).
+    fields = g.unshard_exchange(mine)
+    stride = len(fields) // g.size
+    what = ("number of dims", "dim", "dtype", "layout", "cu_seqlens")
+    for r in range(g.size):
+        theirs = fields[r * stride: r * stride + len(mine)]
+        for i, name in enumerate(what, start=1):
+            if theirs[i] != mine[i]:
+                raise InvalidArgument(f"unshard: rank {r} and rank {g.rank} disagree on the {name}")
+        if theirs[len(what) + 1:] != mine[len(what) + 1:]:
+            their_shape = theirs[len(what) + 1:]
+            their_shape[dim] = theirs[0]
+            raise InvalidArgument(f"unshard: rank {r}'s part has shape {their_shape}, rank "
+                                  f"{g.rank}'s {list(x.shape)}: they must agree but along dim {dim}")
+    sizes = [fields[r * stride] for r in range(g.size)]
     total = sum(sizes)
     if cu_seqlens is not None:
         docs = _doc_lengths(cu_seqlens, total, what="the ranks' parts together")
         batch = 0
     else:
-        docs, batch = [], 1
+        batch = 1
     idxs = [_loom.shard_index(layout, g.size, r, batch, total, docs) for r in range(g.size)]
     for r in range(g.size):
         if idxs[r].numel() != sizes[r]:
@@ -380,13 +451,12 @@ def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     padded[: xt.shape[0]] = xt
     if padded.dim() == 1:
         padded = padded.view(-1, 1)
-    padded = padded.view(torch.uint8)  # gather the bytes: gloo has no bf16 (nor int16, bool)
-    parts = [torch.empty_like(padded) for _ in range(g.size)]
-    dist.all_gather(parts, padded, group=pg)
-    parts = [p.view(x.dtype).view((width,) + tuple(xt.shape[1:])) for p in parts]
+    raw = padded.view(torch.uint8).reshape(-1)  # bytes: gloo has no bf16 (nor int16, bool)
+    parts = g.all_gather_bytes(raw)
     out = torch.empty((total,) + tuple(xt.shape[1:]), dtype=x.dtype)
     for r in range(g.size):
-        out.index_copy_(0, idxs[r], parts[r][: sizes[r]])
+        part = parts[r].view(x.dtype).view((width,) + tuple(xt.shape[1:]))
+        out.index_copy_(0, idxs[r], part[: sizes[r]])
     return out.movedim(0, dim).contiguous()
 
 
@@ -403,9 +473,10 @@ class _Reference(torch.autograd.Function):
         ctx.save_for_backward(q, k, v)
         lse_out = _lse_out(lse, batch, seq)
         ctx.mark_non_differentiable(lse_out)
-        return out.view(q.shape), lse_out
+        return out, lse_out  # made like q: not a view
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v = ctx.saved_tensors
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
@@ -437,23 +508,34 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
     with "kind" and "text"), and the heat map.
 
     Every tensor is GLOBAL, in token order: q, out, dout, dq [S, H, D] (or [1, S, H, D]), k, v,
-    dk, dv [S, Hkv, D], lse [H, S] (loom.torch.unshard first if you hold shards). Any of out, lse,
+    dk, dv [S, Hkv, D], lse [H, S] or [1, H, S] (loom.torch.unshard first if you hold shards). Any of out, lse,
     dq, dk, dv may be None (not checked); dq, dk, dv need dout. layout and ranks name the
     candidate's sharding (contiguous, zigzag, stripe, rfa-zigzag, te-thd, torch-headtail,
     megatron), so the diagnosis can speak of ranks, chunks and ring steps. dtype: "fp32" or
     "bf16" (the tolerances); default from out's dtype."""
     import json
 
-    def flat(x, name):
+    def flat(x, name, batched_dims=4):
         if x is None:
             return None
         _tensor(x, name)
-        if x.dim() == 4:
+        if not x.is_floating_point():
+            raise InvalidArgument(f"verify: {name} has dtype {x.dtype}; verify takes floating-point "
+                                  "tensors (float32, bfloat16, float16, float64)")
+        if x.dim() == batched_dims:
             if x.shape[0] != 1:
                 raise InvalidArgument(f"verify: {name} has batch {x.shape[0]}; pass one sequence "
                                       "([S, H, D] or [1, S, H, D]), or cu_seqlens for packed documents")
             x = x[0]
         return x.detach().double().contiguous()
+
+    if dtype is not None and dtype not in ("fp32", "bf16"):
+        raise InvalidArgument(f"verify: dtype must be None, 'fp32' or 'bf16', got {dtype!r}")
+    if not isinstance(layout, str):
+        raise InvalidArgument(f"verify: layout must be a string, got {layout!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, numbers.Integral) or not 1 <= ranks <= 2**31 - 1:
+        raise InvalidArgument(f"verify: ranks must be a positive int (at most 2^31 - 1), got {ranks!r}")
+    out64 = flat(out, "out")
 
     q64, k64, v64 = (flat(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     heads, kv_heads, dim = _check_qkv(q64, k64, v64, cu_seqlens if cu_seqlens is not None else
@@ -465,10 +547,8 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
                               "pass dout")
     if dtype is None:
         dtype = "bf16" if out is not None and out.dtype == torch.bfloat16 else "fp32"
-    if isinstance(ranks, bool) or not isinstance(ranks, numbers.Integral) or ranks < 1:
-        raise InvalidArgument(f"verify: ranks must be a positive int, got {ranks!r}")
-    lse64 = None if lse is None else lse.detach().double().contiguous()
+    lse64 = flat(lse, "lse", batched_dims=3)  # [H, S], or [1, H, S] as attention() returns it
     text = _loom.verify_json(q64, k64, v64, flat(dout, "dout"), causal, window, scale, docs,
-                             flat(out, "out"), lse64, flat(dq, "dq"), flat(dk, "dk"),
+                             out64, lse64, flat(dq, "dq"), flat(dk, "dk"),
                              flat(dv, "dv"), layout, int(ranks), dtype)
     return json.loads(text)

@@ -262,6 +262,42 @@ if P > 1:
     with torch.autograd.set_detect_anomaly(RANK == 0):
         expect_error(loom.InvalidArgument, "disagree on detect_anomaly", lambda: lt.cp_attention(q, k, k))
 
+    # Ranks out of step: rank 0 in a backward (under detect_anomaly, which exchanges) while the
+    # others start the next forward, or rank 0 in unshard while the others are in cp_attention.
+    # One clear error on every rank: the exchanges once had different sizes on one tag, and gloo
+    # aborted the process (or a rank read the other call's message as its own).
+    with torch.autograd.detect_anomaly():
+        qg = q.clone().requires_grad_()
+        o = lt.cp_attention(qg, k, k)
+        expect_error(loom.InvalidArgument,
+                     "is in the backward of cp_attention (under detect_anomaly) while rank" if RANK == 0
+                     else "while rank 0 is in the backward of cp_attention",
+                     (lambda: o.sum().backward()) if RANK == 0 else (lambda: lt.cp_attention(q, k, k)))
+    expect_error(loom.InvalidArgument, "every rank of the group must make the same loom.torch calls",
+                 (lambda: lt.unshard(q)) if RANK == 0 else (lambda: lt.cp_attention(q, k, k)))
+    # unshard: parts that disagree are refused on every rank (a bf16 part was read as the bytes of
+    # fp32 ones, a wrong tensor, or gloo aborted the process; another layout gave a wrong tensor).
+    xs = lt.shard(torch.arange(16.0 * P).view(1, 8 * P, 2))
+    expect_error(loom.InvalidArgument, "disagree on the dtype",
+                 lambda: lt.unshard(xs.bfloat16() if RANK == 0 else xs))
+    expect_error(loom.InvalidArgument, "they must agree but along dim 1",
+                 lambda: lt.unshard(torch.cat([xs, xs], 2) if RANK == 0 else xs))
+    expect_error(loom.InvalidArgument, "disagree on the layout",
+                 lambda: lt.unshard(xs, layout="stripe" if RANK == 0 else "zigzag"))
+    check(torch.equal(lt.unshard(xs), torch.arange(16.0 * P).view(1, 8 * P, 2)), "unshard after its errors")
+
+# Groups that torch.distributed destroys are forgotten: each kept its sockets and its ops' buffers
+# (30 new_group / destroy_process_group rounds kept 60 more file descriptors open at P = 2).
+fds_before = len(os.listdir("/proc/self/fd"))
+for _ in range(10):
+    pg = dist.new_group(list(range(P)))
+    lt.cp_attention(q, k, k, group=pg)
+    dist.destroy_process_group(pg)
+fds_after = len(os.listdir("/proc/self/fd"))
+check(fds_after <= fds_before + 4 * (P - 1) + 2 and len(lt._groups) <= 2,
+      f"destroyed groups are released: file descriptors {fds_before} -> {fds_after}, "
+      f"{len(lt._groups)} groups held")
+
 # One more real call after the errors: the group is still usable.
 qs = lt.shard(torch.randn(1, 29, 2 * P, DIM))
 out = lt.cp_attention(qs, lt.shard(torch.randn(1, 29, P, DIM)), lt.shard(torch.randn(1, 29, P, DIM)))

@@ -206,6 +206,38 @@ for dt in (torch.float32, torch.bfloat16):
         dn[1, 8, 3, 7] = float("-inf")
         expect_error(E, "dout holds a NaN or Inf (row 17, head 3, dim 7", lambda: o.backward(dn))
     check(not torch.isfinite(lt.attention(qn, kn, k.to(dt))).all(), "outside anomaly mode: NaN out")
+# The scale travels in fp32: values that round to 0 or overflow there are refused with the value
+# given (they were reported as "got 0" and "got inf"); so is q with no tokens (it said "expected
+# 16 x 2 x 8 elements, got 0").
+expect_error(E, "scale must be within fp32's range for the kernels (1.4e-45 .. 2.35866e+38), got 1e+39",
+             lambda: lt.attention(q, k, k, scale=1e39))
+expect_error(E, "got 1e-46", lambda: lt.attention(q, k, k, scale=1e-46))
+expect_error(E, "scale must be None or a positive finite number", lambda: lt.attention(q, k, k, scale=10**400))
+z = torch.zeros(0, 16, 2, 8)
+expect_error(E, "q holds no tokens (shape [0, 16, 2, 8])", lambda: lt.attention(z, z, z))
+# The backward is not differentiable: a second derivative (a gradient penalty) raises instead of
+# silently leaving out the second-order term (the first gradient came back without a graph).
+for fn in (lt.attention, lt.reference_attention):
+    q2 = torch.randn(1, 8, 2, 4, requires_grad=True)
+    o2 = fn(q2, q2, q2)
+    g2, = torch.autograd.grad(o2.pow(2).sum(), q2, create_graph=True)
+    expect_error(RuntimeError, "once_differentiable", lambda: (g2 * g2).sum().backward())
+# out and lse are the caller's own: out is no view of a hidden tensor (modifying it in place was
+# refused as "a view ... being modified inplace"; now autograd's version check guards the saved
+# out, as for any saved tensor), and lse modified in place leaves the backward intact (for thd and
+# B = 1 it was the tensor saved for the backward, so the backward refused to run).
+x2 = torch.randn(1, 8, 2, 4, requires_grad=True)
+o2 = lt.attention(x2 * 1, x2 * 1, x2 * 1)
+check(o2._base is None, "out is not a view")
+o2 += x2
+expect_error(RuntimeError, "modified by an inplace operation", lambda: o2.sum().backward())
+for cu in (None, [0, 8]):
+    q2 = torch.randn(8, 2, 4) if cu else torch.randn(1, 8, 2, 4)
+    q2.requires_grad_()
+    o2, l2 = lt.attention(q2, q2, q2, cu_seqlens=cu, return_lse=True)
+    l2.mul_(0)
+    o2.sum().backward()
+    check(q2.grad is not None and torch.isfinite(q2.grad).all(), f"lse modified in place, cu_seqlens {cu}")
 if torch.cuda.is_available():
     expect_error(loom.NotSupported, "CPU tensors only", lambda: lt.attention(q.cuda(), k.cuda(), k.cuda()))
 else:
@@ -244,6 +276,19 @@ check(not rep["passed"], "verify fails an out 0.1 % off")
 expect_error(E, "pass dout", lambda: lt.verify(o4[0], q, k, v, dq=q4.grad[0]))
 expect_error(E, "ranks must be", lambda: lt.verify(o4[0], q, k, v, ranks=0))
 expect_error(E, "unknown", lambda: lt.verify(o4[0], q, k, v, layout="spiral", ranks=2))
+# verify's arguments: each bad one is loom's one-line error (these were pybind TypeErrors, an
+# AttributeError, torch's RuntimeError, or accepted: a complex out cut to its real part, int q).
+expect_error(E, "ranks must be a positive int (at most 2^31 - 1)", lambda: lt.verify(o4[0], q, k, v, ranks=2**40))
+expect_error(E, "dtype must be None, 'fp32' or 'bf16', got 16", lambda: lt.verify(o4[0], q, k, v, dtype=16))
+expect_error(E, "layout must be a string, got None", lambda: lt.verify(o4[0], q, k, v, layout=None))
+expect_error(E, "out must be a torch.Tensor, got list", lambda: lt.verify([1.0], q, k, v))
+expect_error(loom.NotSupported, "lse is on meta", lambda: lt.verify(o4[0], q, k, v, lse=l4[0].to("meta")))
+expect_error(E, "out has dtype torch.complex64", lambda: lt.verify(o4[0].to(torch.complex64), q, k, v))
+expect_error(E, "q has dtype torch.int32", lambda: lt.verify(o4[0], q.int(), k, v))
+# The [1, H, S] lse that attention() returns for [1, S, H, D] inputs is taken as it is.
+check(lt.verify(o4, q4.detach(), k4.detach(), v4.detach(), lse=l4)["passed"], "verify takes attention()'s bshd lse")
+expect_error(E, "shard needs a process group", lambda: lt.shard(q))
+expect_error(E, "set_timeout needs a process group", lambda: lt.set_timeout(3))
 
 print(f"test_single: {check.count} checks, {len(check.failures)} failures", flush=True)
 sys.exit(1 if check.failures else 0)
