@@ -47,3 +47,10 @@ add_test(NAME loom_plan_checks
          COMMAND ${CMAKE_CURRENT_LIST_DIR}/tools/plan_checks.sh $<TARGET_FILE:loom>
                  ${PROJECT_SOURCE_DIR}/plan/profiles)
 set_tests_properties(loom_plan_checks PROPERTIES LABELS "plan;tool" TIMEOUT 300)
+# Profiles checked field by field at load, simulation sizes that would wrap the counters, options
+# that do not apply to a mode or break loom attn's strategy rules, and what would make every
+# candidate of the search invalid: each one `loom: error:` line (tests/plan/plan_input_checks.sh).
+add_test(NAME loom_plan_input_checks
+         COMMAND ${CMAKE_CURRENT_LIST_DIR}/plan/plan_input_checks.sh $<TARGET_FILE:loom>
+                 ${PROJECT_SOURCE_DIR}/plan/profiles)
+set_tests_properties(loom_plan_input_checks PROPERTIES LABELS "plan;tool" TIMEOUT 120)

@@ -12,6 +12,8 @@
 // loom train's default model over tp = 2 (docs/planning.md). Communication: ping-pong on the local
 // backend between two ranks (half a round trip), 0 bytes for the latency and 8 MiB for the
 // bandwidth; the all-to-all and all-gather of 2 ranks are timed against that model.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -20,6 +22,7 @@
 #include "../kernels/tile_ops.h"
 #include "loom/comm.h"
 #include "loom/error.h"
+#include "loom/io.h"
 #include "loom/plan.h"
 #include "loom/rng.h"
 #include "loom/timer.h"
@@ -278,6 +281,13 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
     const double t = window_time([&] { std::memcpy(b.data(), a.data(), a.size()); }, 5);
     p.mem_bandwidth = 2.0 * static_cast<double>(a.size()) / t;
   }
+  // Memory per rank: this machine's available memory shared by the node's ranks (a profile needs
+  // a positive device.memory_bytes; 0 meant "no limit" to the planner).
+  {
+    int64_t avail = available_memory_bytes();
+    if (avail <= 0) avail = int64_t{sysconf(_SC_PHYS_PAGES)} * int64_t{sysconf(_SC_PAGE_SIZE)};
+    p.memory_bytes = std::max(1.0, static_cast<double>(avail) / ranks_per_node);
+  }
   // Local backend: ping-pong, all-to-all, all-gather between 2 ranks.
   double lat = 0, bw = 0, a2a = 0, ag = 0;
   run_local(2, [&](Communicator& c) {
@@ -313,6 +323,10 @@ Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
   p.gemm_eff = 1.0;
   const std::string how = "measured by loom plan --calibrate on this machine (threads per rank " +
                           std::to_string(threads) + ")";
+  p.sources["device.memory_bytes"] =
+      "this machine's available memory when calibrated (MemAvailable, or the cgroup's headroom) "
+      "over the ranks per node (" +
+      std::to_string(ranks_per_node) + ")";
   for (const char* f : {"device.tile_s.fp32", "device.work_tile", "device.tile_s.bf16",
                         "device.call_overhead_s", "device.alone_speedup", "device.mem_bandwidth",
                         "links.intra.bandwidth", "links.intra.latency_s", "collectives.a2a_eff",

@@ -53,6 +53,13 @@ namespace {
 // at S = 128K, most of it on cp = 2048 and 4096 (64 and 32 tokens per rank).
 constexpr int64_t kMinTokensPerCpRank = 128;
 
+// Model sizes past any real model (Llama 3 405B: 126 layers, dim 16384, ffn 53248, vocab 128256)
+// but small enough that every size product stays an exact double.
+constexpr int64_t kMaxLayers = int64_t{1} << 16;
+constexpr int64_t kMaxDim = int64_t{1} << 20;
+constexpr int64_t kMaxFfn = int64_t{1} << 24;
+constexpr int64_t kMaxVocab = int64_t{1} << 24;
+
 // The divisors of n >= 1, ascending. Pairs (i, n / i) up to sqrt(n): the loop `i <= n` over int
 // wrapped past INT_MAX for --devices 2147483647 and divided by zero (SIGFPE).
 std::vector<int> divisors(int n) {
@@ -128,18 +135,38 @@ std::string fmt(double x, int prec = 2) {
 PlanResult plan(const PlanRequest& req, const Profile& prof) {
   const auto t_start = std::chrono::steady_clock::now();
   const ModelShape& M = req.model;
+  // Everything that would make every candidate invalid is refused here, in one line naming it
+  // (a negative window or documents not summing to S rejected every candidate, unexplained).
+  check_profile(prof);
   LOOM_CHECK(
       M.layers >= 1 && M.dim >= 1 && M.heads >= 1 && M.kv_heads >= 1 && M.ffn >= 1 && M.vocab >= 1,
       InvalidArgument, "--model values must be positive");
+  LOOM_CHECK(M.layers <= kMaxLayers && M.dim <= kMaxDim && M.ffn <= kMaxFfn && M.vocab <= kMaxVocab,
+             InvalidArgument,
+             "--model is too large: at most "
+                 << kMaxLayers << " layers, dim " << kMaxDim << ", ffn " << kMaxFfn << " and vocab "
+                 << kMaxVocab << " (got " << M.layers << " layers, dim " << M.dim << ", ffn "
+                 << M.ffn << ", vocab " << M.vocab << ")");
   LOOM_CHECK(M.dim % M.heads == 0, InvalidArgument,
              "model dim (" << M.dim << ") must be a multiple of heads (" << M.heads << ")");
   LOOM_CHECK(M.heads % M.kv_heads == 0, InvalidArgument,
              "heads (" << M.heads << ") must be a multiple of kv-heads (" << M.kv_heads << ")");
+  LOOM_CHECK(M.head_dim() <= kMaxHeadDim, InvalidArgument,
+             "the model's head dim (dim " << M.dim << " / " << M.heads
+                                          << " heads = " << M.head_dim() << ") must be at most "
+                                          << kMaxHeadDim << " (the attention kernels' limit)");
   LOOM_CHECK(req.devices >= 1, InvalidArgument, "--devices must be >= 1, got " << req.devices);
   LOOM_CHECK(req.seq >= 1, InvalidArgument, "--seq must be >= 1, got " << req.seq);
+  LOOM_CHECK(req.window >= 0, InvalidArgument,
+             "--window must be >= 0 (0 = no window), got " << req.window);
+  if (!req.doc_lengths.empty()) checked_doc_lengths(req.seq, req.doc_lengths);
+  LOOM_CHECK(req.dtype_bytes == 2 || req.dtype_bytes == 4, InvalidArgument,
+             "dtype must be fp32 (4 bytes) or bf16 (2 bytes), got " << req.dtype_bytes);
+  LOOM_CHECK(std::isfinite(req.memory_limit) && req.memory_limit >= 0, InvalidArgument,
+             "the memory limit must be a positive number of bytes (0: the profile's), got "
+                 << req.memory_limit);
   const double mem_limit = req.memory_limit > 0 ? req.memory_limit : prof.memory_bytes;
   const double peak = req.dtype_bytes == 2 ? prof.flops_bf16 : prof.flops_fp32;
-  LOOM_CHECK(peak > 0, InvalidArgument, "profile " << prof.name << " has no dense FLOP/s");
   std::vector<std::string> strategies = req.strategies.empty() ? schedule_names() : req.strategies;
   const std::vector<std::string> known = schedule_names();
   for (const std::string& s : strategies)
@@ -179,7 +206,6 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
     const int64_t hl = M.heads / tp;
     for (int cp : divisors(N / tp)) {
       const int dp = N / tp / cp;
-      if (req.seq < 2 * cp) continue;
       if (cp > 1 && req.seq / cp < kMinTokensPerCpRank) {
         Candidate c;
         c.dp = dp;
@@ -236,7 +262,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
               }
               // Cheap rejection before simulating: the memory without the strategy's buffers.
               const double mem_base = mem + tokens * static_cast<double>(M.vocab) / tp * 4.0;
-              if (mem_limit > 0 && mem_base > mem_limit) {
+              if (mem_base > mem_limit) {
                 c.fits = false;
                 c.why_not = "needs more than " + fmt(mem_base / 1e9, 1) + " GB per device, limit " +
                             fmt(mem_limit / 1e9, 1) + " GB";
@@ -298,7 +324,14 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
               c.memory_bytes = mem;
               c.tokens_per_s = dp * static_cast<double>(req.seq) / c.step_s;
               c.mfu = model_flops * dp / (N * peak * c.step_s);
-              if (mem_limit > 0 && mem > mem_limit) {
+              // A checked profile and problem give positive, finite figures; never rank others.
+              LOOM_CHECK(std::isfinite(c.step_s) && c.step_s > 0 && std::isfinite(c.mfu) &&
+                             std::isfinite(c.memory_bytes),
+                         InvalidArgument,
+                         "profile '" << prof.name << "' gives " << c.name() << " a step of "
+                                     << c.step_s << " s and " << c.memory_bytes
+                                     << " bytes per device; check its figures");
+              if (mem > mem_limit) {
                 c.fits = false;
                 c.why_not = "needs " + fmt(mem / 1e9, 1) + " GB per device, limit " +
                             fmt(mem_limit / 1e9, 1) + " GB";
@@ -423,6 +456,7 @@ namespace loom::plan {
 
 TrainStepPrediction predict_train_step(const TrainCase& c, const TrainMeasure& one,
                                        const Profile& p) {
+  check_profile(p);
   const ModelShape& M = c.model;
   const MeshShape& m = c.mesh;
   LOOM_CHECK(m.dp >= 1 && m.tp >= 1 && m.ulysses >= 1 && m.ring >= 1, InvalidArgument,

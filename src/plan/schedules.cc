@@ -217,7 +217,7 @@ void group_a2a(SimContext& x, int U, bool to_head, F bytes) {
         x.sent(members[i], b);
         x.received(members[p], b);
         const Link& l = x.link(members[i], members[p]);
-        cost[i] += l.latency + (l.bandwidth > 0 ? b / (l.bandwidth * x.p.a2a_eff) : 0.0);
+        cost[i] += l.latency + b / (l.bandwidth * x.p.a2a_eff);  // > 0: check_profile
       }
       const double self = 2.0 * static_cast<double>(bytes(members[i], members[i]));
       x.compute(members[i], x.mem_time((to_head ? 3 * in + out : out) + self), -1);
@@ -426,8 +426,7 @@ void allgather_schedule(SimContext& x) {
       for (int q = 0; q < P; ++q) {
         if (q == r) continue;
         const Link& l = x.link(r, q);
-        cost[r] +=
-            l.latency + (l.bandwidth > 0 ? per * elem / (l.bandwidth * x.p.allgather_eff) : 0.0);
+        cost[r] += l.latency + per * elem / (l.bandwidth * x.p.allgather_eff);  // check_profile
       }
       x.sent(r, (P - 1) * per * elem);
       x.received(r, (P - 1) * per * elem);

@@ -16,6 +16,13 @@ namespace {
 constexpr int kMaxSimRanks = 8192;
 constexpr double kMaxSimPairs = double(int64_t{1} << 34);
 constexpr int64_t kMaxSimQTiles = int64_t{1} << 30;
+// Heads of one simulated group, and the products the counters hold: every rank's bytes are a few
+// dozen times S x H x D (ring, Ulysses and all-gather alike), its tiles at most the whole
+// problem's (S / block_q) x (S / block_k) x H, forward and backward. Past these the int64
+// counters wrapped (--head-dim 2^63 - 1 reported -16777216 bytes sent).
+constexpr int64_t kMaxSimHeads = int64_t{1} << 16;
+constexpr double kMaxSimElements = double(int64_t{1} << 56);  // S x H x D
+constexpr double kMaxSimTiles = double(int64_t{1} << 61);
 
 std::map<std::string, ScheduleFn>& registry() {
   static std::map<std::string, ScheduleFn> r;
@@ -123,7 +130,7 @@ double SimContext::busy_scale(const std::vector<int>& members, const std::vector
 }
 
 double SimContext::mem_time(double bytes) const {
-  return p.mem_bandwidth > 0 ? bytes / p.mem_bandwidth : 0.0;
+  return bytes / p.mem_bandwidth;  // > 0: check_profile
 }
 
 double SimContext::kernel_time(const Work& w, int64_t heads, bool backward, int64_t kv_rows,
@@ -160,7 +167,7 @@ const Link& SimContext::link(int a, int b) const {
 
 double SimContext::message_time(int a, int b, double bytes) const {
   const Link& l = link(a, b);
-  return l.latency + (l.bandwidth > 0 ? bytes / l.bandwidth : 0.0);
+  return l.latency + bytes / l.bandwidth;  // > 0: check_profile
 }
 
 void SimContext::expose(int r, const char* kind, double s) {
@@ -240,9 +247,16 @@ void SimContext::gathered(int r, int64_t bytes) {
 
 AttnSim simulate_attention(const AttnCase& c, const Profile& p) {
   register_builtin_schedules();
+  check_profile(p);
+  LOOM_CHECK(c.seq >= 1, InvalidArgument, "the sequence length must be >= 1, got " << c.seq);
   LOOM_CHECK(c.heads >= 1 && c.kv_heads >= 1 && c.head_dim >= 1, InvalidArgument,
              "heads, kv-heads and head-dim must be positive (got " << c.heads << ", " << c.kv_heads
                                                                    << ", " << c.head_dim << ")");
+  LOOM_CHECK(c.head_dim <= kMaxHeadDim, InvalidArgument,
+             "head-dim must be in [1, " << kMaxHeadDim << "] (the attention kernels' limit), got "
+                                        << c.head_dim);
+  LOOM_CHECK(c.heads <= kMaxSimHeads, InvalidArgument,
+             "too large to simulate: " << c.heads << " heads, at most " << kMaxSimHeads);
   LOOM_CHECK(c.heads % c.kv_heads == 0, InvalidArgument,
              "heads (" << c.heads << ") must be a multiple of kv-heads (" << c.kv_heads << ")");
   LOOM_CHECK(c.ranks >= 1, InvalidArgument, "ranks must be >= 1, got " << c.ranks);
@@ -250,6 +264,21 @@ AttnSim simulate_attention(const AttnCase& c, const Profile& p) {
   LOOM_CHECK(c.dtype_bytes == 2 || c.dtype_bytes == 4, InvalidArgument,
              "dtype must be fp32 (4 bytes) or bf16 (2 bytes), got " << c.dtype_bytes);
   LOOM_CHECK(c.mask.window >= 0, InvalidArgument, "window must be >= 0, got " << c.mask.window);
+  const double elements =
+      static_cast<double>(c.seq) * static_cast<double>(c.heads) * static_cast<double>(c.head_dim);
+  LOOM_CHECK(elements <= kMaxSimElements, InvalidArgument,
+             "too large to simulate: S x H x D = " << c.seq << " x " << c.heads << " x "
+                                                   << c.head_dim << " = " << elements
+                                                   << " elements, at most 2^56 (the byte "
+                                                      "counters would overflow)");
+  const double q_tiles = std::ceil(static_cast<double>(c.seq) / static_cast<double>(c.block_q)),
+               k_tiles = std::ceil(static_cast<double>(c.seq) / static_cast<double>(c.block_k));
+  LOOM_CHECK(2.0 * q_tiles * k_tiles * static_cast<double>(c.heads) <= kMaxSimTiles,
+             InvalidArgument,
+             "too large to simulate: " << q_tiles << " x " << k_tiles << " tiles of " << c.block_q
+                                       << " x " << c.block_k << " for each of " << c.heads
+                                       << " heads, forward and backward, at most 2^61 (the tile "
+                                          "counters would overflow)");
   // Bounded work, checked before anything is built. The simulation keeps per-rank, per-step
   // state (O(P^2) for a ring of P ranks), visits every pair of chunks ((P c)^2 for c chunks per
   // rank: two per document with zigzag) and every q-tile of the pairs on the mask's diagonal

@@ -2,6 +2,7 @@
 // and a cluster profile (src/plan), simulate one attention (--simulate), or measure this
 // machine's profile (--calibrate).
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -31,7 +32,8 @@ struct PlanOptions {
   // --simulate: one attention case.
   bool simulate = false;
   std::string strategy = "ring", layout = "zigzag", dtype = "fp32";
-  int ranks = 2, ulysses = 0, inner = 1;
+  int ranks = 2;
+  DegreeOptions degrees;  // the registry's degree options (--ulysses, --inner, ...)
   int64_t heads = 8, kv_heads = 0, head_dim = 64;
   bool causal = true, forward_only = false;
   // --train-step: loom train's step on meshes of this machine.
@@ -40,6 +42,7 @@ struct PlanOptions {
   int64_t batch = 8, measure_steps = 5;
 };
 
+// A model name or LAYERS,DIM,HEADS,KV_HEADS,FFN,VOCAB; FFN 0 is 4 x DIM, as loom train's --ffn 0.
 plan::ModelShape parse_model(const std::string& s) {
   if (s == "llama3-8b") return {32, 4096, 32, 8, 14336, 128256};
   if (s == "llama3-70b") return {80, 8192, 64, 8, 28672, 128256};
@@ -48,16 +51,22 @@ plan::ModelShape parse_model(const std::string& s) {
   std::string item;
   while (std::getline(ss, item, ',')) {
     char* end = nullptr;
+    errno = 0;
     const long long x = std::strtoll(item.c_str(), &end, 10);
-    LOOM_CHECK(!item.empty() && end && *end == '\0' && x > 0, InvalidArgument,
-               "--model '" << s << "': '" << item
-                           << "' is not a positive integer (expected llama3-8b, llama3-70b or "
+    const bool ffn = v.size() == 4;
+    LOOM_CHECK(!item.empty() && end && *end == '\0' && errno == 0 && (x > 0 || (ffn && x == 0)),
+               InvalidArgument,
+               "--model '" << s << "': '" << item << "' is not a positive integer"
+                           << (ffn ? " or 0 (ffn 0: 4 x dim)" : "")
+                           << " (expected llama3-8b, llama3-70b or "
                               "layers,dim,heads,kv-heads,ffn,vocab)");
     v.push_back(x);
   }
   LOOM_CHECK(v.size() == 6, InvalidArgument,
              "--model '" << s << "' needs 6 numbers: layers,dim,heads,kv-heads,ffn,vocab");
-  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+  LOOM_CHECK(v[4] > 0 || v[1] <= (int64_t{1} << 60), InvalidArgument,
+             "--model '" << s << "': dim " << v[1] << " is too large");
+  return {v[0], v[1], v[2], v[3], v[4] > 0 ? v[4] : 4 * v[1], v[5]};
 }
 
 std::string gb(double b) {
@@ -295,6 +304,9 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
   c.checkpoint_activations = o.checkpoint_activations;
   c.par.layout = parse_layout(o.layout);
   c.par.threads = o.threads;
+  int inner = 1;  // ring2d's inner ring (--inner; 1 when not given)
+  for (const auto& [name, value] : o.degrees.values())
+    if (name == "inner" && app->count("--inner")) inner = value;
   // Every mesh is checked (as loom train would) before anything is measured.
   std::vector<plan::TrainCase> cases;
   for (const std::string& ms : o.meshes) {
@@ -309,8 +321,8 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
     par.strategy =
         app->count("--strategy") ? parse_strategy(o.strategy) : model::default_strategy(t.mesh);
     t.strategy = to_string(par.strategy);
-    t.inner = t.strategy == "ring2d" ? o.inner : 1;
-    par.inner = t.strategy == "ring2d" ? o.inner : 0;
+    t.inner = t.strategy == "ring2d" ? inner : 1;
+    par.inner = t.strategy == "ring2d" ? inner : 0;
     model::validate(c.model, par, t.mesh.world(), seq);
     LOOM_CHECK(o.batch >= 1 && o.batch % t.mesh.dp == 0, InvalidArgument,
                "--batch " << o.batch << " must be a positive multiple of dp " << t.mesh.dp);
@@ -385,10 +397,161 @@ void log_line(const char* s) {
   std::fprintf(stderr, "%s\n", s);
 }
 
+// The modes of loom plan, and which options each reads. An option given to a mode that does not
+// read it is refused (--simulate ignored --model and --devices, the search ignored --heads).
+enum Mode { kSearch = 1, kSimulate = 2, kCalibrate = 4, kTrainStep = 8 };
+
+std::string mode_name(int mode) {
+  switch (mode) {
+    case kSimulate:
+      return "--simulate";
+    case kCalibrate:
+      return "--calibrate";
+    case kTrainStep:
+      return "--train-step";
+    default:
+      return "the search";
+  }
+}
+
+void check_mode_options(const CLI::App* app, int mode) {
+  std::vector<std::pair<std::string, int>> table = {
+      {"--model", kSearch | kTrainStep},
+      {"--seq", kSearch | kSimulate | kTrainStep},
+      {"--docs", kSearch | kSimulate},
+      {"--window", kSearch | kSimulate},
+      {"--devices", kSearch},
+      {"--profile", kSearch | kSimulate | kTrainStep},
+      {"--mode", kSearch},
+      {"--memory-limit", kSearch | kTrainStep},
+      {"--strategies", kSearch},
+      {"--zigzag-only", kSearch},
+      {"--top", kSearch},
+      {"--explain", kSearch},
+      {"--json", kSearch | kSimulate | kTrainStep},
+      {"--svg", kSearch},
+      {"--threads", kCalibrate | kTrainStep},
+      {"--ranks-per-node", kCalibrate},
+      {"--strategy", kSimulate | kTrainStep},
+      {"--layout", kSimulate | kTrainStep},
+      {"--ranks", kSimulate},
+      {"--heads", kSimulate},
+      {"--kv-heads", kSimulate},
+      {"--head-dim", kSimulate},
+      {"--dtype", kSimulate | kTrainStep},
+      {"--causal", kSimulate},
+      {"--forward-only", kSimulate},
+      {"--mesh", kTrainStep},
+      {"--batch", kTrainStep},
+      {"--checkpoint-activations", kTrainStep},
+      {"--measure-steps", kTrainStep},
+  };
+  // The registry's degree options are --simulate's; --inner (ring2d) is --train-step's too.
+  for (const StrategyInfo& info : strategies())
+    if (!info.option.empty())
+      table.emplace_back(info.option, kSimulate | (info.option == "--inner" ? kTrainStep : 0));
+  for (const auto& [name, modes] : table) {
+    if (app->count(name) == 0 || (modes & mode)) continue;
+    std::vector<std::string> names;
+    for (int m : {kSearch, kSimulate, kCalibrate, kTrainStep})
+      if (modes & m) names.push_back(mode_name(m));
+    std::string owners;
+    for (size_t i = 0; i < names.size(); ++i)
+      owners += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+    throw InvalidArgument((name == "--causal" ? "--causal/--no-causal" : name) +
+                          " does not apply to " + mode_name(mode) + " (it is an option of " +
+                          owners + ")");
+  }
+}
+
+// --docs L1,L2,... checked against --seq as loom attn does.
+std::vector<int64_t> checked_docs(const CLI::App* app, const PlanOptions& o) {
+  if (!app->count("--docs")) return {};
+  std::vector<int64_t> docs = parse_doc_lengths(o.docs);
+  int64_t sum = 0;
+  for (int64_t l : docs)
+    LOOM_CHECK(!__builtin_add_overflow(sum, l, &sum), InvalidArgument,
+               "--docs lengths sum to more than 2^63 (the sequence has " << o.seq << " tokens)");
+  LOOM_CHECK(
+      sum == o.seq, InvalidArgument,
+      "--docs lengths sum to " << sum << " but the sequence has " << o.seq << " tokens (--seq)");
+  return docs;
+}
+
+// --simulate: one attention, with loom attn's rules for the problem and the strategy's options.
+int run_simulate(const CLI::App* app, const PlanOptions& o, const plan::Profile& prof) {
+  LOOM_CHECK(o.seq >= 1, InvalidArgument, "--seq must be >= 1, got " << o.seq);
+  LOOM_CHECK(o.heads >= 1, InvalidArgument, "--heads must be >= 1, got " << o.heads);
+  LOOM_CHECK(!app->count("--kv-heads") || o.kv_heads >= 1, InvalidArgument,
+             "--kv-heads must be >= 1, got " << o.kv_heads);
+  const int64_t kv_heads = app->count("--kv-heads") ? o.kv_heads : o.heads;
+  LOOM_CHECK(o.head_dim >= 1 && o.head_dim <= kMaxHeadDim, InvalidArgument,
+             "--head-dim must be in [1, " << kMaxHeadDim << "], got " << o.head_dim);
+  LOOM_CHECK(o.heads % kv_heads == 0, InvalidArgument,
+             "--heads (" << o.heads << ") must be a multiple of --kv-heads (" << kv_heads << ")");
+  LOOM_CHECK(o.window >= 0, InvalidArgument,
+             "--window must be >= 0 (0 = no window), got " << o.window);
+  LOOM_CHECK(o.ranks >= 1, InvalidArgument, "--ranks must be >= 1, got " << o.ranks);
+  LOOM_CHECK(o.dtype == "fp32" || o.dtype == "bf16", InvalidArgument,
+             "unknown --dtype '" << o.dtype << "' (choose fp32 or bf16)");
+  const std::vector<std::string> known = plan::schedule_names();
+  if (std::find(known.begin(), known.end(), o.strategy) == known.end()) {
+    std::string names;
+    for (const std::string& n : known) names += (names.empty() ? "" : ", ") + n;
+    throw InvalidArgument("unknown strategy '" + o.strategy + "' (choose " + names + ")");
+  }
+  // The strategy's degree option given exactly when it takes one, and its head and group rules
+  // (loom attn's checks: --ulysses with ring and hybrid without --ulysses were run anyway).
+  CpConfig cfg;
+  cfg.strategy = parse_strategy(o.strategy);
+  o.degrees.apply(cfg, o.strategy);
+  check_cp_config(cfg, o.ranks, o.heads, kv_heads);
+  plan::AttnCase c;
+  c.strategy = o.strategy;
+  c.layout = parse_layout(o.layout);
+  c.seq = o.seq;
+  c.doc_lengths = checked_docs(app, o);
+  c.ranks = o.ranks;
+  c.ulysses = cfg.ulysses;
+  c.inner = std::max(1, cfg.inner);
+  c.heads = o.heads;
+  c.kv_heads = kv_heads;
+  c.head_dim = o.head_dim;
+  c.mask.causal = o.causal;
+  c.mask.window = o.window;
+  c.dtype_bytes = o.dtype == "bf16" ? 2 : 4;
+  c.backward = !o.forward_only;
+  c.block_q = c.block_k = 64;
+  const plan::AttnSim s = plan::simulate_attention(c, prof);
+  std::printf("loom plan --simulate: %s / %s, %d ranks, S=%lld H=%lld HKV=%lld D=%lld %s\n",
+              o.strategy.c_str(), o.layout.c_str(), o.ranks, static_cast<long long>(o.seq),
+              static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
+              static_cast<long long>(c.head_dim), o.dtype.c_str());
+  std::printf("  predicted forward %.3f ms, backward %.3f ms (profile %s), balance %.3f\n",
+              s.forward_s * 1e3, s.backward_s * 1e3, prof.name.c_str(), s.balance());
+  std::printf("  %-4s %10s %10s %12s %12s %12s\n", "rank", "fwd tiles", "tiles", "sent", "recv",
+              "buffers");
+  for (size_t r = 0; r < s.ranks.size(); ++r) {
+    const plan::RankSim& x = s.ranks[r];
+    std::printf(
+        "  %-4zu %10lld %10lld %12lld %12lld %12lld\n", r, static_cast<long long>(x.fwd_tiles),
+        static_cast<long long>(x.fwd_tiles + x.bwd_tiles), static_cast<long long>(x.bytes_sent),
+        static_cast<long long>(x.bytes_recv), static_cast<long long>(x.peak_buffer_bytes));
+  }
+  if (!o.json.empty()) write_file_atomic(o.json, sim_json(s).dump(2) + "\n");
+  return 0;
+}
+
 int run_plan(const CLI::App* app, const PlanOptions& o) {
   // One mode per run: the others' options would be silently ignored.
-  LOOM_CHECK(int(o.simulate) + int(o.train_step) + int(!o.calibrate.empty()) <= 1, InvalidArgument,
+  LOOM_CHECK(int(o.simulate) + int(o.train_step) + int(app->count("--calibrate") > 0) <= 1,
+             InvalidArgument,
              "--simulate, --train-step and --calibrate are separate modes; give at most one");
+  const int mode = o.simulate                  ? kSimulate
+                   : o.train_step              ? kTrainStep
+                   : app->count("--calibrate") ? kCalibrate
+                                               : kSearch;
+  check_mode_options(app, mode);
   LOOM_CHECK(o.top >= 1, InvalidArgument, "--top must be >= 1, got " << o.top);
   LOOM_CHECK(
       !app->count("--memory-limit") || (std::isfinite(o.memory_limit_gb) && o.memory_limit_gb > 0),
@@ -405,7 +568,8 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
   check_output_writable(o.svg, "--svg");
   check_output_writable(o.calibrate, "--calibrate");
   if (o.train_step) return run_train_step(app, o);
-  if (!o.calibrate.empty()) {
+  if (mode == kCalibrate) {
+    LOOM_CHECK(!o.calibrate.empty(), InvalidArgument, "--calibrate needs a FILE to write");
     std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",
                  o.threads, o.threads == 1 ? "" : "s");
     if (launched_by_mpirun()) {
@@ -442,48 +606,16 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
   LOOM_CHECK(!o.profile.empty(), InvalidArgument,
              "--profile FILE is required (plan/profiles/*.json, or one written by --calibrate)");
   const plan::Profile prof = plan::load_profile(o.profile);
-  std::vector<int64_t> docs;
-  if (!o.docs.empty()) docs = parse_doc_lengths(o.docs);
+  if (o.simulate) return run_simulate(app, o, prof);
+  // The search: what would make every candidate invalid is refused here, naming it (a negative
+  // --window or --docs not summing to --seq rejected every candidate, explained nowhere).
   LOOM_CHECK(o.mode == "train" || o.mode == "prefill", InvalidArgument,
              "--mode must be train or prefill, got '" << o.mode << "'");
-  if (o.simulate) {
-    plan::AttnCase c;
-    c.strategy = o.strategy;
-    c.layout = parse_layout(o.layout);
-    c.seq = o.seq;
-    c.doc_lengths = docs;
-    c.ranks = o.ranks;
-    c.ulysses = o.ulysses ? o.ulysses : 1;
-    c.inner = o.inner;
-    c.heads = o.heads;
-    c.kv_heads = o.kv_heads ? o.kv_heads : o.heads;
-    c.head_dim = o.head_dim;
-    c.mask.causal = o.causal;
-    c.mask.window = o.window;
-    LOOM_CHECK(o.dtype == "fp32" || o.dtype == "bf16", InvalidArgument,
-               "unknown --dtype '" << o.dtype << "' (choose fp32 or bf16)");
-    c.dtype_bytes = o.dtype == "bf16" ? 2 : 4;
-    c.backward = !o.forward_only;
-    c.block_q = c.block_k = 64;
-    const plan::AttnSim s = plan::simulate_attention(c, prof);
-    std::printf("loom plan --simulate: %s / %s, %d ranks, S=%lld H=%lld HKV=%lld D=%lld %s\n",
-                o.strategy.c_str(), o.layout.c_str(), o.ranks, static_cast<long long>(o.seq),
-                static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
-                static_cast<long long>(c.head_dim), o.dtype.c_str());
-    std::printf("  predicted forward %.3f ms, backward %.3f ms (profile %s), balance %.3f\n",
-                s.forward_s * 1e3, s.backward_s * 1e3, prof.name.c_str(), s.balance());
-    std::printf("  %-4s %10s %10s %12s %12s %12s\n", "rank", "fwd tiles", "tiles", "sent", "recv",
-                "buffers");
-    for (size_t r = 0; r < s.ranks.size(); ++r) {
-      const plan::RankSim& x = s.ranks[r];
-      std::printf(
-          "  %-4zu %10lld %10lld %12lld %12lld %12lld\n", r, static_cast<long long>(x.fwd_tiles),
-          static_cast<long long>(x.fwd_tiles + x.bwd_tiles), static_cast<long long>(x.bytes_sent),
-          static_cast<long long>(x.bytes_recv), static_cast<long long>(x.peak_buffer_bytes));
-    }
-    if (!o.json.empty()) write_file_atomic(o.json, sim_json(s).dump(2) + "\n");
-    return 0;
-  }
+  LOOM_CHECK(o.seq >= 1, InvalidArgument, "--seq must be >= 1, got " << o.seq);
+  LOOM_CHECK(o.window >= 0, InvalidArgument,
+             "--window must be >= 0 (0 = no window), got " << o.window);
+  LOOM_CHECK(o.devices >= 1, InvalidArgument, "--devices must be >= 1, got " << o.devices);
+  const std::vector<int64_t> docs = checked_docs(app, o);
   plan::PlanRequest req;
   req.model = parse_model(o.model);
   req.seq = o.seq;
@@ -539,8 +671,11 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
       ++shown;
     }
   }
+  const size_t invalid = r.rejected.size() - static_cast<size_t>(mem);
   if (r.ranked.empty())
-    std::printf("  no configuration fits: raise --devices or --memory-limit, or shorten --seq\n");
+    std::printf(mem > 0 ? "  no configuration fits: raise --devices or --memory-limit, or shorten "
+                          "--seq\n"
+                        : "  no configuration is valid (the rejected list above says why)\n");
   if (o.explain && !r.ranked.empty()) std::printf("\n%s", r.explain.c_str());
   if (!o.json.empty()) {
     nlohmann::json j;
@@ -560,7 +695,26 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
     write_file_atomic(o.json, j.dump(2) + "\n");
   }
   if (!o.svg.empty() && !r.ranked.empty()) write_file_atomic(o.svg, plan_svg(r, o, o.top));
-  return r.ranked.empty() ? 1 : 0;
+  // Nothing ranked is an error: one line on stderr saying why (exit 1 came with nothing there).
+  if (r.ranked.empty()) {
+    const double limit = app->count("--memory-limit") ? o.memory_limit_gb * 1e9 : prof.memory_bytes;
+    std::ostringstream why;
+    if (mem > 0)
+      why << "no configuration fits: " << mem << " candidate" << (mem > 1 ? "s need" : " needs")
+          << " more than " << gb(limit) << " GB per device"
+          << (invalid > 0
+                  ? " and " + std::to_string(invalid) + (invalid > 1 ? " are" : " is") + " invalid"
+                  : std::string())
+          << "; raise --devices or --memory-limit, or shorten --seq";
+    else if (!r.rejected.empty())
+      why << "no configuration is valid: all " << r.rejected.size()
+          << " candidates were rejected (for example " << r.rejected.front().name() << ": "
+          << r.rejected.front().why_not << ")";
+    else
+      why << "no configuration to rank for " << o.devices << " devices";
+    throw InvalidArgument(why.str());
+  }
+  return 0;
 }
 
 void declare_plan(CLI::App* c, PlanOptions& opts) {
@@ -591,8 +745,7 @@ void declare_plan(CLI::App* c, PlanOptions& opts) {
   c->add_option("--strategy", o->strategy, "--simulate: strategy")->capture_default_str();
   c->add_option("--layout", o->layout, "--simulate: layout")->capture_default_str();
   c->add_option("--ranks", o->ranks, "--simulate: cp ranks")->capture_default_str();
-  c->add_option("--ulysses", o->ulysses, "--simulate: hybrid ulysses degree");
-  c->add_option("--inner", o->inner, "--simulate: ring2d inner ring size")->capture_default_str();
+  o->degrees.add_to(c);  // --ulysses (hybrid), --inner (ring2d; --train-step too), ...
   c->add_option("--heads", o->heads, "--simulate: query heads")->capture_default_str();
   c->add_option("--kv-heads", o->kv_heads, "--simulate: kv heads (default: heads)");
   c->add_option("--head-dim", o->head_dim, "--simulate: head dim")->capture_default_str();

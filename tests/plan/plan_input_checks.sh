@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# `loom plan`: bad profiles and bad options get one `loom: error:` line naming the problem and a
+# non-zero exit, never a ranking or a simulation built on them (zero bandwidths read as free
+# links, NaN and inf in the ranking, negative byte counters, options silently ignored).
+# Usage: plan_input_checks.sh LOOM_BINARY PROFILE_DIR
+set -uo pipefail
+loom="$1"
+profiles="$2"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+source "$(dirname "$0")/../tools/checks.sh"
+
+expect_error() { expect_error_of plan "$@"; }
+h100="$profiles/h100_sxm.json"
+
+# Profiles: each figure in its range, named with the file (`variant NAME PYTHON-EDIT`).
+variant() {
+  /usr/bin/python3 - "$h100" "$work/$1.json" "$2" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+exec(sys.argv[3])
+json.dump(p, open(sys.argv[2], "w"))
+PY
+}
+variant bw0 "p['links']['inter']['bandwidth'] = 0"
+variant intra0 "p['links']['intra']['bandwidth'] = 0"
+variant nolinks "del p['links']"
+variant mem0 "p['device']['memory_bytes'] = 0"
+variant bq_huge "p['device']['block_q'] = 1e18"
+variant bq_frac "p['device']['block_q'] = 1.5"
+variant eff0 "p['device']['attn_fwd_eff'] = 0"
+expect_error "inter bandwidth 0 (simulate)" \
+  "bw0.json: field 'links.inter.bandwidth' must be a number in (0, 1e+15] (bytes/s), got 0" \
+  --simulate --profile "$work/bw0.json" --ranks 16 --seq 8192 --heads 32 --kv-heads 8 \
+  --head-dim 128 --dtype bf16
+expect_error "inter bandwidth 0 (search)" "bw0.json: field 'links.inter.bandwidth'" \
+  --profile "$work/bw0.json" --devices 16 --seq 8192
+expect_error "intra bandwidth 0" "intra0.json: field 'links.intra.bandwidth'" \
+  --profile "$work/intra0.json" --seq 8192
+expect_error "no links" "nolinks.json: missing field 'links.intra.bandwidth'" \
+  --profile "$work/nolinks.json" --seq 8192 --explain --json "$work/nolinks_rank.json"
+[ ! -e "$work/nolinks_rank.json" ] && ok "no ranking written" || bad "a ranking was written"
+expect_error "memory_bytes 0" "mem0.json: field 'device.memory_bytes' must be a number in (0" \
+  --profile "$work/mem0.json" --seq 8192
+expect_error "block_q 1e18" "field 'device.block_q' must be an integer in [1, 4096], got 1e+18" \
+  --profile "$work/bq_huge.json" --seq 8192
+expect_error "block_q 1.5" "field 'device.block_q' must be an integer in [1, 4096], got 1.5" \
+  --profile "$work/bq_frac.json" --seq 8192
+expect_error "attn_fwd_eff 0" "eff0.json: field 'device.attn_fwd_eff' must be a number in (0, 1]" \
+  --profile "$work/eff0.json" --seq 8192
+# A profile loom plan --calibrate writes meets the same ranges (its memory_bytes was 0).
+if "$loom" plan --calibrate "$work/cal.json" --threads 1 --ranks-per-node 1 > /dev/null 2>&1 &&
+   "$loom" plan --simulate --profile "$work/cal.json" --ranks 2 --seq 1024 > "$work/stdout" \
+     2> "$work/stderr" && grep -q "predicted forward" "$work/stdout"; then
+  ok "a calibrated profile loads"
+else
+  cat "$work/stderr"; bad "a calibrated profile loads"
+fi
+
+# Simulation sizes: no counter may wrap (--head-dim 2^63 - 1 printed "sent -16777216").
+expect_error "--head-dim 2^63-1" "--head-dim must be in [1, 256], got 9223372036854775807" \
+  --simulate --profile "$h100" --head-dim 9223372036854775807
+expect_error "--heads 1e8" "too large to simulate: 100000000 heads" \
+  --simulate --profile "$h100" --heads 100000000 --seq 100000000
+expect_error "--kv-heads 0" "--kv-heads must be >= 1, got 0" --simulate --profile "$h100" \
+  --kv-heads 0
+
+# --simulate follows loom attn's rules for the strategy's options, and refuses the search's.
+expect_error "ring --ulysses 2" "--ulysses is only for --strategy hybrid (got --strategy ring)" \
+  --simulate --profile "$h100" --strategy ring --ulysses 2
+expect_error "ring --inner 2" "--inner is only for --strategy ring2d (got --strategy ring)" \
+  --simulate --profile "$h100" --strategy ring --inner 2
+expect_error "hybrid without --ulysses" "--strategy hybrid needs --ulysses N" \
+  --simulate --profile "$h100" --strategy hybrid --ranks 4
+expect_error "hybrid heads rule" "heads (8) must be divisible by the ulysses degree (3)" \
+  --simulate --profile "$h100" --strategy hybrid --ulysses 3 --ranks 6
+expect_error "--simulate --model" "--model does not apply to --simulate" \
+  --simulate --profile "$h100" --model foo
+expect_error "--simulate --devices" "--devices does not apply to --simulate" \
+  --simulate --profile "$h100" --devices 0
+expect_error "--simulate --top" "--top does not apply to --simulate" \
+  --simulate --profile "$h100" --top 0
+expect_error "search --heads" "--heads does not apply to the search (it is an option of --simulate)" \
+  --profile "$h100" --heads 4
+expect_error "--calibrate --profile" "--profile does not apply to --calibrate" \
+  --calibrate "$work/c.json" --profile "$h100"
+expect_error "--simulate --docs" "--docs lengths sum to 4096 but the sequence has 8192 tokens" \
+  --simulate --profile "$h100" --seq 8192 --docs 4096
+
+# The search: what would make every candidate invalid is named up front.
+expect_error "--window -1" "--window must be >= 0 (0 = no window), got -1" \
+  --profile "$h100" --window -1 --seq 8192
+expect_error "--docs 4096 --seq 8192" "--docs lengths sum to 4096 but the sequence has 8192" \
+  --profile "$h100" --docs 4096 --seq 8192
+expect_error "nothing fits" "no configuration fits: " --profile "$h100" --seq 8192 \
+  --memory-limit 1
+expect_error "head dim 512" "head dim (dim 4096 / 8 heads = 512) must be at most 256" \
+  --profile "$h100" --model 2,4096,8,8,1024,256
+# --seq 1 is planned (dp and tp only), with finite figures.
+if "$loom" plan --profile "$h100" --seq 1 --json "$work/one.json" > "$work/stdout" \
+     2> "$work/stderr" && /usr/bin/python3 - "$work/one.json" <<'PY'
+import json, math, sys
+r = json.load(open(sys.argv[1]))
+assert r["ranked"], "nothing ranked"
+for c in r["ranked"]:
+    assert c["ring"] * c["ulysses"] == 1, c["name"]
+    assert all(math.isfinite(c[k]) and c[k] > 0 for k in ("step_s", "tokens_per_s", "mfu")), c
+PY
+then ok "--seq 1 ranks dp/tp candidates"
+else cat "$work/stderr"; bad "--seq 1"
+fi
+# --model's FFN 0 is 4 x dim, as loom train's --ffn 0 (it was refused).
+"$loom" plan --profile "$h100" --model 2,128,4,2,0,256 --seq 8192 --top 1 > "$work/stdout" 2>&1 &&
+  grep -q "ffn 512," "$work/stdout" && ok "--model ...,0,... is ffn 4 x dim" ||
+  { cat "$work/stdout"; bad "--model ffn 0"; }
+# A valid search never reports NaN or inf.
+"$loom" plan --profile "$h100" --devices 16 --seq 8192 --explain --json "$work/r.json" \
+  > "$work/stdout" 2>&1 && ! grep -qiE 'nan|inf' "$work/stdout" &&
+  ! grep -qE 'NaN|Infinity|null' "$work/r.json" && ok "a valid search: finite figures" ||
+  bad "a valid search: finite figures"
+
+summary
