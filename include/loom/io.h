@@ -50,13 +50,28 @@ void clean_stale_temps(const std::string& path);
 // Refuses (InvalidArgument) two outputs that resolve to the same file, e.g.
 //   {{"--json", "r.json"}, {"--trace", "r.json"}}. Empty paths are ignored.
 void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
+// The absolute path write_output(path) writes, symlinks followed (of the path's directories
+// too, where they exist): what check_distinct_outputs compares. "-" stays "-".
+std::string output_key(const std::string& path);
+// Refuses (InvalidArgument) an output file `path` (given as `option`) that lies inside the
+// directory `dir` (given as `dir_option`), at any depth, symlinks followed: `loom attn --output
+// DIR` replaces DIR as a whole, `loom verify` reads the names in its --candidate directory.
+// `why` ends the message ("which loom replaces as a whole"). Empty paths and "-" pass.
+void check_output_outside(const std::string& option, const std::string& path,
+                          const std::string& dir_option, const std::string& dir,
+                          const std::string& why);
 // Refuses (IoError naming `option` and the path), before any work, an output that write_output
 // (or, with `directory`, an OutputSet) could not write: a directory where a file is expected (a
-// file where a directory is), or a missing or unwritable directory to hold it (the temporary and
-// the rename need the parent directory). "-", devices and FIFOs pass (they are checked when
-// written). Empty paths are ignored.
+// file where a directory is), or a directory to hold it in which no file (with `directory`, no
+// directory) can be created: the temporary and the rename need it. It is tried for real (a
+// temporary is created and removed at once), so a read-only or pseudo file system (/proc, /sys)
+// fails here even for root, for whom access() says yes. "-", devices and FIFOs pass (they are
+// checked when written). Empty paths are ignored.
 void check_output_writable(const std::string& path, const std::string& option,
                            bool directory = false);
+// Refuses (IoError), before any work, what the OutputSet(dir, names) constructor refuses: dir
+// exists and is not a directory, or holds a name the set does not write.
+void check_output_set(const std::string& dir, const std::vector<std::string>& names);
 
 class OutputSet {
  public:
@@ -121,7 +136,9 @@ int64_t parse_size(const std::string& text, const std::string& option);
 // Throws InvalidArgument when estimate > limit:
 //   "<what> needs about 24.5 GiB (estimate) but the memory limit is 7.8 GiB (available memory);
 //    lower the problem size or raise --memory-limit".
-// limit_bytes < 0: the limit is available_memory_bytes() (no check when that is unknown).
+// limit_bytes < 0: the limit is available_memory_bytes() (no check when that is unknown). An
+// estimate that is NaN, negative or infinite (its byte counts overflowed) is refused whatever the
+// limit.
 void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string& what,
                   const std::string& option);
 

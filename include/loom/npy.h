@@ -19,7 +19,8 @@
 
 namespace loom {
 
-// Reads an f4 or f8 array, converting to float. Returns the array with its shape.
+// Reads an f4 or f8 array, converting to float. Returns the array with its shape. A finite f8
+// value beyond float32's range (|x| > 3.40282e38) raises IoError naming it and its index.
 Tensor<float> read_npy_f32(const std::string& path);
 // Reads an f4 or f8 array, converting to double.
 Tensor<double> read_npy_f64(const std::string& path);

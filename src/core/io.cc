@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "loom/error.h"
@@ -170,16 +171,38 @@ void clean_stale_temps(const std::string& path) {
   for (const std::string& s : stale) fs::remove_all(s, ec);
 }
 
+std::string output_key(const std::string& path) {
+  std::string key = resolve_output_path(path);
+  if (key != "-") {
+    std::error_code ec;
+    const fs::path abs = fs::weakly_canonical(fs::absolute(key, ec), ec);
+    if (!ec) key = abs.string();
+  }
+  return key;
+}
+
+void check_output_outside(const std::string& option, const std::string& path,
+                          const std::string& dir_option, const std::string& dir,
+                          const std::string& why) {
+  if (path.empty() || path == "-" || dir.empty()) return;
+  // Compared component by component: /a/bc is not inside /a/b.
+  const fs::path file = fs::path(output_key(path)).lexically_normal();
+  const fs::path parent = fs::path(output_key(dir)).lexically_normal();
+  auto f = file.begin();
+  for (auto d = parent.begin(); d != parent.end(); ++d, ++f) {
+    if (d->empty() && std::next(d) == parent.end()) break;  // a trailing '/'
+    if (f == file.end() || *f != *d) return;
+  }
+  LOOM_CHECK(false, InvalidArgument,
+             option << " " << path << " is inside " << dir_option << " " << dir << ", " << why
+                    << "; write it outside that directory");
+}
+
 void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
   std::vector<std::pair<std::string, std::string>> seen;  // (resolved, option)
   for (const auto& [option, path] : outputs) {
     if (path.empty()) continue;
-    std::string key = resolve_output_path(path);
-    if (key != "-") {
-      std::error_code ec;
-      const fs::path abs = fs::weakly_canonical(fs::absolute(key, ec), ec);
-      if (!ec) key = abs.string();
-    }
+    const std::string key = output_key(path);
     for (const auto& [k, other] : seen)
       LOOM_CHECK(k != key, InvalidArgument,
                  option << " " << path << " and " << other
@@ -205,6 +228,41 @@ void check_output_writable(const std::string& path, const std::string& option, b
   const std::string dir = dir_of(target);
   if (::access(dir.c_str(), W_OK | X_OK) != 0)
     throw IoError(shown + ": cannot write into " + dir + " (" + errno_text(errno) + ")");
+  // access() says yes to root on a read-only or pseudo file system (/proc, /sys): create the
+  // temporary the write will need, for real, and remove it at once.
+  const std::string probe = temp_name(target);
+  if (directory) {
+    if (::mkdir(probe.c_str(), 0700) != 0)
+      throw IoError(shown + ": cannot write into " + dir + " (" + errno_text(errno) + ")");
+    ::rmdir(probe.c_str());
+  } else {
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0)
+      throw IoError(shown + ": cannot write into " + dir + " (" + errno_text(errno) + ")");
+    ::close(fd);
+    ::unlink(probe.c_str());
+  }
+}
+
+void check_output_set(const std::string& dir, const std::vector<std::string>& names) {
+  if (dir.empty() || dir == "-") return;
+  std::string target = resolve_output_path(dir);
+  while (target.size() > 1 && target.back() == '/') target.pop_back();
+  struct stat st;
+  if (::stat(target.c_str(), &st) != 0) {
+    if (errno == ENOENT) return;
+    throw IoError(dir + ": cannot use as an output directory (" + errno_text(errno) + ")");
+  }
+  if (!S_ISDIR(st.st_mode)) throw IoError(dir + ": exists and is not a directory");
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(target, ec)) {
+    const std::string name = e.path().filename().string();
+    if (std::find(names.begin(), names.end(), name) == names.end())
+      throw IoError(dir + " holds '" + name +
+                    "', which loom does not write there; loom replaces the directory as a "
+                    "whole, so give a new or empty directory");
+  }
+  if (ec) throw IoError(dir + ": cannot list (" + ec.message() + ")");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -216,21 +274,7 @@ OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names)
   dir_ = resolve_output_path(dir);
   while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
   clean_stale_temps(dir_);
-  struct stat st;
-  if (::stat(dir_.c_str(), &st) == 0) {
-    if (!S_ISDIR(st.st_mode)) throw IoError(dir + ": exists and is not a directory");
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(dir_, ec)) {
-      const std::string name = e.path().filename().string();
-      if (std::find(names_.begin(), names_.end(), name) == names_.end())
-        throw IoError(dir + " holds '" + name +
-                      "', which loom does not write there; loom replaces the directory as a "
-                      "whole, so give a new or empty directory");
-    }
-    if (ec) throw IoError(dir + ": cannot list (" + ec.message() + ")");
-  } else if (errno != ENOENT) {
-    throw IoError(dir + ": cannot use as an output directory (" + errno_text(errno) + ")");
-  }
+  check_output_set(dir, names_);
   staging_ = temp_name(dir_);
   if (::mkdir(staging_.c_str(), 0777) != 0)
     throw IoError(dir + ": cannot create the staging directory " + staging_ + " (" +
@@ -438,6 +482,11 @@ int64_t parse_size(const std::string& text, const std::string& option) {
 
 void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string& what,
                   const std::string& option) {
+  // An estimate whose byte counts overflowed (NaN, negative, infinite) is refused whatever the
+  // limit, known or not: a negative one passed every limit and the run allocated.
+  LOOM_CHECK(std::isfinite(estimate_bytes) && estimate_bytes >= 0, InvalidArgument,
+             what << " is too large to estimate its memory (the byte counts overflow: "
+                  << estimate_bytes << "); make the problem smaller");
   const bool from_machine = limit_bytes < 0;
   const double limit = from_machine ? double(available_memory_bytes()) : double(limit_bytes);
   if (limit < 0) return;  // unknown: nothing to compare with

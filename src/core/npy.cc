@@ -294,7 +294,18 @@ std::vector<int64_t> read_npy_index(const std::string& path) {
 }
 
 Tensor<float> read_npy_f32(const std::string& path) {
-  return convert<float>(read_npy_f64(path));
+  const Tensor<double> d = read_npy_f64(path);
+  // A finite f8 value beyond float32's range became Inf here and was then reported as "a
+  // non-finite value": name it for what it is.
+  for (int64_t i = 0; i < d.numel(); ++i)
+    if (std::isfinite(d[i]) && std::fabs(d[i]) > double(std::numeric_limits<float>::max())) {
+      std::ostringstream os;
+      os << "holds " << d[i] << " at flat index " << i
+         << ", which is finite but does not fit float32 (magnitude at most "
+         << std::numeric_limits<float>::max() << ")";
+      fail(path, os.str());
+    }
+  return convert<float>(d);
 }
 
 Tensor<float> read_npy_role(const std::string& path, const std::string& role, int expect_rank) {

@@ -209,6 +209,8 @@ ls_set=$(ls "$work/rel" | grep -c tmp)
   ok "a forward-only run replaces the set: no stale dq/dk/dv" || bad "stale gradients left"
 echo mine > "$work/rel/set/notes.txt"
 expect_error "foreign file in --output" "holds 'notes.txt'" --seq 64 --output "$work/rel/set"
+[ ! -s "$work/stdout" ] && ok "foreign file refused before the run: no table" ||
+  bad "the run went ahead with a foreign file in --output"
 rm "$work/rel/set/notes.txt"
 # Two concurrent runs into one directory: the set is always wholly one run's.
 for seed in 1 2; do
@@ -302,5 +304,58 @@ expect_error "fault rank past 2^31" "rank 2147483648 is above 2147483647" --rank
   --fault kill:2147483648
 expect_error "fault rank 2^32 + 1" "rank 4294967297 is above 2147483647" --ranks 2 --seq 64 \
   --fault kill:4294967297
+
+
+# Audit (CLI defects). Each of these failed on the code before it.
+# 1. A report inside the --output directory: --json DIR/out.npy --timeline DIR/dq.npy exited 0
+#    with the JSON as out.npy and the SVG as dq.npy (written after the set was swapped in).
+mkdir -p "$work/aud"
+"$loom" attn --seq 64 --heads 2 --backward --quiet --output "$work/aud/set" > /dev/null 2>&1 &&
+  [ -e "$work/aud/set/dq.npy" ] || bad "--backward --output set"
+before=$(md5sum "$work/aud/set"/* | md5sum)
+expect_error "--json and --timeline inside --output" "is inside --output $work/aud/set" \
+  --seq 64 --heads 2 --quiet --output "$work/aud/set" --json "$work/aud/set/out.npy" \
+  --timeline "$work/aud/set/dq.npy"
+[ ! -s "$work/stdout" ] && [ "$(md5sum "$work/aud/set"/* | md5sum)" = "$before" ] &&
+  ok "refused before the run: the --output set unchanged" || bad "--output set changed"
+expect_error "--trace deeper inside --output" "is inside --output" --seq 64 --heads 2 --quiet \
+  --output "$work/aud/set/" --trace "$work/aud/set/sub/t.json"
+ln -s set "$work/aud/link"
+expect_error "--json inside --output through a symlink" "is inside --output" --seq 64 --heads 2 \
+  --quiet --output "$work/aud/set" --json "$work/aud/link/r.json"
+# 5. --seq near 2^63: ceil(S / P) + 2 as a double rounded to 2^63, its int64 conversion
+#    overflowed, the estimate went negative and one rank ran on allocating (killed at 15 s).
+for ranks in 1 2; do
+  for s in 9223372036854775807 9223372036854775806 9223372036854775805 4611686018427387904; do
+    timeout 20 "$loom" attn --quiet --ranks $ranks --seq $s > "$work/stdout" 2> "$work/stderr"
+    rc=$?
+    [ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && grep -q "needs about" "$work/stderr" &&
+      ok "--seq $s --ranks $ranks refused: $(cat "$work/stderr")" ||
+      { cat "$work/stderr"; bad "--seq $s --ranks $ranks (rc=$rc)"; }
+  done
+done
+# 8. --threads 2147483647 ran ("1 rank x 2147483647 threads"); a float64 1e300 (finite) was
+#    called "a non-finite value".
+expect_error "--threads 2^31 - 1" "--threads must be in [0, 1024]" --seq 64 --threads 2147483647
+expect_error "--threads 1025" "--threads must be in [0, 1024]" --seq 64 --threads 1025
+mkdir -p "$work/f64"
+/usr/bin/python3 - "$work/f64" <<'PY'
+import numpy as np, sys
+q = np.ones((8, 2, 4))
+q[3, 1, 2] = 1e300
+for n, x in (("q", q), ("k", np.ones((8, 2, 4))), ("v", np.ones((8, 2, 4)))):
+    np.save(f"{sys.argv[1]}/{n}.npy", x)
+PY
+expect_error "float64 1e300: finite, does not fit float32" \
+  "holds 1e+300 at flat index 30, which is finite but does not fit float32" --input "$work/f64"
+# 10. Outputs on pseudo file systems: access() says yes to root, and the run went ahead and
+#     failed at the write (/proc/version: No such file or directory).
+for f in /proc/version /sys/kernel/loom-x.json; do
+  expect_error "--json $f refused before the run" "--json $f: cannot write into" --seq 64 \
+    --json "$f"
+  [ ! -s "$work/stdout" ] && ok "--json $f: no table" || bad "--json $f: the run went ahead"
+done
+expect_error "--output under /proc refused before the run" "--output /proc/loom-x: cannot write" \
+  --seq 64 --output /proc/loom-x
 
 summary

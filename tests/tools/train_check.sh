@@ -231,4 +231,26 @@ PY
 then ok "resume: log cut back to step 3, steps 1-6 once each, symlinked log followed"
 else cat "$work/stderr"; bad "log truncation on resume"; fi
 
+
+# Audit: --log among the checkpoint files (--log CK/latest, CK/step-00000002.ckpt) exited 0 with
+# the log lost under the checkpoint, or the checkpoint under the log. Refused before training,
+# nothing written; another name in the directory is fine.
+mkdir -p "$work/ck8"
+for name in latest step-00000002.ckpt latest.tmp.1-0; do
+  expect_error "--log CK/$name refused" "collides with the checkpoints in --checkpoint-dir" \
+    "${tiny[@]}" --steps 2 --checkpoint-dir "$work/ck8" --log "$work/ck8/$name"
+  [ -z "$(ls "$work/ck8")" ] && [ ! -s "$work/stdout" ] && ok "--log CK/$name: nothing written" ||
+    { ls "$work/ck8"; bad "--log CK/$name: the run went ahead"; }
+done
+ln -s ck8 "$work/ck8-link"
+expect_error "--log CK/latest through a symlinked --checkpoint-dir" "collides with the checkpoints" \
+  "${tiny[@]}" --steps 2 --checkpoint-dir "$work/ck8-link" --log "$work/ck8/latest"
+if "$loom" train "${tiny[@]}" --steps 2 --checkpoint-dir "$work/ck8" \
+     --log "$work/ck8/train.jsonl" > /dev/null 2>&1 &&
+   [ "$(wc -l < "$work/ck8/train.jsonl")" -eq 2 ] && grep -q step-00000002.ckpt "$work/ck8/latest"; then
+  ok "--log CK/train.jsonl beside the checkpoints"
+else ls "$work/ck8"; bad "--log CK/train.jsonl"; fi
+expect_error "--threads 2^31 - 1" "--threads must be in [0, 1024]" "${tiny[@]}" \
+  --threads 2147483647
+
 summary

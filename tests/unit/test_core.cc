@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -155,6 +156,33 @@ TEST_F(Npy, RoundTripF32AndF64) {
   Tensor<float> e({0, 4});
   write_npy(p, e);
   EXPECT_EQ(read_npy_f32(p).shape(), e.shape());
+  std::remove(p.c_str());
+}
+
+// A finite float64 beyond float32's range became Inf on reading and was then reported as "a
+// non-finite value (NaN or Inf)": it is named for what it is.
+TEST_F(Npy, Float64BeyondFloat32IsNamedNotCalledNonFinite) {
+  const std::string p = path("big.npy");
+  Tensor<double> x({2, 3});
+  for (int64_t i = 0; i < x.numel(); ++i) x[i] = 1.0;
+  x[4] = -1e300;
+  write_npy(p, x);
+  EXPECT_EQ(read_npy_f64(p)[4], -1e300);
+  try {
+    read_npy_f32(p);
+    ADD_FAILURE() << "1e300 read as float32";
+  } catch (const IoError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("holds -1e+300 at flat index 4, which is finite but does not fit float32"),
+              std::string::npos)
+        << m;
+  }
+  x[4] = 3.4e38;  // fits
+  write_npy(p, x);
+  EXPECT_EQ(read_npy_f32(p)[4], 3.4e38f);
+  x[4] = INFINITY;  // not finite: read as Inf, for the caller to refuse as such
+  write_npy(p, x);
+  EXPECT_TRUE(std::isinf(read_npy_f32(p)[4]));
   std::remove(p.c_str());
 }
 
@@ -454,6 +482,58 @@ TEST_F(Io, TwoOutputsOnOnePathAreRefused) {
       {{"--json", at("r.json")}, {"--trace", at("t.json")}, {"--timeline", ""}}));
 }
 
+// A report inside the --output directory was swapped away with the old set or, written after
+// the swap, replaced one of its files (loom attn --output D --json D/out.npy); --json inside
+// loom verify's --candidate directory replaced a candidate file.
+TEST_F(Io, OutputsInsideAReplacedOrReadDirectoryAreRefused) {
+  fs::create_directories(at("set"));
+  fs::create_symlink("set", at("link"));
+  for (const std::string& p : {at("set/out.npy"), at("set/sub/t.json"), at("link/r.json")})
+    EXPECT_THROW(check_output_outside("--json", p, "--output", at("set"), "replaced"),
+                 InvalidArgument)
+        << p;
+  EXPECT_THROW(check_output_outside("--json", at("set/a"), "--output", at("set/"), "replaced"),
+               InvalidArgument);
+  EXPECT_THROW(check_output_outside("--json", at("set/a"), "--output", at("link"), "replaced"),
+               InvalidArgument);
+  try {
+    check_output_outside("--json", at("set/out.npy"), "--output", at("set"), "which is replaced");
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("is inside --output " + at("set") + ", which is replaced"),
+              std::string::npos)
+        << e.what();
+  }
+  // A sibling whose name starts with the directory's is not inside it.
+  for (const std::string& p : {at("set2/a"), at("r.json"), std::string("-"), std::string()})
+    EXPECT_NO_THROW(check_output_outside("--json", p, "--output", at("set"), "replaced")) << p;
+  EXPECT_NO_THROW(check_output_outside("--json", at("set/a"), "--output", "", "replaced"));
+}
+
+// A foreign name in an --output directory is refused before the run, not after it.
+TEST_F(Io, OutputSetNamesAreCheckedBeforeTheRun) {
+  const std::vector<std::string> names = {"a.npy", "b.npy"};
+  EXPECT_NO_THROW(check_output_set(at("new"), names));
+  fs::create_directories(at("set"));
+  write_output(at("set/a.npy"), "a");
+  EXPECT_NO_THROW(check_output_set(at("set"), names));
+  write_output(at("set/notes.txt"), "mine");
+  EXPECT_THROW(check_output_set(at("set"), names), IoError);
+  write_output(at("file"), "x");
+  EXPECT_THROW(check_output_set(at("file"), names), IoError);
+}
+
+// access() says yes to root on /proc and /sys, and the run went ahead and failed at the write;
+// the check now creates (and removes) the temporary the write needs.
+TEST_F(Io, UnwritableOutputsAreFoundByCreatingTheTemporary) {
+  if (fs::exists("/proc/version")) {
+    EXPECT_THROW(check_output_writable("/proc/version", "--json"), IoError);
+    EXPECT_THROW(check_output_writable("/proc/loom-x", "--output", true), IoError);
+  }
+  EXPECT_NO_THROW(check_output_writable(at("r.json"), "--json"));
+  EXPECT_NO_THROW(check_output_writable(at("set"), "--output", true));
+  EXPECT_TRUE(others({}).empty()) << "the probe left " << others({}).front();
+}
+
 TEST_F(Io, OutputSetIsSwappedInWholeOrNotAtAll) {
   const std::vector<std::string> names = {"a.npy", "b.npy"};
   {
@@ -579,6 +659,20 @@ TEST(Memory, EstimatesAreRefusedInOneLineNamingEstimateLimitAndOption) {
   EXPECT_EQ(parse_size("2GiB", "--max-bytes"), int64_t{2} << 30);
   for (const char* bad : {"", "x", "-1G", "0", "nan", "1Q", "1e30G", "1QiB", "1Ki"})
     EXPECT_THROW(parse_size(bad, "--memory-limit"), InvalidArgument) << bad;
+}
+
+// An estimate whose byte counts overflowed (loom attn --seq 2^63 - 1 gave a negative one) passed
+// every limit and the run allocated; now it is refused, whatever the limit.
+TEST(Memory, OverflowedEstimatesAreRefusedWhateverTheLimit) {
+  for (const double bad : {-1.0, -1e19, double(NAN), double(INFINITY), -double(INFINITY)}) {
+    EXPECT_THROW(check_memory(bad, int64_t{1} << 30, "x", "--memory-limit"), InvalidArgument)
+        << bad;
+    EXPECT_THROW(check_memory(bad, std::numeric_limits<int64_t>::max(), "x", "--memory-limit"),
+                 InvalidArgument)
+        << bad;
+    EXPECT_THROW(check_memory(bad, -1, "x", "--memory-limit"), InvalidArgument) << bad;
+  }
+  EXPECT_NO_THROW(check_memory(0.0, int64_t{1} << 30, "x", "--memory-limit"));
 }
 
 TEST(TensorTest, OverflowingShapesAndFailedAllocationsAreNamed) {

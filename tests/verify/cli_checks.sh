@@ -194,6 +194,51 @@ expect 2 "and --input's q.npy name the same file" -- "$LOOM" verify --input "$T/
   --candidate "$T/lib/correct" --convention zigzag --ranks 4 --json "$T/in_copy/q.npy"
 cmp -s "$T/lib/input/q.npy" "$T/in_copy/q.npy" || fail "--json replaced q.npy"
 
+# Audit (CLI defects). Each of these failed on the code before it.
+# Outputs into the candidate directory: --json CAND/out.rank0.npy replaced the candidate's out
+# with the report and exited 0; --json CAND/dq.rank9.npy planted a file. Refused, nothing written.
+cp -r "$T/lib/correct" "$T/cand"
+sum_before=$(cd "$T/cand" && md5sum ./* | md5sum)
+expect 2 "is inside --candidate $T/cand" -- V --candidate "$T/cand" --quiet \
+  --json "$T/cand/out.rank0.npy"
+expect 2 "is inside --candidate" -- V --candidate "$T/cand/" --quiet --json "$T/cand/dq.rank9.npy"
+expect 2 "is inside --candidate" -- V --candidate "$T/cand" --quiet --heatmap "$T/cand/h.svg"
+ln -s "$T/cand/out.rank0.npy" "$T/alias.npy"
+expect 2 "is inside --candidate" -- V --candidate "$T/cand" --quiet --json "$T/alias.npy"
+[ "$(cd "$T/cand" && md5sum ./* | md5sum)" = "$sum_before" ] ||
+  fail "an output was written into the candidate directory"
+# Per-rank files that are not a whole set: out.rank1.npy without out.rank0.npy was "PASSED ...
+# absent: out" (never read); a rank past --ranks or a non-decimal rank was ignored.
+mkdir -p "$T/partial" && cp "$T/lib/correct/out.rank1.npy" "$T/partial/"
+expect 2 "has out.rank1.npy but not out.rank0.npy" -- "$LOOM" verify --input "$T/lib/input" \
+  --candidate "$T/partial" --convention zigzag --ranks 2
+cp -r "$T/lib/correct" "$T/stray" && cp "$T/lib/correct/dq.rank0.npy" "$T/stray/dq.rank7.npy"
+expect 2 "dq.rank7.npy but --ranks is 4" -- V --candidate "$T/stray"
+rm "$T/stray/dq.rank7.npy" && mv "$T/stray/lse.rank2.npy" "$T/stray/lse.rank02.npy"
+expect 2 "lse.rank02.npy, which is not a per-rank name" -- V --candidate "$T/stray"
+# --scale 0 meant "the default" (and passed); every given scale must be positive and finite.
+for s in 0 -0 -1 nan inf; do
+  expect 2 "--scale must be a positive finite number" -- V --candidate "$T/lib/correct" --scale $s
+done
+expect 0 "verify    PASSED" -- V --candidate "$T/lib/correct" --scale 0.25
+expect 1 "wrong softmax scale" -- V --candidate "$T/lib/correct" --scale 0.5
+# --ranks past the sequence length: exit 1 "out of memory (an allocation outside loom's tensors
+# failed)".
+expect 2 "--ranks must be in \[1, 96\]" -- "$LOOM" verify --input "$T/lib/input" \
+  --candidate "$T/lib/correct" --ranks 2147483647
+expect 2 "--ranks must be in \[1, 96\]" -- "$LOOM" verify --input "$T/lib/input" \
+  --candidate "$T/lib/correct" --ranks 97
+# Malformed command lines: exit 2, one line (docs/verify.md said 105-114).
+for args in "--bogus" "--input $T/lib/input" "--input $T/lib/input --candidate $T/cand --ranks abc"; do
+  out=$("$LOOM" verify $args 2>&1 >/dev/null)
+  rc=$?
+  [ $rc = 2 ] && [ "$(printf '%s\n' "$out" | wc -l)" = 1 ] && grep -q "^loom: error: " <<<"$out" ||
+    fail "usage error '$args': exit $rc, '$out'"
+done
+# An output on a pseudo file system is refused before the run (root passed access()).
+expect 2 "--json /proc/version: cannot write into /proc" -- V --candidate "$T/lib/correct" \
+  --json /proc/version
+
 if [ $fails -ne 0 ]; then
   echo "$fails check(s) failed"
   exit 1

@@ -149,7 +149,9 @@ Problem make_problem(const AttnOptions& o) {
   LOOM_CHECK(o.iters <= std::numeric_limits<int>::max() - o.warmup, InvalidArgument,
              "--warmup " << o.warmup << " + --iters " << o.iters << " is more than "
                          << std::numeric_limits<int>::max() << " iterations");
-  LOOM_CHECK(o.threads >= 0, InvalidArgument, "--threads must be >= 0, got " << o.threads);
+  LOOM_CHECK(
+      o.threads >= 0 && o.threads <= kMaxThreads, InvalidArgument,
+      "--threads must be in [0, " << kMaxThreads << "] (0: cores / ranks), got " << o.threads);
   // A scale is a positive finite float; the default is 1/sqrt(D).
   LOOM_CHECK(std::isfinite(o.scale) && o.scale >= 0 && (!o.scale_given || o.scale > 0) &&
                  o.scale <= std::numeric_limits<float>::max(),
@@ -614,15 +616,21 @@ nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
 // 0 holds the global tensors and, with --check, the regenerated inputs and the fp64 reference.
 double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, int ranks_here) {
   const double S = double(p.S), H = double(p.H), HKV = double(p.HKV), D = double(p.D);
-  const double P = double(world), n = std::ceil(S / P) + 2;
+  // A rank's rows, ceil(S / P) + 2, in integers: as a double it rounded S = 2^63 - 1 up to 2^63,
+  // whose conversion back to int64 overflowed (the estimate went negative and the run went on).
+  // Saturated at INT64_MAX: such a problem's estimate is far above any memory limit anyway.
+  const int64_t per_rank = p.S / world + (p.S % world != 0 ? 1 : 0);
+  const int64_t rows = per_rank > std::numeric_limits<int64_t>::max() - 2
+                           ? std::numeric_limits<int64_t>::max()
+                           : per_rank + 2;
+  const double P = double(world), n = double(rows);
   const bool bw = o.backward;
   const double q_rows = n * H * D * 4, kv_rows = n * HKV * D * 4;
   double rank = 0;
   rank +=
       q_rows * (bw ? 4 : 2) + kv_rows * (bw ? 4 : 2) + n * H * 4;  // q,out(,dout,dq) k,v(,dk,dv)
   if (p.bf16) rank += (q_rows * (bw ? 3 : 2) + kv_rows * 2) / 2;
-  rank += strategy_working_bytes(
-      p.cp, CpProblem{p.S, static_cast<int64_t>(n), p.H, p.HKV, p.D, world, bw});
+  rank += strategy_working_bytes(p.cp, CpProblem{p.S, rows, p.H, p.HKV, p.D, world, bw});
   const bool need = o.check || !o.output.empty();
   const double global = S * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;
   if (need) rank += P * n * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;  // gather_rows
@@ -652,6 +660,13 @@ int run_attn(const AttnOptions& o) {
                                      {"--output", &o.output}})
     paths.emplace_back(option, *path);
   check_distinct_outputs(paths);
+  // --output DIR is replaced as a whole after the run: a report written inside it was either
+  // swapped away with the old set or, written after the swap, replaced one of its files (--json
+  // DIR/out.npy left the JSON as out.npy) or became a foreign file the next run refuses.
+  for (const auto& [option, path] : {std::pair<const char*, const std::string*>{"--json", &o.json},
+                                     {"--trace", &o.trace},
+                                     {"--timeline", &o.timeline}})
+    check_output_outside(option, *path, "--output", o.output, "which loom replaces as a whole");
   for (const std::string* out : {&o.json, &o.trace, &o.timeline, &o.output})
     if (!out->empty()) clean_stale_temps(*out);
   // Unwritable outputs fail here, not after the run (--json nodir/r.json ran the whole job,
@@ -660,6 +675,7 @@ int run_attn(const AttnOptions& o) {
   check_output_writable(o.trace, "--trace");
   check_output_writable(o.timeline, "--timeline");
   check_output_writable(o.output, "--output", true);
+  check_output_set(o.output, kOutputNames);  // a foreign file in DIR: refused now, not after
   const int64_t memory_limit =
       o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit");
   const Problem p = make_problem(o);

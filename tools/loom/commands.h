@@ -18,6 +18,10 @@ struct TrainConfig;
 
 namespace loom::tools {
 
+// The most OpenMP threads per rank --threads accepts (loom attn, loom train): more is a typo, not
+// a machine (2147483647 was accepted and handed to OpenMP).
+inline constexpr int kMaxThreads = 1024;
+
 // Registers `loom attn`; its callback runs the job and sets exit_code().
 void add_attn_command(CLI::App& app);
 // Registers `loom train` (tools/loom/train.cc).

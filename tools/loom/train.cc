@@ -146,6 +146,26 @@ void prune_checkpoints(const std::string& dir, int64_t keep) {
     if (names[i] != latest) fs::remove(fs::path(dir) / names[i], ec);
 }
 
+// Refuses a --log that is one of --checkpoint-dir's files: `latest`, `step-*.ckpt`, or a
+// temporary (`*.tmp.*`; the writers' temporaries, which the start of a run sweeps away). The log
+// and a checkpoint overwrote each other (--log CK/latest: exit 0 and the log lost). Other names
+// in the directory are the user's to use (--log CK/train.jsonl).
+void check_log_outside_checkpoints(const std::string& log, const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (log.empty() || log == "-" || dir.empty()) return;
+  std::string d = dir;
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  const fs::path file = fs::path(output_key(log)).lexically_normal();
+  if (file.parent_path() != fs::path(output_key(d)).lexically_normal()) return;
+  const std::string name = file.filename().string();
+  const bool checkpoint =
+      name == "latest" || (name.rfind("step-", 0) == 0 && name.find(".ckpt") != std::string::npos);
+  LOOM_CHECK(!checkpoint && name.find(".tmp.") == std::string::npos, InvalidArgument,
+             "--log " << log << " collides with the checkpoints in --checkpoint-dir " << dir
+                      << " (latest, step-*.ckpt and their .tmp. temporaries are theirs); give "
+                      << "the log another name or directory");
+}
+
 // Where the default corpus lives: ./data/kjv.txt, else <dir of the loom binary>/../data/kjv.txt.
 std::string default_data() {
   namespace fs = std::filesystem;
@@ -335,7 +355,9 @@ int run_train(const TrainOptions& o) {
   c.pack_documents = o.pack_documents;
   c.eval_batches = o.eval_batches;
   c.par.layout = parse_layout(o.layout);
-  LOOM_CHECK(o.threads >= 0, InvalidArgument, "--threads must be >= 0, got " << o.threads);
+  LOOM_CHECK(
+      o.threads >= 0 && o.threads <= kMaxThreads, InvalidArgument,
+      "--threads must be in [0, " << kMaxThreads << "] (0: cores / ranks), got " << o.threads);
   LOOM_CHECK(!o.resume || !o.checkpoint_dir.empty(), InvalidArgument,
              "--resume needs --checkpoint-dir DIR (the directory to resume from)");
   LOOM_CHECK(o.eval_every >= 0 && o.checkpoint_every >= 0, InvalidArgument,
@@ -354,6 +376,7 @@ int run_train(const TrainOptions& o) {
   LOOM_CHECK(o.eval_batches >= 1, InvalidArgument,
              "--eval-batches must be >= 1, got " << o.eval_batches);
   check_distinct_outputs({{"--log", o.log}, {"--checkpoint-dir", o.checkpoint_dir}});
+  check_log_outside_checkpoints(o.log, o.checkpoint_dir);
 
   std::unique_ptr<Communicator> mpi;
   int world = o.ranks, here = o.ranks;

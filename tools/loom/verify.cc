@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,7 @@ struct VerifyOptions {
   int64_t window = 0;
   std::string docs;
   double scale = 0;
+  bool scale_given = false;  // set from the command line: 0 is refused, not "the default"
   std::string json, heatmap;
   bool quiet = false;
 };
@@ -117,30 +119,57 @@ struct Files {
   std::vector<Tensor<double>> ranks;
 };
 
-Files read_candidate(const std::string& dir, const std::string& name, int ranks) {
+// The per-rank index r of `entry` when it is `name`.rank{r}.npy, -1 when it is not such a name.
+// A name that starts so but whose r is not a plain decimal (out.rank01.npy, out.rankX.npy) is
+// refused: it would be silently ignored.
+int64_t rank_of(const std::string& entry, const std::string& name) {
+  const std::string prefix = name + ".rank", suffix = ".npy";
+  if (entry.size() <= prefix.size() + suffix.size() || entry.rfind(prefix, 0) != 0 ||
+      entry.compare(entry.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return -1;
+  const std::string digits =
+      entry.substr(prefix.size(), entry.size() - prefix.size() - suffix.size());
+  const bool plain = digits.size() <= 10 && (digits == "0" || digits[0] != '0') &&
+                     digits.find_first_not_of("0123456789") == std::string::npos;
+  LOOM_CHECK(plain, InvalidArgument,
+             "the candidate has " << entry << ", which is not a per-rank name (" << name
+                                  << ".rank{r}.npy with r = 0, 1, ... written in plain decimal)");
+  return std::stoll(digits);
+}
+
+// `entries`: the names in the candidate directory. Per-rank files must be a whole set,
+// name.rank0.npy ... name.rank{ranks-1}.npy: a partial set (out.rank1.npy without out.rank0.npy
+// was reported "absent: out") or a rank past --ranks is refused.
+Files read_candidate(const std::string& dir, const std::string& name, int ranks,
+                     const std::vector<std::string>& entries) {
   Files f;
   const std::string g = dir + "/" + name + ".npy";
-  const std::string r0 = dir + "/" + name + ".rank0.npy";
-  const bool has_g = fs::exists(g), has_r = fs::exists(r0);
-  LOOM_CHECK(
-      !(has_g && has_r), InvalidArgument,
-      "the candidate has both " << name << ".npy and " << name << ".rank0.npy; keep one of them");
+  const bool has_g = fs::exists(g);
+  std::set<int64_t> present;
+  for (const std::string& e : entries) {
+    const int64_t r = rank_of(e, name);
+    if (r < 0) continue;
+    LOOM_CHECK(r < ranks, InvalidArgument,
+               "the candidate has " << dir << "/" << e << " but --ranks is " << ranks);
+    present.insert(r);
+  }
+  LOOM_CHECK(!(has_g && !present.empty()), InvalidArgument,
+             "the candidate has both " << name << ".npy and per-rank " << name
+                                       << ".rank{r}.npy files; keep one of them");
   if (has_g) {
     f.present = true;
     f.global = read_npy_f64(g);
-  } else if (has_r) {
+  } else if (!present.empty()) {
+    for (int r = 0; r < ranks; ++r)
+      LOOM_CHECK(present.count(r), IoError,
+                 "the candidate has " << name << ".rank" << *present.begin() << ".npy but not "
+                                      << name << ".rank" << r << ".npy (--ranks " << ranks
+                                      << ": per-rank files must be " << name << ".rank0.npy to "
+                                      << name << ".rank" << ranks - 1 << ".npy)");
     f.present = true;
     f.per_rank = true;
-    for (int r = 0; r < ranks; ++r) {
-      const std::string p = dir + "/" + name + ".rank" + std::to_string(r) + ".npy";
-      LOOM_CHECK(fs::exists(p), IoError,
-                 "the candidate has " << name << ".rank0.npy but not " << p << " (--ranks " << ranks
-                                      << ")");
-      f.ranks.push_back(read_npy_f64(p));
-    }
-    const std::string extra = dir + "/" + name + ".rank" + std::to_string(ranks) + ".npy";
-    LOOM_CHECK(!fs::exists(extra), InvalidArgument,
-               "the candidate has " << extra << " but --ranks is " << ranks);
+    for (int r = 0; r < ranks; ++r)
+      f.ranks.push_back(read_npy_f64(dir + "/" + name + ".rank" + std::to_string(r) + ".npy"));
   }
   return f;
 }
@@ -167,8 +196,9 @@ int run_verify(const VerifyOptions& o) {
   LOOM_CHECK(fs::is_directory(o.candidate), IoError,
              "--candidate " << o.candidate << " is not a directory");
   LOOM_CHECK(o.window >= 0, InvalidArgument, "--window must be >= 0, got " << o.window);
-  LOOM_CHECK(o.scale >= 0 && std::isfinite(o.scale), InvalidArgument,
-             "--scale must be positive, got " << o.scale);
+  // Given, a scale is a positive finite number (0 meant "the default" and could pass).
+  LOOM_CHECK(!o.scale_given || (std::isfinite(o.scale) && o.scale > 0), InvalidArgument,
+             "--scale must be a positive finite number, got " << o.scale);
   // Two outputs on one path, or an output onto an input file, are refused before any work.
   std::vector<std::pair<std::string, std::string>> paths;
   for (const char* name : {"q.npy", "k.npy", "v.npy", "dout.npy", "cu_seqlens.npy"})
@@ -176,6 +206,28 @@ int run_verify(const VerifyOptions& o) {
   paths.emplace_back("--json", o.json);
   paths.emplace_back("--heatmap", o.heatmap);
   check_distinct_outputs(paths);
+  // Nor into the candidate directory, whose names are read (--json CAND/out.npy replaced the
+  // candidate's out with the report, --json CAND/dq.rank0.npy planted a file), nor onto a
+  // candidate file elsewhere through a symlink.
+  std::vector<std::string> entries;  // the candidate directory's names, listed once
+  {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(o.candidate, ec))
+      entries.push_back(e.path().filename().string());
+    LOOM_CHECK(!ec, IoError,
+               "--candidate " << o.candidate << ": cannot list (" << ec.message() << ")");
+  }
+  for (const auto& [option, path] :
+       {std::pair<const char*, const std::string*>{"--json", &o.json}, {"--heatmap", &o.heatmap}}) {
+    if (path->empty() || *path == "-") continue;
+    check_output_outside(option, *path, "--candidate", o.candidate,
+                         "whose files loom verify reads");
+    const std::string key = output_key(*path);
+    for (const std::string& e : entries)
+      LOOM_CHECK(output_key(o.candidate + "/" + e) != key, InvalidArgument,
+                 option << " " << *path << " and the candidate's " << e
+                        << " name the same file; give each output its own path");
+  }
   check_output_writable(o.json, "--json");
   check_output_writable(o.heatmap, "--heatmap");
   const Dims dims = parse_dims(o.layout_dims);
@@ -209,12 +261,17 @@ int run_verify(const VerifyOptions& o) {
 
   // The convention must be able to split this sequence before any candidate file is read.
   const int64_t S = dims == Dims::hsd ? q.size(1) : (dims == Dims::bshd ? q.size(1) : q.size(0));
+  // Every rank holds at least one token: --ranks 2147483647 ran out of memory building the
+  // sharding ("an allocation outside loom's tensors failed", exit 1).
+  LOOM_CHECK(o.ranks >= 1 && o.ranks <= S, InvalidArgument,
+             "--ranks must be in [1, " << S << "] (at most the sequence length: every rank "
+                                       << "holds at least one token), got " << o.ranks);
   (void)verify::make_sharding(o.convention, S, o.ranks, docs);
 
   // Candidate files, read once.
   const std::vector<std::string> names = {"out", "lse", "dq", "dk", "dv"};
   std::vector<Files> files;
-  for (const auto& n : names) files.push_back(read_candidate(o.candidate, n, o.ranks));
+  for (const auto& n : names) files.push_back(read_candidate(o.candidate, n, o.ranks, entries));
 
   // Batch row b as a problem, and the candidate for it assembled from the files in convention
   // conv (throws when conv cannot split the sequence or the files).
@@ -226,7 +283,7 @@ int run_verify(const VerifyOptions& o) {
     if (dout.numel()) p.dout = rows_to_shd(dout, dims, b, B, "dout.npy");
     p.mask.causal = o.causal;
     p.mask.window = o.window;
-    p.scale = o.scale;
+    p.scale = o.scale_given ? o.scale : 0;  // 0: the library's default, 1/sqrt(D)
     p.doc_lengths = docs;
     return p;
   };
@@ -341,7 +398,8 @@ void add_verify_command(CLI::App& app) {
   add_command<VerifyOptions>(
       app, "verify",
       "check another implementation's outputs against the exact answer, localise errors",
-      declare_verify, [](const CLI::App*, VerifyOptions& o) {
+      declare_verify, [](const CLI::App* c, VerifyOptions& o) {
+        o.scale_given = c->count("--scale") > 0;
         try {
           return run_verify(o);
         } catch (const Error& e) {
