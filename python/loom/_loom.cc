@@ -371,7 +371,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   const char* names[] = {"rows",   "batch",      "heads",    "kv_heads", "head_dim",
                          "causal", "window",     "strategy", "layout",   "ulysses",
                          "dtype",  "cu_seqlens", "inner",    "scale",    "detect_anomaly"};
-  constexpr int kAgree = 15, kN = kAgree + 2, kAnomaly = 14;
+  constexpr int kScale = 13, kAnomaly = 14, kAgree = 15, kN = kAgree + 2;
   const auto bad =
       check_finite ? find_non_finite({&q, &k, &v}) : std::pair<int64_t, int64_t>{0, -1};
   const std::vector<int64_t> mine = {rows,
@@ -396,13 +396,12 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   const std::vector<int64_t> all = exchange(*comm_, Phase::kForward, mine);
   for (int r = 0; r < P; ++r) {
     for (int i = 1; i < kAgree; ++i) {
-      LOOM_CHECK(
-          all[r * kStride + i] == mine[i], InvalidArgument,
-          "cp_attention: the ranks of the group disagree on "
-              << names[i] << ": rank " << me << " passed "
-              << (i == kAnomaly - 1 ? std::to_string(scale) : std::to_string(mine[i])) << ", rank "
-              << r << " passed "
-              << (i == kAnomaly - 1 ? "another scale" : std::to_string(all[r * kStride + i])));
+      LOOM_CHECK(all[r * kStride + i] == mine[i], InvalidArgument,
+                 "cp_attention: the ranks of the group disagree on "
+                     << names[i] << ": rank " << me << " passed "
+                     << (i == kScale ? std::to_string(scale) : std::to_string(mine[i])) << ", rank "
+                     << r << " passed "
+                     << (i == kScale ? "another scale" : std::to_string(all[r * kStride + i])));
     }
   }
   for (int r = 0; r < P; ++r)
