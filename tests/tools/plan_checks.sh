@@ -104,6 +104,11 @@ rc=$?
   { cat "$work/stderr"; bad "--train-step --seq 1e9 (rc=$rc; 124: still running after 60 s)"; }
 expect_error "--train-step --memory-limit" "(--memory-limit); make the problem smaller" \
   --train-step --profile "$cpu" --mesh 1,1,1,1 --memory-limit 0.001
+# --inner is ring2d's, in --train-step as in loom train (with ring it was ignored).
+expect_error "--train-step --inner with ring" "--inner is only for --strategy ring2d (mesh '1,1,1,2' runs ring)" \
+  --train-step --profile "$cpu" --mesh 1,1,1,2 --inner 2
+expect_error "--train-step ring2d without --inner" "--strategy ring2d needs --inner N" \
+  --train-step --profile "$cpu" --mesh 1,1,1,2 --strategy ring2d
 # A long sequence below the limit is still simulated.
 "$loom" plan --simulate --profile "$h100" --seq 1000000000 --ranks 8 > "$work/stdout" 2>&1 &&
   grep -q "predicted forward" "$work/stdout" && ok "--simulate --seq 1e9 on 8 ranks" ||

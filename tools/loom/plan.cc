@@ -304,7 +304,7 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
   c.checkpoint_activations = o.checkpoint_activations;
   c.par.layout = parse_layout(o.layout);
   c.par.threads = o.threads;
-  int inner = 1;  // ring2d's inner ring (--inner; 1 when not given)
+  int inner = 0;  // ring2d's inner ring (--inner; 0 when not given)
   for (const auto& [name, value] : o.degrees.values())
     if (name == "inner" && app->count("--inner")) inner = value;
   // Every mesh is checked (as loom train would) before anything is measured.
@@ -321,8 +321,14 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
     par.strategy =
         app->count("--strategy") ? parse_strategy(o.strategy) : model::default_strategy(t.mesh);
     t.strategy = to_string(par.strategy);
-    t.inner = t.strategy == "ring2d" ? inner : 1;
-    par.inner = t.strategy == "ring2d" ? inner : 0;
+    // As loom train: ring2d needs --inner, and --inner is ring2d's only (it was ignored).
+    const bool ring2d = par.strategy == Strategy::ring2d;
+    LOOM_CHECK(ring2d == (inner != 0), InvalidArgument,
+               (ring2d ? "--strategy ring2d needs --inner N (ranks per inner ring)"
+                       : "--inner is only for --strategy ring2d (mesh '" + ms + "' runs " +
+                             t.strategy + ")"));
+    t.inner = ring2d ? inner : 1;
+    par.inner = ring2d ? inner : 0;
     model::validate(c.model, par, t.mesh.world(), seq);
     LOOM_CHECK(o.batch >= 1 && o.batch % t.mesh.dp == 0, InvalidArgument,
                "--batch " << o.batch << " must be a positive multiple of dp " << t.mesh.dp);
