@@ -244,8 +244,12 @@ expect_error "--memory-limit names estimate and limit" "(--memory-limit); make t
 expect_error "--memory-limit malformed" "--memory-limit 'lots' is not a size" --seq 64 \
   --memory-limit lots
 # 4. Non-finite results are errors; --check names them.
-expect_error "--scale 1e38 overflows to NaN: an error" "non-finite result: out on rank" \
+expect_error "--scale 1e38 overflows to NaN: an error" "can pass float32's range" \
   --seq 64 --scale 1e38 --check
+# Scores far below FLT_MAX that float32 holds too coarsely for exp(score - lse): not an overflow
+# of the scores (the message said so).
+expect_error "--backward --scale 1e8: precision, not overflow" \
+  "float32 holds a score only to about" --seq 256 --head-dim 64 --backward --scale 1e8
 expect_error "--scale 3e38: above FLT_MAX / log2(e)" "softmax scale must be at most" --seq 64 \
   --scale 3e38
 expect_error "--scale inf" "--scale must be a positive finite number" --seq 64 --scale inf
@@ -258,6 +262,16 @@ q = np.full((16, 2, 8), 1e19, np.float32)
 for n in ("q", "k", "v"): np.save(f"{d}/{n}.npy", q)
 PY
 expect_error "q = k = 1e19: NaN is an error" "non-finite result" --input "$work/big" --check
+/usr/bin/python3 - "$work/bigv" <<'PY'
+import numpy as np, os, sys
+d = sys.argv[1]
+os.makedirs(d)
+r = np.random.default_rng(0)
+for n in ("q", "k"): np.save(f"{d}/{n}.npy", r.standard_normal((16, 2, 8)).astype(np.float32))
+for n in ("v", "dout"): np.save(f"{d}/{n}.npy", np.full((16, 2, 8), 1e20, np.float32))
+PY
+expect_error "v = dout = 1e20: the values overflowed, not the scores" \
+  "the scores small (|scale q.k| <= " --input "$work/bigv" --backward
 # 7. Sizes that overflow are refused.
 expect_error "--seq beyond int64" "out of range" --seq 99999999999999999999
 expect_error "--docs summing past int64" "sum to more than 2^63" --seq 64 \

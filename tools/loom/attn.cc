@@ -11,11 +11,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <iomanip>
 #include <limits>
 #include <numeric>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "commands.h"
@@ -357,10 +359,59 @@ void gather_to_root(Communicator& world, const void* send, size_t bytes, void* r
     world.irecv(static_cast<char*>(recv) + static_cast<size_t>(r) * bytes, bytes, r, kTag)->wait();
 }
 
+// The largest L2 norm of a row [.., D] of x [n, heads, D] (0 for none), and the largest |x|.
+std::pair<double, double> row_norm_and_max(const Tensor<float>& x) {
+  double norm = 0, big = 0;
+  const int64_t D = x.numel() ? x.size(2) : 1;
+  for (int64_t r = 0; r < x.numel(); r += D) {
+    double ss = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const double e = x[r + d];
+      ss += e * e;
+      big = std::max(big, std::abs(e));
+    }
+    norm = std::max(norm, std::sqrt(ss));
+  }
+  return {norm, big};
+}
+
+// Why finite inputs gave a non-finite result, from the ranks' inputs (collective): the scores
+// scale q.k are at most |scale| max|q| max|k| (Cauchy-Schwarz). Past 2^24 float32 holds a score
+// only to within 1 or more, and exp(score - lse) can overflow with scores far below FLT_MAX
+// (`--backward --scale 1e8` was reported as scores that overflowed float32).
+std::string why_non_finite(Communicator& world, double scale, const Tensor<float>& q,
+                           const Tensor<float>& k, const Tensor<float>& v,
+                           const Tensor<float>* dout) {
+  double m[4] = {row_norm_and_max(q).first, row_norm_and_max(k).first, row_norm_and_max(v).second,
+                 dout ? row_norm_and_max(*dout).second : 0.0};
+  world.all_reduce(m, 4, DType::f64, ReduceOp::max);
+  const double bound = std::abs(scale) * m[0] * m[1];
+  std::ostringstream os;
+  os << std::setprecision(3) << "the inputs are finite";
+  // The kernels' softmax runs in base 2 on scores times log2(e).
+  if (bound > std::numeric_limits<float>::max() / 1.4426950408889634)
+    os << ", but the scores scale q.k can pass float32's range (|scale| max|q| max|k| = " << bound
+       << "): lower --scale or the inputs' magnitude";
+  else if (bound >= 0x1p24)
+    os << ", but the scores scale q.k can reach " << bound << " (|scale| max|q| max|k|), where "
+       << "float32 holds a score only to about " << bound * 0x1p-24 << ": too coarse for the "
+       << "softmax's exp(score - lse), which can then overflow; lower --scale or the inputs' "
+          "magnitude";
+  else {
+    os << " and the scores small (|scale q.k| <= " << bound << "), so products or sums of the "
+       << "values overflowed float32 (largest |v| " << m[2];
+    if (dout) os << ", |dout| " << m[3];
+    os << "): scale the inputs down";
+  }
+  return os.str();
+}
+
 // Every rank scans its results for NaN and Inf (lse may be -inf: a row that sees no key). The
 // ranks exchange what they found, and all of them throw the same error naming the first rank's
-// first non-finite value, so none is left waiting for another.
+// first non-finite value and why (why_non_finite), so none is left waiting for another.
 void require_finite_results(Communicator& world, const ShardPlan& plan, int64_t iteration,
+                            double scale, const Tensor<float>& q, const Tensor<float>& k,
+                            const Tensor<float>& v, const Tensor<float>* dout,
                             const Tensor<float>& out, const Tensor<float>& lse,
                             const Tensor<float>* dq, const Tensor<float>* dk,
                             const Tensor<float>* dv) {
@@ -400,11 +451,11 @@ void require_finite_results(Communicator& world, const ShardPlan& plan, int64_t 
   world.all_reduce(b, 4, DType::i64, ReduceOp::max);
   {
     const int r = static_cast<int>(first);
+    const std::string why = why_non_finite(world, scale, q, k, v, dout);
     std::ostringstream os;
     os << "non-finite result: " << kNames[b[0]] << " on rank " << r << " holds "
        << (b[3] ? "NaN" : "Inf") << " at token " << b[1] << ", head " << b[2] << " after iteration "
-       << iteration << " (the inputs are finite, so the scores overflowed float32: lower --scale "
-       << "or the inputs' magnitude)";
+       << iteration << " (" << why << ")";
     throw Error(os.str(), __FILE__, __LINE__);
   }
 }
@@ -491,8 +542,9 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
     progress.update(it + 1);
   }
   if (p.bf16) out = convert<float>(bout);
-  require_finite_results(world, plan, total, out, lse, o.backward ? &dq : nullptr,
-                         o.backward ? &dk : nullptr, o.backward ? &dv : nullptr);
+  require_finite_results(world, plan, total, p.kernel.scale, q, k, v, o.backward ? &dout : nullptr,
+                         out, lse, o.backward ? &dq : nullptr, o.backward ? &dk : nullptr,
+                         o.backward ? &dv : nullptr);
 
   // Per-rank counters, per timed iteration, gathered everywhere (all ranks take part).
   const CpMetrics& m = att.metrics();
