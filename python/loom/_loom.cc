@@ -246,7 +246,10 @@ struct CpOp {
 // message is longer than the buffer posted for it (a shorter one is taken, truncated). So every
 // one of them has the same size, kExchangeSlots int64, and starts with what the rank is calling:
 // ranks out of step (one in a backward, another in the next forward) get one clear error each,
-// never an abort or one exchange read as another.
+// never an abort or one exchange read as another. Every cp call, backward included, opens with
+// one: without it a rank that skipped a backward met the engine's messages of another call (a
+// Timeout, gloo aborting on a longer message, or, for two backwards of one shape, gradients
+// mixed from both calls without an error).
 enum class Phase : int64_t {
   kForward = 0x6c6f6f6d01,
   kBackward = 0x6c6f6f6d02,
@@ -259,7 +262,7 @@ const char* phase_name(int64_t p) {
     case Phase::kForward:
       return "cp_attention (the forward)";
     case Phase::kBackward:
-      return "the backward of cp_attention (under detect_anomaly)";
+      return "the backward of cp_attention";
     case Phase::kUnshard:
       return "unshard";
   }
@@ -302,6 +305,9 @@ class Group {
 
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->size(); }
+  // How many cp_attention forwards this group has agreed on (op() calls past their exchange):
+  // the same on every rank, so a backward names its forward by this count.
+  int64_t forward_calls() const { return forward_calls_; }
   double timeout_s() const { return comm_->timeout_s(); }
   void set_timeout_s(double t) {
     LOOM_CHECK(t > 0, InvalidArgument, "timeout must be positive, got " << t);
@@ -339,6 +345,7 @@ class Group {
  private:
   std::shared_ptr<loom::Communicator> comm_;
   std::map<std::string, std::shared_ptr<CpOp>> cache_;
+  int64_t forward_calls_ = 0;
 };
 
 // The strategy's place in the registry (the ranks compare it).
@@ -394,6 +401,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   static_assert(kN <= kExchangeFields);
   constexpr int kStride = kExchangeFields;
   const std::vector<int64_t> all = exchange(*comm_, Phase::kForward, mine);
+  ++forward_calls_;  // on every rank: a rank out of step makes every rank raise in exchange
   for (int r = 0; r < P; ++r) {
     for (int i = 1; i < kAgree; ++i) {
       LOOM_CHECK(all[r * kStride + i] == mine[i], InvalidArgument,
@@ -477,26 +485,37 @@ py::tuple cp_forward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const a
   return py::make_tuple(out, lse);
 }
 
+// The backward of the group's forward number `call` (Group::forward_calls after that forward).
 py::tuple cp_backward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
-                      bool check_finite) {
+                      bool check_finite, int64_t call) {
   const auto st = storage_type(op.is_bf16);
   const Dims s{op.rows, op.heads, op.kv_heads, op.dim};
   const int64_t n = s.n, h = s.h, hk = s.hk, d = s.d;
   require_qkv(q, k, v, st, s);
   require_backward_inputs(out, dout, lse, st, s);
-  if (check_finite) {
-    // Under anomaly detection (agreed in the forward) every rank learns whether any rank's dout
-    // holds a NaN or Inf (one small all-gather), so that all raise together rather than wait for
-    // the one that raised.
-    const auto bad = find_non_finite({&dout}, 4);
-    const std::vector<int64_t> all =
-        exchange(*op.comm, Phase::kBackward, {op.rows, bad.first, bad.second});
-    for (int r = 0; r < op.comm->size(); ++r) {
-      const int64_t* f = all.data() + static_cast<ptrdiff_t>(r) * kExchangeFields;
-      require_finite({f[1], f[2]}, Dims{f[0], s.h, s.hk, s.d},
-                     "cp_attention backward: rank " + std::to_string(r) + "'s ");
-    }
+  // Before the engine's first message, one small all-gather: every rank states that it is in a
+  // backward, of which forward, and (under anomaly detection, agreed in the forward) whether its
+  // dout holds a NaN or Inf. A rank out of step (in a forward, in unshard, in the backward of
+  // another call) gives every rank one clear error at once, and a non-finite dout makes all raise
+  // together rather than wait for the one that raised.
+  const auto bad = check_finite ? find_non_finite({&dout}, 4) : std::pair<int64_t, int64_t>{0, -1};
+  const std::vector<int64_t> all =
+      exchange(*op.comm, Phase::kBackward, {call, op.rows, bad.first, bad.second});
+  const int me = op.comm->rank();
+  for (int r = 0; r < op.comm->size(); ++r) {
+    const int64_t theirs = all[static_cast<size_t>(r) * kExchangeFields];
+    LOOM_CHECK(theirs == call, InvalidArgument,
+               "loom.torch: rank " << me << " is in the backward of cp_attention call " << call
+                                   << " of this group while rank " << r
+                                   << " is in the backward of call " << theirs
+                                   << ": every rank of the group must make the same loom.torch "
+                                      "calls in the same order");
+  }
+  for (int r = 0; r < op.comm->size(); ++r) {
+    const int64_t* f = all.data() + static_cast<ptrdiff_t>(r) * kExchangeFields;
+    require_finite({f[2], f[3]}, Dims{f[1], s.h, s.hk, s.d},
+                   "cp_attention backward: rank " + std::to_string(r) + "'s ");
   }
   const Grads g = make_grads(s, at::kFloat, false);
   {
@@ -723,6 +742,7 @@ PYBIND11_MODULE(_loom, m) {
            py::arg("timeout_s") = -1.0)
       .def_property_readonly("rank", &Group::rank)
       .def_property_readonly("size", &Group::size)
+      .def_property_readonly("forward_calls", &Group::forward_calls)
       .def_property("timeout_s", &Group::timeout_s, &Group::set_timeout_s)
       .def("barrier", &Group::barrier)
       .def("unshard_exchange", &Group::unshard_exchange)

@@ -302,19 +302,23 @@ def attention(q, k, v, causal=True, window=None, cu_seqlens=None, scale=None, re
 
 class _CpAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, op, batch, seq, check):
+    def forward(ctx, q, k, v, op, batch, seq, check, call):
         out, lse = _loom.cp_forward(op, q, k, v)
         ctx.op = op
         ctx.check = check  # agreed by every rank in Group.op
+        ctx.call = call  # this forward's number on the group, the same on every rank
         ctx.batch = batch
         return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
+        # cp_backward first checks that every rank is in the backward of this same call (one
+        # small all-gather): a rank that skipped a backward, ran an extra one or is in another
+        # call gives every rank one clear error, not a Timeout or mixed-up gradients.
         q, k, v, out, lse, dout = _saved(ctx, dout)
-        grads = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse, ctx.check)
-        return _input_grads(q, k, v, grads) + (None, None, None, None)
+        grads = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse, ctx.check, ctx.call)
+        return _input_grads(q, k, v, grads) + (None, None, None, None, None)
 
 
 def _degree(name, value, takes, strategy, what):
@@ -342,7 +346,9 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     cu_seqlens describes the GLOBAL packed sequence (the same on every rank). Returns this
     rank's out (and lse: [B,H,S_local] or [H,T_local]). Collective: every rank of the group
     calls it with the same arguments but its own shard, and in the same anomaly-detection mode
-    (non-finite inputs: as attention())."""
+    (non-finite inputs: as attention()); so is its backward: every rank runs the backward of
+    the same call, in the same order (a rank that skips one or runs an extra one gets
+    InvalidArgument on every rank, naming both ranks' calls)."""
     heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens)
     window, scale = _check_mask(causal, window, scale, dim)
     if not isinstance(strategy, str):
@@ -359,7 +365,7 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     check = torch.is_anomaly_enabled()
     op = g.op(strategy, layout, u, i, causal, window, scale, batch, rows, heads, kv_heads, dim,
               q.dtype == torch.bfloat16, docs, q, k, v, check)
-    out, lse = _CpAttention.apply(q, k, v, op, batch, seq, check)
+    out, lse = _CpAttention.apply(q, k, v, op, batch, seq, check, g.forward_calls)
     return (out, lse) if return_lse else out
 
 

@@ -262,19 +262,79 @@ if P > 1:
     with torch.autograd.set_detect_anomaly(RANK == 0):
         expect_error(loom.InvalidArgument, "disagree on detect_anomaly", lambda: lt.cp_attention(q, k, k))
 
-    # Ranks out of step: rank 0 in a backward (under detect_anomaly, which exchanges) while the
-    # others start the next forward, or rank 0 in unshard while the others are in cp_attention.
-    # One clear error on every rank: the exchanges once had different sizes on one tag, and gloo
-    # aborted the process (or a rank read the other call's message as its own).
+    # Ranks out of step: rank 0 in a backward (under detect_anomaly, which also checks dout) while
+    # the others start the next forward, or rank 0 in unshard while the others are in
+    # cp_attention. One clear error on every rank: the exchanges once had different sizes on one
+    # tag, and gloo aborted the process (or a rank read the other call's message as its own).
     with torch.autograd.detect_anomaly():
         qg = q.clone().requires_grad_()
         o = lt.cp_attention(qg, k, k)
         expect_error(loom.InvalidArgument,
-                     "is in the backward of cp_attention (under detect_anomaly) while rank" if RANK == 0
+                     "is in the backward of cp_attention while rank" if RANK == 0
                      else "while rank 0 is in the backward of cp_attention",
                      (lambda: o.sum().backward()) if RANK == 0 else (lambda: lt.cp_attention(q, k, k)))
     expect_error(loom.InvalidArgument, "every rank of the group must make the same loom.torch calls",
                  (lambda: lt.unshard(q)) if RANK == 0 else (lambda: lt.cp_attention(q, k, k)))
+
+    # The same outside anomaly mode, where every backward opens with the same check (it once went
+    # straight to the engine's messages: a skipped or extra backward ended in loom.Timeout after
+    # the timeout, the allgather strategy's in gloo aborting the process, and the backwards of two
+    # calls of one shape in gradients mixed from both, without an error). A short timeout, so
+    # that a wait here fails the test in seconds; a Timeout leaves the group unusable: stop.
+    group = lt._group(None)
+    timeout_before = group.timeout_s
+    lt.set_timeout(5.0)
+    out_of_step = "every rank of the group must make the same loom.torch calls in the same order"
+
+    def step_error(odd, odd_call, others_call, odd_text, others_text):
+        """Rank `odd` runs odd_call, the others others_call: each must raise InvalidArgument
+        naming its own call and the first other rank's (the odd rank names rank 0, or rank 1 if
+        it is rank 0 itself); odd_text / others_text: (what the rank says of its own call, what
+        another rank says of it)."""
+        first_other = 1 if odd == 0 else 0
+        if RANK == odd:
+            text = f"rank {RANK} is in {odd_text[0]} while rank {first_other} is in {others_text[1]}"
+        else:
+            text = f"rank {RANK} is in {others_text[0]} while rank {odd} is in {odd_text[1]}"
+        before = len(check.failures)
+        expect_error(loom.InvalidArgument, f"loom.torch: {text}: {out_of_step}",
+                     odd_call if RANK == odd else others_call)
+        if any("Timeout" in f or "CommError" in f for f in check.failures[before:]):
+            print(f"[rank {RANK}] FAIL: a wait ended in the out-of-step case above; the group is "
+                  "unusable, stopping", flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+
+    fwd = ("cp_attention (the forward)",) * 2
+    bwd = ("the backward of cp_attention",) * 2
+    for strategy in ("ring", "allgather"):
+        # Rank 0 skips the backward: the others' backward meets its next forward.
+        qg = q.clone().requires_grad_()
+        o = lt.cp_attention(qg, k, k, strategy=strategy)
+        step_error(0, lambda: lt.cp_attention(q, k, k, strategy=strategy), lambda: o.sum().backward(),
+                   fwd, bwd)
+        # Rank P - 1 runs an extra backward (retain_graph) while the others call the next forward.
+        qg = q.clone().requires_grad_()
+        o = lt.cp_attention(qg, k, k, strategy=strategy)
+        o.sum().backward(retain_graph=True)
+        step_error(P - 1, lambda: o.sum().backward(), lambda: lt.cp_attention(q, k, k, strategy=strategy),
+                   bwd, fwd)
+    # Two calls of one shape, a and b; rank 0 skips b's backward and runs a's while the others run
+    # b's: both are backwards, of different calls (the engine's messages matched: wrong gradients).
+    qa, qb = q.clone().requires_grad_(), (2 * q).requires_grad_()
+    a = lt.cp_attention(qa, k, k)
+    call_a = group.forward_calls
+    b = lt.cp_attention(qb, k, k)
+    call_b = group.forward_calls
+    check(call_b == call_a + 1, f"forward_calls counts the forwards: {call_a}, then {call_b}")
+    bwd_a, bwd_b = ((f"the backward of cp_attention call {c} of this group", f"the backward of call {c}")
+                    for c in (call_a, call_b))
+    step_error(0, lambda: a.sum().backward(), lambda: b.sum().backward(), bwd_a, bwd_b)
+    # The group is in step again: a backward right after the errors works.
+    qg = q.clone().requires_grad_()
+    lt.cp_attention(qg, k, k).sum().backward()
+    check(qg.grad is not None and torch.isfinite(qg.grad).all(), "a backward after the out-of-step errors")
+    lt.set_timeout(timeout_before)
     # unshard: parts that disagree are refused on every rank (a bf16 part was read as the bytes of
     # fp32 ones, a wrong tensor, or gloo aborted the process; another layout gave a wrong tensor).
     xs = lt.shard(torch.arange(16.0 * P).view(1, 8 * P, 2))
