@@ -37,6 +37,12 @@ namespace {
 constexpr int kSlotDelta = 7;
 constexpr int kSlotOwn = 8;
 
+// i mod n for i in (-n, 2n): a member's neighbour or source in a ring, without a division (the
+// schedules ask for it for every member at every step).
+int wrap(int i, int n) {
+  return i < 0 ? i + n : i >= n ? i - n : i;
+}
+
 // Synchronises every clock to the latest one (loom attn's barrier between phases).
 void barrier(SimContext& x) {
   const double m = *std::max_element(x.t.begin(), x.t.end());
@@ -49,7 +55,7 @@ void barrier(SimContext& x) {
 // A message of `bytes` from cp rank a (posted at time ta) to cp rank b (posted at tb): counted
 // on both, in flight from the later posting; returns its arrival. Without overlap the sender's
 // thread copies it (its clock pays the transfer).
-double p2p(SimContext& x, int a, int b, int64_t bytes, double ta, double tb, int step) {
+inline double p2p(SimContext& x, int a, int b, int64_t bytes, double ta, double tb, int step) {
   const double cost = x.message_time(a, b, static_cast<double>(bytes));
   const double end = std::max(ta, tb) + cost;
   x.sent(a, bytes);
@@ -59,30 +65,32 @@ double p2p(SimContext& x, int a, int b, int64_t bytes, double ta, double tb, int
   return end;
 }
 
-// A ring of cp ranks: member j is cp rank members[j], computes for query rows q[j] and holds
-// the KV block blocks[j] at step 0 (ring, hybrid: its own rows; ring2d's inner rings: another
-// group's).
+// A ring of cp ranks: member j is cp rank members[j], computes for query rows *q[j] and holds
+// the KV block *blocks[j] at step 0 (ring, hybrid: its own rows; ring2d's inner rings: another
+// group's). The blocks belong to the schedule.
 struct Ring {
   std::vector<int> members;
-  std::vector<Block> q, blocks;
+  std::vector<const Block*> q, blocks;
   int size() const { return static_cast<int>(members.size()); }
   int64_t max_rows() const {
     int64_t m = 0;
-    for (const Block& b : blocks) m = std::max(m, b.rows);
+    for (const Block* b : blocks) m = std::max(m, b->rows);
     return m;
   }
 };
 
-// The rings of the hybrid split: ring u holds cp ranks u, u + U, u + 2U, ... and member j's
-// block is the union of ulysses group j (U = 1: the plain ring).
-std::vector<Ring> hybrid_rings(const SimContext& x, int U) {
-  std::vector<Block> blocks;
-  for (int j = 0; j < x.P / U; ++j) blocks.push_back(x.block(j * U, U));
+// The rings of the hybrid split over the blocks of the ulysses groups (group j: cp ranks
+// jU .. jU + U - 1): ring u holds cp ranks u, u + U, u + 2U, ... and member j's block is group
+// j's (U = 1: the plain ring).
+std::vector<Ring> hybrid_rings(const std::vector<Block>& groups, int U) {
+  const int R = static_cast<int>(groups.size());
   std::vector<Ring> rings(U);
-  for (int u = 0; u < U; ++u) {
-    rings[u].q = rings[u].blocks = blocks;
-    for (int j = 0; j < x.P / U; ++j) rings[u].members.push_back(j * U + u);
-  }
+  for (int u = 0; u < U; ++u)
+    for (int j = 0; j < R; ++j) {
+      rings[u].members.push_back(j * U + u);
+      rings[u].q.push_back(&groups[j]);
+      rings[u].blocks.push_back(&groups[j]);
+    }
   return rings;
 }
 
@@ -90,37 +98,44 @@ std::vector<Ring> hybrid_rings(const SimContext& x, int U) {
 // of step s - 2 (the double buffer), waits for the accumulator its predecessor sent at step
 // s - 1, adds its part (step 0: copies it) and sends the sum on to its successor.
 struct SumSim {
-  const Ring& g;
+  const Ring* g = nullptr;
   std::vector<double> end[2], last;  // [parity][member]: when its send ended; the latest send
-  explicit SumSim(const Ring& r)
-      : g(r),
-        end{std::vector<double>(r.size(), 0.0), std::vector<double>(r.size(), 0.0)},
-        last(r.size(), 0.0) {}
+  std::vector<double> post;          // scratch
+  SumSim() = default;
+  explicit SumSim(const Ring& r) { reset(r); }
+  void reset(const Ring& r) {  // a new travelling sum over r (storage kept)
+    g = &r;
+    end[0].assign(r.size(), 0.0);
+    end[1].assign(r.size(), 0.0);
+    last.assign(r.size(), 0.0);
+    post.resize(r.size());
+  }
   // Member i sends count(i) fp32 elements at step s.
   template <class F>
   void pass(SimContext& x, int s, F count, int step) {
-    const int R = g.size(), par = s & 1;
-    std::vector<double> post(R), ends(R);
+    const int R = g->size(), par = s & 1;
     for (int i = 0; i < R; ++i) {
-      const int r = g.members[i];
+      const int r = g->members[i];
       if (s >= 2) x.wait(r, end[par][i], "p2p", step);
-      if (s > 0) x.wait(r, last[(i - 1 + R) % R], "p2p", step);
+      if (s > 0) x.wait(r, last[wrap(i - 1, R)], "p2p", step);
       x.compute(r, x.mem_time((s == 0 ? 2.0 : 3.0) * 4.0 * static_cast<double>(count(i))), step);
       post[i] = x.t[r];
     }
+    // The new sends' ends go to end[par] (the sends of step s - 2, waited for above) and, after
+    // every member has read its predecessor's from `last`, to `last`.
+    std::vector<double>& ends = end[par];
     for (int i = 0; i < R; ++i) {
-      const int next = (i + 1) % R;
-      ends[i] = p2p(x, g.members[i], g.members[next], 4 * count(i), post[i], post[next], step);
+      const int next = wrap(i + 1, R);
+      ends[i] = p2p(x, g->members[i], g->members[next], 4 * count(i), post[i], post[next], step);
     }
-    end[par] = ends;
     last = ends;
   }
   // The accumulator of each member's own block, home after a full turn; every send done.
   void home(SimContext& x, int step) {
-    const int R = g.size();
+    const int R = g->size();
     for (int i = 0; i < R; ++i) {
-      x.wait(g.members[i], last[(i - 1 + R) % R], "p2p", step);
-      x.wait(g.members[i], std::max(end[0][i], end[1][i]), "p2p", step);
+      x.wait(g->members[i], last[wrap(i - 1, R)], "p2p", step);
+      x.wait(g->members[i], std::max(end[0][i], end[1][i]), "p2p", step);
     }
   }
 };
@@ -135,22 +150,29 @@ struct SumSim {
 void ring_pass(SimContext& x, const std::vector<Ring>& rings, int64_t hl, int64_t hkv,
                bool backward, int step0, bool pack_own = true) {
   const int64_t T = x.c.dtype_bytes, row = hkv * x.c.head_dim;
+  // Per-step state, sized once for the largest ring (a pass of ring2d visits many small rings).
+  size_t most = 0;
+  for (const Ring& g : rings) most = std::max(most, g.members.size());
+  std::vector<SimContext::Work> w(most);
+  std::vector<bool> busy(most);
+  std::vector<double> scale;
+  std::vector<double> post(most), kv_end(most);
+  SumSim sum;
   for (const Ring& g : rings) {
     const int R = g.size();
     const std::vector<int>& m = g.members;
     // One step's kernels on every member; a member computing while others of its node idle
-    // runs at the profile's alone rate (x.busy_scale).
-    std::vector<SimContext::Work> w(R);
+    // runs at the profile's alone rate (x.busy_scales).
     auto step_compute_all = [&](int s) {
-      std::vector<bool> busy(R);
       for (int i = 0; i < R; ++i) {
-        w[i] = x.pair_work(g.q[i], g.blocks[(i - s + R) % R]);
+        w[i] = x.pair_work(*g.q[i], *g.blocks[wrap(i - s, R)]);
         busy[i] = w[i].tiles.total() > 0;
       }
+      x.busy_scales(m, busy, scale);
       for (int i = 0; i < R; ++i) {
-        const Block& kb = g.blocks[(i - s + R) % R];
+        const Block& kb = *g.blocks[wrap(i - s, R)];
         x.count_tiles_on(m[i], w[i].tiles, hl, backward, step0 + s);
-        double dur = x.kernel_time(w[i], hl, backward, kb.rows, hkv) * x.busy_scale(m, busy, i);
+        double dur = x.kernel_time(w[i], hl, backward, kb.rows, hkv) * scale[i];
         if (backward) dur += x.mem_time(2.0 * kb.rows * row * 4);  // zero the partial dK, dV
         x.compute(m[i], dur, step0 + s);
       }
@@ -164,31 +186,30 @@ void ring_pass(SimContext& x, const std::vector<Ring>& rings, int64_t hl, int64_
       for (int s = 0; s < (backward ? 7 : 2); ++s) x.slot(m[j], s, cap * (s < 2 ? T : 4));
     if (pack_own)
       for (int i = 0; i < R; ++i)
-        x.compute(m[i], x.mem_time(2.0 * 2 * g.blocks[i].rows * row * T), step0);
-    SumSim sum(g);
+        x.compute(m[i], x.mem_time(2.0 * 2 * g.blocks[i]->rows * row * T), step0);
+    if (backward) sum.reset(g);
     for (int s = 0; s < R; ++s) {
-      std::vector<double> post(R), kv_end(R, 0.0);
       for (int i = 0; i < R; ++i) post[i] = x.t[m[i]];
-      if (s < R - 1) {
+      if (s < R - 1) {  // kv_end is read only then
         for (int i = 0; i < R; ++i) {
-          const int next = (i + 1) % R, src = (i - s + R) % R;
-          kv_end[i] = p2p(x, m[i], m[next], 2 * g.blocks[src].rows * row * T, post[i], post[next],
+          const int next = wrap(i + 1, R), src = wrap(i - s, R);
+          kv_end[i] = p2p(x, m[i], m[next], 2 * g.blocks[src]->rows * row * T, post[i], post[next],
                           step0 + s);
         }
       }
       step_compute_all(s);
       if (backward)
         sum.pass(
-            x, s, [&](int i) { return 2 * g.blocks[(i - s + R) % R].rows * row; }, step0 + s);
+            x, s, [&](int i) { return 2 * g.blocks[wrap(i - s, R)]->rows * row; }, step0 + s);
       if (s < R - 1) {
         for (int i = 0; i < R; ++i)
-          x.wait(m[i], std::max(kv_end[i], kv_end[(i - 1 + R) % R]), "p2p", step0 + s);
+          x.wait(m[i], std::max(kv_end[i], kv_end[wrap(i - 1, R)]), "p2p", step0 + s);
       }
     }
     if (backward) {
       sum.home(x, step0 + R);
       for (int i = 0; i < R; ++i)  // unpack into dk, dv
-        x.compute(m[i], x.mem_time(2.0 * 2 * g.blocks[i].rows * row * 4), step0 + R);
+        x.compute(m[i], x.mem_time(2.0 * 2 * g.blocks[i]->rows * row * 4), step0 + R);
     }
   }
 }
@@ -233,9 +254,11 @@ void ulysses_like(SimContext& x, int U) {
   const int64_t D = c.head_dim, T = c.dtype_bytes, hl = c.heads / U;
   const bool replicate = c.kv_heads % U != 0;
   const int64_t hkv = replicate ? 1 : c.kv_heads / U;
-  const std::vector<Ring> rings = hybrid_rings(x, U);
+  std::vector<Block> groups;
+  for (int j = 0; j < x.P / U; ++j) groups.push_back(x.block(j * U, U));
+  const std::vector<Ring> rings = hybrid_rings(groups, U);
   auto rows = [&](int r) { return x.rows(r); };
-  auto gtotal = [&](int r) { return rings[0].blocks[r / U].rows; };
+  auto gtotal = [&](int r) { return groups[r / U].rows; };
   for (int r = 0; r < x.P; ++r) {
     const int64_t N = gtotal(r);
     x.gathered(r, N * (2 * hl + 2 * hkv) * D * T +
@@ -333,21 +356,23 @@ void ring2d_schedule(SimContext& x) {
   for (int i = 0; i < I; ++i)
     for (int o = 0; o < O; ++o) {
       outer[i].members.push_back(o * I + i);
-      outer[i].q.push_back(shard[o * I + i]);
-      outer[i].blocks.push_back(shard[o * I + i]);
+      outer[i].q.push_back(&shard[o * I + i]);
+      outer[i].blocks.push_back(&shard[o * I + i]);
     }
   // The inner rings of outer step t: ring o holds ranks (o, j) with the shards of group o - t.
-  auto inner_rings = [&](int t) {
-    std::vector<Ring> rings(O);
+  std::vector<Ring> inner(O);
+  for (int o = 0; o < O; ++o)
+    for (int j = 0; j < I; ++j) {
+      inner[o].members.push_back(o * I + j);
+      inner[o].q.push_back(&shard[o * I + j]);
+      inner[o].blocks.push_back(nullptr);
+    }
+  auto inner_rings = [&](int t) -> const std::vector<Ring>& {
     for (int o = 0; o < O; ++o) {
       const int g = (o - t + O) % O;
-      for (int j = 0; j < I; ++j) {
-        rings[o].members.push_back(o * I + j);
-        rings[o].q.push_back(shard[o * I + j]);
-        rings[o].blocks.push_back(shard[g * I + j]);
-      }
+      for (int j = 0; j < I; ++j) inner[o].blocks[j] = &shard[g * I + j];
     }
-    return rings;
+    return inner;
   };
   const int64_t cap = 2 * x.max_rows() * row;
   for (int r = 0; r < P; ++r) {    // the outer KV double buffer; backward: the group sum and the
@@ -363,11 +388,11 @@ void ring2d_schedule(SimContext& x) {
     std::vector<SumSim> sums;
     if (backward)
       for (const Ring& g : outer) sums.emplace_back(g);
+    std::vector<double> kv_end(P, 0.0), post(P);  // kv_end is read only when t < O - 1
     for (int t = 0; t < O; ++t) {
       const int step = (t + 1) * I - 1;
-      std::vector<double> kv_end(P, 0.0);
       if (t < O - 1) {
-        std::vector<double> post(x.t);
+        post = x.t;
         for (int r = 0; r < P; ++r) {
           const int o = r / I, i = r % I, next = ((o + 1) % O) * I + i;
           const int g = (o - t + O) % O;
@@ -449,19 +474,19 @@ void allgather_schedule(SimContext& x) {
   // Forward.
   for (int r = 0; r < P; ++r) x.compute(r, x.mem_time(x.rows(r) * c.heads * D * 4.0), -1);
   pack_and_gather();
+  std::vector<SimContext::Work> w(P);
+  std::vector<bool> busy(P);
+  std::vector<double> scale;
   auto blocks_pass = [&](bool backward) {
     for (int j = 0; j < P; ++j) {
-      std::vector<SimContext::Work> w(P);
-      std::vector<bool> busy(P);
       for (int r = 0; r < P; ++r) {
         w[r] = x.pair_work(blocks[r], blocks[j]);
         busy[r] = w[r].tiles.total() > 0;
       }
+      x.busy_scales(all, busy, scale);
       for (int r = 0; r < P; ++r) {
         x.count_tiles_on(r, w[r].tiles, c.heads, backward, j);
-        x.compute(r,
-                  x.kernel_time(w[r], c.heads, backward, blocks[j].rows, c.kv_heads) *
-                      x.busy_scale(all, busy, r),
+        x.compute(r, x.kernel_time(w[r], c.heads, backward, blocks[j].rows, c.kv_heads) * scale[r],
                   j);
       }
     }

@@ -2,10 +2,13 @@
 #include "sim.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <unordered_map>
 
 #include "loom/error.h"
 
@@ -29,7 +32,160 @@ std::map<std::string, ScheduleFn>& registry() {
   return r;
 }
 
+// The work of the q chunks [q, q + nq) against the k chunks [k, k + nk), chunk pair by chunk pair
+// in that order.
+PairWork chunk_work(const Chunk* q0, size_t nq, const Chunk* k0, size_t nk, const PairKey& key) {
+  PairWork w;
+  Mask m;
+  m.causal = key.causal;
+  m.window = key.window;
+  for (const Chunk* q = q0; q != q0 + nq; ++q)
+    for (const Chunk* k = k0; k != k0 + nk; ++k) {
+      if (q->count == 0 || k->count == 0 || q->doc != k->doc) continue;
+      if (m.causal && k->first > q->last()) continue;
+      if (m.window > 0 && std::max(k->first - q->last(), q->first - k->last()) >= m.window)
+        continue;
+      ++w.calls;
+      const TileCount tc = count_tiles(*q, *k, m, key.block_q, key.block_k);
+      w.tiles += tc;
+      // The kernels' own work tiles (loom::work_tile_side, src/kernels/blockwise.cc).
+      const int64_t wq = work_tile_side(key.block_q, q->count, key.work_tile),
+                    wk = work_tile_side(key.block_k, k->count, key.work_tile);
+      if (wq == key.block_q && wk == key.block_k) {
+        w.full += static_cast<double>(tc.full);
+        w.partial += static_cast<double>(tc.partial);
+      } else {
+        const TileCount wt = count_tiles(*q, *k, m, wq, wk);
+        const double area =
+            static_cast<double>(wq * wk) / static_cast<double>(key.block_q * key.block_k);
+        w.full += area * static_cast<double>(wt.full);
+        w.partial += area * static_cast<double>(wt.partial);
+      }
+    }
+  return w;
+}
+
+PairWork chunk_work(const std::vector<Chunk>& q, const std::vector<Chunk>& k, const PairKey& key) {
+  return chunk_work(q.data(), q.size(), k.data(), k.size(), key);
+}
+
+bool same(const PairWork& a, const PairWork& b) {
+  return a.tiles.full == b.tiles.full && a.tiles.partial == b.tiles.partial && a.calls == b.calls &&
+         std::bit_cast<uint64_t>(a.full) == std::bit_cast<uint64_t>(b.full) &&
+         std::bit_cast<uint64_t>(a.partial) == std::bit_cast<uint64_t>(b.partial);
+}
+
+struct PairWorkHash {
+  size_t operator()(const PairWork& w) const {
+    uint64_t h = 0;
+    for (uint64_t v : {static_cast<uint64_t>(w.tiles.full), static_cast<uint64_t>(w.tiles.partial),
+                       static_cast<uint64_t>(w.calls), std::bit_cast<uint64_t>(w.full),
+                       std::bit_cast<uint64_t>(w.partial)})
+      h = (h ^ v) * 0x100000001b3ull + (h >> 29);
+    return static_cast<size_t>(h);
+  }
+};
+
+struct PairWorkEq {
+  bool operator()(const PairWork& a, const PairWork& b) const { return same(a, b); }
+};
+
 }  // namespace
+
+PairTable::PairTable(PairKey key, const std::vector<std::vector<Chunk>>& chunks)
+    : key_(std::move(key)) {
+  const int P = key_.ranks;
+  LOOM_CHECK(static_cast<int>(chunks.size()) == P, InvalidArgument,
+             "PairTable: " << chunks.size() << " shards for " << P << " ranks");
+  // Exactness of sums in any order (exact_sums()): a bound on every work figure of any union,
+  // the whole sequence's (q tiles) x (k tiles), each counted in work tiles times their block
+  // factors, which is at least the block tile count.
+  double q_tiles = 0, k_tiles = 0, n_chunks = 0;
+  for (const std::vector<Chunk>& shard : chunks)
+    for (const Chunk& ch : shard) {
+      const int64_t wq = work_tile_side(key_.block_q, ch.count, key_.work_tile),
+                    wk = work_tile_side(key_.block_k, ch.count, key_.work_tile);
+      q_tiles += static_cast<double>((ch.count + wq - 1) / wq * (wq / key_.block_q));
+      k_tiles += static_cast<double>((ch.count + wk - 1) / wk * (wk / key_.block_k));
+      n_chunks += 1;
+    }
+  exact_sums_ = q_tiles * k_tiles < 0x1p52 && n_chunks * n_chunks < 0x1p30;
+  idx_.resize(static_cast<size_t>(P) * static_cast<size_t>(P));
+  std::unordered_map<PairWork, uint32_t, PairWorkHash, PairWorkEq> seen;
+  uint32_t last = 0;
+  for (int d = 0; d < P; ++d)  // the layout of at(): by diagonal d = a - b mod P, then a
+    for (int a = 0; a < P; ++a) {
+      const int b = a >= d ? a - d : a - d + P;
+      const PairWork w = chunk_work(chunks[a], chunks[b], key_);
+      uint32_t v = last;
+      if (values_.empty() || !same(w, values_[last])) {
+        auto [it, added] = seen.emplace(w, static_cast<uint32_t>(values_.size()));
+        if (added) values_.push_back(w);
+        v = it->second;
+      }
+      set(static_cast<size_t>(d) * static_cast<size_t>(P) + a, v);
+      last = v;
+    }
+}
+
+uint32_t PairTable::wide(size_t i) const {
+  if (width_ == 2) {
+    uint16_t v;
+    std::memcpy(&v, &idx_[2 * i], 2);
+    return v;
+  }
+  uint32_t v;
+  std::memcpy(&v, &idx_[4 * i], 4);
+  return v;
+}
+
+void PairTable::set(size_t i, uint32_t v) {
+  const int need = v <= 0xff ? 1 : v <= 0xffff ? 2 : 4;
+  if (need > width_) {  // widen every index stored so far
+    const size_t n = idx_.size() / width_;
+    std::vector<uint8_t> wider(n * need);
+    for (size_t j = 0; j < n; ++j) {
+      const uint32_t x = width_ == 1 ? idx_[j] : wide(j);
+      if (need == 2) {
+        const uint16_t y = static_cast<uint16_t>(x);
+        std::memcpy(&wider[2 * j], &y, 2);
+      } else {
+        std::memcpy(&wider[4 * j], &x, 4);
+      }
+    }
+    idx_.swap(wider);
+    width_ = need;
+  }
+  if (width_ == 1) {
+    idx_[i] = static_cast<uint8_t>(v);
+  } else if (width_ == 2) {
+    const uint16_t y = static_cast<uint16_t>(v);
+    std::memcpy(&idx_[2 * i], &y, 2);
+  } else {
+    std::memcpy(&idx_[4 * i], &v, 4);
+  }
+}
+
+std::shared_ptr<const PairTable> PairCache::get(const PairKey& key,
+                                                const std::vector<std::vector<Chunk>>& chunks) {
+  ++clock_;
+  auto it = tables_.find(key);
+  if (it != tables_.end()) {
+    it->second.used = clock_;
+    return it->second.table;
+  }
+  auto table = std::make_shared<const PairTable>(key, chunks);
+  while (!tables_.empty() && bytes_ + table->bytes() > kBudget) {
+    auto lru = tables_.begin();
+    for (auto e = tables_.begin(); e != tables_.end(); ++e)
+      if (e->second.used < lru->second.used) lru = e;
+    bytes_ -= lru->second.table->bytes();
+    tables_.erase(lru);
+  }
+  tables_.emplace(key, Entry{table, clock_});
+  bytes_ += table->bytes();
+  return table;
+}
 
 void register_schedule(const std::string& name, ScheduleFn fn) {
   registry()[name] = std::move(fn);
@@ -55,9 +211,42 @@ double AttnSim::balance() const {
   return mean > 0 ? mx / mean : 1.0;
 }
 
-SimContext::SimContext(const AttnCase& cs, const Profile& pr, AttnSim& o)
-    : c(cs), p(pr), out(o), P(cs.ranks) {
+SimContext::SimContext(const AttnCase& cs, const Profile& pr, AttnSim& o, const SimOptions& options)
+    : c(cs), p(pr), out(o), P(cs.ranks), cache_(options.cache), step_tiles_(options.step_tiles) {
+  key_.layout = c.layout;
+  key_.seq = c.seq;
+  key_.ranks = c.ranks;
+  key_.doc_lengths = c.doc_lengths;
+  key_.causal = c.mask.causal;
+  key_.window = c.mask.window;
+  key_.block_q = c.block_q;
+  key_.block_k = c.block_k;
+  key_.work_tile = p.work_tile;
   chunks = shard_chunks(c.layout, c.seq, c.ranks, c.doc_lengths);
+  const int dpn = std::max(1, p.devices_per_node);
+  node_.resize(P);
+  for (int r = 0; r < P; ++r) node_[r] = r * c.cp_stride / dpn;
+  on_node_.assign(P > 0 ? node_[P - 1] + 1 : 0, 0);
+  busy_on_node_ = on_node_;
+  // The kernels' seconds per tile: calibrated ("cpu" profiles, scaled linearly in the head dim)
+  // or the peak rate times the efficiency.
+  const double d = static_cast<double>(c.head_dim);
+  const double* cal = c.dtype_bytes == 2 ? p.tile_s_bf16 : p.tile_s_fp32;
+  for (int backward = 0; backward < 2; ++backward) {
+    const int i = backward ? 2 : 0;
+    if (p.kind == "cpu" && cal[i] > 0) {
+      const double scale = d / static_cast<double>(std::max<int64_t>(1, p.calib_head_dim));
+      tile_full_[backward] = cal[i] * scale;
+      tile_partial_[backward] = (cal[i + 1] > 0 ? cal[i + 1] : cal[i]) * scale;
+    } else {
+      const double peak = c.dtype_bytes == 2 ? p.flops_bf16 : p.flops_fp32;
+      const double eff = backward ? p.attn_bwd_eff : p.attn_fwd_eff;
+      rate_ok_[backward] = peak > 0 && eff > 0;
+      const double flops = (backward ? 10.0 : 4.0) * static_cast<double>(c.block_q * c.block_k) * d;
+      tile_full_[backward] = flops / (peak * eff);
+      tile_partial_[backward] = tile_full_[backward] * p.partial_tile_cost;
+    }
+  }
   t.assign(P, 0.0);
   exposed.assign(P, {});
   slots.assign(P, {});
@@ -78,6 +267,8 @@ int64_t SimContext::max_rows() const {
 
 Block SimContext::block(int first, int count) const {
   Block b;
+  b.first = first;
+  b.count = count;
   for (int r = first; r < first + count; ++r) {
     b.chunks.insert(b.chunks.end(), chunks[r].begin(), chunks[r].end());
     b.rows += rows(r);
@@ -85,98 +276,66 @@ Block SimContext::block(int first, int count) const {
   return b;
 }
 
-SimContext::Work SimContext::pair_work(const Block& qb, const Block& kb) const {
-  Work w;
-  const Mask& m = c.mask;
-  for (const Chunk& q : qb.chunks)
-    for (const Chunk& k : kb.chunks) {
-      if (q.count == 0 || k.count == 0 || q.doc != k.doc) continue;
-      if (m.causal && k.first > q.last()) continue;
-      if (m.window > 0 && std::max(k.first - q.last(), q.first - k.last()) >= m.window) continue;
-      ++w.calls;
-      const TileCount tc = count_tiles(q, k, m, c.block_q, c.block_k);
-      w.tiles += tc;
-      // The kernels' own work tiles (loom::work_tile_side, src/kernels/blockwise.cc).
-      const int64_t wq = work_tile_side(c.block_q, q.count, p.work_tile),
-                    wk = work_tile_side(c.block_k, k.count, p.work_tile);
-      if (wq == c.block_q && wk == c.block_k) {
-        w.full += static_cast<double>(tc.full);
-        w.partial += static_cast<double>(tc.partial);
-      } else {
-        const TileCount wt = count_tiles(q, k, m, wq, wk);
-        const double area =
-            static_cast<double>(wq * wk) / static_cast<double>(c.block_q * c.block_k);
-        w.full += area * static_cast<double>(wt.full);
-        w.partial += area * static_cast<double>(wt.partial);
+const PairTable& SimContext::pair_table() const {
+  if (!table_)
+    table_ = cache_ ? cache_->get(key_, chunks) : std::make_shared<const PairTable>(key_, chunks);
+  return *table_;
+}
+
+SimContext::Work SimContext::group_work(const Block& qb, const Block& kb) const {
+  const int g = qb.count;
+  if (g >= 1 && kb.count == g && qb.first % g == 0 && kb.first % g == 0 && qb.first + g <= P &&
+      kb.first + g <= P) {
+    const PairTable& t = pair_table();
+    if (g == 1) return t.at(qb.first, kb.first);
+    if (t.exact_sums()) {
+      const size_t n = static_cast<size_t>(P / g);
+      if (group_ != g) {
+        group_ = g;
+        groups_.assign(n * n, Work{});
+        done_.assign(n * n, 0);
       }
+      const size_t i = static_cast<size_t>(qb.first / g) * n + static_cast<size_t>(kb.first / g);
+      if (!done_[i]) {
+        Work& w = groups_[i];
+        for (int a = qb.first; a < qb.first + g; ++a)
+          for (int b = kb.first; b < kb.first + g; ++b) {
+            const Work& x = t.at(a, b);
+            w.tiles += x.tiles;
+            w.calls += x.calls;
+            w.full += x.full;
+            w.partial += x.partial;
+          }
+        done_[i] = 1;
+      }
+      return groups_[i];
     }
-  return w;
-}
-
-double SimContext::busy_scale(const std::vector<int>& members, const std::vector<bool>& busy,
-                              int i) const {
-  if (p.alone_speedup <= 1.0) return 1.0;
-  const int dpn = std::max(1, p.devices_per_node);
-  const int node = members[i] * c.cp_stride / dpn;
-  int on_node = 0, busy_on_node = 0;
-  for (size_t j = 0; j < members.size(); ++j)
-    if (members[j] * c.cp_stride / dpn == node) {
-      ++on_node;
-      busy_on_node += busy[j] ? 1 : 0;
-    }
-  if (on_node <= 1 || busy_on_node < 1) return 1.0;
-  const double f = static_cast<double>(busy_on_node - 1) / (on_node - 1);
-  return 1.0 / p.alone_speedup + (1.0 - 1.0 / p.alone_speedup) * f;
-}
-
-double SimContext::mem_time(double bytes) const {
-  return bytes / p.mem_bandwidth;  // > 0: check_profile
-}
-
-double SimContext::kernel_time(const Work& w, int64_t heads, bool backward, int64_t kv_rows,
-                               int64_t kv_heads) const {
-  const double d = static_cast<double>(c.head_dim);
-  double full = 0, partial = 0;
-  const double* cal = c.dtype_bytes == 2 ? p.tile_s_bf16 : p.tile_s_fp32;
-  const int i = backward ? 2 : 0;
-  if (p.kind == "cpu" && cal[i] > 0) {
-    const double scale = d / static_cast<double>(std::max<int64_t>(1, p.calib_head_dim));
-    full = cal[i] * scale;
-    partial = (cal[i + 1] > 0 ? cal[i + 1] : cal[i]) * scale;
-  } else {
-    const double peak = c.dtype_bytes == 2 ? p.flops_bf16 : p.flops_fp32;
-    const double eff = backward ? p.attn_bwd_eff : p.attn_fwd_eff;
-    LOOM_CHECK(peak > 0 && eff > 0, InvalidArgument,
-               "profile " << p.name << " has no attention rate (flops and efficiency)");
-    const double flops = (backward ? 10.0 : 4.0) * static_cast<double>(c.block_q * c.block_k) * d;
-    full = flops / (peak * eff);
-    partial = full * p.partial_tile_cost;
   }
-  const double tiles_s = static_cast<double>(heads) * (w.full * full + w.partial * partial);
-  // Each call packs its KV block (k and v; backward also k^T) once.
-  const double pack =
-      mem_time(static_cast<double>((backward ? 3 : 2) * kv_rows * kv_heads) * d * c.dtype_bytes);
-  return tiles_s + w.calls * (p.call_overhead + pack);
+  return chunk_work(qb.chunks, kb.chunks, key_);
 }
 
-const Link& SimContext::link(int a, int b) const {
-  const int dpn = std::max(1, p.devices_per_node);
-  const int wa = a * c.cp_stride, wb = b * c.cp_stride;
-  return wa / dpn == wb / dpn ? p.intra : p.inter;
+void SimContext::busy_scales(const std::vector<int>& members, const std::vector<bool>& busy,
+                             std::vector<double>& scale) const {
+  const size_t n = members.size();
+  scale.assign(n, 1.0);
+  if (p.alone_speedup <= 1.0) return;
+  for (size_t j = 0; j < n; ++j) {
+    ++on_node_[node_[members[j]]];
+    busy_on_node_[node_[members[j]]] += busy[j] ? 1 : 0;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const int on_node = on_node_[node_[members[i]]],
+              busy_on_node = busy_on_node_[node_[members[i]]];
+    if (on_node <= 1 || busy_on_node < 1) continue;
+    const double f = static_cast<double>(busy_on_node - 1) / (on_node - 1);
+    scale[i] = 1.0 / p.alone_speedup + (1.0 - 1.0 / p.alone_speedup) * f;
+  }
+  for (size_t j = 0; j < n; ++j) on_node_[node_[members[j]]] = busy_on_node_[node_[members[j]]] = 0;
 }
 
-double SimContext::message_time(int a, int b, double bytes) const {
-  const Link& l = link(a, b);
-  return l.latency + bytes / l.bandwidth;  // > 0: check_profile
-}
-
-void SimContext::expose(int r, const char* kind, double s) {
-  for (auto& [k, v] : exposed[r])
-    if (k == kind) {
-      v += s;
-      return;
-    }
-  exposed[r].emplace_back(kind, s);
+void SimContext::no_rate() const {
+  throw InvalidArgument("profile " + p.name + " has no attention rate (flops and efficiency)",
+                        __FILE__, __LINE__);
 }
 
 void SimContext::fold_exposed() {
@@ -187,24 +346,6 @@ void SimContext::fold_exposed() {
 void SimContext::add_event(int r, const char* kind, int step, double t0, double t1) {
   if (!c.timeline || static_cast<int64_t>(out.events.size()) >= c.max_events) return;
   out.events.push_back(Event{r, kind, step, t0, t1});
-}
-
-void SimContext::compute(int r, double dur, int step) {
-  add_event(r, "compute", step, t[r], t[r] + dur);
-  t[r] += dur;
-  out.ranks[r].compute_s += dur;
-}
-
-void SimContext::wait(int r, double until, const char* kind, int step) {
-  if (until <= t[r]) return;
-  add_event(r, "wait", step, t[r], until);
-  out.ranks[r].comm_s += until - t[r];
-  expose(r, kind, until - t[r]);
-  t[r] = until;
-}
-
-void SimContext::flight(int r, const char* kind, int step, double t0, double t1) {
-  add_event(r, kind, step, t0, t1);
 }
 
 void SimContext::collective(const std::vector<int>& members, const std::vector<double>& cost,
@@ -223,29 +364,15 @@ void SimContext::collective(const std::vector<int>& members, const std::vector<d
   }
 }
 
-void SimContext::count_tiles_on(int r, const TileCount& tc, int64_t heads, bool backward,
-                                int step) {
-  RankSim& rs = out.ranks[r];
-  const int64_t n = tc.total() * heads;
-  (backward ? rs.bwd_tiles : rs.fwd_tiles) += n;
-  rs.full_tiles += tc.full * heads;
-  rs.partial_tiles += tc.partial * heads;
-  if (!backward) {
-    if (static_cast<int>(rs.step_tiles.size()) <= step) rs.step_tiles.resize(step + 1, 0);
-    rs.step_tiles[step] += n;
-  }
-}
-
-void SimContext::slot(int r, int s, int64_t bytes) {
-  if (static_cast<int>(slots[r].size()) <= s) slots[r].resize(s + 1, 0);
-  slots[r][s] = std::max(slots[r][s], bytes);
-}
-
 void SimContext::gathered(int r, int64_t bytes) {
   out.ranks[r].gathered_bytes = std::max(out.ranks[r].gathered_bytes, bytes);
 }
 
 AttnSim simulate_attention(const AttnCase& c, const Profile& p) {
+  return simulate_attention(c, p, SimOptions{});
+}
+
+AttnSim simulate_attention(const AttnCase& c, const Profile& p, const SimOptions& options) {
   register_builtin_schedules();
   check_profile(p);
   LOOM_CHECK(c.seq >= 1, InvalidArgument, "the sequence length must be >= 1, got " << c.seq);
@@ -306,7 +433,7 @@ AttnSim simulate_attention(const AttnCase& c, const Profile& p) {
     throw InvalidArgument("unknown strategy '" + c.strategy + "' (choose " + names + ")");
   }
   AttnSim out;
-  SimContext ctx(c, p, out);
+  SimContext ctx(c, p, out, options);
   it->second(ctx);
   ctx.fold_exposed();
   for (int r = 0; r < c.ranks; ++r)

@@ -11,6 +11,9 @@
 // 5. Every shipped profile parses and cites a source for every figure.
 // 6. The loom train step model composes a one-rank measure with the mesh: hand-computed
 //    figures for one rank, dp, tp, cp and checkpointing; bad meshes refused.
+// 7. The pair tables (src/plan/sim.h): the work of every pair of shards, and of aligned groups
+//    of shards summed from it, equals the chunk-by-chunk count; simulations sharing tables
+//    through one PairCache equal simulations with their own, for cases that differ in one input.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,6 +27,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "../src/plan/sim.h"
 #include "loom/plan.h"
 #include "loom/rng.h"
 
@@ -285,6 +289,201 @@ TEST(PlanTime, KernelsAreChargedPerWorkTile) {
     EXPECT_NEAR(sim.backward_s, 2 * (full * bwd_full + partial * bwd_partial), 1e-8) << work;
     EXPECT_EQ(sim.ranks[0].fwd_tiles, 2 * 10);  // the counts stay the config tiles'
   }
+}
+
+// The work of q rows against k rows, chunk pair by chunk pair in order: the cp layer's skip of
+// pairs the mask separates (segment_pair_empty in src/cp/ring.cc), the block tiles, and the
+// kernels' work tiles (work_tile_side) weighted by their area in block tiles.
+PairWork reference_work(const std::vector<Chunk>& qs, const std::vector<Chunk>& ks,
+                        const PairKey& key) {
+  Mask m;
+  m.causal = key.causal;
+  m.window = key.window;
+  PairWork w;
+  for (const Chunk& q : qs)
+    for (const Chunk& k : ks) {
+      if (q.doc != k.doc || (m.causal && k.first > q.last())) continue;
+      if (m.window > 0 && (k.first - q.last() >= m.window || q.first - k.last() >= m.window))
+        continue;
+      ++w.calls;
+      const TileCount tc = count_tiles(q, k, m, key.block_q, key.block_k);
+      w.tiles += tc;
+      const int64_t wq = work_tile_side(key.block_q, q.count, key.work_tile),
+                    wk = work_tile_side(key.block_k, k.count, key.work_tile);
+      const TileCount wt = count_tiles(q, k, m, wq, wk);
+      const double area = static_cast<double>((wq / key.block_q) * (wk / key.block_k));
+      w.full += area * static_cast<double>(wt.full);
+      w.partial += area * static_cast<double>(wt.partial);
+    }
+  return w;
+}
+
+void expect_work_eq(const PairWork& got, const PairWork& want, const std::string& what) {
+  EXPECT_EQ(got.tiles.full, want.tiles.full) << what;
+  EXPECT_EQ(got.tiles.partial, want.tiles.partial) << what;
+  EXPECT_EQ(got.calls, want.calls) << what;
+  EXPECT_EQ(got.full, want.full) << what;  // exact: integers below 2^53
+  EXPECT_EQ(got.partial, want.partial) << what;
+}
+
+std::vector<Chunk> concat(const std::vector<std::vector<Chunk>>& shards, int first, int count) {
+  std::vector<Chunk> out;
+  for (int r = first; r < first + count; ++r)
+    out.insert(out.end(), shards[r].begin(), shards[r].end());
+  return out;
+}
+
+TEST(PlanPairs, TablesEqualTheChunkByChunkWork) {
+  std::mt19937_64 rng(21);
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  const Profile prof = valid_profile();
+  int groups = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    PairKey key;
+    key.layout = static_cast<Layout>(pick(0, 2));
+    key.ranks = static_cast<int>(pick(1, 12));
+    key.seq = pick(1, 3000);
+    if (pick(0, 2) == 0 && key.seq >= 3) {
+      const int64_t a = pick(1, key.seq - 2), b = pick(1, key.seq - a - 1);
+      key.doc_lengths = {a, b, key.seq - a - b};
+    }
+    key.causal = pick(0, 3) != 0;
+    key.window = pick(0, 2) == 0 ? pick(1, 400) : 0;
+    key.block_q = pick(0, 1) ? 64 : pick(8, 40);
+    key.block_k = pick(0, 1) ? 64 : pick(8, 40);
+    key.work_tile = std::vector<int64_t>{0, 0, 64, 100, 128}[pick(0, 4)];
+    const auto shards = shard_chunks(key.layout, key.seq, key.ranks, key.doc_lengths);
+    const PairTable table(key, shards);
+    ASSERT_TRUE(table.exact_sums());
+    const std::string what = "trial " + std::to_string(trial);
+    for (int a = 0; a < key.ranks; ++a)
+      for (int b = 0; b < key.ranks; ++b)
+        expect_work_eq(table.at(a, b), reference_work(shards[a], shards[b], key),
+                       what + " pair " + std::to_string(a) + "," + std::to_string(b));
+    // Aligned groups (hybrid's and Ulysses'), summed from the table.
+    AttnCase c;
+    c.layout = key.layout;
+    c.seq = key.seq;
+    c.ranks = key.ranks;
+    c.doc_lengths = key.doc_lengths;
+    c.mask.causal = key.causal;
+    c.mask.window = key.window;
+    c.block_q = key.block_q;
+    c.block_k = key.block_k;
+    Profile p = prof;
+    p.work_tile = key.work_tile;
+    AttnSim out;
+    const SimContext x(c, p, out);
+    for (int g = 2; g <= key.ranks; ++g) {
+      if (key.ranks % g != 0) continue;
+      for (int i = 0; i < key.ranks; i += g)
+        for (int j = 0; j < key.ranks; j += g) {
+          expect_work_eq(x.pair_work(x.block(i, g), x.block(j, g)),
+                         reference_work(concat(shards, i, g), concat(shards, j, g), key),
+                         what + " groups of " + std::to_string(g));
+          ++groups;
+        }
+    }
+  }
+  EXPECT_GT(groups, 200);
+  // Past 2^53 a sum depends on its order: groups are counted chunk by chunk again. Full
+  // attention over 2^27 tokens in 1-token tiles: (2^27)^2 tiles in all.
+  PairKey big;
+  big.layout = Layout::zigzag;
+  big.ranks = 4;
+  big.seq = int64_t{1} << 27;
+  big.causal = false;
+  big.block_q = big.block_k = 1;
+  const auto shards = shard_chunks(big.layout, big.seq, big.ranks, {});
+  EXPECT_FALSE(PairTable(big, shards).exact_sums());
+  AttnCase c;
+  c.seq = big.seq;
+  c.ranks = big.ranks;
+  c.mask.causal = false;
+  c.block_q = c.block_k = 1;
+  AttnSim out;
+  const SimContext x(c, prof, out);
+  expect_work_eq(x.pair_work(x.block(0, 2), x.block(2, 2)),
+                 reference_work(concat(shards, 0, 2), concat(shards, 2, 2), big), "2^27 tokens");
+}
+
+void expect_sim_eq(const AttnSim& got, const AttnSim& want, bool step_tiles,
+                   const std::string& what) {
+  EXPECT_EQ(got.forward_s, want.forward_s) << what;
+  EXPECT_EQ(got.backward_s, want.backward_s) << what;
+  ASSERT_EQ(got.ranks.size(), want.ranks.size()) << what;
+  for (size_t r = 0; r < got.ranks.size(); ++r) {
+    const RankSim &g = got.ranks[r], &w = want.ranks[r];
+    const std::string at = what + " rank " + std::to_string(r);
+    EXPECT_EQ(g.fwd_tiles, w.fwd_tiles) << at;
+    EXPECT_EQ(g.bwd_tiles, w.bwd_tiles) << at;
+    EXPECT_EQ(g.full_tiles, w.full_tiles) << at;
+    EXPECT_EQ(g.partial_tiles, w.partial_tiles) << at;
+    EXPECT_EQ(g.step_tiles, step_tiles ? w.step_tiles : std::vector<int64_t>{}) << at;
+    EXPECT_EQ(g.bytes_sent, w.bytes_sent) << at;
+    EXPECT_EQ(g.bytes_recv, w.bytes_recv) << at;
+    EXPECT_EQ(g.peak_buffer_bytes, w.peak_buffer_bytes) << at;
+    EXPECT_EQ(g.gathered_bytes, w.gathered_bytes) << at;
+    EXPECT_EQ(g.compute_s, w.compute_s) << at;
+    EXPECT_EQ(g.comm_s, w.comm_s) << at;
+    EXPECT_EQ(g.idle_s, w.idle_s) << at;
+    EXPECT_EQ(g.comm_by_kind, w.comm_by_kind) << at;
+    EXPECT_EQ(g.end_fwd_s, w.end_fwd_s) << at;
+    EXPECT_EQ(g.end_s, w.end_s) << at;
+  }
+}
+
+// The planner shares one PairCache over its whole search. Cases differing in exactly one input
+// of the pair work (layout, length, ranks, documents, causality, window, tile sides, the
+// profile's work tile) must each get their own table: a key missing one would hand a case
+// another's table, and its tiles and times would differ from the case simulated alone.
+TEST(PlanPairs, SharedTablesEqualOwnTables) {
+  AttnCase base;
+  base.strategy = "hybrid";
+  base.ulysses = 2;
+  base.layout = Layout::zigzag;
+  base.seq = 1000;
+  base.ranks = 4;
+  base.heads = 4;
+  base.kv_heads = 2;
+  base.head_dim = 16;
+  Profile prof = valid_profile();
+  prof.devices_per_node = 2;
+  std::vector<std::pair<AttnCase, Profile>> cases;
+  auto add = [&](auto change) {
+    AttnCase c = base;
+    Profile p = prof;
+    change(c, p);
+    cases.emplace_back(c, p);
+  };
+  add([](AttnCase&, Profile&) {});
+  add([](AttnCase& c, Profile&) { c.layout = Layout::contiguous; });
+  add([](AttnCase& c, Profile&) { c.layout = Layout::stripe; });
+  add([](AttnCase& c, Profile&) { c.seq = 1001; });
+  add([](AttnCase& c, Profile&) { c.ranks = 8; });
+  add([](AttnCase& c, Profile&) { c.doc_lengths = {300, 700}; });
+  add([](AttnCase& c, Profile&) { c.mask.causal = false; });
+  add([](AttnCase& c, Profile&) { c.mask.window = 90; });
+  add([](AttnCase& c, Profile&) { c.block_q = 32; });
+  add([](AttnCase& c, Profile&) { c.block_k = 32; });
+  add([](AttnCase&, Profile& p) { p.work_tile = 128; });
+  add([](AttnCase& c, Profile&) { c.strategy = "ring", c.ulysses = 1; });
+  add([](AttnCase& c, Profile&) { c.strategy = "ring2d", c.ulysses = 1, c.inner = 2; });
+  add([](AttnCase& c, Profile&) { c.strategy = "allgather", c.ulysses = 1; });
+  add([](AttnCase& c, Profile&) { c.strategy = "ulysses", c.ulysses = 1; });
+  std::vector<AttnSim> own;
+  for (const auto& [c, p] : cases) own.push_back(simulate_attention(c, p));
+  PairCache cache;
+  for (int round = 0; round < 2; ++round)  // in order, then backwards
+    for (size_t n = 0; n < cases.size(); ++n) {
+      const size_t i = round == 0 ? n : cases.size() - 1 - n;
+      const bool steps = round == 0;
+      const AttnSim shared =
+          simulate_attention(cases[i].first, cases[i].second, SimOptions{&cache, steps});
+      expect_sim_eq(shared, own[i], steps, "case " + std::to_string(i));
+    }
 }
 
 TEST(PlanProfiles, ShippedProfilesParseAndCiteEveryFigure) {
