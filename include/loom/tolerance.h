@@ -9,8 +9,109 @@
 
 namespace loom {
 
-// fp32 storage and accumulation.
+// fp32 storage and accumulation: the fixed tolerance, for comparisons inside the regime of
+// fp32_fixed_tolerance_holds() (below); outside, fp32_error_bounds().
 inline constexpr double kFp32RelTol = 1e-5;
+
+// fp32 at large scores. kFp32RelTol holds while the scores s = scale q.k are small; the kernels'
+// errors grow with them (S = 256, D = 64, causal: dq 1.4e-5 at scale 10, dv 5.6e-4 at scale 1000,
+// docs/cli.md), so there each comparison is held to a first-order bound of its own problem. With
+// u = 2^-24 (fp32's unit roundoff), for query row i of head h and a key j that it sees (the
+// reference's s_ij, p_ij = exp(s_ij - lse_i), m_i = max_j s_ij, the top key t (s_it = m_i),
+// out_i, a_i = sum_j p_ij |v_j|, dp_ij = dout_i.v_j, delta_i = dout_i.out_i; |.|, min and
+// products of vectors elementwise):
+//  * Scores. The kernels form s (in base 2) as fl(fl(scale log2 e) fl(sum_d q_id k_jd)), the sum
+//    one multiply-add chain c_n = c_{n-1} + x_n over n = 0..D-1, x_n = q_in k_jn (TileOps::gemm,
+//    fused or not; the bf16-dot path adds pairs of exact products). A step rounds by at most
+//    u |c_n|, an unfused product by u |x_n| (a pair's swapped order moves c_n by at most |x_n|):
+//       |score error| <= E_ij = u (|scale| sum_n (|c_n| + |x_n|) + 2 |s_ij|),
+//    the last term for rounding scale log2 e and its product. A worst case, deterministic:
+//    E_ij <= c_s u |scale| sum_d |q_id| |k_jd| with c_s = D + 3, and the partial-sum form
+//    evaluated is typically D/2 |s_ij| u for the keys that matter, where random roundings give
+//    about |s_ij| u (tests/unit/test_blockwise.cc, Fp32ErrorsWithinTheirBoundsAtAnyScale).
+//  * Forward. p = 2^(fl(s2 - m2)) for the running max m2: the roundings of s2 - m2 and of the
+//    rescale exponents m_old - m_new telescope to at most u (m_i - s_ij); exp2 adds 8u (4 ulp,
+//    test_kernels_exp) and returns 0 below 2^-125. Each weight's log is off by at most
+//    F_ij = E_ij + R_ij, R_ij = u (m_i - s_ij + 8), so the normalised weights by
+//    |p^_ij / p_ij - 1| <= w_ij = max(e^F_ij / Z-_i - 1, 1 - e^-F_ij / Z+_i) (1 where the
+//    weight may fall below 2^-125), Z+-_i = sum_j p_ij e^(+-F_ij) (exact in F, not only first
+//    order). out = acc / l adds its own roundings: an add of a running sum is off by at most
+//    min(u |sum|, |either operand|) (round to nearest), which over any order and tiling gives
+//       acc: sum_j c_a min(u a_i, p_ij |v_j|) + u p_ij |v_j| (1 + r_ij), and 2u |out_i| for 1 / l,
+//       l, relative: l_i = sum_j c_l min(u, p_ij) + 9u p_ij r_ij
+//    (c_a = 2: the p v chain and the add of a tile into acc; c_l = 7: exp_row's pair and chain
+//    adds, a 16-lane reduction of depth 4, the add into l; r_ij = the number of keys with a larger
+//    score: acc and l are rescaled, their contents rounded, only at a new running max, and the
+//    factor's exp2 is off by 8u). On loom's kernels, where the top key's computed score is
+//    surely the largest (m_i - s_ij > E_it + E_ij for every other j), its weight is 2^0 = 1
+//    exactly, every rounding is charged to the other keys (the sums run over j != t, c_a = 4,
+//    c_l = 9), and 1 / l and acc / l are off by at most min(u, 3 sum_(j != t) p^_ij / p^_it):
+//       |out_i error| <= sum_j p_ij w_ij |v_j - out_i| + the roundings  (sum_j p^_ij - p_ij = 0)
+//       |lse_i error| <= L_i = max(log Z+_i, -log Z-_i) + l_i + u |lse_i|  (lse rounded to fp32)
+//  * Backward. p = 2^(fl(s2 - fl(lse log2 e))) from the fp32 lse, so log p is off by at most
+//       B_ij = E_ij + L_i + u |lse_i| + u |s_ij - lse_i| + 8u,  |p^/p - 1| <= b_ij = e^B_ij - 1
+//    (1 where it may fall below 2^-125). On loom's kernels the backward recomputes each score
+//    bitwise as the forward did (the same GEMM chain and scale), so the scores' errors cancel
+//    but for their differences: log p^_ij - log p_ij = -log sum_k p_ik e^(y_k) + the lse's
+//    roundings, |y_k| <= E_ij + E_ik (k != j) + R_ik, which replaces E_ij + L_i by the larger
+//    of log and -log of sum_k p_ik e^(+-(E_ij + E_ik + R_ik)) plus l_i + u |lse_i|. This
+//    recomputation from the fp32 lse is FlashAttention's, which loom and ring-flash-attention
+//    share; PyTorch's math attention keeps p from the forward and has no such term in dv:
+//       |dv_j error| <= sum_i b_ij p_ij |dout_i|.
+//  * ds = p (dp - delta). dp - delta cancels where a row's weight sits on a few keys (large
+//    scores), so the absolute errors of dp and delta count. dp's chain over d is bounded as the
+//    scores' (u sum_n (|c_n| + |x_n|) of dout_i.v_j); delta (compute_delta, on the fp32 out) by
+//    that chain's plus sum_d |dout_id| |out roundings_id| plus sum_j p_ij w_ij |dp_ij - delta_i|
+//    (the weights' error: dout.(out^ - out) = sum_j (p^_j - p_j) (dp_j - delta)). On loom's
+//    kernels compute_delta sums in the order of the dp GEMM, so in a row whose other keys move
+//    neither l (sum_(j != t) p^_ij / p^_it < u) nor any element of acc (by less than half an ulp
+//    of v_t) off the top key's, out is exactly v_t, delta exactly dp^_it and ds_it exactly 0:
+//    its error is |ds_it| itself, and delta's error that of dp_it plus |dp_it - delta_i|. Then
+//       |ds_ij error| <= e_ij = p_ij (b_ij |dp_ij - delta_i| + (1 + b_ij) (dp_ij error +
+//                               delta_i error))
+//       => |dq_i error| <= |scale| sum_j e_ij |k_j|,  |dk_j error| <= |scale| sum_i e_ij |q_i|
+//    (the sums run over the query heads of j's kv head).
+// Everything else (the sums of dv, dq and dk, the products in ds) is a relative error of fp32's
+// size that no cancellation amplifies: kFp32RelTol, as the fixed tolerance has it (and products
+// that underflow fp32's normal range, 1.2e-38, where the norms are larger). fp32_error_bounds()
+// computes these bounds for one problem, relative to ||reference||, with a factor 1.01 for the
+// first-order approximation, plus kFp32RelTol.
+// Measured (tests/unit/test_blockwise.cc, scales 10 to 1e4, S = 96 and 128, D = 16 and 64, six
+// seeds, Zen 5, every x86-64 target): bound / error of dq and dk 1.0 to 764 (the worst-case
+// scores), of dv 6.5 to 22 (made by the rounding of the fp32 lse, which the kernels meet); out
+// and lse stay near fp32's resolution, within kFp32RelTol. Like bf16's per-problem bounds, a
+// check against them catches gross errors, not a constant factor of the typical error.
+inline constexpr double kFp32Unit = 0x1p-24;
+
+// The regime of the fixed tolerance: kFp32RelTol holds while |scale| max_i ||q_i|| max_j ||k_j||
+// (no score |s| is larger; over every head) is at most kFp32FixedTolMaxScore. Measured (Zen 5,
+// avx512 and sse4, N(0, 1) inputs, D 16 / 64 / 128, S 64 / 256 / 512, causal and full): errors
+// within 0.31 kFp32RelTol up to 128 (0.17 up to 100); the first to pass kFp32RelTol had the bound
+// at 480 to 550 (dq, dk). The default scale 1 / sqrt(D) gives about 12 to 25 on such inputs.
+inline constexpr double kFp32FixedTolMaxScore = 128;
+
+// |scale| max_i ||q_i|| max_j ||k_j|| over every row and head of q [Sq, H, D] and k [Sk, Hkv, D]
+// (0 for no rows): no score |scale q_i.k_j| is larger.
+double fp32_score_bound(View3<const double> q, View3<const double> k, double scale);
+// Whether the fixed fp32 tolerance holds: fp32_score_bound <= kFp32FixedTolMaxScore.
+bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, double scale);
+
+// The fp32 bounds above for one problem, as relative norm errors (absolute where the reference
+// tensor is all zero). A bound that was not computed is +inf.
+struct Fp32Bounds {
+  static constexpr double kNotComputed = std::numeric_limits<double>::infinity();
+  double out = kNotComputed, lse = kNotComputed;
+  double dq = kNotComputed, dk = kNotComputed, dv = kNotComputed;
+};
+
+// Arguments as bf16_error_bounds (q, k, v, dout hold the fp32 input values). dout.data == nullptr:
+// the forward's bounds only. loom_kernels: the results are loom's kernels' (the refinements
+// above: the top key's exact weight, the backward's scores bitwise the forward's, delta summed as
+// dp); false: any implementation whose roundings are each within the bounds above. Costs about
+// three times reference_forward plus reference_backward.
+Fp32Bounds fp32_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
+                             View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
+                             double scale, bool loom_kernels);
 
 // bf16 storage (q, k, v, dout, out in bf16; state, lse, delta and gradients fp32). The fp64
 // reference runs on exactly the bf16 input values, so only the kernels' own roundings count.
@@ -42,7 +143,10 @@ inline constexpr double kFp32RelTol = 1e-5;
 //    => dv: u ||(sum_i p_ij |dout_i|)_j|| (not kFp32RelTol); dq, dk: these norms added to the
 //       delta terms.
 // bf16_error_bounds() computes these bounds for one problem, relative to ||reference||, with a
-// factor 1.01 for the first-order approximation and kFp32RelTol added for the fp32 arithmetic.
+// factor 1.01 for the first-order approximation, and adds the fp32 arithmetic's: kFp32RelTol
+// within fp32's regime (fp32_fixed_tolerance_holds, above), outside it the fp32_error_bounds() of
+// the same values (kFp32RelTol plus the terms that grow with the scores), so they hold at any
+// scale.
 // They are large where the problem amplifies the rounding (rows with one or two keys, where
 // dp - delta nearly cancels): there the error of any implementation that stores out in bf16 is
 // large too.
@@ -50,7 +154,9 @@ inline constexpr double kBf16Unit = 1.0 / 256.0;
 
 // Fixed bf16 tolerances, for comparisons that do not compute the per-problem bounds: valid where
 // those bounds' amplification is weak, i.e. random normal inputs with at least
-// kBf16FixedTolMinKeys visible keys per query row on average. Below that, rows with one or two
+// kBf16FixedTolMinKeys visible keys per query row on average and scores within fp32's regime
+// (fp32_fixed_tolerance_holds: at scale 10, S = 256, D = 32, dq reached 0.9 of them; `loom attn
+// --check` also needs that regime for them). Below that, rows with one or two
 // keys dominate the norms of dq and dk and the fixed tolerances do not hold for any
 // implementation that stores out in bf16: use bf16_error_bounds(). Measured (Zen 5, every path):
 // from 4 keys per row the errors stay within 0.61 of the fixed tolerances (the kernel sweep of
@@ -63,27 +169,39 @@ inline constexpr double kBf16AccRelTol = kBf16Unit;      // out finished to fp32
 // (avx512bf16), as the forward's p v does; the widening paths keep dv within kFp32RelTol.
 inline constexpr double kBf16GradRelTol = 2 * kBf16Unit;
 inline constexpr double kBf16FixedTolMinKeys = 4;  // mean visible keys per query row
+// ... and a head dim of at least kBf16FixedTolMinHeadDim: a norm over few elements per row is
+// ruled by its worst rows. Measured (Zen 5, avx512bf16, `loom attn --dtype bf16 --backward
+// --check`, S 64 / 185 / 500, causal and full, 6 seeds each, default scale): worst dq / 2u at
+// D = 1: 2.29 (H = 1), 1.03 (H = 4), 0.76 (H = 8); D = 2: 0.59-0.62; D = 4: 0.78; D = 8: 0.40;
+// D = 16: 0.49 (H = 1), every one within the per-problem bounds (D = 1, scale 2: dq 0.009
+// against a bound of 0.086). Found by a random sweep of `loom attn --check` (D = 1 failed the
+// fixed 2u in 1 of 8 seeds at S = 185).
+inline constexpr int64_t kBf16FixedTolMinHeadDim = 8;
 
-// Whether the fixed bf16 tolerances hold for queries qt over keys kt under mask: at least
-// kBf16FixedTolMinKeys visible keys per query row on average (false for no query rows).
-bool bf16_fixed_tolerances_hold(Tokens qt, Tokens kt, const Mask& mask);
+// Whether the fixed bf16 tolerances hold for queries qt over keys kt under mask with head dim
+// head_dim: at least kBf16FixedTolMinKeys visible keys per query row on average and head_dim >=
+// kBf16FixedTolMinHeadDim (false for no query rows). The scores must also lie in fp32's regime
+// (fp32_fixed_tolerance_holds), which this does not check.
+bool bf16_fixed_tolerances_hold(Tokens qt, Tokens kt, const Mask& mask, int64_t head_dim);
 
 // The bounds above for one problem, as relative norm errors (absolute where the reference
-// tensor is all zero); lse keeps kFp32RelTol. A bound that was not computed is +inf.
+// tensor is all zero); lse has the fp32 bound. A bound that was not computed is +inf.
 struct Bf16Bounds {
   static constexpr double kNotComputed = std::numeric_limits<double>::infinity();
   double out = kNotComputed;       // out stored in bf16
   double out_fp32 = kNotComputed;  // out finished to fp32
   double dq = kNotComputed, dk = kNotComputed, dv = kNotComputed;
+  double lse = kNotComputed;  // fp32's (lse is computed and stored in fp32)
 };
 
 // q, dout [Sq,H,D] and k, v [Sk,Hkv,D] hold the bf16 input values (as the reference takes them);
 // qt, kt, mask and scale as reference_forward. dots: the bounds of the bf16-dot path
-// (avx512bf16); otherwise those of the widening paths. dout.data == nullptr: the forward's bounds
-// only. The dk and dv bounds count the given query rows only, so they hold for dk and dv where q
-// holds every query row. Costs about as much as reference_forward plus reference_backward.
+// (avx512bf16); otherwise those of the widening paths. loom_kernels: as fp32_error_bounds (false:
+// the fp32 terms of any implementation). dout.data == nullptr: the forward's bounds only. The dk
+// and dv bounds count the given query rows only, so they hold for dk and dv where q holds every
+// query row. Costs about four times reference_forward plus reference_backward.
 Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
-                             double scale, bool dots);
+                             double scale, bool dots, bool loom_kernels = false);
 
 }  // namespace loom

@@ -90,9 +90,8 @@ std::string Report::summary() const {
      << (ranks == 1 ? " rank" : " ranks") << ", S=" << seq << " H=" << heads << " Hkv=" << kv_heads
      << " D=" << head_dim << ")\n";
   if (per_problem_bounds)
-    os << "  bf16 with under " << kBf16FixedTolMinKeys
-       << " keys per query row: each tensor is held to this problem's own bound (rows with one or "
-          "two keys amplify bf16 rounding in dq and dk; loom/tolerance.h)\n";
+    os << "  " << per_problem_why
+       << ": each tensor is held to this problem's own bound (loom/tolerance.h)\n";
   for (const auto& t : tensors) {
     if (!t.present) continue;
     os << "  " << t.name << std::string(5 - std::min<size_t>(4, t.name.size()), ' ');

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <iomanip>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -87,8 +88,9 @@ struct Ctx {
   bool sampled = false;
   std::vector<int64_t> lrows;   // localisation rows (subset of rows)
   std::vector<int> lrow_chunk;  // chunk of each localisation row
-  // bf16 under kBf16FixedTolMinKeys visible keys per checked row: the problem's own bounds
-  // (loom/tolerance.h), those of the bf16-dot path, which cover the widening paths too.
+  // Outside the fixed tolerances' regime: the problem's own bounds (loom/tolerance.h); for bf16
+  // those of the bf16-dot path, which cover the widening paths too; for fp32 fp32_error_bounds
+  // in the same fields.
   std::optional<Bf16Bounds> bounds;
 
   Ctx(const Problem& p_, const Options& o_) : p(p_), o(o_) {}
@@ -112,9 +114,11 @@ struct Ctx {
   // The tolerance of a tensor: tolerance(), or the per-problem bound; a gradient may be stored
   // in bf16, which adds u to the bound (as it does to the fixed 2u).
   double tol(const std::string& name) const {
-    if (!bounds || name == "lse") return tolerance(name, o.dtype);
+    if (!bounds) return tolerance(name, o.dtype);
+    if (name == "lse") return std::max(bounds->lse, kFp32RelTol);
     if (name == "out") return bounds->out;
-    return (name == "dq" ? bounds->dq : name == "dk" ? bounds->dk : bounds->dv) + kBf16Unit;
+    const double grad = name == "dq" ? bounds->dq : name == "dk" ? bounds->dk : bounds->dv;
+    return grad + (o.dtype == "bf16" ? kBf16Unit : 0.0);
   }
   bool vis(int64_t i, int64_t j) const {
     return visible(p.mask, i, doc.empty() ? 0 : doc[i], j, doc.empty() ? 0 : doc[j]);
@@ -1180,16 +1184,35 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
                       << i / t->size(2) % t->size(1) << ", dim " << i % t->size(2)
                       << "): inputs must be finite");
   const Reference ref = run_reference(c, c.scale, any_grad);
-  if (o.dtype == "bf16") {
+  {
     const RowTokens rt(c);
-    if (!bf16_fixed_tolerances_hold(rt.tokens(), c.all_tokens(), p.mask)) {
+    const double score_bound = fp32_score_bound(p.q.view3(), p.k.view3(), c.scale);
+    std::ostringstream why;
+    why << std::setprecision(3);
+    if (score_bound > kFp32FixedTolMaxScore)
+      why << "scores up to " << score_bound << " (|scale| max||q|| max||k|| above "
+          << kFp32FixedTolMaxScore << ")";
+    else if (o.dtype == "bf16" && c.D < kBf16FixedTolMinHeadDim)
+      why << "bf16 with a head dim under " << kBf16FixedTolMinHeadDim;
+    else if (o.dtype == "bf16" &&
+             !bf16_fixed_tolerances_hold(rt.tokens(), c.all_tokens(), p.mask, c.D))
+      why << "bf16 with under " << kBf16FixedTolMinKeys
+          << " keys per query row (rows with one or two keys amplify bf16 rounding in dq and dk)";
+    rep.per_problem_why = why.str();
+    rep.per_problem_bounds = !rep.per_problem_why.empty();
+    if (rep.per_problem_bounds) {
       const Tensor<double> q = gather_rows(p.q, c.rows);
       const Tensor<double> dout = any_grad ? gather_rows(p.dout, c.rows) : Tensor<double>();
-      c.bounds =
-          bf16_error_bounds(q.view3(), p.k.view3(), p.v.view3(),
-                            any_grad ? View3<const double>(dout.view3()) : View3<const double>{},
-                            rt.tokens(), c.all_tokens(), p.mask, c.scale, true);
-      rep.per_problem_bounds = true;
+      const View3<const double> dv =
+          any_grad ? View3<const double>(dout.view3()) : View3<const double>{};
+      if (o.dtype == "bf16") {
+        c.bounds = bf16_error_bounds(q.view3(), p.k.view3(), p.v.view3(), dv, rt.tokens(),
+                                     c.all_tokens(), p.mask, c.scale, true);
+      } else {
+        const Fp32Bounds f = fp32_error_bounds(q.view3(), p.k.view3(), p.v.view3(), dv, rt.tokens(),
+                                               c.all_tokens(), p.mask, c.scale, false);
+        c.bounds = Bf16Bounds{f.out, f.out, f.dq, f.dk, f.dv, f.lse};
+      }
     }
   }
   // Finite inputs whose scores overflow float64 (|scale q.k| > 1.8e308) leave NaN in the
@@ -1205,6 +1228,19 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
                  "the fp64 reference " << name << " is not finite (at flat index " << i
                                        << "): the scores scale x q.k overflow float64 (scale "
                                        << c.scale << "); inputs this large cannot be verified");
+  // A bound of 1 or more passes a tensor of zeros: such a tensor cannot be verified (scores so
+  // large that fp32 or bf16 cannot resolve it), which is said rather than passed.
+  for (const auto& [name, t] :
+       {std::pair<const char*, const std::optional<Tensor<double>>*>{"out", &cand.out},
+        {"lse", &cand.lse},
+        {"dq", &cand.dq},
+        {"dk", &cand.dk},
+        {"dv", &cand.dv}})
+    LOOM_CHECK(!t->has_value() || c.tol(name) < 1, InvalidArgument,
+               name << " cannot be verified: this problem's " << o.dtype
+                    << " error bound for it is " << std::setprecision(3) << c.tol(name) << " (a "
+                    << name << " of zeros would pass; " << rep.per_problem_why
+                    << "): lower the scale or the inputs' magnitude");
   std::vector<int64_t> all_rows(c.S);
   std::iota(all_rows.begin(), all_rows.end(), 0);
   auto absent = [&](const char* n) {

@@ -61,6 +61,39 @@ PY
 then ok "bf16 --check: per-problem bounds under 4 keys per row (S=2), fixed 2^-7 above (S=64)"
 else bad "bf16 --check: per-problem bounds under 4 keys per row (S=2), fixed 2^-7 above (S=64)"
 fi
+# fp32 --check: the fixed tolerance 1e-5 while |scale| max||q|| max||k|| <= 128, the problem's
+# own bounds above (loom/tolerance.h). --scale 10 (S = 256, D = 64) put dq over 1e-5 and was
+# reported FAILED, though as accurate as PyTorch's fp32 attention.
+for sc in default 10 100; do
+  scale_arg=(); [ "$sc" = default ] || scale_arg=(--scale "$sc")
+  "$loom" attn --ranks 2 --seq 256 --heads 2 --head-dim 64 --backward --check --iters 1 \
+    --warmup 0 --quiet "${scale_arg[@]}" --json "$work/fp32_$sc.json" > "$work/fp32_$sc.out" 2>&1 \
+    || { cat "$work/fp32_$sc.out"; bad "fp32 --check --scale $sc: exit"; }
+done
+if /usr/bin/python3 - "$work"/fp32_{default,10,100}.json <<'PY' \
+    && grep -q "this problem's fp32 bound, scores up to" "$work/fp32_100.out"
+import json, sys
+default, *large = (json.load(open(f))["check"] for f in sys.argv[1:])
+assert default["passed"] and default["bounds"] == "fixed" and default["tolerance"] == 1e-5, default
+for c in large:
+    assert c["passed"] and c["bounds"] == "per-problem", c
+    assert c["tolerance"] > 1e-5 and c["max_rel_err"] <= c["tolerance"], c
+PY
+then ok "fp32 --check: fixed 1e-5 at the default scale, per-problem bounds at --scale 10 and 100"
+else bad "fp32 --check: fixed 1e-5 at the default scale, per-problem bounds at --scale 10 and 100"
+fi
+# At --scale 1000 the bounds of dq and dk pass zeros (14, 12.8): the check cannot tell, and says so
+# with exit 1 (it was "passed" against a tolerance of 14).
+expect_error "--check where the bound passes zeros" \
+  "check cannot tell: this problem's fp32 error bound for dq (bound" --seq 256 --heads 2 \
+  --head-dim 64 --backward --check --scale 1000 --iters 1 --warmup 0
+# bf16 --check at a head dim under 8: the problem's own bounds (a random sweep found D = 1, S = 185
+# failing the fixed 2^-7 with dq at 1.13 x it, within its bound of 0.06).
+"$loom" attn --ranks 1 --seq 185 --heads 1 --head-dim 1 --no-causal --backward --dtype bf16 \
+  --check --seed 5 --iters 1 --warmup 0 --quiet > "$work/bf16_d1.out" 2>&1 &&
+  grep -q "this problem's bf16 bound, head dim under 8" "$work/bf16_d1.out" &&
+  ok "bf16 --check at D = 1: per-problem bounds" ||
+  { cat "$work/bf16_d1.out"; bad "bf16 --check at D = 1"; }
 expect_error "unknown dtype" "unknown --dtype 'fp16' (choose fp32 or bf16)" --dtype fp16
 expect_error "unknown strategy" "unknown strategy 'tree'" --strategy tree --seq 64
 expect_error "unknown layout" "unknown layout 'spiral'" --layout spiral --seq 64
