@@ -40,6 +40,42 @@ double dot(const double* a, const double* b, int64_t n) {
   return s;
 }
 
+double l2_norm(const std::vector<double>& x) {
+  double n = 0;
+  for (double e : x) n += e * e;
+  return std::sqrt(n);
+}
+
+// The keys of a row that carry weight (p_j != 0), in order, into keys; returns the one with the
+// largest p (the first of equals), -1 for none.
+int64_t weighted_keys(const std::vector<double>& p, std::vector<int64_t>& keys) {
+  keys.clear();
+  int64_t t = -1;
+  for (int64_t j = 0; j < static_cast<int64_t>(p.size()); ++j) {
+    if (p[j] == 0.0) continue;
+    keys.push_back(j);
+    if (t < 0 || p[j] > p[t]) t = j;
+  }
+  return t;
+}
+
+// dp - delta of query row i without cancellation. For the keys j of the row (those with p_j = 0
+// skipped) and its top key t: dp_j = dout_i . v_j into dp, and the return shift = delta - dp_t =
+// sum_(j != t) p_j (dp_j - dp_t), so that dp_j - delta = (dp_j - dp_t) - shift (sum_j p_j = 1).
+// dp_t - delta computed directly cancels in double where the weight sits on t: with the other
+// weights 1e-16 of it, ds_t = -sum_(j != t) ds_j was lost to delta's rounding (at scale 1000, dq
+// rows of rounding noise made the whole of dq's norm).
+double dp_and_shift(const double* doi, View3<const double> v, int64_t g,
+                    const std::vector<double>& p, const std::vector<int64_t>& keys, int64_t t,
+                    std::vector<double>& dp) {
+  for (int64_t j : keys)
+    if (p[j] != 0.0) dp[j] = dot(doi, v.row(j, g), v.d);
+  double shift = 0.0;
+  for (int64_t j : keys)
+    if (p[j] != 0.0 && j != t) shift += p[j] * (dp[j] - dp[t]);
+  return shift;
+}
+
 // The probabilities p_j of query row i of head h over all keys (0 where the mask hides a key),
 // and the row's lse. Returns false (p all 0, lse = -inf) for a row that sees no key. A NaN
 // score makes lse and every visible weight NaN, as the formula does.
@@ -127,28 +163,17 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
       for (int64_t d = 0; d < k.d; ++d) dk(j, g, d) = dv(j, g, d) = 0.0;
 
   std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
+  std::vector<int64_t> keys;
   for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
     for (int64_t i = 0; i < q.s; ++i) {
       double lse = 0.0;
       if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
       const double* doi = dout.row(i, h);
-      // delta = sum_j p_j dp_j, taken relative to the top key t (the largest p): as sum_j p_j = 1,
-      // dp_j - delta = (dp_j - dp_t) - sum_(k != t) p_k (dp_k - dp_t). dp_t - delta computed
-      // directly cancels in double where the weight sits on t: with the other weights 1e-16 of
-      // it, ds_t = -sum_(j != t) ds_j was lost to delta's rounding (at scale 1000, dq rows of
-      // rounding noise made the whole of dq's norm).
-      int64_t t = -1;
-      for (int64_t j = 0; j < k.s; ++j) {
-        if (p[j] == 0.0) continue;
-        dp[j] = dot(doi, v.row(j, g), q.d);
-        if (t < 0 || p[j] > p[t]) t = j;
-      }
-      double shift = 0.0;  // delta - dp_t
-      for (int64_t j = 0; j < k.s; ++j)
-        if (p[j] != 0.0 && j != t) shift += p[j] * (dp[j] - dp[t]);
-      for (int64_t j = 0; j < k.s; ++j) {
-        if (p[j] == 0.0) continue;
+      // delta = sum_j p_j dp_j, taken relative to the top key t (the largest p): dp_and_shift.
+      const int64_t t = weighted_keys(p, keys);
+      const double shift = dp_and_shift(doi, v, g, p, keys, t, dp);  // delta - dp_t
+      for (int64_t j : keys) {
         const double ds = p[j] * ((dp[j] - dp[t]) - shift);
         for (int64_t d = 0; d < q.d; ++d) {
           dv(j, g, d) += p[j] * doi[d];
@@ -313,13 +338,7 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
       double delta_err = u * chain_error(doi, out.data(), D);
       for (int64_t d = 0; d < D; ++d) delta_err += std::fabs(doi[d]) * oerr[d];
       // dp_j - delta without cancellation (as reference_backward): (dp_j - dp_t) - shift.
-      double shift = 0;
-      for (int64_t j : keys) {
-        if (p[j] == 0) continue;
-        dp[j] = dot(doi, v.row(j, g), D);
-      }
-      for (int64_t j : keys)
-        if (p[j] != 0 && j != top) shift += p[j] * (dp[j] - dp[top]);
+      const double shift = dp_and_shift(doi, v, g, p, keys, top, dp);
       for (int64_t j : keys) {
         if (p[j] == 0) continue;
         dmd[j] = (dp[j] - dp[top]) - shift;
@@ -396,11 +415,6 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
       }
     }
   }
-  auto norm = [](const std::vector<double>& x) {
-    double n = 0;
-    for (double y : x) n += y * y;
-    return std::sqrt(n);
-  };
   Fp32Errors r;
   r.out = std::sqrt(out_e2);
   r.out_ref = std::sqrt(out_r2);
@@ -408,10 +422,10 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
   r.lse_ref = std::sqrt(lse_r2);
   r.dq = std::sqrt(dq_e2);
   r.dq_ref = std::sqrt(dq_r2);
-  r.dk = norm(dk_err);
-  r.dk_ref = norm(dk);
-  r.dv = norm(dv_err);
-  r.dv_ref = norm(dv);
+  r.dk = l2_norm(dk_err);
+  r.dk_ref = l2_norm(dk);
+  r.dv = l2_norm(dv_err);
+  r.dv_ref = l2_norm(dv);
   return r;
 }
 
@@ -478,6 +492,7 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   // The reference quantities, row by row: out_i = sum_j p_ij v_j, a_i = sum_j p_ij |v_j|
   // (W |v|), pk_i = sum_j p_ij k_j (W k); the gradients, as reference_backward computes them.
   std::vector<double> p(static_cast<size_t>(k.s)), dp(p.size());
+  std::vector<int64_t> wkeys;  // the keys with weight of a row
   std::vector<double> out(static_cast<size_t>(D)), a(static_cast<size_t>(D)),
       pk(static_cast<size_t>(D)), dq(static_cast<size_t>(D)), dq_round(static_cast<size_t>(D));
   const size_t kv_size = static_cast<size_t>(k.s * k.h * D);
@@ -519,17 +534,9 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
       std::fill(dq.begin(), dq.end(), 0.0);
       std::fill(dq_round.begin(), dq_round.end(), 0.0);
       // dp_j - delta as reference_backward forms it (relative to the top key, no cancellation)
-      int64_t top = -1;
-      for (int64_t j = 0; j < k.s; ++j) {
-        if (p[j] == 0.0) continue;
-        dp[j] = dot(doi, v.row(j, g), D);
-        if (top < 0 || p[j] > p[top]) top = j;
-      }
-      double shift = 0;
-      for (int64_t j = 0; j < k.s; ++j)
-        if (p[j] != 0.0 && j != top) shift += p[j] * (dp[j] - dp[top]);
-      for (int64_t j = 0; j < k.s; ++j) {
-        if (p[j] == 0.0) continue;
+      const int64_t top = weighted_keys(p, wkeys);
+      const double shift = dp_and_shift(doi, v, g, p, wkeys, top, dp);
+      for (int64_t j : wkeys) {
         const double ds = p[j] * ((dp[j] - dp[top]) - shift);
         const size_t jg = static_cast<size_t>(j * k.h + g);
         dk_delta[jg] += p[j] * c * qn;  // dk_j moves by scale sum_i p_ij (delta error) q_i
@@ -551,11 +558,6 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
       }
     }
   }
-  auto norm = [](const std::vector<double>& x) {
-    double n = 0;
-    for (double e : x) n += e * e;
-    return std::sqrt(n);
-  };
   // The bf16 roundings' bounds plus the fp32 arithmetic's, by the triangle inequality:
   // kFp32RelTol within fp32's regime, fp32_error_bounds (the terms that grow with the scores)
   // outside.
@@ -572,8 +574,9 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   b.dq = rel(slack * u * (std::fabs(scale) * std::sqrt(dq_delta2) + std::sqrt(dq_round2)),
              std::sqrt(dq_n2)) +
          f.dq;
-  b.dk = rel(slack * u * (std::fabs(scale) * norm(dk_delta) + norm(dk_round)), norm(dk)) + f.dk;
-  b.dv = rel(slack * u * norm(dv_round), norm(dv)) + f.dv;
+  b.dk = rel(slack * u * (std::fabs(scale) * l2_norm(dk_delta) + l2_norm(dk_round)), l2_norm(dk)) +
+         f.dk;
+  b.dv = rel(slack * u * l2_norm(dv_round), l2_norm(dv)) + f.dv;
   return b;
 }
 
