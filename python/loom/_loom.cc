@@ -346,7 +346,28 @@ class Group {
   std::shared_ptr<loom::Communicator> comm_;
   std::map<std::string, std::shared_ptr<CpOp>> cache_;
   int64_t forward_calls_ = 0;
+  bool warned_same_q_ = false;  // the unsharded-input warning, given once per group
 };
+
+// A fingerprint of q's first and last rows (FNV-1a over their bytes), or 0 when it cannot tell
+// shards apart: no rows, or a first row whose elements are all one value (zeros, ones: test data
+// that may legitimately repeat on every rank). Equal non-zero fingerprints on every rank of a
+// group of two or more mean, in practice, that every rank passed the same tensor: the whole
+// sequence, which cp_attention reads as P parts of a sequence P times as long.
+int64_t shard_fingerprint(const at::Tensor& q, int64_t rows) {
+  if (rows < 1 || q.numel() == 0) return 0;
+  const size_t row = static_cast<size_t>(q.numel() / rows) * q.element_size();
+  const auto* bytes = static_cast<const unsigned char*>(q.data_ptr());
+  const size_t es = q.element_size();
+  bool constant = true;
+  for (size_t i = es; i < row && constant; i += es)
+    constant = std::memcmp(bytes, bytes + i, es) == 0;
+  if (constant) return 0;
+  uint64_t h = 1469598103934665603ULL;
+  for (const unsigned char* p : {bytes, bytes + (static_cast<size_t>(rows) - 1) * row})
+    for (size_t i = 0; i < row; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  return static_cast<int64_t>(h | 1);  // never 0
+}
 
 // The strategy's place in the registry (the ranks compare it).
 int64_t strategy_index(loom::Strategy s) {
@@ -378,7 +399,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   const char* names[] = {"rows",   "batch",      "heads",    "kv_heads", "head_dim",
                          "causal", "window",     "strategy", "layout",   "ulysses",
                          "dtype",  "cu_seqlens", "inner",    "scale",    "detect_anomaly"};
-  constexpr int kScale = 13, kAnomaly = 14, kAgree = 15, kN = kAgree + 2;
+  constexpr int kScale = 13, kAnomaly = 14, kAgree = 15, kPrint = kAgree + 2, kN = kAgree + 3;
   const auto bad =
       check_finite ? find_non_finite({&q, &k, &v}) : std::pair<int64_t, int64_t>{0, -1};
   const std::vector<int64_t> mine = {rows,
@@ -397,7 +418,8 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                                      scale_bits,
                                      check_finite,
                                      bad.first,
-                                     bad.second};
+                                     bad.second,
+                                     shard_fingerprint(q, rows)};
   static_assert(kN <= kExchangeFields);
   constexpr int kStride = kExchangeFields;
   const std::vector<int64_t> all = exchange(*comm_, Phase::kForward, mine);
@@ -429,6 +451,22 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                                                      << total << " together");
   }
   LOOM_CHECK(len >= 1, InvalidArgument, "cp_attention: the global sequence is empty");
+  // Every rank holding the same q is, in practice, the whole sequence passed unsharded: a valid
+  // call (P copies of it read as one sequence P times as long), so a warning, once per group,
+  // and the same decision on every rank (it depends only on what they all exchanged).
+  bool same_q = P > 1 && all[kPrint] != 0;
+  for (int r = 1; r < P && same_q; ++r) same_q = all[r * kStride + kPrint] == all[kPrint];
+  if (same_q && !warned_same_q_) {
+    warned_same_q_ = true;
+    std::ostringstream msg;
+    msg << "cp_attention: every rank of the group passed the same q (" << rows
+        << " rows each, bit-identical first and last rows). cp_attention takes each rank's shard "
+           "of one sequence, so this is read as "
+        << P << " parts of one sequence " << P
+        << " times as long; if every rank holds the whole sequence, shard q, k and v first "
+           "(loom.torch.shard with the same layout). Warned once per group.";
+    if (PyErr_WarnEx(PyExc_UserWarning, msg.str().c_str(), 2) != 0) throw py::error_already_set();
+  }
 
   std::ostringstream key;
   for (int r = 0; r < P; ++r) key << all[r * kStride] << ',';

@@ -10,6 +10,7 @@ Every rank runs every case (the ops are collective); every rank checks the globa
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -357,6 +358,28 @@ fds_after = len(os.listdir("/proc/self/fd"))
 check(fds_after <= fds_before + 4 * (P - 1) + 2 and len(lt._groups) <= 2,
       f"destroyed groups are released: file descriptors {fds_before} -> {fds_after}, "
       f"{len(lt._groups)} groups held")
+
+# Every rank passing the whole sequence (lt.shard forgotten) is a valid call, read as P copies of
+# it one after another: a UserWarning naming lt.shard, once per group, at the caller's line.
+# Shards, or a constant q (zeros: test data that may repeat on every rank), give none.
+if P > 1:
+    gen = torch.Generator().manual_seed(5)
+    qw, kw, vw = (torch.randn(1, 8 * P, h, DIM, generator=gen) for h in (2 * P, P, P))
+    pg, pg0 = dist.new_group(list(range(P))), dist.new_group(list(range(P)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lt.cp_attention(*(lt.shard(x, pg) for x in (qw, kw, vw)), group=pg)
+        lt.cp_attention(torch.zeros_like(qw), kw, vw, group=pg0)
+        check(not caught, f"shards or a constant q: no warning, got {[str(w.message) for w in caught]}")
+        lt.cp_attention(qw, kw, vw, group=pg)
+        lt.cp_attention(qw, kw, vw, group=pg)
+    msgs = [(str(w.message), w.category, w.filename) for w in caught]
+    check(len(msgs) == 1 and msgs[0][1] is UserWarning and msgs[0][2] == __file__
+          and f"every rank of the group passed the same q ({8 * P} rows each" in msgs[0][0]
+          and "shard q, k and v first (loom.torch.shard" in msgs[0][0],
+          f"unsharded inputs: one UserWarning at the caller, got {msgs}")
+    dist.destroy_process_group(pg)
+    dist.destroy_process_group(pg0)
 
 # One more real call after the errors: the group is still usable.
 qs = lt.shard(torch.randn(1, 29, 2 * P, DIM))
