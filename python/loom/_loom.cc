@@ -256,6 +256,8 @@ enum class Phase : int64_t {
   kUnshard = 0x6c6f6f6d03
 };
 constexpr int kExchangeSlots = 24, kExchangeFields = kExchangeSlots - 1;
+// The forward's field that says this rank refused the call (Group::refuse_forward).
+constexpr int kRefused = kExchangeFields - 1;
 
 const char* phase_name(int64_t p) {
   switch (static_cast<Phase>(p)) {
@@ -317,6 +319,15 @@ class Group {
   void barrier() {
     py::gil_scoped_release nogil;
     comm_->barrier();
+  }
+  // The forward's exchange for a call this rank cannot make (its arguments raised before it):
+  // marked refused, so that every other rank raises at once, naming this rank, instead of
+  // waiting for it until the timeout. The caller then raises its own error.
+  void refuse_forward() {
+    std::vector<int64_t> mine(kRefused + 1, 0);
+    mine[kRefused] = 1;
+    exchange(*comm_, Phase::kForward, mine);
+    ++forward_calls_;  // as every other rank does for this call
   }
   // unshard's description of its part (at most kExchangeFields numbers), every rank's, rank-major.
   std::vector<int64_t> unshard_exchange(const std::vector<int64_t>& fields) {
@@ -383,8 +394,15 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                                 bool is_bf16, const std::vector<int64_t>& doc_lengths,
                                 const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 bool check_finite) {
-  const loom::Strategy strat = loom::parse_strategy(strategy);
-  const loom::Layout lay = loom::parse_layout(layout);
+  loom::Strategy strat = loom::Strategy::ring;
+  loom::Layout lay{};
+  try {
+    strat = loom::parse_strategy(strategy);
+    lay = loom::parse_layout(layout);
+  } catch (const loom::Error&) {
+    refuse_forward();  // the others raise at once too, naming this rank
+    throw;
+  }
   const int P = comm_->size(), me = comm_->rank();
   // Every rank states its arguments; all must agree (but the shard length), or the ranks would
   // post messages that never match. One small all-gather per call.
@@ -399,7 +417,9 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   const char* names[] = {"rows",   "batch",      "heads",    "kv_heads", "head_dim",
                          "causal", "window",     "strategy", "layout",   "ulysses",
                          "dtype",  "cu_seqlens", "inner",    "scale",    "detect_anomaly"};
-  constexpr int kScale = 13, kAnomaly = 14, kAgree = 15, kPrint = kAgree + 2, kN = kAgree + 3;
+  constexpr int kCausal = 5, kStrategy = 7, kLayout = 8, kDtype = 10, kDocs = 11, kScale = 13,
+                kAnomaly = 14, kAgree = 15, kPrint = kAgree + 2, kN = kAgree + 3;
+  static_assert(kN <= kRefused);
   const auto bad =
       check_finite ? find_non_finite({&q, &k, &v}) : std::pair<int64_t, int64_t>{0, -1};
   const std::vector<int64_t> mine = {rows,
@@ -424,14 +444,41 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   constexpr int kStride = kExchangeFields;
   const std::vector<int64_t> all = exchange(*comm_, Phase::kForward, mine);
   ++forward_calls_;  // on every rank: a rank out of step makes every rank raise in exchange
+  for (int r = 0; r < P; ++r)
+    LOOM_CHECK(all[r * kStride + kRefused] == 0, InvalidArgument,
+               "cp_attention: rank " << r
+                                     << " could not take its arguments (its own error says why); "
+                                        "every rank of the group raises with it");
+  // A compared value as the caller wrote it (the strategy's and layout's names, the dtype), or
+  // "another ..." where the exchange carries a hash or bits.
+  auto shown = [&](int i, int64_t value, bool own) -> std::string {
+    switch (i) {
+      case kStrategy:
+        return value >= 0 && value < static_cast<int64_t>(loom::strategies().size())
+                   ? "'" + loom::strategies()[static_cast<size_t>(value)].name + "'"
+                   : std::to_string(value);
+      case kLayout:
+        return "'" + loom::to_string(static_cast<loom::Layout>(value)) + "'";
+      case kDtype:
+        return value ? "bfloat16" : "float32";
+      case kDocs:
+        return own ? "one" : "another";  // the exchange carries their hash
+      case kScale:
+        return own ? std::to_string(scale) : "another scale";
+      case kCausal:
+        return value ? "True" : "False";
+      case kAnomaly:
+        return value ? "on" : "off";
+      default:
+        return std::to_string(value);
+    }
+  };
   for (int r = 0; r < P; ++r) {
     for (int i = 1; i < kAgree; ++i) {
       LOOM_CHECK(all[r * kStride + i] == mine[i], InvalidArgument,
                  "cp_attention: the ranks of the group disagree on "
-                     << names[i] << ": rank " << me << " passed "
-                     << (i == kScale ? std::to_string(scale) : std::to_string(mine[i])) << ", rank "
-                     << r << " passed "
-                     << (i == kScale ? "another scale" : std::to_string(all[r * kStride + i])));
+                     << names[i] << ": rank " << me << " passed " << shown(i, mine[i], true)
+                     << ", rank " << r << " passed " << shown(i, all[r * kStride + i], false));
     }
   }
   for (int r = 0; r < P; ++r)
@@ -784,6 +831,7 @@ PYBIND11_MODULE(_loom, m) {
       .def_property("timeout_s", &Group::timeout_s, &Group::set_timeout_s)
       .def("barrier", &Group::barrier)
       .def("unshard_exchange", &Group::unshard_exchange)
+      .def("refuse_forward", &Group::refuse_forward)
       .def("all_gather_bytes", &Group::all_gather_bytes)
       .def("op", &Group::op);
 

@@ -17,6 +17,7 @@ Each op is a torch.autograd.Function with an exact backward (the gradient of lse
 propagated: lse is returned as a non-differentiable output). Every bad input raises one of
 loom.errors' exceptions with one line naming the value. docs/python.md has the whole story.
 """
+import functools
 import math
 import numbers
 
@@ -50,10 +51,18 @@ def _tensor(x, name):
         raise NotSupported(
             f"{name} is on {x.device}: loom.torch runs on CPU tensors only (this build has no "
             f"GPU backend); move the tensors with .cpu()")
+    if x.layout != torch.strided:
+        raise InvalidArgument(f"{name} has layout {x.layout}; loom.torch takes dense (strided) "
+                              f"tensors: call .to_dense()")
+    if x.is_neg() or x.is_conj():
+        # A lazy negation (or conjugation) view: its bytes hold the values before it, which the
+        # kernels read (a wrong answer, once).
+        raise InvalidArgument(f"{name} is a lazy {'negation' if x.is_neg() else 'conjugation'} "
+                              f"view; call .resolve_neg() / .resolve_conj() first")
     return x
 
 
-def _check_qkv(q, k, v, cu_seqlens, allow_f64=False):
+def _check_qkv(q, k, v, cu_seqlens, allow_f64=False, allow_empty=False):
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         _tensor(x, name)
     ok = (torch.float32, torch.bfloat16) + ((torch.float64, torch.float16) if allow_f64 else ())
@@ -79,7 +88,7 @@ def _check_qkv(q, k, v, cu_seqlens, allow_f64=False):
     if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise InvalidArgument(
             f"q {list(q.shape)} and k {list(k.shape)} must agree on every dimension but the heads")
-    if q.shape[:-2].numel() == 0:
+    if q.shape[:-2].numel() == 0 and not allow_empty:
         raise InvalidArgument(f"q holds no tokens (shape {list(q.shape)}); loom.torch needs at "
                               "least one")
     heads, kv_heads, dim = q.shape[-2], k.shape[-2], q.shape[-1]
@@ -246,7 +255,7 @@ def _save_forward(ctx, q, k, v, out, lse, batch, seq):
 def _saved(ctx, dout):
     """(q, k, v, out, lse, dout): the saved tensors and dout contiguous in q's dtype."""
     q, k, v, out, lse = ctx.saved_tensors
-    return q, k, v, out, lse, dout.to(q.dtype).contiguous()
+    return q, k, v, out, lse, dout.resolve_neg().to(q.dtype).contiguous()
 
 
 def _input_grads(q, k, v, grads):
@@ -254,6 +263,34 @@ def _input_grads(q, k, v, grads):
     dq, dk, dv = grads
     return (dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape),
             dv.to(v.dtype).view(v.shape))
+
+
+def _once_differentiable(backward):
+    """torch's once_differentiable, also where dout carries no graph: a backward under
+    create_graph=True (a gradient penalty) with a loss linear in out, whose dout does not require
+    grad, got its gradients back without a graph (torch's decorator looks only at dout), and the
+    second-order term was left out silently. Here every gradient made with grad mode on (that
+    is, with create_graph=True) raises on being differentiated again."""
+    plain = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *args):
+        grads = plain(ctx, *args)
+        if not torch.is_grad_enabled() or any(isinstance(a, torch.Tensor) and a.requires_grad
+                                              for a in args):
+            return grads  # no graph wanted, or torch's decorator has done the same
+        err = torch._C._functions.DelayedError(
+            b"trying to differentiate twice a function that was marked with "
+            b"@once_differentiable (loom.torch's backward is not differentiable)", len(grads))
+
+        def fake_requires_grad(g):
+            if g is None:
+                return None
+            g = g.detach()
+            g.requires_grad = True
+            return g
+        return err(*[fake_requires_grad(g) for g in grads])
+    return wrapper
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +308,7 @@ class _Attention(torch.autograd.Function):
         return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, dout = _saved(ctx, dout)
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
@@ -311,7 +348,7 @@ class _CpAttention(torch.autograd.Function):
         return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, dout, _dlse):
         # cp_backward first checks that every rank is in the backward of this same call (one
         # small all-gather): a rank that skipped a backward, ran an extra one or is in another
@@ -349,19 +386,27 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     (non-finite inputs: as attention()); so is its backward: every rank runs the backward of
     the same call, in the same order (a rank that skips one or runs an extra one gets
     InvalidArgument on every rank, naming both ranks' calls)."""
-    heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens)
-    window, scale = _check_mask(causal, window, scale, dim)
-    if not isinstance(strategy, str):
-        raise InvalidArgument(f"strategy must be a string, got {strategy!r}")
-    if not isinstance(layout, str) or layout not in layouts:
-        raise InvalidArgument(f"unknown layout {layout!r} (choose contiguous, zigzag or stripe)")
-    u = _degree("ulysses", ulysses, "hybrid", strategy,
-                "the ulysses degree inside each group; the ring degree is the group size / U")
-    i = _degree("inner", inner, "ring2d", strategy,
-                "the ranks of each inner ring; the outer ring is the group size / I")
     g = _group(group)
-    batch, seq, rows = _rows(q, cu_seqlens)
-    docs = _doc_lengths(cu_seqlens) if cu_seqlens is not None else []
+    try:
+        # A rank's shard may hold no tokens (a sequence shorter than 2P, short documents): the
+        # ranks' exchange refuses an empty global sequence.
+        heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens, allow_empty=True)
+        window, scale = _check_mask(causal, window, scale, dim)
+        if not isinstance(strategy, str):
+            raise InvalidArgument(f"strategy must be a string, got {strategy!r}")
+        if not isinstance(layout, str) or layout not in layouts:
+            raise InvalidArgument(f"unknown layout {layout!r} (choose contiguous, zigzag or stripe)")
+        u = _degree("ulysses", ulysses, "hybrid", strategy,
+                    "the ulysses degree inside each group; the ring degree is the group size / U")
+        i = _degree("inner", inner, "ring2d", strategy,
+                    "the ranks of each inner ring; the outer ring is the group size / I")
+        batch, seq, rows = _rows(q, cu_seqlens)
+        docs = _doc_lengths(cu_seqlens) if cu_seqlens is not None else []
+    except Error:
+        # Still make the forward's exchange, marked refused, so that every other rank raises at
+        # once (naming this rank) instead of waiting for it until the timeout.
+        g.refuse_forward()
+        raise
     check = torch.is_anomaly_enabled()
     op = g.op(strategy, layout, u, i, causal, window, scale, batch, rows, heads, kv_heads, dim,
               q.dtype == torch.bfloat16, docs, q, k, v, check)
@@ -408,17 +453,24 @@ def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     must pass parts of one dtype and one shape but along `dim`, with the same layout and
     cu_seqlens: a rank that differs gets InvalidArgument on every rank; a rank that never calls
     it, loom.Timeout (set_timeout)."""
-    g, dim = _shard_args(x, group, layout, cu_seqlens, dim, "x", "unshard")
-    if x.dim() > _UNSHARD_MAX_DIMS:
-        raise InvalidArgument(f"unshard takes at most {_UNSHARD_MAX_DIMS} dims, got {x.dim()}")
-    if cu_seqlens is not None:
-        docs = _doc_lengths(cu_seqlens, None, what="the ranks' parts together")
-        docs_key = hash(tuple(docs))
-    else:
-        docs, docs_key = [], -1
-    dtype_key = _UNSHARD_DTYPES.index(x.dtype) if x.dtype in _UNSHARD_DTYPES else -1
-    if dtype_key < 0:
-        raise InvalidArgument(f"unshard: x has dtype {x.dtype}, which it does not gather")
+    g = _group(group, "unshard")
+    try:
+        g, dim = _shard_args(x, group, layout, cu_seqlens, dim, "x", "unshard")
+        if x.dim() > _UNSHARD_MAX_DIMS:
+            raise InvalidArgument(f"unshard takes at most {_UNSHARD_MAX_DIMS} dims, got {x.dim()}")
+        if cu_seqlens is not None:
+            docs = _doc_lengths(cu_seqlens, None, what="the ranks' parts together")
+            docs_key = hash(tuple(docs))
+        else:
+            docs, docs_key = [], -1
+        dtype_key = _UNSHARD_DTYPES.index(x.dtype) if x.dtype in _UNSHARD_DTYPES else -1
+        if dtype_key < 0:
+            raise InvalidArgument(f"unshard: x has dtype {x.dtype}, which it does not gather")
+    except Error:
+        # The exchange still, marked refused (a number of dims of -1): every other rank raises at
+        # once instead of waiting for this one until the timeout.
+        g.unshard_exchange([0, -1])
+        raise
     shape = list(x.shape)
     shape[dim] = 0
     mine = [x.shape[dim], x.dim(), dim, dtype_key, layouts.index(layout), docs_key] + shape
@@ -428,6 +480,10 @@ def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     fields = g.unshard_exchange(mine)
     stride = len(fields) // g.size
     what = ("number of dims", "dim", "dtype", "layout", "cu_seqlens")
+    for r in range(g.size):
+        if fields[r * stride + 1] == -1:
+            raise InvalidArgument(f"unshard: rank {r} could not take its arguments (its own error "
+                                  f"says why); every rank of the group raises with it")
     for r in range(g.size):
         theirs = fields[r * stride: r * stride + len(mine)]
         for i, name in enumerate(what, start=1):
@@ -453,6 +509,8 @@ def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
                 f"over {g.size} ranks gives it {idxs[r].numel()}")
     width = max(sizes)
     xt = x.detach().movedim(dim, 0).contiguous()
+    if math.prod(xt.shape[1:]) == 0:  # rows of no elements (a 0 in another dim): no bytes
+        return torch.empty((total,) + tuple(xt.shape[1:]), dtype=x.dtype).movedim(0, dim).contiguous()
     padded = torch.zeros((width,) + tuple(xt.shape[1:]), dtype=x.dtype)
     padded[: xt.shape[0]] = xt
     if padded.dim() == 1:
@@ -482,7 +540,7 @@ class _Reference(torch.autograd.Function):
         return out, lse_out  # made like q: not a view
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v = ctx.saved_tensors
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta

@@ -179,11 +179,12 @@ def expect_error(kind, text, fn):
         if RANK == 0 or kind is loom.Timeout:
             print(f"[rank {RANK}] raised as expected: {type(e).__module__}.{type(e).__name__}: {e}",
                   flush=True)
-        return
+        return str(e)
     except Exception as e:  # noqa: BLE001
         check(False, f"wanted {kind.__name__} ({text!r}), got {type(e).__name__}: {e}")
-        return
+        return ""
     check(False, f"wanted {kind.__name__} ({text!r}), nothing raised")
+    return ""
 
 
 q = torch.randn(1, 8, 2 * P, DIM)
@@ -203,6 +204,34 @@ if P > 1:
     # Ranks that disagree on an argument: a clear error on every rank, not a hang.
     expect_error(loom.InvalidArgument, "disagree on causal",
                  lambda: lt.cp_attention(q, k, k, causal=(RANK == 0)))
+    # The values named as the caller wrote them (the strategy and the dtype were internal codes,
+    # cu_seqlens a hash).
+    msg = expect_error(loom.InvalidArgument, "disagree on strategy: rank ",
+                       lambda: lt.cp_attention(q, k, k, strategy="ring" if RANK == 0 else "allgather"))
+    check("passed 'ring'" in msg and "passed 'allgather'" in msg, f"strategies by name: {msg}")
+    msg = expect_error(loom.InvalidArgument, "disagree on dtype",
+                       lambda: lt.cp_attention(*((x.bfloat16() if RANK == 0 else x) for x in (q, k, k))))
+    check("passed bfloat16" in msg and "passed float32" in msg, f"dtypes by name: {msg}")
+    msg = expect_error(loom.InvalidArgument, "disagree on cu_seqlens: rank ",
+                       lambda: lt.cp_attention(q[0], k[0], k[0],
+                                               cu_seqlens=[0, 8 * P] if RANK == 0 else [0, 4, 8 * P]))
+    check("passed one, rank" in msg and "passed another" in msg, f"cu_seqlens, not its hash: {msg}")
+    # An argument that one rank alone cannot take (checked in Python, or the strategy's name in
+    # loom) raises on every rank at once, naming that rank: the others waited until the timeout.
+    t0 = time.time()
+    expect_error(loom.InvalidArgument, "dtype torch.float16" if RANK == P - 1 else
+                 f"rank {P - 1} could not take its arguments (its own error says why)",
+                 lambda: lt.cp_attention(*((x.half() if RANK == P - 1 else x) for x in (q, k, k))))
+    expect_error(loom.InvalidArgument, "unknown strategy" if RANK == 0 else
+                 "rank 0 could not take its arguments",
+                 lambda: lt.cp_attention(q, k, k, strategy="spiral" if RANK == 0 else "ring"))
+    expect_error(loom.InvalidArgument, "is not contiguous" if RANK == 0 else
+                 "rank 0 could not take its arguments",
+                 lambda: lt.cp_attention(q.transpose(1, 2) if RANK == 0 else q, k, k))
+    expect_error(loom.InvalidArgument, "dim 7 is outside" if RANK == 0 else
+                 "unshard: rank 0 could not take its arguments",
+                 lambda: lt.unshard(q, dim=7 if RANK == 0 else None))
+    check(time.time() - t0 < 20, f"one rank's bad arguments: every rank raised at once ({time.time() - t0:.1f} s)")
     # A shard length that the layout cannot give this rank.
     qbad = torch.randn(1, 8 + (3 * P if RANK == P - 1 else 0), 2 * P, DIM)
     kbad = torch.randn(1, qbad.shape[1], P, DIM)
@@ -346,6 +375,9 @@ if P > 1:
     expect_error(loom.InvalidArgument, "disagree on the layout",
                  lambda: lt.unshard(xs, layout="stripe" if RANK == 0 else "zigzag"))
     check(torch.equal(lt.unshard(xs), torch.arange(16.0 * P).view(1, 8 * P, 2)), "unshard after its errors")
+    # Rows of no elements (a 0 in another dim) gather to the global shape (a raw torch error).
+    z = lt.unshard(lt.shard(torch.zeros(2, 4 * P + 1, 0)))
+    check(z.shape == (2, 4 * P + 1, 0), f"unshard of empty rows: shape {list(z.shape)}")
 
 # Groups that torch.distributed destroys are forgotten: each kept its sockets and its ops' buffers
 # (30 new_group / destroy_process_group rounds kept 60 more file descriptors open at P = 2).
@@ -358,6 +390,29 @@ fds_after = len(os.listdir("/proc/self/fd"))
 check(fds_after <= fds_before + 4 * (P - 1) + 2 and len(lt._groups) <= 2,
       f"destroyed groups are released: file descriptors {fds_before} -> {fds_after}, "
       f"{len(lt._groups)} groups held")
+
+# A sequence shorter than 2P, or short documents, give some ranks no tokens: a valid call (it
+# raised "q holds no tokens" on those ranks alone, and the others waited until the timeout).
+for strategy in ("ring", "ulysses", "allgather"):
+    for seq, cu in ((P - 1, None), (None, [0, 1, 2, 2 + P])):
+        gen = torch.Generator().manual_seed(31 + P)
+        t = seq if cu is None else cu[-1]
+        full = [torch.randn(*((1, t) if cu is None else (t,)), h, DIM, generator=gen)
+                for h in (2 * P, P, P, 2 * P)]
+        shards = [lt.shard(x, cu_seqlens=cu) for x in full]
+        for x in shards[:3]:
+            x.requires_grad_()
+        o = lt.cp_attention(*shards[:3], strategy=strategy, cu_seqlens=cu)
+        o.backward(shards[3])
+        refs = [x.double().requires_grad_() for x in full[:3]]
+        ro = lt.reference_attention(*refs, cu_seqlens=cu)
+        ro.backward(full[3].double())
+        for name, got, ref in (("out", o.detach(), ro), ("dq", shards[0].grad, refs[0].grad),
+                               ("dk", shards[1].grad, refs[1].grad), ("dv", shards[2].grad, refs[2].grad)):
+            err = rel_error(lt.unshard(got, cu_seqlens=cu), ref)
+            check(err <= TOL[torch.float32][name],
+                  f"{strategy}, {t} tokens over {P} ranks (this rank {shards[0].shape[0 if cu else 1]}): "
+                  f"{name} rel error {err:.3g}")
 
 # Every rank passing the whole sequence (lt.shard forgotten) is a valid call, read as P copies of
 # it one after another: a UserWarning naming lt.shard, once per group, at the caller's line.

@@ -217,11 +217,32 @@ z = torch.zeros(0, 16, 2, 8)
 expect_error(E, "q holds no tokens (shape [0, 16, 2, 8])", lambda: lt.attention(z, z, z))
 # The backward is not differentiable: a second derivative (a gradient penalty) raises instead of
 # silently leaving out the second-order term (the first gradient came back without a graph).
+# So with a loss linear in out, whose dout carries no graph: torch's once_differentiable looked
+# only at dout, and the gradient came back without a graph (a gradient penalty lost its
+# second-order term silently).
 for fn in (lt.attention, lt.reference_attention):
     q2 = torch.randn(1, 8, 2, 4, requires_grad=True)
     o2 = fn(q2, q2, q2)
     g2, = torch.autograd.grad(o2.pow(2).sum(), q2, create_graph=True)
     expect_error(RuntimeError, "once_differentiable", lambda: (g2 * g2).sum().backward())
+    o2 = fn(q2, q2, q2)
+    w2 = torch.randn(o2.shape, dtype=o2.dtype)
+    g2, = torch.autograd.grad((o2 * w2).sum(), q2, create_graph=True)
+    check(g2.requires_grad, f"{fn.__name__}: a create_graph gradient of a linear loss has a graph")
+    expect_error(RuntimeError, "once_differentiable", lambda: (g2 * g2).sum().backward())
+# Tensors whose bytes are not their values: a lazy negation view (read raw: a wrong answer) and
+# sparse tensors (a raw torch error) are refused; a dout that is a lazy negation is resolved.
+expect_error(E, "v is a lazy negation view; call .resolve_neg()",
+             lambda: lt.attention(q, k, torch._neg_view(k)))
+expect_error(E, "q has layout torch.sparse_coo; loom.torch takes dense (strided) tensors",
+             lambda: lt.attention(q.to_sparse(), k, k))
+q2 = torch.randn(q.shape, requires_grad=True)
+d2 = torch.randn(q.shape)
+lt.attention(q2, k.detach(), k.detach()).backward(torch._neg_view(d2))
+g_neg = q2.grad.clone()
+q2.grad = None
+lt.attention(q2, k.detach(), k.detach()).backward(-d2)
+check(torch.equal(g_neg, q2.grad), "a dout that is a lazy negation view: the gradient of -dout")
 # out and lse are the caller's own: out is no view of a hidden tensor (modifying it in place was
 # refused as "a view ... being modified inplace"; now autograd's version check guards the saved
 # out, as for any saved tensor), and lse modified in place leaves the backward intact (for thd and
