@@ -66,16 +66,21 @@ void check_output_outside(const std::string& option, const std::string& path,
 // directory) can be created: the temporary and the rename need it. It is tried for real (a
 // temporary is created and removed at once), so a read-only or pseudo file system (/proc, /sys)
 // fails here even for root, for whom access() says yes. "-", devices and FIFOs pass (they are
-// checked when written). Empty paths are ignored.
+// checked when written). Empty paths are ignored. With `directory`, a trailing '/' is dropped
+// before symlinks are followed ("link/" names link's target), and "-", "/" and a path ending in
+// "." or ".." (given or reached through a link) are refused (InvalidArgument): no directory can be
+// renamed onto them.
 void check_output_writable(const std::string& path, const std::string& option,
                            bool directory = false);
 // Refuses (IoError), before any work, what the OutputSet(dir, names) constructor refuses: dir
-// exists and is not a directory, or holds a name the set does not write.
+// exists and is not a directory, or holds a name the set does not write; and (InvalidArgument)
+// a dir no directory can be renamed onto, as check_output_writable does.
 void check_output_set(const std::string& dir, const std::vector<std::string>& names);
 
 class OutputSet {
  public:
-  // dir: the directory the set replaces; names: every file name the set may hold. Throws
+  // dir: the directory the set replaces (a trailing '/' dropped, symlinks followed); names: every
+  // file name the set may hold. Throws
   // IoError when dir exists and is not a directory, holds other files, or the staging
   // directory cannot be made.
   OutputSet(const std::string& dir, std::vector<std::string> names);

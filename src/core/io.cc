@@ -113,9 +113,20 @@ bool pid_alive(long pid) {
 
 }  // namespace
 
-std::string resolve_output_path(const std::string& path) {
+namespace {
+
+void strip_trailing_slashes(std::string& p) {
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+}
+
+// resolve_output_path; with `directory` the path and every link target lose their trailing '/'
+// first. lstat("link/") follows the link, so "link/" was taken for a plain directory, and once
+// the '/' was stripped later, an output set was renamed onto the link itself ("Not a
+// directory") after the whole run.
+std::string resolve(const std::string& path, bool directory) {
   if (path == "-") return path;
   std::string p = path;
+  if (directory) strip_trailing_slashes(p);
   for (int hops = 0; hops < 40; ++hops) {
     struct stat st;
     if (::lstat(p.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return p;
@@ -123,8 +134,26 @@ std::string resolve_output_path(const std::string& path) {
     const fs::path link = fs::read_symlink(p, ec);
     if (ec) throw IoError(path + ": cannot read the symlink (" + ec.message() + ")");
     p = link.is_absolute() ? link.string() : (fs::path(dir_of(p)) / link).string();
+    if (directory) strip_trailing_slashes(p);
   }
   throw IoError(path + ": too many levels of symbolic links");
+}
+
+// Refuses a directory output that no directory can be renamed onto: "-" (standard output), "/",
+// or a path ending in "." or ".." (given, or reached through a symlink). --output - and
+// --output . were refused only after the whole run, when the set was swapped in.
+void check_replaceable(const std::string& given, const std::string& target,
+                       const std::string& shown) {
+  const std::string last = fs::path(target).filename().string();
+  LOOM_CHECK(given != "-" && target != "/" && last != "." && last != "..", InvalidArgument,
+             shown << ": is not a directory loom can replace ('-', '/', '.' and '..' cannot be "
+                      "renamed onto); name the directory, e.g. results/set");
+}
+
+}  // namespace
+
+std::string resolve_output_path(const std::string& path) {
+  return resolve(path, false);
 }
 
 void write_output(const std::string& path, const std::string& bytes) {
@@ -212,10 +241,10 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
 }
 
 void check_output_writable(const std::string& path, const std::string& option, bool directory) {
-  if (path.empty() || path == "-") return;
+  if (path.empty() || (path == "-" && !directory)) return;
   const std::string shown = option + " " + path;
-  std::string target = resolve_output_path(path);
-  while (directory && target.size() > 1 && target.back() == '/') target.pop_back();
+  const std::string target = resolve(path, directory);
+  if (directory) check_replaceable(path, target, shown);
   struct stat st;
   if (::stat(target.c_str(), &st) == 0) {
     if (directory && !S_ISDIR(st.st_mode)) throw IoError(shown + ": exists and is not a directory");
@@ -245,9 +274,9 @@ void check_output_writable(const std::string& path, const std::string& option, b
 }
 
 void check_output_set(const std::string& dir, const std::vector<std::string>& names) {
-  if (dir.empty() || dir == "-") return;
-  std::string target = resolve_output_path(dir);
-  while (target.size() > 1 && target.back() == '/') target.pop_back();
+  if (dir.empty()) return;
+  const std::string target = resolve(dir, true);
+  check_replaceable(dir, target, dir);
   struct stat st;
   if (::stat(target.c_str(), &st) != 0) {
     if (errno == ENOENT) return;
@@ -271,10 +300,9 @@ OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names)
     : names_(std::move(names)) {
   LOOM_CHECK(!dir.empty() && dir != "-", InvalidArgument,
              "an output directory must be a directory path, got '" << dir << "'");
-  dir_ = resolve_output_path(dir);
-  while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
-  clean_stale_temps(dir_);
+  dir_ = resolve(dir, true);
   check_output_set(dir, names_);
+  clean_stale_temps(dir_);
   staging_ = temp_name(dir_);
   if (::mkdir(staging_.c_str(), 0777) != 0)
     throw IoError(dir + ": cannot create the staging directory " + staging_ + " (" +

@@ -404,5 +404,46 @@ for f in /proc/version /sys/kernel/loom-x.json; do
 done
 expect_error "--output under /proc refused before the run" "--output /proc/loom-x: cannot write" \
   --seq 64 --output /proc/loom-x
+# 11. --output LINK/ (a symlink to a directory, with a trailing '/') ran the whole job, then
+#     failed "cannot move the new files in (Not a directory)": the set was renamed onto the link.
+mkdir -p "$work/sl/real" && ln -s real "$work/sl/link" && ln -s real/ "$work/sl/link2"
+for out in link/ link2/ link2//; do
+  if "$loom" attn --seq 64 --quiet --seed 4 --output "$work/sl/$out" > /dev/null 2> "$work/stderr" &&
+     [ -L "$work/sl/link" ] && [ -L "$work/sl/link2" ] && [ -e "$work/sl/real/out.npy" ]; then
+    ok "--output $out (a symlink to a directory) writes the directory, the link stays"
+  else cat "$work/stderr"; bad "--output $out through a symlink"; fi
+  rm -f "$work/sl/real"/*.npy
+done
+# 12. --output -, . , DIR/. and DIR/.. ran the whole job (table printed) and were refused only
+#     when the set was swapped in.
+mkdir -p "$work/dots/sub"
+for out in - "$work/dots/." "$work/dots/sub/.." "$work/dots/sub/./" /; do
+  expect_error "--output $out refused before the run" "is not a directory loom can replace" \
+    --seq 64 --output "$out"
+  [ ! -s "$work/stdout" ] && ok "--output $out: no table" || bad "--output $out: the run went ahead"
+done
+cd "$work/dots/sub"
+expect_error "--output . refused before the run" "--output .: is not a directory loom can" \
+  --seq 64 --output .
+cd - > /dev/null
+ln -s . "$work/dots/self"
+expect_error "--output through a symlink to ." "is not a directory loom can replace" --seq 64 \
+  --output "$work/dots/self"
+[ -z "$(ls "$work/dots/sub")" ] && ok "nothing written for the refused --output" ||
+  bad "files left by a refused --output"
+# 13. A failed run (exit 1) replaced the --output set with its tensors: --check that cannot tell
+#     (scale 1000) said so, exited 1 and left its results in DIR.
+mkdir -p "$work/fail"
+"$loom" attn --seq 64 --heads 2 --backward --quiet --output "$work/fail/set" > /dev/null 2>&1 ||
+  bad "--output fail/set"
+before=$(md5sum "$work/fail/set"/* | md5sum)
+"$loom" attn --seq 256 --heads 2 --head-dim 64 --backward --check --scale 1000 --quiet \
+  --output "$work/fail/set" > /dev/null 2> "$work/stderr"
+rc=$?
+[ $rc -eq 1 ] && grep -q "check cannot tell" "$work/stderr" &&
+  [ "$(md5sum "$work/fail/set"/* | md5sum)" = "$before" ] &&
+  [ "$(ls "$work/fail" | grep -c tmp)" -eq 0 ] &&
+  ok "a failed --check (exit 1) leaves the --output set as it was, no temporaries" ||
+  { cat "$work/stderr"; bad "a failed run replaced the --output set (rc=$rc)"; }
 
 summary

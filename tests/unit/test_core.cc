@@ -563,6 +563,41 @@ TEST_F(Io, OutputSetIsSwappedInWholeOrNotAtAll) {
   EXPECT_EQ(slurp(at("out/notes.txt")), "mine");
 }
 
+// "link/" (a symlink to a directory, trailing '/') was resolved as given, lstat followed the link,
+// and commit() renamed the set onto the link itself: "Not a directory" after the whole run.
+TEST_F(Io, OutputSetThroughASymlinkWithATrailingSlash) {
+  const std::vector<std::string> names = {"a.npy"};
+  fs::create_directories(at("real"));
+  fs::create_directory_symlink("real", at("link"));
+  fs::create_directory_symlink("real/", at("link2"));
+  for (const std::string& dir : {at("link/"), at("link2/"), at("link2//")}) {
+    EXPECT_NO_THROW(check_output_writable(dir, "--output", true)) << dir;
+    EXPECT_NO_THROW(check_output_set(dir, names)) << dir;
+    OutputSet s(dir, names);
+    write_output(s.path("a.npy"), dir);
+    EXPECT_NO_THROW(s.commit()) << dir;
+    EXPECT_EQ(slurp(at("real/a.npy")), dir);
+    EXPECT_TRUE(fs::is_symlink(at("link")) && fs::is_symlink(at("link2")));
+  }
+}
+
+// "-", "/", "." and ".." (as the last component, given or through a link) cannot be renamed
+// onto: --output . was refused only when the set was swapped in, after the run.
+TEST_F(Io, OutputSetRefusesDotsAndStandardOutputBeforeTheRun) {
+  const std::vector<std::string> names = {"a.npy"};
+  fs::create_directories(at("d/sub"));
+  fs::create_directory_symlink(".", at("self"));
+  for (const std::string& dir :
+       {std::string("-"), std::string("."), std::string("./"), std::string("/"), at("d/."),
+        at("d/sub/.."), at("d/sub/./"), at("self")}) {
+    EXPECT_THROW(check_output_writable(dir, "--output", true), InvalidArgument) << dir;
+    EXPECT_THROW(check_output_set(dir, names), InvalidArgument) << dir;
+    EXPECT_THROW(OutputSet(dir, names), InvalidArgument) << dir;
+  }
+  EXPECT_NO_THROW(check_output_writable("-", "--json"));  // a file output may be standard output
+  EXPECT_TRUE(fs::is_empty(at("d/sub")));
+}
+
 TEST_F(Io, ConcurrentOutputSetsNeverMix) {
   const std::vector<std::string> names = {"a.npy", "b.npy"};
   for (int round = 0; round < 20; ++round) {

@@ -259,6 +259,53 @@ done
 # An output on a pseudo file system is refused before the run (root passed access()).
 expect 2 "--json /proc/version: cannot write into /proc" -- V --candidate "$T/lib/correct" \
   --json /proc/version
+# One line on stderr, exit status 2, matching PATTERN: expect2 PATTERN -- command...
+expect2() {
+  local pat=$1
+  shift 2
+  local err rc
+  err=$("$@" 2>&1 >/dev/null)
+  rc=$?
+  [ $rc = 2 ] && [ "$(printf '%s\n' "$err" | wc -l)" = 1 ] && grep -q -- "$pat" <<<"$err" ||
+    fail "exit $rc, '$err' (want 2, one line with '$pat'): $*"
+}
+# A 0-d or 1-d q.npy was indexed as [S, H, D]: a raw "vector::_M_range_check" and exit status 1
+# ("a tensor failed").
+for shape in "()" "(8,)"; do
+  mkdir -p "$T/qdim"
+  /usr/bin/python3 -c "import numpy as np, sys; [np.save(f'$T/qdim/{n}.npy', np.ones($shape, np.float32)) for n in 'qkv']" ||
+    fail "q of shape $shape"
+  want=$([ "$shape" = "()" ] && echo "\[\]" || echo "\[8\]")
+  expect2 "q.npy has shape $want but --layout-dims SHD needs \[S, H, D\]" -- "$LOOM" verify \
+    --input "$T/qdim" --candidate "$T/attn_ring_zigzag"
+  expect2 "q.npy has shape $want but --layout-dims BSHD needs \[B, S, H, D\]" -- "$LOOM" verify \
+    --input "$T/qdim" --candidate "$T/attn_ring_zigzag" --layout-dims BSHD
+done
+cp -r "$T/lib/input" "$T/kdim" && /usr/bin/python3 -c "import numpy as np; np.save('$T/kdim/k.npy', np.ones(8, np.float32))"
+expect2 "k.npy has shape \[8\] but --layout-dims SHD needs" -- "$LOOM" verify --input "$T/kdim" \
+  --candidate "$T/attn_ring_zigzag"
+# --json - and --heatmap -: the text report was mixed into standard output with the JSON (or SVG).
+if "$LOOM" verify --input "$T/lib/input" --candidate "$T/attn_ring_zigzag" --json - 2>/dev/null |
+  /usr/bin/python3 -c "import json, sys; assert json.load(sys.stdin)['passed'] is True" 2>/dev/null; then :; else
+  fail "--json - is not JSON alone on standard output"
+fi
+out=$("$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/dropped_step" --convention zigzag \
+  --ranks 4 --heatmap - 2>/dev/null)
+rc=$?
+[ $rc = 1 ] && [ "${out:0:1}" = "<" ] && ! grep -q "verify    FAILED" <<<"$out" ||
+  fail "--heatmap -: exit $rc, standard output starts '${out:0:40}'"
+# A dangling symlink among the inputs or the candidate's files was silently ignored
+# (fs::exists follows links): cu_seqlens.npy -> nowhere passed without the document mask, a
+# dangling out.npy was "absent: out". Now it is an input that cannot be opened.
+cp -r "$T/lib/input" "$T/dang_in" && ln -s nowhere.npy "$T/dang_in/cu_seqlens.npy"
+expect2 "cu_seqlens.npy: cannot open" -- "$LOOM" verify --input "$T/dang_in" \
+  --candidate "$T/attn_ring_zigzag"
+rm "$T/dang_in/cu_seqlens.npy" "$T/dang_in/dout.npy" && ln -s nowhere.npy "$T/dang_in/dout.npy"
+expect2 "dout.npy: cannot open" -- "$LOOM" verify --input "$T/dang_in" \
+  --candidate "$T/attn_ring_zigzag"
+cp -r "$T/attn_ring_zigzag" "$T/dang_c" && rm "$T/dang_c/out.npy" &&
+  ln -s nowhere.npy "$T/dang_c/out.npy"
+expect2 "out.npy: cannot open" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/dang_c"
 
 if [ $fails -ne 0 ]; then
   echo "$fails check(s) failed"

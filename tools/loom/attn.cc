@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -487,9 +488,15 @@ void require_finite_results(Communicator& world, const ShardPlan& plan, int64_t 
   }
 }
 
-// The job on one rank. Rank 0 fills `rep`.
+// Whether a check (if one was run) lets the run succeed: it passed and could tell.
+bool check_ok(const CheckReport& c) {
+  return !c.done || (c.passed && c.unverifiable.empty());
+}
+
+// The job on one rank. Rank 0 fills `rep` and, with --output, stages the set in `*staged` for
+// run_attn to commit when the whole run succeeds.
 void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int threads,
-               AttnReport& rep, bool report) {
+               AttnReport& rep, bool report, std::unique_ptr<OutputSet>* staged = nullptr) {
   const int P = world.size(), me = world.rank();
   const ShardPlan plan = ShardPlan::make(p.layout, p.S, P, p.doc_lengths);
   const int64_t n = plan.rows(me);
@@ -620,18 +627,6 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
     if (want_spans) k.spans = std::move(spans[r]);
   }
   if (!report) return;
-  if (!o.output.empty()) {
-    // One set: staged in a fresh directory and swapped in whole (loom/io.h OutputSet).
-    OutputSet set(o.output, kOutputNames);
-    write_npy(set.path("out.npy"), g_out);
-    write_npy(set.path("lse.npy"), g_lse);
-    if (o.backward) {
-      write_npy(set.path("dq.npy"), g_dq);
-      write_npy(set.path("dk.npy"), g_dk);
-      write_npy(set.path("dv.npy"), g_dv);
-    }
-    set.commit();
-  }
   if (o.check) {
     // Global inputs: from the files, or regenerated (identical values, no communication).
     Tensor<float> gq = p.q, gk = p.k, gv = p.v, gdout = p.dout;
@@ -654,6 +649,19 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
         if (t->numel() > 0) *t = convert<float>(convert<bf16>(*t));
     }
     rep.check = run_check(p, o.backward, gq, gk, gv, gdout, g_out, g_lse, g_dq, g_dk, g_dv);
+  }
+  if (!o.output.empty() && check_ok(rep.check) && staged) {
+    // One set: staged in a fresh directory here, swapped in whole by run_attn once the run has
+    // succeeded (loom/io.h OutputSet); committed before the check, a failed run replaced DIR.
+    *staged = std::make_unique<OutputSet>(o.output, kOutputNames);
+    OutputSet& set = **staged;
+    write_npy(set.path("out.npy"), g_out);
+    write_npy(set.path("lse.npy"), g_lse);
+    if (o.backward) {
+      write_npy(set.path("dq.npy"), g_dq);
+      write_npy(set.path("dk.npy"), g_dk);
+      write_npy(set.path("dv.npy"), g_dv);
+    }
   }
 }
 
@@ -776,6 +784,7 @@ int run_attn(const AttnOptions& o) {
   rep.degrees = o.degrees.values();
   int threads = 1;
   bool root = true;
+  std::unique_ptr<OutputSet> staged;  // --output, committed last: a failed run leaves DIR as it was
   std::unique_ptr<Communicator> mpi;
   if (launched_by_mpirun()) {
     LOOM_CHECK(!o.ranks_given, InvalidArgument,
@@ -790,7 +799,7 @@ int run_attn(const AttnOptions& o) {
     check_memory(estimate_attn_bytes(o, p, mpi->size(), 1), memory_limit, "this rank",
                  "--memory-limit");
     threads = o.threads ? o.threads : default_threads(here);
-    attn_rank(*mpi, o, p, threads, rep, true);
+    attn_rank(*mpi, o, p, threads, rep, true, &staged);
     root = mpi->rank() == 0;
   } else {
     LOOM_CHECK(o.ranks >= 1, InvalidArgument, "--ranks must be >= 1, got " << o.ranks);
@@ -804,7 +813,8 @@ int run_attn(const AttnOptions& o) {
                  "--memory-limit");
     threads = o.threads ? o.threads : default_threads(o.ranks);
     run_local(
-        o.ranks, [&](Communicator& world) { attn_rank(world, o, p, threads, rep, true); }, faults);
+        o.ranks, [&](Communicator& world) { attn_rank(world, o, p, threads, rep, true, &staged); },
+        faults);
     // A kill or a drop that fires always ends the run with an error; reaching here means the
     // run finished before the fault's op.
     LOOM_CHECK(faults.kill_rank < 0 && faults.drop_rank < 0, InvalidArgument,
@@ -831,7 +841,7 @@ int run_attn(const AttnOptions& o) {
   if (!o.json.empty()) write_output(o.json, to_json(rep).dump(2) + "\n");
   if (!o.trace.empty()) write_output(o.trace, chrome_trace(rep));
   if (!o.timeline.empty()) write_output(o.timeline, timeline_svg(rep));
-  if (rep.check.done && !(rep.check.passed && rep.check.unverifiable.empty())) {
+  if (!check_ok(rep.check)) {
     if (rep.check.passed) {
       std::string names;
       for (const std::string& u : rep.check.unverifiable) names += (names.empty() ? "" : ", ") + u;
@@ -853,6 +863,7 @@ int run_attn(const AttnOptions& o) {
     }
     return 1;
   }
+  if (staged) staged->commit();
   return 0;
 }
 

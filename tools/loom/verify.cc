@@ -4,8 +4,11 @@
 // (loom/verify.h); this file reads files, reorders layouts and prints.
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <memory>
+#include <new>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -53,28 +56,32 @@ void check_batches(const Tensor<double>& x, int64_t batches, const std::string& 
                   << " batch elements, but q.npy has " << batches);
 }
 
+// Refuses a row tensor whose number of dimensions is not the layout's: q.npy of shape [] or [8]
+// was indexed as [S, H, D] and ended in a raw std::out_of_range (exit status 1, "a tensor
+// failed").
+void check_row_dims(const Tensor<double>& x, Dims dims, const std::string& what) {
+  const int want = dims == Dims::bshd ? 4 : 3;
+  const char* layout = dims == Dims::shd ? "SHD" : dims == Dims::bshd ? "BSHD" : "HSD";
+  const char* shape = dims == Dims::shd    ? "[S, H, D]"
+                      : dims == Dims::bshd ? "[B, S, H, D]"
+                                           : "[H, S, D]";
+  LOOM_CHECK(x.dim() == want, InvalidArgument,
+             what << " has shape " << shape_str(x.shape()) << " but --layout-dims " << layout
+                  << " needs " << shape);
+}
+
 // Batch element b (of `batches`, q's B) of a row tensor on disk as [S, H, D].
 Tensor<double> rows_to_shd(const Tensor<double>& x, Dims dims, int64_t b, int64_t batches,
                            const std::string& what) {
-  if (dims == Dims::shd) {
-    LOOM_CHECK(x.dim() == 3, InvalidArgument,
-               what << " has shape " << shape_str(x.shape()) << " but --layout-dims SHD needs "
-                    << "[S, H, D]");
-    return x;
-  }
+  check_row_dims(x, dims, what);
+  if (dims == Dims::shd) return x;
   if (dims == Dims::bshd) {
-    LOOM_CHECK(x.dim() == 4, InvalidArgument,
-               what << " has shape " << shape_str(x.shape()) << " but --layout-dims BSHD needs "
-                    << "[B, S, H, D]");
     check_batches(x, batches, what);
     const int64_t S = x.size(1), H = x.size(2), D = x.size(3);
     Tensor<double> y({S, H, D});
     std::copy(x.data() + b * S * H * D, x.data() + (b + 1) * S * H * D, y.data());
     return y;
   }
-  LOOM_CHECK(x.dim() == 3, InvalidArgument,
-             what << " has shape " << shape_str(x.shape()) << " but --layout-dims HSD needs "
-                  << "[H, S, D]");
   const int64_t H = x.size(0), S = x.size(1), D = x.size(2);
   Tensor<double> y({S, H, D});
   for (int64_t h = 0; h < H; ++h)
@@ -112,6 +119,14 @@ void require_finite(const Tensor<double>& t, const std::string& name) {
         name << " contains a non-finite value at flat index " << i << "; inputs must be finite");
 }
 
+// Whether a directory entry named path exists. A dangling symlink counts (fs::exists follows
+// links and said no, so `cu_seqlens.npy -> nowhere` was ignored and the run passed without the
+// document mask): reading it then reports the file that cannot be opened.
+bool entry_present(const std::string& path) {
+  std::error_code ec;
+  return fs::symlink_status(path, ec).type() != fs::file_type::not_found && !ec;
+}
+
 // A candidate tensor as files: global `name.npy` or per rank `name.rank{r}.npy`.
 struct Files {
   bool present = false, per_rank = false;
@@ -144,7 +159,7 @@ Files read_candidate(const std::string& dir, const std::string& name, int ranks,
                      const std::vector<std::string>& entries) {
   Files f;
   const std::string g = dir + "/" + name + ".npy";
-  const bool has_g = fs::exists(g);
+  const bool has_g = entry_present(g);
   std::set<int64_t> present;
   for (const std::string& e : entries) {
     const int64_t r = rank_of(e, name);
@@ -236,7 +251,12 @@ int run_verify(const VerifyOptions& o) {
   const Tensor<double> k = read_npy_f64(o.input + "/k.npy");
   const Tensor<double> v = read_npy_f64(o.input + "/v.npy");
   Tensor<double> dout;
-  if (fs::exists(o.input + "/dout.npy")) dout = read_npy_f64(o.input + "/dout.npy");
+  if (entry_present(o.input + "/dout.npy")) dout = read_npy_f64(o.input + "/dout.npy");
+  // Shapes before any size is read (q.size(1) of a 0-d q threw std::out_of_range).
+  check_row_dims(q, dims, "q.npy");
+  check_row_dims(k, dims, "k.npy");
+  check_row_dims(v, dims, "v.npy");
+  if (dout.numel()) check_row_dims(dout, dims, "dout.npy");
   require_finite(q, "q.npy");
   require_finite(k, "k.npy");
   require_finite(v, "v.npy");
@@ -247,7 +267,7 @@ int run_verify(const VerifyOptions& o) {
   std::vector<int64_t> docs;
   if (!o.docs.empty()) docs = parse_doc_lengths(o.docs);
   const std::string cu = o.input + "/cu_seqlens.npy";
-  if (fs::exists(cu)) {
+  if (entry_present(cu)) {
     LOOM_CHECK(o.docs.empty(), InvalidArgument, "give documents either by --docs or by " << cu);
     const std::vector<int64_t> c = read_npy_index(cu);
     LOOM_CHECK(c.size() >= 2 && c[0] == 0, InvalidArgument,
@@ -347,7 +367,9 @@ int run_verify(const VerifyOptions& o) {
       shown = &r;
       break;
     }
-  if (!o.quiet) {
+  // With an output on standard output ("-"), the text report stays off it (as in loom attn):
+  // mixed in, it made the JSON unparseable.
+  if (!o.quiet && o.json != "-" && o.heatmap != "-") {
     for (size_t b = 0; b < reports.size(); ++b) {
       if (B > 1) std::printf("batch %zu\n", b);
       std::fputs(reports[b].summary().c_str(), stdout);
@@ -404,6 +426,15 @@ void add_verify_command(CLI::App& app) {
           return run_verify(o);
         } catch (const Error& e) {
           // Unusable input: one line, exit status 2 (a failed check is 1).
+          std::fprintf(stderr, "loom: error: %s\n", e.what());
+          return 2;
+        } catch (const std::bad_alloc&) {
+          std::fprintf(stderr,
+                       "loom: error: out of memory (an allocation outside loom's tensors "
+                       "failed); check smaller inputs\n");
+          return 2;
+        } catch (const std::exception& e) {
+          // Anything else is unusable input too, never "a tensor failed" (exit status 1).
           std::fprintf(stderr, "loom: error: %s\n", e.what());
           return 2;
         }
