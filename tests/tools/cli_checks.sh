@@ -305,6 +305,24 @@ for n in ("v", "dout"): np.save(f"{d}/{n}.npy", np.full((16, 2, 8), 1e20, np.flo
 PY
 expect_error "v = dout = 1e20: the values overflowed, not the scores" \
   "the scores small (|scale q.k| <= " --input "$work/bigv" --backward
+# q of 1e-42 (float32 subnormals): the exact dk lies below float32's normal range, where storing
+# it in float32 alone errs 1e-3, so the check cannot tell (it said "check failed: dk ... 0.00606
+# > 1e-05" of a correct result); at 1e-30 the same inputs pass.
+for sc in 1e-42 1e-30; do
+  /usr/bin/python3 - "$work/tiny$sc" "$sc" <<'PY'
+import numpy as np, os, sys
+d = sys.argv[1]
+os.makedirs(d)
+r = np.random.default_rng(0)
+np.save(f"{d}/q.npy", (r.standard_normal((32, 2, 8)) * float(sys.argv[2])).astype(np.float32))
+for n, h in (("k", 1), ("v", 1), ("dout", 2)):
+    np.save(f"{d}/{n}.npy", r.standard_normal((32, h, 8)).astype(np.float32))
+PY
+done
+expect_error "q = 1e-42: the check cannot tell below float32's normal range" \
+  "check cannot tell dk (float32 alone errs" --input "$work/tiny1e-42" --backward --check
+"$loom" attn --input "$work/tiny1e-30" --backward --check --quiet > "$work/tiny.out" 2>&1 &&
+  ok "q = 1e-30: the check passes" || { cat "$work/tiny.out"; bad "q = 1e-30: the check passes"; }
 # 7. Sizes that overflow are refused.
 expect_error "--seq beyond int64" "out of range" --seq 99999999999999999999
 expect_error "--docs summing past int64" "sum to more than 2^63" --seq 64 \

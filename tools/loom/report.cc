@@ -165,10 +165,13 @@ void print_text(const AttnReport& r) {
       bounds = std::string(": this problem's ") + r.dtype + " bound, " + r.check.per_problem_why;
     for (const std::string& u : r.check.unverifiable)
       std::printf("  check     cannot tell %s: a bound of 1 or more passes zeros\n", u.c_str());
+    for (const std::string& u : r.check.below_normal)
+      std::printf("  check     cannot tell %s: its exact values lie below float32's normal range\n",
+                  u.c_str());
     std::printf("  check     %s  max abs err %.3g, max rel err %.3g (%s; tolerance %.*e%s, %s)\n",
-                !r.check.passed                ? "FAILED"
-                : r.check.unverifiable.empty() ? "passed"
-                                               : "UNVERIFIABLE",
+                !r.check.passed        ? "FAILED"
+                : r.check.conclusive() ? "passed"
+                                       : "UNVERIFIABLE",
                 r.check.max_abs, r.check.max_rel, r.check.worst.c_str(),
                 r.check.per_problem_bounds ? 2 : 0, r.check.tolerance, bounds.c_str(),
                 r.check.sampled ? "sampled: out, lse and dq of 256 evenly spaced query rows; dk, "
@@ -219,14 +222,15 @@ nlohmann::json to_json(const AttnReport& r) {
   }
   j["ranks"] = ranks;
   if (r.check.done) {
-    j["check"] = {{"passed", r.check.passed && r.check.unverifiable.empty()},
+    j["check"] = {{"passed", r.check.passed && r.check.conclusive()},
                   {"max_abs_err", r.check.max_abs},
                   {"max_rel_err", r.check.max_rel},
                   {"tolerance", r.check.tolerance},
                   {"sampled", r.check.sampled},
                   {"worst", r.check.worst},
                   {"bounds", r.check.per_problem_bounds ? "per-problem" : "fixed"},
-                  {"unverifiable", r.check.unverifiable}};
+                  {"unverifiable", r.check.unverifiable},
+                  {"below_normal", r.check.below_normal}};
   } else {
     j["check"] = nullptr;
   }
