@@ -306,6 +306,21 @@ expect2 "dout.npy: cannot open" -- "$LOOM" verify --input "$T/dang_in" \
 cp -r "$T/attn_ring_zigzag" "$T/dang_c" && rm "$T/dang_c/out.npy" &&
   ln -s nowhere.npy "$T/dang_c/out.npy"
 expect2 "out.npy: cannot open" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/dang_c"
+# q of 1e-42 makes the exact dk subnormal in float32 (rounding it alone errs 1e-3): loom's correct
+# dk "FAILED" at 0.006 (exit 1); such a tensor cannot be verified (exit 2).
+/usr/bin/python3 - "$T/sub42" <<'PY'
+import numpy as np, os, sys
+d = sys.argv[1]
+os.makedirs(d)
+r = np.random.default_rng(0)
+np.save(f"{d}/q.npy", (r.standard_normal((32, 2, 8)) * 1e-42).astype(np.float32))
+for n, h in (("k", 1), ("v", 1), ("dout", 2)):
+    np.save(f"{d}/{n}.npy", r.standard_normal((32, h, 8)).astype(np.float32))
+PY
+"$LOOM" attn --input "$T/sub42" --backward --iters 1 --warmup 0 --quiet --output "$T/sub42_c" >/dev/null ||
+  fail "loom attn on the inputs of 1e-42"
+expect2 "dk cannot be verified: its exact values lie below float32's normal range" -- \
+  "$LOOM" verify --input "$T/sub42" --candidate "$T/sub42_c"
 
 if [ $fails -ne 0 ]; then
   echo "$fails check(s) failed"
