@@ -17,14 +17,23 @@ given script.
    fails with "errno: 98 - Address already in use". The wrapper picks a free port outside that
    range instead: no outgoing connection is ever given one of those, so only a process that
    binds that very port by number can race it.
+
+3. `--standalone` hosts the rendezvous store on port 29400, always; a second job started on the
+   same machine while the first runs finds 29400 taken and, without a word, becomes a client of
+   the first job's store: when the first job ends, the second one's agent loses its store and
+   kills its healthy workers ("RendezvousConnectionError ... Broken pipe"). The wrapper gives
+   each `--standalone` job its own store, on a free port outside the ephemeral range (as in 2),
+   with a fresh rendezvous id: what --standalone means, one job on one node.
 """
 import random
 import socket
 import sys
+import uuid
 
 from torch.distributed.elastic.agent.server import api as _agent_api
 from torch.distributed.elastic.multiprocessing import api as _api
 import torch.distributed.run as _run
+from torch.distributed.elastic.multiprocessing.errors import record as _record
 
 # Ports below this need privileges on most systems; never chosen.
 _FIRST_UNPRIVILEGED = 1024
@@ -87,9 +96,25 @@ def _patch():
     _agent_api._get_socket_with_port = socket_with_port_outside_ephemeral_range
 
 
+def standalone_args(args):
+    """--standalone as torchrun sets it up (a c10d rendezvous on localhost, a fresh id), but on a
+    free port of this job's own instead of 29400 (fix 3). Other arguments are left alone."""
+    if getattr(args, "standalone", False):
+        s = socket_with_port_outside_ephemeral_range()
+        port = s.getsockname()[1]
+        s.close()
+        args.standalone = False
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = f"localhost:{port}"
+        args.rdzv_id = str(uuid.uuid4())
+    return args
+
+
+@_record
 def main(argv=None):
     _patch()
-    _run.main(argv if argv is not None else sys.argv[1:])
+    args = _run.parse_args(argv if argv is not None else sys.argv[1:])
+    _run.run(standalone_args(args))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ the "errno: 98 - Address already in use" that once failed torch_cp_np3).
 """
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 
 from torch.distributed import HashStore
 from torch.distributed.elastic.agent.server import api as agent_api
@@ -90,6 +92,28 @@ with tempfile.TemporaryDirectory() as d:
 cands = lr.candidate_ports(40000, 50000)
 check(not any(40000 <= p <= 50000 for p in cands) and len(cands) == 65535 - 1024 + 1 - 10001,
       "candidates are every unprivileged port outside the range")
+
+# --standalone: every job its own rendezvous store, on a free port outside the ephemeral range
+# (torch's is 29400, always).
+args = lr.standalone_args(lr._run.parse_args(["--standalone", "--nproc_per_node", "1", "x.py"]))
+port = int(args.rdzv_endpoint.rsplit(":", 1)[1])
+check(not args.standalone and args.rdzv_backend == "c10d" and port != 29400
+      and not low <= port <= high and args.rdzv_id,
+      f"--standalone: own store ({args.rdzv_backend} at {args.rdzv_endpoint}, id {args.rdzv_id})")
+# Two --standalone jobs at once: the second became a client of the first one's store on 29400,
+# and when the first ended, the second's agent lost its store and killed its healthy worker
+# ("RendezvousConnectionError ... Broken pipe", exit 1).
+with tempfile.TemporaryDirectory() as d:
+    worker = os.path.join(d, "w.py")
+    with open(worker, "w") as f:
+        f.write("import sys, time\ntime.sleep(float(sys.argv[1]))\n")
+    launch = [sys.executable, "-m", "loom.torchrun", "--standalone", "--nproc_per_node", "1", worker]
+    first = subprocess.Popen(launch + ["0.5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(2.0)  # the first job's agent holds its store
+    second = subprocess.Popen(launch + ["8"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rc = [p.wait(timeout=50) for p in (first, second)]
+    err = second.stderr.read().decode(errors="replace")
+    check(rc == [0, 0], f"two --standalone jobs at once: exit codes {rc}; second: {err[-300:]}")
 
 print(f"test_torchrun: {check.count} checks, {len(check.failures)} failed")
 sys.exit(1 if check.failures else 0)
