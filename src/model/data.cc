@@ -143,7 +143,16 @@ std::vector<int64_t> val_offsets(const Split& split, int64_t seq, int64_t count)
   std::vector<int64_t> out;
   const int64_t last = split.size() - seq - 1;
   if (last < 0 || count <= 0) return out;
-  for (int64_t i = 0; i < count; ++i) out.push_back(count == 1 ? 0 : last * i / (count - 1));
+  // There are last + 1 distinct windows: more than that are spaced at most 1 apart, so they are
+  // every offset 0 .. last, which count = last + 1 gives (i itself) without first pushing
+  // `count` offsets (--eval-batches 99999999999 grew past 7.9 GB before the de-duplication).
+  count = std::min(count, last + 1);
+  out.reserve(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    // last x i in 128 bits: it overflowed int64 past 3e9 windows of a large split.
+    const __int128 x = count == 1 ? 0 : static_cast<__int128>(last) * i / (count - 1);
+    out.push_back(static_cast<int64_t>(x));
+  }
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }

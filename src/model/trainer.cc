@@ -3,6 +3,7 @@
 #include "loom/model/trainer.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -31,6 +32,14 @@ int64_t first_non_finite(const std::vector<float>& v) {
   for (size_t i = 0; i < v.size(); ++i)
     if (!std::isfinite(v[i])) return static_cast<int64_t>(i);
   return -1;
+}
+
+// x in the fewest digits that read back as x: "10.000001", where a stream's 6 digits said "10"
+// (--lr 10.000001 was refused as "must be in (0, 10], got 10").
+std::string exact(double x) {
+  char buf[64];
+  const std::to_chars_result r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
 }
 }  // namespace
 
@@ -68,11 +77,11 @@ Trainer::Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corp
              "--batch " << cfg.batch << " x --seq " << cfg.seq << " x --steps " << cfg.steps
                         << " tokens do not fit 64 bits");
   LOOM_CHECK(cfg.lr > 0 && cfg.lr <= kMaxLr, InvalidArgument,
-             "--lr must be in (0, " << kMaxLr << "], got " << cfg.lr);
+             "--lr must be in (0, " << kMaxLr << "], got " << exact(cfg.lr));
   LOOM_CHECK(cfg.weight_decay >= 0 && cfg.lr * cfg.weight_decay <= 1, InvalidArgument,
              "--weight-decay must be >= 0 with --lr x --weight-decay <= 1 (a larger decay step "
              "flips the weights' sign), got "
-                 << cfg.weight_decay);
+                 << exact(cfg.weight_decay));
   LOOM_CHECK(cfg.clip >= 0 && std::isfinite(cfg.clip), InvalidArgument,
              "--clip must be a finite number >= 0 (0: off), got " << cfg.clip);
   LOOM_CHECK(cfg.warmup >= -1, InvalidArgument,
@@ -188,17 +197,17 @@ StepResult Trainer::train_step() {
 double Trainer::evaluate() {
   const std::vector<int64_t> offs = val_offsets(corpus_.val, cfg_.seq, cfg_.eval_batches);
   if (offs.empty()) return std::nan("");
-  std::vector<Sequence> seqs;
+  // Windows are dealt round-robin to dp ranks; every cp/tp group runs its windows together. One
+  // window is built at a time (every rank counts every window's predicted tokens), so memory does
+  // not grow with --eval-batches.
   int64_t predicted = 0;
-  for (int64_t o : offs) {
-    seqs.push_back(make_sequence(corpus_.val, o, cfg_.seq, cfg_.pack_documents));
-    predicted += seqs.back().predicted();
-  }
-  // Windows are dealt round-robin to dp ranks; every cp/tp group runs its windows together.
   double loss = 0;
-  const int dp = mesh_.shape.dp;
-  for (size_t i = static_cast<size_t>(mesh_.dp_rank); i < seqs.size(); i += dp)
-    loss += model_->forward_backward(seqs[i], 0.0, false);
+  const size_t dp = static_cast<size_t>(mesh_.shape.dp), mine = static_cast<size_t>(mesh_.dp_rank);
+  for (size_t i = 0; i < offs.size(); ++i) {
+    const Sequence s = make_sequence(corpus_.val, offs[i], cfg_.seq, cfg_.pack_documents);
+    predicted += s.predicted();
+    if (i % dp == mine) loss += model_->forward_backward(s, 0.0, false);
+  }
   world_.all_reduce(&loss, 1, DType::f64, ReduceOp::sum);
   return predicted > 0 ? loss / static_cast<double>(predicted) : std::nan("");
 }

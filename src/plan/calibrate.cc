@@ -203,8 +203,11 @@ CommFigures measure_comm(Communicator& c) {
 }
 
 Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*)) {
-  LOOM_CHECK(threads >= 1, InvalidArgument, "--threads must be >= 1, got " << threads);
-  LOOM_CHECK(ranks_per_node >= 1, InvalidArgument, "ranks per node must be >= 1");
+  LOOM_CHECK(threads >= 1 && threads <= kMaxCalibrateThreads, InvalidArgument,
+             "--threads must be in [1, " << kMaxCalibrateThreads << "], got " << threads);
+  LOOM_CHECK(
+      ranks_per_node >= 1 && ranks_per_node <= kMaxCalibrateRanks, InvalidArgument,
+      "--ranks-per-node must be in [1, " << kMaxCalibrateRanks << "], got " << ranks_per_node);
   Profile p;
   p.name = "this machine (loom plan --calibrate)";
   p.kind = "cpu";

@@ -546,6 +546,10 @@ TrainStepPrediction predict_train_step(const TrainCase& c, const TrainMeasure& o
   r.update_s = one.update_s * (replicated + split / m.tp) / M.params() * shared;
   r.attention = s;
   r.step_s = r.attention_s + r.other_s + r.rest_s + r.tp_comm_s + r.grad_comm_s + r.update_s;
+  LOOM_CHECK(std::isfinite(r.step_s), InvalidArgument,
+             "profile '" << p.name << "' gives mesh dp " << m.dp << " tp " << m.tp << " ulysses "
+                         << m.ulysses << " ring " << m.ring << " a step of " << r.step_s
+                         << " s; check its figures");
   return r;
 }
 

@@ -24,8 +24,14 @@ constexpr size_t kMaxProfileBytes = size_t{16} << 20;
 // bandwidth was read as "free" by the simulator and divided by in the planner (inf and NaN in the
 // ranking); a fractional or huge tile side was truncated or overflowed the tile counts; memory 0
 // meant "no limit". The upper bounds are far above any machine and keep every product finite.
+// The rates' and bandwidths' lower bounds are far below any machine too (a 1 MFLOP/s device, a
+// 1 kB/s link): a rate of 1e-300 passed "> 0", and the simulator's times (work over rate)
+// overflowed to inf, then NaN (`--simulate` printed "forward inf ms, backward -nan ms", exit 0).
+// Above them, every time the simulator and the planner compute is finite.
+constexpr double kMinRate = 1e6;        // FLOP/s of one device
 constexpr double kMaxRate = 1e18;       // FLOP/s of one device
 constexpr double kMaxBytes = 1e15;      // bytes of device memory
+constexpr double kMinBandwidth = 1e3;   // bytes/s of a link or of memory
 constexpr double kMaxBandwidth = 1e15;  // bytes/s of a link or of memory
 constexpr double kMaxSeconds = 1.0;     // a latency, a call's overhead, one tile's time
 constexpr int64_t kMaxTileSide = 4096;  // block_q, block_k, work_tile
@@ -52,15 +58,16 @@ std::vector<Rule> rules(const Profile& p) {
     r.push_back(Rule{path, static_cast<double>(v), static_cast<double>(lo), static_cast<double>(hi),
                      false, true, unit, false});
   };
-  num("device.flops_bf16", p.flops_bf16, 0, true, kMaxRate, "FLOP/s", true);
-  num("device.flops_fp32", p.flops_fp32, 0, true, kMaxRate, "FLOP/s", true);
+  num("device.flops_bf16", p.flops_bf16, kMinRate, false, kMaxRate, "FLOP/s", true);
+  num("device.flops_fp32", p.flops_fp32, kMinRate, false, kMaxRate, "FLOP/s", true);
   num("device.attn_fwd_eff", p.attn_fwd_eff, 0, true, 1, "a fraction of peak");
   num("device.attn_bwd_eff", p.attn_bwd_eff, 0, true, 1, "a fraction of peak");
   num("device.partial_tile_cost", p.partial_tile_cost, 0, true, 100,
       "a masked tile's time over a full one's");
   num("device.gemm_eff", p.gemm_eff, 0, true, 1, "a fraction of peak");
   num("device.memory_bytes", p.memory_bytes, 0, true, kMaxBytes, "bytes", true);
-  num("device.mem_bandwidth", p.mem_bandwidth, 0, true, kMaxBandwidth, "bytes/s", true);
+  num("device.mem_bandwidth", p.mem_bandwidth, kMinBandwidth, false, kMaxBandwidth, "bytes/s",
+      true);
   integer("device.block_q", p.block_q, 1, kMaxTileSide, "rows");
   integer("device.block_k", p.block_k, 1, kMaxTileSide, "columns");
   integer("device.work_tile", p.work_tile, 0, kMaxTileSide, "rows; 0: the block tiles");
@@ -77,8 +84,8 @@ std::vector<Rule> rules(const Profile& p) {
   integer("devices_per_node", p.devices_per_node, 1, kMaxCount, "devices");
   for (auto [name, l] :
        {std::pair<const char*, const Link*>{"intra", &p.intra}, {"inter", &p.inter}}) {
-    num(std::string("links.") + name + ".bandwidth", l->bandwidth, 0, true, kMaxBandwidth,
-        "bytes/s", true);
+    num(std::string("links.") + name + ".bandwidth", l->bandwidth, kMinBandwidth, false,
+        kMaxBandwidth, "bytes/s", true);
     num(std::string("links.") + name + ".latency_s", l->latency, 0, false, kMaxSeconds, "seconds",
         true);
   }
@@ -88,7 +95,7 @@ std::vector<Rule> rules(const Profile& p) {
   return r;
 }
 
-// "must be a number in (0, 1e+15] (bytes/s), got 0", or empty when the value is in range (NaN
+// "must be a number in [1000, 1e+15] (bytes/s), got 0", or empty when the value is in range (NaN
 // never is).
 std::string violation(const Rule& r) {
   const bool above_lo = r.lo_open ? r.value > r.lo : r.value >= r.lo;

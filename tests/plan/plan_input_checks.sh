@@ -30,7 +30,7 @@ variant bq_huge "p['device']['block_q'] = 1e18"
 variant bq_frac "p['device']['block_q'] = 1.5"
 variant eff0 "p['device']['attn_fwd_eff'] = 0"
 expect_error "inter bandwidth 0 (simulate)" \
-  "bw0.json: field 'links.inter.bandwidth' must be a number in (0, 1e+15] (bytes/s), got 0" \
+  "bw0.json: field 'links.inter.bandwidth' must be a number in [1000, 1e+15] (bytes/s), got 0" \
   --simulate --profile "$work/bw0.json" --ranks 16 --seq 8192 --heads 32 --kv-heads 8 \
   --head-dim 128 --dtype bf16
 expect_error "inter bandwidth 0 (search)" "bw0.json: field 'links.inter.bandwidth'" \
@@ -48,13 +48,29 @@ expect_error "block_q 1.5" "field 'device.block_q' must be an integer in [1, 409
   --profile "$work/bq_frac.json" --seq 8192
 expect_error "attn_fwd_eff 0" "eff0.json: field 'device.attn_fwd_eff' must be a number in (0, 1]" \
   --profile "$work/eff0.json" --seq 8192
-# A profile loom plan --calibrate writes meets the same ranges (its memory_bytes was 0).
-if "$loom" plan --calibrate "$work/cal.json" --threads 1 --ranks-per-node 1 > /dev/null 2>&1 &&
+# Rates and bandwidths far below any machine: 1e-300 passed "> 0" and --simulate printed
+# "predicted forward inf ms, backward -nan ms ... balance -nan", exit 0, with nulls in --json.
+variant flops_tiny "p['device']['flops_bf16'] = 1e-300"
+variant membw_tiny "p['device']['mem_bandwidth'] = 1e-300"
+variant inter_tiny "p['links']['inter']['bandwidth'] = 1e-300"
+expect_error "flops_bf16 1e-300" \
+  "flops_tiny.json: field 'device.flops_bf16' must be a number in [1e+06, 1e+18] (FLOP/s)" \
+  --simulate --profile "$work/flops_tiny.json" --ranks 2 --seq 4096 --dtype bf16 \
+  --json "$work/tiny_sim.json"
+[ ! -e "$work/tiny_sim.json" ] && ok "no simulation written" || bad "a simulation was written"
+expect_error "mem_bandwidth 1e-300" "field 'device.mem_bandwidth' must be a number in [1000," \
+  --simulate --profile "$work/membw_tiny.json" --ranks 2 --seq 4096 --dtype bf16
+expect_error "inter bandwidth 1e-300" "field 'links.inter.bandwidth' must be a number in [1000," \
+  --simulate --profile "$work/inter_tiny.json" --ranks 16 --seq 8192 --dtype bf16
+# A profile loom plan --calibrate writes meets the same ranges (its memory_bytes was 0); written
+# to standard output (--calibrate -), it is the JSON alone ("wrote the profile ... to -" followed
+# it there).
+if "$loom" plan --calibrate - --threads 1 --ranks-per-node 1 > "$work/cal.json" 2> /dev/null &&
    "$loom" plan --simulate --profile "$work/cal.json" --ranks 2 --seq 1024 > "$work/stdout" \
      2> "$work/stderr" && grep -q "predicted forward" "$work/stdout"; then
-  ok "a calibrated profile loads"
+  ok "a calibrated profile, written to standard output, loads"
 else
-  cat "$work/stderr"; bad "a calibrated profile loads"
+  tail -n 3 "$work/cal.json"; cat "$work/stderr"; bad "a calibrated profile loads"
 fi
 
 # Simulation sizes: no counter may wrap (--head-dim 2^63 - 1 printed "sent -16777216").

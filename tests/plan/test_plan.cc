@@ -557,7 +557,12 @@ TEST(PlanProfiles, EveryFigureIsCheckedAtLoad) {
     ADD_FAILURE() << "accepted: " << needle;
   };
   const std::vector<std::tuple<std::string, nlohmann::json, std::string>> cases = {
-      {"/links/inter/bandwidth", 0, "field 'links.inter.bandwidth' must be a number in (0"},
+      {"/links/inter/bandwidth", 0, "field 'links.inter.bandwidth' must be a number in [1000"},
+      // Far below any machine: 1e-300 passed "> 0" and the simulator's times became inf and NaN.
+      {"/links/inter/bandwidth", 1e-300, "field 'links.inter.bandwidth' must be"},
+      {"/device/mem_bandwidth", 1e-300, "field 'device.mem_bandwidth' must be"},
+      {"/device/flops_bf16", 1e-300, "field 'device.flops_bf16' must be a number in [1e+06"},
+      {"/device/flops_fp32", 999999, "field 'device.flops_fp32' must be"},
       {"/links/intra/bandwidth", 0, "field 'links.intra.bandwidth' must be"},
       {"/links/intra/bandwidth", 1e300, "field 'links.intra.bandwidth' must be"},
       {"/links/inter/latency_s", -1e-6, "field 'links.inter.latency_s' must be"},

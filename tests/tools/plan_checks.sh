@@ -114,6 +114,61 @@ expect_error "--train-step ring2d without --inner" "--strategy ring2d needs --in
   grep -q "predicted forward" "$work/stdout" && ok "--simulate --seq 1e9 on 8 ranks" ||
   { cat "$work/stdout"; bad "--simulate --seq 1e9"; }
 
+# With an output on "-" (standard output) the text stays off it, as in loom attn: `--json -`
+# mixed the table and the JSON (docs/cli.md, "Files").
+json_only() {  # json_only NAME ARGS...: stdout is one JSON document and nothing else
+  local name="$1"; shift
+  if "$loom" plan "$@" > "$work/stdout" 2> "$work/stderr" &&
+     /usr/bin/python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$work/stdout"; then
+    ok "$name: standard output holds the JSON alone"
+  else
+    head -c 300 "$work/stdout"; cat "$work/stderr"; bad "$name: text mixed into the JSON"
+  fi
+}
+json_only "search --json -" --profile "$h100" --top 2 --json -
+json_only "search --json - --explain" --profile "$h100" --top 2 --explain --json - \
+  --svg "$work/s.svg"
+json_only "--simulate --json -" --simulate --profile "$h100" --ranks 4 --seq 8192 --json -
+json_only "--train-step --json -" --train-step --profile "$profiles/cpu_epyc7763_node.json" \
+  --model 1,32,2,2,64,256 --seq 64 --batch 2 --measure-steps 1 --mesh 1,1,1,2 --json -
+"$loom" plan --profile "$h100" --top 2 --svg - > "$work/stdout" 2> "$work/stderr"
+[ "$(head -c 4 "$work/stdout")" = "<svg" ] && [ "$(tail -n 1 "$work/stdout")" = "</svg>" ] &&
+  ok "search --svg -: standard output holds the SVG alone" ||
+  { head -c 300 "$work/stdout"; bad "search --svg -: text mixed into the SVG"; }
+
+# --threads and --ranks-per-node are bounded, and checked before the banner: --threads
+# 2147483647 ended in libgomp's fatal error, --ranks-per-node 100000 grew past 1400 threads and
+# 4 GB, and --threads 0 printed the banner before its error.
+for t in 0 2147483647; do
+  expect_error "--calibrate --threads $t" "--threads must be in [1, 1024], got $t" \
+    --calibrate "$work/c.json" --threads "$t"
+  expect_error "--train-step --threads $t" "--threads must be in [1, 1024], got $t" \
+    --train-step --profile "$cpu" --mesh 1,1,1,1 --threads "$t"
+done
+for r in 0 100000; do
+  start=$(date +%s)
+  timeout 60 "$loom" plan --calibrate "$work/c.json" --ranks-per-node "$r" > "$work/stdout" \
+    2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] &&
+    grep -qF -- "--ranks-per-node must be in [1, 1024]" "$work/stderr" &&
+    [ $(( $(date +%s) - start )) -le 10 ] && ok "--ranks-per-node $r: $(cat "$work/stderr")" ||
+    { cat "$work/stderr"; bad "--ranks-per-node $r (rc=$rc; 124: still running after 60 s)"; }
+done
+[ ! -e "$work/c.json" ] && ok "nothing calibrated" || bad "a profile was written"
+
+# Messages that name the real limit.
+expect_error "--mesh 2^31 - 1" "'2147483647' is not an integer in [1, 1048576]" \
+  --train-step --profile "$cpu" --mesh 1,1,1,2147483647
+expect_error "--mesh world" "--mesh '1024,1024,1,2' is a world of 2097152 ranks, at most 1048576" \
+  --train-step --profile "$cpu" --mesh 1024,1024,1,2
+expect_error "--memory-limit 1e300" "at most 1e+06 (a profile's largest memory), got 1e+300" \
+  --profile "$h100" --memory-limit 1e300
+expect_error "--ulysses 0" "--ulysses: must be an integer >= 1, got 0" --simulate \
+  --profile "$h100" --strategy hybrid --ulysses 0 --ranks 4
+expect_error "--inner 0" "--inner: must be an integer >= 1, got 0" --simulate \
+  --profile "$h100" --strategy ring2d --inner 0 --ranks 4
+
 # The same run with valid options still works.
 if "$loom" plan --profile "$h100" --top 2 --memory-limit 80 --json "$work/r.json" \
      --svg "$work/r.svg" > "$work/out" 2>&1 && [ -s "$work/r.json" ] && [ -s "$work/r.svg" ]; then

@@ -86,8 +86,8 @@ expect_error "corrupt checkpoint" "checksum mismatch" --ranks 2 "${small[@]}" \
   --checkpoint-dir "$work/cb" --resume
 expect_error "unreadable data" "cannot read --data" --data "$work/none.txt" --quiet
 expect_error "data is a directory" "cannot read --data" --data "$work" --quiet
-expect_error "unwritable log" "cannot write --log" --log "$work/no/such/dir/log.jsonl" --quiet \
-  "${data[@]}"
+expect_error "unwritable log" "--log $work/no/such/dir/log.jsonl: cannot write into" \
+  --log "$work/no/such/dir/log.jsonl" --quiet "${data[@]}"
 # A mesh size of 0 was taken as not given (--dp 0 ran with dp = 1).
 expect_error "--dp 0 refused" "--dp: Value 0 not in range 1 to" --ranks 2 --dp 0 --quiet "${data[@]}"
 expect_error "--ring -3 refused" "--ring: Value -3 not in range 1 to" --ranks 2 --ring -3 --quiet \
@@ -252,5 +252,31 @@ if "$loom" train "${tiny[@]}" --steps 2 --checkpoint-dir "$work/ck8" \
 else ls "$work/ck8"; bad "--log CK/train.jsonl"; fi
 expect_error "--threads 2^31 - 1" "--threads must be in [0, 1024]" "${tiny[@]}" \
   --threads 2147483647
+
+# --log - is standard output, as every other output's "-" (the summary then stays off it): it
+# opened a file named "-" and appended to it (an existing ./- kept its old lines first).
+mkdir -p "$work/dash" && echo OLD > "$work/dash/-"
+corpus="$(realpath "${data[1]:-data/kjv.txt}")"
+if (cd "$work/dash" && "$loom" train "${tiny0[@]}" --data "$corpus" --steps 2 --log - \
+      > "$work/dash.out" 2> "$work/stderr") &&
+   [ "$(cat "$work/dash/-")" = OLD ] && py "$work/dash.out" <<'PY'
+import json, sys
+steps = [json.loads(l)["step"] for l in open(sys.argv[1])]
+assert steps == [1, 2], steps
+PY
+then ok "--log -: the step lines alone on standard output, ./- untouched"
+else cat "$work/stderr" "$work/dash.out"; bad "--log -"; fi
+# An unwritable --log is refused before the corpus is read and the ranks start, tried for real
+# (access() says yes to root on /proc: --log /proc/version failed only after the ranks ran).
+expect_error "--log /proc/version" "--log /proc/version: cannot write into /proc" "${tiny[@]}" \
+  --steps 2 --log /proc/version
+[ ! -s "$work/stdout" ] && ok "--log /proc/version: nothing ran" || bad "--log /proc/version ran"
+# --eval-batches beyond the validation split's distinct windows: memory grew without bound
+# (7.9 GB after 70 s for 99999999999) before the first evaluation.
+expect_error "--eval-batches 99999999999" \
+  "--eval-batches 99999999999 is more than the" --seq 64 --layers 1 --dim 32 --heads 2 \
+  --kv-heads 1 --batch 2 --quiet "${data[@]}" --steps 2 --eval-every 1 --eval-batches 99999999999
+# The refused value as given (--lr 10.000001 was "got 10").
+expect_error "--lr 10.000001" "--lr must be in (0, 10], got 10.000001" "${tiny[@]}" --lr 10.000001
 
 summary

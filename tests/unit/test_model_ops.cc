@@ -208,6 +208,10 @@ TEST(ModelData, PackedSequencesMaskTargetsAndRestartPositions) {
   }
   EXPECT_EQ(val_offsets(s, 6, 3), (std::vector<int64_t>{0, 1, 3}));
   EXPECT_TRUE(val_offsets(s, 10, 3).empty());
+  // More windows than the split has (4 here) give each once, without first making `count`
+  // offsets (--eval-batches 99999999999 grew past 7.9 GB).
+  EXPECT_EQ(val_offsets(s, 6, 5), (std::vector<int64_t>{0, 1, 2, 3}));
+  EXPECT_EQ(val_offsets(s, 6, int64_t{1} << 62), (std::vector<int64_t>{0, 1, 2, 3}));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 // Command-line code the subcommands share: the registry's degree options, the options several
 // subcommands declare alike.
+#include <cerrno>
+#include <cstdlib>
 #include <sstream>
 
 #include "commands.h"
@@ -25,7 +27,18 @@ void DegreeOptions::add_to(CLI::App* command, const std::set<std::string>& skip)
     std::string help;
     for (const StrategyInfo& t : strategies())
       if (t.option == s.option) help += (help.empty() ? "" : "; ") + t.name + ": " + t.option_help;
-    command->add_option(s.option, values_[s.option], help);
+    // A given 0 reads as "not given" in values_, so it is refused here: --strategy hybrid
+    // --ulysses 0 said "needs --ulysses N". What is not an integer is strict_integers' to name.
+    command->add_option(s.option, values_[s.option], help)
+        ->check(CLI::Validator(
+            [](std::string& text) -> std::string {
+              char* end = nullptr;
+              errno = 0;
+              const long long x = std::strtoll(text.c_str(), &end, 10);
+              if (text.empty() || *end != '\0' || errno != 0 || x >= 1) return "";
+              return "must be an integer >= 1, got " + text;
+            },
+            "", "positive degree"));
   }
 }
 

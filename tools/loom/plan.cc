@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdarg>
 #include <cstdio>
+#include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -73,6 +75,22 @@ std::string gb(double b) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f", b / 1e9);
   return buf;
+}
+
+// The text report: standard output, unless an output is "-" (standard output): then the text
+// stays off it, so that it holds that output alone (docs/cli.md, "Files"), as in loom attn.
+// `--json -` mixed the table into the JSON.
+bool text_report(const PlanOptions& o) {
+  return o.json != "-" && o.svg != "-" && o.calibrate != "-";
+}
+
+// printf to standard output when `on`.
+__attribute__((format(printf, 2, 3))) void text(bool on, const char* format, ...) {
+  if (!on) return;
+  va_list args;
+  va_start(args, format);
+  std::vprintf(format, args);
+  va_end(args);
 }
 
 nlohmann::json sim_json(const plan::AttnSim& s) {
@@ -255,19 +273,31 @@ plan::TrainMeasure measure_one_rank(model::TrainConfig c, int64_t steps) {
   return plan::TrainMeasure{median(att), median(other), median(upd), median(rest)};
 }
 
+// The largest size --mesh takes for each of dp, tp, ulysses and ring (far above any job); the
+// message names it (2147483647 was "not an integer >= 1").
+constexpr long kMaxMeshSize = 1 << 20;
+
 MeshShape parse_mesh(const std::string& s) {
   std::vector<int> v;
   std::stringstream ss(s);
   std::string item;
   while (std::getline(ss, item, ',')) {
     char* end = nullptr;
+    errno = 0;
     const long x = std::strtol(item.c_str(), &end, 10);
-    LOOM_CHECK(!item.empty() && end && *end == '\0' && x >= 1 && x <= 1 << 20, InvalidArgument,
-               "--mesh '" << s << "': '" << item << "' is not an integer >= 1");
+    const bool integer = !item.empty() && end && *end == '\0' && errno == 0;
+    LOOM_CHECK(
+        integer && x >= 1 && x <= kMaxMeshSize, InvalidArgument,
+        "--mesh '" << s << "': '" << item << "' is not an integer in [1, " << kMaxMeshSize << "]");
     v.push_back(static_cast<int>(x));
   }
   LOOM_CHECK(v.size() == 4, InvalidArgument,
              "--mesh '" << s << "' needs 4 numbers: dp,tp,ulysses,ring");
+  // The world too (dp x tp x ulysses x ring, an int): 1048576 x 4 wrapped it.
+  const double world = double(v[0]) * double(v[1]) * double(v[2]) * double(v[3]);
+  LOOM_CHECK(world <= double(kMaxMeshSize), InvalidArgument,
+             "--mesh '" << s << "' is a world of " << std::fixed << std::setprecision(0) << world
+                        << " ranks, at most " << kMaxMeshSize);
   MeshShape m;
   m.dp = v[0];
   m.tp = v[1];
@@ -277,6 +307,7 @@ MeshShape parse_mesh(const std::string& s) {
 }
 
 int run_train_step(const CLI::App* app, const PlanOptions& o) {
+  const bool show = text_report(o);
   LOOM_CHECK(!o.profile.empty(), InvalidArgument,
              "--train-step needs --profile FILE (one written by loom plan --calibrate)");
   LOOM_CHECK(!o.meshes.empty(), InvalidArgument,
@@ -291,7 +322,6 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
   const int64_t seq = app->count("--seq") ? o.seq : 256;
   LOOM_CHECK(o.measure_steps >= 1, InvalidArgument,
              "--measure-steps must be >= 1, got " << o.measure_steps);
-  LOOM_CHECK(o.threads >= 1, InvalidArgument, "--threads must be >= 1, got " << o.threads);
   model::TrainConfig c;
   c.model.layers = shape.layers;
   c.model.dim = shape.dim;
@@ -354,21 +384,21 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
   std::fprintf(stderr, "loom plan: measuring one rank of the model (%lld steps)...\n",
                static_cast<long long>(o.measure_steps + 2));
   const plan::TrainMeasure one = measure_one_rank(c, o.measure_steps);
-  std::printf(
-      "loom plan --train-step: model layers=%lld dim=%lld heads=%lld kv-heads=%lld ffn=%lld, "
-      "seq %lld, batch %lld, %s%s, profile %s\n",
-      static_cast<long long>(shape.layers), static_cast<long long>(shape.dim),
-      static_cast<long long>(shape.heads), static_cast<long long>(shape.kv_heads),
-      static_cast<long long>(c.model.ffn_dim()), static_cast<long long>(seq),
-      static_cast<long long>(o.batch), o.dtype.c_str(),
-      o.checkpoint_activations ? ", activation checkpointing" : "", prof.name.c_str());
-  std::printf(
-      "  one rank, measured: attention %.2f ms, other forward+backward %.2f ms, update %.2f ms, "
-      "rest %.2f ms per step\n",
-      one.attention_s * 1e3, one.other_s * 1e3, one.update_s * 1e3, one.rest_s * 1e3);
-  std::printf("  predicted per step, slowest rank (ms):\n");
-  std::printf("  %-22s %9s %9s %9s %9s %9s %9s %9s\n", "mesh (dp tp u r)", "step", "attention",
-              "other", "tp comm", "grads", "update", "rest");
+  text(show,
+       "loom plan --train-step: model layers=%lld dim=%lld heads=%lld kv-heads=%lld ffn=%lld, "
+       "seq %lld, batch %lld, %s%s, profile %s\n",
+       static_cast<long long>(shape.layers), static_cast<long long>(shape.dim),
+       static_cast<long long>(shape.heads), static_cast<long long>(shape.kv_heads),
+       static_cast<long long>(c.model.ffn_dim()), static_cast<long long>(seq),
+       static_cast<long long>(o.batch), o.dtype.c_str(),
+       o.checkpoint_activations ? ", activation checkpointing" : "", prof.name.c_str());
+  text(show,
+       "  one rank, measured: attention %.2f ms, other forward+backward %.2f ms, update %.2f ms, "
+       "rest %.2f ms per step\n",
+       one.attention_s * 1e3, one.other_s * 1e3, one.update_s * 1e3, one.rest_s * 1e3);
+  text(show, "  predicted per step, slowest rank (ms):\n");
+  text(show, "  %-22s %9s %9s %9s %9s %9s %9s %9s\n", "mesh (dp tp u r)", "step", "attention",
+       "other", "tp comm", "grads", "update", "rest");
   nlohmann::json out;
   out["one_rank"] = {{"attention_s", one.attention_s},
                      {"other_s", one.other_s},
@@ -381,9 +411,9 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
     char name[64];
     std::snprintf(name, sizeof name, "%d %d %d %d %s", t.mesh.dp, t.mesh.tp, t.mesh.ulysses,
                   t.mesh.ring, t.mesh.cp() > 1 ? t.strategy.c_str() : "");
-    std::printf("  %-22s %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", name, r.step_s * 1e3,
-                r.attention_s * 1e3, r.other_s * 1e3, r.tp_comm_s * 1e3, r.grad_comm_s * 1e3,
-                r.update_s * 1e3, r.rest_s * 1e3);
+    text(show, "  %-22s %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", name, r.step_s * 1e3,
+         r.attention_s * 1e3, r.other_s * 1e3, r.tp_comm_s * 1e3, r.grad_comm_s * 1e3,
+         r.update_s * 1e3, r.rest_s * 1e3);
     out["meshes"].push_back({{"mesh", o.meshes[i]},
                              {"strategy", t.strategy},
                              {"step_s", r.step_s},
@@ -486,6 +516,7 @@ std::vector<int64_t> checked_docs(const CLI::App* app, const PlanOptions& o) {
 
 // --simulate: one attention, with loom attn's rules for the problem and the strategy's options.
 int run_simulate(const CLI::App* app, const PlanOptions& o, const plan::Profile& prof) {
+  const bool show = text_report(o);
   LOOM_CHECK(o.seq >= 1, InvalidArgument, "--seq must be >= 1, got " << o.seq);
   LOOM_CHECK(o.heads >= 1, InvalidArgument, "--heads must be >= 1, got " << o.heads);
   LOOM_CHECK(!app->count("--kv-heads") || o.kv_heads >= 1, InvalidArgument,
@@ -529,20 +560,20 @@ int run_simulate(const CLI::App* app, const PlanOptions& o, const plan::Profile&
   c.backward = !o.forward_only;
   c.block_q = c.block_k = 64;
   const plan::AttnSim s = plan::simulate_attention(c, prof);
-  std::printf("loom plan --simulate: %s / %s, %d ranks, S=%lld H=%lld HKV=%lld D=%lld %s\n",
-              o.strategy.c_str(), o.layout.c_str(), o.ranks, static_cast<long long>(o.seq),
-              static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
-              static_cast<long long>(c.head_dim), o.dtype.c_str());
-  std::printf("  predicted forward %.3f ms, backward %.3f ms (profile %s), balance %.3f\n",
-              s.forward_s * 1e3, s.backward_s * 1e3, prof.name.c_str(), s.balance());
-  std::printf("  %-4s %10s %10s %12s %12s %12s\n", "rank", "fwd tiles", "tiles", "sent", "recv",
-              "buffers");
+  text(show, "loom plan --simulate: %s / %s, %d ranks, S=%lld H=%lld HKV=%lld D=%lld %s\n",
+       o.strategy.c_str(), o.layout.c_str(), o.ranks, static_cast<long long>(o.seq),
+       static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
+       static_cast<long long>(c.head_dim), o.dtype.c_str());
+  text(show, "  predicted forward %.3f ms, backward %.3f ms (profile %s), balance %.3f\n",
+       s.forward_s * 1e3, s.backward_s * 1e3, prof.name.c_str(), s.balance());
+  text(show, "  %-4s %10s %10s %12s %12s %12s\n", "rank", "fwd tiles", "tiles", "sent", "recv",
+       "buffers");
   for (size_t r = 0; r < s.ranks.size(); ++r) {
     const plan::RankSim& x = s.ranks[r];
-    std::printf(
-        "  %-4zu %10lld %10lld %12lld %12lld %12lld\n", r, static_cast<long long>(x.fwd_tiles),
-        static_cast<long long>(x.fwd_tiles + x.bwd_tiles), static_cast<long long>(x.bytes_sent),
-        static_cast<long long>(x.bytes_recv), static_cast<long long>(x.peak_buffer_bytes));
+    text(show, "  %-4zu %10lld %10lld %12lld %12lld %12lld\n", r,
+         static_cast<long long>(x.fwd_tiles), static_cast<long long>(x.fwd_tiles + x.bwd_tiles),
+         static_cast<long long>(x.bytes_sent), static_cast<long long>(x.bytes_recv),
+         static_cast<long long>(x.peak_buffer_bytes));
   }
   if (!o.json.empty()) write_file_atomic(o.json, sim_json(s).dump(2) + "\n");
   return 0;
@@ -559,10 +590,22 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
                                                : kSearch;
   check_mode_options(app, mode);
   LOOM_CHECK(o.top >= 1, InvalidArgument, "--top must be >= 1, got " << o.top);
-  LOOM_CHECK(
-      !app->count("--memory-limit") || (std::isfinite(o.memory_limit_gb) && o.memory_limit_gb > 0),
-      InvalidArgument,
-      "--memory-limit must be a positive number of GB per device, got " << o.memory_limit_gb);
+  // At most a profile's largest memory (1e15 bytes): 1e300 GB became inf bytes, refused as "the
+  // memory limit ... (0: the profile's), got inf".
+  LOOM_CHECK(!app->count("--memory-limit") || (o.memory_limit_gb > 0 && o.memory_limit_gb <= 1e6),
+             InvalidArgument,
+             "--memory-limit must be a positive number of GB per device, at most 1e+06 (a "
+             "profile's largest memory), got "
+                 << o.memory_limit_gb);
+  // --calibrate's and --train-step's threads and ranks, before any banner or measurement
+  // (--threads 2147483647 ended in libgomp's fatal error, --ranks-per-node 100000 grew past 4 GB).
+  LOOM_CHECK(o.threads >= 1 && o.threads <= kMaxThreads, InvalidArgument,
+             "--threads must be in [1, " << kMaxThreads << "], got " << o.threads);
+  LOOM_CHECK(o.ranks_per_node >= 1 && o.ranks_per_node <= plan::kMaxCalibrateRanks, InvalidArgument,
+             "--ranks-per-node must be in [1, " << plan::kMaxCalibrateRanks
+                                                << "] (the node's ranks run at once as threads of "
+                                                   "this process, about 3 MiB each), got "
+                                                << o.ranks_per_node);
   // Distinct outputs, none of them the profile read (--json p.json --profile p.json replaced the
   // profile by the ranking; --json and --svg on one path kept only the SVG).
   check_distinct_outputs({{"--profile", o.profile},
@@ -601,12 +644,14 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
                    "all_gather eff %.2f\n",
                    f.latency * 1e6, f.bandwidth * 1e-9, f.a2a_eff, f.allgather_eff);
       write_file_atomic(o.calibrate, plan::profile_json(p));
-      std::printf("loom plan: wrote the profile of this machine to %s\n", o.calibrate.c_str());
+      if (o.calibrate != "-")
+        std::printf("loom plan: wrote the profile of this machine to %s\n", o.calibrate.c_str());
       return 0;
     }
     plan::Profile p = plan::calibrate(o.threads, o.ranks_per_node, log_line);
     write_file_atomic(o.calibrate, plan::profile_json(p));
-    std::printf("loom plan: wrote the profile of this machine to %s\n", o.calibrate.c_str());
+    if (o.calibrate != "-")
+      std::printf("loom plan: wrote the profile of this machine to %s\n", o.calibrate.c_str());
     return 0;
   }
   LOOM_CHECK(!o.profile.empty(), InvalidArgument,
@@ -637,52 +682,53 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
     while (std::getline(ss, s, ',')) req.strategies.push_back(s);
   }
   const plan::PlanResult r = plan::plan(req, prof);
+  const bool show = text_report(o);
   const plan::ModelShape& m = req.model;
-  std::printf(
-      "loom plan: model %lld layers, dim %lld, %lld heads (%lld kv), ffn %lld, vocab %lld (%.2fB "
-      "params); S=%lld, %d devices, profile %s, %s\n",
-      static_cast<long long>(m.layers), static_cast<long long>(m.dim),
-      static_cast<long long>(m.heads), static_cast<long long>(m.kv_heads),
-      static_cast<long long>(m.ffn), static_cast<long long>(m.vocab), m.params() / 1e9,
-      static_cast<long long>(o.seq), o.devices, prof.name.c_str(), o.mode.c_str());
-  std::printf("  %zu candidates ranked, %zu rejected, planned in %.2f s\n", r.ranked.size(),
-              r.rejected.size(), r.seconds);
-  std::printf("  %-3s %-38s %9s %6s %11s %7s %8s %8s %8s %8s %7s\n", "#", "configuration", "step s",
-              "MFU%", "tokens/s", "GB/dev", "cp exp s", "tp s", "dp s", "recomp s", "balance");
+  text(show,
+       "loom plan: model %lld layers, dim %lld, %lld heads (%lld kv), ffn %lld, vocab %lld (%.2fB "
+       "params); S=%lld, %d devices, profile %s, %s\n",
+       static_cast<long long>(m.layers), static_cast<long long>(m.dim),
+       static_cast<long long>(m.heads), static_cast<long long>(m.kv_heads),
+       static_cast<long long>(m.ffn), static_cast<long long>(m.vocab), m.params() / 1e9,
+       static_cast<long long>(o.seq), o.devices, prof.name.c_str(), o.mode.c_str());
+  text(show, "  %zu candidates ranked, %zu rejected, planned in %.2f s\n", r.ranked.size(),
+       r.rejected.size(), r.seconds);
+  text(show, "  %-3s %-38s %9s %6s %11s %7s %8s %8s %8s %8s %7s\n", "#", "configuration", "step s",
+       "MFU%", "tokens/s", "GB/dev", "cp exp s", "tp s", "dp s", "recomp s", "balance");
   const int n = std::min<int>(o.top, static_cast<int>(r.ranked.size()));
   for (int i = 0; i < n; ++i) {
     const plan::Candidate& c = r.ranked[i];
-    std::printf("  %-3d %-38s %9.3f %6.1f %11.0f %7s %8.3f %8.3f %8.3f %8.3f %7.3f\n", i + 1,
-                c.name().c_str(), c.step_s, 100 * c.mfu, c.tokens_per_s, gb(c.memory_bytes).c_str(),
-                c.exposed_cp_s, c.tp_comm_s, c.dp_comm_s, c.recompute_s, c.balance);
+    text(show, "  %-3d %-38s %9.3f %6.1f %11.0f %7s %8.3f %8.3f %8.3f %8.3f %7.3f\n", i + 1,
+         c.name().c_str(), c.step_s, 100 * c.mfu, c.tokens_per_s, gb(c.memory_bytes).c_str(),
+         c.exposed_cp_s, c.tp_comm_s, c.dp_comm_s, c.recompute_s, c.balance);
   }
   if (!r.ranked.empty()) {
-    std::printf("  exposed cp communication of #1 by kind:");
+    text(show, "  exposed cp communication of #1 by kind:");
     for (const auto& [k, v] : r.ranked.front().exposed_by_kind)
-      std::printf(" %s %.3f s", k.c_str(), v);
-    std::printf("\n");
+      text(show, " %s %.3f s", k.c_str(), v);
+    text(show, "\n");
   }
   int mem = 0;
   for (const plan::Candidate& c : r.rejected)
     mem += c.why_not.find("GB per device") != std::string::npos;
   if (!r.rejected.empty()) {
-    std::printf("  rejected: %d do not fit in memory, %zu are invalid; for example:\n", mem,
-                r.rejected.size() - mem);
+    text(show, "  rejected: %d do not fit in memory, %zu are invalid; for example:\n", mem,
+         r.rejected.size() - mem);
     int shown = 0;
     std::string last;
     for (const plan::Candidate& c : r.rejected) {
       if (c.why_not == last || shown >= 4) continue;
       last = c.why_not;
-      std::printf("    %s: %s\n", c.name().c_str(), c.why_not.c_str());
+      text(show, "    %s: %s\n", c.name().c_str(), c.why_not.c_str());
       ++shown;
     }
   }
   const size_t invalid = r.rejected.size() - static_cast<size_t>(mem);
   if (r.ranked.empty())
-    std::printf(mem > 0 ? "  no configuration fits: raise --devices or --memory-limit, or shorten "
-                          "--seq\n"
-                        : "  no configuration is valid (the rejected list above says why)\n");
-  if (o.explain && !r.ranked.empty()) std::printf("\n%s", r.explain.c_str());
+    text(show, mem > 0 ? "  no configuration fits: raise --devices or --memory-limit, or shorten "
+                         "--seq\n"
+                       : "  no configuration is valid (the rejected list above says why)\n");
+  if (o.explain && !r.ranked.empty()) text(show, "\n%s", r.explain.c_str());
   if (!o.json.empty()) {
     nlohmann::json j;
     j["model"] = {{"layers", m.layers},     {"dim", m.dim}, {"heads", m.heads},

@@ -36,11 +36,6 @@ namespace loom::tools {
 namespace {
 
 using model::Corpus;
-
-std::string dir_of(const std::string& p) {
-  const std::filesystem::path parent = std::filesystem::path(p).parent_path();
-  return parent.empty() ? std::string(".") : parent.string();
-}
 using model::StepResult;
 using model::TrainConfig;
 using model::Trainer;
@@ -68,10 +63,16 @@ struct TrainOptions {
 
 // The --log file: one JSON line per step, every write checked. A regular file (or a symlink to
 // one) is truncated on a fresh run and, on --resume, cut back to the checkpoint's step, so a
-// resumed run never repeats a step's line; a device or FIFO is written directly.
+// resumed run never repeats a step's line; a device or FIFO is written directly; "-" is
+// standard output (it opened, and appended to, a file named "-").
 class StepLog {
  public:
   StepLog(const std::string& path, bool resume, int64_t resumed_step) : path_(path) {
+    if (path == "-") {
+      fd_ = STDOUT_FILENO;
+      own_ = false;
+      return;
+    }
     const std::string target = resolve_output_path(path);
     struct stat st;
     const bool exists = ::stat(target.c_str(), &st) == 0;
@@ -89,7 +90,7 @@ class StepLog {
     if (!regular) ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
   }
   ~StepLog() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ >= 0 && own_) ::close(fd_);
   }
   void write(const std::string& line) {
     size_t done = 0;
@@ -121,6 +122,7 @@ class StepLog {
   }
   std::string path_;
   int fd_ = -1;
+  bool own_ = true;  // false for standard output
 };
 
 // Keeps the newest `keep` step-*.ckpt files of dir (and always the one `latest` names).
@@ -377,6 +379,19 @@ int run_train(const TrainOptions& o) {
              "--eval-batches must be >= 1, got " << o.eval_batches);
   check_distinct_outputs({{"--log", o.log}, {"--checkpoint-dir", o.checkpoint_dir}});
   check_log_outside_checkpoints(o.log, o.checkpoint_dir);
+  // An unwritable --log fails here, before the corpus is read and any rank starts (nothing is
+  // truncated yet), tried for real as loom attn's outputs are: access() says yes to root on
+  // /proc, so --log /proc/version failed only once the ranks ran. An existing file must be
+  // writable itself too: the truncation keeps its permission bits, then the log appends to it.
+  if (!o.log.empty() && o.log != "-") {
+    check_output_writable(o.log, "--log");
+    const std::string target = resolve_output_path(o.log);
+    clean_stale_temps(target);
+    struct stat st;
+    LOOM_CHECK(::stat(target.c_str(), &st) != 0 || !S_ISREG(st.st_mode) ||
+                   ::access(target.c_str(), W_OK) == 0,
+               IoError, "cannot write --log " << o.log << " (" << std::strerror(errno) << ")");
+  }
 
   std::unique_ptr<Communicator> mpi;
   int world = o.ranks, here = o.ranks;
@@ -425,16 +440,14 @@ int run_train(const TrainOptions& o) {
              "the validation split of " << corpus.source << " has " << corpus.val.size()
                                         << " bytes but --seq " << o.seq << " needs " << o.seq + 1
                                         << " for one window; give more --data or --eval-every 0");
-  // Unwritable outputs fail here, before any rank starts (nothing is truncated yet).
-  if (!o.log.empty()) {
-    const std::string target = resolve_output_path(o.log);
-    clean_stale_temps(target);
-    struct stat st;
-    const bool exists = ::stat(target.c_str(), &st) == 0;
-    LOOM_CHECK(exists ? (!S_ISDIR(st.st_mode) && ::access(target.c_str(), W_OK) == 0)
-                      : ::access(dir_of(target).c_str(), W_OK) == 0,
-               IoError, "cannot write --log " << o.log);
-  }
+  // Every evaluation runs --eval-batches distinct windows of the split: more than there are is a
+  // mistake (99999999999 grew past 7.9 GB before the first evaluation).
+  const int64_t windows = corpus.val.size() - o.seq;
+  LOOM_CHECK(o.eval_every == 0 || o.eval_batches <= windows, InvalidArgument,
+             "--eval-batches " << o.eval_batches << " is more than the " << windows
+                               << " distinct validation windows of " << o.seq << " tokens in "
+                               << corpus.source << " (" << corpus.val.size()
+                               << " validation bytes); give at most " << windows);
   if (!o.checkpoint_dir.empty()) {  // temporaries of killed runs (their pid is gone)
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(o.checkpoint_dir, ec)) {
@@ -461,7 +474,8 @@ int run_train(const TrainOptions& o) {
   } else {
     run_local(world, [&](Communicator& w) { train_rank(w, o, c, corpus, sum); });
   }
-  print_summary(c, corpus, sum, threads, backend);
+  // With the log on standard output, the summary stays off it (docs/cli.md, "Files").
+  if (o.log != "-") print_summary(c, corpus, sum, threads, backend);
   return 0;
 }
 

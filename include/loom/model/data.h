@@ -59,7 +59,9 @@ Sequence make_sequence(const Split& split, int64_t offset, int64_t seq, bool pac
 
 // Offset of training sequence `index` of step `step` (uniform over the valid starts).
 int64_t train_offset(const Split& split, int64_t seq, uint64_t seed, int64_t step, int64_t index);
-// Offsets of the `count` validation windows: evenly spaced over the split, fixed for a run.
+// Offsets of the `count` validation windows: evenly spaced over the split, fixed for a run,
+// without repeats; at most the split's size - seq distinct windows (a larger count gives them
+// all, each once).
 std::vector<int64_t> val_offsets(const Split& split, int64_t seq, int64_t count);
 
 }  // namespace loom::model
