@@ -36,8 +36,9 @@ def parse_args():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--strategy", default="ring", help="ring, ulysses, hybrid, allgather")
+    p.add_argument("--strategy", default="ring", help="ring, ulysses, hybrid, allgather, ring2d")
     p.add_argument("--ulysses", type=int, default=None, help="hybrid: the ulysses degree")
+    p.add_argument("--inner", type=int, default=None, help="ring2d: the ranks of each inner ring")
     p.add_argument("--layout", default="zigzag", help="contiguous, zigzag, stripe")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -62,7 +63,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, self.hkv, self.d)
         if self.mode == "cp":
             o = lt.cp_attention(q, k, v, strategy=self.args.strategy, layout=self.args.layout,
-                                ulysses=self.args.ulysses, causal=True)
+                                ulysses=self.args.ulysses, inner=self.args.inner, causal=True)
         elif self.mode == "loom":
             o = lt.attention(q, k, v, causal=True)
         else:  # torch eager attention

@@ -579,17 +579,23 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
     "bf16" (the tolerances); default from out's dtype."""
     import json
 
-    def flat(x, name, batched_dims=4):
+    def flat(x, name, batched_dims=4, candidate=True):
         if x is None:
             return None
         _tensor(x, name)
         if not x.is_floating_point():
             raise InvalidArgument(f"verify: {name} has dtype {x.dtype}; verify takes floating-point "
                                   "tensors (float32, bfloat16, float16, float64)")
+        if candidate and x.dtype == torch.float16:
+            # Held to fp32's tolerance, a correct fp16 result (the exact one rounded once: 2e-4)
+            # always failed.
+            raise InvalidArgument(f"verify: {name} is float16; verify has tolerances for fp32 and "
+                                  "bf16 results only, so a float16 result cannot be verified")
         if x.dim() == batched_dims:
             if x.shape[0] != 1:
-                raise InvalidArgument(f"verify: {name} has batch {x.shape[0]}; pass one sequence "
-                                      "([S, H, D] or [1, S, H, D]), or cu_seqlens for packed documents")
+                shapes = "[H, S] or [1, H, S]" if batched_dims == 3 else "[S, H, D] or [1, S, H, D]"
+                raise InvalidArgument(f"verify: {name} has shape {list(x.shape)}; pass one sequence "
+                                      f"({shapes}), or cu_seqlens for packed documents")
             x = x[0]
         return x.detach().double().contiguous()
 
@@ -601,18 +607,22 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
         raise InvalidArgument(f"verify: ranks must be a positive int (at most 2^31 - 1), got {ranks!r}")
     out64 = flat(out, "out")
 
-    q64, k64, v64 = (flat(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    q64, k64, v64 = (flat(x, n, candidate=False) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     heads, kv_heads, dim = _check_qkv(q64, k64, v64, cu_seqlens if cu_seqlens is not None else
                                       [0, q64.shape[0]], allow_f64=True)
     window, scale = _check_mask(causal, window, scale, dim)
     docs = _doc_lengths(cu_seqlens, q64.shape[0]) if cu_seqlens is not None else []
+    if ranks > q64.shape[0]:  # as loom verify (a large value ran out of memory)
+        raise InvalidArgument(f"verify: ranks must be in [1, {q64.shape[0]}] (at most the sequence "
+                              f"length: every rank holds at least one token), got {ranks}")
     if (dq is not None or dk is not None or dv is not None) and dout is None:
         raise InvalidArgument("verify: dq, dk and dv are checked against the gradient of dout; "
                               "pass dout")
     if dtype is None:
         dtype = "bf16" if out is not None and out.dtype == torch.bfloat16 else "fp32"
     lse64 = flat(lse, "lse", batched_dims=3)  # [H, S], or [1, H, S] as attention() returns it
-    text = _loom.verify_json(q64, k64, v64, flat(dout, "dout"), causal, window, scale, docs,
+    text = _loom.verify_json(q64, k64, v64, flat(dout, "dout", candidate=False), causal, window,
+                             scale, docs,
                              out64, lse64, flat(dq, "dq"), flat(dk, "dk"),
                              flat(dv, "dv"), layout, int(ranks), dtype)
     return json.loads(text)

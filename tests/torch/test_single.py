@@ -306,6 +306,15 @@ expect_error(E, "out must be a torch.Tensor, got list", lambda: lt.verify([1.0],
 expect_error(loom.NotSupported, "lse is on meta", lambda: lt.verify(o4[0], q, k, v, lse=l4[0].to("meta")))
 expect_error(E, "out has dtype torch.complex64", lambda: lt.verify(o4[0].to(torch.complex64), q, k, v))
 expect_error(E, "q has dtype torch.int32", lambda: lt.verify(o4[0], q.int(), k, v))
+# More ranks than tokens (as loom verify: 2^31 - 1 ran out of memory, 17 over 16 tokens passed);
+# a float16 result (held to fp32's tolerance, a correct one always failed); lse's own shapes.
+expect_error(E, f"ranks must be in [1, {q.shape[0]}] (at most the sequence length",
+             lambda: lt.verify(o4[0], q, k, v, ranks=q.shape[0] + 1))
+expect_error(E, "out is float16; verify has tolerances for fp32 and bf16 results only",
+             lambda: lt.verify(o4[0].half(), q, k, v))
+check("tensors" in lt.verify(o4[0], q.half(), k.half(), v.half()), "float16 inputs (q, k, v) are taken")
+expect_error(E, "lse has shape [2, 4, 1]; pass one sequence ([H, S] or [1, H, S])",
+             lambda: lt.verify(o4[0], q, k, v, lse=torch.zeros(2, 4, 1)))
 # The [1, H, S] lse that attention() returns for [1, S, H, D] inputs is taken as it is.
 check(lt.verify(o4, q4.detach(), k4.detach(), v4.detach(), lse=l4)["passed"], "verify takes attention()'s bshd lse")
 expect_error(E, "shard needs a process group", lambda: lt.shard(q))
