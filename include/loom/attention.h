@@ -10,7 +10,8 @@
 //     same document  and  (!causal or pos_j <= pos_i)  and  (window == 0 or |pos_i - pos_j| <
 //     window).
 // The rule never looks at local offsets, so contiguous, zigzag and stripe shards and packed
-// documents are all the same code.
+// documents are all the same code. Positions may be any int64 values (negative, gapped, up to
+// INT64_MIN and INT64_MAX): every kernel and the reference evaluate the rule without overflow.
 //
 // Rows that see no key. A query row that sees no key at all (possible with windows, documents or
 // arbitrary positions) has out = 0 and lse = -inf, and contributes nothing to dq/dk/dv; never NaN.
@@ -53,23 +54,37 @@ struct Tokens {
   }
 };
 
+// The mask rule for one (query, key) pair. Exact for any two int64 positions: the distance
+// |pos_i - pos_j| (up to 2^64 - 1) is formed in uint64_t, never as an overflowing int64.
 inline bool visible(const Mask& m, int64_t qpos, int32_t qdoc, int64_t kpos, int32_t kdoc) {
   if (qdoc != kdoc) return false;
-  if (m.causal && kpos > qpos) return false;
-  if (m.window > 0 && (qpos - kpos >= m.window || kpos - qpos >= m.window)) return false;
+  const bool key_before = kpos <= qpos;
+  if (m.causal && !key_before) return false;
+  if (m.window > 0) {
+    const uint64_t dist = key_before ? static_cast<uint64_t>(qpos) - static_cast<uint64_t>(kpos)
+                                     : static_cast<uint64_t>(kpos) - static_cast<uint64_t>(qpos);
+    if (dist >= static_cast<uint64_t>(m.window)) return false;
+  }
   return true;
 }
 
 // Options of the blockwise kernels.
 // The largest head dimension D the kernels take (src/kernels/checks.h enforces it).
 inline constexpr int64_t kMaxHeadDim = 256;
+// The largest block_q and block_k the kernels take (as the planner's device profiles): a
+// kMaxBlock x kMaxBlock tile of fp32 scores is already 64 MiB per thread.
+inline constexpr int64_t kMaxBlock = 4096;
+// The most OpenMP threads one kernel call (or CpAttention) takes, as the loom command's
+// --threads: more is a typo, not a machine.
+inline constexpr int kMaxKernelThreads = 1024;
 
+// Every kernel entry point checks these (InvalidArgument naming the value).
 struct KernelConfig {
   Mask mask;
-  float scale = 0.0f;    // softmax scale; must be set (usually 1/sqrt(D)), 0 < scale <= 2.35e38
-  int threads = 0;       // OpenMP threads for this call; 0: OpenMP default
-  int64_t block_q = 64;  // tile rows (queries)
-  int64_t block_k = 64;  // tile columns (keys)
+  float scale = 0.0f;  // softmax scale; must be set (usually 1/sqrt(D)), 0 < scale <= 2.35e38
+  int threads = 0;     // OpenMP threads for this call, in [0, kMaxKernelThreads]; 0: OpenMP default
+  int64_t block_q = 64;  // tile rows (queries), in [1, kMaxBlock]
+  int64_t block_k = 64;  // tile columns (keys), in [1, kMaxBlock]
 };
 
 // What one kernel call did. A tile is a block_q x block_k block of (query, key) pairs for one

@@ -102,7 +102,12 @@ struct ShardPlan {
 
   static ShardPlan make(Layout layout, int64_t seq, int ranks,
                         const std::vector<int64_t>& doc_lengths = {});
-  int64_t rows(int r) const { return static_cast<int64_t>(tokens[r].size()); }
+  // rows, token_info, shard and unshard take a rank r in [0, ranks) and throw InvalidArgument
+  // naming r and ranks otherwise (rows: one comparison; no accessor is on a per-element path).
+  int64_t rows(int r) const {
+    check_rank(r, "rows");
+    return static_cast<int64_t>(tokens[static_cast<size_t>(r)].size());
+  }
   int64_t max_rows() const;
   // Token metadata of rank r's rows (positions = global token indices).
   Tokens token_info(int r) const;
@@ -110,6 +115,13 @@ struct ShardPlan {
   Tensor<float> shard(const Tensor<float>& global, int r) const;
   // Writes rank r's rows of `local` into their places in `global`.
   void unshard(const Tensor<float>& local, int r, Tensor<float>& global) const;
+
+ private:
+  // r in [0, ranks) (and within tokens), else rank_error.
+  void check_rank(int r, const char* what) const {
+    if (r < 0 || r >= ranks || static_cast<size_t>(r) >= tokens.size()) rank_error(r, what);
+  }
+  [[noreturn]] void rank_error(int r, const char* what) const;
 };
 
 // The document lengths of a sequence of `seq` tokens, checked (each >= 1, an int64 sum without
@@ -219,8 +231,10 @@ struct CpGroups {
 // Context-parallel attention over the ranks of `cp` (P = cp.size(); this rank is cp.rank() and
 // holds plan.tokens[cp.rank()]). Construction is collective over cp (a two-axis strategy, hybrid
 // or ring2d, gets its inner and outer groups from the mesh). Checks every constraint once
-// (check_cp_config, and plan.ranks == P), naming the values. `cp` (and the groups) must outlive
-// the object.
+// (check_cp_config, plan.ranks == P, and cfg.kernel: scale, window, threads in
+// [0, kMaxKernelThreads], block_q and block_k in [1, kMaxBlock]), naming the values. forward and
+// backward check every view's sizes and its strides (head stride >= D when H > 1, row stride
+// >= H * D when n > 1). `cp` (and the groups) must outlive the object.
 class CpAttention {
  public:
   CpAttention(Communicator& cp, const ShardPlan& plan, const CpConfig& cfg, int64_t heads,
@@ -257,7 +271,8 @@ class CpAttention {
 };
 
 // Gathers every rank's rows of a [n_r, W] row tensor (given as a [n_r, H, D] tensor) into the
-// global [S, H, D] tensor, on every rank (padded all-gather). Collective over cp.
+// global [S, H, D] tensor, on every rank (padded all-gather). Collective over cp; plan.ranks must
+// be cp.size() (InvalidArgument naming both).
 Tensor<float> gather_rows(Communicator& cp, const ShardPlan& plan, const Tensor<float>& local);
 
 }  // namespace loom

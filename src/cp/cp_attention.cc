@@ -19,12 +19,20 @@ struct CpAttention::Impl {
 
 namespace {
 
+// The sizes, and strides that leave room for the rows and heads (the kernels' own rule,
+// src/kernels/checks.h): every strategy reads and writes views through their strides, and some
+// (ulysses, hybrid) never hand the caller's view to a kernel.
 template <class T>
 void check_view(const char* name, View3<const T> x, int64_t rows, int64_t heads, int64_t dim) {
   LOOM_CHECK(x.s == rows && x.h == heads && x.d == dim && (x.data != nullptr || rows == 0),
              InvalidArgument,
              name << " must be [" << rows << ", " << heads << ", " << dim << "] on this rank, got ["
                   << x.s << ", " << x.h << ", " << x.d << "]");
+  LOOM_CHECK(x.h <= 1 || x.hs >= x.d, InvalidArgument,
+             name << ": head stride " << x.hs << " is smaller than the head dim " << x.d);
+  LOOM_CHECK(x.s <= 1 || x.ss >= x.h * x.d, InvalidArgument,
+             name << ": row stride " << x.ss << " is smaller than heads x head dim " << x.h << " x "
+                  << x.d << " = " << x.h * x.d);
 }
 
 }  // namespace
@@ -48,6 +56,14 @@ CpAttention::CpAttention(const CpGroups& groups, const ShardPlan& plan, const Cp
   LOOM_CHECK(cfg.kernel.scale > 0, InvalidArgument, "softmax scale must be positive");
   LOOM_CHECK(cfg.kernel.mask.window >= 0, InvalidArgument,
              "window must be >= 0 (0 = unlimited), got " << cfg.kernel.mask.window);
+  LOOM_CHECK(cfg.kernel.threads >= 0 && cfg.kernel.threads <= kMaxKernelThreads, InvalidArgument,
+             "threads must be in [0, " << kMaxKernelThreads << "] (0: the OpenMP default), got "
+                                       << cfg.kernel.threads);
+  LOOM_CHECK(cfg.kernel.block_q >= 1 && cfg.kernel.block_q <= kMaxBlock &&
+                 cfg.kernel.block_k >= 1 && cfg.kernel.block_k <= kMaxBlock,
+             InvalidArgument,
+             "block_q and block_k must be in [1, " << kMaxBlock << "], got " << cfg.kernel.block_q
+                                                   << " and " << cfg.kernel.block_k);
   const CpShape shape = check_cp_config(cfg, P, heads, kv_heads);
   const cp_detail::StrategyEntry& entry = cp_detail::entry(cfg.strategy);
 
@@ -144,6 +160,9 @@ void CpAttention::backward(View3<const bf16> q, View3<const bf16> k, View3<const
 }
 
 Tensor<float> gather_rows(Communicator& cp, const ShardPlan& plan, const Tensor<float>& local) {
+  LOOM_CHECK(plan.ranks == cp.size(), InvalidArgument,
+             "gather_rows: the shard plan is for " << plan.ranks << " ranks but the group has "
+                                                   << cp.size());
   LOOM_CHECK(local.dim() == 3, InvalidArgument, "gather_rows needs a 3-d tensor");
   const int me = cp.rank();
   const int64_t w = local.size(1) * local.size(2), max_n = plan.max_rows();

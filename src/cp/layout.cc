@@ -138,11 +138,20 @@ int64_t ShardPlan::max_rows() const {
   return m;
 }
 
+void ShardPlan::rank_error(int r, const char* what) const {
+  std::ostringstream os;
+  os << "ShardPlan::" << what << ": rank " << r << " is outside the plan's ranks [0, " << ranks
+     << ")";
+  throw InvalidArgument(os.str(), __FILE__, __LINE__);
+}
+
 Tokens ShardPlan::token_info(int r) const {
+  check_rank(r, "token_info");
   return Tokens{tokens[r].data(), docs[r].empty() ? nullptr : docs[r].data(), rows(r)};
 }
 
 Tensor<float> ShardPlan::shard(const Tensor<float>& global, int r) const {
+  check_rank(r, "shard");
   LOOM_CHECK(global.dim() == 3 && global.size(0) == seq, InvalidArgument,
              "shard: expected a [" << seq << ", H, D] tensor, got " << shape_str(global.shape()));
   const int64_t w = global.size(1) * global.size(2);
@@ -153,6 +162,7 @@ Tensor<float> ShardPlan::shard(const Tensor<float>& global, int r) const {
 }
 
 void ShardPlan::unshard(const Tensor<float>& local, int r, Tensor<float>& global) const {
+  check_rank(r, "unshard");
   LOOM_CHECK(local.dim() == 3 && local.size(0) == rows(r) && global.dim() == 3 &&
                  global.size(0) == seq && global.size(1) == local.size(1) &&
                  global.size(2) == local.size(2),

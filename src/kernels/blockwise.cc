@@ -135,13 +135,28 @@ KernelStats plan_stats(const TilePlan& plan, int64_t heads) {
   return st;
 }
 
+// a - b saturated to [INT64_MIN, INT64_MAX]: positions are arbitrary int64 values, so the true
+// difference may not fit. Saturation keeps every comparison with the allowed range (whose bounds
+// lie inside it, or are the bounds themselves for "unlimited") exact.
+inline int64_t saturating_sub(int64_t a, int64_t b) {
+  int64_t d;
+  if (__builtin_sub_overflow(a, b, &d))
+    return a < b ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int64_t>::max();
+  return d;
+}
+
+// ceil(n / block) for n >= 0, block >= 1, without the overflow of (n + block - 1) / block.
+inline int64_t tile_count(int64_t n, int64_t block) {
+  return n == 0 ? 0 : (n - 1) / block + 1;
+}
+
 TilePlan plan_tiles(const Tokens& qt, const Tokens& kt, const Mask& mask, int64_t block_q,
                     int64_t block_k, int threads) {
   TilePlan plan;
   plan.block_q = block_q;
   plan.block_k = block_k;
-  plan.q_tiles = (qt.n + block_q - 1) / block_q;
-  plan.k_tiles = (kt.n + block_k - 1) / block_k;
+  plan.q_tiles = tile_count(qt.n, block_q);
+  plan.k_tiles = tile_count(kt.n, block_k);
   plan.kind.assign(static_cast<size_t>(plan.q_tiles * plan.k_tiles), TileKind::kEmpty);
 
   std::vector<TileRange> k_ranges(static_cast<size_t>(plan.k_tiles));
@@ -163,7 +178,8 @@ TilePlan plan_tiles(const Tokens& qt, const Tokens& kt, const Mask& mask, int64_
     for (int64_t kj = 0; kj < plan.k_tiles; ++kj) {
       const TileRange& kr = k_ranges[kj];
       const int64_t k0 = plan.k_begin(kj), cols = std::min(block_k, kt.n - k0);
-      const int64_t diff_lo = qr.pos_lo - kr.pos_hi, diff_hi = qr.pos_hi - kr.pos_lo;
+      const int64_t diff_lo = saturating_sub(qr.pos_lo, kr.pos_hi),
+                    diff_hi = saturating_sub(qr.pos_hi, kr.pos_lo);
       TileKind kind;
       int64_t visible_here = 0;
       if (qr.doc_hi < kr.doc_lo || kr.doc_hi < qr.doc_lo || diff_hi < d_lo || diff_lo > d_hi) {
@@ -222,8 +238,13 @@ struct TileDims {
   int64_t bq, bk, dp;
 };
 
-TileDims tile_dims(const KernelConfig& cfg, int64_t dim) {
-  return TileDims{round_up(cfg.block_q, kMr), round_up(cfg.block_k, kNr), round_up(dim, kNr)};
+// A block longer than its rows (sq query rows, sk key rows) is one tile of those rows, and its
+// buffers need no more: a kMaxBlock block on 8 rows would otherwise allocate and zero
+// kMaxBlock^2 floats per thread.
+TileDims tile_dims(const KernelConfig& cfg, int64_t dim, int64_t sq, int64_t sk) {
+  const int64_t bq = std::min(cfg.block_q, std::max<int64_t>(1, sq));
+  const int64_t bk = std::min(cfg.block_k, std::max<int64_t>(1, sk));
+  return TileDims{round_up(bq, kMr), round_up(bk, kNr), round_up(dim, kNr)};
 }
 
 // How the forward keeps its packed KV block: fp32 tiles (PackedKv), bf16 in the same column
@@ -664,9 +685,12 @@ class TransposedRows {
 // Sets the scores of the pairs the mask hides to -inf (partial tiles only).
 void mask_tile(const Mask& mask, const Workspace& ws, int64_t rows, int64_t cols, const TileDims& t,
                float* s) {
-  // visible() written branch-free, so the column loop vectorises.
+  // visible() written branch-free, so the column loop vectorises; the distance |qpos - kpos| is
+  // formed in uint64_t (exact for any two int64 positions) and compared with window - 1
+  // (UINT64_MAX: no window).
   const bool causal = mask.causal;
-  const int64_t window = mask.window > 0 ? mask.window : std::numeric_limits<int64_t>::max();
+  const uint64_t max_dist = mask.window > 0 ? static_cast<uint64_t>(mask.window) - 1
+                                            : std::numeric_limits<uint64_t>::max();
   const int64_t* k_pos = ws.k_pos.data();
   const int32_t* k_doc = ws.k_doc.data();
   for (int64_t r = 0; r < rows; ++r) {
@@ -674,9 +698,10 @@ void mask_tile(const Mask& mask, const Workspace& ws, int64_t rows, int64_t cols
     const int32_t qdoc = ws.q_doc[r];
     float* sr = s + r * t.bk;
     for (int64_t j = 0; j < cols; ++j) {
-      const int64_t diff = qpos - k_pos[j];
-      const bool seen =
-          (k_doc[j] == qdoc) & (!causal | (diff >= 0)) & (diff < window) & (-diff < window);
+      const bool key_before = k_pos[j] <= qpos;
+      const uint64_t diff = static_cast<uint64_t>(qpos) - static_cast<uint64_t>(k_pos[j]);
+      const uint64_t dist = key_before ? diff : uint64_t{0} - diff;
+      const bool seen = (k_doc[j] == qdoc) & (!causal | key_before) & (dist <= max_dist);
       sr[j] = seen ? sr[j] : kNegInf;
     }
   }
@@ -871,9 +896,13 @@ void check_config(const KernelConfig& cfg) {
   constexpr double kMaxScale = std::numeric_limits<float>::max() / kLog2e;
   LOOM_CHECK(cfg.scale <= kMaxScale, InvalidArgument,
              "softmax scale must be at most " << kMaxScale << ", got " << cfg.scale);
-  LOOM_CHECK_GE(cfg.threads, 0, InvalidArgument, "threads must be >= 0");
-  LOOM_CHECK_GE(cfg.block_q, 1, InvalidArgument, "block_q must be >= 1");
-  LOOM_CHECK_GE(cfg.block_k, 1, InvalidArgument, "block_k must be >= 1");
+  LOOM_CHECK(cfg.threads >= 0 && cfg.threads <= kMaxKernelThreads, InvalidArgument,
+             "threads must be in [0, " << kMaxKernelThreads << "] (0: the OpenMP default), got "
+                                       << cfg.threads);
+  LOOM_CHECK(cfg.block_q >= 1 && cfg.block_q <= kMaxBlock, InvalidArgument,
+             "block_q must be in [1, " << kMaxBlock << "], got " << cfg.block_q);
+  LOOM_CHECK(cfg.block_k >= 1 && cfg.block_k <= kMaxBlock, InvalidArgument,
+             "block_k must be in [1, " << kMaxBlock << "], got " << cfg.block_k);
 }
 
 void check_state(const StateView& st) {
@@ -1259,7 +1288,7 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
   const KernelStats stats = accounting_stats(plan, qt, kt, cfg, q.h);
   const int64_t group = q.h / k.h;
   const int threads = thread_count(cfg, q.h * plan.q_tiles);
-  const TileDims dims = tile_dims(wcfg, q.d);
+  const TileDims dims = tile_dims(wcfg, q.d, q.s, k.s);
   // The packed block's element: fp32, or for bf16 storage bf16 bits (pairs or panels).
   using E = std::conditional_t<std::is_same_v<T, bf16>, uint16_t, float>;
   const int64_t chunk =
@@ -1527,7 +1556,7 @@ KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const
   const KernelStats stats = accounting_stats(plan, qt, kt, cfg, q.h);
   const int threads = thread_count(cfg, k.h * plan.k_tiles);
   const BackwardArgs<T> args{q,         k,  v,   dout,  lse,   delta,
-                             ml_stride, qt, kt,  &wcfg, &plan, tile_dims(wcfg, q.d),
+                             ml_stride, qt, kt,  &wcfg, &plan, tile_dims(wcfg, q.d, q.s, k.s),
                              dk,        dv, &ops};
   // bf16 storage on a path with bf16 dot products: backward_task_bf16.
   const bool dots = std::is_same_v<T, bf16> && ops.gemm_bf16 != nullptr;
@@ -1603,7 +1632,7 @@ int64_t work_tile_side(int64_t block, int64_t n, int64_t want) {
   LOOM_CHECK_GE(n, 0, InvalidArgument, "work_tile_side: n must be >= 0");
   if (want <= 0) return block;
   // never more blocks than the n rows have
-  const int64_t factor = std::min((want + block - 1) / block, (n + block - 1) / block);
+  const int64_t factor = std::min(tile_count(want, block), tile_count(n, block));
   return block * std::max<int64_t>(1, factor);
 }
 

@@ -2,6 +2,7 @@
 // against the one-process fp64 reference; zigzag balance; clear errors for invalid head counts.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <mutex>
 
 #include <tuple>
@@ -241,6 +242,74 @@ TEST(CpErrors, InvalidHeadsAndDegrees) {
   c.H = 6;
   c.HKV = 4;
   expect_error(2, c, "heads (6) must be a multiple of kv-heads (4)");
+}
+
+// Every view CpAttention takes is checked for its strides as the kernels check theirs (ulysses
+// and hybrid never hand the caller's out to a kernel: a head stride of 0 was silently wrong), the
+// kernel options for their caps at construction, and gather_rows for a plan of the group's size.
+TEST(CpErrors, ViewStridesKernelCapsAndPlanSizeAreChecked) {
+  constexpr int P = 2;
+  constexpr int64_t S = 8, H = 2, D = 4;
+  const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, P);
+  auto expect_error = [](const std::function<void(Communicator&)>& body,
+                         const std::string& needle) {
+    try {
+      run_local(P, body);
+      ADD_FAILURE() << "no error; expected '" << needle << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  CpConfig cfg;
+  cfg.kernel.scale = 0.5f;
+  cfg.kernel.threads = 1;
+  cfg.ulysses = P;
+  for (const Strategy s : {Strategy::ulysses, Strategy::hybrid, Strategy::ring}) {
+    cfg.strategy = s;
+    auto with_views = [&](int bad) {
+      return [&, bad](Communicator& w) {
+        CpAttention att(w, plan, cfg, H, H, D);
+        const int64_t n = plan.rows(w.rank());
+        const Tensor<float> x({n, H, D}, 0.25f);
+        Tensor<float> out({n, H, D}), dq({n, H, D}), dk({n, H, D}), dv({n, H, D});
+        std::vector<float> lse(static_cast<size_t>(H * n));
+        View3<float> o = out.view3(), g = dq.view3();
+        if (bad == 0) o.hs = 0;          // every head of out aliases head 0
+        if (bad == 1) g.ss = H * D - 1;  // rows of dq overlap
+        if (bad == 0) {
+          att.forward(x.view3(), x.view3(), x.view3(), o, lse.data());
+        } else {
+          att.forward(x.view3(), x.view3(), x.view3(), out.view3(), lse.data());
+          att.backward(x.view3(), x.view3(), x.view3(), out.view3(), x.view3(), lse.data(), g,
+                       dk.view3(), dv.view3());
+        }
+      };
+    };
+    expect_error(with_views(0), "out: head stride 0 is smaller than the head dim 4");
+    expect_error(with_views(1), "dq: row stride 7 is smaller than heads x head dim 2 x 4 = 8");
+  }
+  cfg.strategy = Strategy::ulysses;
+  auto construct = [&](const CpConfig& c) {
+    return [&, c](Communicator& w) { CpAttention att(w, plan, c, H, H, D); };
+  };
+  CpConfig c = cfg;
+  c.kernel.threads = kMaxKernelThreads + 1;
+  expect_error(construct(c), "threads must be in [0, 1024]");
+  c = cfg;
+  c.kernel.block_k = int64_t{1} << 50;
+  expect_error(construct(c), "block_q and block_k must be in [1, 4096]");
+  c = cfg;
+  c.kernel.block_q = kMaxBlock + 1;
+  expect_error(construct(c), "block_q and block_k must be in [1, 4096]");
+
+  // A plan for 3 ranks on a group of 2: rank 2's rows were silently zeros.
+  const ShardPlan three = ShardPlan::make(Layout::contiguous, 6, 3);
+  expect_error(
+      [&](Communicator& w) {
+        const Tensor<float> local({three.rows(w.rank()), 1, 1}, 1.0f);
+        gather_rows(w, three, local);
+      },
+      "gather_rows: the shard plan is for 3 ranks but the group has 2");
 }
 
 // The registry is what parse_strategy, to_string and the help read: every entry round-trips,

@@ -745,6 +745,69 @@ TEST(Blockwise, ResetEmptiesTheState) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Positions anywhere in int64 (attention.h): pos_i - pos_j may need 65 bits.
+
+// The mask rule on exact integers: the oracle of visible().
+bool visible_exact(const Mask& m, int64_t qpos, int64_t kpos) {
+  const __int128 d = static_cast<__int128>(qpos) - static_cast<__int128>(kpos);
+  if (m.causal && d < 0) return false;
+  return m.window == 0 || (d < 0 ? -d : d) < m.window;
+}
+
+TEST(Blockwise, ExtremePositionsMatchTheReference) {
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t k62 = int64_t{1} << 62;
+  const std::vector<int64_t> qpos = {k62, kMax, -k62, 0, kMin, kMax - 5, 3};
+  const std::vector<int64_t> kpos = {-k62, -1, kMin, kMax, k62, 0, kMax - 9, 5, kMin + 1};
+  const std::vector<Mask> masks = {{true, 0},    {false, 0},    {true, 10}, {false, 10},
+                                   {true, kMax}, {false, kMax}, {false, 1}};
+  for (const Mask& m : masks) {
+    int64_t pairs = 0;
+    for (int64_t a : qpos) {
+      for (int64_t b : kpos) {
+        EXPECT_EQ(visible(m, a, 0, b, 0), visible_exact(m, a, b))
+            << a << " " << b << " causal " << m.causal << " window " << m.window;
+        pairs += visible_exact(m, a, b) ? 1 : 0;
+      }
+    }
+    // One query and one key: the tile is classified from the two positions alone. Then all of
+    // them in one tile (partial, masked per element), and in 1 x 1 and 2 x 3 tiles.
+    for (size_t i = 0; i <= qpos.size(); ++i) {
+      Problem p;
+      p.qpos = i < qpos.size() ? std::vector<int64_t>{qpos[i]} : qpos;
+      p.kpos = i < qpos.size() ? std::vector<int64_t>{kpos[i]} : kpos;
+      p.sq = static_cast<int64_t>(p.qpos.size());
+      p.sk = static_cast<int64_t>(p.kpos.size());
+      p.d = 8;
+      p.h = 2;
+      p.hkv = 1;
+      p.mask = m;
+      fill_inputs(p, 70 + static_cast<uint32_t>(i));
+      const RefResult ref = run_reference(p);
+      for (const auto& [bq, bk] : {std::pair<int64_t, int64_t>{64, 64}, {1, 1}, {2, 3}}) {
+        SCOPED_TRACE(::testing::Message() << "causal " << m.causal << " window " << m.window
+                                          << " case " << i << " tiles " << bq << "x" << bk);
+        const Result r = run_blockwise(p, config(p, bq, bk, 1));
+        expect_matches_reference(r, ref);
+        EXPECT_EQ(r.fwd.visible_pairs, count_visible_pairs(p.qt(), p.kt(), m, p.h));
+        if (i == qpos.size()) {
+          EXPECT_EQ(r.fwd.visible_pairs, pairs * p.h);
+        }
+      }
+    }
+  }
+  // The two cases that went wrong: causal, a query at 2^62 sees a key at -2^62 (the tile was
+  // classified empty); window 10, a query at INT64_MAX does not see a key at -1 (2^63 apart).
+  EXPECT_TRUE(visible(Mask{true, 0}, k62, 0, -k62, 0));
+  EXPECT_FALSE(visible(Mask{true, 10}, kMax, 0, -1, 0));
+  EXPECT_FALSE(visible(Mask{false, 10}, -1, 0, kMax, 0));
+  EXPECT_TRUE(visible(Mask{false, 0}, kMin, 0, kMax, 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks.
+// ---------------------------------------------------------------------------------------------
 // Argument checks.
 
 TEST(Blockwise, RejectsBadArguments) {
@@ -1600,6 +1663,46 @@ TEST(KernelPath, LoomKernelNamesAreCheckedAndAutoIsTheBest) {
   }
 }
 
+// block_q, block_k in [1, kMaxBlock] and threads in [0, kMaxKernelThreads] (attention.h): past
+// the caps the kernels escaped with std::bad_alloc / std::length_error or ended the process in
+// OpenMP. A block of kMaxBlock over a few rows is one tile of those rows.
+TEST(Blockwise, RejectsBlocksAndThreadsPastTheirCaps) {
+  Problem p = make_problem(Case{8, 16, 2, 1, MaskKind::kCausal, Layout::kContiguous}, 81);
+  const RefResult ref = run_reference(p);
+  auto expect_refused = [&](const KernelConfig& cfg, const std::string& message) {
+    SoftmaxState st(p.sq, p.h, p.d);
+    try {
+      attend(st.view(), p.q.view3(), p.k.view3(), p.v.view3(), p.qt(), p.kt(), cfg);
+      ADD_FAILURE() << "attend accepted: " << message;
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+    Tensor<float> dq({p.sq, p.h, p.d}), dk({p.sk, p.hkv, p.d}), dv({p.sk, p.hkv, p.d});
+    const std::vector<float> lse(static_cast<size_t>(p.h * p.sq)), delta(lse);
+    try {
+      attend_backward(p.q.view3(), p.k.view3(), p.v.view3(), p.dout.view3(), lse.data(),
+                      delta.data(), p.sq, p.qt(), p.kt(), cfg, dq.view3(), dk.view3(), dv.view3());
+      ADD_FAILURE() << "attend_backward accepted: " << message;
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+  };
+  for (const int64_t block :
+       {kMaxBlock + 1, int64_t{1} << 40, std::numeric_limits<int64_t>::max()}) {
+    KernelConfig cfg = config(p, block, 64, 1);
+    expect_refused(cfg, "block_q must be in [1, 4096], got " + std::to_string(block));
+    cfg = config(p, 64, block, 1);
+    expect_refused(cfg, "block_k must be in [1, 4096], got " + std::to_string(block));
+  }
+  for (const int threads : {kMaxKernelThreads + 1, 1 << 30, std::numeric_limits<int>::max()}) {
+    expect_refused(
+        config(p, 64, 64, threads),
+        "threads must be in [0, 1024] (0: the OpenMP default), got " + std::to_string(threads));
+  }
+  expect_matches_reference(run_blockwise(p, config(p, kMaxBlock, kMaxBlock, 1)), ref);
+  expect_matches_reference(run_blockwise(p, config(p, 3, kMaxBlock, kMaxKernelThreads)), ref);
+}
+
 TEST(WorkTiles, SideIsTheSmallestMultipleOfTheBlockReachingWantWithinTheRows) {
   EXPECT_EQ(work_tile_side(64, 4096, 128), 128);   // 2 blocks of 64
   EXPECT_EQ(work_tile_side(48, 4096, 128), 144);   // 3 blocks of 48 (2 reach only 96)
@@ -1609,6 +1712,10 @@ TEST(WorkTiles, SideIsTheSmallestMultipleOfTheBlockReachingWantWithinTheRows) {
   EXPECT_EQ(work_tile_side(64, 10, 128), 64);      // fewer rows than a block
   EXPECT_EQ(work_tile_side(64, 0, 128), 64);       // no rows: still one block
   EXPECT_EQ(work_tile_side(64, 4096, 0), 64);      // want 0: the config's tiles
+  // No overflow in the tile counts, whatever the block.
+  EXPECT_EQ(work_tile_side(std::numeric_limits<int64_t>::max(), 10, 128),
+            std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(work_tile_side(64, std::numeric_limits<int64_t>::max(), 128), 128);
   EXPECT_THROW(work_tile_side(0, 10, 128), InvalidArgument);
   EXPECT_THROW(work_tile_side(64, -1, 128), InvalidArgument);
 }

@@ -2,8 +2,11 @@
 // shard/unshard round trips, and the --docs parser.
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <limits>
 #include <numeric>
 #include <set>
+#include <string>
 
 #include "loom/cp.h"
 
@@ -86,6 +89,31 @@ TEST(Layout, Errors) {
   EXPECT_EQ(parse_doc_lengths("3,1,20"), (std::vector<int64_t>{3, 1, 20}));
   for (const char* bad : {"", "3,,4", "3,-1", "a", "0", "3, 4", "99999999999999999999"})
     EXPECT_THROW(parse_doc_lengths(bad), InvalidArgument) << bad;
+}
+
+// rows, token_info, shard and unshard take a rank of the plan; any other is refused, naming it
+// and the plan's ranks (r == ranks read past the plan's vectors).
+TEST(Layout, RanksOutsideThePlanAreRefused) {
+  const ShardPlan p = ShardPlan::make(Layout::zigzag, 10, 2);
+  Tensor<float> global({10, 1, 1});
+  const Tensor<float> local({5, 1, 1});
+  for (int r : {2, 5, -1, std::numeric_limits<int>::min(), std::numeric_limits<int>::max()}) {
+    const std::string range = "rank " + std::to_string(r) + " is outside the plan's ranks [0, 2)";
+    auto expect_refused = [&](const std::function<void()>& call, const std::string& what) {
+      try {
+        call();
+        ADD_FAILURE() << what << " accepted rank " << r;
+      } catch (const InvalidArgument& e) {
+        EXPECT_EQ(std::string(e.what()), "ShardPlan::" + what + ": " + range);
+      }
+    };
+    expect_refused([&] { p.rows(r); }, "rows");
+    expect_refused([&] { p.token_info(r); }, "token_info");
+    expect_refused([&] { p.shard(global, r); }, "shard");
+    expect_refused([&] { p.unshard(local, r, global); }, "unshard");
+  }
+  EXPECT_EQ(p.rows(1), 5);
+  EXPECT_EQ(p.token_info(1).n, 5);
 }
 
 }  // namespace
