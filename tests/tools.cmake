@@ -69,4 +69,11 @@ if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
                    $<TARGET_FILE:loom> --oversubscribe --allow-run-as-root)
   set_tests_properties(loom_mpi_tcp_faults PROPERTIES LABELS "mpi;tool;tcp" TIMEOUT 240
                        PROCESSORS 4 ENVIRONMENT "${loom_tcp_env}")
+  # Ranks started with other arguments, reading other --input bytes or checkpoints, or failing
+  # alone: the job ends at once with one line naming the rank (tools/mpi_agree_check.sh).
+  add_test(NAME loom_mpi_agree
+           COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/mpi_agree_check.sh ${MPIEXEC_EXECUTABLE}
+                   $<TARGET_FILE:loom> --oversubscribe --allow-run-as-root)
+  set_tests_properties(loom_mpi_agree PROPERTIES LABELS "mpi;tool" TIMEOUT 240 PROCESSORS 2
+                       ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
 endif()

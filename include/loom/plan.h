@@ -291,8 +291,8 @@ namespace loom::plan {
 // threads in [1, kMaxCalibrateThreads], ranks_per_node in [1, kMaxCalibrateRanks], else
 // InvalidArgument: the node's ranks run at once as threads of this process, about 3 MiB each
 // (--ranks-per-node 100000 grew past 1400 threads and 4 GB before any answer).
-inline constexpr int kMaxCalibrateThreads = 1024;  // as loom attn's and loom train's --threads
-inline constexpr int kMaxCalibrateRanks = 1024;    // ranks per node: 1024 take about 3 GiB
+inline constexpr int kMaxCalibrateThreads = kMaxKernelThreads;  // as the kernels' (attention.h)
+inline constexpr int kMaxCalibrateRanks = 1024;  // ranks per node: 1024 take about 3 GiB
 Profile calibrate(int threads, int ranks_per_node, void (*log)(const char*) = nullptr);
 
 // Point-to-point latency and bandwidth (ping-pong of 0 B and 8 MiB between ranks 0 and 1) and

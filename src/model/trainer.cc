@@ -427,7 +427,18 @@ void Trainer::load_checkpoint(const std::string& where) {
   }
   model_->params_changed();
   step_ = saved_step;
-  world_.barrier();
+  // Every rank reads the checkpoint itself (node-local directories work): all must have read the
+  // same one. Ranks resumed from different steps paired the collectives of different steps,
+  // wrote wrong checkpoints and marked the run finished.
+  const uint64_t mine[2] = {static_cast<uint64_t>(saved_step), sum};
+  std::vector<uint64_t> all(2 * static_cast<size_t>(world_.size()));
+  world_.all_gather(mine, sizeof mine, all.data());
+  for (int r = 1; r < world_.size(); ++r)
+    LOOM_CHECK(all[2 * r] == all[0] && all[2 * r + 1] == all[1], InvalidArgument,
+               "--resume: rank " << r << " read a checkpoint of step " << all[2 * r]
+                                 << " (checksum " << all[2 * r + 1] << "), rank 0 one of step "
+                                 << all[0] << " (checksum " << all[1]
+                                 << "): every rank must resume from the same checkpoint");
 }
 
 std::vector<RankReport> Trainer::reports() {

@@ -803,6 +803,15 @@ int run_attn(const AttnOptions& o) {
     LOOM_CHECK(o.fault.empty(), InvalidArgument,
                "--fault works on the local backend only (not under mpirun)");
     mpi = mpi_world();
+    {  // every rank the same command line and the same --input bytes (commands.h)
+      uint64_t h = 0;
+      if (!o.input.empty()) {
+        h = fnv1a(nullptr, 0);
+        for (const Tensor<float>* t : {&p.q, &p.k, &p.v, &p.dout})
+          h = fnv1a(t->data(), static_cast<size_t>(t->numel()) * sizeof(float), h);
+      }
+      agree_across_ranks(*mpi, h, "--input files");
+    }
     check_cp_config(p.cp, mpi->size(), p.H, p.HKV);  // the strategy's rules, before any work
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     const int here = local ? std::max(1, std::atoi(local)) : mpi->size();

@@ -18,9 +18,9 @@ struct TrainConfig;
 
 namespace loom::tools {
 
-// The most OpenMP threads per rank --threads accepts (loom attn, loom train): more is a typo, not
-// a machine (2147483647 was accepted and handed to OpenMP).
-inline constexpr int kMaxThreads = 1024;
+// The most OpenMP threads per rank --threads accepts (loom attn, loom train, loom plan): the
+// kernels' own limit (2147483647 was accepted and handed to OpenMP).
+inline constexpr int kMaxThreads = kMaxKernelThreads;
 
 // Registers `loom attn`; its callback runs the job and sets exit_code().
 void add_attn_command(CLI::App& app);
@@ -74,6 +74,18 @@ void add_memory_limit_option(CLI::App* command, std::string& limit);
 // a corpus of data_bytes (tools/loom/train.cc); loom plan --train-step checks its measured rank
 // against it too.
 double estimate_train_bytes(const model::TrainConfig& c, int ranks_here, double data_bytes);
+
+// The command line (main's argv past the program name), for agree_across_ranks.
+void set_command_line(int argc, char** argv);
+// Under mpirun every rank parses its own command line and reads its own input files: ranks started
+// with other arguments (MPMD) or reading other bytes (node-local files that differ) posted
+// messages of other sizes (a SIGSEGV inside MPI, MPI_ERR_TRUNCATE), or paired steps of different
+// problems and exited 0 with wrong results. One all-gather of a hash of each: InvalidArgument on
+// every rank, naming the first rank that differs from rank 0. `inputs_hash`: of the bytes the
+// rank read (0 when it read none); `inputs_what` names them in the message.
+void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::string& inputs_what);
+// FNV-1a over bytes, continuing from h.
+uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = 1469598103934665603ULL);
 
 // The exit code the chosen subcommand asked for (0 on success, 1 on a failed check).
 int exit_code();

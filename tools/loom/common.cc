@@ -2,7 +2,9 @@
 // subcommands declare alike.
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
+#include <vector>
 
 #include "commands.h"
 #include "loom/error.h"
@@ -19,7 +21,36 @@ std::string strategies_taking(const std::string& flag) {
   return names;
 }
 
+uint64_t g_command_line_hash = 0;  // set_command_line
+
 }  // namespace
+
+uint64_t fnv1a(const void* data, size_t bytes, uint64_t h) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  return h;
+}
+
+void set_command_line(int argc, char** argv) {
+  uint64_t h = fnv1a(nullptr, 0);
+  for (int i = 1; i < argc; ++i) h = fnv1a(argv[i], std::strlen(argv[i]) + 1, h);  // with its NUL
+  g_command_line_hash = h;
+}
+
+void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::string& inputs_what) {
+  const uint64_t mine[2] = {g_command_line_hash, inputs_hash};
+  std::vector<uint64_t> all(2 * static_cast<size_t>(world.size()));
+  world.all_gather(mine, sizeof mine, all.data());
+  for (int r = 1; r < world.size(); ++r) {
+    LOOM_CHECK(all[2 * r] == all[0], InvalidArgument,
+               "rank " << r
+                       << " was started with other arguments than rank 0: under mpirun every "
+                          "rank must run the same loom command line");
+    LOOM_CHECK(all[2 * r + 1] == all[1], InvalidArgument,
+               "rank " << r << " read other " << inputs_what
+                       << " than rank 0 (their bytes differ): every rank must read the same");
+  }
+}
 
 void DegreeOptions::add_to(CLI::App* command, const std::set<std::string>& skip) {
   for (const StrategyInfo& s : strategies()) {

@@ -2,6 +2,7 @@
 // errors into one clear line and a non-zero exit.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <new>
 #include <string>
@@ -22,26 +23,34 @@ int main(int argc, char** argv) {
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
     return std::string("loom: error: ") + e.what() + " (see loom --help)\n";
   });
+  loom::tools::set_command_line(argc, argv);
+  // Under mpirun, a rank that fails ends the whole job at once (MPI_Abort), whatever the error:
+  // before, only a CommError did, and the other ranks waited out their timeout on a rank that had
+  // raised InvalidArgument or IoError (a bad LOOM_TIMEOUT_S, an unreadable --data or checkpoint
+  // on one rank), then reported a misleading timeout of their own. The line names the rank.
+  const bool mpi = loom::launched_by_mpirun();
+  std::string who;
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
+    if (const char* r = std::getenv(var); mpi && r && who.empty())
+      who = std::string("rank ") + r + ": ";
+  auto fail = [&](const char* what) {
+    std::fprintf(stderr, "loom: error: %s%s\n", who.c_str(), what);
+    if (mpi) loom::mpi_abort(1);  // ends the other ranks now (a no-op before MPI started)
+    return 1;
+  };
   try {
     app.parse(argc, argv);
     return loom::tools::exit_code();
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
-  } catch (const loom::CommError& e) {
-    std::fprintf(stderr, "loom: error: %s\n", e.what());
-    if (loom::launched_by_mpirun()) loom::mpi_abort(1);  // end the other ranks now
-    return 1;
   } catch (const loom::Error& e) {
-    std::fprintf(stderr, "loom: error: %s\n", e.what());
-    return 1;
+    return fail(e.what());
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr,
-                 "loom: error: out of memory (an allocation outside loom's tensors failed); "
-                 "make the problem smaller or lower --ranks\n");
-    return 1;
+    return fail(
+        "out of memory (an allocation outside loom's tensors failed); make the problem smaller "
+        "or lower --ranks");
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "loom: error: %s\n", e.what());
-    return 1;
+    return fail(e.what());
   }
 }

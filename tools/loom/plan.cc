@@ -629,7 +629,10 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
                  "--calibrate under mpirun needs >= 2 processes (got " << world->size() << ")");
       plan::Profile p;
       if (world->rank() == 0) p = plan::calibrate(o.threads, o.ranks_per_node, log_line);
-      world->barrier();
+      // The others wait while rank 0 calibrates: 3-5 s on a quiet node, more with many
+      // --ranks-per-node, so not under the communication timeout (LOOM_TIMEOUT_S=2 failed a
+      // healthy calibration); a rank 0 that fails ends the job at once (main.cc).
+      world->barrier(std::max(world->timeout_s(), 600.0));
       const plan::CommFigures f = plan::measure_comm(*world);
       if (world->rank() != 0) return 0;
       p.inter = plan::Link{f.bandwidth, f.latency};

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Under mpirun, a rank that fails or differs ends the whole job at once with one line naming it:
+# ranks started with other arguments (MPMD), reading other --input bytes or resuming from other
+# checkpoints (node-local directories), or failing alone (a bad LOOM_TIMEOUT_S). Before, the
+# others waited out their timeout, crashed inside MPI (SIGSEGV), or exited 0 with wrong results
+# and checkpoints. Usage: mpi_agree_check.sh MPIEXEC LOOM_BINARY [mpiexec flags...]
+set -uo pipefail
+mpiexec="$1"
+loom="$(realpath "$2")"
+shift 2
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+fails=0
+ok() { echo "ok   $1"; }
+bad() { echo "FAIL $1"; fails=$((fails + 1)); }
+# expect NAME TEXT -- mpiexec args...: non-zero exit within 20 s (the ranks' timeout is 30 s), TEXT
+# on stderr, no crash.
+expect() {
+  local name=$1 text=$2
+  shift 3
+  local t0=$SECONDS
+  LOOM_TIMEOUT_S=30 timeout 100 "$mpiexec" "$@" > "$work/out" 2> "$work/err"
+  local rc=$? took=$((SECONDS - t0))
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -le 20 ] && grep -qF -- "$text" "$work/err" &&
+    ! grep -q "Segmentation\|signal 11" "$work/err"; then
+    ok "$name ($took s)"
+  else
+    cat "$work/err"
+    bad "$name: exit $rc after $took s, wanted '$text'"
+  fi
+}
+attn=(attn --seq 64 --heads 2 --head-dim 16 --iters 1 --warmup 0 --quiet)
+expect "other arguments on one rank (MPMD)" "rank 1 was started with other arguments than rank 0" -- \
+  -np 1 "$@" "$loom" "${attn[@]}" : -np 1 "$@" "$loom" "${attn[@]}" --no-causal
+expect "an error on one rank only ends the job at once, naming it" \
+  "rank 1: LOOM_TIMEOUT_S must be a positive number" -- \
+  -np 1 "$@" "$loom" "${attn[@]}" : -np 1 "$@" -x LOOM_TIMEOUT_S=abc "$loom" "${attn[@]}"
+# The same command line in two directories holding different files (node-local inputs).
+for d in a b; do
+  mkdir -p "$work/$d/ck"
+  /usr/bin/python3 - "$work/$d/in" "$d" <<'PY'
+import numpy as np, os, sys
+os.makedirs(sys.argv[1])
+r = np.random.default_rng(1 if sys.argv[2] == "a" else 2)
+for n in ("q", "k", "v"):
+    np.save(f"{sys.argv[1]}/{n}.npy", r.standard_normal((32, 2, 8)).astype(np.float32))
+PY
+done
+expect "other --input bytes on one rank" "rank 1 read other --input files than rank 0" -- \
+  -np 1 "$@" -wdir "$work/a" "$loom" attn --input in --quiet --iters 1 --warmup 0 : \
+  -np 1 "$@" -wdir "$work/b" "$loom" attn --input in --quiet --iters 1 --warmup 0
+# Node-local checkpoint directories at different steps: the same --resume on every rank.
+/usr/bin/python3 - "$work/text.txt" <<'PY'
+import sys
+with open(sys.argv[1], "w") as f:
+    f.write("the lord said unto moses and the people of israel went out. " * 400)
+PY
+train=(train --seq 64 --layers 1 --dim 16 --heads 2 --kv-heads 1 --batch 1 --seed 3 --quiet
+       --eval-every 0 --data "$work/text.txt" --checkpoint-every 1 --checkpoint-dir ck)
+# One run writes steps 1..4; node a's latest names step 3, node b's step 2.
+(cd "$work/a" && "$loom" "${train[@]}" --ranks 2 --steps 6 --keep-checkpoints 10 > /dev/null &&
+  cp -r ck ../b/ && echo step-00000003.ckpt > ck/latest &&
+  echo step-00000002.ckpt > ../b/ck/latest && rm ck/step-0000000[456].ckpt ../b/ck/step-0000000[3456].ckpt) ||
+  bad "the local run that writes the checkpoints"
+expect "--resume from other checkpoints on one rank" "--resume: rank 1 read a checkpoint of step 2" -- \
+  -np 1 "$@" -wdir "$work/a" "$loom" "${train[@]}" --steps 6 --resume : \
+  -np 1 "$@" -wdir "$work/b" "$loom" "${train[@]}" --steps 6 --resume
+[ -e "$work/a/ck/step-00000004.ckpt" ] && bad "rank 0 wrote a checkpoint after the refused resume" ||
+  ok "no checkpoint written after the refused resume"
+[ $fails -eq 0 ] && echo "all mpirun agreement checks passed" || { echo "$fails failed"; exit 1; }
