@@ -67,4 +67,13 @@ expect "--resume from other checkpoints on one rank" "--resume: rank 1 read a ch
   -np 1 "$@" -wdir "$work/b" "$loom" "${train[@]}" --steps 6 --resume
 [ -e "$work/a/ck/step-00000004.ckpt" ] && bad "rank 0 wrote a checkpoint after the refused resume" ||
   ok "no checkpoint written after the refused resume"
+# plan --calibrate: the other ranks wait while rank 0 calibrates (seconds), not under the
+# communication timeout (LOOM_TIMEOUT_S=2 failed a healthy calibration: "barrier ... timed out").
+if LOOM_TIMEOUT_S=2 timeout 200 "$mpiexec" -np 2 "$@" -x LOOM_TIMEOUT_S "$loom" plan \
+    --calibrate "$work/cal.json" > /dev/null 2> "$work/err" && [ -s "$work/cal.json" ]; then
+  ok "plan --calibrate under mpirun outlasts LOOM_TIMEOUT_S=2"
+else
+  cat "$work/err"
+  bad "plan --calibrate under mpirun with LOOM_TIMEOUT_S=2"
+fi
 [ $fails -eq 0 ] && echo "all mpirun agreement checks passed" || { echo "$fails failed"; exit 1; }
