@@ -8,6 +8,7 @@
 
 #include "commands.h"
 #include "loom/error.h"
+#include "loom/model/trainer.h"
 
 namespace loom::tools {
 
@@ -25,15 +26,10 @@ uint64_t g_command_line_hash = 0;  // set_command_line
 
 }  // namespace
 
-uint64_t fnv1a(const void* data, size_t bytes, uint64_t h) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ULL;
-  return h;
-}
-
 void set_command_line(int argc, char** argv) {
-  uint64_t h = fnv1a(nullptr, 0);
-  for (int i = 1; i < argc; ++i) h = fnv1a(argv[i], std::strlen(argv[i]) + 1, h);  // with its NUL
+  uint64_t h = model::fnv1a64(nullptr, 0);
+  for (int i = 1; i < argc; ++i)
+    h = model::fnv1a64(argv[i], std::strlen(argv[i]) + 1, h);  // with its NUL
   g_command_line_hash = h;
 }
 
