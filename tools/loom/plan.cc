@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -619,8 +620,11 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
   if (o.train_step) return run_train_step(app, o);
   if (mode == kCalibrate) {
     LOOM_CHECK(!o.calibrate.empty(), InvalidArgument, "--calibrate needs a FILE to write");
-    std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",
-                 o.threads, o.threads == 1 ? "" : "s");
+    // The banner once: under mpirun rank 0 alone calibrates (every rank printed it).
+    const char* world_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (!launched_by_mpirun() || !world_rank || std::atoi(world_rank) == 0)
+      std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",
+                   o.threads, o.threads == 1 ? "" : "s");
     if (launched_by_mpirun()) {
       // Under mpirun: the kernels and the node's local backend on rank 0, then the MPI
       // point-to-point and collectives of the whole world as the inter-node link.
