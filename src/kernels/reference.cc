@@ -437,6 +437,22 @@ double rel(double err, double ref) {
 
 constexpr double kFirstOrderSlack = 1.01;  // first order in u
 
+// The error bounds' arguments, checked as the reference's; whether dout is given (the backward's
+// bounds too).
+bool check_bounds_args(View3<const double> q, View3<const double> k, View3<const double> v,
+                       View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
+                       double scale) {
+  kernels::check_qkv(q, k, v, qt, kt);
+  kernels::check_mask(mask);
+  kernels::check_scale(scale);
+  const bool backward = dout.data != nullptr;
+  if (backward) {
+    kernels::check_view(dout, "dout");
+    kernels::check_same_shape(dout, q, "dout and q");
+  }
+  return backward;
+}
+
 }  // namespace
 
 double fp32_score_bound(View3<const double> q, View3<const double> k, double scale) {
@@ -456,14 +472,7 @@ bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, do
 Fp32Bounds fp32_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                              double scale, bool loom_kernels) {
-  kernels::check_qkv(q, k, v, qt, kt);
-  kernels::check_mask(mask);
-  kernels::check_scale(scale);
-  const bool backward = dout.data != nullptr;
-  if (backward) {
-    kernels::check_view(dout, "dout");
-    kernels::check_same_shape(dout, q, "dout and q");
-  }
+  const bool backward = check_bounds_args(q, k, v, dout, qt, kt, mask, scale);
   const Fp32Errors e = fp32_errors(q, k, v, dout, qt, kt, mask, scale, loom_kernels);
   const double c = kFirstOrderSlack;
   Fp32Bounds b;
@@ -479,14 +488,7 @@ Fp32Bounds fp32_error_bounds(View3<const double> q, View3<const double> k, View3
 Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                              double scale, bool dots, bool loom_kernels) {
-  kernels::check_qkv(q, k, v, qt, kt);
-  kernels::check_mask(mask);
-  kernels::check_scale(scale);
-  const bool backward = dout.data != nullptr;
-  if (backward) {
-    kernels::check_view(dout, "dout");
-    kernels::check_same_shape(dout, q, "dout and q");
-  }
+  const bool backward = check_bounds_args(q, k, v, dout, qt, kt, mask, scale);
   const double u = kBf16Unit;
   const int64_t D = q.d;
   // The reference quantities, row by row: out_i = sum_j p_ij v_j, a_i = sum_j p_ij |v_j|
