@@ -125,6 +125,12 @@ double cpu_seconds() {
 // ---------------------------------------------------------------------------------------------
 // sgemm
 
+// The kernel paths that issue 10's AVX-512 targets apply to: avx512, avx512bf16 and amx (the
+// avx512 table with bf16 GEMMs on AMX tiles).
+bool avx512_path(const std::string& path) {
+  return path.rfind("avx512", 0) == 0 || path == "amx";
+}
+
 #if LOOM_BENCH_OPENBLAS
 const char* kGemmName = "openblas";
 
@@ -160,7 +166,7 @@ void match_openblas_core(char** argv) {
   }
   const std::string core = openblas_get_corename();
   const char* want = nullptr;
-  if (path.rfind("avx512", 0) == 0 && !avx512_core(core))
+  if (avx512_path(path) && !avx512_core(core))
     want = __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
   else if (path == "avx2" && avx512_core(core))
     want = "Haswell";
@@ -890,10 +896,10 @@ int run(const Options& o) {
   auto target = [&](const std::string& what, double value, double goal) {
     print_target(targets, what, value, goal);
   };
-  // Issue 10's targets for the path this run took: the AVX-512 ones on avx512 / avx512bf16, the
-  // AVX2+FMA ones (which the issue sets for every other SIMD target too) otherwise.
+  // Issue 10's targets for the path this run took: the AVX-512 ones on avx512 / avx512bf16 / amx,
+  // the AVX2+FMA ones (which the issue sets for every other SIMD target too) otherwise.
   const std::string path = kernel_path();
-  const bool avx512 = path.rfind("avx512", 0) == 0;
+  const bool avx512 = avx512_path(path);
   std::printf("\ntargets (issue 10, %s path), from the rows above:\n", path.c_str());
   // Two 1-thread rows over each other, each over its own sgemm windows (fwd_ratio / bwd_ratio):
   // the rows ran a minute or more apart, and the machine's speed drifts by more than the targets'
@@ -1152,7 +1158,7 @@ int run_thread_scaling(const Options& o) {
       }
     }
   nlohmann::json targets = nlohmann::json::array();
-  if (path.rfind("avx512", 0) != 0) {
+  if (!avx512_path(path)) {
     std::printf("\ntargets (issue 10, %s path), loom's median over the rounds:\n", path.c_str());
     for (const Line& l : lines) print_target(targets, l.what, l.value, 1.85);
   }

@@ -213,8 +213,8 @@ void compute_delta(View3<const bf16> out, View3<const bf16> dout, float* delta, 
 // Memory: besides small per-thread tiles, head-major copies of q and dout and one fp32 dq buffer
 // per thread for a chunk of kv heads' query heads at a time (attend_backward_chunk_heads: about
 // (2 sizeof(T) + 4 threads) Sq D bytes per query head, and with bf16 dot products (the avx512bf16
-// path) 4 Sq D more for q and dout transposed; kv heads in chunks of 8 MiB, at least one). A
-// buffer of at most 16 MiB stays with the calling thread for its next call, as attend()'s.
+// and amx paths) 4 Sq D more for q and dout transposed; kv heads in chunks of 8 MiB, at least one).
+// A buffer of at most 16 MiB stays with the calling thread for its next call, as attend()'s.
 KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<const float> v,
                             View3<const float> dout, const float* lse, const float* delta,
                             int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
@@ -233,11 +233,17 @@ void merge(View3<float> out_a, float* lse_a, View3<const float> out_b, const flo
            int64_t lse_stride);
 
 // The instruction-set path the kernels take in this process now, e.g. "avx2", "avx512",
-// "avx512bf16", "sse4", "neon", "scalar" (chosen per call from the CPU and the LOOM_KERNEL
+// "avx512bf16", "amx", "sse4", "neon", "scalar" (chosen per call from the CPU and the LOOM_KERNEL
 // environment variable = auto | portable | a compiled target's name; see src/kernels/tile_ops.h).
 // Throws InvalidArgument / NotSupported when LOOM_KERNEL names no target / one this process
 // cannot run.
 const char* kernel_path();
+
+// Whether the path kernel_path() names computes bf16 storage with bf16 dot products (avx512bf16:
+// vdpbf16ps; amx: AMX tiles): the weights p and ds are then rounded to bf16 for their products,
+// and the results are held to bf16_error_bounds(..., bf16_dots = true) (loom/tolerance.h); the
+// other paths widen bf16 to fp32. Throws as kernel_path().
+bool kernel_path_bf16_dots();
 
 // One side of the work tiles the kernels compute on (src/kernels/blockwise.cc): over n rows cut
 // into blocks of `block` rows, the block times the smallest factor whose product reaches `want`

@@ -119,7 +119,7 @@ Fp32Bounds fp32_error_bounds(View3<const double> q, View3<const double> k, View3
 // kernels round to bf16, and the first-order error bound it gives (W: the attention weights of
 // the reference, p_ij = exp(scale q_i.k_j - lse_i); norms over all rows and heads):
 //  * finish() rounds out to bf16: |error| <= u |out| per element.
-//  * With AVX512-BF16 dot products (path avx512bf16) the weights p are rounded to bf16 for the
+//  * With bf16 dot products (paths avx512bf16 and amx) the weights p are rounded to bf16 for the
 //    product p v only (scores q k^T are exact products of bf16 values summed in fp32, and l sums
 //    the unrounded p, so lse keeps fp32 accuracy): out_i moves by sum_j w_ij e_ij v_j with
 //    |e_ij| <= u, so |error| <= u (W |v|)_i per element. The portable and avx512 paths widen bf16
@@ -166,7 +166,7 @@ inline constexpr double kBf16Unit = 1.0 / 256.0;
 inline constexpr double kBf16OutRelTol = 2 * kBf16Unit;  // out in bf16
 inline constexpr double kBf16AccRelTol = kBf16Unit;      // out finished to fp32 (bf16-dot path)
 // dq, dk, dv (lse: kFp32RelTol). dv = p^T dout takes p rounded to bf16 on the bf16-dot path
-// (avx512bf16), as the forward's p v does; the widening paths keep dv within kFp32RelTol.
+// (avx512bf16, amx), as the forward's p v does; the widening paths keep dv within kFp32RelTol.
 inline constexpr double kBf16GradRelTol = 2 * kBf16Unit;
 inline constexpr double kBf16FixedTolMinKeys = 4;  // mean visible keys per query row
 // ... and a head dim of at least kBf16FixedTolMinHeadDim: a norm over few elements per row is
@@ -195,11 +195,12 @@ struct Bf16Bounds {
 };
 
 // q, dout [Sq,H,D] and k, v [Sk,Hkv,D] hold the bf16 input values (as the reference takes them);
-// qt, kt, mask and scale as reference_forward. dots: the bounds of the bf16-dot path
-// (avx512bf16); otherwise those of the widening paths. loom_kernels: as fp32_error_bounds (false:
-// the fp32 terms of any implementation). dout.data == nullptr: the forward's bounds only. The dk
-// and dv bounds count the given query rows only, so they hold for dk and dv where q holds every
-// query row. Costs about four times reference_forward plus reference_backward.
+// qt, kt, mask and scale as reference_forward. dots: the bounds of the bf16-dot paths
+// (avx512bf16, amx: kernel_path_bf16_dots()); otherwise those of the widening paths. loom_kernels:
+// as fp32_error_bounds (false: the fp32 terms of any implementation). dout.data == nullptr: the
+// forward's bounds only. The dk and dv bounds count the given query rows only, so they hold for dk
+// and dv where q holds every query row. Costs about four times reference_forward plus
+// reference_backward.
 Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                              double scale, bool dots, bool loom_kernels = false);

@@ -1640,4 +1640,8 @@ const char* kernel_path() {
   return kernels::select_ops().name;
 }
 
+bool kernel_path_bf16_dots() {
+  return kernels::select_ops().gemm_bf16 != nullptr;
+}
+
 }  // namespace loom

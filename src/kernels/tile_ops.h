@@ -38,15 +38,17 @@ struct PrefetchRegion {
 // baseline, scalar with g++ 12.2 and emu128 with a compiler Highway trusts with it; 64-bit Arm:
 // sve2_128, sve256, sve2, sve and the baseline neon), plus avx512bf16: the avx512 table with the
 // vdpbf16ps dot products of tile_ops_avx512bf16.cc (Highway 1.0.3 has no native bf16 dot product),
-// used when the CPU also reports avx512_bf16. sve256 and sve2_128 run only where the SVE vectors
-// are exactly 256 and 128 bits; sve and sve2 at any length.
+// used when the CPU also reports avx512_bf16, and amx: the avx512bf16 table with gemm_bf16 and
+// dot_bf16 on Intel's AMX tiles (tile_ops_amx.cc), used when the CPU also reports AMX-TILE and
+// AMX-BF16 and Linux grants the process the tile state. sve256 and sve2_128 run only where the SVE
+// vectors are exactly 256 and 128 bits; sve and sve2 at any length.
 // The environment variable LOOM_KERNEL forces one: auto (or unset or empty) is the first target in
-// kernel_targets() that the CPU runs (Highway's order of preference, with avx512bf16 ahead of
-// avx512 where the CPU has it); portable is the baseline target; any other value must be the name
-// of a compiled target the CPU runs,
-// else select_ops() throws (InvalidArgument: not a target name; NotSupported: not compiled, or the
-// CPU cannot run it). All paths give results within the fp32 tolerance of the fp64 reference;
-// they are not bitwise equal (FMA vs separate multiply-add, vector widths).
+// kernel_targets() that the CPU runs (Highway's order of preference, with amx ahead of
+// avx512bf16 ahead of avx512 where the CPU has them); portable is the baseline target; any other
+// value must be the name of a compiled target the CPU runs, else select_ops() throws
+// (InvalidArgument: not a target name; NotSupported: not compiled, or the CPU cannot run it). All
+// paths give results within the fp32 tolerance of the fp64 reference; they are not bitwise equal
+// (FMA vs separate multiply-add, vector widths).
 //
 // Tile layout (as in blockwise.cc): s, dp [bq, bk]; acc [bq, dp_]; rows/cols are the real
 // extents, the rest is padding.
@@ -149,6 +151,12 @@ void avx512bf16_gemm(int64_t M, int64_t N, int64_t K2, const uint16_t* a, int64_
 void avx512bf16_to_bf16(const float* x, uint16_t* y, int64_t n);
 void avx512bf16_to_bf16_pairs(const float* x, int64_t rows, int64_t cols, uint16_t* y);
 float avx512bf16_dot(const uint16_t* a, const uint16_t* b, int64_t n2);
+// tile_ops_amx.cc (compiled with AMX + AVX-512 flags): TileOps::gemm_bf16 and dot_bf16 of the amx
+// path on AMX tiles. Only call them when the amx target is runnable (CPU and Linux, see
+// kernel_targets()).
+void amx_gemm(int64_t M, int64_t N, int64_t K2, const uint16_t* a, int64_t lda, const uint16_t* b,
+              int64_t ldb, float alpha, bool accumulate, float* c, int64_t ldc);
+float amx_dot(const uint16_t* a, const uint16_t* b, int64_t n2);
 #endif
 
 }  // namespace loom::kernels

@@ -524,6 +524,12 @@ const TileOps* target_ops() {
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "loom/error.h"
 
 namespace loom::kernels {
@@ -586,6 +592,37 @@ bool cpu_has_avx512_bf16_flag() {
   return false;
 #endif
 }
+
+#if defined(__x86_64__) && defined(__linux__)
+// The avx512bf16 table with the bf16 GEMM and its dot chain on AMX tiles (tile_ops_amx.cc).
+const TileOps* amx_ops() {
+  static const TileOps ops = [] {
+    TileOps t = *avx512bf16_ops();
+    t.name = "amx";
+    t.gemm_bf16 = amx_gemm;
+    t.dot_bf16 = amx_dot;
+    return t;
+  }();
+  return &ops;
+}
+
+// Whether this process may run AMX-BF16: the CPU reports AMX-TILE and AMX-BF16 (CPUID leaf 7,
+// EDX bits 24 and 22) and Linux grants the process the tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16 and later; the grant is per process and
+// harmless where nothing uses the tiles). Without the grant the first tile instruction would
+// fault, so a refusal (an older kernel, a hypervisor that hides the state) leaves the path not
+// runnable.
+bool amx_bf16_ready() {
+  static const bool ready = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if (((edx >> 24) & 1u) == 0 || ((edx >> 22) & 1u) == 0) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+#endif
 #endif
 
 // Every target of this build, best first. HWY_CHOOSE_<T>(f) is this target's f, or nullptr where
@@ -621,9 +658,16 @@ std::vector<KernelTarget> build_targets() {
     const bool runs = (supported & c.target) != 0;
 #if HWY_TARGETS & HWY_AVX3
     // AVX-512 with native bf16 dot products: the AVX-512 table plus tile_ops_avx512bf16.cc.
-    if (c.target == HWY_AVX3)
+    if (c.target == HWY_AVX3) {
+#if defined(__x86_64__) && defined(__linux__)
+      // AMX tiles for the bf16 GEMMs, ahead of vdpbf16ps (on Sapphire Rapids the vdpbf16ps GEMM
+      // is slower than the fp32 one, docs/performance.md round 22).
+      t.push_back(KernelTarget{amx_ops()->name, amx_ops(),
+                               runs && cpu_has_avx512_bf16_flag() && amx_bf16_ready()});
+#endif
       t.push_back(KernelTarget{avx512bf16_ops()->name, avx512bf16_ops(),
                                runs && cpu_has_avx512_bf16_flag()});
+    }
 #endif
     t.push_back(KernelTarget{c.ops()->name, c.ops(), runs});
   }
@@ -679,9 +723,9 @@ const TileOps& select_ops() {
                               << names(t, true) << ")");
     return *k.ops;
   }
-  static const char* const kKnown[] = {"avx512dl", "avx512", "avx512bf16", "avx2", "sse4",
-                                       "ssse3",    "neon",   "sve",        "sve2", "sve256",
-                                       "sve2_128", "emu128", "scalar"};
+  static const char* const kKnown[] = {"amx",    "avx512dl", "avx512", "avx512bf16", "avx2",
+                                       "sse4",   "ssse3",    "neon",   "sve",        "sve2",
+                                       "sve256", "sve2_128", "emu128", "scalar"};
   for (const char* k : kKnown)
     LOOM_CHECK(want != k, NotSupported,
                "LOOM_KERNEL=" << env << ": that target is not compiled into this build (compiled: "

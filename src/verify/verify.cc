@@ -1335,7 +1335,7 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
       // number (a chance of 2^-16 per value for fp32 results), within the bf16 tolerance. Where
       // out is the exact answer rounded once to bf16, that model explains the error; an
       // implementation that also rounds inside (bf16 dot products round the probabilities of
-      // p v, as loom's avx512bf16 path does) leaves more, and is named all the same.
+      // p v, as loom's avx512bf16 and amx paths do) leaves more, and is named all the same.
       bool all_bf16 = true;
       for (double x : cand.out->vec()) {
         const float f = static_cast<float>(x);

@@ -35,6 +35,12 @@ import sys
 AVX512_CORES = ("SkylakeX", "Cooperlake", "SapphireRapids")
 
 
+def is_avx512_path(path):
+    """The paths issue 10's AVX-512 list applies to: avx512, avx512bf16 and amx (the avx512 table
+    with bf16 GEMMs on AMX tiles)."""
+    return path.startswith("avx512") or path == "amx"
+
+
 def check_run(bench, work, kernel):
     """Runs the sweep with LOOM_KERNEL=kernel (None: unset); returns (path, failures)."""
     out = os.path.join(work, f"bench-{kernel or 'auto'}.json")
@@ -50,7 +56,7 @@ def check_run(bench, work, kernel):
                         f"{r.stdout}\n{r.stderr}"]
     doc = json.load(open(out))
     rows, targets, path = doc["results"], doc["targets"], doc["kernel_path"]
-    avx512 = path.startswith("avx512")
+    avx512 = is_avx512_path(path)
     bad = []
 
     def row(dtype, sq, dim, causal):
@@ -161,7 +167,7 @@ def check_scaling(bench, work):
     doc = json.load(open(out))
     bad = []
     ts, targets = doc["thread_scaling"], doc["targets"]
-    avx512 = doc["kernel_path"].startswith("avx512")
+    avx512 = is_avx512_path(doc["kernel_path"])
     got = [(x["dtype"], x["kernel"]) for x in ts["results"]]
     want = [(t, k) for t in ("fp32", "bf16") for k in ("fwd", "bwd")]
     if got != want or ts["threads"] != 2 or ts["rounds"] != rounds:
@@ -209,7 +215,7 @@ def main():
     os.makedirs(work, exist_ok=True)
     path, bad = check_run(bench, work, None)
     paths = [path]
-    if path.startswith("avx512"):  # every AVX-512 CPU runs avx2: check the AVX2 list there too
+    if is_avx512_path(path):  # every AVX-512 CPU runs avx2: check the AVX2 list there too
         p2, bad2 = check_run(bench, work, "avx2")
         paths.append(p2)
         bad += bad2

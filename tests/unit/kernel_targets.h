@@ -37,6 +37,13 @@ inline std::vector<std::string> kernel_target_names() {
   return names;
 }
 
+// Whether the compiled target of that name has bf16 dot products (TileOps::gemm_bf16: avx512bf16,
+// amx), which round p and ds to bf16 (the other targets widen bf16 to fp32).
+inline bool target_has_bf16_dots(const std::string& name) {
+  const TileOps* t = find_target(name);
+  return t != nullptr && t->gemm_bf16 != nullptr;
+}
+
 class PerKernelTarget : public ::testing::TestWithParam<std::string> {
  protected:
   // The target's table, or nullptr when this CPU cannot run it (a name that is no target fails,

@@ -303,9 +303,9 @@ class ScopedKernelPath {
 // The best path this CPU runs (LOOM_KERNEL unset) and a second one: the next runnable SIMD
 // target below it (sse4 under avx2, avx2 under avx512), or the baseline where there is none (the
 // baseline's one-lane GEMM is slow under the sanitizers; PerTarget below covers it). fp32
-// storage: avx512bf16 computes as avx512, so that one stands for it. bf16 storage: the bf16 dot
-// products (avx512bf16) and, where the best path has them, also the widening path they sit on
-// (avx512).
+// storage: avx512bf16 and amx compute as avx512, so that one stands for them. bf16 storage: the
+// best path's bf16 dot products (amx or avx512bf16) where it has them, and the widening path they
+// sit on (avx512).
 std::vector<std::string> sweep_paths(bool bf16) {
   std::string best;
   {
@@ -313,7 +313,7 @@ std::vector<std::string> sweep_paths(bool bf16) {
     best = kernel_path();
   }
   std::vector<std::string> paths;
-  if (best == "avx512bf16") {
+  if (kernels::target_has_bf16_dots(best)) {  // avx512bf16 or amx: the avx512 table with bf16 dots
     if (bf16) paths.push_back(best);
     best = "avx512";
   }
@@ -960,7 +960,7 @@ TEST_P(Bf16Sweep, MatchesReference) {
     const ScopedKernelPath scoped(path.c_str());
     const Bf16Result r = run_blockwise_bf16(b, cfg);
     SCOPED_TRACE(kernel_path());
-    const bool bf16_dots = std::string(kernel_path()) == "avx512bf16";
+    const bool bf16_dots = kernel_path_bf16_dots();
     const Bf16Bounds& bound = bf16_dots ? dot_bound : wide_bound;
     const double e_out = rel_error(convert<float>(r.out).vec(), ref.out.vec());
     const double e_out32 = rel_error(r.out_f32.vec(), ref.out.vec());
@@ -1038,8 +1038,7 @@ TEST(Bf16, RingOfBf16BlocksIntoOneFp32State) {
   Tensor<bf16> out({b.p.sq, b.p.h, b.p.d});
   std::vector<float> lse(static_cast<size_t>(b.p.h * b.p.sq)), delta(lse.size());
   finish(st.view(), out.view3(), lse.data(), b.p.sq);
-  const Bf16Bounds bound =
-      bf16_bounds(b.p, std::string(kernel_path()) == "avx512bf16");  // the best path
+  const Bf16Bounds bound = bf16_bounds(b.p, kernel_path_bf16_dots());  // the best path
   EXPECT_LE(rel_error(convert<float>(out).vec(), ref.out.vec()), bound.out);
   EXPECT_LE(lse_rel_error(lse, ref.lse), kFp32RelTol);
   compute_delta(out.view3(), b.dout.view3(), delta.data(), b.p.sq);
@@ -1097,7 +1096,7 @@ TEST_P(PerTarget, Fp32MatchesReference) {
 TEST_P(PerTarget, Bf16MatchesReference) {
   const ScopedKernelPath scoped(GetParam().c_str());
   ASSERT_EQ(std::string(kernel_path()), GetParam());
-  const bool bf16_dots = GetParam() == "avx512bf16";
+  const bool bf16_dots = kernels::target_has_bf16_dots(GetParam());
   for (const Case& c : target_cases()) {
     SCOPED_TRACE(c.name());
     const Bf16Problem b = make_bf16_problem(c, static_cast<uint32_t>(c.s * 19 + c.d));
@@ -1187,7 +1186,8 @@ TEST_P(PerTarget, ForwardInChunksOfKvHeads) {
     const Bf16ChunkCase& c = bf16_chunk_case();
     ASSERT_EQ(attend_kv_chunk_heads(c.b.p.hkv, bytes_per_kv_head(c.b.p.sk, 2)), 2);
     const KernelConfig cfg = config(c.b.p, 64, 64, 2);
-    const Bf16Bounds& bound = GetParam() == "avx512bf16" ? c.dot_bound : c.wide_bound;
+    const Bf16Bounds& bound =
+        kernels::target_has_bf16_dots(GetParam()) ? c.dot_bound : c.wide_bound;
     const Bf16Result r = run_blockwise_bf16(c.b, cfg);
     EXPECT_LE(rel_error(r.out_f32.vec(), c.ref.out.vec()), bound.out_fp32)
         << "out finished to fp32";
@@ -1271,7 +1271,7 @@ TEST(Blockwise, BackwardInChunksOfKvHeads) {
   EXPECT_EQ(again.dk.vec(), r.dk.vec());
   EXPECT_EQ(again.dv.vec(), r.dv.vec());
   // bf16 storage (with bf16 dot products, on avx512bf16, on q and dout transposed per chunk).
-  const Bf16Bounds bound = bf16_bounds(p, std::string(kernel_path()) == "avx512bf16");
+  const Bf16Bounds bound = bf16_bounds(p, kernel_path_bf16_dots());
   const Bf16Result br = run_blockwise_bf16(b, cfg);
   EXPECT_LE(rel_error(br.dq.vec(), ref.dq.vec()), bound.dq) << "bf16 dq";
   EXPECT_LE(rel_error(br.dk.vec(), ref.dk.vec()), bound.dk) << "bf16 dk";
@@ -1302,7 +1302,8 @@ TEST(BackwardChunks, AsManyKvHeadsAsFitInTheChunkBytesAndTwoTasksPerThread) {
 // bitwise the state and gradients of the fp32 problem holding the same (widened) values.
 TEST_P(PerTarget, Bf16IsTheFp32ArithmeticOfTheWidenedValues) {
   const ScopedKernelPath scoped(GetParam().c_str());
-  if (GetParam() == "avx512bf16") GTEST_SKIP() << "bf16 dot products: rounded p, see Bf16Sweep";
+  if (kernels::target_has_bf16_dots(GetParam()))
+    GTEST_SKIP() << "bf16 dot products: rounded p, see Bf16Sweep";
   for (const Case& c : target_cases()) {
     SCOPED_TRACE(c.name());
     const Bf16Problem b = make_bf16_problem(c, static_cast<uint32_t>(c.s * 23 + c.d));
@@ -1489,7 +1490,8 @@ TEST_P(PerTarget, Fp32ErrorsWithinTheirBoundsAtAnyScale) {
     SCOPED_TRACE("bf16, scale " + std::to_string(c.b.p.scale));
     const Bf16Result r =
         run_blockwise_bf16(c.b, config(c.b.p, c.b.p.sq, c.b.p.sk, 1));  // one tile each way
-    const Bf16Bounds& bound = GetParam() == "avx512bf16" ? c.dot_bound : c.wide_bound;
+    const Bf16Bounds& bound =
+        kernels::target_has_bf16_dots(GetParam()) ? c.dot_bound : c.wide_bound;
     EXPECT_LE(rel_error(convert<float>(r.out).vec(), c.ref.out.vec()), bound.out) << "out";
     EXPECT_LE(rel_error(r.out_f32.vec(), c.ref.out.vec()), bound.out_fp32) << "fp32 out";
     EXPECT_LE(lse_rel_error(r.lse, c.ref.lse), bound.lse) << "lse";

@@ -184,11 +184,13 @@ TEST_P(KernelsPrefetch, Bf16DotsAreExactProductsAndTheDotChain) {
   ASSERT_NE(ops->dot_bf16, nullptr);
   std::mt19937 gen(17);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  // M = 24: the 8-row and 4-row blocks; N = 48: two-vector and one-vector column blocks.
-  const int64_t M = 24, N = 48;
+  // M = 60: the 8-row and 4-row blocks of vdpbf16ps; AMX's 32-row and 16-row blocks and 12 rows
+  // past them. N = 48: two-vector and one-vector (two-tile and one-tile) column blocks.
+  const int64_t M = 60, N = 48;
   for (const int64_t K2 : {int64_t{64}, int64_t{1}, int64_t{37}}) {
     SCOPED_TRACE(::testing::Message() << "K2 " << K2);
-    std::vector<float> af(M * 2 * K2), bf(2 * K2 * N), c0(M * N);
+    // af rounded up to to_bf16's multiple of 16 (M * 2 K2 is not one at M = 60, K2 = 1 or 37).
+    std::vector<float> af(round_up(M * 2 * K2, 16)), bf(2 * K2 * N), c0(M * N);
     for (float& x : af) x = normal(gen);
     for (float& x : bf) x = normal(gen);
     for (float& x : c0) x = normal(gen);
@@ -225,6 +227,39 @@ TEST_P(KernelsPrefetch, Bf16DotsAreExactProductsAndTheDotChain) {
           ASSERT_EQ(one[i * N + j], accumulate ? d + c0[i * N + j] : d) << i << ", " << j;
         }
     }
+  }
+}
+
+// The bf16-dot x86-64 targets are the avx512 table with their own bf16 GEMM (tile_ops.h): amx
+// differs from avx512bf16 only in gemm_bf16 and dot_bf16, runs only where avx512bf16 runs, and is
+// the automatic choice wherever it runs (LOOM_KERNEL unset). Skipped, with the reason, on builds
+// without the amx target (64-bit Arm).
+TEST(KernelTargets, AmxIsTheAvx512bf16TableWithTileGemmsAndComesFirst) {
+  const TileOps* amx = find_target("amx");
+  if (amx == nullptr) GTEST_SKIP() << "amx: not compiled into this build (not x86-64 Linux)";
+  const TileOps* dots = find_target("avx512bf16");
+  const TileOps* wide = find_target("avx512");
+  ASSERT_NE(dots, nullptr);
+  ASSERT_NE(wide, nullptr);
+  EXPECT_EQ(amx->gemm, wide->gemm);
+  EXPECT_EQ(amx->gemm_panels_next, wide->gemm_panels_next);
+  EXPECT_EQ(amx->softmax_update, wide->softmax_update);
+  EXPECT_EQ(amx->probs, wide->probs);
+  EXPECT_EQ(amx->to_bf16, dots->to_bf16);
+  EXPECT_EQ(amx->to_bf16_pairs, dots->to_bf16_pairs);
+  EXPECT_NE(amx->gemm_bf16, nullptr);
+  EXPECT_NE(amx->gemm_bf16, dots->gemm_bf16);
+  EXPECT_NE(amx->dot_bf16, dots->dot_bf16);
+  bool amx_runs = false, dots_run = false;
+  for (const KernelTarget& t : kernel_targets()) {
+    if (std::string(t.name) == "amx") amx_runs = t.runnable;
+    if (std::string(t.name) == "avx512bf16") dots_run = t.runnable;
+  }
+  EXPECT_TRUE(!amx_runs || dots_run) << "amx runnable where avx512bf16 is not";
+  if (amx_runs) {
+    EXPECT_STREQ(best_ops().name, "amx");
+  } else {
+    EXPECT_STRNE(best_ops().name, "amx");
   }
 }
 

@@ -327,7 +327,7 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
   r.per_problem_bounds = !r.per_problem_why.empty();
   if (r.per_problem_bounds && p.bf16) {
     bound = bf16_error_bounds(qs.view3(), kd.view3(), vd.view3(), dos_v, qt, all, p.kernel.mask,
-                              p.kernel.scale, std::string(kernel_path()) == "avx512bf16",
+                              p.kernel.scale, kernel_path_bf16_dots(),
                               /*loom_kernels=*/true);
   } else if (r.per_problem_bounds) {
     const Fp32Bounds f = fp32_error_bounds(qs.view3(), kd.view3(), vd.view3(), dos_v, qt, all,
