@@ -584,17 +584,22 @@ void pack_pairs_along_d(View3<const bf16> x, int64_t k0, int64_t cols, int64_t g
                         uint16_t* dst) {
   // In 32-bit words, one pair each: word (t, j) = x[j, 2t .. 2t + 1] (an odd D's last pair ends
   // in a zero). dst is 64-byte aligned (AlignedBuffer, KvStorage; tiles a multiple of 64 bytes).
+  // Blocks of 16 keys: each pair step writes 64 contiguous bytes, reading 16 rows in order (key
+  // by key, the writes went bk * 4 bytes apart: 3-5 % of the amx forward, round 22).
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
   const int64_t pairs = x.d / 2, bk = t.bk;
   std::fill(out, out + t.dp / 2 * bk, uint32_t{0});
-  for (int64_t j = 0; j < cols; ++j) {
-    const bf16* r = x.row(k0 + j, g);
+  constexpr int64_t kKeys = 16;
+  for (int64_t j0 = 0; j0 < cols; j0 += kKeys) {
+    const int64_t n = std::min(kKeys, cols - j0);
+    const bf16* r[kKeys];
+    for (int64_t j = 0; j < n; ++j) r[j] = x.row(k0 + j0 + j, g);
     for (int64_t u = 0; u < pairs; ++u) {
-      uint32_t w;
-      std::memcpy(&w, r + 2 * u, 4);
-      out[u * bk + j] = w;
+      uint32_t* o = out + u * bk + j0;
+      for (int64_t j = 0; j < n; ++j) std::memcpy(o + j, r[j] + 2 * u, 4);
     }
-    if (x.d & 1) out[pairs * bk + j] = r[x.d - 1].bits;
+    if (x.d & 1)
+      for (int64_t j = 0; j < n; ++j) out[pairs * bk + j0 + j] = r[j][x.d - 1].bits;
   }
 }
 
