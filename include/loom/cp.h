@@ -153,6 +153,7 @@ struct CpProblem {
 // The estimated bytes of cfg.strategy's own working set on one rank (its fp32 buffers beyond the
 // caller's inputs and outputs: softmax state, blocks in flight, re-sharded copies, gradient
 // partials), from the strategy's registry entry. `loom attn --memory-limit` adds the rest.
+// Throws InvalidArgument for a negative size or ranks < 1.
 double strategy_working_bytes(const CpConfig& cfg, const CpProblem& p);
 
 // How a strategy lays the P ranks of a cp group out: `inner` consecutive cp ranks form an inner

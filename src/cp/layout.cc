@@ -72,6 +72,12 @@ ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
                           const std::vector<int64_t>& doc_lengths) {
   LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
   LOOM_CHECK(ranks >= 1, InvalidArgument, "ranks must be >= 1, got " << ranks);
+  // A Layout outside the enumeration (a cast integer) matched no case below and gave a plan with
+  // no tokens on any rank.
+  LOOM_CHECK(
+      layout == Layout::contiguous || layout == Layout::zigzag || layout == Layout::stripe,
+      InvalidArgument,
+      "layout must be contiguous, zigzag or stripe, got the value " << static_cast<int>(layout));
   ShardPlan p;
   p.layout = layout;
   p.seq = seq;

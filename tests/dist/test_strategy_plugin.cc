@@ -205,6 +205,11 @@ TEST(StrategyPlugin, DegreeOptionAndMemoryEstimate) {
   // Ring's is smaller than all-gathering at P = 4.
   cfg.strategy = Strategy::ring;
   EXPECT_LT(strategy_working_bytes(cfg, p), q + 2 * all_kv);
+  // Negative sizes (the estimate went negative: "fits" under any limit) and ranks < 1 are refused.
+  for (CpProblem bad :
+       {CpProblem{-1000, 252, 8, 2, 64, 4, true}, CpProblem{1000, -252, 8, 2, 64, 4, true},
+        CpProblem{1000, 252, 8, 2, -64, 4, true}, CpProblem{1000, 252, 8, 2, 64, 0, true}})
+    EXPECT_THROW(strategy_working_bytes(cfg, bad), InvalidArgument);
 }
 
 // Forward and backward through CpAttention against the fp64 reference (run_cp_case throws on a

@@ -84,6 +84,8 @@ TEST(Layout, ShardUnshardRoundTrip) {
 TEST(Layout, Errors) {
   EXPECT_THROW(ShardPlan::make(Layout::zigzag, 10, 2, {4, 5}), InvalidArgument);
   EXPECT_THROW(ShardPlan::make(Layout::zigzag, 0, 2), InvalidArgument);
+  // A value outside the enumeration gave a plan with no tokens on any rank.
+  EXPECT_THROW(ShardPlan::make(static_cast<Layout>(7), 10, 2), InvalidArgument);
   EXPECT_THROW(parse_layout("spiral"), InvalidArgument);
   EXPECT_THROW(parse_strategy("tree"), InvalidArgument);
   EXPECT_EQ(parse_doc_lengths("3,1,20"), (std::vector<int64_t>{3, 1, 20}));

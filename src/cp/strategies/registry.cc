@@ -118,6 +118,14 @@ void set_degree(CpConfig& cfg, int value) {
 }
 
 double strategy_working_bytes(const CpConfig& cfg, const CpProblem& p) {
+  // A negative size gave a negative estimate, which a memory limit took as "fits".
+  LOOM_CHECK(p.seq >= 0 && p.rows >= 0 && p.heads >= 0 && p.kv_heads >= 0 && p.head_dim >= 0,
+             InvalidArgument,
+             "strategy_working_bytes: sizes must be >= 0 (seq "
+                 << p.seq << ", rows " << p.rows << ", heads " << p.heads << ", kv_heads "
+                 << p.kv_heads << ", head_dim " << p.head_dim << ")");
+  LOOM_CHECK(p.ranks >= 1, InvalidArgument,
+             "strategy_working_bytes: ranks must be >= 1, got " << p.ranks);
   return cp_detail::entry(cfg.strategy).working_bytes(p);
 }
 
