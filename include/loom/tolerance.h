@@ -3,6 +3,7 @@
 // ref is all zero). They are never loosened to make a comparison pass.
 #pragma once
 
+#include <cmath>
 #include <limits>
 
 #include "loom/attention.h"
@@ -204,5 +205,28 @@ struct Bf16Bounds {
 Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                              double scale, bool dots, bool loom_kernels = false);
+
+// Exact values below float32's normal range. Rounding an exact tensor to float32 alone errs by
+// Float32Floor::rel() (normwise relative, absolute where the tensor is all zero; non-finite
+// values left out), and no float32 result can do better. Where that floor exceeds a quarter of
+// a tolerance (float32_floor_blocks), a float32 result that misses the tolerance cannot be judged
+// wrong: `loom attn --check` says "cannot tell" and `loom verify` "cannot be verified" (q of 1e-42
+// made a correct dk "FAIL" at 0.006 against 1e-5).
+class Float32Floor {
+ public:
+  void add(double exact) {
+    if (!(exact - exact == 0)) return;  // NaN or infinite
+    const double e = static_cast<double>(static_cast<float>(exact)) - exact;
+    num_ += e * e;
+    den_ += exact * exact;
+  }
+  double rel() const { return den_ > 0 ? std::sqrt(num_ / den_) : std::sqrt(num_); }
+
+ private:
+  double num_ = 0, den_ = 0;
+};
+inline bool float32_floor_blocks(double floor, double tolerance) {
+  return floor > tolerance / 4;
+}
 
 }  // namespace loom

@@ -608,10 +608,13 @@ const TileOps* amx_ops() {
 
 // Whether this process may run AMX-BF16: the CPU reports AMX-TILE and AMX-BF16 (CPUID leaf 7,
 // EDX bits 24 and 22) and Linux grants the process the tile data state (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16 and later; the grant is per process and
-// harmless where nothing uses the tiles). Without the grant the first tile instruction would
-// fault, so a refusal (an older kernel, a hypervisor that hides the state) leaves the path not
-// runnable.
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16 and later). The grant is per process and
+// asked for once, when the target list is first built; its one side effect is that Linux then
+// needs signal stacks large enough for the tile state (an alternate signal stack smaller than
+// the kernel's AT_MINSIGSTKSZ is refused, and a process holding one is refused the grant), as
+// for any AMX user such as oneDNN. Without the grant the first tile instruction would fault, so a
+// refusal (an older kernel, a hypervisor that hides the state, a small signal stack) leaves the
+// path not runnable.
 bool amx_bf16_ready() {
   static const bool ready = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -660,8 +663,8 @@ std::vector<KernelTarget> build_targets() {
     // AVX-512 with native bf16 dot products: the AVX-512 table plus tile_ops_avx512bf16.cc.
     if (c.target == HWY_AVX3) {
 #if defined(__x86_64__) && defined(__linux__)
-      // AMX tiles for the bf16 GEMMs, ahead of vdpbf16ps (on Sapphire Rapids the vdpbf16ps GEMM
-      // is slower than the fp32 one, docs/performance.md round 22).
+      // AMX tiles for the bf16 GEMMs, ahead of vdpbf16ps (on the AMX Xeon of
+      // docs/performance.md round 22 the vdpbf16ps kernels ran at 0.7 of fp32, amx at 3-4x).
       t.push_back(KernelTarget{amx_ops()->name, amx_ops(),
                                runs && cpu_has_avx512_bf16_flag() && amx_bf16_ready()});
 #endif
