@@ -638,18 +638,24 @@ PackedKvPairs pack_kv_pairs(View3<const bf16> k, View3<const bf16> v, int64_t g0
 }
 
 // The bf16-dot backward's q and dout of every head of a chunk transposed, the A operands of
-// dk^T += q^T ds and dv^T += dout^T p (pairs along the query rows): [H][dp][sp] bf16 bits,
-// element (h, d, i) = x[i, h, d], sp = q_tiles * bq, zero padded, in elements(H, sp, t) x 2
-// bf16 of the caller's memory at dst. Every k-tile task reads every q-tile, so they are
-// transposed once per chunk (backward_in_head_chunks).
+// dk^T += q^T ds and dv^T += dout^T p (pairs along the query rows): [H][dp][ld] bf16 bits,
+// element (h, d, i) = x[i, h, d] for i < sp = q_tiles * bq (zero padded past Sq; the ld - sp
+// skew columns are not written), in elements(H, sp, t) x 2 bf16 of the caller's memory at dst.
+// Every k-tile task reads every q-tile, so they are transposed once per chunk
+// (backward_in_head_chunks).
 class TransposedRows {
  public:
+  // Rows [dp] of sp elements each, ld() = sp + kSkew apart: sp is a multiple of the tile side, so
+  // sp * 2 bytes is often a multiple of 4 KiB (8 KiB at Sq = 4096), and the 16 rows of an AMX
+  // tile (8 rows of a vdpbf16ps block) would all fall in one L1 set. The skew's 64 bytes move
+  // each row to the next set; they are never read.
+  static constexpr int64_t kSkew = 32;
   static int64_t elements(int64_t heads, int64_t sp, const TileDims& t) {
-    return heads * t.dp * sp;
+    return heads * t.dp * (sp + kSkew);
   }
   TransposedRows(View3<const bf16> q, View3<const bf16> dout, int64_t sp, const TileDims& t,
                  int threads, uint16_t* dst)
-      : sp_(sp), dp_(t.dp), q_(dst), dout_(dst + elements(q.h, sp, t)) {
+      : ld_(sp + kSkew), dp_(t.dp), q_(dst), dout_(dst + elements(q.h, sp, t)) {
     constexpr int64_t kRows = 32;  // rows per block: each d writes 64 contiguous bytes
     const int64_t blocks = (sp + kRows - 1) / kRows;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -660,27 +666,27 @@ class TransposedRows {
       transpose_block(dout, h, i0, n, dout_);
     }
   }
-  // Column q0 of head h's [dp][sp] rows (row stride sp()).
+  // Column q0 of head h's [dp] rows (row stride ld()).
   const uint16_t* q(int64_t h, int64_t q0) const {
-    return q_ + h * dp_ * sp_ + q0;
+    return q_ + h * dp_ * ld_ + q0;
   }
   const uint16_t* dout(int64_t h, int64_t q0) const {
-    return dout_ + h * dp_ * sp_ + q0;
+    return dout_ + h * dp_ * ld_ + q0;
   }
-  int64_t sp() const {
-    return sp_;
+  int64_t ld() const {
+    return ld_;
   }
 
  private:
   void transpose_block(View3<const bf16> x, int64_t h, int64_t i0, int64_t n, uint16_t* dst) const {
-    uint16_t* base = dst + h * dp_ * sp_ + i0;
+    uint16_t* base = dst + h * dp_ * ld_ + i0;
     for (int64_t d = 0; d < dp_; ++d) {
-      uint16_t* out = base + d * sp_;
+      uint16_t* out = base + d * ld_;
       for (int64_t r = 0; r < n; ++r)
         out[r] = i0 + r < x.s && d < x.d ? x.row(i0 + r, h)[d].bits : uint16_t{0};
     }
   }
-  int64_t sp_, dp_;
+  int64_t ld_, dp_;
   uint16_t* q_;
   uint16_t* dout_;
 };
@@ -1168,14 +1174,14 @@ void backward_task_bf16(const BackwardArgs<bf16>& a, const TransposedRows& tr, i
       }
       ops.probs(rows, cols, t.bq, t.bk, lse, s);
       ops.to_bf16_pairs(s, t.bq, t.bk, pairs);
-      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.dout(h, q0), tr.sp(), pairs, 2 * t.bk, 1.0f, true,
+      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.dout(h, q0), tr.ld(), pairs, 2 * t.bk, 1.0f, true,
                     dv_t, t.bk);
       ops.gemm_bf16(t.bq, t.bk, t.dp / 2, dout16, dout_ld, ws.vt16.get(), 2 * t.bk, 1.0f, false, dp,
                     t.bk);
       ops.ds(s, delta, scale, t.bq, t.bk, dp);
       ops.to_bf16_pairs(dp, t.bq, t.bk, pairs);
       ops.to_bf16(dp, ds16, t.bq * t.bk);
-      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.q(h, q0), tr.sp(), pairs, 2 * t.bk, 1.0f, true, dk_t,
+      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.q(h, q0), tr.ld(), pairs, 2 * t.bk, 1.0f, true, dk_t,
                     t.bk);
       if (whole) {  // c + 1 * sum: the same rounding as adding a tile result
         ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ds16, t.bk, ws.k16.get(), 2 * t.dp, 1.0f, true,
