@@ -151,6 +151,9 @@ bool mpi_available();
 // True if the process looks like it was started by mpirun/mpiexec with more than one process
 // (checks OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK ...) without initialising MPI.
 bool launched_by_mpirun();
+// This process's world rank as the MPI launcher exported it (OMPI_COMM_WORLD_RANK, PMIX_RANK or
+// PMI_RANK), without initialising MPI; -1 where none is set.
+long launcher_rank();
 // Initialises MPI (once; finalised at exit) and returns the world communicator. MPI errors are
 // returned to loom (MPI_ERRORS_RETURN) and become CommError.
 std::unique_ptr<Communicator> mpi_world();

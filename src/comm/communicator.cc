@@ -131,4 +131,10 @@ bool launched_by_mpirun() {
   return false;
 }
 
+long launcher_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
+    if (const long r = env_int(name); r >= 0) return r;
+  return -1;
+}
+
 }  // namespace loom

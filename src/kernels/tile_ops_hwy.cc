@@ -615,15 +615,13 @@ const TileOps* amx_ops() {
 // for any AMX user such as oneDNN. Without the grant the first tile instruction would fault, so a
 // refusal (an older kernel, a hypervisor that hides the state, a small signal stack) leaves the
 // path not runnable.
+// Called once, by build_targets().
 bool amx_bf16_ready() {
-  static const bool ready = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
-    if (((edx >> 24) & 1u) == 0 || ((edx >> 22) & 1u) == 0) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  if (((edx >> 24) & 1u) == 0 || ((edx >> 22) & 1u) == 0) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 #endif
 #endif

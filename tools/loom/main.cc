@@ -2,7 +2,6 @@
 // errors into one clear line and a non-zero exit.
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <new>
 #include <string>
@@ -29,10 +28,8 @@ int main(int argc, char** argv) {
   // raised InvalidArgument or IoError (a bad LOOM_TIMEOUT_S, an unreadable --data or checkpoint
   // on one rank), then reported a misleading timeout of their own. The line names the rank.
   const bool mpi = loom::launched_by_mpirun();
-  std::string who;
-  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
-    if (const char* r = std::getenv(var); mpi && r && who.empty())
-      who = std::string("rank ") + r + ": ";
+  const long rank = mpi ? loom::launcher_rank() : -1;
+  const std::string who = rank >= 0 ? "rank " + std::to_string(rank) + ": " : std::string();
   auto fail = [&](const char* what) {
     std::fprintf(stderr, "loom: error: %s%s\n", who.c_str(), what);
     if (mpi) loom::mpi_abort(1);  // ends the other ranks now (a no-op before MPI started)

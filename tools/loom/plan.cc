@@ -621,8 +621,7 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
   if (mode == kCalibrate) {
     LOOM_CHECK(!o.calibrate.empty(), InvalidArgument, "--calibrate needs a FILE to write");
     // The banner once: under mpirun rank 0 alone calibrates (every rank printed it).
-    const char* world_rank = std::getenv("OMPI_COMM_WORLD_RANK");
-    if (!launched_by_mpirun() || !world_rank || std::atoi(world_rank) == 0)
+    if (!launched_by_mpirun() || launcher_rank() <= 0)
       std::fprintf(stderr, "loom plan: calibrating this machine (%d thread%s per rank)...\n",
                    o.threads, o.threads == 1 ? "" : "s");
     if (launched_by_mpirun()) {
