@@ -155,7 +155,11 @@ bool launched_by_mpirun();
 // PMI_RANK), without initialising MPI; -1 where none is set.
 long launcher_rank();
 // Initialises MPI (once; finalised at exit) and returns the world communicator. MPI errors are
-// returned to loom (MPI_ERRORS_RETURN) and become CommError.
+// returned to loom (MPI_ERRORS_RETURN) and become CommError. MPI_Init itself has no timeout and
+// waits for every rank of the job: if it has not returned after the default timeout (at least
+// 10 s), as when another rank exited before initialising MPI, the process prints one line on
+// stderr and exits with status 1 (_Exit: nothing can be thrown into the blocked call), which
+// ends the job under mpirun.
 std::unique_ptr<Communicator> mpi_world();
 // Ends the whole MPI job at once after a fatal error on this rank (MPI_Abort); no-op without MPI.
 void mpi_abort(int code);

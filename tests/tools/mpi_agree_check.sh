@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Under mpirun, a rank that fails or differs ends the whole job at once with one line naming it:
 # ranks started with other arguments (MPMD), reading other --input bytes or resuming from other
-# checkpoints (node-local directories), or failing alone (a bad LOOM_TIMEOUT_S). Before, the
-# others waited out their timeout, crashed inside MPI (SIGSEGV), or exited 0 with wrong results
-# and checkpoints. Usage: mpi_agree_check.sh MPIEXEC LOOM_BINARY [mpiexec flags...]
+# checkpoints (node-local directories), failing alone (a bad LOOM_TIMEOUT_S), or exiting before
+# initialising MPI. Before, the others waited out their timeout (or for ever, in MPI_Init),
+# crashed inside MPI (SIGSEGV), or exited 0 with wrong results and checkpoints.
+# Usage: mpi_agree_check.sh MPIEXEC LOOM_BINARY [mpiexec flags...]
 set -uo pipefail
 mpiexec="$1"
 loom="$(realpath "$2")"
@@ -35,6 +36,11 @@ expect "other arguments on one rank (MPMD)" "rank 1 was started with other argum
 expect "an error on one rank only ends the job at once, naming it" \
   "rank 1: LOOM_TIMEOUT_S must be a positive number" -- \
   -np 1 "$@" "$loom" "${attn[@]}" : -np 1 "$@" -x LOOM_TIMEOUT_S=abc "$loom" "${attn[@]}"
+# A rank that exits (status 0) before initialising MPI: the others waited in MPI_Init for ever.
+# Their initialisation deadline is LOOM_TIMEOUT_S with a floor of 10 s.
+expect "a rank that exits 0 before initialising MPI ends the job" \
+  "rank 1: MPI initialisation did not complete within 10 s" -- \
+  -np 1 "$@" sh -c "exit 0" : -np 1 "$@" -x LOOM_TIMEOUT_S=1 "$loom" "${attn[@]}"
 # The same command line in two directories holding different files (node-local inputs).
 for d in a b; do
   mkdir -p "$work/$d/ck"

@@ -17,7 +17,11 @@
 // (collectives.h), so the counters compare across backends.
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <climits>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
@@ -65,6 +69,45 @@ void finalize_at_exit() {
   if (!mpi_finalized()) MPI_Finalize();
 }
 
+// MPI_Init waits for every rank of the job to reach it, with no timeout of its own: a rank that
+// exits (even with status 0) or stops before initialising MPI leaves the others in MPI_Init
+// for ever, and mpirun waits on them. A watchdog thread ends this process after the
+// initialisation deadline (the communication timeout, at least kInitFloorS so a loaded machine
+// starting many ranks is not mistaken for a dead one) with one line on stderr and status 1,
+// which makes mpirun end the job. It cannot throw into the blocked thread, and MPI_Abort needs
+// an initialised MPI, so _Exit is the only way out.
+constexpr double kInitFloorS = 10;
+
+int init_within_deadline(int* provided) {
+  const double limit_s = std::max(Communicator::default_timeout_s(), kInitFloorS);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    if (cv.wait_for(lock, std::chrono::duration<double>(limit_s), [&] { return done; })) return;
+    const long rank = launcher_rank();
+    std::ostringstream line;
+    line << "loom: error: " << (rank >= 0 ? "rank " + std::to_string(rank) + ": " : "")
+         << "MPI initialisation did not complete within " << limit_s
+         << " s: another rank of this job exited or stopped before initialising MPI "
+            "(LOOM_TIMEOUT_S, at least "
+         << kInitFloorS << " s, sets the limit)\n";
+    const std::string text = line.str();
+    std::fputs(text.c_str(), stderr);
+    std::fflush(stderr);
+    std::_Exit(1);
+  });
+  const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, provided);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    done = true;
+  }
+  cv.notify_one();
+  watchdog.join();
+  return rc;
+}
+
 void ensure_initialized() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -73,7 +116,7 @@ void ensure_initialized() {
     MPI_Initialized(&initialized);
     if (!initialized) {
       int provided = 0;
-      const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+      const int rc = init_within_deadline(&provided);
       if (rc != MPI_SUCCESS) {
         throw CommError("MPI_Init_thread failed: " + mpi_error_text(rc), __FILE__, __LINE__);
       }
