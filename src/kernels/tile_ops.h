@@ -44,7 +44,9 @@ struct PrefetchRegion {
 // vectors are exactly 256 and 128 bits; sve and sve2 at any length.
 // The environment variable LOOM_KERNEL forces one: auto (or unset or empty) is the first target in
 // kernel_targets() that the CPU runs (Highway's order of preference, with amx ahead of
-// avx512bf16 ahead of avx512 where the CPU has them); portable is the baseline target; any other
+// avx512bf16 ahead of avx512 where the CPU has them, except that on Intel CPUs avx512bf16 comes
+// after avx512: its vdpbf16ps kernels ran at 0.64-0.68x fp32 on Intel's Sapphire Rapids, widening
+// at 1.0x); portable is the baseline target; any other
 // value must be the name of a compiled target the CPU runs, else select_ops() throws
 // (InvalidArgument: not a target name; NotSupported: not compiled, or the CPU cannot run it). All
 // paths give results within the fp32 tolerance of the fp64 reference; they are not bitwise equal

@@ -593,6 +593,20 @@ bool cpu_has_avx512_bf16_flag() {
 #endif
 }
 
+// Whether the CPU is Intel's (CPUID's vendor). On the one Intel core measured with
+// avx512_bf16 (the Sapphire Rapids Xeon of docs/performance.md rounds 22-23) the vdpbf16ps kernels
+// ran at 0.64-0.68x fp32 and the widening avx512 table's bf16 at 1.0x; on AMD's Zen 4 and Zen 5 the
+// vdpbf16ps ones ran at 1.6-2.0x. So automatic dispatch prefers vdpbf16ps over widening on other
+// vendors only (build_targets).
+bool cpu_is_intel() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel");
+#else
+  return false;
+#endif
+}
+
 #if defined(__x86_64__) && defined(__linux__)
 // The avx512bf16 table with the bf16 GEMM and its dot chain on AMX tiles (tile_ops_amx.cc).
 const TileOps* amx_ops() {
@@ -659,18 +673,25 @@ std::vector<KernelTarget> build_targets() {
     const bool runs = (supported & c.target) != 0;
 #if HWY_TARGETS & HWY_AVX3
     // AVX-512 with native bf16 dot products: the AVX-512 table plus tile_ops_avx512bf16.cc.
+    // amx first (on the AMX Xeon of docs/performance.md round 22 the vdpbf16ps kernels ran at
+    // 0.7 of fp32, amx at 3-4x); avx512bf16 ahead of avx512 except on Intel (cpu_is_intel).
+    const bool dots_after = c.target == HWY_AVX3 && cpu_is_intel();
     if (c.target == HWY_AVX3) {
 #if defined(__x86_64__) && defined(__linux__)
-      // AMX tiles for the bf16 GEMMs, ahead of vdpbf16ps (on the AMX Xeon of
-      // docs/performance.md round 22 the vdpbf16ps kernels ran at 0.7 of fp32, amx at 3-4x).
       t.push_back(KernelTarget{amx_ops()->name, amx_ops(),
                                runs && cpu_has_avx512_bf16_flag() && amx_bf16_ready()});
 #endif
+      if (!dots_after)
+        t.push_back(KernelTarget{avx512bf16_ops()->name, avx512bf16_ops(),
+                                 runs && cpu_has_avx512_bf16_flag()});
+    }
+    t.push_back(KernelTarget{c.ops()->name, c.ops(), runs});
+    if (dots_after)
       t.push_back(KernelTarget{avx512bf16_ops()->name, avx512bf16_ops(),
                                runs && cpu_has_avx512_bf16_flag()});
-    }
-#endif
+#else
     t.push_back(KernelTarget{c.ops()->name, c.ops(), runs});
+#endif
   }
   return t;
 }

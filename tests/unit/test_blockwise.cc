@@ -301,11 +301,11 @@ class ScopedKernelPath {
 };
 
 // The best path this CPU runs (LOOM_KERNEL unset) and a second one: the next runnable SIMD
-// target below it (sse4 under avx2, avx2 under avx512), or the baseline where there is none (the
-// baseline's one-lane GEMM is slow under the sanitizers; PerTarget below covers it). fp32
-// storage: avx512bf16 and amx compute as avx512, so that one stands for them. bf16 storage: the
-// best path's bf16 dot products (amx or avx512bf16) where it has them, and the widening path they
-// sit on (avx512).
+// target below it without bf16 dots (sse4 under avx2, avx2 under avx512), or the baseline where
+// there is none (the baseline's one-lane GEMM is slow under the sanitizers; PerTarget below
+// covers it). fp32 storage: avx512bf16 and amx compute as avx512, so that one stands for them.
+// bf16 storage: the best path's bf16 dot products (amx or avx512bf16) where it has them, and the
+// widening path they sit on (avx512).
 std::vector<std::string> sweep_paths(bool bf16) {
   std::string best;
   {
@@ -322,7 +322,7 @@ std::vector<std::string> sweep_paths(bool bf16) {
   bool below = false;
   const auto& targets = kernels::kernel_targets();
   for (size_t i = 0; i + 1 < targets.size(); ++i) {  // the last one is the baseline
-    if (below && targets[i].runnable) {
+    if (below && targets[i].runnable && !kernels::target_has_bf16_dots(targets[i].name)) {
       second = targets[i].name;
       break;
     }
