@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 
@@ -15,6 +16,10 @@ namespace loom {
 
 // One Philox-4x32-10 block: 4 random 32-bit words for a 128-bit counter and a 64-bit key.
 std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> counter, uint64_t key);
+
+// FNV-1a 64 of bytes, continuing from h (the offset basis by default): checkpoint checksums, the
+// CLI's and loom.torch's agreement fingerprints, rng_key's name hash.
+uint64_t fnv1a64(const void* data, size_t bytes, uint64_t h = 0xcbf29ce484222325ull);
 
 // A 64-bit key from the user seed and a tensor name (FNV-1a of the name mixed with the seed).
 uint64_t rng_key(uint64_t seed, std::string_view name);

@@ -35,6 +35,7 @@
 #include "loom/comm.h"
 #include "loom/cp.h"
 #include "loom/error.h"
+#include "loom/rng.h"
 #include "loom/timer.h"
 #include "loom/verify.h"
 #include "torch_comm.h"
@@ -374,9 +375,8 @@ int64_t shard_fingerprint(const at::Tensor& q, int64_t rows) {
   for (size_t i = es; i < row && constant; i += es)
     constant = std::memcmp(bytes, bytes + i, es) == 0;
   if (constant) return 0;
-  uint64_t h = 1469598103934665603ULL;
-  for (const unsigned char* p : {bytes, bytes + (static_cast<size_t>(rows) - 1) * row})
-    for (size_t i = 0; i < row; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  const uint64_t h =
+      loom::fnv1a64(bytes + (static_cast<size_t>(rows) - 1) * row, row, loom::fnv1a64(bytes, row));
   return static_cast<int64_t>(h | 1);  // never 0
 }
 

@@ -36,12 +36,17 @@ std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> c, uint64_t key) {
   return c;
 }
 
-uint64_t rng_key(uint64_t seed, std::string_view name) {
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
-  for (unsigned char ch : name) {
-    h ^= ch;
+uint64_t fnv1a64(const void* data, size_t bytes, uint64_t h) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
     h *= 0x100000001b3ull;
   }
+  return h;
+}
+
+uint64_t rng_key(uint64_t seed, std::string_view name) {
+  const uint64_t h = fnv1a64(name.data(), name.size());
   // splitmix64 of seed, mixed with the name hash
   uint64_t z = seed + 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

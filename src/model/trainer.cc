@@ -16,6 +16,7 @@
 #include "loom/error.h"
 #include "loom/io.h"
 #include "loom/npy.h"
+#include "loom/rng.h"
 #include "loom/timer.h"
 
 namespace loom::model {
@@ -42,15 +43,6 @@ std::string exact(double x) {
   return std::string(buf, r.ptr);
 }
 }  // namespace
-
-uint64_t fnv1a64(const void* data, size_t bytes, uint64_t h) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  for (size_t i = 0; i < bytes; ++i) {
-    h ^= p[i];
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
 
 double learning_rate(const TrainConfig& c, int64_t step) {
   const int64_t warm = c.warmup_steps();

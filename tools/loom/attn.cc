@@ -25,7 +25,6 @@
 #include "loom/comm.h"
 #include "loom/cp.h"
 #include "loom/io.h"
-#include "loom/model/trainer.h"  // model::fnv1a64
 #include "loom/npy.h"
 #include "loom/rng.h"
 #include "loom/timer.h"
@@ -807,9 +806,9 @@ int run_attn(const AttnOptions& o) {
     {  // every rank the same command line and the same --input bytes (commands.h)
       uint64_t h = 0;
       if (!o.input.empty()) {
-        h = model::fnv1a64(nullptr, 0);
+        h = fnv1a64(nullptr, 0);
         for (const Tensor<float>* t : {&p.q, &p.k, &p.v, &p.dout})
-          h = model::fnv1a64(t->data(), static_cast<size_t>(t->numel()) * sizeof(float), h);
+          h = fnv1a64(t->data(), static_cast<size_t>(t->numel()) * sizeof(float), h);
       }
       agree_across_ranks(*mpi, h, "--input files");
     }

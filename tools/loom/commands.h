@@ -83,7 +83,7 @@ void set_command_line(int argc, char** argv);
 // problems and exited 0 with wrong results. One all-gather of a hash of each: InvalidArgument on
 // every rank, naming the first rank that differs from rank 0. `inputs_hash`: of the bytes the
 // rank read (0 when it read none); `inputs_what` names them in the message.
-// (The hashes: model::fnv1a64, loom/model/trainer.h.)
+// (The hashes: fnv1a64, loom/rng.h.)
 void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::string& inputs_what);
 
 // The exit code the chosen subcommand asked for (0 on success, 1 on a failed check).

@@ -9,6 +9,7 @@
 #include "commands.h"
 #include "loom/error.h"
 #include "loom/model/trainer.h"
+#include "loom/rng.h"
 
 namespace loom::tools {
 
@@ -27,9 +28,8 @@ uint64_t g_command_line_hash = 0;  // set_command_line
 }  // namespace
 
 void set_command_line(int argc, char** argv) {
-  uint64_t h = model::fnv1a64(nullptr, 0);
-  for (int i = 1; i < argc; ++i)
-    h = model::fnv1a64(argv[i], std::strlen(argv[i]) + 1, h);  // with its NUL
+  uint64_t h = fnv1a64(nullptr, 0);
+  for (int i = 1; i < argc; ++i) h = fnv1a64(argv[i], std::strlen(argv[i]) + 1, h);  // with its NUL
   g_command_line_hash = h;
 }
 

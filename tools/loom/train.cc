@@ -28,6 +28,7 @@
 #include "loom/error.h"
 #include "loom/io.h"
 #include "loom/model/trainer.h"
+#include "loom/rng.h"
 #include "loom/timer.h"
 #include "report.h"
 
@@ -430,7 +431,7 @@ int run_train(const TrainOptions& o) {
     throw IoError(std::string("cannot read ") + e.what(), __FILE__, __LINE__);
   }
   // Under mpirun: every rank the same command line and the same --data bytes (commands.h).
-  if (mpi) agree_across_ranks(*mpi, model::fnv1a64(text.data(), text.size()), "--data");
+  if (mpi) agree_across_ranks(*mpi, fnv1a64(text.data(), text.size()), "--data");
   check_memory(estimate_train_bytes(c, here, double(text.size())),
                o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit"),
                "loom train with " + std::to_string(here) + " rank" + (here > 1 ? "s" : "") +

@@ -118,7 +118,4 @@ class Trainer {
   uint64_t data_hash_ = 0;
 };
 
-// FNV-1a 64 of bytes (checkpoint checksums).
-uint64_t fnv1a64(const void* data, size_t bytes, uint64_t h = 0xcbf29ce484222325ull);
-
 }  // namespace loom::model
