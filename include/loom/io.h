@@ -44,9 +44,11 @@ namespace loom {
 void write_output(const std::string& path, const std::string& bytes);
 // The path that write_output writes: symlinks followed; "-" stays "-".
 std::string resolve_output_path(const std::string& path);
-// Removes "<target>.tmp.<pid>[-<n>]" files and directories next to path's target whose process
-// is gone. Never throws (a temporary that cannot be removed is left alone).
-void clean_stale_temps(const std::string& path);
+// Removes "<target>.tmp.<pid>[-<n>]" temporaries next to path's target whose process is gone:
+// regular files (write_output's), and, given the names of an OutputSet, directories that hold
+// only regular files of those names (its staging directories). Anything else under such a name
+// is left alone, as is a temporary that cannot be removed. Never throws.
+void clean_stale_temps(const std::string& path, const std::vector<std::string>& names = {});
 // Refuses (InvalidArgument) two outputs that resolve to the same file, e.g.
 //   {{"--json", "r.json"}, {"--trace", "r.json"}}. Empty paths are ignored.
 void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);

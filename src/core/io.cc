@@ -178,7 +178,30 @@ void write_output(const std::string& path, const std::string& bytes) {
   write_atomic(target, bytes, path);
 }
 
-void clean_stale_temps(const std::string& path) {
+namespace {
+
+// Removes dir if every entry in it is a regular file named in names (an output set's staging
+// directory, or the old set swapped out of it): those files, then the directory. Anything else
+// (a subdirectory, a link, a FIFO, another name: not loom's) leaves dir and all of it in place.
+// Never throws.
+void remove_set_directory(const std::string& dir, const std::vector<std::string>& names) {
+  std::error_code ec;
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (std::find(names.begin(), names.end(), name) == names.end() ||
+        e.symlink_status(ec).type() != fs::file_type::regular)
+      return;
+    files.push_back(e.path());
+  }
+  if (ec) return;
+  for (const fs::path& f : files) fs::remove(f, ec);
+  ::rmdir(dir.c_str());
+}
+
+}  // namespace
+
+void clean_stale_temps(const std::string& path, const std::vector<std::string>& names) {
   if (path.empty() || path == "-") return;
   std::error_code ec;
   const std::string target = resolve_output_path(path);
@@ -197,7 +220,17 @@ void clean_stale_temps(const std::string& path) {
     if (!pid_alive(pid)) stale.push_back((fs::path(dir) / name).string());
   }
   ::closedir(d);
-  for (const std::string& s : stale) fs::remove_all(s, ec);
+  // A write_output temporary is a regular file; an OutputSet's staging directory holds regular
+  // files of its names only. Anything else under such a name was not left by loom.
+  for (const std::string& s : stale) {
+    struct stat st;
+    if (::lstat(s.c_str(), &st) != 0) continue;
+    if (S_ISREG(st.st_mode)) {
+      ::unlink(s.c_str());
+    } else if (S_ISDIR(st.st_mode) && !names.empty()) {
+      remove_set_directory(s, names);
+    }
+  }
 }
 
 std::string output_key(const std::string& path) {
@@ -290,6 +323,13 @@ void check_output_set(const std::string& dir, const std::vector<std::string>& na
       throw IoError(dir + " holds '" + name +
                     "', which loom does not write there; loom replaces the directory as a "
                     "whole, so give a new or empty directory");
+    // loom writes regular files: a directory, link or FIFO of one of its names is not its own
+    // (a directory dq.npy was deleted with everything in it when the old set was removed).
+    std::error_code type_ec;
+    if (e.symlink_status(type_ec).type() != fs::file_type::regular)
+      throw IoError(dir + " holds '" + name +
+                    "', which is not a regular file (loom writes only regular files there); "
+                    "loom replaces the directory as a whole, so give a new or empty directory");
   }
   if (ec) throw IoError(dir + ": cannot list (" + ec.message() + ")");
 }
@@ -302,7 +342,7 @@ OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names)
              "an output directory must be a directory path, got '" << dir << "'");
   dir_ = resolve(dir, true);
   check_output_set(dir, names_);
-  clean_stale_temps(dir_);
+  clean_stale_temps(dir_, names_);
   staging_ = temp_name(dir_);
   if (::mkdir(staging_.c_str(), 0777) != 0)
     throw IoError(dir + ": cannot create the staging directory " + staging_ + " (" +
@@ -333,7 +373,7 @@ void OutputSet::commit() {
   // dir exists and holds files: exchange it with the staging directory in one step.
   if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, dir_.c_str(), RENAME_EXCHANGE) == 0) {
     committed_ = true;
-    fs::remove_all(staging_, ec);  // now the old set
+    remove_set_directory(staging_, names_);  // now the old set
     return;
   }
   if (errno != EINVAL && errno != ENOSYS)
@@ -343,7 +383,7 @@ void OutputSet::commit() {
   if (::rename(dir_.c_str(), old.c_str()) != 0 || ::rename(staging_.c_str(), dir_.c_str()) != 0)
     throw IoError(dir_ + ": cannot swap the new files in (" + errno_text(errno) + ")");
   committed_ = true;
-  fs::remove_all(old, ec);
+  remove_set_directory(old, names_);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -245,6 +245,14 @@ expect_error "foreign file in --output" "holds 'notes.txt'" --seq 64 --output "$
 [ ! -s "$work/stdout" ] && ok "foreign file refused before the run: no table" ||
   bad "the run went ahead with a foreign file in --output"
 rm "$work/rel/set/notes.txt"
+# A directory under one of loom's names is not loom's: it was deleted, with all it held, when the
+# old set was removed (exit 0).
+mkdir -p "$work/rel/set/dq.npy/photos" && echo mine > "$work/rel/set/dq.npy/photos/a.jpg"
+expect_error "a directory dq.npy in --output" "holds 'dq.npy', which is not a regular file" \
+  --seq 64 --output "$work/rel/set"
+[ "$(cat "$work/rel/set/dq.npy/photos/a.jpg")" = mine ] && ok "the directory dq.npy kept whole" ||
+  bad "a directory dq.npy in --output lost its files"
+rm -r "$work/rel/set/dq.npy"
 # Two concurrent runs into one directory: the set is always wholly one run's.
 for seed in 1 2; do
   "$loom" attn --seq 48 --backward --quiet --seed $seed --output "$work/rel/ref$seed" \

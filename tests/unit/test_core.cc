@@ -462,13 +462,38 @@ TEST_F(Io, StaleTemporariesOfDeadProcessesAreRemoved) {
   const std::string live = at("out.npy.tmp." + std::to_string(::getppid()));
   write_output(stale, "partial");
   fs::create_directories(stale_dir);
+  write_output(stale_dir + "/a.npy", "a staging directory's file");
   write_output(live, "someone else's, still running");
   write_output(at("out.npy"), "complete");
-  clean_stale_temps(at("o"));
+  clean_stale_temps(at("out.npy"));
+  clean_stale_temps(at("o"), {"a.npy", "b.npy"});
   EXPECT_FALSE(fs::exists(stale));
   EXPECT_FALSE(fs::exists(stale_dir));
   EXPECT_TRUE(fs::exists(live));
   EXPECT_EQ(slurp(at("out.npy")), "complete");
+}
+
+// Only what loom leaves under a temporary's name is removed: a directory where write_output's
+// temporary file would be, or a "staging directory" holding anything but regular files of the
+// set's names, is someone else's (a directory of that name was removed with all it held).
+TEST_F(Io, StaleTemporaryNamesHoldingOthersFilesAreLeftAlone) {
+  const std::string dead = std::to_string(dead_pid());
+  const std::string file_dir = at("r.json.tmp." + dead + "-0");
+  fs::create_directories(file_dir);
+  write_output(file_dir + "/x", "mine");
+  clean_stale_temps(at("r.json"));
+  EXPECT_EQ(slurp(file_dir + "/x"), "mine");
+  const std::vector<std::string> names = {"a.npy", "b.npy"};
+  const std::string foreign = at("o.tmp." + dead + "-1"), nested = at("o.tmp." + dead + "-2");
+  fs::create_directories(foreign);
+  write_output(foreign + "/a.npy", "a");
+  write_output(foreign + "/notes.txt", "mine");
+  fs::create_directories(nested + "/a.npy/photos");
+  write_output(nested + "/a.npy/photos/p.jpg", "mine");
+  clean_stale_temps(at("o"), names);
+  EXPECT_EQ(slurp(foreign + "/notes.txt"), "mine");
+  EXPECT_EQ(slurp(foreign + "/a.npy"), "a");
+  EXPECT_EQ(slurp(nested + "/a.npy/photos/p.jpg"), "mine");
 }
 
 TEST_F(Io, TwoOutputsOnOnePathAreRefused) {
@@ -518,6 +543,19 @@ TEST_F(Io, OutputSetNamesAreCheckedBeforeTheRun) {
   EXPECT_NO_THROW(check_output_set(at("set"), names));
   write_output(at("set/notes.txt"), "mine");
   EXPECT_THROW(check_output_set(at("set"), names), IoError);
+  // One of the set's names that is not a regular file is not loom's: a directory b.npy (removed
+  // with all it held when the old set was), a link (its target survived, the link went).
+  fs::remove(at("set/notes.txt"));
+  fs::create_directories(at("set/b.npy/photos"));
+  write_output(at("set/b.npy/photos/p.jpg"), "mine");
+  EXPECT_THROW(check_output_set(at("set"), names), IoError);
+  EXPECT_THROW(OutputSet(at("set"), names), IoError);
+  EXPECT_EQ(slurp(at("set/b.npy/photos/p.jpg")), "mine");
+  fs::remove_all(at("set/b.npy"));
+  fs::create_symlink(at("set/a.npy"), at("set/b.npy"));
+  EXPECT_THROW(check_output_set(at("set"), names), IoError);
+  fs::remove(at("set/b.npy"));
+  EXPECT_NO_THROW(check_output_set(at("set"), names));
   write_output(at("file"), "x");
   EXPECT_THROW(check_output_set(at("file"), names), IoError);
 }

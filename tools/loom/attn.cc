@@ -764,8 +764,9 @@ int run_attn(const AttnOptions& o) {
                                      {"--trace", &o.trace},
                                      {"--timeline", &o.timeline}})
     check_output_outside(option, *path, "--output", o.output, "which loom replaces as a whole");
-  for (const std::string* out : {&o.json, &o.trace, &o.timeline, &o.output})
+  for (const std::string* out : {&o.json, &o.trace, &o.timeline})
     if (!out->empty()) clean_stale_temps(*out);
+  if (!o.output.empty()) clean_stale_temps(o.output, kOutputNames);
   // Unwritable outputs fail here, not after the run (--json nodir/r.json ran the whole job,
   // printed its table and only then failed).
   check_output_writable(o.json, "--json");
