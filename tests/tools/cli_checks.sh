@@ -333,6 +333,21 @@ expect_error "q = 1e-42: the check cannot tell below float32's normal range" \
   ok "q = 1e-30: the check passes" || { cat "$work/tiny.out"; bad "q = 1e-30: the check passes"; }
 # 7. Sizes that overflow are refused.
 expect_error "--seq beyond int64" "out of range" --seq 99999999999999999999
+# Integers are decimal: a leading zero was octal to CLI11 (--seq 064 ran S = 52, exit 0).
+"$loom" attn --seq 064 --heads 02 --head-dim 010 --window 010 --iters 1 --warmup 0 --quiet \
+  --json "$work/octal.json" > /dev/null 2>&1 &&
+  /usr/bin/python3 -c "import json,sys; c=json.load(open(sys.argv[1]))['config']
+sys.exit(0 if (c['seq'], c['heads'], c['head_dim'], c['window']) == (64, 2, 10, 10) else 1)" \
+    "$work/octal.json" && ok "--seq 064 --head-dim 010 read as decimal 64 and 10" ||
+  bad "leading zeros not read as decimal"
+expect_error "--seq 0x40 refused" "is not an integer: '0x40'" --seq 0x40
+# An empty value is refused, not read as "not given" (--input "" ran on generated inputs and
+# --check passed, --json "" wrote nothing, train --data "" trained on the default corpus) or 0.
+for opt in --input --json --output --scale --memory-limit; do
+  expect_error "attn $opt ''" "$opt: an empty value" --seq 64 "$opt" ""
+done
+expect_error_of train "train --data ''" "--data: an empty value" --steps 1 --data ""
+expect_error_of verify "verify --json ''" "--json: an empty value" --seq 64 --json ""
 expect_error "--docs summing past int64" "sum to more than 2^63" --seq 64 \
   --docs "$(printf '999999999999999999,%.0s' $(seq 18))446744073709551698"
 # 8. Reads never block and are bounded by the header.
@@ -367,7 +382,7 @@ for t in 0 -1 garbage; do
 done
 expect_error "--kv-heads 0" "--kv-heads must be >= 1" --seq 64 --kv-heads 0
 expect_error "--seed -1" "must not be negative" --seq 64 --seed -1
-expect_error "--docs ''" "--docs is empty" --seq 64 --docs ""
+expect_error "--docs ''" "--docs: an empty value" --seq 64 --docs ""
 expect_error "a fault that never fires" "never fired" --ranks 2 --seq 64 --fault kill:1,at=100000
 # Counts that wrapped an int: --warmup 1 --iters 2^31-1 ran no iteration and reported a time of 0
 # with exit 0; kill:2147483648 was a negative rank, i.e. no fault, and kill:4294967297 rank 1.

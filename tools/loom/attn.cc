@@ -900,22 +900,36 @@ int run_attn(const AttnOptions& o) {
 void strict_integers(CLI::App* command) {
   for (CLI::Option* opt : command->get_options()) {
     const std::string type = opt->get_type_name();
+    // An empty value read as "not given" (--input "" ran on generated inputs, --json "" wrote
+    // nothing, exit 0: an unset shell variable) or as 0 (--scale ''): refused for every option
+    // that takes a value.
+    if (opt->get_type_size() != 0 && type != "INT" && type != "UINT")
+      opt->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            return text.empty() ? "an empty value (give one, or leave the option out)" : "";
+          },
+          "", "non-empty"));
     if (type != "INT" && type != "UINT") continue;
     const bool is_unsigned = type == "UINT";
-    opt->check(CLI::Validator(
+    // A transform, not a check: the text is rewritten as the decimal number it was read as, since
+    // CLI11 then converts it with base 0, where a leading zero means octal (--seq 064 ran with
+    // S = 52, --steps 010 ran 8 steps).
+    opt->transform(CLI::Validator(
         [is_unsigned](std::string& text) -> std::string {
           const char* b = text.c_str();
           char* end = nullptr;
           errno = 0;
+          std::string decimal;
           if (is_unsigned) {
             while (*b == ' ') ++b;
             if (*b == '-') return "must not be negative, got " + text;
-            (void)std::strtoull(b, &end, 10);
+            decimal = std::to_string(std::strtoull(b, &end, 10));
           } else {
-            (void)std::strtoll(b, &end, 10);
+            decimal = std::to_string(std::strtoll(b, &end, 10));
           }
           if (end == b || *end != '\0') return "is not an integer: '" + text + "'";
           if (errno == ERANGE) return "is out of range (does not fit 64 bits): " + text;
+          text = decimal;
           return {};
         },
         "", "strict integer"));

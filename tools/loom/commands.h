@@ -31,9 +31,10 @@ void add_plan_command(CLI::App& app);
 // Registers `loom verify` (tools/loom/verify.cc).
 void add_verify_command(CLI::App& app);
 
-// Adds a check to every integer option of `command`: a value must be a plain integer that fits
-// its type (CLI11 alone would turn "99999999999999999999" into INT64_MAX), and unsigned ones
-// must not be negative.
+// Adds a check to every integer option of `command`: a value must be a plain decimal integer
+// that fits its type (CLI11 alone would turn "99999999999999999999" into INT64_MAX, and read "064"
+// as octal 52), and unsigned ones must not be negative; and a check to every other option that
+// takes a value: the value must not be empty.
 void strict_integers(CLI::App* command);
 
 // The degree options of the strategy registry on a command line: one option per distinct flag
