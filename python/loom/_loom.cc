@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -552,6 +553,19 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   return op;
 }
 
+// Self-attention rows whose lse is -inf: every row sees at least its own key, so such a row's
+// visible scores were all -inf (an infinite q or k against keys of one sign), where the formula's
+// softmax is 0 / 0 = NaN, as in PyTorch's attention. The kernels cannot tell that from a row that
+// sees no key (out 0, lse -inf: the convention of a masked-out row, kept for cross-attention), so
+// it is made NaN here: out's row and lse. out [n, h, d] (any floating dtype), lse [h, n].
+void nan_rows_without_mass(at::Tensor& out, at::Tensor& lse, int64_t n, int64_t h, int64_t d) {
+  const at::Tensor dead = lse.isneginf();
+  if (!dead.any().item<bool>()) return;
+  lse.masked_fill_(dead, std::numeric_limits<double>::quiet_NaN());
+  out.view({n, h, d}).masked_fill_(dead.t().unsqueeze(-1),
+                                   std::numeric_limits<double>::quiet_NaN());
+}
+
 py::tuple cp_forward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const Dims s{op.rows, op.heads, op.kv_heads, op.dim};
   require_qkv(q, k, v, storage_type(op.is_bf16), s);
@@ -567,6 +581,7 @@ py::tuple cp_forward(CpOp& op, const at::Tensor& q, const at::Tensor& k, const a
                        view<const T>(v, n, hk, d), view<T>(out, n, h, d), lse.data_ptr<float>());
     });
   }
+  nan_rows_without_mass(out, lse, s.n, s.h, s.d);
   return py::make_tuple(out, lse);
 }
 
@@ -656,6 +671,7 @@ py::tuple attention_forward(const at::Tensor& q, const at::Tensor& k, const at::
       loom::finish(state.view(), view<T>(out, n, h, d), lse.data_ptr<float>(), n);
     });
   }
+  nan_rows_without_mass(out, lse, n, h, d);
   return py::make_tuple(out, lse);
 }
 
@@ -707,6 +723,7 @@ py::tuple reference_forward(const at::Tensor& q, const at::Tensor& k, const at::
                             view<const double>(v, n, hk, d), o.tokens, o.tokens, mask, scale,
                             view<double>(out, n, h, d), lse.data_ptr<double>());
   }
+  nan_rows_without_mass(out, lse, n, h, d);
   return py::make_tuple(out, lse);
 }
 

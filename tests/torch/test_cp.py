@@ -272,6 +272,23 @@ if P > 1:
             check(torch.isfinite(got[n][:, :, clean]).all(), f"{strategy}: NaN in k: {n} of the clean kv heads finite")
         check(not torch.isfinite(ref["out"]).all(), "the formula's out is NaN somewhere")
 
+    # A row whose every visible score is -inf (an -inf in q against keys of one sign in that
+    # dim): the formula's softmax is 0 / 0, NaN (PyTorch's too); it came out as a row that sees
+    # no key (out 0, lse -inf) on every strategy.
+    qi, ki, vi = qf.clone(), kf.clone(), vf.clone()
+    ki[0, :, 0, 2] = kf[0, :, 0, 2].abs() + 0.1
+    ki[0, 41, P - 1, 3] = 0.5
+    qi[0, 50, 1, 2] = float("-inf")
+    for strategy in strategies:
+        kw = {"ulysses": hybrid_u()} if strategy == "hybrid" else {"inner": hybrid_u()} if strategy == "ring2d" else {}
+        o, l = lt.cp_attention(*(lt.shard(x) for x in (qi, ki, vi)), strategy=strategy, return_lse=True, **kw)
+        o = lt.unshard(o)
+        nan = torch.isnan(o)
+        check(nan[0, 50, 1].all() and nan.sum() == DIM, f"{strategy}: -inf row: out NaN in that row only")
+        l = lt.unshard(l, dim=2)
+        check(torch.isnan(l[0, 1, 50]) and torch.isnan(l).sum() == 1,
+              f"{strategy}: -inf row: lse NaN in that row only")
+
     # Under torch.autograd.detect_anomaly a NaN or Inf on one rank is refused instead: every rank
     # raises the error naming that rank and tensor, none waits for the others. The ranks must
     # agree on the mode (the backward's check is one more exchange).

@@ -189,6 +189,24 @@ for dt in (torch.float32, torch.bfloat16):
             check(not miss.any(), f"{what}: {nm} finite where the formula is not, first at "
                                   f"{miss.nonzero()[:1].tolist()}")
             check(torch.isfinite(got[:, :, clean]).all(), f"{what}: {nm} of the clean kv head finite")
+# A row whose every visible score is -inf (an -inf in q against keys of one sign in that dim):
+# the formula's softmax is 0 / 0, NaN, as PyTorch's eager attention says (the independent oracle
+# here); loom read it as a row that sees no key: out 0, lse -inf, finite to a NaN check.
+for dt in (torch.float32, torch.bfloat16):
+    q1, k1, v1 = (torch.randn(1, 40, h, 8, generator=gen) for h in (2, 1, 1))
+    q1[0, 5, 1, 2] = -inf
+    k1[0, :, 0, 2] = k1[0, :, 0, 2].abs() + 0.1
+    o1, l1 = lt.attention(q1.to(dt), k1.to(dt), v1.to(dt), return_lse=True)
+    sc = torch.einsum("bshd,bthd->bhst", q1.to(dt).double(), k1.to(dt).double().expand(1, 40, 2, 8))
+    pos = torch.arange(40)
+    sc = sc.masked_fill(pos[None, :] > pos[:, None], -inf) / 8 ** 0.5
+    eager = torch.einsum("bhst,bthd->bshd", torch.softmax(sc, -1), v1.to(dt).double().expand(1, 40, 2, 8))
+    check(torch.isnan(eager[0, 5, 1]).all() and torch.isfinite(eager).sum() == 40 * 2 * 8 - 8,
+          "the eager oracle: NaN in row 5 of head 1 only")
+    check(torch.equal(torch.isnan(o1), torch.isnan(eager)), f"{dt}: -inf row: out NaN where eager's is")
+    check(torch.isnan(l1[0, 1, 5]) and torch.isfinite(l1).sum() == 79, f"{dt}: -inf row: lse NaN there only")
+    ref = lt.reference_attention(q1.to(dt).double(), k1.to(dt).double(), v1.to(dt).double())
+    check(torch.equal(torch.isnan(ref), torch.isnan(eager)), f"{dt}: -inf row: the reference agrees")
 # Under torch.autograd.detect_anomaly loom.torch refuses them instead, naming the tensor and where
 # (the mode at the forward call decides for the backward too).
 for dt in (torch.float32, torch.bfloat16):
