@@ -35,36 +35,87 @@ struct Header {
   throw IoError(what + ": " + why);
 }
 
-// Finds the value text after 'key': in the dict literal.
-std::string dict_value(const std::string& dict, const std::string& key, const std::string& what) {
-  const std::string k1 = "'" + key + "'", k2 = "\"" + key + "\"";
-  size_t p = dict.find(k1);
-  size_t klen = k1.size();
-  if (p == std::string::npos) {
-    p = dict.find(k2);
-    klen = k2.size();
-  }
-  if (p == std::string::npos) fail(what, "npy header has no '" + key + "' entry");
-  p += klen;
-  while (p < dict.size() && std::isspace(static_cast<unsigned char>(dict[p]))) ++p;
-  if (p >= dict.size() || dict[p] != ':') fail(what, "malformed npy header near '" + key + "'");
+// The header's dict literal, read strictly: '{', then entries 'key': value separated by commas
+// (a trailing comma allowed), '}', then only spaces and the final newline. Keys are quoted
+// strings, each of 'descr', 'fortran_order' and 'shape' exactly once and nothing else; a value is
+// a quoted string (returned without its quotes), a parenthesised tuple (returned with them) or a
+// bare word (True, False). numpy refuses the rest too; a search for each key took the first of
+// two 'fortran_order' entries where numpy takes the last (a Fortran-order array read as C order)
+// and accepted unknown keys and text after the '}'.
+struct DictEntry {
+  std::string key, value;
+  bool quoted = false;
+};
+std::vector<DictEntry> parse_dict(const std::string& dict, const std::string& what) {
+  size_t p = 0;
+  auto skip = [&] {
+    while (p < dict.size() && std::isspace(static_cast<unsigned char>(dict[p]))) ++p;
+  };
+  auto malformed = [&](const std::string& why) -> void {
+    fail(what, "malformed npy header (" + why + ")");
+  };
+  // A quoted string at p (' or "), without escapes (numpy's keys and dtypes have none).
+  auto quoted = [&]() -> std::string {
+    const char q = dict[p];
+    const size_t close = dict.find(q, p + 1);
+    if (close == std::string::npos) malformed("an unterminated string");
+    std::string v = dict.substr(p + 1, close - p - 1);
+    p = close + 1;
+    return v;
+  };
+  skip();
+  if (p >= dict.size() || dict[p] != '{') malformed("no dict");
   ++p;
-  while (p < dict.size() && std::isspace(static_cast<unsigned char>(dict[p]))) ++p;
-  size_t end = p;
-  if (p < dict.size() && dict[p] == '(') {
-    end = dict.find(')', p);
-    if (end == std::string::npos) fail(what, "malformed shape in npy header");
-    return dict.substr(p, end - p + 1);
+  std::vector<DictEntry> entries;
+  for (;;) {
+    skip();
+    if (p < dict.size() && dict[p] == '}') break;
+    if (p >= dict.size() || (dict[p] != '\'' && dict[p] != '"')) malformed("a key is not a string");
+    DictEntry e;
+    e.key = quoted();
+    skip();
+    if (p >= dict.size() || dict[p] != ':') malformed("no ':' after '" + e.key + "'");
+    ++p;
+    skip();
+    if (p >= dict.size()) malformed("no value for '" + e.key + "'");
+    if (dict[p] == '\'' || dict[p] == '"') {
+      e.value = quoted();
+      e.quoted = true;
+    } else if (dict[p] == '(') {
+      const size_t close = dict.find(')', p);
+      if (close == std::string::npos) malformed("an unterminated tuple");
+      e.value = dict.substr(p, close - p + 1);
+      p = close + 1;
+    } else {
+      const size_t b = p;
+      while (p < dict.size() && std::isalnum(static_cast<unsigned char>(dict[p]))) ++p;
+      e.value = dict.substr(b, p - b);
+      if (e.value.empty()) malformed("the value of '" + e.key + "'");
+    }
+    for (const DictEntry& seen : entries)
+      if (seen.key == e.key) malformed("'" + e.key + "' given twice");
+    if (e.key != "descr" && e.key != "fortran_order" && e.key != "shape")
+      malformed("an unknown key '" + e.key + "'");
+    entries.push_back(e);
+    skip();
+    if (p < dict.size() && dict[p] == ',') {
+      ++p;
+      continue;
+    }
+    skip();
+    if (p >= dict.size() || dict[p] != '}')
+      malformed("no ',' or '}' after '" + entries.back().key + "'");
+    break;
   }
-  if (p < dict.size() && (dict[p] == '\'' || dict[p] == '"')) {
-    end = dict.find(dict[p], p + 1);
-    if (end == std::string::npos) fail(what, "malformed '" + key + "' in npy header");
-    return dict.substr(p + 1, end - p - 1);
+  ++p;
+  skip();
+  if (p != dict.size()) malformed("text after the dict");
+  for (const char* key : {"descr", "fortran_order", "shape"}) {
+    bool found = false;
+    for (const DictEntry& e : entries) found = found || e.key == key;
+    if (!found) fail(what, std::string("npy header has no '") + key + "' entry");
   }
-  while (end < dict.size() && dict[end] != ',' && dict[end] != '}') ++end;
-  std::string v = dict.substr(p, end - p);
-  while (!v.empty() && std::isspace(static_cast<unsigned char>(v.back()))) v.pop_back();
-  return v;
+  return entries;
 }
 
 std::vector<int64_t> parse_shape(const std::string& text, const std::string& what) {
@@ -109,18 +160,19 @@ Header parse_header(const uint8_t* bytes, size_t size, const std::string& what) 
   if (hlen > size - start) fail(what, "truncated npy header");
   Header h;
   const std::string dict(reinterpret_cast<const char*>(bytes + start), hlen);
-  if (dict.find('{') == std::string::npos || dict.find('}') == std::string::npos)
-    fail(what, "malformed npy header (no dict)");
-  h.descr = dict_value(dict, "descr", what);
-  const std::string fo = dict_value(dict, "fortran_order", what);
-  if (fo == "True") {
-    h.fortran = true;
-  } else if (fo != "False") {
-    fail(what, "malformed fortran_order '" + fo + "' in npy header");
+  for (const DictEntry& e : parse_dict(dict, what)) {
+    if (e.key == "descr") {
+      if (!e.quoted) fail(what, "malformed descr '" + e.value + "' in npy header");
+      h.descr = e.value;
+    } else if (e.key == "fortran_order") {
+      if (e.quoted || (e.value != "True" && e.value != "False"))
+        fail(what, "malformed fortran_order '" + e.value + "' in npy header");
+      h.fortran = e.value == "True";
+    } else {
+      if (e.value.size() < 2 || e.value.front() != '(') fail(what, "malformed shape in npy header");
+      h.shape = parse_shape(e.value, what);
+    }
   }
-  const std::string shape = dict_value(dict, "shape", what);
-  if (shape.size() < 2 || shape.front() != '(') fail(what, "malformed shape in npy header");
-  h.shape = parse_shape(shape, what);
   h.data_offset = start + hlen;
   return h;
 }

@@ -219,6 +219,23 @@ TEST_F(Npy, RefusesMalformed) {
   expect_io_error(image("{'descr': '<f4', 'fortran_order': False}", f4x2), "'shape'");
   expect_io_error(image("{'descr': '<f4', 'fortran_order': False, 'shape': (a,), }", f4x2),
                   "malformed shape");
+  // The dict read strictly, as numpy does: two 'fortran_order' entries were read by the first
+  // (numpy takes the last: a Fortran array read as C order), two 'shape's likewise, and unknown
+  // keys, text after the '}' and a quoted 'False' were accepted.
+  expect_io_error(
+      image("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'fortran_order': True}", f4x2),
+      "'fortran_order' given twice");
+  expect_io_error(
+      image("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'shape': (1, 2)}", f4x2),
+      "'shape' given twice");
+  expect_io_error(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}", f4x2),
+                  "unknown key 'x'");
+  expect_io_error(image("{'descr': '<f4', 'fortran_order': False, 'shape': (2,)} junk", f4x2),
+                  "text after the dict");
+  expect_io_error(image("{'descr': '<f4', 'fortran_order': 'False', 'shape': (2,)}", f4x2),
+                  "malformed fortran_order");
+  expect_io_error(image("{'descr': '<f4' 'fortran_order': False, 'shape': (2,)}", f4x2),
+                  "no ',' or '}' after 'descr'");
   expect_io_error(std::string("\x93NUMPY\x01\x00\xff\x00{", 11), "truncated npy header");
   expect_io_error(std::string("\x93NUMPY\x09\x00\x10\x00", 10), "version 9");
 }
