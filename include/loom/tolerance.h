@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cmath>
+#include <iomanip>
 #include <limits>
+#include <sstream>
+#include <string>
 
 #include "loom/attention.h"
 
@@ -227,6 +230,15 @@ class Float32Floor {
 };
 inline bool float32_floor_blocks(double floor, double tolerance) {
   return floor > tolerance / 4;
+}
+
+// A bound as the error messages print it: three significant digits, or, when the inputs' size
+// overflowed the bound's own arithmetic (a NaN bound was printed as "-nan"), a phrase saying so.
+inline std::string bound_text(double bound) {
+  if (std::isnan(bound)) return "not computable (the inputs' magnitude overflows it)";
+  std::ostringstream os;
+  os << std::setprecision(3) << bound;
+  return os.str();
 }
 
 }  // namespace loom

@@ -1238,8 +1238,8 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
         {"dv", &cand.dv}})
     LOOM_CHECK(!t->has_value() || c.tol(name) < 1, InvalidArgument,
                name << " cannot be verified: this problem's " << o.dtype
-                    << " error bound for it is " << std::setprecision(3) << c.tol(name) << " (a "
-                    << name << " of zeros would pass; " << rep.per_problem_why
+                    << " error bound for it is " << bound_text(c.tol(name)) << " (a " << name
+                    << " of zeros would pass; " << rep.per_problem_why
                     << "): lower the scale or the inputs' magnitude");
   std::vector<int64_t> all_rows(c.S);
   std::iota(all_rows.begin(), all_rows.end(), 0);

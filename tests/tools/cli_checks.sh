@@ -340,6 +340,8 @@ expect_error "--seq beyond int64" "out of range" --seq 99999999999999999999
 sys.exit(0 if (c['seq'], c['heads'], c['head_dim'], c['window']) == (64, 2, 10, 10) else 1)" \
     "$work/octal.json" && ok "--seq 064 --head-dim 010 read as decimal 64 and 10" ||
   bad "leading zeros not read as decimal"
+expect_error "--scale 1e-46 rounds to 0 in float32" "--scale 1e-46 rounds to 0 in float32" --seq 64 \
+  --scale 1e-46
 expect_error "--seq 0x40 refused" "is not an integer: '0x40'" --seq 0x40
 # An empty value is refused, not read as "not given" (--input "" ran on generated inputs and
 # --check passed, --json "" wrote nothing, train --data "" trained on the default corpus) or 0.

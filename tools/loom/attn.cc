@@ -161,6 +161,11 @@ Problem make_problem(const AttnOptions& o) {
   LOOM_CHECK(std::isfinite(o.scale) && o.scale >= 0 && (!o.scale_given || o.scale > 0) &&
                  o.scale <= std::numeric_limits<float>::max(),
              InvalidArgument, "--scale must be a positive finite number, got " << o.scale);
+  // The kernels take the scale as a float: a positive double that rounds to 0 there was refused
+  // as "softmax scale must be positive", after the value given had been checked as positive.
+  LOOM_CHECK(!o.scale_given || static_cast<float>(o.scale) > 0, InvalidArgument,
+             "--scale " << o.scale << " rounds to 0 in float32 (the smallest positive float is "
+                        << std::numeric_limits<float>::denorm_min() << ")");
   if (o.docs_given || !o.docs.empty()) {
     p.doc_lengths = parse_doc_lengths(o.docs);
     int64_t sum = 0;
@@ -189,7 +194,7 @@ void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref
              const std::vector<int64_t>& rows, int64_t row_width, double tol, CheckReport& r) {
   if (!(tol < 1)) {  // a bound of 1 or more passes zeros: nothing a check can tell
     std::ostringstream os;
-    os << std::setprecision(3) << name << " (bound " << tol << ")";
+    os << name << " (bound " << bound_text(tol) << ")";
     r.unverifiable.push_back(os.str());
     r.done = true;
     return;
