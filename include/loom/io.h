@@ -44,6 +44,9 @@ namespace loom {
 void write_output(const std::string& path, const std::string& bytes);
 // The path that write_output writes: symlinks followed; "-" stays "-".
 std::string resolve_output_path(const std::string& path);
+// Temporaries are named "<target>.tmp.<pid>-<n>"; a target name too long for that suffix within
+// NAME_MAX (more than 219 bytes) gives its first 200 bytes, '~' and a hash of the whole name in
+// place of <target>.
 // Removes "<target>.tmp.<pid>[-<n>]" temporaries next to path's target whose process is gone:
 // regular files (write_output's), and, given the names of an OutputSet, directories that hold
 // only regular files of those names (its staging directories). Anything else under such a name

@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "loom/error.h"
+#include "loom/rng.h"
 
 namespace loom {
 
@@ -33,8 +34,23 @@ std::string errno_text(int e) {
 
 std::atomic<int64_t> g_temp_counter{0};
 
+// What a temporary's file name starts with, before ".tmp.<pid>-<n>" (at most 36 bytes): the
+// target's own file name, or, where that suffix would take it past NAME_MAX (255 bytes), its
+// first 200 bytes, '~' and the whole name's hash (a valid 250-byte --json name was refused:
+// "cannot write into . (File name too long)").
+std::string temp_stem(const std::string& filename) {
+  constexpr size_t kSuffixMax = 36, kNameMax = 255;
+  if (filename.size() + kSuffixMax <= kNameMax) return filename;
+  char hash[17];
+  std::snprintf(hash, sizeof hash, "%016llx",
+                static_cast<unsigned long long>(fnv1a64(filename.data(), filename.size())));
+  return filename.substr(0, 200) + "~" + hash;
+}
+
 std::string temp_name(const std::string& target) {
-  return target + ".tmp." + std::to_string(::getpid()) + "-" + std::to_string(g_temp_counter++);
+  const fs::path t(target);
+  return (t.parent_path() / temp_stem(t.filename().string())).string() + ".tmp." +
+         std::to_string(::getpid()) + "-" + std::to_string(g_temp_counter++);
 }
 
 void write_all_fd(int fd, const std::string& bytes, const std::string& path) {
@@ -206,7 +222,7 @@ void clean_stale_temps(const std::string& path, const std::vector<std::string>& 
   std::error_code ec;
   const std::string target = resolve_output_path(path);
   const std::string dir = dir_of(target);
-  const std::string prefix = fs::path(target).filename().string() + ".tmp.";
+  const std::string prefix = temp_stem(fs::path(target).filename().string()) + ".tmp.";
   DIR* d = ::opendir(dir.c_str());
   if (!d) return;
   std::vector<std::string> stale;

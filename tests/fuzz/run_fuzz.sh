@@ -8,7 +8,8 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 case "$name" in
-  npy) srcs=("$root/src/core/npy.cc" "$root/src/core/io.cc" "$root/src/core/tensor.cc") ;;
+  npy) srcs=("$root/src/core/npy.cc" "$root/src/core/io.cc" "$root/src/core/tensor.cc"
+        "$root/src/core/rng.cc") ;;
   docs) srcs=("$root/src/cp/layout.cc" "$root/src/core/tensor.cc") ;;
   *) echo "unknown fuzz target $name"; exit 2 ;;
 esac

@@ -490,6 +490,28 @@ TEST_F(Io, StaleTemporariesOfDeadProcessesAreRemoved) {
   EXPECT_EQ(slurp(at("out.npy")), "complete");
 }
 
+// A file name of up to NAME_MAX bytes is written: the temporary's suffix (".tmp.<pid>-<n>") took
+// a 250-byte name past it ("cannot write into ... (File name too long)"). Its temporaries carry a
+// shortened stem, which the stale clean-up finds too.
+TEST_F(Io, LongestFileNamesAreWrittenAndTheirTemporariesCleaned) {
+  const std::string name = std::string(250, 'n') + ".json";
+  EXPECT_NO_THROW(check_output_writable(at(name), "--json"));
+  write_output(at(name), "long");
+  EXPECT_EQ(slurp(at(name)), "long");
+  EXPECT_TRUE(others({name}).empty()) << "left " << others({name}).front();
+  char hash[17];
+  std::snprintf(hash, sizeof hash, "%016llx",
+                static_cast<unsigned long long>(fnv1a64(name.data(), name.size())));
+  const std::string suffix = ".tmp." + std::to_string(dead_pid());
+  const std::string mine = name.substr(0, 200) + "~" + hash + suffix;
+  const std::string foreign = std::string(200, 'n') + "~0123456789abcdef" + suffix;
+  write_output(at(mine), "partial");
+  write_output(at(foreign), "another long name's");
+  clean_stale_temps(at(name));
+  EXPECT_FALSE(fs::exists(at(mine)));
+  EXPECT_TRUE(fs::exists(at(foreign)));
+}
+
 // Only what loom leaves under a temporary's name is removed: a directory where write_output's
 // temporary file would be, or a "staging directory" holding anything but regular files of the
 // set's names, is someone else's (a directory of that name was removed with all it held).
