@@ -84,6 +84,14 @@ echo "step-00000003.ckpt" > "$work/cb/latest"
 expect_error() { expect_error_of train "$@"; }
 expect_error "corrupt checkpoint" "checksum mismatch" --ranks 2 "${small[@]}" \
   --checkpoint-dir "$work/cb" --resume
+# --resume cuts the log back to the checkpoint's step: a file that is not a loom train log (it
+# was replaced by an empty one, exit 0) is refused and kept.
+echo "important notes" > "$work/notes.txt"
+echo "step-00000003.ckpt" > "$work/ca/latest"
+expect_error "--resume with a --log that is not a train log" "is not a loom train log" --ranks 2 \
+  "${small[@]}" --checkpoint-dir "$work/ca" --resume --log "$work/notes.txt"
+[ "$(cat "$work/notes.txt")" = "important notes" ] && ok "the foreign --log kept" ||
+  bad "--resume replaced a foreign --log"
 expect_error "unreadable data" "cannot read --data" --data "$work/none.txt" --quiet
 expect_error "data is a directory" "cannot read --data" --data "$work" --quiet
 expect_error "unwritable log" "--log $work/no/such/dir/log.jsonl: cannot write into" \

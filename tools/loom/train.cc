@@ -107,16 +107,30 @@ class StepLog {
 
  private:
   // The leading lines of an existing log whose "step" is <= step (a torn last line is dropped).
+  // A file whose first line is not a step line (nor the start of one, torn by a kill) is not a
+  // loom train log: refused, not cut back to nothing (a file of notes was replaced, exit 0).
   static std::string lines_up_to(const std::string& path, int64_t step) {
     InputFile f(path, "--log");
-    std::istringstream in(f.read_rest(size_t{1} << 32));
+    const std::string text = f.read_rest(size_t{1} << 32);
+    LOOM_CHECK(text.empty() || text.compare(0, 1, "{") == 0, InvalidArgument,
+               "--resume: --log " << path
+                                  << " is not a loom train log (its first line is not a step "
+                                     "line); give the log of the run being resumed, or a new path");
+    std::istringstream in(text);
     std::string line, keep;
+    bool first = true;
     while (std::getline(in, line)) {
       if (in.eof()) break;  // no newline: a line torn by a kill
       nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_discarded() || !j.contains("step") || !j["step"].is_number_integer() ||
-          j["step"].get<int64_t>() > step)
-        break;
+      const bool step_line =
+          !j.is_discarded() && j.contains("step") && j["step"].is_number_integer();
+      LOOM_CHECK(!first || step_line, InvalidArgument,
+                 "--resume: --log " << path
+                                    << " is not a loom train log (its first line is not a step "
+                                       "line); give the log of the run being resumed, or a new "
+                                       "path");
+      first = false;
+      if (!step_line || j["step"].get<int64_t>() > step) break;
       keep += line + "\n";
     }
     return keep;
