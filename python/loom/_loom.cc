@@ -407,19 +407,25 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   const int P = comm_->size(), me = comm_->rank();
   // Every rank states its arguments; all must agree (but the shard length), or the ranks would
   // post messages that never match. One small all-gather per call.
-  int64_t docs_hash = 1469598103934665603LL;
-  for (int64_t l : doc_lengths) docs_hash = (docs_hash ^ l) * 1099511628211LL;
+  const int64_t docs_hash =
+      static_cast<int64_t>(loom::fnv1a64(doc_lengths.data(), doc_lengths.size() * sizeof(int64_t)));
   int64_t scale_bits = 0;
   std::memcpy(&scale_bits, &scale, sizeof scale);
   // After the arguments every rank compares (1 .. kAgree - 1; 0 is the shard length): under
   // anomaly detection (which the ranks must agree on, as the backward then exchanges too), which
   // of this rank's q, k, v holds a NaN or Inf, and where, so that every rank raises the same error
-  // instead of the others waiting for a rank that raised alone.
-  const char* names[] = {"rows",   "batch",      "heads",    "kv_heads", "head_dim",
-                         "causal", "window",     "strategy", "layout",   "ulysses",
-                         "dtype",  "cu_seqlens", "inner",    "scale",    "detect_anomaly"};
+  // instead of the others waiting for a rank that raised alone. requires_grad: whether autograd
+  // records this call (grad mode on and q, k or v requiring grad), so whether this rank will run
+  // its backward, which is collective (a rank whose inputs alone required grad waited in the
+  // backward until the timeout).
+  const char* names[] = {"rows",     "batch",   "heads",          "kv_heads",
+                         "head_dim", "causal",  "window",         "strategy",
+                         "layout",   "ulysses", "dtype",          "cu_seqlens",
+                         "inner",    "scale",   "detect_anomaly", "requires_grad"};
   constexpr int kCausal = 5, kStrategy = 7, kLayout = 8, kDtype = 10, kDocs = 11, kScale = 13,
-                kAnomaly = 14, kAgree = 15, kPrint = kAgree + 2, kN = kAgree + 3;
+                kAnomaly = 14, kGrad = 15, kAgree = 16, kPrint = kAgree + 2, kN = kAgree + 3;
+  const bool records =
+      at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   static_assert(kN <= kRefused);
   const auto bad =
       check_finite ? find_non_finite({&q, &k, &v}) : std::pair<int64_t, int64_t>{0, -1};
@@ -438,6 +444,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                                      inner,
                                      scale_bits,
                                      check_finite,
+                                     records,
                                      bad.first,
                                      bad.second,
                                      shard_fingerprint(q, rows)};
@@ -467,6 +474,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
       case kScale:
         return own ? std::to_string(scale) : "another scale";
       case kCausal:
+      case kGrad:
         return value ? "True" : "False";
       case kAnomaly:
         return value ? "on" : "off";

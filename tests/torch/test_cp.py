@@ -7,6 +7,7 @@ implementation of common.py, plus shard/unshard and the group-level error cases.
 Every rank runs every case (the ops are collective); every rank checks the global results
 (gathered with loom.torch.unshard). Exit status 0 iff every check passed on every rank.
 """
+import contextlib
 import os
 import sys
 import time
@@ -216,6 +217,15 @@ if P > 1:
                        lambda: lt.cp_attention(q[0], k[0], k[0],
                                                cu_seqlens=[0, 8 * P] if RANK == 0 else [0, 4, 8 * P]))
     check("passed one, rank" in msg and "passed another" in msg, f"cu_seqlens, not its hash: {msg}")
+    # Inputs that require grad on one rank only: its backward, which is collective, waited for
+    # the others until the timeout; refused at the forward on every rank.
+    qg = q.clone().requires_grad_(RANK == 0)
+    msg = expect_error(loom.InvalidArgument, "disagree on requires_grad",
+                       lambda: lt.cp_attention(qg, k, k))
+    check("passed True" in msg and "passed False" in msg, f"requires_grad by value: {msg}")
+    with torch.no_grad() if RANK == 1 else contextlib.nullcontext():
+        expect_error(loom.InvalidArgument, "disagree on requires_grad",
+                     lambda: lt.cp_attention(q.clone().requires_grad_(), k, k))
     # An argument that one rank alone cannot take (checked in Python, or the strategy's name in
     # loom) raises on every rank at once, naming that rank: the others waited until the timeout.
     t0 = time.time()
