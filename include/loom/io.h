@@ -44,6 +44,9 @@ namespace loom {
 void write_output(const std::string& path, const std::string& bytes);
 // The path that write_output writes: symlinks followed; "-" stays "-".
 std::string resolve_output_path(const std::string& path);
+// The descriptor that /dev/stdout, /dev/stderr, /dev/fd/N or /proc/self/fd/N names (the
+// process's own open streams, which write_output writes directly, as "-"), else -1.
+int own_stream_fd(const std::string& path);
 // Temporaries are named "<target>.tmp.<pid>-<n>"; a target name too long for that suffix within
 // NAME_MAX (more than 219 bytes) gives its first 200 bytes, '~' and a hash of the whole name in
 // place of <target>.

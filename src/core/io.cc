@@ -168,6 +168,22 @@ void check_replaceable(const std::string& given, const std::string& target,
 
 }  // namespace
 
+int own_stream_fd(const std::string& path) {
+  if (path == "/dev/stdout") return STDOUT_FILENO;
+  if (path == "/dev/stderr") return STDERR_FILENO;
+  for (const char* prefix : {"/dev/fd/", "/proc/self/fd/"}) {
+    const size_t n = std::strlen(prefix);
+    if (path.compare(0, n, prefix) != 0 || path.size() == n || path.size() > n + 9) continue;
+    int fd = 0;
+    for (size_t i = n; i < path.size(); ++i) {
+      if (path[i] < '0' || path[i] > '9') return -1;
+      fd = fd * 10 + (path[i] - '0');
+    }
+    return fd;
+  }
+  return -1;
+}
+
 std::string resolve_output_path(const std::string& path) {
   return resolve(path, false);
 }
@@ -177,6 +193,15 @@ void write_output(const std::string& path, const std::string& bytes) {
   if (path == "-") {
     std::fflush(stdout);
     write_all_fd(STDOUT_FILENO, bytes, "standard output");
+    return;
+  }
+  // The process's own stream: written to its descriptor, as "-" is (/dev/stdout was followed to
+  // the file stdout was redirected to, which was then replaced: `>> log.txt` lost its lines; to a
+  // pipe it was "cannot write into /proc/self/fd").
+  if (const int fd = own_stream_fd(path); fd >= 0) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    write_all_fd(fd, bytes, path);
     return;
   }
   const std::string target = resolve_output_path(path);
@@ -218,7 +243,7 @@ void remove_set_directory(const std::string& dir, const std::vector<std::string>
 }  // namespace
 
 void clean_stale_temps(const std::string& path, const std::vector<std::string>& names) {
-  if (path.empty() || path == "-") return;
+  if (path.empty() || path == "-" || own_stream_fd(path) >= 0) return;
   std::error_code ec;
   const std::string target = resolve_output_path(path);
   const std::string dir = dir_of(target);
@@ -290,7 +315,7 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
 }
 
 void check_output_writable(const std::string& path, const std::string& option, bool directory) {
-  if (path.empty() || (path == "-" && !directory)) return;
+  if (path.empty() || ((path == "-" || own_stream_fd(path) >= 0) && !directory)) return;
   const std::string shown = option + " " + path;
   const std::string target = resolve(path, directory);
   if (directory) check_replaceable(path, target, shown);

@@ -342,6 +342,28 @@ sys.exit(0 if (c['seq'], c['heads'], c['head_dim'], c['window']) == (64, 2, 10, 
   bad "leading zeros not read as decimal"
 expect_error "--scale 1e-46 rounds to 0 in float32" "--scale 1e-46 rounds to 0 in float32" --seq 64 \
   --scale 1e-46
+# The process's own streams are written, not replaced: --json /dev/stdout followed the link to
+# the file stdout was appended to and renamed a new file over it (its lines lost, exit 0).
+printf 'precious 1\nprecious 2\n' > "$work/appended.txt"
+"$loom" attn --seq 64 --iters 1 --warmup 0 --quiet --json /dev/stdout >> "$work/appended.txt" &&
+  [ "$(grep -c precious "$work/appended.txt")" = 2 ] && grep -q '"config"' "$work/appended.txt" &&
+  ok "--json /dev/stdout appends to a redirected stdout" || bad "--json /dev/stdout lost lines"
+"$loom" attn --seq 64 --iters 1 --warmup 0 --quiet --json /dev/stdout | grep -q '"config"' &&
+  ok "--json /dev/stdout into a pipe" || bad "--json /dev/stdout into a pipe"
+# A failed write of the text report is an error (it was exit 0 with the report lost).
+if [ -w /dev/full ]; then
+  "$loom" attn --seq 64 --iters 1 --warmup 0 --quiet > /dev/full 2> "$work/full.err"
+  [ $? -eq 1 ] && grep -q "standard output: write failed" "$work/full.err" &&
+    ok "stdout on /dev/full: exit 1, one line" || { cat "$work/full.err"; bad "stdout on /dev/full"; }
+fi
+# A path that is not UTF-8 goes into the report's config with U+FFFD (the whole run failed at the
+# end with the JSON library's "invalid UTF-8 byte").
+nonutf="$work/$(printf 'bad\xffdir')"
+mkdir -p "$nonutf"
+"$loom" attn --seq 64 --iters 1 --warmup 0 --quiet --json "$nonutf/r.json" > /dev/null 2>&1 &&
+  /usr/bin/python3 -c "import json, sys; json.load(open(sys.argv[1], encoding='utf-8'))" \
+    "$nonutf/r.json" && ok "a non-UTF-8 --json path: the report written, valid JSON" ||
+  bad "a non-UTF-8 --json path"
 expect_error "--seq 0x40 refused" "is not an integer: '0x40'" --seq 0x40
 # An empty value is refused, not read as "not given" (--input "" ran on generated inputs and
 # --check passed, --json "" wrote nothing, train --data "" trained on the default corpus) or 0.

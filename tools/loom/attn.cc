@@ -863,7 +863,11 @@ int run_attn(const AttnOptions& o) {
     if (k.spans_dropped > 0 && (!o.trace.empty() || !o.timeline.empty()))
       std::fprintf(stderr, "loom attn: note: rank %d kept its first %zu spans and dropped %.0f\n",
                    k.rank, k.spans.size(), k.spans_dropped);
-  if (!o.json.empty()) write_output(o.json, to_json(rep).dump(2) + "\n");
+  // Paths in the report's config are bytes, not always UTF-8 (a directory named "bad\xff" failed
+  // the whole run at this point with the JSON library's error): invalid bytes become U+FFFD.
+  if (!o.json.empty())
+    write_output(o.json,
+                 to_json(rep).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
   if (!o.trace.empty()) write_output(o.trace, chrome_trace(rep));
   if (!o.timeline.empty()) write_output(o.timeline, timeline_svg(rep));
   if (!check_ok(rep.check)) {

@@ -1,7 +1,9 @@
 // loom: the command-line tool. One file per subcommand; this one only dispatches and turns
 // errors into one clear line and a non-zero exit.
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -31,15 +33,31 @@ int main(int argc, char** argv) {
   const long rank = mpi ? loom::launcher_rank() : -1;
   const std::string who = rank >= 0 ? "rank " + std::to_string(rank) + ": " : std::string();
   auto fail = [&](const char* what) {
-    std::fprintf(stderr, "loom: error: %s%s\n", who.c_str(), what);
+    // A communication error names this rank already ("rank 0: send to rank 1 ... timed out").
+    const bool named = std::strncmp(what, who.c_str(), who.size()) == 0;
+    std::fprintf(stderr, "loom: error: %s%s\n", named ? "" : who.c_str(), what);
     if (mpi) loom::mpi_abort(1);  // ends the other ranks now (a no-op before MPI started)
     return 1;
   };
+  // The text report goes to standard output through stdio: a failed write (a full disk, a
+  // closed stdout) is an error like any other write's, not exit 0 with the report lost.
+  auto stdout_ok = [] {
+    errno = 0;
+    return std::fflush(stdout) == 0 && !std::ferror(stdout);
+  };
+  auto stdout_failed = [&] {
+    const std::string why = std::string("standard output: write failed (") +
+                            (errno ? std::strerror(errno) : "an earlier write failed") + ")";
+    return fail(why.c_str());
+  };
   try {
     app.parse(argc, argv);
-    return loom::tools::exit_code();
+    const int rc = loom::tools::exit_code();
+    if (!stdout_ok()) return stdout_failed();
+    return rc;
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
+    if (rc == 0 && !stdout_ok()) return stdout_failed();
     return rc == 0 ? 0 : 2;
   } catch (const loom::Error& e) {
     return fail(e.what());

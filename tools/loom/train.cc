@@ -74,6 +74,11 @@ class StepLog {
       own_ = false;
       return;
     }
+    if (const int fd = own_stream_fd(path); fd >= 0) {  // /dev/stdout, /dev/fd/N: never truncated
+      fd_ = fd;
+      own_ = false;
+      return;
+    }
     const std::string target = resolve_output_path(path);
     struct stat st;
     const bool exists = ::stat(target.c_str(), &st) == 0;
@@ -398,7 +403,7 @@ int run_train(const TrainOptions& o) {
   // truncated yet), tried for real as loom attn's outputs are: access() says yes to root on
   // /proc, so --log /proc/version failed only once the ranks ran. An existing file must be
   // writable itself too: the truncation keeps its permission bits, then the log appends to it.
-  if (!o.log.empty() && o.log != "-") {
+  if (!o.log.empty() && o.log != "-" && own_stream_fd(o.log) < 0) {
     check_output_writable(o.log, "--log");
     const std::string target = resolve_output_path(o.log);
     clean_stale_temps(target);
