@@ -388,6 +388,10 @@ OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names)
   if (::mkdir(staging_.c_str(), 0777) != 0)
     throw IoError(dir + ": cannot create the staging directory " + staging_ + " (" +
                   errno_text(errno) + ")");
+  // The set replaces DIR: it keeps DIR's permission bits (a private 0700 directory became 0755).
+  struct stat st;
+  if (::stat(dir_.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+    ::chmod(staging_.c_str(), st.st_mode & 07777);
 }
 
 OutputSet::~OutputSet() {
@@ -405,6 +409,15 @@ std::string OutputSet::path(const std::string& name) const {
 void OutputSet::commit() {
   LOOM_CHECK(!committed_, InvalidArgument, "OutputSet::commit called twice");
   std::error_code ec;
+  // Each file keeps the permission bits of the file of its name in the set it replaces, as
+  // write_output keeps a replaced file's (a 0600 out.npy became 0644).
+  for (const std::string& name : names_) {
+    struct stat old_st, new_st;
+    const std::string now = (fs::path(staging_) / name).string();
+    if (::stat((fs::path(dir_) / name).c_str(), &old_st) == 0 && S_ISREG(old_st.st_mode) &&
+        ::stat(now.c_str(), &new_st) == 0 && S_ISREG(new_st.st_mode))
+      ::chmod(now.c_str(), old_st.st_mode & 07777);
+  }
   if (::rename(staging_.c_str(), dir_.c_str()) == 0) {  // dir did not exist (or was empty)
     committed_ = true;
     return;

@@ -640,6 +640,30 @@ TEST_F(Io, OutputSetIsSwappedInWholeOrNotAtAll) {
   EXPECT_EQ(slurp(at("out/notes.txt")), "mine");
 }
 
+// The set keeps the permission bits of the directory and files it replaces, as write_output keeps
+// a replaced file's: a private 0700 directory became 0755 and a 0600 file 0644.
+TEST_F(Io, OutputSetKeepsThePermissionBitsItReplaces) {
+  const std::vector<std::string> names = {"a.npy", "b.npy"};
+  fs::create_directories(at("priv"));
+  ::chmod(at("priv").c_str(), 0700);
+  write_output(at("priv/a.npy"), "a0");
+  ::chmod(at("priv/a.npy").c_str(), 0600);
+  {
+    OutputSet s(at("priv"), names);
+    write_output(s.path("a.npy"), "a1");
+    write_output(s.path("b.npy"), "b1");
+    s.commit();
+  }
+  auto mode = [](const std::string& p) {
+    struct stat st;
+    return ::stat(p.c_str(), &st) == 0 ? static_cast<int>(st.st_mode & 07777) : -1;
+  };
+  EXPECT_EQ(slurp(at("priv/a.npy")), "a1");
+  EXPECT_EQ(mode(at("priv")), 0700);
+  EXPECT_EQ(mode(at("priv/a.npy")), 0600);
+  EXPECT_NE(mode(at("priv/b.npy")), -1);  // new: the default mode
+}
+
 // "link/" (a symlink to a directory, trailing '/') was resolved as given, lstat followed the link,
 // and commit() renamed the set onto the link itself: "Not a directory" after the whole run.
 TEST_F(Io, OutputSetThroughASymlinkWithATrailingSlash) {
