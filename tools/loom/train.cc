@@ -117,10 +117,14 @@ class StepLog {
   static std::string lines_up_to(const std::string& path, int64_t step) {
     InputFile f(path, "--log");
     const std::string text = f.read_rest(size_t{1} << 32);
-    LOOM_CHECK(text.empty() || text.compare(0, 1, "{") == 0, InvalidArgument,
-               "--resume: --log " << path
-                                  << " is not a loom train log (its first line is not a step "
-                                     "line); give the log of the run being resumed, or a new path");
+    auto require_log = [&](bool is_log) {
+      LOOM_CHECK(is_log, InvalidArgument,
+                 "--resume: --log " << path
+                                    << " is not a loom train log (its first line is not a step "
+                                       "line); give the log of the run being resumed, or a new "
+                                       "path");
+    };
+    require_log(text.empty() || text[0] == '{');
     std::istringstream in(text);
     std::string line, keep;
     bool first = true;
@@ -129,11 +133,7 @@ class StepLog {
       nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
       const bool step_line =
           !j.is_discarded() && j.contains("step") && j["step"].is_number_integer();
-      LOOM_CHECK(!first || step_line, InvalidArgument,
-                 "--resume: --log " << path
-                                    << " is not a loom train log (its first line is not a step "
-                                       "line); give the log of the run being resumed, or a new "
-                                       "path");
+      if (first) require_log(step_line);
       first = false;
       if (!step_line || j["step"].get<int64_t>() > step) break;
       keep += line + "\n";
