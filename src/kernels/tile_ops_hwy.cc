@@ -671,26 +671,20 @@ std::vector<KernelTarget> build_targets() {
   for (const Compiled& c : compiled) {
     if (c.ops == nullptr) continue;
     const bool runs = (supported & c.target) != 0;
+    t.push_back(KernelTarget{c.ops()->name, c.ops(), runs});
 #if HWY_TARGETS & HWY_AVX3
-    // AVX-512 with native bf16 dot products: the AVX-512 table plus tile_ops_avx512bf16.cc.
-    // amx first (on the AMX Xeon of docs/performance.md round 22 the vdpbf16ps kernels ran at
-    // 0.7 of fp32, amx at 3-4x); avx512bf16 ahead of avx512 except on Intel (cpu_is_intel).
-    const bool dots_after = c.target == HWY_AVX3 && cpu_is_intel();
+    // AVX-512 with native bf16 dot products: the AVX-512 table plus tile_ops_avx512bf16.cc, right
+    // before it, or right after it on Intel (cpu_is_intel); amx first (on the AMX Xeon of
+    // docs/performance.md round 22 the vdpbf16ps kernels ran at 0.7 of fp32, amx at 3-4x).
     if (c.target == HWY_AVX3) {
+      const KernelTarget dots{avx512bf16_ops()->name, avx512bf16_ops(),
+                              runs && cpu_has_avx512_bf16_flag()};
+      t.insert(cpu_is_intel() ? t.end() : t.end() - 1, dots);
 #if defined(__x86_64__) && defined(__linux__)
-      t.push_back(KernelTarget{amx_ops()->name, amx_ops(),
-                               runs && cpu_has_avx512_bf16_flag() && amx_bf16_ready()});
+      t.insert(t.end() - 2, KernelTarget{amx_ops()->name, amx_ops(),
+                                         runs && cpu_has_avx512_bf16_flag() && amx_bf16_ready()});
 #endif
-      if (!dots_after)
-        t.push_back(KernelTarget{avx512bf16_ops()->name, avx512bf16_ops(),
-                                 runs && cpu_has_avx512_bf16_flag()});
     }
-    t.push_back(KernelTarget{c.ops()->name, c.ops(), runs});
-    if (dots_after)
-      t.push_back(KernelTarget{avx512bf16_ops()->name, avx512bf16_ops(),
-                               runs && cpu_has_avx512_bf16_flag()});
-#else
-    t.push_back(KernelTarget{c.ops()->name, c.ops(), runs});
 #endif
   }
   return t;
