@@ -107,6 +107,27 @@ class OutputSet {
   bool committed_ = false;
 };
 
+// ---- locks ----
+
+// Takes an exclusive advisory lock (flock) on fd, an open descriptor of `path` (a file or a
+// directory); it lasts while that open descriptor does. Another process holding the lock (a
+// second run writing the same checkpoints or log) is an IoError naming `option` and `path`. A
+// file system without flock (EOPNOTSUPP, ENOLCK: some network mounts) locks nothing, silently.
+void lock_or_refuse(int fd, const std::string& path, const std::string& option);
+
+// Opens the existing directory `dir` and holds its lock_or_refuse lock until destroyed. A dir
+// that cannot be opened locks nothing (whoever reads or writes it reports that).
+class DirectoryLock {
+ public:
+  DirectoryLock(const std::string& dir, const std::string& option);
+  ~DirectoryLock();
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 // ---- input ----
 
 class InputFile {

@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -441,6 +442,32 @@ void OutputSet::commit() {
 }
 
 // ---------------------------------------------------------------------------------------------
+
+void lock_or_refuse(int fd, const std::string& path, const std::string& option) {
+  int r;
+  do {
+    r = ::flock(fd, LOCK_EX | LOCK_NB);
+  } while (r != 0 && errno == EINTR);
+  LOOM_CHECK(r == 0 || errno != EWOULDBLOCK, IoError,
+             option << " " << path
+                    << " is in use by another running loom process (it holds the lock); wait for "
+                       "that run to end, or give another path");
+}
+
+DirectoryLock::DirectoryLock(const std::string& dir, const std::string& option) {
+  fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd_ < 0) return;
+  try {
+    lock_or_refuse(fd_, dir, option);
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+DirectoryLock::~DirectoryLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
 
 InputFile::InputFile(const std::string& path, const std::string& what) : path_(path), what_(what) {
   const std::string shown = what == path ? path : what + " " + path;

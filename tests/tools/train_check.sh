@@ -287,4 +287,34 @@ expect_error "--eval-batches 99999999999" \
 # The refused value as given (--lr 10.000001 was "got 10").
 expect_error "--lr 10.000001" "--lr must be in (0, 10], got 10.000001" "${tiny[@]}" --lr 10.000001
 
+# One run at a time per --checkpoint-dir and per --log: two runs sharing them both exited 0, each
+# overwriting the other's checkpoints and interleaving lines into one log. A second run (fresh or
+# --resume) is refused while the first holds them, and leaves its files alone; once the first is
+# gone (killed: the kernel drops its locks), they are free again.
+"$loom" train "${tiny[@]}" --steps 1000000 --checkpoint-dir "$work/busy" --checkpoint-every 1 \
+  --keep-checkpoints 2 --log "$work/busy.jsonl" > /dev/null 2>&1 &
+first=$!
+for _ in $(seq 600); do [ -s "$work/busy/latest" ] && break; sleep 0.1; done
+if [ -s "$work/busy/latest" ]; then
+  head -n 1 "$work/busy.jsonl" > "$work/busy.first"
+  expect_error "a second run on a --checkpoint-dir in use" \
+    "--checkpoint-dir $work/busy is in use by another running loom process" "${tiny[@]}" \
+    --steps 2 --checkpoint-dir "$work/busy"
+  expect_error "--resume from a --checkpoint-dir in use" "is in use by another running loom" \
+    "${tiny[@]}" --steps 2 --checkpoint-dir "$work/busy" --resume
+  expect_error "a second run on a --log in use" \
+    "--log $work/busy.jsonl is in use by another running loom process" "${tiny[@]}" --steps 2 \
+    --log "$work/busy.jsonl"
+  [ "$(head -n 1 "$work/busy.jsonl")" = "$(cat "$work/busy.first")" ] &&
+    kill -0 "$first" 2> /dev/null && ok "the first run goes on, its log kept" ||
+    bad "the second run disturbed the first"
+else
+  bad "the first run wrote no checkpoint in 60 s"
+fi
+kill "$first" 2> /dev/null; wait "$first" 2> /dev/null
+if "$loom" train "${tiny[@]}" --steps 2 --checkpoint-dir "$work/busy" --log "$work/busy.jsonl" \
+     > /dev/null 2> "$work/stderr" && [ "$(wc -l < "$work/busy.jsonl")" -eq 2 ]; then
+  ok "a killed run's --checkpoint-dir and --log are free again"
+else cat "$work/stderr"; bad "locks outlived their run"; fi
+
 summary

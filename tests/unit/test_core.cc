@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -729,6 +730,34 @@ TEST_F(Io, InputFileRefusesFifosAndDirectoriesWithoutBlocking) {
     EXPECT_NE(std::string(e.what()).find("dir.npy: is a directory"), std::string::npos) << e.what();
   }
   EXPECT_THROW(InputFile("/dev/zero", "--data"), IoError);
+}
+
+// One holder at a time: a second lock on the same directory (another open, as another process
+// makes) is an IoError naming the option and the path, until the first is released.
+TEST_F(Io, DirectoryLockIsExclusiveUntilReleased) {
+  auto first = std::make_unique<DirectoryLock>(dir_, "--checkpoint-dir");
+  try {
+    DirectoryLock second(dir_, "--checkpoint-dir");
+    ADD_FAILURE() << "a second lock on a held directory was granted";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("--checkpoint-dir " + dir_ + " is in use"),
+              std::string::npos)
+        << e.what();
+  }
+  first.reset();
+  EXPECT_NO_THROW(DirectoryLock again(dir_, "--checkpoint-dir"));
+  // A file's lock likewise; a missing directory locks nothing and is not an error here.
+  write_output(at("log.jsonl"), "");
+  const int a = ::open(at("log.jsonl").c_str(), O_RDWR | O_CLOEXEC);
+  const int b = ::open(at("log.jsonl").c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(a, 0);
+  ASSERT_GE(b, 0);
+  EXPECT_NO_THROW(lock_or_refuse(a, at("log.jsonl"), "--log"));
+  EXPECT_THROW(lock_or_refuse(b, at("log.jsonl"), "--log"), IoError);
+  ::close(a);
+  EXPECT_NO_THROW(lock_or_refuse(b, at("log.jsonl"), "--log"));
+  ::close(b);
+  EXPECT_NO_THROW(DirectoryLock none(at("missing"), "--checkpoint-dir"));
 }
 
 TEST_F(Io, ReadRestIsBounded) {

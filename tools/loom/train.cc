@@ -63,9 +63,9 @@ struct TrainOptions {
 };
 
 // The --log file: one JSON line per step, every write checked. A regular file (or a symlink to
-// one) is truncated on a fresh run and, on --resume, cut back to the checkpoint's step, so a
-// resumed run never repeats a step's line; a device or FIFO is written directly; "-" is
-// standard output (it opened, and appended to, a file named "-").
+// one) is locked for the run (lock_or_refuse), truncated on a fresh run and, on --resume, cut
+// back to the checkpoint's step, so a resumed run never repeats a step's line; a device or FIFO
+// is written directly; "-" is standard output (it opened, and appended to, a file named "-").
 class StepLog {
  public:
   StepLog(const std::string& path, bool resume, int64_t resumed_step) : path_(path) {
@@ -85,15 +85,29 @@ class StepLog {
     const bool regular = !exists || S_ISREG(st.st_mode);
     LOOM_CHECK(!exists || !S_ISDIR(st.st_mode), IoError,
                "cannot write --log " << path << ": it is a directory");
-    if (regular) {
-      std::string keep;
-      if (resume && exists) keep = lines_up_to(target, resumed_step);
-      write_output(target, keep);  // atomically: truncated, or cut back to the checkpoint
-    }
-    fd_ = ::open(target.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | (regular ? 0 : O_NONBLOCK));
+    fd_ = ::open(
+        target.c_str(),
+        regular ? O_RDWR | O_APPEND | O_CREAT | O_CLOEXEC : O_WRONLY | O_NONBLOCK | O_CLOEXEC,
+        0666);
     LOOM_CHECK(fd_ >= 0, IoError,
                "cannot write --log " << path << " (" << std::strerror(errno) << ")");
-    if (!regular) ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
+    if (!regular) {
+      ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
+      return;
+    }
+    // Locked before anything is cut: a second run naming the same log (two runs interleaved
+    // their lines into it, both exit 0) is refused and leaves it alone. The lines kept on
+    // --resume are a prefix of the file, so cutting back is one ftruncate, as is a fresh run's
+    // truncation.
+    try {
+      lock_or_refuse(fd_, path, "--log");
+      const size_t keep = resume ? lines_up_to(target, resumed_step).size() : 0;
+      LOOM_CHECK(::ftruncate(fd_, static_cast<off_t>(keep)) == 0, IoError,
+                 "cannot write --log " << path << " (" << std::strerror(errno) << ")");
+    } catch (...) {
+      ::close(fd_);
+      throw;
+    }
   }
   ~StepLog() {
     if (fd_ >= 0 && own_) ::close(fd_);
@@ -470,6 +484,19 @@ int run_train(const TrainOptions& o) {
                                << " distinct validation windows of " << o.seq << " tokens in "
                                << corpus.source << " (" << corpus.val.size()
                                << " validation bytes); give at most " << windows);
+  if (!o.checkpoint_dir.empty() && !o.resume) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.checkpoint_dir, ec);
+    LOOM_CHECK(std::filesystem::is_directory(o.checkpoint_dir), IoError,
+               "cannot create --checkpoint-dir " << o.checkpoint_dir);
+  }
+  // One run at a time writes a checkpoint directory: two runs sharing one both exited 0, each
+  // overwriting the other's `latest` and step files. The process that writes them (world rank 0)
+  // holds the lock until the run ends; a second run, fresh or --resume, is refused before it
+  // starts.
+  std::unique_ptr<DirectoryLock> dir_lock;
+  if (!o.checkpoint_dir.empty() && (!mpi || mpi->rank() == 0))
+    dir_lock = std::make_unique<DirectoryLock>(o.checkpoint_dir, "--checkpoint-dir");
   if (!o.checkpoint_dir.empty()) {  // temporaries of killed runs (their pid is gone)
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(o.checkpoint_dir, ec)) {
@@ -478,12 +505,6 @@ int run_train(const TrainOptions& o) {
       if (t != std::string::npos && t > 0)
         clean_stale_temps((e.path().parent_path() / name.substr(0, t)).string());
     }
-  }
-  if (!o.checkpoint_dir.empty() && !o.resume) {
-    std::error_code ec;
-    std::filesystem::create_directories(o.checkpoint_dir, ec);
-    LOOM_CHECK(std::filesystem::is_directory(o.checkpoint_dir), IoError,
-               "cannot create --checkpoint-dir " << o.checkpoint_dir);
   }
   model::set_blas_threads(threads);
 
