@@ -131,6 +131,17 @@ std::string fmt(double x, int prec = 2) {
   return o.str();
 }
 
+// A duration with a unit that shows it: "5.525 s", "406 ms", "33.0 ms", "41.3 us" (a 40 us
+// step read "0.000 s"); 0 is "0 s".
+std::string duration(double s) {
+  if (s == 0) return "0 s";
+  const double a = std::fabs(s);
+  if (a >= 1) return fmt(s, 3) + " s";
+  const bool ms = a >= 1e-3;
+  const double v = ms ? a * 1e3 : a * 1e6;
+  return fmt(s * (ms ? 1e3 : 1e6), v >= 100 ? 0 : v >= 10 ? 1 : 2) + (ms ? " ms" : " us");
+}
+
 }  // namespace
 
 PlanResult plan(const PlanRequest& req, const Profile& prof) {
@@ -372,12 +383,12 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
     std::ostringstream e;
     e << "The winner is " << w.name() << ": " << fmt(w.tokens_per_s, 0) << " tokens/s (" << w.dp
       << " sequence" << (w.dp > 1 ? "s" : "") << " of " << req.seq << " tokens per step), "
-      << fmt(w.step_s, 3) << " s per step, MFU " << fmt(100 * w.mfu, 1) << " %, "
+      << duration(w.step_s) << " per step, MFU " << fmt(100 * w.mfu, 1) << " %, "
       << fmt(w.memory_bytes / 1e9, 1) << " GB per device.\n";
-    e << "  Its step: attention " << fmt(w.attn_s, 3) << " s, GEMMs " << fmt(w.gemm_s, 3)
-      << " s, recompute " << fmt(w.recompute_s, 3) << " s, TP/SP collectives "
-      << fmt(w.tp_comm_s, 3) << " s, exposed DP all-reduce " << fmt(w.dp_comm_s, 3)
-      << " s; exposed context-parallel communication " << fmt(w.exposed_cp_s, 3) << " s, balance "
+    e << "  Its step: attention " << duration(w.attn_s) << ", GEMMs " << duration(w.gemm_s)
+      << ", recompute " << duration(w.recompute_s) << ", TP/SP collectives "
+      << duration(w.tp_comm_s) << ", exposed DP all-reduce " << duration(w.dp_comm_s)
+      << "; exposed context-parallel communication " << duration(w.exposed_cp_s) << ", balance "
       << fmt(w.balance, 3) << ".\n";
     // Ulysses caps: query heads bound the degree, KV heads bound it without replication.
     const int64_t hq_tp = M.heads / w.tp, hkv_tp = std::max<int64_t>(1, M.kv_heads / w.tp);
@@ -406,8 +417,8 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         const bool inter = cp * w.tp > prof.devices_per_node;
         e << "  The winner's ring has " << w.ring << " members"
           << (inter ? " spanning nodes" : " inside a node")
-          << ", and its exposed cp communication is " << fmt(w.exposed_cp_s, 3) << " s of "
-          << fmt(w.attn_s, 3) << " s attention.\n";
+          << ", and its exposed cp communication is " << duration(w.exposed_cp_s) << " of "
+          << duration(w.attn_s) << " attention.\n";
       }
     }
     if (w.checkpoint) {
@@ -421,7 +432,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         << (without_fits ? "chosen although the run without it fits, because it frees memory for "
                            "a faster mesh"
                          : "needed: without it this mesh does not fit in memory")
-        << " (recompute " << fmt(w.recompute_s, 3) << " s).\n";
+        << " (recompute " << duration(w.recompute_s) << ").\n";
     }
     // The best of every other strategy, and where it loses time.
     std::map<std::string, const Candidate*> best_of;
@@ -445,9 +456,9 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
       for (int k = 1; k < 6; ++k)
         if (pc[k] - pw[k] > pc[worst] - pw[worst]) worst = k;
       e << "  Best " << s << ": " << c->name() << ", " << fmt(c->tokens_per_s, 0) << " tokens/s ("
-        << fmt(w.tokens_per_s / c->tokens_per_s, 2) << "x slower), step " << fmt(c->step_s, 3)
-        << " s, loses mostly in " << part_names[worst] << " (" << fmt(pc[worst], 3)
-        << " s per sequence against " << fmt(pw[worst], 3) << " s";
+        << fmt(w.tokens_per_s / c->tokens_per_s, 2) << "x slower), step " << duration(c->step_s)
+        << ", loses mostly in " << part_names[worst] << " (" << duration(pc[worst])
+        << " per sequence against " << duration(pw[worst]);
       if (worst <= 1 && c->balance > w.balance + 0.01) e << "; balance " << fmt(c->balance, 3);
       e << ").\n";
     }

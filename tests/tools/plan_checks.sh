@@ -177,4 +177,20 @@ else
   cat "$work/out"; bad "valid run"
 fi
 
+# Times of a tiny problem in a unit that shows them: a 41 us step read "0.000" in every time
+# column and "0.000 s per step" in --explain, and a winner without a cp group printed an empty
+# "by kind:" line.
+if "$loom" plan --profile "$profiles/a100_80gb.json" --model 1,64,4,2,256,256 --seq 64 \
+     --devices 2 --top 3 --explain > "$work/out" 2>&1 &&
+   grep -q "step us" "$work/out" && grep -q "by kind: none (no cp group)" "$work/out" &&
+   grep -qE "[1-9][0-9.]* us per step" "$work/out" && ! grep -q " 0\.000 s per step" "$work/out" &&
+   /usr/bin/python3 - "$work/out" <<'PY'
+import re, sys
+rows = [l for l in open(sys.argv[1]) if re.match(r"  [0-9]+ +dp", l)]
+steps = [float(next(t for t in l.split() if "." in t and "/" not in t)) for l in rows]
+assert len(steps) == 3 and all(x > 1 for x in steps), (rows, steps)  # the step column, in us
+PY
+then ok "tiny problem: the table in us, --explain's durations with units"
+else cat "$work/out"; bad "tiny problem's units"; fi
+
 summary

@@ -699,19 +699,29 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
        static_cast<long long>(o.seq), o.devices, prof.name.c_str(), o.mode.c_str());
   text(show, "  %zu candidates ranked, %zu rejected, planned in %.2f s\n", r.ranked.size(),
        r.rejected.size(), r.seconds);
-  text(show, "  %-3s %-38s %9s %6s %11s %7s %8s %8s %8s %8s %7s\n", "#", "configuration", "step s",
-       "MFU%", "tokens/s", "GB/dev", "cp exp s", "tp s", "dp s", "recomp s", "balance");
   const int n = std::min<int>(o.top, static_cast<int>(r.ranked.size()));
+  // The times in the unit of the slowest row shown: seconds, or ms / us for small problems
+  // (a 40 us step read "0.000" in every time column).
+  double slowest = 0;
+  for (int i = 0; i < n; ++i) slowest = std::max(slowest, r.ranked[i].step_s);
+  const char* unit = slowest >= 1 || n == 0 ? "s" : slowest >= 1e-3 ? "ms" : "us";
+  const double per_s = slowest >= 1 || n == 0 ? 1 : slowest >= 1e-3 ? 1e3 : 1e6;
+  auto head = [&](const char* what) { return std::string(what) + " " + unit; };
+  text(show, "  %-3s %-38s %9s %6s %11s %7s %9s %9s %9s %9s %7s\n", "#", "configuration",
+       head("step").c_str(), "MFU%", "tokens/s", "GB/dev", head("cp exp").c_str(),
+       head("tp").c_str(), head("dp").c_str(), head("recomp").c_str(), "balance");
   for (int i = 0; i < n; ++i) {
     const plan::Candidate& c = r.ranked[i];
-    text(show, "  %-3d %-38s %9.3f %6.1f %11.0f %7s %8.3f %8.3f %8.3f %8.3f %7.3f\n", i + 1,
-         c.name().c_str(), c.step_s, 100 * c.mfu, c.tokens_per_s, gb(c.memory_bytes).c_str(),
-         c.exposed_cp_s, c.tp_comm_s, c.dp_comm_s, c.recompute_s, c.balance);
+    text(show, "  %-3d %-38s %9.3f %6.1f %11.0f %7s %9.3f %9.3f %9.3f %9.3f %7.3f\n", i + 1,
+         c.name().c_str(), c.step_s * per_s, 100 * c.mfu, c.tokens_per_s,
+         gb(c.memory_bytes).c_str(), c.exposed_cp_s * per_s, c.tp_comm_s * per_s,
+         c.dp_comm_s * per_s, c.recompute_s * per_s, c.balance);
   }
-  if (!r.ranked.empty()) {
-    text(show, "  exposed cp communication of #1 by kind:");
-    for (const auto& [k, v] : r.ranked.front().exposed_by_kind)
-      text(show, " %s %.3f s", k.c_str(), v);
+  if (!r.ranked.empty()) {  // a winner without a cp group has none (the line was left empty)
+    const auto& kinds = r.ranked.front().exposed_by_kind;
+    text(show, "  exposed cp communication of #1 by kind:%s",
+         kinds.empty() ? " none (no cp group)" : "");
+    for (const auto& [k, v] : kinds) text(show, " %s %.3f %s", k.c_str(), v * per_s, unit);
     text(show, "\n");
   }
   int mem = 0;
