@@ -295,6 +295,9 @@ expect_error "--scale 3e38: above FLT_MAX / log2(e)" "softmax scale must be at m
   --scale 3e38
 expect_error "--scale inf" "--scale must be a positive finite number" --seq 64 --scale inf
 expect_error "--scale 0" "--scale must be a positive finite number" --seq 64 --scale 0
+# A number past double's range was read as inf and refused as "got inf", not as what was given.
+expect_error "--scale 1e309 named as given" "--scale: is out of range (beyond double's 1.8e308): 1e309" \
+  --seq 64 --scale 1e309
 mkdir -p "$work/big"
 /usr/bin/python3 - "$work/big" <<'PY'
 import numpy as np, sys

@@ -918,6 +918,18 @@ void strict_integers(CLI::App* command) {
             return text.empty() ? "an empty value (give one, or leave the option out)" : "";
           },
           "", "non-empty"));
+    // A number past double's range was read as inf and refused as "got inf" (--scale 1e309).
+    if (type == "FLOAT")
+      opt->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            char* end = nullptr;
+            errno = 0;
+            const double x = std::strtod(text.c_str(), &end);
+            return errno == ERANGE && std::isinf(x)
+                       ? "is out of range (beyond double's 1.8e308): " + text
+                       : "";
+          },
+          "", "in double range"));
     if (type != "INT" && type != "UINT") continue;
     const bool is_unsigned = type == "UINT";
     // A transform, not a check: the text is rewritten as the decimal number it was read as, since
