@@ -129,6 +129,24 @@ json_only "search --json -" --profile "$h100" --top 2 --json -
 json_only "search --json - --explain" --profile "$h100" --top 2 --explain --json - \
   --svg "$work/s.svg"
 json_only "--simulate --json -" --simulate --profile "$h100" --ranks 4 --seq 8192 --json -
+# --simulate's JSON is written rank by rank (one document of 8192 ranks' step counts took 3.6 GB):
+# every rank's fields, its per-step forward tiles summing to its forward tiles, as the table says.
+if "$loom" plan --simulate --profile "$h100" --ranks 16 --seq 65536 --json "$work/sim.json" \
+     > "$work/stdout" 2> "$work/stderr" && /usr/bin/python3 - "$work/sim.json" "$work/stdout" <<'PY'
+import json, re, sys
+j = json.load(open(sys.argv[1]))
+assert set(j) == {"forward_s", "backward_s", "balance", "ranks"}, list(j)
+assert j["forward_s"] > 0 and j["backward_s"] > 0 and 0 < j["balance"] <= 1.0001, j
+table = {int(m[0]): int(m[1]) for m in re.findall(r"^  (\d+) +(\d+) ", open(sys.argv[2]).read(), re.M)}
+assert len(j["ranks"]) == 16 and len(table) == 16, (len(j["ranks"]), table)
+keys = {"rank", "forward_tiles", "tiles", "full_tiles", "partial_tiles", "step_tiles", "bytes_sent",
+        "bytes_recv", "peak_buffer_bytes", "compute_s", "exposed_comm_s", "idle_s", "exposed_by_kind"}
+for i, r in enumerate(j["ranks"]):
+    assert set(r) == keys and r["rank"] == i, r
+    assert len(r["step_tiles"]) == 16 and sum(r["step_tiles"]) == r["forward_tiles"] == table[i], r
+PY
+then ok "--simulate --json: every rank, its step tiles summing to the table's forward tiles"
+else cat "$work/stderr"; bad "--simulate --json content"; fi
 json_only "--train-step --json -" --train-step --profile "$profiles/cpu_epyc7763_node.json" \
   --model 1,32,2,2,64,256 --seq 64 --batch 2 --measure-steps 1 --mesh 1,1,1,2 --json -
 "$loom" plan --profile "$h100" --top 2 --svg - > "$work/stdout" 2> "$work/stderr"
