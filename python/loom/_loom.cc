@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <charconv>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -325,10 +326,13 @@ class Group {
   // The forward's exchange for a call this rank cannot make (its arguments raised before it):
   // marked refused, so that every other rank raises at once, naming this rank, instead of
   // waiting for it until the timeout. The caller then raises its own error.
+  // Counts a cp_attention call on this rank where it starts, before anything can raise (op()
+  // compares the counts).
+  void begin_forward() { ++attempts_; }
   void refuse_forward() {
     std::vector<int64_t> mine(kRefused + 1, 0);
     mine[kRefused] = 1;
-    exchange(*comm_, Phase::kForward, mine);
+    forward_exchange(mine);
     ++forward_calls_;  // as every other rank does for this call
   }
   // unshard's description of its part (at most kExchangeFields numbers), every rank's, rank-major.
@@ -356,9 +360,20 @@ class Group {
                            const at::Tensor& k, const at::Tensor& v, bool check_finite);
 
  private:
+  // The forward's exchange. A rank met in another kind of call (the ranks raise: out of step)
+  // did not begin a forward: this call is then not counted, so that the counts agree again.
+  std::vector<int64_t> forward_exchange(const std::vector<int64_t>& mine) {
+    try {
+      return exchange(*comm_, Phase::kForward, mine);
+    } catch (const loom::InvalidArgument&) {
+      --attempts_;
+      throw;
+    }
+  }
   std::shared_ptr<loom::Communicator> comm_;
   std::map<std::string, std::shared_ptr<CpOp>> cache_;
   int64_t forward_calls_ = 0;
+  int64_t attempts_ = 0;  // begin_forward calls
   bool warned_same_q_ = false;  // the unsharded-input warning, given once per group
 };
 
@@ -421,9 +436,11 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   const char* names[] = {"rows",     "batch",   "heads",          "kv_heads",
                          "head_dim", "causal",  "window",         "strategy",
                          "layout",   "ulysses", "dtype",          "cu_seqlens",
-                         "inner",    "scale",   "detect_anomaly", "requires_grad"};
-  constexpr int kCausal = 5, kStrategy = 7, kLayout = 8, kDtype = 10, kDocs = 11, kScale = 13,
-                kAnomaly = 14, kGrad = 15, kAgree = 16, kPrint = kAgree + 2, kN = kAgree + 3;
+                         "inner",    "scale",   "detect_anomaly", "requires_grad",
+                         "call"};
+  constexpr int kCausal = 5, kWindow = 6, kStrategy = 7, kLayout = 8, kDtype = 10, kDocs = 11, kScale = 13,
+                kAnomaly = 14, kGrad = 15, kCall = 16, kAgree = 17, kPrint = kAgree + 2,
+                kN = kAgree + 3;
   const bool records =
       at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   static_assert(kN <= kRefused);
@@ -445,18 +462,36 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                                      scale_bits,
                                      check_finite,
                                      records,
+                                     attempts_,
                                      bad.first,
                                      bad.second,
                                      shard_fingerprint(q, rows)};
   static_assert(kN <= kExchangeFields);
   constexpr int kStride = kExchangeFields;
-  const std::vector<int64_t> all = exchange(*comm_, Phase::kForward, mine);
+  const std::vector<int64_t> all = forward_exchange(mine);
   ++forward_calls_;  // on every rank: a rank out of step makes every rank raise in exchange
   for (int r = 0; r < P; ++r)
     LOOM_CHECK(all[r * kStride + kRefused] == 0, InvalidArgument,
                "cp_attention: rank " << r
                                      << " could not take its arguments (its own error says why); "
                                         "every rank of the group raises with it");
+  // A call that raised on one rank before its exchange (a TypeError converting its arguments)
+  // let that rank's next call pair with the others' pending one: every rank got another call's
+  // attention, silently. Every call is counted where it starts (begin_forward), made or not, so
+  // the pairing shows here; the counts are then set equal, and the calls after work again.
+  int64_t most = 0;
+  for (int r = 0; r < P; ++r) most = std::max(most, all[r * kStride + kCall]);
+  for (int r = 0; r < P; ++r) {
+    if (all[r * kStride + kCall] == attempts_) continue;
+    const int64_t mine_was = attempts_;
+    attempts_ = most;
+    LOOM_CHECK(false, InvalidArgument,
+               "cp_attention: ranks out of step: this is rank "
+                   << me << "'s cp_attention call " << mine_was << " on this group, rank " << r
+                   << "'s call " << all[r * kStride + kCall]
+                   << " (a call raised on one rank before the ranks met); every rank of the group "
+                      "must make the same loom.torch calls in the same order");
+  }
   // A compared value as the caller wrote it (the strategy's and layout's names, the dtype), or
   // "another ..." where the exchange carries a hash or bits.
   auto shown = [&](int i, int64_t value, bool own) -> std::string {
@@ -471,8 +506,15 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
         return value ? "bfloat16" : "float32";
       case kDocs:
         return own ? "one" : "another";  // the exchange carries their hash
-      case kScale:
-        return own ? std::to_string(scale) : "another scale";
+      case kScale: {  // the bits of a double, shown as Python does (1e-7 read "0.000000")
+        double x = 0;
+        std::memcpy(&x, &value, sizeof x);
+        char buf[32];
+        const auto end = std::to_chars(buf, buf + sizeof buf, x).ptr;
+        return std::string(buf, end);
+      }
+      case kWindow:
+        return value ? std::to_string(value) : "None";
       case kCausal:
       case kGrad:
         return value ? "True" : "False";
@@ -853,6 +895,7 @@ PYBIND11_MODULE(_loom, m) {
       .def_property_readonly("rank", &Group::rank)
       .def_property_readonly("size", &Group::size)
       .def_property_readonly("forward_calls", &Group::forward_calls)
+      .def("begin_forward", &Group::begin_forward)
       .def_property("timeout_s", &Group::timeout_s, &Group::set_timeout_s)
       .def("barrier", &Group::barrier)
       .def("unshard_exchange", &Group::unshard_exchange)

@@ -108,11 +108,13 @@ def _finite(x):
         return False
 
 
-_MIN_SCALE = 1.401298464324817e-45  # the smallest positive fp32
+_MIN_SCALE = 1.1754943508222875e-38  # fp32's smallest normal: a subnormal scale erred 40 % in dq
 _MAX_SCALE = 3.4028234663852886e38 / 1.4426950408889634  # times log2(e) stays finite
 
 
 def _check_mask(causal, window, scale, dim):
+    if type(causal).__name__ == "bool_":  # numpy's bool (np.bool_(True) was "got True")
+        causal = bool(causal)
     if not isinstance(causal, bool):
         raise InvalidArgument(f"causal must be True or False, got {causal!r}")
     if window is None:
@@ -133,10 +135,10 @@ def _check_mask(causal, window, scale, dim):
         # The kernels take the scale in fp32, times log2(e): a value that rounds to 0 there or
         # overflows was reported as "got 0" or "got inf", a number the caller never passed.
         s32 = torch.tensor(s, dtype=torch.float32).item()
-        if not 0 < s32 <= _MAX_SCALE:
+        if not _MIN_SCALE <= s32 <= _MAX_SCALE:
             raise InvalidArgument(f"scale must be within fp32's range for the kernels "
                                   f"({_MIN_SCALE:.3g} .. {_MAX_SCALE:.6g}), got {scale!r}")
-    return w, s
+    return causal, w, s
 
 
 def _doc_lengths(cu_seqlens, total=None, what="T"):
@@ -157,6 +159,10 @@ def _doc_lengths(cu_seqlens, total=None, what="T"):
             f"cu_seqlens must be a 1-d int tensor or a list of ints, got {type(cu_seqlens).__name__}")
     if len(cu) < 2 or cu[0] != 0:
         raise InvalidArgument(f"cu_seqlens must start at 0 and have at least 2 entries, got {cu[:8]}")
+    # Past int64 the engine cannot take it: cp_attention's call raised a TypeError before its
+    # exchange, and the other ranks' calls paired with this rank's next one (wrong answers).
+    if cu[-1] > 2**63 - 1:
+        raise InvalidArgument(f"cu_seqlens ends at {cu[-1]}, past 2^63 - 1 tokens")
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     for i, l in enumerate(lengths):
         if l <= 0:
@@ -326,7 +332,7 @@ def attention(q, k, v, causal=True, window=None, cu_seqlens=None, scale=None, re
     does, as PyTorch's attention; under torch.autograd.detect_anomaly it raises InvalidArgument
     naming the first one."""
     heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens)
-    window, scale = _check_mask(causal, window, scale, dim)
+    causal, window, scale = _check_mask(causal, window, scale, dim)
     batch, seq, _ = _rows(q, cu_seqlens)
     docs = _doc_lengths(cu_seqlens, seq) if cu_seqlens is not None else []
     meta = (batch, seq, docs, heads, kv_heads, dim, causal, window, scale)
@@ -387,11 +393,12 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     the same call, in the same order (a rank that skips one or runs an extra one gets
     InvalidArgument on every rank, naming both ranks' calls)."""
     g = _group(group)
+    g.begin_forward()  # counted on this rank, made or not: ranks out of step are found (_loom.cc)
     try:
         # A rank's shard may hold no tokens (a sequence shorter than 2P, short documents): the
         # ranks' exchange refuses an empty global sequence.
         heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens, allow_empty=True)
-        window, scale = _check_mask(causal, window, scale, dim)
+        causal, window, scale = _check_mask(causal, window, scale, dim)
         if not isinstance(strategy, str):
             raise InvalidArgument(f"strategy must be a string, got {strategy!r}")
         if not isinstance(layout, str) or layout not in layouts:
@@ -402,7 +409,7 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
                     "the ranks of each inner ring; the outer ring is the group size / I")
         batch, seq, rows = _rows(q, cu_seqlens)
         docs = _doc_lengths(cu_seqlens) if cu_seqlens is not None else []
-    except Error:
+    except Exception:  # noqa: BLE001 (re-raised)
         # Still make the forward's exchange, marked refused, so that every other rank raises at
         # once (naming this rank) instead of waiting for it until the timeout.
         g.refuse_forward()
@@ -555,7 +562,7 @@ def reference_attention(q, k, v, causal=True, window=None, cu_seqlens=None, scal
     inputs (any float dtype) are widened to fp64 exactly and the result is fp64. Differentiable
     (the fp64 reference backward), so it checks gradients too."""
     heads, kv_heads, dim = _check_qkv(q, k, v, cu_seqlens, allow_f64=True)
-    window, scale = _check_mask(causal, window, scale, dim)
+    causal, window, scale = _check_mask(causal, window, scale, dim)
     batch, seq, _ = _rows(q, cu_seqlens)
     docs = _doc_lengths(cu_seqlens, seq) if cu_seqlens is not None else []
     meta = (batch, seq, docs, heads, kv_heads, dim, causal, window, scale)
@@ -610,7 +617,7 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
     q64, k64, v64 = (flat(x, n, candidate=False) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     heads, kv_heads, dim = _check_qkv(q64, k64, v64, cu_seqlens if cu_seqlens is not None else
                                       [0, q64.shape[0]], allow_f64=True)
-    window, scale = _check_mask(causal, window, scale, dim)
+    causal, window, scale = _check_mask(causal, window, scale, dim)
     docs = _doc_lengths(cu_seqlens, q64.shape[0]) if cu_seqlens is not None else []
     if ranks > q64.shape[0]:  # as loom verify (a large value ran out of memory)
         raise InvalidArgument(f"verify: ranks must be in [1, {q64.shape[0]}] (at most the sequence "

@@ -345,6 +345,10 @@ sys.exit(0 if (c['seq'], c['heads'], c['head_dim'], c['window']) == (64, 2, 10, 
   bad "leading zeros not read as decimal"
 expect_error "--scale 1e-46 rounds to 0 in float32" "--scale 1e-46 rounds to 0 in float32" --seq 64 \
   --scale 1e-46
+# Subnormal in float32: dq and dk came back 40 % off at 1e-44, exit 0.
+expect_error "--scale 1e-44 is subnormal in float32" \
+  "--scale 1e-44 is subnormal in float32 (the kernels need at least 1.17549e-38" --seq 64 \
+  --backward --scale 1e-44
 # The process's own streams are written, not replaced: --json /dev/stdout followed the link to
 # the file stdout was appended to and renamed a new file over it (its lines lost, exit 0).
 printf 'precious 1\nprecious 2\n' > "$work/appended.txt"

@@ -333,6 +333,30 @@ if P > 1:
     expect_error(loom.InvalidArgument, "every rank of the group must make the same loom.torch calls",
                  (lambda: lt.unshard(q)) if RANK == 0 else (lambda: lt.cp_attention(q, k, k)))
 
+    # cu_seqlens past int64 on one rank: its call raised a pybind TypeError before the ranks'
+    # exchange, and its next call paired with the others' pending one (wrong answers on both, no
+    # error). Refused in Python now, every rank raising at once.
+    expect_error(loom.InvalidArgument, "past 2^63 - 1 tokens" if RANK == 1 else
+                 "rank 1 could not take its arguments",
+                 lambda: lt.cp_attention(q[0], k[0], k[0],
+                                         cu_seqlens=[0, 4, 2**64] if RANK == 1 else [0, 4, 8 * P]))
+    # A call that raised on one rank before the ranks met (begin_forward alone stands for it):
+    # every rank's next call is refused as out of step instead of pairing with another call;
+    # the counts are then equal again and the call after works.
+    if RANK == 0:
+        lt._group(None).begin_forward()
+    expect_error(loom.InvalidArgument, "cp_attention: ranks out of step: this is rank "
+                 f"{RANK}'s cp_attention call", lambda: lt.cp_attention(q, k, k))
+    out_again = lt.cp_attention(q, k, k)
+    check(out_again.shape == q.shape and torch.isfinite(out_again).all(), "in step after the refusal")
+    # The scale and the window as the caller wrote them ("passed 0.000000", None as 0).
+    msg = expect_error(loom.InvalidArgument, "disagree on scale",
+                       lambda: lt.cp_attention(q, k, k, scale=1e-7 if RANK == 0 else 2e-7))
+    check("passed 1e-07" in msg and "passed 2e-07" in msg, f"scales as written: {msg}")
+    msg = expect_error(loom.InvalidArgument, "disagree on window",
+                       lambda: lt.cp_attention(q, k, k, window=None if RANK == 0 else 5))
+    check("passed None" in msg and "passed 5" in msg, f"window None by name: {msg}")
+
     # The same outside anomaly mode, where every backward opens with the same check (it once went
     # straight to the engine's messages: a skipped or extra backward ended in loom.Timeout after
     # the timeout, the allgather strategy's in gloo aborting the process, and the backwards of two

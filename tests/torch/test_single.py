@@ -143,6 +143,10 @@ expect_error(E, "head_dim must be in [1, 256], got 300",
 expect_error(E, "window must be None or a positive int, got 0", lambda: lt.attention(q, k, k, window=0))
 expect_error(E, "window must be None or a positive int, got 2.5", lambda: lt.attention(q, k, k, window=2.5))
 expect_error(E, "causal must be True or False", lambda: lt.attention(q, k, k, causal="yes"))
+# numpy's bool is a bool (np.bool_(True) was refused as "got True").
+import numpy as np  # noqa: E402
+check(torch.equal(lt.attention(q, k, k, causal=np.bool_(False)), lt.attention(q, k, k, causal=False)),
+      "causal=np.bool_(False) is causal=False")
 expect_error(E, "scale must be", lambda: lt.attention(q, k, k, scale=float("nan")))
 expect_error(E, "scale must be", lambda: lt.attention(q, k, k, scale=-1.0))
 expect_error(E, "must be a torch.Tensor, got list", lambda: lt.attention([1.0], k, k))
@@ -227,9 +231,11 @@ for dt in (torch.float32, torch.bfloat16):
 # The scale travels in fp32: values that round to 0 or overflow there are refused with the value
 # given (they were reported as "got 0" and "got inf"); so is q with no tokens (it said "expected
 # 16 x 2 x 8 elements, got 0").
-expect_error(E, "scale must be within fp32's range for the kernels (1.4e-45 .. 2.35866e+38), got 1e+39",
+expect_error(E, "scale must be within fp32's range for the kernels (1.18e-38 .. 2.35866e+38), got 1e+39",
              lambda: lt.attention(q, k, k, scale=1e39))
 expect_error(E, "got 1e-46", lambda: lt.attention(q, k, k, scale=1e-46))
+# Subnormal in fp32 (9.8e-45): dq and dk came back 40 % off, silently.
+expect_error(E, "got 1e-44", lambda: lt.attention(q, k, k, scale=1e-44))
 expect_error(E, "scale must be None or a positive finite number", lambda: lt.attention(q, k, k, scale=10**400))
 z = torch.zeros(0, 16, 2, 8)
 expect_error(E, "q holds no tokens (shape [0, 16, 2, 8])", lambda: lt.attention(z, z, z))
