@@ -18,9 +18,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
-#include <charconv>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -373,7 +373,7 @@ class Group {
   std::shared_ptr<loom::Communicator> comm_;
   std::map<std::string, std::shared_ptr<CpOp>> cache_;
   int64_t forward_calls_ = 0;
-  int64_t attempts_ = 0;  // begin_forward calls
+  int64_t attempts_ = 0;        // begin_forward calls
   bool warned_same_q_ = false;  // the unsharded-input warning, given once per group
 };
 
@@ -433,14 +433,13 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   // records this call (grad mode on and q, k or v requiring grad), so whether this rank will run
   // its backward, which is collective (a rank whose inputs alone required grad waited in the
   // backward until the timeout).
-  const char* names[] = {"rows",     "batch",   "heads",          "kv_heads",
-                         "head_dim", "causal",  "window",         "strategy",
-                         "layout",   "ulysses", "dtype",          "cu_seqlens",
-                         "inner",    "scale",   "detect_anomaly", "requires_grad",
-                         "call"};
-  constexpr int kCausal = 5, kWindow = 6, kStrategy = 7, kLayout = 8, kDtype = 10, kDocs = 11, kScale = 13,
-                kAnomaly = 14, kGrad = 15, kCall = 16, kAgree = 17, kPrint = kAgree + 2,
-                kN = kAgree + 3;
+  const char* names[] = {"rows",          "batch",      "heads",    "kv_heads", "head_dim",
+                         "causal",        "window",     "strategy", "layout",   "ulysses",
+                         "dtype",         "cu_seqlens", "inner",    "scale",    "detect_anomaly",
+                         "requires_grad", "call"};
+  constexpr int kCausal = 5, kWindow = 6, kStrategy = 7, kLayout = 8, kDtype = 10, kDocs = 11,
+                kScale = 13, kAnomaly = 14, kGrad = 15, kCall = 16, kAgree = 17,
+                kPrint = kAgree + 2, kN = kAgree + 3;
   const bool records =
       at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   static_assert(kN <= kRefused);
