@@ -56,7 +56,8 @@ int own_stream_fd(const std::string& path);
 // is left alone, as is a temporary that cannot be removed. Never throws.
 void clean_stale_temps(const std::string& path, const std::vector<std::string>& names = {});
 // Refuses (InvalidArgument) two outputs that resolve to the same file, e.g.
-//   {{"--json", "r.json"}, {"--trace", "r.json"}}. Empty paths are ignored.
+//   {{"--json", "r.json"}, {"--trace", "r.json"}}, or to one existing regular file under two
+// names (hard links: same device and inode). Empty paths are ignored.
 void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
 // The absolute path write_output(path) writes, symlinks followed (of the path's directories
 // too, where they exist): what check_distinct_outputs compares. "-" stays "-".

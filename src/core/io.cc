@@ -303,15 +303,31 @@ void check_output_outside(const std::string& option, const std::string& path,
 }
 
 void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
-  std::vector<std::pair<std::string, std::string>> seen;  // (resolved, option)
+  struct Seen {
+    std::string key, option;
+    dev_t dev = 0;
+    ino_t ino = 0;  // 0: not an existing regular file
+  };
+  std::vector<Seen> seen;
   for (const auto& [option, path] : outputs) {
     if (path.empty()) continue;
-    const std::string key = output_key(path);
-    for (const auto& [k, other] : seen)
-      LOOM_CHECK(k != key, InvalidArgument,
-                 option << " " << path << " and " << other
+    Seen me{output_key(path), option};
+    struct stat st;
+    if (path != "-" && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      me.dev = st.st_dev;
+      me.ino = st.st_ino;
+    }
+    for (const Seen& o : seen) {
+      LOOM_CHECK(o.key != me.key, InvalidArgument,
+                 option << " " << path << " and " << o.option
                         << " name the same file; give each output its own path");
-    seen.emplace_back(key, option);
+      // Hard links are one file under two names: a --log linked to --data truncated the corpus.
+      LOOM_CHECK(me.ino == 0 || o.ino != me.ino || o.dev != me.dev, InvalidArgument,
+                 option << " " << path << " and " << o.option
+                        << " name the same file (hard links to one file); give each output its "
+                           "own path");
+    }
+    seen.push_back(std::move(me));
   }
 }
 

@@ -27,6 +27,7 @@ constexpr double kPi = 3.14159265358979323846;
 constexpr double kMaxLr = 10;  // AdamW steps are about lr per weight: beyond this, no training
 // A checkpoint's JSON header is a few KiB; a far longer one is not a checkpoint.
 constexpr size_t kMaxCheckpointHeader = size_t{16} << 20;
+constexpr double kCheckpointWriteS = 600;  // the least a rank waits for rank 0 to write one
 
 // Index of the first non-finite value, or -1.
 int64_t first_non_finite(const std::vector<float>& v) {
@@ -53,9 +54,8 @@ double learning_rate(const TrainConfig& c, int64_t step) {
   return lo + 0.5 * (c.lr - lo) * (1.0 + std::cos(kPi * progress));
 }
 
-Trainer::Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corpus)
-    : world_(world), cfg_(cfg), corpus_(corpus) {
-  validate(cfg.model, cfg.par, world.size(), cfg.seq);
+void validate(const TrainConfig& cfg, int world) {
+  validate(cfg.model, cfg.par, world, cfg.seq);
   const MeshShape& s = cfg.par.mesh;
   LOOM_CHECK(cfg.batch >= 1 && cfg.batch % s.dp == 0, InvalidArgument,
              "--batch " << cfg.batch << " must be a positive multiple of --dp " << s.dp);
@@ -82,6 +82,12 @@ Trainer::Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corp
              "--ffn must be >= 0 (0: 4 x dim), got " << cfg.model.ffn);
   LOOM_CHECK(cfg.eval_batches >= 1, InvalidArgument,
              "--eval-batches must be >= 1, got " << cfg.eval_batches);
+}
+
+Trainer::Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corpus)
+    : world_(world), cfg_(cfg), corpus_(corpus) {
+  validate(cfg, world.size());
+  const MeshShape& s = cfg.par.mesh;
   LOOM_CHECK(corpus.train.size() >= cfg.seq + 1, InvalidArgument,
              "the training split of " << corpus.source << " has " << corpus.train.size()
                                       << " bytes; --seq " << cfg.seq << " needs at least "
@@ -325,7 +331,10 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
     write_file_atomic(path, bytes);
     write_file_atomic((std::filesystem::path(dir) / "latest").string(), std::string(name) + "\n");
   }
-  world_.barrier();
+  // The other ranks wait while rank 0 writes and syncs the file: at least 10 minutes, as loom plan
+  // --calibrate waits for its rank 0. Under the communication timeout a large checkpoint on a
+  // slow disk failed the run after it was written (192 MB took 1.4 s here: a timeout of 1 s).
+  world_.barrier(std::max(world_.timeout_s(), kCheckpointWriteS));
   return path;
 }
 

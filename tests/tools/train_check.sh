@@ -128,6 +128,11 @@ expect_error "memory estimate before allocating" "needs about" --quiet --steps 1
   --seq 20000000 --dim 4096 --heads 32 --kv-heads 8 --layers 2 "${data[@]}"
 expect_error "--memory-limit" "(--memory-limit); make the problem smaller" "${tiny[@]}" \
   --memory-limit 10M
+# Every rank draws the whole global batch: the estimate ignored --batch (2000000 passed a limit
+# of 100 MB and grew past 790 MB).
+expect_error "--batch counts in the estimate" "(--memory-limit); make the problem smaller" \
+  --seq 16 --layers 1 --dim 16 --heads 2 --kv-heads 1 --eval-every 0 --quiet "${data[@]}" \
+  --steps 1 --batch 2000000 --memory-limit 100M
 expect_error "--data /dev/zero" "is not a regular file" --quiet --data /dev/zero
 mkfifo "$work/fifo.txt"
 start=$(date +%s)
@@ -238,6 +243,15 @@ assert steps == [1, 2, 3, 4, 5, 6], steps
 PY
 then ok "resume: log cut back to step 3, steps 1-6 once each, symlinked log followed"
 else cat "$work/stderr"; bad "log truncation on resume"; fi
+# A damaged line inside the log: the cut stopped there and dropped the valid lines after it
+# (steps 1, 4, 5, 6 were left, exit 0). Refused, the log kept.
+sed '2s/.*/{"step": 2, "loss": 6.0, "tru/' "$work/lt.jsonl" > "$work/damaged.jsonl"
+cp "$work/damaged.jsonl" "$work/damaged.before"
+echo "step-00000003.ckpt" > "$work/lt/latest"
+expect_error "--resume with a damaged log line" "line 2 is not a step line" "${tiny[@]}" --steps 6 \
+  --checkpoint-dir "$work/lt" --resume --log "$work/damaged.jsonl"
+cmp -s "$work/damaged.jsonl" "$work/damaged.before" && ok "the damaged log kept" ||
+  bad "the damaged log was cut"
 
 
 # Audit: --log among the checkpoint files (--log CK/latest, CK/step-00000002.ckpt) exited 0 with
@@ -312,9 +326,62 @@ else
   bad "the first run wrote no checkpoint in 60 s"
 fi
 kill "$first" 2> /dev/null; wait "$first" 2> /dev/null
+rm -f "$work/busy"/*  # a fresh run into a run's checkpoints is refused (below)
 if "$loom" train "${tiny[@]}" --steps 2 --checkpoint-dir "$work/busy" --log "$work/busy.jsonl" \
      > /dev/null 2> "$work/stderr" && [ "$(wc -l < "$work/busy.jsonl")" -eq 2 ]; then
   ok "a killed run's --checkpoint-dir and --log are free again"
 else cat "$work/stderr"; bad "locks outlived their run"; fi
+
+# A fresh run into a directory holding a run's checkpoints replaced its `latest` and step files
+# (and --keep-checkpoints pruned across both runs): refused, naming --resume; nothing changed.
+ls -l "$work/busy" > "$work/busy.before"
+expect_error "a fresh run into a run's checkpoints" "holds a run's checkpoints" "${tiny[@]}" \
+  --steps 3 --checkpoint-dir "$work/busy"
+ls -l "$work/busy" | cmp -s - "$work/busy.before" && ok "the checkpoints left as they were" ||
+  bad "a refused run changed the checkpoints"
+# --resume from a checkpoint file instead of its directory ran, and failed at its first save.
+expect_error "--resume --checkpoint-dir FILE" "is not a directory" "${tiny[@]}" --steps 2 \
+  --resume --checkpoint-dir "$work/busy/step-00000002.ckpt"
+# An unwritable --checkpoint-dir was found at the first save, after the training up to it.
+expect_error "unwritable --checkpoint-dir, before training" \
+  "--checkpoint-dir /proc/self/fdinfo/latest: cannot write into" "${tiny[@]}" --steps 2 \
+  --checkpoint-dir /proc/self/fdinfo
+[ ! -s "$work/stdout" ] && ok "unwritable --checkpoint-dir: nothing ran" || bad "it trained first"
+# A kill between a step's checkpoint and its log line lost that line for good: --resume cut the
+# log back to the checkpoint's step and went on after it. The line now goes out first.
+LOOM_TEST_KILL_AFTER_CHECKPOINT=4 "$loom" train "${tiny[@]}" --steps 6 --checkpoint-dir \
+  "$work/kc" --checkpoint-every 2 --log "$work/kc.jsonl" > /dev/null 2>&1
+rc=$?
+if [ $rc -eq 137 ] && grep -q step-00000004.ckpt "$work/kc/latest" &&
+   "$loom" train "${tiny[@]}" --steps 6 --checkpoint-dir "$work/kc" --checkpoint-every 2 \
+     --resume --log "$work/kc.jsonl" > /dev/null 2> "$work/stderr" &&
+   py "$work/kc.jsonl" <<'PY'
+import json, sys
+steps = [json.loads(l)["step"] for l in open(sys.argv[1])]
+assert steps == [1, 2, 3, 4, 5, 6], steps
+PY
+then ok "killed right after step 4's checkpoint, resumed: steps 1-6 once each"
+else cat "$work/stderr"; bad "kill after a checkpoint (rc=$rc): a log line lost"; fi
+# The other ranks wait for rank 0's checkpoint write beyond the communication timeout: a 192 MB
+# checkpoint (1.4 s to write and sync here) under LOOM_TIMEOUT_S=1 failed the run once written.
+if LOOM_TIMEOUT_S=1 "$loom" train --ranks 2 --seq 16 --layers 4 --dim 512 --heads 4 --kv-heads 2 \
+     --batch 2 --steps 1 --eval-every 0 --quiet "${data[@]}" --checkpoint-dir "$work/bigck" \
+     > /dev/null 2> "$work/stderr" && grep -q step-00000001.ckpt "$work/bigck/latest"; then
+  ok "a checkpoint slower to write than LOOM_TIMEOUT_S: waited for ($(du -m "$work/bigck" | cut -f1) MB)"
+else cat "$work/stderr"; bad "a slow checkpoint write timed out"; fi
+rm -rf "$work/bigck"
+# A log reader that goes away killed the run by SIGPIPE with no message (exit 141).
+"$loom" train "${tiny[@]}" --steps 500 --log - 2> "$work/stderr" | head -c 100 > /dev/null
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] &&
+  grep -q "write failed (Broken pipe)" "$work/stderr" &&
+  ok "--log - into a closed pipe: $(cat "$work/stderr")" ||
+  { cat "$work/stderr"; bad "--log - into a closed pipe (rc=$rc)"; }
+# A --log that is a hard link to --data truncated the corpus, exit 0.
+ln "$work/corpus.txt" "$work/corpus-link.txt"
+expect_error "--log a hard link to --data" "hard links to one file" "${tiny0[@]}" --steps 2 \
+  --data "$work/corpus.txt" --log "$work/corpus-link.txt"
+[ "$(md5sum < "$work/corpus.txt")" = "$sum_before" ] && ok "--data left whole (hard link)" ||
+  bad "--log through a hard link destroyed --data"
 
 summary

@@ -545,6 +545,16 @@ TEST_F(Io, TwoOutputsOnOnePathAreRefused) {
                InvalidArgument);
   EXPECT_NO_THROW(check_distinct_outputs(
       {{"--json", at("r.json")}, {"--trace", at("t.json")}, {"--timeline", ""}}));
+  // A hard link is the same file under another name (a --log linked to --data cut the corpus).
+  fs::create_hard_link(at("r.json"), at("h.json"));
+  try {
+    check_distinct_outputs({{"--data", at("r.json")}, {"--log", at("h.json")}});
+    ADD_FAILURE() << "hard links to one file passed as two outputs";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("hard links to one file"), std::string::npos) << e.what();
+  }
+  write_output(at("copy.json"), "x");  // equal bytes, another file
+  EXPECT_NO_THROW(check_distinct_outputs({{"--data", at("r.json")}, {"--log", at("copy.json")}}));
 }
 
 // A report inside the --output directory was swapped away with the old set or, written after

@@ -2,6 +2,7 @@
 // errors into one clear line and a non-zero exit.
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -13,6 +14,9 @@
 #include "loom/error.h"
 
 int main(int argc, char** argv) {
+  // A reader that goes away (a FIFO --log, `--log - | head`) killed the process by SIGPIPE with
+  // no message (exit 141), mid-run; ignored, the failed write is the error that names the output.
+  std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"loom: exact attention over sequences split across ranks (context parallelism)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "loom 0.1.0");

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -149,7 +150,14 @@ class StepLog {
           !j.is_discarded() && j.contains("step") && j["step"].is_number_integer();
       if (first) require_log(step_line);
       first = false;
-      if (!step_line || j["step"].get<int64_t>() > step) break;
+      // A damaged line inside the log (not the torn last one): cutting there dropped the valid
+      // lines after it, up to the checkpoint's step, exit 0.
+      LOOM_CHECK(step_line, InvalidArgument,
+                 "--resume: --log " << path << " line "
+                                    << (std::count(keep.begin(), keep.end(), '\n') + 1)
+                                    << " is not a step line (the log is damaged); repair or "
+                                       "remove that line, or give a new --log");
+      if (j["step"].get<int64_t>() > step) break;
       keep += line + "\n";
     }
     return keep;
@@ -277,24 +285,32 @@ void train_rank(Communicator& world, const TrainOptions& o, const TrainConfig& c
     double val = NAN;
     const bool eval_now = o.eval_every > 0 && (r.step % o.eval_every == 0 || r.step == cfg.steps);
     if (eval_now) val = tr.evaluate();
-    if (!o.checkpoint_dir.empty() &&
-        ((o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) || r.step == cfg.steps)) {
-      tr.save_checkpoint(o.checkpoint_dir);
-      if (lead) prune_checkpoints(o.checkpoint_dir, o.keep_checkpoints);
-    }
-    if (!lead) continue;
-    if (std::isnan(sum.first_loss)) sum.first_loss = r.loss;
-    sum.last_loss = r.loss;
-    sum.last_step = r.step;
-    if (!std::isnan(val)) sum.val_loss = val;
-    const double tps = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
+    // The step's log line goes out before its checkpoint: a kill between the two left `latest` at
+    // step N and the log at N - 1, and --resume (which cuts the log back to the checkpoint's
+    // step) went on from N + 1 without line N. The other way round, a resume cuts the extra line.
     if (log) {
+      const double tps = r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0;
       nlohmann::json j = {{"step", r.step},      {"loss", r.loss},           {"lr", r.lr},
                           {"tokens_per_s", tps}, {"grad_norm", r.grad_norm}, {"seconds", r.seconds},
                           {"tokens", r.tokens}};
       if (!std::isnan(val)) j["val_loss"] = val;
       log->write(j.dump() + "\n");
     }
+    if (!o.checkpoint_dir.empty() &&
+        ((o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) || r.step == cfg.steps)) {
+      tr.save_checkpoint(o.checkpoint_dir);
+      if (lead) prune_checkpoints(o.checkpoint_dir, o.keep_checkpoints);
+      // Test hook (docs/reliability.md): LOOM_TEST_KILL_AFTER_CHECKPOINT=N kills the process
+      // right after step N's checkpoint, as a kill -9 at that moment would.
+      if (const char* e = std::getenv("LOOM_TEST_KILL_AFTER_CHECKPOINT");
+          lead && e && std::atoll(e) == r.step)
+        ::raise(SIGKILL);
+    }
+    if (!lead) continue;
+    if (std::isnan(sum.first_loss)) sum.first_loss = r.loss;
+    sum.last_loss = r.loss;
+    sum.last_step = r.step;
+    if (!std::isnan(val)) sum.val_loss = val;
     if (!o.quiet) {
       const double done = static_cast<double>(r.step - sum.first_step + 1);
       const double eta = clock.elapsed_s() / done * static_cast<double>(cfg.steps - r.step);
@@ -451,7 +467,7 @@ int run_train(const TrainOptions& o) {
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = o.threads ? o.threads : std::max(1, hw / here);
   c.par.threads = threads;
-  model::validate(c.model, c.par, world, c.seq);
+  model::validate(c, world);
   const std::string data = o.data.empty() ? default_data() : o.data;
   // The log is truncated when the run starts: naming the corpus there destroyed it.
   if (data != "-") check_distinct_outputs({{"--data", data}, {"--log", o.log}});
@@ -495,8 +511,34 @@ int run_train(const TrainOptions& o) {
   // holds the lock until the run ends; a second run, fresh or --resume, is refused before it
   // starts.
   std::unique_ptr<DirectoryLock> dir_lock;
-  if (!o.checkpoint_dir.empty() && (!mpi || mpi->rank() == 0))
-    dir_lock = std::make_unique<DirectoryLock>(o.checkpoint_dir, "--checkpoint-dir");
+  if (!o.checkpoint_dir.empty()) {
+    // --resume names the directory a run wrote: a checkpoint file given instead was read, and
+    // the run failed at its first save, after training ("cannot create --checkpoint-dir").
+    LOOM_CHECK(!o.resume || std::filesystem::is_directory(o.checkpoint_dir), InvalidArgument,
+               "--resume: --checkpoint-dir " << o.checkpoint_dir
+                                             << " is not a directory (give the directory the run "
+                                                "wrote; its 'latest' names the checkpoint)");
+    if (!mpi || mpi->rank() == 0)
+      dir_lock = std::make_unique<DirectoryLock>(o.checkpoint_dir, "--checkpoint-dir");
+    // A fresh run into another run's checkpoints replaced its `latest` and step files, and
+    // --keep-checkpoints then pruned by step number across both runs.
+    if (!o.resume) {
+      std::error_code ec;
+      for (const auto& e : std::filesystem::directory_iterator(o.checkpoint_dir, ec)) {
+        const std::string n = e.path().filename().string();
+        LOOM_CHECK(n != "latest" && !(n.rfind("step-", 0) == 0 && n.size() > 5 &&
+                                      n.compare(n.size() - 5, 5, ".ckpt") == 0),
+                   InvalidArgument,
+                   "--checkpoint-dir " << o.checkpoint_dir << " holds a run's checkpoints (" << n
+                                       << "): give --resume to continue that run, or another "
+                                          "directory (or empty this one) for a new run");
+      }
+    }
+    // Unwritable (a read-only directory, /proc, /sys) was found at the first save, after the
+    // training up to it: tried for real now, as --log is.
+    check_output_writable((std::filesystem::path(o.checkpoint_dir) / "latest").string(),
+                          "--checkpoint-dir");
+  }
   if (!o.checkpoint_dir.empty()) {  // temporaries of killed runs (their pid is gone)
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(o.checkpoint_dir, ec)) {
@@ -615,7 +657,11 @@ double estimate_train_bytes(const TrainConfig& c, int ranks_here, double data_by
   const double per_layer = rows * (10 * dim + 4 * ffn / s.tp) * 4;
   const double act = (c.checkpoint_activations ? L * rows * dim * 4 + per_layer : L * per_layer) +
                      double(c.seq) * vocab * 4 * 2;
-  return ranks_here * (state + act + 8.0 * (1 << 20)) + 2 * data_bytes + 32.0 * (1 << 20);
+  // Every rank draws the whole global batch each step (model::Sequence: input, target, rope
+  // positions and document lengths, 24 bytes a token, about 200 more a sequence): --batch 2000000
+  // passed a limit of 100 MB and grew past 790 MB.
+  const double batch = double(c.batch) * (24.0 * double(c.seq) + 200);
+  return ranks_here * (state + act + batch + 8.0 * (1 << 20)) + 2 * data_bytes + 32.0 * (1 << 20);
 }
 
 void add_train_command(CLI::App& app) {

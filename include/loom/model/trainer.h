@@ -71,6 +71,12 @@ struct RankReport {
   double peak_rss = 0;  // this rank's PROCESS peak RSS (local ranks share one process)
 };
 
+// Refuses (InvalidArgument) a configuration no run can take on `world` ranks: the model and
+// mesh (model::validate), --batch, --steps, token counts past int64, --lr, --weight-decay,
+// --clip, --warmup, --ffn, --eval-batches. The Trainer checks it too; callers check first to
+// refuse before any estimate or allocation.
+void validate(const TrainConfig& cfg, int world);
+
 class Trainer {
  public:
   // Collective over world. Validates the configuration (InvalidArgument) and the corpus size.
