@@ -112,8 +112,10 @@ struct Options {
   std::string dtype = "fp32";
   bool localise = true;
   // Above this many tokens out, lse and dq are compared on 256 evenly spaced query rows and dk,
-  // dv are not compared (they need every query row). Localisation uses at most 1024 of the
-  // compared rows (fewer when the pair partials would pass 512 MiB).
+  // dv are not compared (they need every query row); every element of every present tensor is
+  // still scanned for NaN and Inf (a failure: the exact values are finite), and a candidate of
+  // which nothing can be compared is an InvalidArgument, not a pass. Localisation uses at most
+  // 1024 of the compared rows (fewer when the pair partials would pass 512 MiB).
   int64_t full_check_max = 4096;
 };
 

@@ -97,7 +97,7 @@ std::string Report::summary() const {
     os << "  " << t.name << std::string(5 - std::min<size_t>(4, t.name.size()), ' ');
     if (!t.compared) {
       os << "not compared (dk and dv need every query row; the sequence is above the full-check "
-            "limit)\n";
+            "limit, --full-check-max); no NaN or Inf in it\n";
       continue;
     }
     os << (t.passed ? "pass" : "FAIL") << "  rel " << fmt(t.rel_err) << "  max abs "

@@ -271,6 +271,37 @@ TensorCheck compare_lse(const Ctx& c, const Tensor<double>& cand, const Tensor<d
   return b.result("lse", c.sampled);
 }
 
+// Above full_check_max only the sampled rows are compared: the candidate's other elements are
+// still scanned for NaN and Inf (inputs and scores are finite, so the exact values are), which
+// passed unseen (a NaN in an unsampled row of out, a dk of NaN). lse_layout: [H, S], else
+// [S, A, B]. `all_rows`: scan every row (dk and dv, of which no row is compared).
+int64_t non_finite_unsampled(const Ctx& c, const Tensor<double>& t, bool lse_layout,
+                             bool all_rows) {
+  if (!c.sampled) return 0;
+  std::vector<char> skip(static_cast<size_t>(c.S), 0);
+  if (!all_rows)
+    for (int64_t g : c.rows) skip[static_cast<size_t>(g)] = 1;
+  int64_t n = 0;
+  if (lse_layout) {
+    for (int64_t h = 0; h < t.size(0); ++h)
+      for (int64_t g = 0; g < c.S; ++g) n += !skip[g] && !std::isfinite(t[h * c.S + g]);
+  } else {
+    const int64_t row = t.size(1) * t.size(2);
+    for (int64_t g = 0; g < c.S; ++g)
+      if (!skip[g])
+        for (int64_t i = 0; i < row; ++i) n += !std::isfinite(t[g * row + i]);
+  }
+  return n;
+}
+
+// A compared tensor's count of non-finite elements outside the compared rows: it fails.
+void add_unsampled(TensorCheck& t, int64_t n) {
+  if (n == 0) return;
+  t.non_finite += n;
+  t.rel_err = std::numeric_limits<double>::infinity();
+  t.passed = false;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pair partials on the localisation rows.
 
@@ -1249,30 +1280,38 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
     rep.tensors.push_back(t);
     rep.absent.push_back(n);
   };
-  if (cand.out)
+  if (cand.out) {
     rep.tensors.push_back(compare_rows(c, "out", *cand.out, ref.out, c.rows, false));
-  else
+    add_unsampled(rep.tensors.back(), non_finite_unsampled(c, *cand.out, false, false));
+  } else {
     absent("out");
-  if (cand.lse)
+  }
+  if (cand.lse) {
     rep.tensors.push_back(compare_lse(c, *cand.lse, ref.lse));
-  else
+    add_unsampled(rep.tensors.back(), non_finite_unsampled(c, *cand.lse, true, false));
+  } else {
     absent("lse");
-  if (cand.dq)
+  }
+  if (cand.dq) {
     rep.tensors.push_back(compare_rows(c, "dq", *cand.dq, ref.dq, c.rows, false));
-  else
+    add_unsampled(rep.tensors.back(), non_finite_unsampled(c, *cand.dq, false, false));
+  } else {
     absent("dq");
+  }
   for (const char* n : {"dk", "dv"}) {
     const auto& t = std::string(n) == "dk" ? cand.dk : cand.dv;
     if (!t) {
       absent(n);
       continue;
     }
-    if (c.sampled) {
+    if (c.sampled) {  // not compared (they need every query row), but scanned for NaN / Inf
       TensorCheck x;
       x.name = n;
       x.present = true;
-      x.passed = true;
       x.tolerance = c.tol(n);
+      x.non_finite = non_finite_unsampled(c, *t, false, true);
+      x.compared = x.non_finite > 0;  // then a failure, whatever the exact values
+      if (x.compared) x.rel_err = std::numeric_limits<double>::infinity();
       rep.tensors.push_back(x);
       continue;
     }
@@ -1298,6 +1337,13 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
                       << std::setprecision(3) << floor << ", over a quarter of the tolerance "
                       << t.tolerance << "): scale the inputs up to verify it");
   }
+  // Nothing compared is no verdict: dk and dv alone above full_check_max passed, exit 0.
+  bool any_compared = false;
+  for (const auto& t : rep.tensors) any_compared = any_compared || t.compared;
+  LOOM_CHECK(any_compared, InvalidArgument,
+             "nothing could be compared: dk and dv need every query row, and S = "
+                 << c.S << " is above the full-check limit of " << o.full_check_max
+                 << " tokens (--full-check-max); give out, lse or dq too, or raise the limit");
   rep.passed = true;
   for (const auto& t : rep.tensors)
     if (t.compared && !t.passed) rep.passed = false;

@@ -325,6 +325,42 @@ PY
 expect2 "dk cannot be verified: its exact values lie below float32's normal range" -- \
   "$LOOM" verify --input "$T/sub42" --candidate "$T/sub42_c"
 
+# Above --full-check-max only sampled rows are compared, and dk, dv not at all: a NaN in an
+# unsampled row of out, and a dk and dv of NaN, PASSED (exit 0), as did dk and dv alone (nothing
+# compared). Every element is now scanned for NaN and Inf, and nothing compared is exit 2.
+/usr/bin/python3 - "$T/samp" <<'PY'
+import numpy as np, os, sys
+d = sys.argv[1]
+os.makedirs(d)
+r = np.random.default_rng(3)
+for n in ("q", "k", "v", "dout"):
+    np.save(f"{d}/{n}.npy", r.standard_normal((300, 1, 8)).astype(np.float32))
+PY
+"$LOOM" attn --input "$T/samp" --backward --iters 1 --warmup 0 --quiet --output "$T/samp_ref" >/dev/null ||
+  fail "loom attn on the sampled problem"
+SV() { "$LOOM" verify --input "$T/samp" --full-check-max 64 "$@"; }
+expect 0 "out  pass .*(sampled rows)" -- SV --candidate "$T/samp_ref"
+expect 0 "dk   not compared (dk and dv need every query row.*no NaN or Inf in it" -- SV --candidate "$T/samp_ref"
+mkdir -p "$T/samp_nan_out" "$T/samp_nan_dk" "$T/samp_dkdv"
+cp "$T/samp_ref/dk.npy" "$T/samp_ref/dv.npy" "$T/samp_dkdv/"
+/usr/bin/python3 - "$T" <<'PY'
+import numpy as np, sys
+t = sys.argv[1]
+o = np.load(f"{t}/samp_ref/out.npy"); o[1, 0, 3] = np.nan  # row 1 is not among the sampled rows
+np.save(f"{t}/samp_nan_out/out.npy", o)
+k = np.load(f"{t}/samp_ref/dk.npy"); k[:] = np.nan
+np.save(f"{t}/samp_nan_dk/dk.npy", k); np.save(f"{t}/samp_nan_dk/dv.npy", k)
+np.save(f"{t}/samp_nan_dk/out.npy", np.load(f"{t}/samp_ref/out.npy"))
+PY
+expect 1 "out  FAIL .*1 non-finite" -- SV --candidate "$T/samp_nan_out"
+expect 1 "dk   FAIL .*2400 non-finite" -- SV --candidate "$T/samp_nan_dk"
+expect2 "nothing could be compared: dk and dv need every query row, and S = 300 is above the full-check limit of 64" \
+  -- SV --candidate "$T/samp_dkdv"
+expect 0 "dk   pass" -- "$LOOM" verify --input "$T/samp" --candidate "$T/samp_dkdv" --full-check-max 300
+# A scale below float32's normal range was refused as "got 0" (5e-324) or accepted (1e-44).
+expect2 "--scale 1e-44 is subnormal in float32" -- SV --candidate "$T/samp_ref" --scale 1e-44
+expect2 "--scale 4.94066e-324 rounds to 0 in float32" -- SV --candidate "$T/samp_ref" --scale 5e-324
+
 if [ $fails -ne 0 ]; then
   echo "$fails check(s) failed"
   exit 1

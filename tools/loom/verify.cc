@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <new>
 #include <optional>
@@ -35,6 +36,7 @@ struct VerifyOptions {
   bool scale_given = false;  // set from the command line: 0 is refused, not "the default"
   std::string json, heatmap;
   bool quiet = false;
+  int64_t full_check_max = verify::Options{}.full_check_max;
 };
 
 // Layout of the tensors on disk: [S, H, D] (lse [H, S]), [B, S, H, D] (lse [B, H, S]) or
@@ -214,6 +216,15 @@ int run_verify(const VerifyOptions& o) {
   // Given, a scale is a positive finite number (0 meant "the default" and could pass).
   LOOM_CHECK(!o.scale_given || (std::isfinite(o.scale) && o.scale > 0), InvalidArgument,
              "--scale must be a positive finite number, got " << o.scale);
+  // The scale is taken in float32, as the kernels take it: 5e-324 was refused as "got 0".
+  LOOM_CHECK(!o.scale_given || static_cast<float>(o.scale) >= std::numeric_limits<float>::min(),
+             InvalidArgument,
+             "--scale " << o.scale
+                        << (static_cast<float>(o.scale) > 0 ? " is subnormal" : " rounds to 0")
+                        << " in float32 (at least " << std::numeric_limits<float>::min()
+                        << ", float32's smallest normal number)");
+  LOOM_CHECK(o.full_check_max >= 1, InvalidArgument,
+             "--full-check-max must be >= 1, got " << o.full_check_max);
   // Two outputs on one path, or an output onto an input file, are refused before any work.
   std::vector<std::pair<std::string, std::string>> paths;
   for (const char* name : {"q.npy", "k.npy", "v.npy", "dout.npy", "cu_seqlens.npy"})
@@ -322,6 +333,7 @@ int run_verify(const VerifyOptions& o) {
   vo.convention = o.convention;
   vo.ranks = o.ranks;
   vo.dtype = o.dtype;
+  vo.full_check_max = o.full_check_max;
   bool passed = true;
   std::vector<verify::Report> reports;
   for (int64_t b = 0; b < B; ++b) {
@@ -411,6 +423,10 @@ void declare_verify(CLI::App* c, VerifyOptions& opts) {
       ->capture_default_str();
   c->add_option("--json", o->json, "write the report as JSON to FILE");
   c->add_option("--heatmap", o->heatmap, "write the (query chunk x KV chunk) heat map SVG to FILE");
+  c->add_option("--full-check-max", o->full_check_max,
+                "compare every row up to this many tokens; above it out, lse and dq on 256 "
+                "sampled rows, and dk, dv only scanned for NaN and Inf (they need every row)")
+      ->capture_default_str();
   c->add_flag("--quiet", o->quiet, "print nothing; only the exit status");
 }
 
