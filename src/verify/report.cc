@@ -115,7 +115,7 @@ std::string Report::summary() const {
   for (size_t i = 0; i < diagnoses.size(); ++i) {
     const auto& d = diagnoses[i];
     os << (i == 0 ? "diagnosis " : "  or      ") << d.text;
-    if (d.kind != "unexplained" && d.kind != "non_finite")
+    if (d.kind != "unexplained" && d.kind != "non_finite" && d.kind != "not_localised")
       os << "  [model leaves " << fmt(100 * d.residual) << "% of the error]";
     os << "\n";
   }

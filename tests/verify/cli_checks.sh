@@ -357,6 +357,26 @@ expect 1 "dk   FAIL .*2400 non-finite" -- SV --candidate "$T/samp_nan_dk"
 expect2 "nothing could be compared: dk and dv need every query row, and S = 300 is above the full-check limit of 64" \
   -- SV --candidate "$T/samp_dkdv"
 expect 0 "dk   pass" -- "$LOOM" verify --input "$T/samp" --candidate "$T/samp_dkdv" --full-check-max 300
+# Localisation's work grows as ranks^2 x chunks: 128 ranks took 94 s, 2048 ran for minutes. Past
+# its budget it is skipped, and said so; the verdict stands.
+/usr/bin/python3 - "$T/wide" <<'PY'
+import numpy as np, os, sys
+d = sys.argv[1]
+os.makedirs(d)
+r = np.random.default_rng(4)
+for n in ("q", "k", "v"):
+    np.save(f"{d}/{n}.npy", r.standard_normal((512, 2, 64)).astype(np.float32))
+PY
+"$LOOM" attn --input "$T/wide" --iters 1 --warmup 0 --quiet --output "$T/wide_ref" >/dev/null ||
+  fail "loom attn on the wide problem"
+mkdir -p "$T/wide_off"
+/usr/bin/python3 -c "import numpy as np; o = np.load('$T/wide_ref/out.npy'); o *= 1.01; np.save('$T/wide_off/out.npy', o)"
+start=$(date +%s)
+expect 1 "diagnosis not localised: 512 ranks and 512 chunks are past the localisation's budget" -- \
+  "$LOOM" verify --input "$T/wide" --candidate "$T/wide_off" --ranks 512
+expect 1 "diagnosis no known defect explains the out error" -- \
+  "$LOOM" verify --input "$T/wide" --candidate "$T/wide_off" --ranks 128
+[ $(( $(date +%s) - start )) -le 30 ] || fail "verify --ranks 512 and 128 took over 30 s"
 # A scale below float32's normal range was refused as "got 0" (5e-324) or accepted (1e-44).
 expect2 "--scale 1e-44 is subnormal in float32" -- SV --candidate "$T/samp_ref" --scale 1e-44
 expect2 "--scale 4.94066e-324 rounds to 0 in float32" -- SV --candidate "$T/samp_ref" --scale 5e-324
