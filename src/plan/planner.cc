@@ -179,11 +179,16 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
                  << req.memory_limit);
   const double mem_limit = req.memory_limit > 0 ? req.memory_limit : prof.memory_bytes;
   const double peak = req.dtype_bytes == 2 ? prof.flops_bf16 : prof.flops_fp32;
-  std::vector<std::string> strategies = req.strategies.empty() ? schedule_names() : req.strategies;
   const std::vector<std::string> known = schedule_names();
-  for (const std::string& s : strategies)
+  std::vector<std::string> strategies;  // each once (--strategies ring,ring listed every row twice)
+  for (const std::string& s : req.strategies.empty() ? known : req.strategies) {
+    if (std::find(strategies.begin(), strategies.end(), s) != strategies.end()) continue;
+    std::string names;
+    for (const std::string& n : known) names += (names.empty() ? "" : ", ") + n;
     LOOM_CHECK(std::find(known.begin(), known.end(), s) != known.end(), InvalidArgument,
-               "unknown strategy '" << s << "'");
+               "unknown strategy '" << s << "' (choose " << names << ")");
+    strategies.push_back(s);
+  }
   std::vector<Layout> layouts = {Layout::zigzag};
   if (req.all_layouts) layouts = {Layout::zigzag, Layout::contiguous, Layout::stripe};
 
@@ -241,15 +246,18 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         continue;
       }
       for (const std::string& strategy : strategies) {
+        // One rank: no cp at all ("none", simulated as a ring of one), whatever --strategies
+        // names: --strategies ulysses dropped the meshes without a cp group (8 devices: their
+        // best, dp8, 1.6x faster than the winner shown; 1 device: "nothing to rank").
+        if (cp == 1 && strategy != strategies.front()) continue;
         std::vector<int> us;
-        if (strategy == "ring" || strategy == "allgather")
+        if (cp == 1 || strategy == "ring" || strategy == "allgather")
           us = {1};
         else if (strategy == "ulysses")
           us = {cp};
         else
           for (int u : divisors(cp))
             if (u > 1 && u < cp) us.push_back(u);
-        if (cp == 1 && strategy != "ring") continue;  // one rank: no cp at all ("ring" of one)
         for (int u : us) {
           for (Layout layout : layouts) {
             if (cp == 1 && layout != Layout::zigzag) continue;
@@ -265,7 +273,8 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
               c.strategy = cp == 1 ? "none" : strategy;
               c.layout = layout;
               c.checkpoint = ckpt;
-              const AttnCase a = attn_case(req, prof, mask, strategy, layout, cp, u, tp);
+              const std::string simulated = cp == 1 ? "ring" : strategy;
+              const AttnCase a = attn_case(req, prof, mask, simulated, layout, cp, u, tp);
               // Memory.
               const double L = static_cast<double>(M.layers);
               const double tokens = static_cast<double>(req.seq) / cp;
@@ -290,7 +299,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
                 res.rejected.push_back(c);
                 continue;
               }
-              const auto key = std::make_tuple(strategy, static_cast<int>(layout), cp, u, tp);
+              const auto key = std::make_tuple(simulated, static_cast<int>(layout), cp, u, tp);
               if (!have_last || key != last_key) {
                 have_last = false;
                 try {
@@ -331,11 +340,13 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
                 const double bwd_time = L * bwd + 2.0 * gemm_fwd;
                 c.dp_comm_s = std::max(ar / L, ar - bwd_time);
               }
+              // With checkpointing the forward runs twice: its exposed communication too, in the
+              // total and in each kind (the kinds summed to less than the total).
+              const double again = ckpt ? (fwd + bwd + fwd) / std::max(1e-30, fwd + bwd) : 1.0;
               for (const RankSim& r : sim.ranks)
                 for (const auto& [k, v] : r.comm_by_kind)
-                  c.exposed_by_kind[k] = std::max(c.exposed_by_kind[k], L * v);
-              c.exposed_cp_s =
-                  L * comm * (ckpt ? (fwd + bwd + fwd) / std::max(1e-30, fwd + bwd) : 1.0);
+                  c.exposed_by_kind[k] = std::max(c.exposed_by_kind[k], L * v * again);
+              c.exposed_cp_s = L * comm * again;
               c.cp_idle_s = L * idle;
               c.step_s = c.attn_s + c.recompute_s + c.gemm_s + c.tp_comm_s + c.dp_comm_s;
               c.balance = sim.balance();

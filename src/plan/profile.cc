@@ -219,12 +219,29 @@ void check_profile(const Profile& p) {
 }
 
 Profile parse_profile(const std::string& text, const std::string& where) {
+  // Read strictly, as .npy headers are: the parser stopped at a NUL and took what followed for
+  // nothing, and a key given twice silently took its last value ("memory_bytes" 80e9, then 1e9).
+  const size_t nul = text.find('\0');
+  LOOM_CHECK(nul == std::string::npos, IoError,
+             where << ": a NUL byte at offset " << nul << " (a profile is JSON text)");
   json j;
+  std::vector<std::set<std::string>> keys;  // the keys of each object being read
+  std::string twice;
+  auto strict = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) keys.emplace_back();
+    if (event == json::parse_event_t::object_end && !keys.empty()) keys.pop_back();
+    if (event == json::parse_event_t::key && !keys.empty() &&
+        !keys.back().insert(parsed.get<std::string>()).second && twice.empty())
+      twice = parsed.get<std::string>();
+    return true;
+  };
   try {
-    j = json::parse(text);
+    j = json::parse(text, strict);
   } catch (const json::exception& e) {
     throw IoError(where + ": not valid JSON (" + std::string(e.what()) + ")");
   }
+  LOOM_CHECK(twice.empty(), IoError,
+             where << ": the key \"" << twice << "\" is given twice in one object");
   LOOM_CHECK(j.is_object(), IoError, where << ": a profile must be a JSON object");
   refuse_unknown(j,
                  {"name", "kind", "device", "devices_per_node", "links", "collectives", "overlap",

@@ -135,4 +135,56 @@ fi
   ! grep -qE 'NaN|Infinity|null' "$work/r.json" && ok "a valid search: finite figures" ||
   bad "a valid search: finite figures"
 
+# A profile read strictly: a key given twice took its last value silently, and a NUL ended the
+# text (what followed it was never read).
+/usr/bin/python3 - "$h100" "$work" <<'PY'
+import sys
+s = open(sys.argv[1]).read()
+open(sys.argv[2] + "/dup.json", "w").write(s.replace('"memory_bytes":', '"memory_bytes": 1e9, "memory_bytes":', 1))
+open(sys.argv[2] + "/nul.json", "w").write(s + "\0 garbage {{{")
+PY
+expect_error "a key given twice" "dup.json: the key \"memory_bytes\" is given twice in one object" \
+  --profile "$work/dup.json"
+expect_error "a NUL byte" "nul.json: a NUL byte at offset" --profile "$work/nul.json"
+
+# The search: a failed one writes nothing (--json was replaced by the failed ranking, --svg kept);
+# --strategies named twice counts once (every row was listed twice); a mesh without a cp group is
+# a candidate whatever --strategies names (--strategies ulysses on 1 device: "nothing to rank");
+# with checkpointing the exposed communication by kind adds up to the total.
+echo '{"old": 1}' > "$work/keep.json"; echo '<svg old/>' > "$work/keep.svg"
+expect_error "a failed search" "no configuration" --profile "$h100" --devices 1 \
+  --json "$work/keep.json" --svg "$work/keep.svg"
+[ "$(cat "$work/keep.json")" = '{"old": 1}' ] && [ "$(cat "$work/keep.svg")" = '<svg old/>' ] &&
+  ok "a failed search left --json and --svg alone" || bad "a failed search wrote an output"
+"$loom" plan --profile "$h100" --strategies ring --json "$work/once.json" > /dev/null 2>&1
+"$loom" plan --profile "$h100" --strategies ring,ring --json "$work/twice.json" > /dev/null 2>&1
+"$loom" plan --profile "$h100" --devices 1 --model 2,1024,8,8,0,1000 --seq 4096 \
+  --strategies ulysses --json "$work/one.json" > /dev/null 2>&1
+"$loom" plan --profile "$h100" --devices 8 --model 2,1024,8,8,0,1000 --seq 4096 \
+  --strategies ulysses --json "$work/u8.json" > /dev/null 2>&1
+"$loom" plan --profile "$h100" --devices 8 --model 2,1024,8,8,0,1000 --seq 4096 \
+  --json "$work/all8.json" > /dev/null 2>&1
+if /usr/bin/python3 - "$work" <<'PY'
+import json, sys
+w = sys.argv[1]
+once, twice = (json.load(open(f"{w}/{n}.json")) for n in ("once", "twice"))
+assert len(once["ranked"]) == len(twice["ranked"]) and len(once["rejected"]) == len(twice["rejected"]), \
+    (len(once["ranked"]), len(twice["ranked"]))
+one = json.load(open(f"{w}/one.json"))
+assert [c["name"] for c in one["ranked"]][:1] == ["dp1 tp1 u1 r1 none/zigzag"], one["ranked"][:1]
+u8, all8 = (json.load(open(f"{w}/{n}.json")) for n in ("u8", "all8"))
+assert u8["ranked"][0]["strategy"] == "none", u8["ranked"][0]["name"]  # dp8: the best of all
+assert u8["ranked"][0]["name"] == all8["ranked"][0]["name"], (u8["ranked"][0]["name"], all8["ranked"][0]["name"])
+for c in once["ranked"]:
+    kinds = c["exposed_by_kind"]
+    if c["checkpoint"] and kinds and c["exposed_cp_comm_s"] > 0:
+        assert abs(max(kinds.values()) - c["exposed_cp_comm_s"]) <= 1e-9 * c["exposed_cp_comm_s"], c
+PY
+then ok "--strategies deduplicated, meshes without cp always candidates, kinds add up"
+else bad "--strategies and the exposed communication by kind"; fi
+# --measure-steps counts steps run here: 2^63 - 1 wrapped and was refused as a "--steps".
+expect_error "--measure-steps 2^63 - 1" "--measure-steps must be in [1, 1000000]" --train-step \
+  --profile "$profiles/cpu_epyc7763_node.json" --mesh 1,1,1,1 --model 1,64,2,1,0,256 --seq 64 \
+  --batch 1 --measure-steps 9223372036854775807
+
 summary

@@ -25,6 +25,8 @@ namespace loom::tools {
 
 namespace {
 
+constexpr int64_t kMaxMeasureSteps = 1000000;  // --train-step's measured steps
+
 struct PlanOptions {
   std::string model = "llama3-8b", profile, mode = "train", docs, json, svg, calibrate;
   std::string strategies;
@@ -345,8 +347,10 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
              "--train-step: loom train is byte-level, so the model's vocab must be 256 (got "
                  << shape.vocab << ")");
   const int64_t seq = app->count("--seq") ? o.seq : 256;
-  LOOM_CHECK(o.measure_steps >= 1, InvalidArgument,
-             "--measure-steps must be >= 1, got " << o.measure_steps);
+  // Bounded: it counts steps run on this machine, and 2 warm-up steps are added (2^63 - 1 wrapped
+  // to a negative count, refused as a "--steps" this command does not have).
+  LOOM_CHECK(o.measure_steps >= 1 && o.measure_steps <= kMaxMeasureSteps, InvalidArgument,
+             "--measure-steps must be in [1, " << kMaxMeasureSteps << "], got " << o.measure_steps);
   model::TrainConfig c;
   c.model.layers = shape.layers;
   c.model.dim = shape.dim;
@@ -769,7 +773,9 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
                          "--seq\n"
                        : "  no configuration is valid (the rejected list above says why)\n");
   if (o.explain && !r.ranked.empty()) text(show, "\n%s", r.explain.c_str());
-  if (!o.json.empty()) {
+  // Nothing ranked is an error (below), and an error writes nothing: --json was replaced by the
+  // failed ranking while --svg kept the old plot.
+  if (!o.json.empty() && !r.ranked.empty()) {
     nlohmann::json j;
     j["model"] = {{"layers", m.layers},     {"dim", m.dim}, {"heads", m.heads},
                   {"kv_heads", m.kv_heads}, {"ffn", m.ffn}, {"vocab", m.vocab}};
