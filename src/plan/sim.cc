@@ -39,9 +39,22 @@ PairWork chunk_work(const Chunk* q0, size_t nq, const Chunk* k0, size_t nk, cons
   Mask m;
   m.causal = key.causal;
   m.window = key.window;
-  for (const Chunk* q = q0; q != q0 + nq; ++q)
-    for (const Chunk* k = k0; k != k0 + nk; ++k) {
-      if (q->count == 0 || k->count == 0 || q->doc != k->doc) continue;
+  // Only chunks of one document meet: each q chunk's partners are the k chunks of its document,
+  // found by binary search in the k chunks ordered by document (stably, so a q chunk meets them
+  // in their given order, as when every pair was tried: the same sums, to the bit). Trying every
+  // pair took 82 s for a 16-device search over 4000 documents. A rank's chunks are in row order,
+  // their documents already ascending; a block of several ranks' chunks is sorted here.
+  const auto doc_less = [](const Chunk* a, const Chunk* b) { return a->doc < b->doc; };
+  std::vector<const Chunk*> ks(nk);
+  for (size_t i = 0; i < nk; ++i) ks[i] = k0 + i;
+  if (!std::is_sorted(ks.begin(), ks.end(), doc_less))
+    std::stable_sort(ks.begin(), ks.end(), doc_less);
+  for (const Chunk* q = q0; q != q0 + nq; ++q) {
+    if (q->count == 0) continue;
+    const auto [k_begin, k_end] = std::equal_range(ks.begin(), ks.end(), q, doc_less);
+    for (auto it = k_begin; it != k_end; ++it) {
+      const Chunk* k = *it;
+      if (k->count == 0) continue;
       if (m.causal && k->first > q->last()) continue;
       if (m.window > 0 && std::max(k->first - q->last(), q->first - k->last()) >= m.window)
         continue;
@@ -62,6 +75,7 @@ PairWork chunk_work(const Chunk* q0, size_t nq, const Chunk* k0, size_t nk, cons
         w.partial += area * static_cast<double>(wt.partial);
       }
     }
+  }
   return w;
 }
 

@@ -187,4 +187,14 @@ expect_error "--measure-steps 2^63 - 1" "--measure-steps must be in [1, 1000000]
   --profile "$profiles/cpu_epyc7763_node.json" --mesh 1,1,1,1 --model 1,64,2,1,0,256 --seq 64 \
   --batch 1 --measure-steps 9223372036854775807
 
+# Packed documents: every pair of chunks was tried, though only chunks of one document meet (4000
+# documents on 16 devices: 82 s, on 64 still running after 120 s). A guard against a hang, not a
+# speed limit: it takes about half a second here.
+docs=$(/usr/bin/python3 -c "n=4000;S=131072;l=[S//n]*n;l[-1]+=S-sum(l);print(','.join(map(str,l)))")
+timeout 60 "$loom" plan --profile "$h100" --docs "$docs" --devices 16 --top 1 > "$work/stdout" 2>&1
+rc=$?
+[ $rc -eq 0 ] && grep -q "candidates ranked" "$work/stdout" &&
+  ok "4000 documents on 16 devices planned in $(grep -o 'planned in [0-9.]* s' "$work/stdout" | cut -d' ' -f3) s" ||
+  { tail -3 "$work/stdout"; bad "4000 documents on 16 devices (rc=$rc; 124: over 60 s)"; }
+
 summary
