@@ -342,16 +342,23 @@ void Trainer::load_checkpoint(const std::string& where) {
   namespace fs = std::filesystem;
   std::string path = where;
   if (fs::is_directory(where)) {
-    std::string name;
+    std::string name, rest;
+    bool readable = true;
     try {
       InputFile l((fs::path(where) / "latest").string(), "checkpoint pointer");
       std::istringstream in(l.read_rest(4096));
-      in >> name;
+      in >> name >> rest;
     } catch (const IoError&) {
-      name.clear();
+      readable = false;
     }
-    LOOM_CHECK(!name.empty() && name.find('/') == std::string::npos, IoError,
+    LOOM_CHECK(readable && !name.empty(), IoError,
                "--resume: " << where << " has no readable 'latest' checkpoint pointer");
+    // The pointer names one file of this directory, as save_checkpoint writes it: a path (it
+    // was called unreadable) or text after the name (it was taken) is not such a pointer.
+    LOOM_CHECK(name.find('/') == std::string::npos && rest.empty(), IoError,
+               "--resume: " << where << "/latest must name one checkpoint file in " << where
+                            << " (as loom train writes it), not '" << name
+                            << (rest.empty() ? "" : " " + rest) << "'");
     path = (fs::path(where) / name).string();
   }
   size_t expect_floats = 0;

@@ -377,6 +377,28 @@ rc=${PIPESTATUS[0]}
   grep -q "write failed (Broken pipe)" "$work/stderr" &&
   ok "--log - into a closed pipe: $(cat "$work/stderr")" ||
   { cat "$work/stderr"; bad "--log - into a closed pipe (rc=$rc)"; }
+# Checkpoint options without a directory wrote nothing, exit 0; --checkpoint-every -1 named both
+# options and not the value.
+expect_error "--checkpoint-every without a directory" "--checkpoint-every needs --checkpoint-dir" \
+  "${tiny[@]}" --steps 2 --checkpoint-every 1
+expect_error "--keep-checkpoints without a directory" "--keep-checkpoints needs --checkpoint-dir" \
+  "${tiny[@]}" --steps 2 --keep-checkpoints 1
+expect_error "--checkpoint-every -1" "--checkpoint-every must be >= 0 (0: at the end only), got -1" \
+  "${tiny[@]}" --steps 2 --checkpoint-every -1
+# A `latest` naming a path was "no readable pointer"; text after the name was taken.
+mkdir -p "$work/lp" && cp "$work/kc/step-00000006.ckpt" "$work/lp/" 2> /dev/null
+for pointer in "../kc/step-00000006.ckpt" "step-00000006.ckpt extra"; do
+  echo "$pointer" > "$work/lp/latest"
+  expect_error "latest: '$pointer'" "latest must name one checkpoint file in" "${tiny[@]}" \
+    --steps 6 --checkpoint-dir "$work/lp" --resume
+done
+# --data among the checkpoints: the corpus was replaced by the pointer.
+expect_error "--data CK/latest" "--data $work/lp/latest collides with the checkpoints" \
+  "${tiny0[@]}" --steps 2 --data "$work/lp/latest" --checkpoint-dir "$work/lp" --resume
+# A FIFO --log that nobody reads was "No such device or address".
+mkfifo "$work/nobody.fifo"
+expect_error "--log FIFO without a reader" "a FIFO that nobody reads; start the reader first" \
+  "${tiny[@]}" --steps 2 --log "$work/nobody.fifo"
 # A --log that is a hard link to --data truncated the corpus, exit 0.
 ln "$work/corpus.txt" "$work/corpus-link.txt"
 expect_error "--log a hard link to --data" "hard links to one file" "${tiny0[@]}" --steps 2 \

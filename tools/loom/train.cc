@@ -91,7 +91,11 @@ class StepLog {
         regular ? O_RDWR | O_APPEND | O_CREAT | O_CLOEXEC : O_WRONLY | O_NONBLOCK | O_CLOEXEC,
         0666);
     LOOM_CHECK(fd_ >= 0, IoError,
-               "cannot write --log " << path << " (" << std::strerror(errno) << ")");
+               "cannot write --log " << path << " ("
+                                     << (errno == ENXIO ? "a FIFO that nobody reads; start the "
+                                                          "reader first"
+                                                        : std::strerror(errno))
+                                     << ")");
     if (!regular) {
       ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
       return;
@@ -190,11 +194,13 @@ void prune_checkpoints(const std::string& dir, int64_t keep) {
     if (names[i] != latest) fs::remove(fs::path(dir) / names[i], ec);
 }
 
-// Refuses a --log that is one of --checkpoint-dir's files: `latest`, `step-*.ckpt`, or a
-// temporary (`*.tmp.*`; the writers' temporaries, which the start of a run sweeps away). The log
-// and a checkpoint overwrote each other (--log CK/latest: exit 0 and the log lost). Other names
-// in the directory are the user's to use (--log CK/train.jsonl).
-void check_log_outside_checkpoints(const std::string& log, const std::string& dir) {
+// Refuses a file (--log, --data: `option`) that is one of --checkpoint-dir's files: `latest`,
+// `step-*.ckpt`, or a temporary (`*.tmp.*`; the writers' temporaries, which the start of a run
+// sweeps away). The log and a checkpoint overwrote each other (--log CK/latest: exit 0 and the
+// log lost), as the corpus and the pointer did (--data CK/latest). Other names in the directory
+// are the user's to use (--log CK/train.jsonl).
+void check_outside_checkpoints(const std::string& option, const std::string& log,
+                               const std::string& dir) {
   namespace fs = std::filesystem;
   if (log.empty() || log == "-" || dir.empty()) return;
   std::string d = dir;
@@ -205,9 +211,9 @@ void check_log_outside_checkpoints(const std::string& log, const std::string& di
   const bool checkpoint =
       name == "latest" || (name.rfind("step-", 0) == 0 && name.find(".ckpt") != std::string::npos);
   LOOM_CHECK(!checkpoint && name.find(".tmp.") == std::string::npos, InvalidArgument,
-             "--log " << log << " collides with the checkpoints in --checkpoint-dir " << dir
-                      << " (latest, step-*.ckpt and their .tmp. temporaries are theirs); give "
-                      << "the log another name or directory");
+             option << " " << log << " collides with the checkpoints in --checkpoint-dir " << dir
+                    << " (latest, step-*.ckpt and their .tmp. temporaries are theirs); give "
+                    << "it another name or directory");
 }
 
 // Where the default corpus lives: ./data/kjv.txt, else <dir of the loom binary>/../data/kjv.txt.
@@ -412,8 +418,15 @@ int run_train(const TrainOptions& o) {
       "--threads must be in [0, " << kMaxThreads << "] (0: cores / ranks), got " << o.threads);
   LOOM_CHECK(!o.resume || !o.checkpoint_dir.empty(), InvalidArgument,
              "--resume needs --checkpoint-dir DIR (the directory to resume from)");
-  LOOM_CHECK(o.eval_every >= 0 && o.checkpoint_every >= 0, InvalidArgument,
-             "--eval-every and --checkpoint-every must be >= 0");
+  LOOM_CHECK(o.eval_every >= 0, InvalidArgument,
+             "--eval-every must be >= 0 (0: never), got " << o.eval_every);
+  LOOM_CHECK(o.checkpoint_every >= 0, InvalidArgument,
+             "--checkpoint-every must be >= 0 (0: at the end only), got " << o.checkpoint_every);
+  // Checkpoint options without a directory wrote nothing, exit 0.
+  LOOM_CHECK(!o.checkpoint_dir.empty() || (o.checkpoint_every == 0 && o.keep_checkpoints == 0),
+             InvalidArgument,
+             (o.checkpoint_every ? "--checkpoint-every" : "--keep-checkpoints")
+                 << " needs --checkpoint-dir DIR (where the checkpoints go)");
   LOOM_CHECK(o.keep_checkpoints >= 0, InvalidArgument,
              "--keep-checkpoints must be >= 0 (0: keep all), got " << o.keep_checkpoints);
   LOOM_CHECK(std::isfinite(o.lr) && o.lr > 0, InvalidArgument,
@@ -428,7 +441,9 @@ int run_train(const TrainOptions& o) {
   LOOM_CHECK(o.eval_batches >= 1, InvalidArgument,
              "--eval-batches must be >= 1, got " << o.eval_batches);
   check_distinct_outputs({{"--log", o.log}, {"--checkpoint-dir", o.checkpoint_dir}});
-  check_log_outside_checkpoints(o.log, o.checkpoint_dir);
+  check_outside_checkpoints("--log", o.log, o.checkpoint_dir);
+  // The corpus there too was replaced by a checkpoint (--data CK/latest).
+  check_outside_checkpoints("--data", o.data, o.checkpoint_dir);
   // An unwritable --log fails here, before the corpus is read and any rank starts (nothing is
   // truncated yet), tried for real as loom attn's outputs are: access() says yes to root on
   // /proc, so --log /proc/version failed only once the ranks ran. An existing file must be
