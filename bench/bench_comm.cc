@@ -272,10 +272,7 @@ void write_json(const std::vector<Result>& results, const Options& o, const std:
                             {"busbw_gbs", r.busbw},
                             {"wrong", r.wrong}});
   }
-  std::ofstream out(o.json);
-  LOOM_CHECK(out.good(), IoError, "cannot write '" << o.json << "'");
-  out << j.dump(2) << "\n";
-  LOOM_CHECK(out.good(), IoError, "error writing '" << o.json << "'");
+  write_output(o.json, j.dump(2) + "\n");  // atomically, every write checked (loom/io.h)
 }
 
 int run(const Options& o) {
@@ -318,21 +315,39 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   loom::Options o;
   CLI::App app{"bench_comm: nccl-tests style benchmark of loom's communication backends"};
-  app.add_option("--ranks", o.ranks, "ranks of the local backend (threads)");
+  // Values checked before anything runs (--ranks 0 printed an internal expression, --timeout -1
+  // was taken, --json onto a directory failed after the sweep).
+  app.add_option("--ranks", o.ranks, "ranks of the local backend (threads)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
   app.add_option("--backend", o.backend, "auto (mpi under mpirun, else local), local or mpi")
       ->check(CLI::IsMember({"auto", "local", "mpi"}));
   app.add_option("--min-bytes,-b", o.min_bytes,
                  "smallest size (bytes; K, M, G suffixes, KiB etc. too)");
   app.add_option("--max-bytes,-e", o.max_bytes,
                  "largest size (bytes; K, M, G suffixes, KiB etc. too)");
-  app.add_option("--iters,-n", o.iters, "timed calls per size");
-  app.add_option("--warmup,-w", o.warmup, "untimed calls per size");
+  app.add_option("--iters,-n", o.iters, "timed calls per size")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  app.add_option("--warmup,-w", o.warmup, "untimed calls per size")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
   app.add_option("--ops", o.ops, "ring_step, all_to_all, all_gather, all_reduce")->delimiter(',');
   app.add_flag("--no-check", o.no_check, "skip the correctness check");
   app.add_option("--json", o.json, "also write the results to this JSON file");
-  app.add_option("--timeout", o.timeout_s, "seconds before a wait fails (default LOOM_TIMEOUT_S)");
-  CLI11_PARSE(app, argc, argv);
+  app.add_option("--timeout", o.timeout_s, "seconds before a wait fails (default LOOM_TIMEOUT_S)")
+      ->check(CLI::Range(1e-3, 1e9));
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return std::string("bench_comm: ") + e.what() + " (see --help)\n";
+  });
   try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (app.exit(e) == 0) return 0;  // --help
+    return 2;
+  }
+  try {
+    if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
     return loom::run(o);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_comm: %s\n", e.what());

@@ -484,9 +484,20 @@ bool run_check(const Options& o, int threads, nlohmann::json& doc) {
 
 // One target line: printed with met / NOT met and appended to targets.
 void print_target(nlohmann::json& targets, const std::string& what, double value, double goal) {
-  std::printf("  %-62s %6.2f  (target >= %.2f: %s)\n", what.c_str(), value, goal,
-              value >= goal ? "met" : "NOT met");
-  targets.push_back({{"what", what}, {"value", value}, {"target", goal}, {"met", value >= goal}});
+  // A ratio that is not a finite positive number measured nothing (an sgemm of 0 GFLOP/s made
+  // every line over it "inf: met"): never met.
+  const bool measured = std::isfinite(value) && value > 0;
+  const bool met = measured && value >= goal;
+  if (measured)
+    std::printf("  %-62s %6.2f  (target >= %.2f: %s)\n", what.c_str(), value, goal,
+                met ? "met" : "NOT met");
+  else
+    std::printf("  %-62s %6s  (target >= %.2f: NOT met, nothing measured)\n", what.c_str(), "-",
+                goal);
+  targets.push_back({{"what", what},
+                     {"value", measured ? nlohmann::json(value) : nlohmann::json()},
+                     {"target", goal},
+                     {"met", met}});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1177,17 +1188,38 @@ int run_thread_scaling(const Options& o) {
 int main(int argc, char** argv) {
   loom::Options o;
   CLI::App app{"bench_kernels: blockwise attention GFLOP/s next to the measured sgemm rate"};
-  app.add_option("--seq", o.seqs, "sequence lengths")->delimiter(',');
-  app.add_option("--dim", o.dims, "head dims")->delimiter(',');
-  app.add_option("--dtype", o.dtypes, "storage types: fp32, bf16")->delimiter(',');
-  app.add_option("--ring", o.ring, "ring-step rows: queries = keys = this, full mask (0: none)");
-  app.add_option("--heads", o.heads, "query heads");
-  app.add_option("--kv-heads", o.kv_heads, "kv heads (divides --heads)");
-  app.add_option("--block-q", o.block_q, "tile rows");
-  app.add_option("--block-k", o.block_k, "tile columns");
-  app.add_option("--threads", o.threads, "threads of the 'all threads' rows (0: OpenMP default)");
-  app.add_option("--gemm-n", o.gemm_n, "sgemm size (M = N = K)");
-  app.add_option("--min-time", o.min_time, "seconds of repetitions per measurement");
+  // Every value is checked here, before anything runs: --seq -5 aborted (std::length_error),
+  // --gemm-n 0 printed "inf: met" for every target over it, --dtype fp16 ran fp32 rows labelled
+  // fp32, and --json onto a directory failed after the whole sweep.
+  const CLI::Range kSeq(int64_t{1}, int64_t{1} << 22), kDim(int64_t{1}, int64_t{loom::kMaxHeadDim});
+  const CLI::Range kCount(int64_t{1}, int64_t{1} << 16), kBlock(int64_t{1}, int64_t{4096});
+  app.add_option("--seq", o.seqs, "sequence lengths")
+      ->delimiter(',')
+      ->check(kSeq)
+      ->capture_default_str();
+  app.add_option("--dim", o.dims, "head dims")->delimiter(',')->check(kDim)->capture_default_str();
+  app.add_option("--dtype", o.dtypes, "storage types: fp32, bf16")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--ring", o.ring, "ring-step rows: queries = keys = this, full mask (0: none)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 22))
+      ->capture_default_str();
+  app.add_option("--heads", o.heads, "query heads")->check(kCount)->capture_default_str();
+  app.add_option("--kv-heads", o.kv_heads, "kv heads (divides --heads)")
+      ->check(kCount)
+      ->capture_default_str();
+  app.add_option("--block-q", o.block_q, "tile rows")->check(kBlock)->capture_default_str();
+  app.add_option("--block-k", o.block_k, "tile columns")->check(kBlock)->capture_default_str();
+  app.add_option("--threads", o.threads, "threads of the 'all threads' rows (0: OpenMP default)")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
+  app.add_option("--gemm-n", o.gemm_n, "sgemm size (M = N = K)")
+      ->check(CLI::Range(int64_t{16}, int64_t{16384}))
+      ->capture_default_str();
+  app.add_option("--min-time", o.min_time, "seconds of repetitions per measurement")
+      ->check(CLI::Range(1e-3, 3600.0))
+      ->capture_default_str();
   app.add_flag("--no-check", o.no_check, "skip the correctness check");
   app.add_option(
       "--torch-json", o.torch_json,
@@ -1213,7 +1245,7 @@ int main(int argc, char** argv) {
       app.add_option("--sgemm-window", o.sgemm_window,
                      "only print the one-thread sgemm rate over windows of back-to-back calls this "
                      "many seconds long (to set beside a `loom attn` run of calls as long)")
-          ->check(CLI::PositiveNumber);
+          ->check(CLI::Range(1e-3, 3600.0));
   app.add_option("--thread-scaling", o.thread_scaling,
                  "instead of the sweep: this many rounds of each kernel at 1 and --threads threads "
                  "side by side with sgemm windows of both counts (loom's scaling beside the "
@@ -1226,7 +1258,28 @@ int main(int argc, char** argv) {
                "time OpenBLAS's sgemm with the core it (or OPENBLAS_CORETYPE) chose, even where "
                "its instruction set is not the kernel path's");
   app.add_option("--json", o.json, "also write the results as JSON to this file");
-  CLI11_PARSE(app, argc, argv);
+  // A bad command line is one line and exit status 2, as loom's (CLI11's own codes were 105...).
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return std::string("bench_kernels: ") + e.what() + " (see --help)\n";
+  });
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (app.exit(e) == 0) return 0;  // --help
+    return 2;
+  }
+  {  // each dtype once (--dtype fp32,fp32 printed every row twice)
+    std::vector<std::string> once;
+    for (const std::string& d : o.dtypes)
+      if (std::find(once.begin(), once.end(), d) == once.end()) once.push_back(d);
+    o.dtypes = once;
+  }
+  try {
+    if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "bench_kernels: %s\n", e.what());
+    return 1;
+  }
   if (o.heads < 1 || o.kv_heads < 1 || o.heads % o.kv_heads != 0) {
     std::fprintf(stderr,
                  "bench_kernels: --heads %lld must be a positive multiple of --kv-heads %lld\n",

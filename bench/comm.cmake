@@ -9,3 +9,10 @@ if(LOOM_BUILD_TESTS)
            COMMAND bench_comm --ranks 3 --min-bytes 1K --max-bytes 64K --iters 2 --warmup 1)
   set_tests_properties(bench_comm_smoke PROPERTIES LABELS "comm;bench" TIMEOUT 60)
 endif()
+# Bad values: one line, exit 2, before anything runs (--ranks 0 printed an internal expression,
+# --timeout -1 was taken).
+if(LOOM_BUILD_TESTS)
+  add_test(NAME bench_comm_refuses_bad_values COMMAND bench_comm --ranks 0)
+  set_tests_properties(bench_comm_refuses_bad_values PROPERTIES LABELS "comm;bench" TIMEOUT 60
+                       PASS_REGULAR_EXPRESSION "^bench_comm: --ranks: Value 0 not in range 1 to 1024")
+endif()

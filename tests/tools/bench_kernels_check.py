@@ -16,7 +16,8 @@ and checks from each run's --json that
   - the sgemm lines appear for D = 128 only, and the D = 64 / D = 128 line appears once per kind;
   - each line carries its path's goal, and a path shows only its own list's lines;
   - "met" is value >= target;
-and that --heads not a multiple of --kv-heads is one error line and a non-zero exit.
+and that --heads not a multiple of --kv-heads, and each out-of-range value, is one error line
+and a non-zero exit before anything runs.
 Then --thread-scaling (rounds of 1-thread and 2-thread calls beside sgemm windows of both counts):
 that each kernel of each dtype has its rounds with positive times and windows, that its medians
 are the medians of the rounds' t1 / t2, g2 / g1 and their quotient, that the two-thread target
@@ -227,6 +228,21 @@ def main():
             or "--kv-heads 4" not in err[0] or r.stdout):
         bad.append(f"--heads 6 --kv-heads 4: exit {r.returncode}, stdout {r.stdout!r}, "
                    f"stderr {r.stderr!r}")
+    # Every value checked before anything runs: one line, exit 2, nothing on stdout (--seq -5
+    # aborted, --gemm-n 0 printed "inf: met", --dtype fp16 ran fp32 rows, --json onto a
+    # directory failed after the sweep, exit 1).
+    for args, needle, rc in ((["--seq", "-5"], "--seq: Value -5 not in range", 2),
+                             (["--gemm-n", "0"], "--gemm-n: Value 0 not in range", 2),
+                             (["--dtype", "fp16"], "--dtype: fp16 not in", 2),
+                             (["--threads", "-1"], "--threads: Value -1 not in range", 2),
+                             (["--dim", "300"], "--dim: Value 300 not in range", 2),
+                             (["--json", work], "is a directory", 1)):
+        r = subprocess.run([bench, "--no-torch", *args], capture_output=True, text=True,
+                           timeout=60)
+        err = r.stderr.strip().splitlines()
+        if r.returncode != rc or len(err) != 1 or needle not in err[0] or r.stdout:
+            bad.append(f"{' '.join(args)}: exit {r.returncode} (want {rc}), stdout "
+                       f"{r.stdout[:200]!r}, stderr {r.stderr!r}")
     bad += check_scaling(bench, work)
     if bad:
         print("\n".join(bad))
