@@ -29,7 +29,7 @@ from .errors import CommError, Error, InvalidArgument, NotSupported, Timeout  # 
 
 __all__ = [
     "attention", "cp_attention", "shard", "unshard", "reference_attention", "set_timeout",
-    "strategies", "layouts",
+    "strategies", "layouts", "verify",
 ]
 
 layouts = ("contiguous", "zigzag", "stripe")

@@ -5,6 +5,8 @@
 // everywhere: a run of L tokens cut into c chunks gives the first L mod c chunks one more token.
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <iterator>
 #include <sstream>
 
@@ -32,12 +34,17 @@ std::vector<int64_t> parse_doc_lengths(const std::string& text) {
   while (p <= text.size()) {
     const size_t end = std::min(text.find(',', p), text.size());
     const std::string item = text.substr(p, end - p);
-    bool digits = !item.empty() && item.size() <= 18;
+    bool digits = !item.empty();
     for (char c : item) digits = digits && std::isdigit(static_cast<unsigned char>(c));
     if (!digits)
       throw InvalidArgument("--docs: '" + item + "' in '" + text +
                             "' is not a positive integer (expected lengths like 100,200,50)");
-    const int64_t v = std::stoll(item);
+    // A length past int64 is named as such (19 digits and more were "not a positive integer").
+    errno = 0;
+    const long long v = std::strtoll(item.c_str(), nullptr, 10);
+    if (errno == ERANGE)
+      throw InvalidArgument("--docs: the document length " + item +
+                            " is past 2^63 - 1 (the sequence's tokens are int64)");
     if (v <= 0) throw InvalidArgument("--docs: document lengths must be positive, got " + item);
     out.push_back(v);
     if (end == text.size()) break;

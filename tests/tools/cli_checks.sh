@@ -102,6 +102,9 @@ expect_error "heads not multiple of kv-heads" "--heads 6 must be a multiple of -
 expect_error "docs do not sum" "--docs lengths sum to 30 but the sequence has 64 tokens" \
   --seq 64 --docs 10,20
 expect_error "docs malformed" "is not a positive integer" --seq 64 --docs 10,x
+# A length past int64 was "not a positive integer".
+expect_error "docs length past int64" "the document length 99999999999999999999 is past 2^63 - 1" \
+  --seq 64 --docs 99999999999999999999
 expect_error "negative window" "--window must be >= 0" --seq 64 --window -3
 expect_error "head dim too large" "--head-dim must be in [1, 256]" --seq 64 --head-dim 300
 expect_error "ulysses heads" "heads (6) must be divisible by the ulysses degree (4)" \

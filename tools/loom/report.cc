@@ -168,12 +168,14 @@ void print_text(const AttnReport& r) {
     for (const std::string& u : r.check.below_normal)
       std::printf("  check     cannot tell %s: its exact values lie below float32's normal range\n",
                   u.c_str());
-    std::printf("  check     %s  max abs err %.3g, max rel err %.3g (%s; tolerance %.*e%s, %s)\n",
+    // The fixed tolerances to their own digits (2^-7 printed "8e-03", above what it is: 0.0078125).
+    char tol[32];
+    std::snprintf(tol, sizeof tol, r.check.per_problem_bounds ? "%.2e" : "%g", r.check.tolerance);
+    std::printf("  check     %s  max abs err %.3g, max rel err %.3g (%s; tolerance %s%s, %s)\n",
                 !r.check.passed        ? "FAILED"
                 : r.check.conclusive() ? "passed"
                                        : "UNVERIFIABLE",
-                r.check.max_abs, r.check.max_rel, r.check.worst.c_str(),
-                r.check.per_problem_bounds ? 2 : 0, r.check.tolerance, bounds.c_str(),
+                r.check.max_abs, r.check.max_rel, r.check.worst.c_str(), tol, bounds.c_str(),
                 r.check.sampled ? "sampled: out, lse and dq of 256 evenly spaced query rows; dk, "
                                   "dv unchecked above 4096 tokens"
                                 : "every row");
