@@ -57,8 +57,11 @@ int own_stream_fd(const std::string& path);
 void clean_stale_temps(const std::string& path, const std::vector<std::string>& names = {});
 // Refuses (InvalidArgument) two outputs that resolve to the same file, e.g.
 //   {{"--json", "r.json"}, {"--trace", "r.json"}}, or to one existing regular file under two
-// names (hard links: same device and inode). Empty paths are ignored.
-void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
+// names (hard links: same device and inode). Empty paths are ignored. The first `inputs` entries
+// are files read, not written: each is compared with every output, not with the other inputs
+// (q.npy may be a link to k.npy: reading one file twice is harmless).
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs,
+                            size_t inputs = 0);
 // The absolute path write_output(path) writes, symlinks followed (of the path's directories
 // too, where they exist): what check_distinct_outputs compares. "-" stays "-".
 std::string output_key(const std::string& path);

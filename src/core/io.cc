@@ -302,14 +302,17 @@ void check_output_outside(const std::string& option, const std::string& path,
                     << "; write it outside that directory");
 }
 
-void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
+void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs,
+                            size_t inputs) {
   struct Seen {
     std::string key, option;
     dev_t dev = 0;
     ino_t ino = 0;  // 0: not an existing regular file
   };
   std::vector<Seen> seen;
-  for (const auto& [option, path] : outputs) {
+  size_t seen_inputs = 0;  // the leading entries of `seen` that are inputs
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const auto& [option, path] = outputs[i];
     if (path.empty()) continue;
     Seen me{output_key(path), option};
     struct stat st;
@@ -317,7 +320,8 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
       me.dev = st.st_dev;
       me.ino = st.st_ino;
     }
-    for (const Seen& o : seen) {
+    for (size_t j = i < inputs ? seen_inputs : 0; j < seen.size(); ++j) {
+      const Seen& o = seen[j];
       LOOM_CHECK(o.key != me.key, InvalidArgument,
                  option << " " << path << " and " << o.option
                         << " name the same file; give each output its own path");
@@ -327,6 +331,7 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
                         << " name the same file (hard links to one file); give each output its "
                            "own path");
     }
+    seen_inputs += i < inputs;
     seen.push_back(std::move(me));
   }
 }

@@ -102,6 +102,15 @@ expect_error "heads not multiple of kv-heads" "--heads 6 must be a multiple of -
 expect_error "docs do not sum" "--docs lengths sum to 30 but the sequence has 64 tokens" \
   --seq 64 --docs 10,20
 expect_error "docs malformed" "is not a positive integer" --seq 64 --docs 10,x
+# q.npy a link to k.npy (q = k, self-similarity) was refused as "two outputs on one file".
+mkdir -p "$work/qk"
+/usr/bin/python3 -c "import numpy as np; r = np.random.default_rng(2); [np.save('$work/qk/%s.npy' % n, r.standard_normal((16, 2, 8)).astype(np.float32)) for n in ('k', 'v', 'dout')]"
+ln -s k.npy "$work/qk/q.npy"
+"$loom" attn --input "$work/qk" --backward --check --iters 1 --warmup 0 > "$work/stdout" 2>&1 &&
+  grep -q "check     passed" "$work/stdout" && ok "--input with q.npy a link to k.npy" ||
+  { cat "$work/stdout"; bad "--input with q.npy a link to k.npy"; }
+expect_error "--json onto the linked input" "name the same file" --input "$work/qk" \
+  --json "$work/qk/k.npy"
 # A length past int64 was "not a positive integer".
 expect_error "docs length past int64" "the document length 99999999999999999999 is past 2^63 - 1" \
   --seq 64 --docs 99999999999999999999

@@ -555,6 +555,13 @@ TEST_F(Io, TwoOutputsOnOnePathAreRefused) {
   }
   write_output(at("copy.json"), "x");  // equal bytes, another file
   EXPECT_NO_THROW(check_distinct_outputs({{"--data", at("r.json")}, {"--log", at("copy.json")}}));
+  // Inputs (the leading entries) may alias each other (q.npy a link to k.npy was refused as two
+  // outputs on one file), never an output.
+  EXPECT_NO_THROW(check_distinct_outputs(
+      {{"q.npy", at("r.json")}, {"k.npy", at("h.json")}, {"--json", at("t.json")}}, 2));
+  EXPECT_THROW(check_distinct_outputs(
+                   {{"q.npy", at("r.json")}, {"k.npy", at("t.json")}, {"--json", at("h.json")}}, 2),
+               InvalidArgument);
 }
 
 // A report inside the --output directory was swapped away with the old set or, written after

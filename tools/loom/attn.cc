@@ -765,7 +765,7 @@ int run_attn(const AttnOptions& o) {
                                      {"--timeline", &o.timeline},
                                      {"--output", &o.output}})
     paths.emplace_back(option, *path);
-  check_distinct_outputs(paths);
+  check_distinct_outputs(paths, o.input.empty() ? 0 : 4);
   // --output DIR is replaced as a whole after the run: a report written inside it was either
   // swapped away with the old set or, written after the swap, replaced one of its files (--json
   // DIR/out.npy left the JSON as out.npy) or became a foreign file the next run refuses.
