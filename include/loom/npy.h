@@ -24,6 +24,9 @@ namespace loom {
 Tensor<float> read_npy_f32(const std::string& path);
 // Reads an f4 or f8 array, converting to double.
 Tensor<double> read_npy_f64(const std::string& path);
+// The shape of an f4 or f8 array, with every check of read_npy_f64 (magic, header, dtype, the
+// body's size against the file's), without reading the body: a caller sizes its memory first.
+std::vector<int64_t> read_npy_shape(const std::string& path);
 
 // Reads a 1-d index array (cu_seqlens, as torch and NumPy write it): '<i4' or '<i8', or '<f4' /
 // '<f8' holding whole numbers that fit int64, with the same checks as read_npy_f64 (header
@@ -37,6 +40,9 @@ Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& w
 // Reads and checks the shape for a role: e.g. expect_rank = 3 for q/k/v. Throws IoError naming
 // the role ("q.npy has shape [4, 2] but q must be [S, H, D]").
 Tensor<float> read_npy_role(const std::string& path, const std::string& role, int expect_rank);
+// The same checks on the header alone: the shape, without reading the body.
+std::vector<int64_t> read_npy_role_shape(const std::string& path, const std::string& role,
+                                         int expect_rank);
 
 void write_npy(const std::string& path, const Tensor<float>& x);
 void write_npy(const std::string& path, const Tensor<double>& x);

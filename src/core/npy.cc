@@ -276,7 +276,8 @@ namespace {
 // Reads path's header and body: the magic, the version and the dict are checked, and the data
 // size they declare is compared with the file's size, before any of the body is read.
 std::vector<uint8_t> read_checked(const std::string& path, Header& h, size_t& esize, size_t& n,
-                                  bool integers = false, bool* is_int = nullptr) {
+                                  bool integers = false, bool* is_int = nullptr,
+                                  bool header_only = false) {
   InputFile f(path, path);
   const size_t fsize = static_cast<size_t>(f.size());
   std::vector<uint8_t> head(std::min<size_t>(fsize, 12));
@@ -299,6 +300,7 @@ std::vector<uint8_t> read_checked(const std::string& path, Header& h, size_t& es
   h = parse_header(head.data(), head.size(), path);
   const size_t want = body_bytes(h, path, esize, n, integers, is_int);
   check_body_size(h, want, fsize - h.data_offset, path);
+  if (header_only) return {};
   std::vector<uint8_t> body(want);
   f.read_exact(body.data(), want);
   return body;
@@ -345,29 +347,55 @@ std::vector<int64_t> read_npy_index(const std::string& path) {
   return v;
 }
 
+std::vector<int64_t> read_npy_shape(const std::string& path) {
+  Header h;
+  size_t esize = 0, n = 0;
+  read_checked(path, h, esize, n, false, nullptr, true);
+  return h.shape;
+}
+
 Tensor<float> read_npy_f32(const std::string& path) {
-  const Tensor<double> d = read_npy_f64(path);
-  // A finite f8 value beyond float32's range became Inf here and was then reported as "a
-  // non-finite value": name it for what it is.
-  for (int64_t i = 0; i < d.numel(); ++i)
-    if (std::isfinite(d[i]) && std::fabs(d[i]) > double(std::numeric_limits<float>::max())) {
+  Header h;
+  size_t esize = 0, n = 0;
+  const std::vector<uint8_t> body = read_checked(path, h, esize, n);
+  // Decoded straight to float: through a double tensor the read held 16 bytes an element (the
+  // body, the doubles and the floats) where a 4-byte file needs 8.
+  Tensor<float> t(h.shape);
+  if (esize == 4) {
+    if (n > 0) std::memcpy(t.data(), body.data(), n * 4);
+    return t;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    double d;
+    std::memcpy(&d, body.data() + 8 * i, 8);
+    // A finite f8 value beyond float32's range became Inf here and was then reported as "a
+    // non-finite value": name it for what it is.
+    if (std::isfinite(d) && std::fabs(d) > double(std::numeric_limits<float>::max())) {
       std::ostringstream os;
-      os << "holds " << d[i] << " at flat index " << i
+      os << "holds " << d << " at flat index " << i
          << ", which is finite but does not fit float32 (magnitude at most "
          << std::numeric_limits<float>::max() << ")";
       fail(path, os.str());
     }
-  return convert<float>(d);
+    t[static_cast<int64_t>(i)] = static_cast<float>(d);
+  }
+  return t;
+}
+
+std::vector<int64_t> read_npy_role_shape(const std::string& path, const std::string& role,
+                                         int expect_rank) {
+  std::vector<int64_t> shape = read_npy_shape(path);
+  if (static_cast<int>(shape.size()) != expect_rank) {
+    const char* want = expect_rank == 3 ? "[S, H, D]" : expect_rank == 2 ? "[H, S]" : "";
+    throw IoError(path + ": has shape " + shape_str(shape) + " but " + role + " must be " +
+                  (want[0] ? want : std::to_string(expect_rank) + "-dimensional"));
+  }
+  return shape;
 }
 
 Tensor<float> read_npy_role(const std::string& path, const std::string& role, int expect_rank) {
-  Tensor<float> t = read_npy_f32(path);
-  if (t.dim() != expect_rank) {
-    const char* want = expect_rank == 3 ? "[S, H, D]" : expect_rank == 2 ? "[H, S]" : "";
-    throw IoError(path + ": has shape " + shape_str(t.shape()) + " but " + role + " must be " +
-                  (want[0] ? want : std::to_string(expect_rank) + "-dimensional"));
-  }
-  return t;
+  read_npy_role_shape(path, role, expect_rank);  // the header first: no body of a wrong rank read
+  return read_npy_f32(path);
 }
 
 void write_npy(const std::string& path, const Tensor<float>& x) {

@@ -292,6 +292,31 @@ echo partial > "$work/rel/r.json.tmp.$dead"
 expect_error "issue's OOM case refused at once" "needs about" --seq 2000000 --heads 32 \
   --head-dim 128 --ranks 4
 expect_error "100000 ranks refused at once" "needs about" --ranks 100000 --seq 256
+# --input's bodies are read after the memory estimate, from the headers' shapes: four sparse
+# 410 MB files under --memory-limit 100M were read whole first (2 GB resident, 9 s) and refused.
+if /usr/bin/python3 - "$loom" "$work/sparse" <<'PY'
+import os, resource, struct, subprocess, sys
+loom, d = sys.argv[1], sys.argv[2]
+os.makedirs(d)
+S, H, D = 200000, 8, 64
+h = ("{'descr': '<f4', 'fortran_order': False, 'shape': (%d, %d, %d), }" % (S, H, D)).encode()
+h += b" " * ((64 - (11 + len(h)) % 64) % 64) + b"\n"
+head = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h
+for n in ("q", "k", "v", "dout"):
+    with open(f"{d}/{n}.npy", "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + S * H * D * 4)
+r = subprocess.run([loom, "attn", "--input", d, "--backward", "--quiet", "--memory-limit", "100M"],
+                   capture_output=True, text=True, timeout=120)
+rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+for n in ("q", "k", "v", "dout"):
+    os.remove(f"{d}/{n}.npy")
+assert r.returncode == 1 and "(--memory-limit); make the problem" in r.stderr, r.stderr
+assert rss_mb < 200, f"peak RSS {rss_mb:.0f} MB before the refusal"
+print(f"refused at a peak RSS of {rss_mb:.0f} MB")
+PY
+then ok "--input bodies read after the memory estimate"
+else bad "--input read whole before the memory estimate"; fi
 expect_error "--memory-limit names estimate and limit" "(--memory-limit); make the problem" \
   --seq 4096 --memory-limit 1M
 expect_error "--memory-limit malformed" "--memory-limit 'lots' is not a size" --seq 64 \

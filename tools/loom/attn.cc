@@ -93,6 +93,25 @@ void require_finite(const Tensor<float>& t, const std::string& name) {
                     << "; loom refuses non-finite inputs");
 }
 
+// Reads --input's bodies into p (whose shapes make_problem took from the headers), after the
+// memory estimate; refuses non-finite values and a file that changed shape since its header.
+void load_inputs(const AttnOptions& o, Problem& p) {
+  if (o.input.empty()) return;
+  const std::vector<int64_t> q_shape = {p.S, p.H, p.D}, kv_shape = {p.S, p.HKV, p.D};
+  auto load = [&](Tensor<float>& t, const char* name, const std::vector<int64_t>& shape) {
+    const std::string path = o.input + "/" + name;
+    t = read_npy_f32(path);
+    LOOM_CHECK(t.shape() == shape, IoError,
+               path << " has shape " << shape_str(t.shape()) << ", its header said "
+                    << shape_str(shape) << " (it changed while loom read it)");
+    require_finite(t, name);
+  };
+  load(p.q, "q.npy", q_shape);
+  load(p.k, "k.npy", kv_shape);
+  load(p.v, "v.npy", kv_shape);
+  if (o.backward) load(p.dout, "dout.npy", q_shape);
+}
+
 Problem make_problem(const AttnOptions& o) {
   Problem p;
   if (!o.input.empty()) {
@@ -101,35 +120,32 @@ Problem make_problem(const AttnOptions& o) {
                "--kv-heads or --head-dim");
     namespace fs = std::filesystem;
     LOOM_CHECK(fs::is_directory(o.input), IoError, "--input " << o.input << " is not a directory");
-    p.q = read_npy_role(o.input + "/q.npy", "q", 3);
-    p.k = read_npy_role(o.input + "/k.npy", "k", 3);
-    p.v = read_npy_role(o.input + "/v.npy", "v", 3);
-    p.S = p.q.size(0);
-    p.H = p.q.size(1);
-    p.D = p.q.size(2);
-    p.HKV = p.k.size(1);
-    LOOM_CHECK(p.k.shape() == p.v.shape(), IoError,
-               "k.npy " << shape_str(p.k.shape()) << " and v.npy " << shape_str(p.v.shape())
+    // The headers only: the bodies are read by load_inputs once the memory estimate has passed
+    // (files near the available memory were read whole, 2 GB resident before the refusal).
+    const auto qs = read_npy_role_shape(o.input + "/q.npy", "q", 3);
+    const auto ks = read_npy_role_shape(o.input + "/k.npy", "k", 3);
+    const auto vs = read_npy_role_shape(o.input + "/v.npy", "v", 3);
+    p.S = qs[0];
+    p.H = qs[1];
+    p.D = qs[2];
+    p.HKV = ks[1];
+    LOOM_CHECK(ks == vs, IoError,
+               "k.npy " << shape_str(ks) << " and v.npy " << shape_str(vs)
                         << " must have the same shape [S, HKV, D]");
-    LOOM_CHECK(p.k.size(0) == p.S && p.k.size(2) == p.D, IoError,
-               "k.npy " << shape_str(p.k.shape()) << " does not match q.npy "
-                        << shape_str(p.q.shape()) << " (k must be [S, HKV, D])");
-    for (const auto& [t, name] : {std::pair<const Tensor<float>*, const char*>{&p.q, "q.npy"},
-                                  {&p.k, "k.npy"},
-                                  {&p.v, "v.npy"}})
+    LOOM_CHECK(ks[0] == p.S && ks[2] == p.D, IoError,
+               "k.npy " << shape_str(ks) << " does not match q.npy " << shape_str(qs)
+                        << " (k must be [S, HKV, D])");
+    for (const auto& [s, name] : {std::pair<const std::vector<int64_t>*, const char*>{&qs, "q.npy"},
+                                  {&ks, "k.npy"},
+                                  {&vs, "v.npy"}})
       for (int64_t d = 0; d < 3; ++d)
-        LOOM_CHECK(t->size(d) >= 1, IoError,
-                   o.input << "/" << name << " has shape " << shape_str(t->shape())
+        LOOM_CHECK((*s)[d] >= 1, IoError,
+                   o.input << "/" << name << " has shape " << shape_str(*s)
                            << ": an empty array (every dimension must be >= 1)");
-    require_finite(p.q, "q.npy");
-    require_finite(p.k, "k.npy");
-    require_finite(p.v, "v.npy");
     if (o.backward) {
-      p.dout = read_npy_role(o.input + "/dout.npy", "dout", 3);
-      LOOM_CHECK(p.dout.shape() == p.q.shape(), IoError,
-                 "dout.npy " << shape_str(p.dout.shape()) << " must have q's shape "
-                             << shape_str(p.q.shape()));
-      require_finite(p.dout, "dout.npy");
+      const auto ds = read_npy_role_shape(o.input + "/dout.npy", "dout", 3);
+      LOOM_CHECK(ds == qs, IoError,
+                 "dout.npy " << shape_str(ds) << " must have q's shape " << shape_str(qs));
     }
   } else {
     p.S = o.seq;
@@ -785,7 +801,7 @@ int run_attn(const AttnOptions& o) {
   check_output_set(o.output, kOutputNames);  // a foreign file in DIR: refused now, not after
   const int64_t memory_limit =
       o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit");
-  const Problem p = make_problem(o);
+  Problem p = make_problem(o);  // shapes and options; the --input bodies come after the estimate
   AttnReport rep;
   rep.config = config_json(o, p);
   rep.strategy = o.strategy;
@@ -813,6 +829,9 @@ int run_attn(const AttnOptions& o) {
     LOOM_CHECK(o.fault.empty(), InvalidArgument,
                "--fault works on the local backend only (not under mpirun)");
     mpi = mpi_world();
+    check_memory(estimate_attn_bytes(o, p, mpi->size(), 1), memory_limit, "this rank",
+                 "--memory-limit");
+    load_inputs(o, p);
     {  // every rank the same command line and the same --input bytes (commands.h)
       uint64_t h = 0;
       if (!o.input.empty()) {
@@ -825,8 +844,6 @@ int run_attn(const AttnOptions& o) {
     check_cp_config(p.cp, mpi->size(), p.H, p.HKV);  // the strategy's rules, before any work
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     const int here = local ? std::max(1, std::atoi(local)) : mpi->size();
-    check_memory(estimate_attn_bytes(o, p, mpi->size(), 1), memory_limit, "this rank",
-                 "--memory-limit");
     threads = o.threads ? o.threads : default_threads(here);
     attn_rank(*mpi, o, p, threads, rep, true, &staged);
     root = mpi->rank() == 0;
@@ -840,6 +857,7 @@ int run_attn(const AttnOptions& o) {
     check_memory(estimate_attn_bytes(o, p, o.ranks, o.ranks), memory_limit,
                  "loom attn with " + std::to_string(o.ranks) + " rank" + (o.ranks > 1 ? "s" : ""),
                  "--memory-limit");
+    load_inputs(o, p);
     threads = o.threads ? o.threads : default_threads(o.ranks);
     run_local(
         o.ranks, [&](Communicator& world) { attn_rank(world, o, p, threads, rep, true, &staged); },
