@@ -111,6 +111,26 @@ ln -s k.npy "$work/qk/q.npy"
   { cat "$work/stdout"; bad "--input with q.npy a link to k.npy"; }
 expect_error "--json onto the linked input" "name the same file" --input "$work/qk" \
   --json "$work/qk/k.npy"
+# --dtype bf16 rounds each input once, from the file's precision: a float64 1 + 2^-8 + 2^-30 went
+# through float32 (1 + 2^-8, a tie) to 1, not 1 + 2^-7; and a value past bf16's range is named
+# (it was blamed on products overflowing, after the run).
+mkdir -p "$work/b16in" "$work/b16ov"
+/usr/bin/python3 - "$work" <<'PY'
+import numpy as np, sys
+w = sys.argv[1]
+z = np.zeros((4, 1, 4))
+for n, a in dict(q=z, k=z, v=np.full((4, 1, 4), 1 + 2**-8 + 2**-30)).items():
+    np.save(f"{w}/b16in/{n}.npy", a)
+v = np.zeros((4, 1, 4), np.float32); v[0, 0, 0] = 3.4e38
+for n, a in dict(q=z.astype(np.float32), k=z.astype(np.float32), v=v).items():
+    np.save(f"{w}/b16ov/{n}.npy", a)
+PY
+"$loom" attn --input "$work/b16in" --dtype bf16 --iters 1 --warmup 0 --quiet \
+  --output "$work/b16out" > /dev/null 2>&1 &&
+  /usr/bin/python3 -c "import numpy as np, sys; o = np.load('$work/b16out/out.npy'); sys.exit(0 if (o == 1 + 2**-7).all() else 1)" &&
+  ok "--dtype bf16: a float64 input rounded once" || bad "--dtype bf16: a float64 input rounded twice"
+expect_error "--dtype bf16: an input past bf16's range" \
+  "v.npy holds 3.4e+38 at flat index 0, which does not fit bf16" --input "$work/b16ov" --dtype bf16
 # A length past int64 was "not a positive integer".
 expect_error "docs length past int64" "the document length 99999999999999999999 is past 2^63 - 1" \
   --seq 64 --docs 99999999999999999999

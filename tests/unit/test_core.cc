@@ -16,6 +16,7 @@
 #include <iterator>
 #include <limits>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -53,6 +54,46 @@ TEST(Bf16, RoundsToNearestEven) {
   for (float x : {0.0f, 1.0f, -3.0f, 0.15625f, 1e-20f}) {
     const float r = to_float(to_bf16(x));
     EXPECT_LE(std::fabs(r - x), std::fabs(x) * (1.0f / 256.0f)) << x;
+  }
+}
+
+// A double is rounded to bf16 once: through the nearest float it was rounded twice
+// (1 + 2^-8 + 2^-30 became 1, not 1 + 2^-7). Checked against the nearest of the bf16 values around
+// each of many random doubles, ties to even, distances in long double (exact here).
+TEST(Bf16, DoubleRoundsOnceToNearestEven) {
+  EXPECT_EQ(to_bf16(1.0 + 0x1p-8 + 0x1p-30).bits, 0x3f81);
+  EXPECT_EQ(to_bf16(1.0 + 0x1p-8).bits, 0x3f80);  // a true tie: to even
+  EXPECT_EQ(to_bf16(1.0 + 0x1p-8 - 0x1p-40).bits, 0x3f80);
+  std::mt19937_64 gen(7);
+  std::uniform_real_distribution<double> mant(1.0, 2.0);
+  std::uniform_int_distribution<int> expo(-130, 127);
+  for (int i = 0; i < 200000; ++i) {
+    double d = std::ldexp(mant(gen), expo(gen)) * (i % 2 ? -1 : 1);
+    if (i % 5 == 0)
+      d = static_cast<double>(to_float(to_bf16(static_cast<float>(d)))) +
+          std::ldexp(1.0, expo(gen) - 9);  // near a tie
+    const uint16_t got = to_bf16(d).bits;
+    // The candidates: the bf16 values next to the truncation of d.
+    uint32_t u;
+    const float t = static_cast<float>(d);
+    std::memcpy(&u, &t, 4);
+    const uint16_t base = static_cast<uint16_t>(u >> 16);
+    uint16_t best = base;
+    long double best_err = -1;
+    for (int delta = -2; delta <= 2; ++delta) {
+      const uint16_t c = static_cast<uint16_t>(base + delta);
+      if (((c >> 15) & 1) != (base >> 15)) continue;  // stay on d's side of zero
+      const float cf = to_float(bf16{c});
+      if (!std::isfinite(cf)) continue;
+      const long double err = std::fabs(static_cast<long double>(cf) - static_cast<long double>(d));
+      if (best_err < 0 || err < best_err || (err == best_err && (c & 1) == 0)) {
+        best = c;
+        best_err = err;
+      }
+    }
+    if (std::fabs(d) < 3.3e38) {
+      ASSERT_EQ(got, best) << std::hexfloat << d;
+    }
   }
 }
 

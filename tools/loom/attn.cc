@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "loom/bf16.h"
 #include "loom/comm.h"
 #include "loom/cp.h"
 #include "loom/io.h"
@@ -100,7 +101,23 @@ void load_inputs(const AttnOptions& o, Problem& p) {
   const std::vector<int64_t> q_shape = {p.S, p.H, p.D}, kv_shape = {p.S, p.HKV, p.D};
   auto load = [&](Tensor<float>& t, const char* name, const std::vector<int64_t>& shape) {
     const std::string path = o.input + "/" + name;
-    t = read_npy_f32(path);
+    if (p.bf16) {
+      // Each value rounded to bf16 once, from the file's own precision (a float64 file went
+      // through float32 first and was rounded twice), and one that overflows bf16 named here
+      // (it was called an overflow of the products, after the run).
+      const Tensor<double> d = read_npy_f64(path);
+      t = Tensor<float>(d.shape());
+      for (int64_t i = 0; i < d.numel(); ++i) {
+        const float b = to_float(to_bf16(d[i]));
+        LOOM_CHECK(!std::isfinite(d[i]) || std::isfinite(b), IoError,
+                   path << " holds " << d[i] << " at flat index " << i
+                        << ", which does not fit bf16 (--dtype bf16: magnitude at most "
+                        << to_float(bf16{0x7f7f}) << ")");
+        t[i] = b;
+      }
+    } else {
+      t = read_npy_f32(path);
+    }
     LOOM_CHECK(t.shape() == shape, IoError,
                path << " has shape " << shape_str(t.shape()) << ", its header said "
                     << shape_str(shape) << " (it changed while loom read it)");
