@@ -2,6 +2,7 @@
 // timeout, batch_p2p's default (post each op), the equal-split all_to_all, the checking front
 // every backend calls (front.h), and the launcher checks and backend choice that every build has
 // (with or without the MPI and torch backends).
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <string>
@@ -30,12 +31,19 @@ double Communicator::default_timeout_s() {
   constexpr double kDefault = 60;
   const char* text = std::getenv("LOOM_TIMEOUT_S");
   if (!text || !*text) return kDefault;
+  // Decimal only, as the command line's numbers (strtod also took " 5" and hex "0x10"), and at
+  // least a millisecond (1e-9 was taken, and every wait then "timed out after 0 s").
+  bool decimal = true;
+  for (const char* c = text; *c; ++c)
+    decimal = decimal && (std::isdigit(static_cast<unsigned char>(*c)) || *c == '.' ||
+                          *c == 'e' || *c == 'E' || *c == '+' || *c == '-');
   char* end = nullptr;
   errno = 0;
   const double v = std::strtod(text, &end);
-  LOOM_CHECK(
-      errno == 0 && end != text && *end == '\0' && v > 0 && v <= 1e9, InvalidArgument,
-      "LOOM_TIMEOUT_S must be a positive number of seconds (at most 1e9), got '" << text << "'");
+  LOOM_CHECK(decimal && errno == 0 && end != text && *end == '\0' && v >= 1e-3 && v <= 1e9,
+             InvalidArgument,
+             "LOOM_TIMEOUT_S must be a decimal number of seconds from 0.001 to 1e9, got '"
+                 << text << "'");
   return v;
 }
 

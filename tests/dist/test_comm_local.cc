@@ -451,7 +451,8 @@ TEST(CommHelpers, DefaultTimeoutFromEnvironment) {
     EnvVar e("LOOM_TIMEOUT_S", "");  // empty: unset
     EXPECT_EQ(Communicator::default_timeout_s(), 60);
   }
-  for (const char* bad : {"0", "-3", "abc", "5s", "nan", "inf"}) {  // refused, not 60 s
+  // Refused, not 60 s; and below a millisecond, hex or with spaces (1e-9 "timed out after 0 s").
+  for (const char* bad : {"0", "-3", "abc", "5s", "nan", "inf", "1e-9", "0x10", " 5", "5 "}) {
     EnvVar e("LOOM_TIMEOUT_S", bad);
     EXPECT_THROW(Communicator::default_timeout_s(), InvalidArgument) << "'" << bad << "'";
   }

@@ -462,10 +462,11 @@ import numpy as np, sys
 for n in ('q','k','v'): np.save(sys.argv[1] + '/' + n + '.npy', np.zeros((0, 2, 8), np.float32))
 " "$work/empty"
 expect_error "empty arrays" "an empty array" --input "$work/empty"
-for t in 0 -1 garbage; do
+# 1e-9 was taken (every wait "timed out after 0 s"), as were " 5" and hex "0x10".
+for t in 0 -1 garbage 1e-9 " 5" 0x10; do
   LOOM_TIMEOUT_S=$t "$loom" attn --seq 64 --quiet > /dev/null 2> "$work/stderr"
   rc=$?
-  [ $rc -eq 1 ] && grep -q "LOOM_TIMEOUT_S must be a positive number" "$work/stderr" &&
+  [ $rc -eq 1 ] && grep -q "LOOM_TIMEOUT_S must be a decimal number of seconds from 0.001 to 1e9" "$work/stderr" &&
     ok "LOOM_TIMEOUT_S=$t refused" || { cat "$work/stderr"; bad "LOOM_TIMEOUT_S=$t"; }
 done
 expect_error "--kv-heads 0" "--kv-heads must be >= 1" --seq 64 --kv-heads 0

@@ -34,7 +34,7 @@ attn=(attn --seq 64 --heads 2 --head-dim 16 --iters 1 --warmup 0 --quiet)
 expect "other arguments on one rank (MPMD)" "rank 1 was started with other arguments than rank 0" -- \
   -np 1 "$@" "$loom" "${attn[@]}" : -np 1 "$@" "$loom" "${attn[@]}" --no-causal
 expect "an error on one rank only ends the job at once, naming it" \
-  "rank 1: LOOM_TIMEOUT_S must be a positive number" -- \
+  "rank 1: LOOM_TIMEOUT_S must be a decimal number of seconds" -- \
   -np 1 "$@" "$loom" "${attn[@]}" : -np 1 "$@" -x LOOM_TIMEOUT_S=abc "$loom" "${attn[@]}"
 # A rank that exits (status 0) before initialising MPI: the others waited in MPI_Init for ever.
 # Their initialisation deadline is LOOM_TIMEOUT_S with a floor of 10 s.
