@@ -136,6 +136,11 @@ expect_error "docs length past int64" "the document length 99999999999999999999 
   --seq 64 --docs 99999999999999999999
 expect_error "negative window" "--window must be >= 0" --seq 64 --window -3
 expect_error "head dim too large" "--head-dim must be in [1, 256]" --seq 64 --head-dim 300
+# With --input the files' sizes are named, not options --input forbids.
+mkdir -p "$work/h3"
+/usr/bin/python3 -c "import numpy as np; [np.save('$work/h3/%s.npy' % n, np.ones((8, h, 4), np.float32)) for n, h in (('q', 3), ('k', 2), ('v', 2))]"
+expect_error "--input heads not a multiple" "q.npy's heads 3 must be a multiple of k.npy's heads 2" \
+  --input "$work/h3"
 expect_error "ulysses heads" "heads (6) must be divisible by the ulysses degree (4)" \
   --ranks 4 --strategy ulysses --seq 64 --heads 6 --kv-heads 6
 expect_error "ulysses kv heads" "kv-heads (3) and the ulysses degree (4) must divide one another" \

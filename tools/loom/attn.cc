@@ -174,10 +174,15 @@ Problem make_problem(const AttnOptions& o) {
   LOOM_CHECK(p.H >= 1, InvalidArgument, "--heads must be >= 1, got " << p.H);
   LOOM_CHECK(p.HKV >= 1 && (!o.kv_heads_given || o.kv_heads >= 1), InvalidArgument,
              "--kv-heads must be >= 1, got " << (o.kv_heads_given ? o.kv_heads : p.HKV));
+  // With --input the sizes are the files' (the messages named options --input forbids).
+  const bool files = !o.input.empty();
   LOOM_CHECK(p.D >= 1 && p.D <= kMaxHeadDim, InvalidArgument,
-             "--head-dim must be in [1, " << kMaxHeadDim << "], got " << p.D);
+             (files ? "q.npy's head dim" : "--head-dim")
+                 << " must be in [1, " << kMaxHeadDim << "], got " << p.D);
   LOOM_CHECK(p.H % p.HKV == 0, InvalidArgument,
-             "--heads " << p.H << " must be a multiple of --kv-heads " << p.HKV);
+             (files ? "q.npy's heads " : "--heads ")
+                 << p.H << " must be a multiple of " << (files ? "k.npy's heads " : "--kv-heads ")
+                 << p.HKV);
   LOOM_CHECK(o.window >= 0, InvalidArgument,
              "--window must be >= 0 (0 = no window), got " << o.window);
   LOOM_CHECK(o.iters >= 1, InvalidArgument, "--iters must be >= 1, got " << o.iters);
