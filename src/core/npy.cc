@@ -32,7 +32,19 @@ struct Header {
 };
 
 [[noreturn]] void fail(const std::string& what, const std::string& why) {
-  throw IoError(what + ": " + why);
+  // Bytes from the file's header are shown escaped: a NUL in the descr cut the printed message
+  // short ("dtype <f4", which reads as supported), a control character garbled the line.
+  std::string shown;
+  for (unsigned char c : why) {
+    if (c < 0x20 || c == 0x7f) {
+      char esc[8];
+      std::snprintf(esc, sizeof esc, "\\x%02x", c);
+      shown += esc;
+    } else {
+      shown += static_cast<char>(c);
+    }
+  }
+  throw IoError(what + ": " + shown);
 }
 
 // The header's dict literal, read strictly: '{', then entries 'key': value separated by commas
@@ -283,8 +295,9 @@ std::vector<uint8_t> read_checked(const std::string& path, Header& h, size_t& es
   std::vector<uint8_t> head(std::min<size_t>(fsize, 12));
   f.read_exact(head.data(), head.size());
   static const char kMagic[] = "\x93NUMPY";
-  if (head.size() < 10 || std::memcmp(head.data(), kMagic, 6) != 0)
+  if (head.size() < 6 || std::memcmp(head.data(), kMagic, 6) != 0)
     fail(path, "not a .npy file (bad magic)");
+  if (head.size() < 10) fail(path, "truncated npy header (the file ends after its magic)");
   const size_t start = head[6] == 1 ? 10 : 12;
   size_t hlen = head[8] | (static_cast<size_t>(head[9]) << 8);
   if (head[6] != 1 && head.size() >= 12)

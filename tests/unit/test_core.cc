@@ -248,6 +248,12 @@ TEST_F(Npy, ReadsNumpyWrittenHeaderVariants) {
 TEST_F(Npy, RefusesMalformed) {
   const std::string f4x2(8, '\0');
   expect_io_error("hello world, not npy", "bad magic");
+  // Only the magic and version: truncated, not "bad magic".
+  expect_io_error(std::string("\x93NUMPY\x01\x00", 8), "truncated npy header");
+  // A NUL in the descr is shown escaped (it cut the message to "dtype <f4").
+  expect_io_error(
+      image(std::string("{'descr': '<f4\0', 'fortran_order': False, 'shape': (2,), }", 58), f4x2),
+      "dtype <f4\\x00 is not supported");
   expect_io_error(image("{'descr': '<f4', 'fortran_order': True, 'shape': (2,), }", f4x2),
                   "Fortran");
   expect_io_error(image("{'descr': '>f4', 'fortran_order': False, 'shape': (2,), }", f4x2),
