@@ -323,12 +323,12 @@ class Group {
     py::gil_scoped_release nogil;
     comm_->barrier();
   }
-  // The forward's exchange for a call this rank cannot make (its arguments raised before it):
-  // marked refused, so that every other rank raises at once, naming this rank, instead of
-  // waiting for it until the timeout. The caller then raises its own error.
   // Counts a cp_attention call on this rank where it starts, before anything can raise (op()
   // compares the counts).
   void begin_forward() { ++attempts_; }
+  // The forward's exchange for a call this rank cannot make (its arguments raised before it):
+  // marked refused, so that every other rank raises at once, naming this rank, instead of
+  // waiting for it until the timeout. The caller then raises its own error.
   void refuse_forward() {
     std::vector<int64_t> mine(kRefused + 1, 0);
     mine[kRefused] = 1;
@@ -587,9 +587,21 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   cfg.ulysses = ulysses;
   cfg.inner = inner;
   cfg.kernel = kernel_config(causal, window, scale);
-  {
+  try {
     py::gil_scoped_release nogil;
     op->attn = std::make_unique<loom::CpAttention>(*comm_, op->plan, cfg, heads, kv_heads, dim);
+  } catch (const loom::InvalidArgument& e) {
+    // The strategies' rules speak the command line's options ("hybrid: --ulysses 8 must divide
+    // ..."): named here as the Python arguments (ulysses=8). The same error on every rank.
+    std::string text = e.what();
+    for (const auto& [cli, py_name] :
+         {std::pair<std::string, std::string>{"--ulysses ", "ulysses="},
+          {"--inner ", "inner="},
+          {"--kv-heads ", "kv heads "},
+          {"--heads ", "heads "}})
+      for (size_t at = text.find(cli); at != std::string::npos; at = text.find(cli, at))
+        text.replace(at, cli.size(), py_name);
+    throw loom::InvalidArgument(text);
   }
   op->attn->metrics().record_spans = false;
   op->rows = rows;

@@ -197,6 +197,12 @@ expect_error(loom.InvalidArgument, "needs inner", lambda: lt.cp_attention(q, k, 
 expect_error(loom.InvalidArgument, "inner= is only", lambda: lt.cp_attention(q, k, k, inner=1))
 expect_error(loom.InvalidArgument, "ulysses=1099511627776 is larger than any process group",
              lambda: lt.cp_attention(q, k, k, strategy="hybrid", ulysses=2**40))
+# The strategies' rules name the Python arguments (they said "--ulysses 3", "--inner 3").
+msg = expect_error(loom.InvalidArgument, f"hybrid: ulysses={P + 1} must divide",
+                   lambda: lt.cp_attention(q, k, k, strategy="hybrid", ulysses=P + 1))
+check("--" not in msg, f"no command-line option in {msg!r}")
+expect_error(loom.InvalidArgument, f"ring2d: inner={P + 1} must divide",
+             lambda: lt.cp_attention(q, k, k, strategy="ring2d", inner=P + 1))
 expect_error(loom.InvalidArgument, "timeout must be a positive number of seconds, at most 1e9, got inf",
              lambda: lt.set_timeout(float("inf")))
 expect_error(loom.InvalidArgument, "must be a torch.distributed ProcessGroup",
