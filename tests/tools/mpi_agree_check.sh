@@ -36,6 +36,12 @@ expect "other arguments on one rank (MPMD)" "rank 1 was started with other argum
 expect "an error on one rank only ends the job at once, naming it" \
   "rank 1: LOOM_TIMEOUT_S must be a decimal number of seconds" -- \
   -np 1 "$@" "$loom" "${attn[@]}" : -np 1 "$@" -x LOOM_TIMEOUT_S=abc "$loom" "${attn[@]}"
+# A configuration error every rank finds (after they agreed on the command line): one line, rank
+# 0's (each of 5 ranks printed it).
+expect "a configuration error of every rank" "ring2d: --inner 2 must divide the number of ranks 5" -- \
+  -np 5 "$@" "$loom" "${attn[@]}" --strategy ring2d --inner 2
+[ "$(grep -c "loom: error" "$work/err")" -eq 1 ] && ok "... printed once" ||
+  { cat "$work/err"; bad "a configuration error printed $(grep -c "loom: error" "$work/err") times"; }
 # A rank that exits (status 0) before initialising MPI: the others waited in MPI_Init for ever.
 # Their initialisation deadline is LOOM_TIMEOUT_S with a floor of 10 s.
 expect "a rank that exits 0 before initialising MPI ends the job" \

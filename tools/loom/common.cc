@@ -24,6 +24,7 @@ std::string strategies_taking(const std::string& flag) {
 }
 
 uint64_t g_command_line_hash = 0;  // set_command_line
+bool g_ranks_agreed = false;       // agree_across_ranks passed
 
 }  // namespace
 
@@ -31,6 +32,10 @@ void set_command_line(int argc, char** argv) {
   uint64_t h = fnv1a64(nullptr, 0);
   for (int i = 1; i < argc; ++i) h = fnv1a64(argv[i], std::strlen(argv[i]) + 1, h);  // with its NUL
   g_command_line_hash = h;
+}
+
+bool ranks_agreed() {
+  return g_ranks_agreed;
 }
 
 void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::string& inputs_what) {
@@ -46,6 +51,7 @@ void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::st
                "rank " << r << " read other " << inputs_what
                        << " than rank 0 (their bytes differ): every rank must read the same");
   }
+  g_ranks_agreed = true;
 }
 
 void DegreeOptions::add_to(CLI::App* command, const std::set<std::string>& skip) {

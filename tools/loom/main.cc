@@ -2,12 +2,14 @@
 // errors into one clear line and a non-zero exit.
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <new>
 #include <string>
+#include <thread>
 
 #include "commands.h"
 #include "loom/comm.h"
@@ -64,6 +66,13 @@ int main(int argc, char** argv) {
     if (rc == 0 && !stdout_ok()) return stdout_failed();
     return rc == 0 ? 0 : 2;
   } catch (const loom::Error& e) {
+    // After the ranks agreed on the command line and inputs, an InvalidArgument (a strategy's
+    // rule, a size) is every rank's: each printed it, then Open MPI its banner. The other ranks
+    // give rank 0 two seconds to print it and end the job; one that is still running then (its
+    // error was its own) prints and ends it.
+    if (mpi && rank > 0 && loom::tools::ranks_agreed() &&
+        dynamic_cast<const loom::InvalidArgument*>(&e) != nullptr)
+      std::this_thread::sleep_for(std::chrono::seconds(2));
     return fail(e.what());
   } catch (const std::bad_alloc&) {
     return fail(
