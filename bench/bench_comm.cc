@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_cli.h"
 #include "loom/comm.h"
 #include "loom/error.h"
 #include "loom/io.h"
@@ -337,15 +338,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", o.json, "also write the results to this JSON file");
   app.add_option("--timeout", o.timeout_s, "seconds before a wait fails (default LOOM_TIMEOUT_S)")
       ->check(CLI::Range(1e-3, 1e9));
-  app.failure_message([](const CLI::App*, const CLI::Error& e) {
-    return std::string("bench_comm: ") + e.what() + " (see --help)\n";
-  });
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (app.exit(e) == 0) return 0;  // --help
-    return 2;
-  }
+  if (const auto rc = loom::parse_command_line(app, argc, argv, "bench_comm")) return *rc;
   try {
     if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
     return loom::run(o);

@@ -64,6 +64,7 @@
 #include <vector>
 
 #include "../src/kernels/tile_ops.h"
+#include "bench_cli.h"
 #include "bench_common.h"
 #include "loom/attention.h"
 #include "loom/error.h"
@@ -1258,29 +1259,14 @@ int main(int argc, char** argv) {
                "time OpenBLAS's sgemm with the core it (or OPENBLAS_CORETYPE) chose, even where "
                "its instruction set is not the kernel path's");
   app.add_option("--json", o.json, "also write the results as JSON to this file");
-  // A bad command line is one line and exit status 2, as loom's (CLI11's own codes were 105...).
-  app.failure_message([](const CLI::App*, const CLI::Error& e) {
-    return std::string("bench_kernels: ") + e.what() + " (see --help)\n";
-  });
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (app.exit(e) == 0) return 0;  // --help
-    return 2;
-  }
+  if (const auto rc = loom::parse_command_line(app, argc, argv, "bench_kernels")) return *rc;
   {  // each dtype once (--dtype fp32,fp32 printed every row twice)
     std::vector<std::string> once;
     for (const std::string& d : o.dtypes)
       if (std::find(once.begin(), once.end(), d) == once.end()) once.push_back(d);
     o.dtypes = once;
   }
-  try {
-    if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
-  } catch (const loom::Error& e) {
-    std::fprintf(stderr, "bench_kernels: %s\n", e.what());
-    return 1;
-  }
-  if (o.heads < 1 || o.kv_heads < 1 || o.heads % o.kv_heads != 0) {
+  if (o.heads % o.kv_heads != 0) {  // both >= 1: their ranges
     std::fprintf(stderr,
                  "bench_kernels: --heads %lld must be a positive multiple of --kv-heads %lld\n",
                  static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads));
@@ -1288,6 +1274,7 @@ int main(int argc, char** argv) {
   }
   if (!o.keep_openblas_core) loom::match_openblas_core(argv);
   try {
+    if (!o.json.empty()) loom::check_output_writable(o.json, "--json");  // before the sweep
     if (o.sgemm_window > 0) {
 #if LOOM_BENCH_OPENBLAS
       openblas_set_num_threads(1);

@@ -37,10 +37,9 @@ std::vector<int64_t> read_npy_index(const std::string& path);
 // source in error messages.
 Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& what);
 
-// Reads and checks the shape for a role: e.g. expect_rank = 3 for q/k/v. Throws IoError naming
-// the role ("q.npy has shape [4, 2] but q must be [S, H, D]").
-Tensor<float> read_npy_role(const std::string& path, const std::string& role, int expect_rank);
-// The same checks on the header alone: the shape, without reading the body.
+// The shape of an array for a role, from its header alone (the body is not read): e.g.
+// expect_rank = 3 for q/k/v. Throws IoError naming the role ("q.npy has shape [4, 2] but q must
+// be [S, H, D]"); read the body with read_npy_f32.
 std::vector<int64_t> read_npy_role_shape(const std::string& path, const std::string& role,
                                          int expect_rank);
 

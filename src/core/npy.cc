@@ -406,11 +406,6 @@ std::vector<int64_t> read_npy_role_shape(const std::string& path, const std::str
   return shape;
 }
 
-Tensor<float> read_npy_role(const std::string& path, const std::string& role, int expect_rank) {
-  read_npy_role_shape(path, role, expect_rank);  // the header first: no body of a wrong rank read
-  return read_npy_f32(path);
-}
-
 void write_npy(const std::string& path, const Tensor<float>& x) {
   write_npy_impl(path, x, "<f4");
 }

@@ -341,7 +341,7 @@ TEST_F(Npy, RoleShapeAndMissingFile) {
   const std::string p = path("q.npy");
   write_npy(p, x);
   try {
-    read_npy_role(p, "q", 3);
+    read_npy_role_shape(p, "q", 3);
     FAIL();
   } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find("q must be [S, H, D]"), std::string::npos) << e.what();

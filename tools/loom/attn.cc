@@ -199,15 +199,7 @@ Problem make_problem(const AttnOptions& o) {
   LOOM_CHECK(std::isfinite(o.scale) && o.scale >= 0 && (!o.scale_given || o.scale > 0) &&
                  o.scale <= std::numeric_limits<float>::max(),
              InvalidArgument, "--scale must be a positive finite number, got " << o.scale);
-  // The kernels take the scale as a float: a positive double that rounds to 0 there was refused
-  // as "softmax scale must be positive", after the value given had been checked as positive, and
-  // one that is subnormal there (1e-44) gave dq and dk 40 % off.
-  LOOM_CHECK(
-      !o.scale_given || static_cast<float>(o.scale) >= std::numeric_limits<float>::min(),
-      InvalidArgument,
-      "--scale " << o.scale << (static_cast<float>(o.scale) > 0 ? " is subnormal" : " rounds to 0")
-                 << " in float32 (the kernels need at least " << std::numeric_limits<float>::min()
-                 << ", float32's smallest normal number)");
+  if (o.scale_given) check_scale_in_float32(o.scale);
   if (o.docs_given || !o.docs.empty()) {
     p.doc_lengths = parse_doc_lengths(o.docs);
     int64_t sum = 0;

@@ -37,6 +37,10 @@ void add_verify_command(CLI::App& app);
 // takes a value: the value must not be empty.
 void strict_integers(CLI::App* command);
 
+// Refuses (InvalidArgument) a given --scale that float32, in which the kernels take it, holds
+// only as 0 or as a subnormal (loom attn's and loom verify's check).
+void check_scale_in_float32(double scale);
+
 // The degree options of the strategy registry on a command line: one option per distinct flag
 // the registered strategies declare (--ulysses, --inner, ...), its help naming the strategies
 // that take it. Nothing here names a strategy: a new one's option appears by itself.

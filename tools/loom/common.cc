@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -32,6 +33,18 @@ void set_command_line(int argc, char** argv) {
   uint64_t h = fnv1a64(nullptr, 0);
   for (int i = 1; i < argc; ++i) h = fnv1a64(argv[i], std::strlen(argv[i]) + 1, h);  // with its NUL
   g_command_line_hash = h;
+}
+
+void check_scale_in_float32(double scale) {
+  // A positive double that rounds to 0 in float32 was refused as "softmax scale must be
+  // positive" (or "got 0"), after the value given had been checked as positive; a subnormal one
+  // (1e-44) gave dq and dk 40 % off.
+  const float f = static_cast<float>(scale);
+  LOOM_CHECK(f >= std::numeric_limits<float>::min(), InvalidArgument,
+             "--scale " << scale << (f > 0 ? " is subnormal" : " rounds to 0")
+                        << " in float32 (the kernels need at least "
+                        << std::numeric_limits<float>::min()
+                        << ", float32's smallest normal number)");
 }
 
 bool ranks_agreed() {

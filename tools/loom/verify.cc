@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
-#include <limits>
 #include <memory>
 #include <new>
 #include <optional>
@@ -216,13 +215,7 @@ int run_verify(const VerifyOptions& o) {
   // Given, a scale is a positive finite number (0 meant "the default" and could pass).
   LOOM_CHECK(!o.scale_given || (std::isfinite(o.scale) && o.scale > 0), InvalidArgument,
              "--scale must be a positive finite number, got " << o.scale);
-  // The scale is taken in float32, as the kernels take it: 5e-324 was refused as "got 0".
-  LOOM_CHECK(!o.scale_given || static_cast<float>(o.scale) >= std::numeric_limits<float>::min(),
-             InvalidArgument,
-             "--scale " << o.scale
-                        << (static_cast<float>(o.scale) > 0 ? " is subnormal" : " rounds to 0")
-                        << " in float32 (at least " << std::numeric_limits<float>::min()
-                        << ", float32's smallest normal number)");
+  if (o.scale_given) check_scale_in_float32(o.scale);  // 5e-324 was refused as "got 0"
   LOOM_CHECK(o.full_check_max >= 1, InvalidArgument,
              "--full-check-max must be >= 1, got " << o.full_check_max);
   // Two outputs on one path, or an output onto an input file, are refused before any work.
