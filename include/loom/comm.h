@@ -115,6 +115,10 @@ class Communicator {
   static double default_timeout_s();
 };
 
+// The environment variable `name` as seconds: `fallback` when unset or empty; otherwise a decimal
+// number (no spaces, no hex) in [lo, hi], or InvalidArgument naming the variable and the range.
+double env_seconds(const char* name, double fallback, double lo, double hi);
+
 // ---------------------------------------------------------------------------------------------
 // local backend: ranks are threads of one process sharing mailboxes.
 

@@ -201,6 +201,10 @@ struct PlanRequest {
   std::vector<std::string> strategies;  // empty: every registered one
   bool all_layouts = true;              // zigzag, contiguous, stripe (false: zigzag only)
   int dtype_bytes = 2;
+  // Called on the searching thread with the fraction of the search done (0 first, 1 last; the
+  // units are simulation work, a cp group's ranks squared), or empty. loom plan prints a line on
+  // stderr from it every LOOM_PLAN_PROGRESS_S seconds (default 10) of a long search.
+  std::function<void(double fraction)> progress;
 };
 
 struct Candidate {

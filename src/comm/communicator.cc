@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -27,24 +28,42 @@ size_t dtype_size(DType t) {
                         __FILE__, __LINE__);
 }
 
-double Communicator::default_timeout_s() {
-  constexpr double kDefault = 60;
-  const char* text = std::getenv("LOOM_TIMEOUT_S");
-  if (!text || !*text) return kDefault;
+namespace {
+// 0.001, 60, 1e9 (ostream writes 1e+09).
+std::string short_number(double v) {
+  std::ostringstream o;
+  o << v;
+  std::string t = o.str();
+  const size_t e = t.find("e+");
+  if (e == std::string::npos) return t;
+  size_t digits = e + 2;
+  while (digits + 1 < t.size() && t[digits] == '0') ++digits;
+  return t.substr(0, e + 1) + t.substr(digits);
+}
+}  // namespace
+
+double env_seconds(const char* name, double fallback, double lo, double hi) {
+  const char* text = std::getenv(name);
+  if (!text || !*text) return fallback;
   // Decimal only, as the command line's numbers (strtod also took " 5" and hex "0x10"), and at
-  // least a millisecond (1e-9 was taken, and every wait then "timed out after 0 s").
+  // least a millisecond for LOOM_TIMEOUT_S (1e-9 was taken, and every wait then "timed out after
+  // 0 s").
   bool decimal = true;
   for (const char* c = text; *c; ++c)
-    decimal = decimal && (std::isdigit(static_cast<unsigned char>(*c)) || *c == '.' ||
-                          *c == 'e' || *c == 'E' || *c == '+' || *c == '-');
+    decimal = decimal && (std::isdigit(static_cast<unsigned char>(*c)) || *c == '.' || *c == 'e' ||
+                          *c == 'E' || *c == '+' || *c == '-');
   char* end = nullptr;
   errno = 0;
   const double v = std::strtod(text, &end);
-  LOOM_CHECK(decimal && errno == 0 && end != text && *end == '\0' && v >= 1e-3 && v <= 1e9,
+  LOOM_CHECK(decimal && errno == 0 && end != text && *end == '\0' && v >= lo && v <= hi,
              InvalidArgument,
-             "LOOM_TIMEOUT_S must be a decimal number of seconds from 0.001 to 1e9, got '"
-                 << text << "'");
+             name << " must be a decimal number of seconds from " << short_number(lo) << " to "
+                  << short_number(hi) << ", got '" << text << "'");
   return v;
+}
+
+double Communicator::default_timeout_s() {
+  return env_seconds("LOOM_TIMEOUT_S", 60, 1e-3, 1e9);
 }
 
 std::vector<WorkPtr> Communicator::batch_p2p(const std::vector<P2POp>& ops) {

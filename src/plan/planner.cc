@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -217,6 +218,14 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
   PairCache tables;
   const SimOptions search{&tables, false};
   const int N = req.devices;
+  // The meshes and strategy shapes to simulate, listed first so that the search can say how far
+  // it is (a device count with many divisors, 720720, searched for minutes without a word).
+  struct Shape {
+    int tp, cp, u;
+    std::string strategy;
+    std::optional<Candidate> rejected;  // a mesh refused before simulating, in the search's order
+  };
+  std::vector<Shape> shapes;
   for (int tp : divisors(N)) {
     if (tp > prof.devices_per_node) continue;
     if (M.heads % tp != 0 || (M.kv_heads % tp != 0 && tp % M.kv_heads != 0)) {
@@ -226,10 +235,9 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
       c.fits = false;
       c.why_not = "tp " + std::to_string(tp) + " does not divide the " + std::to_string(M.heads) +
                   " heads / " + std::to_string(M.kv_heads) + " kv heads";
-      res.rejected.push_back(c);
+      shapes.push_back({tp, 1, 1, "", c});
       continue;
     }
-    const int64_t hl = M.heads / tp;
     for (int cp : divisors(N / tp)) {
       const int dp = N / tp / cp;
       if (cp > 1 && req.seq / cp < kMinTokensPerCpRank) {
@@ -242,7 +250,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         c.why_not = "cp " + std::to_string(cp) + " leaves " + std::to_string(req.seq / cp) +
                     " tokens per rank, under one " + std::to_string(kMinTokensPerCpRank) +
                     "-token work tile";
-        res.rejected.push_back(c);
+        shapes.push_back({tp, cp, 1, "", c});
         continue;
       }
       for (const std::string& strategy : strategies) {
@@ -250,133 +258,148 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         // names: --strategies ulysses dropped the meshes without a cp group (8 devices: their
         // best, dp8, 1.6x faster than the winner shown; 1 device: "nothing to rank").
         if (cp == 1 && strategy != strategies.front()) continue;
-        std::vector<int> us;
         if (cp == 1 || strategy == "ring" || strategy == "allgather")
-          us = {1};
+          shapes.push_back({tp, cp, 1, strategy, {}});
         else if (strategy == "ulysses")
-          us = {cp};
+          shapes.push_back({tp, cp, cp, strategy, {}});
         else
           for (int u : divisors(cp))
-            if (u > 1 && u < cp) us.push_back(u);
-        for (int u : us) {
-          for (Layout layout : layouts) {
-            if (cp == 1 && layout != Layout::zigzag) continue;
-            for (bool ckpt : {false, true}) {
-              if (!req.train && ckpt) continue;
-              Candidate c;
-              c.dp = dp;
-              c.tp = tp;
-              const bool two_rings = strategy == "ring2d";
-              c.ulysses = two_rings ? 1 : u;
-              c.inner = two_rings ? u : 1;
-              c.ring = two_rings ? cp : cp / u;
-              c.strategy = cp == 1 ? "none" : strategy;
-              c.layout = layout;
-              c.checkpoint = ckpt;
-              const std::string simulated = cp == 1 ? "ring" : strategy;
-              const AttnCase a = attn_case(req, prof, mask, simulated, layout, cp, u, tp);
-              // Memory.
-              const double L = static_cast<double>(M.layers);
-              const double tokens = static_cast<double>(req.seq) / cp;
-              const double params = M.params() / tp;
-              double mem = req.train ? params * (4.0 + 12.0 / dp) : params * 2.0;
-              const double kvdim = static_cast<double>(M.kv_heads * M.head_dim());
-              const double per_token_layer =
-                  2.0 * (5.0 * M.dim + 2.0 * kvdim + 4.0 * M.ffn) / tp + 4.0 * hl;
-              if (!req.train) {
-                mem += tokens * per_token_layer + L * tokens * 2.0 * kvdim * 2.0 / tp;
-              } else if (ckpt) {
-                mem += L * tokens * 2.0 * M.dim / tp + tokens * per_token_layer;
-              } else {
-                mem += L * tokens * per_token_layer;
-              }
-              // Cheap rejection before simulating: the memory without the strategy's buffers.
-              const double mem_base = mem + tokens * static_cast<double>(M.vocab) / tp * 4.0;
-              if (mem_base > mem_limit) {
-                c.fits = false;
-                c.why_not = "needs more than " + fmt(mem_base / 1e9, 1) + " GB per device, limit " +
-                            fmt(mem_limit / 1e9, 1) + " GB";
-                res.rejected.push_back(c);
-                continue;
-              }
-              const auto key = std::make_tuple(simulated, static_cast<int>(layout), cp, u, tp);
-              if (!have_last || key != last_key) {
-                have_last = false;
-                try {
-                  last_sim = simulate_attention(a, prof, search);
-                } catch (const InvalidArgument& e) {
-                  c.fits = false;
-                  c.why_not = e.what();
-                  res.rejected.push_back(c);
-                  continue;
-                }
-                last_key = key;
-                have_last = true;
-              }
-              const AttnSim& sim = last_sim;
-              double comm = 0, idle = 0, compute = 0;
-              for (const RankSim& r : sim.ranks) {
-                comm = std::max(comm, r.comm_s);
-                idle = std::max(idle, r.idle_s);
-                compute = std::max(compute, r.compute_s);
-              }
-              const double fwd = sim.forward_s, bwd = sim.backward_s;
-              c.attn_s = L * (fwd + bwd);
-              c.recompute_s = ckpt ? L * fwd : 0.0;
-              const double gemm_fwd =
-                  2.0 * tokens * (dense_params + head_params) / tp / (peak * prof.gemm_eff);
-              c.gemm_s = passes * gemm_fwd;
-              if (ckpt) c.recompute_s += gemm_fwd * dense_params / (dense_params + head_params);
-              // TP + SP: 2 all-gathers + 2 reduce-scatters per layer and pass.
-              const double act_bytes = tokens * static_cast<double>(M.dim) * req.dtype_bytes / tp;
-              const double tp_pass = 4.0 * gather_s(act_bytes, tp, prof.intra, prof.allgather_eff);
-              c.tp_comm_s = L * tp_pass * (passes + (ckpt ? 1.0 : 0.0));
-              // DP: gradient all-reduce, overlapped with backward except the last layer.
-              if (req.train && dp > 1) {
-                const bool inter =
-                    tp * cp >= prof.devices_per_node || dp * tp * cp > prof.devices_per_node;
-                const double ar = ring_allreduce_s(
-                    2.0 * M.params() / tp, dp, inter ? prof.inter : prof.intra, prof.allreduce_eff);
-                const double bwd_time = L * bwd + 2.0 * gemm_fwd;
-                c.dp_comm_s = std::max(ar / L, ar - bwd_time);
-              }
-              // With checkpointing the forward runs twice: its exposed communication too, in the
-              // total and in each kind (the kinds summed to less than the total).
-              const double again = ckpt ? (fwd + bwd + fwd) / std::max(1e-30, fwd + bwd) : 1.0;
-              for (const RankSim& r : sim.ranks)
-                for (const auto& [k, v] : r.comm_by_kind)
-                  c.exposed_by_kind[k] = std::max(c.exposed_by_kind[k], L * v * again);
-              c.exposed_cp_s = L * comm * again;
-              c.cp_idle_s = L * idle;
-              c.step_s = c.attn_s + c.recompute_s + c.gemm_s + c.tp_comm_s + c.dp_comm_s;
-              c.balance = sim.balance();
-              int64_t buf = 0;
-              for (const RankSim& r : sim.ranks)
-                buf = std::max(buf, r.peak_buffer_bytes + r.gathered_bytes);
-              mem += static_cast<double>(buf);
-              mem += tokens * static_cast<double>(M.vocab) / tp * 4.0;  // fp32 logits
-              c.memory_bytes = mem;
-              c.tokens_per_s = dp * static_cast<double>(req.seq) / c.step_s;
-              c.mfu = model_flops * dp / (N * peak * c.step_s);
-              // A checked profile and problem give positive, finite figures; never rank others.
-              LOOM_CHECK(std::isfinite(c.step_s) && c.step_s > 0 && std::isfinite(c.mfu) &&
-                             std::isfinite(c.memory_bytes),
-                         InvalidArgument,
-                         "profile '" << prof.name << "' gives " << c.name() << " a step of "
-                                     << c.step_s << " s and " << c.memory_bytes
-                                     << " bytes per device; check its figures");
-              if (mem > mem_limit) {
-                c.fits = false;
-                c.why_not = "needs " + fmt(mem / 1e9, 1) + " GB per device, limit " +
-                            fmt(mem_limit / 1e9, 1) + " GB";
-                res.rejected.push_back(c);
-              } else {
-                res.ranked.push_back(c);
-              }
-            }
+            if (u > 1 && u < cp) shapes.push_back({tp, cp, u, strategy, {}});
+      }
+    }
+  }
+  // A simulation's cost grows as the square of its ranks (a ring of R ranks: R steps of R
+  // kernels); progress is reported in those units.
+  double total_work = 0, done_work = 0;
+  for (const Shape& sh : shapes)
+    if (!sh.rejected)
+      total_work += (1.0 + static_cast<double>(sh.cp) * sh.cp) * (sh.cp == 1 ? 1 : layouts.size());
+  if (req.progress) req.progress(0.0);
+  for (const Shape& sh : shapes) {
+    if (sh.rejected) {
+      res.rejected.push_back(*sh.rejected);
+      continue;
+    }
+    const int tp = sh.tp, cp = sh.cp, u = sh.u, dp = N / tp / cp;
+    const std::string& strategy = sh.strategy;
+    const int64_t hl = M.heads / tp;
+    for (Layout layout : layouts) {
+      if (cp == 1 && layout != Layout::zigzag) continue;
+      for (bool ckpt : {false, true}) {
+        if (!req.train && ckpt) continue;
+        Candidate c;
+        c.dp = dp;
+        c.tp = tp;
+        const bool two_rings = strategy == "ring2d";
+        c.ulysses = two_rings ? 1 : u;
+        c.inner = two_rings ? u : 1;
+        c.ring = two_rings ? cp : cp / u;
+        c.strategy = cp == 1 ? "none" : strategy;
+        c.layout = layout;
+        c.checkpoint = ckpt;
+        const std::string simulated = cp == 1 ? "ring" : strategy;
+        const AttnCase a = attn_case(req, prof, mask, simulated, layout, cp, u, tp);
+        // Memory.
+        const double L = static_cast<double>(M.layers);
+        const double tokens = static_cast<double>(req.seq) / cp;
+        const double params = M.params() / tp;
+        double mem = req.train ? params * (4.0 + 12.0 / dp) : params * 2.0;
+        const double kvdim = static_cast<double>(M.kv_heads * M.head_dim());
+        const double per_token_layer =
+            2.0 * (5.0 * M.dim + 2.0 * kvdim + 4.0 * M.ffn) / tp + 4.0 * hl;
+        if (!req.train) {
+          mem += tokens * per_token_layer + L * tokens * 2.0 * kvdim * 2.0 / tp;
+        } else if (ckpt) {
+          mem += L * tokens * 2.0 * M.dim / tp + tokens * per_token_layer;
+        } else {
+          mem += L * tokens * per_token_layer;
+        }
+        // Cheap rejection before simulating: the memory without the strategy's buffers.
+        const double mem_base = mem + tokens * static_cast<double>(M.vocab) / tp * 4.0;
+        if (mem_base > mem_limit) {
+          c.fits = false;
+          c.why_not = "needs more than " + fmt(mem_base / 1e9, 1) + " GB per device, limit " +
+                      fmt(mem_limit / 1e9, 1) + " GB";
+          res.rejected.push_back(c);
+          continue;
+        }
+        const auto key = std::make_tuple(simulated, static_cast<int>(layout), cp, u, tp);
+        if (!have_last || key != last_key) {
+          have_last = false;
+          try {
+            last_sim = simulate_attention(a, prof, search);
+          } catch (const InvalidArgument& e) {
+            c.fits = false;
+            c.why_not = e.what();
+            res.rejected.push_back(c);
+            continue;
           }
+          last_key = key;
+          have_last = true;
+        }
+        const AttnSim& sim = last_sim;
+        double comm = 0, idle = 0, compute = 0;
+        for (const RankSim& r : sim.ranks) {
+          comm = std::max(comm, r.comm_s);
+          idle = std::max(idle, r.idle_s);
+          compute = std::max(compute, r.compute_s);
+        }
+        const double fwd = sim.forward_s, bwd = sim.backward_s;
+        c.attn_s = L * (fwd + bwd);
+        c.recompute_s = ckpt ? L * fwd : 0.0;
+        const double gemm_fwd =
+            2.0 * tokens * (dense_params + head_params) / tp / (peak * prof.gemm_eff);
+        c.gemm_s = passes * gemm_fwd;
+        if (ckpt) c.recompute_s += gemm_fwd * dense_params / (dense_params + head_params);
+        // TP + SP: 2 all-gathers + 2 reduce-scatters per layer and pass.
+        const double act_bytes = tokens * static_cast<double>(M.dim) * req.dtype_bytes / tp;
+        const double tp_pass = 4.0 * gather_s(act_bytes, tp, prof.intra, prof.allgather_eff);
+        c.tp_comm_s = L * tp_pass * (passes + (ckpt ? 1.0 : 0.0));
+        // DP: gradient all-reduce, overlapped with backward except the last layer.
+        if (req.train && dp > 1) {
+          const bool inter =
+              tp * cp >= prof.devices_per_node || dp * tp * cp > prof.devices_per_node;
+          const double ar = ring_allreduce_s(2.0 * M.params() / tp, dp,
+                                             inter ? prof.inter : prof.intra, prof.allreduce_eff);
+          const double bwd_time = L * bwd + 2.0 * gemm_fwd;
+          c.dp_comm_s = std::max(ar / L, ar - bwd_time);
+        }
+        // With checkpointing the forward runs twice: its exposed communication too, in the
+        // total and in each kind (the kinds summed to less than the total).
+        const double again = ckpt ? (fwd + bwd + fwd) / std::max(1e-30, fwd + bwd) : 1.0;
+        for (const RankSim& r : sim.ranks)
+          for (const auto& [k, v] : r.comm_by_kind)
+            c.exposed_by_kind[k] = std::max(c.exposed_by_kind[k], L * v * again);
+        c.exposed_cp_s = L * comm * again;
+        c.cp_idle_s = L * idle;
+        c.step_s = c.attn_s + c.recompute_s + c.gemm_s + c.tp_comm_s + c.dp_comm_s;
+        c.balance = sim.balance();
+        int64_t buf = 0;
+        for (const RankSim& r : sim.ranks)
+          buf = std::max(buf, r.peak_buffer_bytes + r.gathered_bytes);
+        mem += static_cast<double>(buf);
+        mem += tokens * static_cast<double>(M.vocab) / tp * 4.0;  // fp32 logits
+        c.memory_bytes = mem;
+        c.tokens_per_s = dp * static_cast<double>(req.seq) / c.step_s;
+        c.mfu = model_flops * dp / (N * peak * c.step_s);
+        // A checked profile and problem give positive, finite figures; never rank others.
+        LOOM_CHECK(std::isfinite(c.step_s) && c.step_s > 0 && std::isfinite(c.mfu) &&
+                       std::isfinite(c.memory_bytes),
+                   InvalidArgument,
+                   "profile '" << prof.name << "' gives " << c.name() << " a step of " << c.step_s
+                               << " s and " << c.memory_bytes
+                               << " bytes per device; check its figures");
+        if (mem > mem_limit) {
+          c.fits = false;
+          c.why_not = "needs " + fmt(mem / 1e9, 1) + " GB per device, limit " +
+                      fmt(mem_limit / 1e9, 1) + " GB";
+          res.rejected.push_back(c);
+        } else {
+          res.ranked.push_back(c);
         }
       }
+      done_work += 1.0 + static_cast<double>(cp) * cp;
+      if (req.progress) req.progress(done_work / total_work);
     }
   }
   std::stable_sort(res.ranked.begin(), res.ranked.end(),

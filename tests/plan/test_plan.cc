@@ -719,6 +719,29 @@ TEST(PlanSearch, RefusesUpFrontWhatNoCandidateCouldRun) {
   }
 }
 
+// The search reports its progress: 0 first, then rising to exactly 1 at its end, and the same
+// ranking with or without a listener.
+TEST(PlanSearch, ReportsProgressFromZeroToOne) {
+  const Profile p = shipped("h100_sxm.json");
+  PlanRequest req;
+  req.seq = 16384;
+  req.devices = 24;  // tp 3 is refused (32 heads), cp up to 24: hybrid and ring2d shapes
+  const PlanResult quiet = plan(req, p);
+  std::vector<double> seen;
+  req.progress = [&](double f) { seen.push_back(f); };
+  const PlanResult heard = plan(req, p);
+  ASSERT_GE(seen.size(), 10u);
+  EXPECT_EQ(seen.front(), 0.0);
+  EXPECT_DOUBLE_EQ(seen.back(), 1.0);
+  for (size_t i = 1; i < seen.size(); ++i) EXPECT_GT(seen[i], seen[i - 1]) << i;
+  ASSERT_EQ(quiet.ranked.size(), heard.ranked.size());
+  ASSERT_EQ(quiet.rejected.size(), heard.rejected.size());
+  for (size_t i = 0; i < quiet.ranked.size(); ++i) {
+    EXPECT_EQ(quiet.ranked[i].name(), heard.ranked[i].name());
+    EXPECT_EQ(quiet.ranked[i].step_s, heard.ranked[i].step_s);
+  }
+}
+
 // A cpu profile with round numbers: 2 ranks per node, a lone rank 1.25x faster.
 Profile train_profile() {
   Profile p = valid_profile();

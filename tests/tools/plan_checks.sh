@@ -187,6 +187,26 @@ expect_error "--ulysses 0" "--ulysses: must be an integer >= 1, got 0" --simulat
 expect_error "--inner 0" "--inner: must be an integer >= 1, got 0" --simulate \
   --profile "$h100" --strategy ring2d --inner 0 --ranks 4
 
+# A long search says how far it is on stderr (720720 devices searched for minutes without a
+# word): lines every LOOM_PLAN_PROGRESS_S seconds, rising; none with 0; the ranking unchanged.
+if LOOM_PLAN_PROGRESS_S=0.001 "$loom" plan --profile "$h100" --devices 48 --seq 16384 \
+     > "$work/p1" 2> "$work/p1.err" &&
+   LOOM_PLAN_PROGRESS_S=0 "$loom" plan --profile "$h100" --devices 48 --seq 16384 \
+     > "$work/p0" 2> "$work/p0.err" && [ ! -s "$work/p0.err" ] &&
+   diff <(grep -v "planned in" "$work/p0") <(grep -v "planned in" "$work/p1") > /dev/null &&
+   /usr/bin/python3 - "$work/p1.err" <<'PY'
+import re, sys
+lines = open(sys.argv[1]).read().splitlines()
+done = [float(re.match(r"loom plan: searching, ([0-9]+) % done after [0-9]+ s", l).group(1))
+        for l in lines]
+assert len(done) >= 3 and done == sorted(done) and done[-1] < 100, lines
+PY
+then ok "progress lines on stderr, rising; none with LOOM_PLAN_PROGRESS_S=0"
+else cat "$work/p1.err" "$work/p0.err"; bad "progress lines"; fi
+LOOM_PLAN_PROGRESS_S=-1 "$loom" plan --profile "$h100" > "$work/out" 2>&1
+[ $? -eq 1 ] && grep -q "LOOM_PLAN_PROGRESS_S must be a decimal number of seconds from 0 to 1e9, got '-1'" "$work/out" &&
+  ok "LOOM_PLAN_PROGRESS_S=-1 refused" || { cat "$work/out"; bad "LOOM_PLAN_PROGRESS_S=-1"; }
+
 # The same run with valid options still works.
 if "$loom" plan --profile "$h100" --top 2 --memory-limit 80 --json "$work/r.json" \
      --svg "$work/r.svg" > "$work/out" 2>&1 && [ -s "$work/r.json" ] && [ -s "$work/r.svg" ]; then

@@ -3,6 +3,7 @@
 // machine's profile (--calibrate).
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -714,6 +715,24 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
     std::stringstream ss(o.strategies);
     std::string s;
     while (std::getline(ss, s, ',')) req.strategies.push_back(s);
+  }
+  // A long search says how far it is on stderr (a device count with many divisors, 720720,
+  // searched for minutes without a word): every LOOM_PLAN_PROGRESS_S seconds (default 10, 0:
+  // never).
+  const double every = env_seconds("LOOM_PLAN_PROGRESS_S", 10, 0, 1e9);
+  if (every > 0) {
+    const auto start = std::chrono::steady_clock::now();
+    auto next = start + std::chrono::duration<double>(every);
+    req.progress = [start, next, every](double done) mutable {
+      const auto now = std::chrono::steady_clock::now();
+      if (now < next || done >= 1) return;
+      next = now + std::chrono::duration<double>(every);
+      const double t = std::chrono::duration<double>(now - start).count();
+      std::fprintf(stderr, "loom plan: searching, %.0f %% done after %.0f s",
+                   std::floor(100 * done), t);
+      if (done > 0.01) std::fprintf(stderr, ", about %.0f s left", t * (1 - done) / done);
+      std::fprintf(stderr, " (narrow it with --strategies or --zigzag-only)\n");
+    };
   }
   const plan::PlanResult r = plan::plan(req, prof);
   const bool show = text_report(o);
