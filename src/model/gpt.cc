@@ -66,10 +66,18 @@ void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t 
   try {
     check_cp_config(cp_config(p, m.head_dim()), s.cp(), hl, hkvl);
   } catch (const InvalidArgument& e) {
-    if (s.tp == 1) throw;
-    throw InvalidArgument(std::string(e.what()) + " (heads of one tp rank: --heads " +
-                          std::to_string(m.heads) + " and --kv-heads " +
-                          std::to_string(m.kv_heads) + " over --tp " + std::to_string(s.tp) + ")");
+    // The strategy's rules speak of the cp group's ranks and of one tp rank's heads: say which
+    // (a ring2d --inner error said "the number of ranks 2" of a 4-rank run, and blamed heads).
+    std::string what = e.what();
+    if (what.find("head") != std::string::npos && s.tp > 1)
+      what += " (heads of one tp rank: --heads " + std::to_string(m.heads) + " and --kv-heads " +
+              std::to_string(m.kv_heads) + " over --tp " + std::to_string(s.tp) + ")";
+    else if (what.find("head") == std::string::npos && s.cp() != s.world())
+      what += " (the context-parallel group: ulysses " + std::to_string(s.ulysses) + " x ring " +
+              std::to_string(s.ring) + " = " + std::to_string(s.cp()) + " of the " +
+              std::to_string(s.world()) + " ranks)";
+    if (what.size() == std::string(e.what()).size()) throw;
+    throw InvalidArgument(what);
   }
   LOOM_CHECK(seq >= 2 * cp, InvalidArgument,
              "--seq " << seq << " is too short for " << cp

@@ -79,6 +79,27 @@ expect "--resume from other checkpoints on one rank" "--resume: rank 1 read a ch
   -np 1 "$@" -wdir "$work/b" "$loom" "${train[@]}" --steps 6 --resume
 [ -e "$work/a/ck/step-00000004.ckpt" ] && bad "rank 0 wrote a checkpoint after the refused resume" ||
   ok "no checkpoint written after the refused resume"
+# loom train's errors every rank finds, printed once (rank 0's): its mesh and strategy rules ran
+# before the ranks agreed, and only InvalidArgument was printed once, so a usage error, a mesh of
+# the wrong size and non-finite training each printed 4 lines.
+once() {
+  [ "$(grep -c "loom: error" "$work/err")" -eq 1 ] && ok "... printed once" ||
+    { cat "$work/err"; bad "$1 printed $(grep -c "loom: error" "$work/err") times"; }
+}
+small=(train --seq 64 --layers 1 --dim 16 --heads 2 --kv-heads 1 --batch 1 --seed 3 --quiet
+       --eval-every 0 --steps 3 --data "$work/text.txt")
+expect "train: a usage error" "--tp: Value 0 not in range" -- -np 4 "$@" "$loom" "${small[@]}" --tp 0
+once "a usage error"
+expect "train: a mesh that is not the world" "= 3 ranks does not match the 4 ranks of this run" -- \
+  -np 4 "$@" "$loom" "${small[@]}" --tp 3
+once "a mesh of 3 ranks"
+expect "train: non-finite training" "non-finite training at step 2" -- \
+  -np 4 "$@" -x LOOM_TEST_NAN_AT_STEP=2 "$loom" "${small[@]}" --ring 4
+once "non-finite training"
+# Open MPI gives standard input to rank 0 only: the others were refused as reading "other --data".
+expect "train: --data - under mpirun" "--data - (standard input) cannot be used under mpirun" -- \
+  -np 2 "$@" "$loom" "${small[@]/$work\/text.txt/-}"
+once "--data -"
 # plan --calibrate: the other ranks wait while rank 0 calibrates (seconds), not under the
 # communication timeout (LOOM_TIMEOUT_S=2 failed a healthy calibration: "barrier ... timed out");
 # rank 0 alone prints the banner (every rank did).

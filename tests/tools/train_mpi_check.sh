@@ -32,3 +32,13 @@ worst = max(abs(x - y) / y for x, y in zip(a, b))
 assert worst <= 1e-5, (a, b)
 print("ok   mpirun tp2 x ring2 == one rank (max rel diff %.2e)" % worst)
 PY
+# --memory-limit bounds one process: under mpirun one rank. It counted every rank of the node in
+# each process and refused a run whose processes fitted; the limit here refuses the local
+# backend's 4 ranks in one process and passes each mpirun rank.
+"$loom" train --ranks 4 --tp 2 --ring 2 "${args[@]}" --memory-limit 60M > /dev/null 2> "$work/err" &&
+  { echo "FAIL the local 4 ranks fit in 60M: the check below proves nothing"; exit 1; }
+grep -q "loom train with 4 ranks in this process needs about" "$work/err" ||
+  { cat "$work/err"; echo "FAIL local refusal"; exit 1; }
+"$mpiexec" -n 4 "$@" "$loom" train --tp 2 --ring 2 "${args[@]}" --memory-limit 60M > /dev/null 2> "$work/err" ||
+  { cat "$work/err"; echo "FAIL mpirun ranks refused under a per-process --memory-limit they fit"; exit 1; }
+echo "ok   --memory-limit 60M: 4 local ranks refused, 4 mpirun ranks run"

@@ -346,5 +346,43 @@ TEST(ModelConfigCheck, InvalidShapesAreOneClearError) {
   EXPECT_THROW(parse_precision("fp16"), InvalidArgument);
 }
 
+// The strategy's rules speak of the cp group's ranks and of one tp rank's heads, and the message
+// says which: a ring2d --inner error in a 4-rank tp 2 x ring 2 run said "the number of ranks 2"
+// and blamed the heads.
+TEST(ModelConfig, StrategyErrorsNameTheContextParallelGroup) {
+  const auto message = [](const ModelConfig& mc, const ParallelConfig& par, int world) {
+    try {
+      validate(mc, par, world, 64);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  ModelConfig mc;
+  mc.dim = 32;
+  mc.heads = 4;
+  mc.kv_heads = 2;
+  ParallelConfig par;
+  par.mesh.tp = 2;
+  par.mesh.ring = 2;
+  par.strategy = Strategy::ring2d;
+  par.inner = 4;
+  std::string m = message(mc, par, 4);
+  EXPECT_NE(m.find("ring2d: --inner 4 must divide the number of ranks 2 (the context-parallel "
+                   "group: ulysses 1 x ring 2 = 2 of the 4 ranks)"),
+            std::string::npos)
+      << m;
+  EXPECT_EQ(m.find("heads of one tp rank"), std::string::npos) << m;
+  // A rule about heads names the heads of one tp rank: Ulysses over 4 ranks, 2 heads per tp rank.
+  par = ParallelConfig{};
+  par.mesh.tp = 2;
+  par.mesh.ulysses = 4;
+  par.strategy = Strategy::ulysses;
+  m = message(mc, par, 8);
+  EXPECT_NE(m.find("(heads of one tp rank: --heads 4 and --kv-heads 2 over --tp 2)"),
+            std::string::npos)
+      << m;
+}
+
 }  // namespace
 }  // namespace loom::model

@@ -90,9 +90,6 @@ void set_command_line(int argc, char** argv);
 // rank read (0 when it read none); `inputs_what` names them in the message.
 // (The hashes: fnv1a64, loom/rng.h.)
 void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::string& inputs_what);
-// Whether agree_across_ranks passed in this process: every rank runs the same command line on
-// the same inputs, so a configuration error is every rank's (main.cc lets rank 0 print it).
-bool ranks_agreed();
 
 // The exit code the chosen subcommand asked for (0 on success, 1 on a failed check).
 int exit_code();

@@ -25,7 +25,6 @@ std::string strategies_taking(const std::string& flag) {
 }
 
 uint64_t g_command_line_hash = 0;  // set_command_line
-bool g_ranks_agreed = false;       // agree_across_ranks passed
 
 }  // namespace
 
@@ -47,10 +46,6 @@ void check_scale_in_float32(double scale) {
                         << ", float32's smallest normal number)");
 }
 
-bool ranks_agreed() {
-  return g_ranks_agreed;
-}
-
 void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::string& inputs_what) {
   const uint64_t mine[2] = {g_command_line_hash, inputs_hash};
   std::vector<uint64_t> all(2 * static_cast<size_t>(world.size()));
@@ -64,7 +59,6 @@ void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::st
                "rank " << r << " read other " << inputs_what
                        << " than rank 0 (their bytes differ): every rank must read the same");
   }
-  g_ranks_agreed = true;
 }
 
 void DegreeOptions::add_to(CLI::App* command, const std::set<std::string>& skip) {

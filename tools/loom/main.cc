@@ -62,16 +62,21 @@ int main(int argc, char** argv) {
     if (!stdout_ok()) return stdout_failed();
     return rc;
   } catch (const CLI::ParseError& e) {
+    // Under mpirun every rank parses the same command line: rank 0 prints the usage error and
+    // its exit ends the job (every rank printed it).
+    if (mpi && rank > 0 && e.get_exit_code() != 0)
+      std::this_thread::sleep_for(std::chrono::seconds(2));
     const int rc = app.exit(e);
     if (rc == 0 && !stdout_ok()) return stdout_failed();
     return rc == 0 ? 0 : 2;
   } catch (const loom::Error& e) {
-    // After the ranks agreed on the command line and inputs, an InvalidArgument (a strategy's
-    // rule, a size) is every rank's: each printed it, then Open MPI its banner. The other ranks
-    // give rank 0 two seconds to print it and end the job; one that is still running then (its
-    // error was its own) prints and ends it.
-    if (mpi && rank > 0 && loom::tools::ranks_agreed() &&
-        dynamic_cast<const loom::InvalidArgument*>(&e) != nullptr)
+    // Under mpirun the ranks run one command line on the same inputs (agree_across_ranks), so
+    // an error that is not about communication (a strategy's rule, a size, a damaged checkpoint,
+    // non-finite training) is usually every rank's: each printed it, then Open MPI its banner.
+    // The other ranks give rank 0 two seconds to print it and end the job; one that is still
+    // running then (its error was its own) prints and ends it. A CommError names its own rank
+    // and peer and is printed at once.
+    if (mpi && rank > 0 && dynamic_cast<const loom::CommError*>(&e) == nullptr)
       std::this_thread::sleep_for(std::chrono::seconds(2));
     return fail(e.what());
   } catch (const std::bad_alloc&) {

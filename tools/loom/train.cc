@@ -464,6 +464,11 @@ int run_train(const TrainOptions& o) {
     LOOM_CHECK(!o.ranks_given, InvalidArgument,
                "--ranks is for the local backend; under mpirun the number of ranks is mpirun's "
                "-np (drop --ranks)");
+    // Open MPI gives standard input to rank 0 alone: the others read nothing and were refused
+    // as reading "other --data than rank 0".
+    LOOM_CHECK(o.data != "-", InvalidArgument,
+               "--data - (standard input) cannot be used under mpirun, which gives standard "
+               "input to rank 0 only; name a file every rank can read");
     mpi = mpi_world();
     world = mpi->size();
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
@@ -496,10 +501,19 @@ int run_train(const TrainOptions& o) {
   }
   // Under mpirun: every rank the same command line and the same --data bytes (commands.h).
   if (mpi) agree_across_ranks(*mpi, fnv1a64(text.data(), text.size()), "--data");
-  check_memory(estimate_train_bytes(c, here, double(text.size())),
-               o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit"),
-               "loom train with " + std::to_string(here) + " rank" + (here > 1 ? "s" : "") +
-                   " in this process",
+  // --memory-limit bounds one process: all the local backend's ranks, or one rank under mpirun
+  // (it counted every rank of the node there, and refused runs whose processes fitted). Without
+  // it, the ranks of this node together must fit in its available memory.
+  const int64_t limit = o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit");
+  const double estimate =
+      mpi ? (limit >= 0 ? 1 : here) * estimate_train_bytes(c, 1, double(text.size()))
+          : estimate_train_bytes(c, here, double(text.size()));
+  check_memory(estimate, limit,
+               mpi ? (limit >= 0 ? std::string("this rank of loom train")
+                                 : "loom train's " + std::to_string(here) + " rank" +
+                                       (here > 1 ? "s" : "") + " on this node")
+                   : "loom train with " + std::to_string(here) + " rank" + (here > 1 ? "s" : "") +
+                         " in this process",
                "--memory-limit");
   const Corpus corpus = model::make_corpus(text, data == "-" ? "standard input" : data);
   text = std::string();
