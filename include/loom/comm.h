@@ -43,7 +43,8 @@ class Work {
   virtual ~Work() = default;
   // True when the operation finished; throws CommError if it failed.
   virtual bool test() = 0;
-  // Blocks until done. timeout_s < 0: the communicator's default.
+  // Blocks until done. timeout_s < 0: the communicator's default; else 0 to 1e9 seconds
+  // (InvalidArgument for NaN, inf or more).
   virtual void wait(double timeout_s = -1) = 0;
 };
 using WorkPtr = std::unique_ptr<Work>;
@@ -98,15 +99,21 @@ class Communicator {
                           double timeout_s = -1) = 0;
   virtual void barrier(double timeout_s = -1) = 0;
 
-  // Default timeout of this communicator's waits, seconds.
+  // Default timeout of this communicator's waits, seconds: as LOOM_TIMEOUT_S, from 0.001 to 1e9
+  // (InvalidArgument otherwise: an infinite one made every local wait return at once and spin,
+  // and the sender hang; a negative one made every wait time out "after 0 s").
   double timeout_s() const { return timeout_s_; }
-  void set_timeout_s(double t) { timeout_s_ = t; }
+  void set_timeout_s(double t) { timeout_s_ = checked_timeout_s(t); }
+  // t if it is a communicator's timeout (above), else InvalidArgument naming it.
+  static double checked_timeout_s(double t);
 
   CommStats& stats() { return stats_; }
   const CommStats& stats() const { return stats_; }
 
  protected:
-  double resolve_timeout(double t) const { return t < 0 ? timeout_s_ : t; }
+  // A wait's timeout: < 0 the communicator's; else at most 1e9 s (InvalidArgument for NaN, inf or
+  // more: NaN waited with no timeout at all, inf for ever).
+  double resolve_timeout(double t) const;
   double timeout_s_ = default_timeout_s();
   CommStats stats_;
 

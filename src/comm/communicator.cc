@@ -62,6 +62,20 @@ double env_seconds(const char* name, double fallback, double lo, double hi) {
   return v;
 }
 
+double Communicator::checked_timeout_s(double t) {
+  LOOM_CHECK(t >= 1e-3 && t <= 1e9, InvalidArgument,
+             "a communicator's timeout must be from 0.001 to 1e9 seconds, got " << t);
+  return t;
+}
+
+double Communicator::resolve_timeout(double t) const {
+  if (t < 0) return timeout_s_;
+  LOOM_CHECK(
+      t <= 1e9, InvalidArgument,
+      "a wait's timeout must be at most 1e9 seconds (or < 0: the communicator's), got " << t);
+  return t;
+}
+
 double Communicator::default_timeout_s() {
   return env_seconds("LOOM_TIMEOUT_S", 60, 1e-3, 1e9);
 }

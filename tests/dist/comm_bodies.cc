@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -439,6 +440,28 @@ void timeout(Communicator& c) {
     c.set_timeout_s(0.2);
     EXPECT_THROW(c.irecv(&in, sizeof in, peer, 78)->wait(), Timeout);
     c.set_timeout_s(saved);
+    // Timeouts outside 0.001..1e9 s are refused, and the default stays: an infinite one made the
+    // local backend's waits return at once and spin (the sender then hung), a NaN one waited
+    // with no timeout at all, a negative one timed out every wait "after 0 s".
+    const double inf = std::numeric_limits<double>::infinity();
+    for (double bad : {inf, std::nan(""), -5.0, 0.0, 1e-4, 2e9}) {
+      EXPECT_THROW(c.set_timeout_s(bad), InvalidArgument) << bad;
+      EXPECT_EQ(c.timeout_s(), saved);
+    }
+  }
+  if (n > 1 && r <= 1) {
+    // A wait given NaN or inf is refused before it blocks; the largest timeout waits normally.
+    int64_t v = 5;
+    if (r == 0) {
+      WorkPtr recv = c.irecv(&v, sizeof v, 1, 79);
+      EXPECT_THROW(recv->wait(std::numeric_limits<double>::infinity()), InvalidArgument);
+      EXPECT_THROW(recv->wait(std::nan("")), InvalidArgument);
+      recv->wait(1e9);
+      EXPECT_EQ(v, 42);
+    } else {
+      v = 42;
+      c.isend(&v, sizeof v, 0, 79)->wait(1e9);
+    }
   }
   c.barrier();  // the timed-out receives were cancelled; the group is still usable
   int64_t x = r;

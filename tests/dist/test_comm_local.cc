@@ -4,6 +4,9 @@
 // environment helpers.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -446,6 +449,12 @@ TEST(CommHelpers, DefaultTimeoutFromEnvironment) {
     run_local(2, [](Communicator& c) { EXPECT_EQ(c.timeout_s(), 2.5); });
     run_local(
         2, [](Communicator& c) { EXPECT_EQ(c.timeout_s(), 0.75); }, {}, 0.75);
+    // run_local's own timeout is held to the same range (inf made every wait spin).
+    for (double bad : {std::numeric_limits<double>::infinity(), std::nan(""), 0.0, 2e9})
+      EXPECT_THROW(run_local(
+                       2, [](Communicator&) {}, {}, bad),
+                   InvalidArgument)
+          << bad;
   }
   {
     EnvVar e("LOOM_TIMEOUT_S", "");  // empty: unset

@@ -316,7 +316,7 @@ class LocalComm final : public Communicator, public detail::Transport {
  public:
   LocalComm(std::shared_ptr<World> world, int rank, double timeout_s)
       : world_(std::move(world)), rank_(rank) {
-    timeout_s_ = timeout_s;
+    timeout_s_ = checked_timeout_s(timeout_s);
   }
 
   int rank() const override { return rank_; }
@@ -658,7 +658,8 @@ void run_local(int ranks, const std::function<void(Communicator&)>& fn, const Fa
   }
   LOOM_CHECK(faults.delay_ms >= 0, InvalidArgument,
              "fault delay must be non-negative, got " << faults.delay_ms << " ms");
-  const double timeout = timeout_s < 0 ? Communicator::default_timeout_s() : timeout_s;
+  const double timeout = timeout_s < 0 ? Communicator::default_timeout_s()
+                                       : Communicator::checked_timeout_s(timeout_s);
 
   auto universe = std::make_shared<Universe>(ranks, faults);
   std::vector<int> members(ranks);

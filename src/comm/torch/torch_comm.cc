@@ -96,7 +96,7 @@ class TorchComm final : public Communicator, public detail::Transport {
   TorchComm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::vector<int> members, int rank,
             int group_id, double timeout_s)
       : pg_(std::move(pg)), members_(std::move(members)), rank_(rank), group_id_(group_id) {
-    timeout_s_ = timeout_s;
+    timeout_s_ = checked_timeout_s(timeout_s);
     root_ = group_id_ == kRootGroup;
   }
 
