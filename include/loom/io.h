@@ -168,8 +168,10 @@ class InputFile {
 int64_t available_memory_bytes();
 // "1.50 GiB", "12.0 MiB", "512 B".
 std::string human_bytes(double bytes);
-// Parses a size: a number of bytes with an optional K, M, G or T suffix (powers of 1024),
-// e.g. "8G", "512M", "1048576". Throws InvalidArgument naming `option`.
+// Parses a size: a number of bytes in decimal digits (no sign, fraction or exponent) with an
+// optional K, M, G or T suffix (powers of 1024; any case, optionally followed by B or iB), e.g.
+// "8G", "512M", "64KiB", "1048576"; at least 1 byte and at most 2^63 - 1. Throws
+// InvalidArgument naming `option`.
 int64_t parse_size(const std::string& text, const std::string& option);
 // Throws InvalidArgument when estimate > limit:
 //   "<what> needs about 24.5 GiB (estimate) but the memory limit is 7.8 GiB (available memory);

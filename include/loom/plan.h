@@ -113,7 +113,9 @@ struct TileCount {
 };
 // Tiles one kernel call over rows q x keys k computes for one head (blockwise.cc's plan:
 // block_q x block_k tiles, empty ones skipped), including the cp layer's skip of segment pairs
-// the mask leaves empty. Requires q.stride == k.stride when both counts exceed 1.
+// the mask leaves empty. Requires block_q, block_k >= 1, mask.window >= 0, each chunk's
+// stride >= 1, count >= 0 and positions in [0, 2^56), and q.stride == k.stride when both counts
+// exceed 1: InvalidArgument naming the values otherwise.
 TileCount count_tiles(const Chunk& q, const Chunk& k, const Mask& mask, int64_t block_q,
                       int64_t block_k);
 

@@ -93,7 +93,7 @@ struct Problem {
   Tensor<double> q, k, v;  // [S, H, D], [S, Hkv, D], [S, Hkv, D]
   Tensor<double> dout;     // [S, H, D]; empty when no gradient is checked
   Mask mask;
-  double scale = 0;                  // 0: 1/sqrt(D)
+  double scale = 0;                  // 0: 1/sqrt(D); else finite and > 0 (InvalidArgument)
   std::vector<int64_t> doc_lengths;  // empty: one document
 };
 
@@ -132,6 +132,7 @@ struct Options {
 // (fp32_fixed_tolerance_holds: |scale| max||q|| max||k|| <= kFp32FixedTolMaxScore); past it,
 // every tensor, lse included, is held to the problem's bound for any implementation
 // (fp32_error_bounds, or the bf16 bounds with their fp32 terms; loom_kernels false).
+// InvalidArgument for a tensor other than out, lse, dq, dk, dv or a dtype other than fp32, bf16.
 double tolerance(const std::string& tensor, const std::string& dtype);
 
 struct TensorCheck {

@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <sstream>
 
 #include "loom/error.h"
@@ -619,35 +620,35 @@ std::string human_bytes(double b) {
 int64_t parse_size(const std::string& text, const std::string& option) {
   const std::string usage = " (expected bytes with an optional K, M, G or T suffix, e.g. 8G)";
   LOOM_CHECK(!text.empty(), InvalidArgument, option << " is empty" << usage);
+  // Decimal digits only: std::stod took "0x10", "1e3", "+5" and " 5" as numbers.
   size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
+  while (used < text.size() && text[used] >= '0' && text[used] <= '9') ++used;
   LOOM_CHECK(used > 0, InvalidArgument, option << " '" << text << "' is not a size" << usage);
   std::string suffix = text.substr(used);
-  if (suffix.size() == 3 && suffix.compare(1, 2, "iB") == 0) suffix.resize(1);  // KiB, MiB...
-  if (suffix.size() == 2 && (suffix[1] == 'B' || suffix[1] == 'b')) suffix.pop_back();
-  if (suffix == "iB") suffix.clear();
-  double mul = 1;
+  // Suffixes: none or B (bytes); K, M, G, T (any case), alone or followed by B, b or iB.
+  int shift = -1;
   if (suffix.empty() || suffix == "B") {
-    mul = 1;
-  } else if (suffix.size() == 1 && std::strchr("kKmMgGtT", suffix[0])) {
-    const int k = std::strchr("kK", suffix[0])   ? 1
-                  : std::strchr("mM", suffix[0]) ? 2
-                  : std::strchr("gG", suffix[0]) ? 3
-                                                 : 4;
-    mul = std::pow(1024.0, k);
-  } else {
-    LOOM_CHECK(false, InvalidArgument,
-               option << " '" << text << "' has an unknown suffix '" << suffix << "'" << usage);
+    shift = 0;
+  } else if (const size_t k = std::string("kKmMgGtT").find(suffix[0]);
+             k != std::string::npos && (suffix.size() == 1 || suffix.substr(1) == "B" ||
+                                        suffix.substr(1) == "b" || suffix.substr(1) == "iB")) {
+    shift = 10 * static_cast<int>(k / 2 + 1);
   }
-  const double bytes = v * mul;
-  LOOM_CHECK(std::isfinite(bytes) && bytes >= 1 && bytes < 9.2e18, InvalidArgument,
+  LOOM_CHECK(shift >= 0, InvalidArgument,
+             option << " '" << text << "' has an unknown suffix '" << suffix << "'" << usage);
+  // The value, times 2^shift, must be in [1, 2^63 - 1] (computed exactly: 8388607T, below
+  // 8 EiB, was refused by a floating-point bound).
+  const int64_t max = std::numeric_limits<int64_t>::max() >> shift;
+  int64_t v = 0;
+  bool fits = true;
+  for (size_t i = 0; i < used && fits; ++i) {
+    const int d = text[i] - '0';
+    fits = v <= (max - d) / 10;
+    if (fits) v = v * 10 + d;
+  }
+  LOOM_CHECK(fits && v >= 1, InvalidArgument,
              option << " must be a positive size below 8 EiB, got '" << text << "'");
-  return static_cast<int64_t>(bytes);
+  return v << shift;
 }
 
 void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string& what,

@@ -1649,8 +1649,10 @@ int64_t work_tile_side(int64_t block, int64_t n, int64_t want) {
   LOOM_CHECK_GE(block, 1, InvalidArgument, "work_tile_side: block must be >= 1");
   LOOM_CHECK_GE(n, 0, InvalidArgument, "work_tile_side: n must be >= 0");
   if (want <= 0) return block;
-  // never more blocks than the n rows have
-  const int64_t factor = std::min(tile_count(want, block), tile_count(n, block));
+  // never more blocks than the n rows have, nor more than int64 holds (want and n near 2^63
+  // overflowed block * factor)
+  const int64_t factor = std::min(
+      {tile_count(want, block), tile_count(n, block), std::numeric_limits<int64_t>::max() / block});
   return block * std::max<int64_t>(1, factor);
 }
 

@@ -92,6 +92,14 @@ int64_t Sequence::predicted() const {
 }
 
 Sequence make_sequence(const Split& split, int64_t offset, int64_t seq, bool pack_documents) {
+  // The window [offset, offset + seq + 1) must lie in the split (written without overflow: a
+  // window past the end read beyond the bytes, seq -1 ended in std::length_error).
+  LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
+  LOOM_CHECK(
+      offset >= 0 && offset < split.size() && seq <= split.size() - 1 - offset, InvalidArgument,
+      "window of " << seq << " + 1 bytes at offset " << offset << " does not fit the split of "
+                   << split.size()
+                   << " bytes (need offset >= 0 and offset + seq + 1 <= " << split.size() << ")");
   Sequence s;
   s.input.resize(static_cast<size_t>(seq));
   s.target.resize(static_cast<size_t>(seq));
@@ -131,6 +139,11 @@ Sequence make_sequence(const Split& split, int64_t offset, int64_t seq, bool pac
 }
 
 int64_t train_offset(const Split& split, int64_t seq, uint64_t seed, int64_t step, int64_t index) {
+  // At least one window of seq + 1 bytes (seq == size divided by zero, seq > size gave a
+  // negative offset).
+  LOOM_CHECK(seq >= 1 && seq < split.size(), InvalidArgument,
+             "sequence length " << seq << " does not fit the split of " << split.size()
+                                << " bytes (need 1 <= seq <= " << split.size() - 1 << ")");
   const uint64_t starts = static_cast<uint64_t>(split.size() - seq);  // offsets 0 .. size-seq-1
   const auto w = philox4x32({static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32),
                              static_cast<uint32_t>(index), 0x7a17u},
@@ -140,6 +153,7 @@ int64_t train_offset(const Split& split, int64_t seq, uint64_t seed, int64_t ste
 }
 
 std::vector<int64_t> val_offsets(const Split& split, int64_t seq, int64_t count) {
+  LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
   std::vector<int64_t> out;
   const int64_t last = split.size() - seq - 1;
   if (last < 0 || count <= 0) return out;

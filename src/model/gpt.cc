@@ -48,6 +48,16 @@ void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t 
   LOOM_CHECK(m.layers >= 1 && m.dim >= 1 && m.heads >= 1 && m.kv_heads >= 1, InvalidArgument,
              "--layers, --dim, --heads and --kv-heads must be >= 1 (got "
                  << m.layers << ", " << m.dim << ", " << m.heads << ", " << m.kv_heads << ")");
+  // Byte-level: the embedding and the LM head have one row / column per byte value, and the
+  // targets index the logits (vocab 100 wrote past them in cross_entropy).
+  LOOM_CHECK(m.vocab == 256, InvalidArgument,
+             "the model is byte-level, so its vocab must be 256 (got " << m.vocab << ")");
+  // A zero row (sequence-parallel padding) needs norm_eps > 0; NaN or a negative one gave a NaN
+  // loss, as did a NaN rope_theta.
+  LOOM_CHECK(std::isfinite(m.norm_eps) && m.norm_eps > 0, InvalidArgument,
+             "norm_eps must be finite and > 0, got " << m.norm_eps);
+  LOOM_CHECK(std::isfinite(m.rope_theta) && m.rope_theta > 0, InvalidArgument,
+             "rope_theta must be finite and > 0, got " << m.rope_theta);
   LOOM_CHECK(m.dim % m.heads == 0, InvalidArgument,
              "--dim " << m.dim << " must be a multiple of --heads " << m.heads);
   LOOM_CHECK(m.head_dim() % 2 == 0 && m.head_dim() <= kMaxHeadDim, InvalidArgument,

@@ -40,6 +40,9 @@ int64_t ceil_div(int64_t a, int64_t b) {  // b > 0
 }
 
 constexpr int64_t kInf = int64_t{1} << 60;
+// count_tiles' positions are below this (so their differences, and those of the mask's
+// bounds, stay far from kInf and from int64's limits).
+constexpr int64_t kMaxPos = int64_t{1} << 56;
 
 }  // namespace
 
@@ -86,14 +89,36 @@ std::vector<std::vector<Chunk>> shard_chunks(Layout layout, int64_t seq, int ran
 
 TileCount count_tiles(const Chunk& q, const Chunk& k, const Mask& mask, int64_t block_q,
                       int64_t block_k) {
+  // block 0 looped forever, stride 0 divided by zero, and positions near 2^63 overflowed.
+  LOOM_CHECK(
+      block_q >= 1 && block_k >= 1, InvalidArgument,
+      "count_tiles: block_q and block_k must be >= 1, got " << block_q << " and " << block_k);
+  LOOM_CHECK(mask.window >= 0, InvalidArgument,
+             "count_tiles: mask window must be >= 0 (0: unlimited), got " << mask.window);
+  for (const auto& [name, c] : {std::pair<const char*, const Chunk*>{"q", &q}, {"k", &k}}) {
+    LOOM_CHECK(c->stride >= 1 && c->count >= 0 && c->first >= 0, InvalidArgument,
+               "count_tiles: " << name
+                               << " chunk needs stride >= 1, count >= 0 and first >= 0, got "
+                               << c->first << "+" << c->stride << "x" << c->count);
+    LOOM_CHECK(
+        c->count == 0 || c->first + static_cast<__int128>(c->stride) * (c->count - 1) < kMaxPos,
+        InvalidArgument,
+        "count_tiles: " << name << " chunk " << c->first << "+" << c->stride << "x" << c->count
+                        << " has positions at or past 2^56 = " << kMaxPos);
+  }
+  LOOM_CHECK(q.count <= 1 || k.count <= 1 || q.stride == k.stride, InvalidArgument,
+             "count_tiles: q and k chunks of more than one row need the same stride, got "
+                 << q.stride << " and " << k.stride);
   TileCount tc;
   // The cp layer's chunk-pair skip.
   if (q.count == 0 || k.count == 0 || q.doc != k.doc) return tc;
   if (mask.causal && k.first > q.last()) return tc;
   if (mask.window > 0 && std::max(k.first - q.last(), q.first - k.last()) >= mask.window) return tc;
   // Allowed d = pos_q - pos_k.
-  const int64_t d_lo = mask.causal ? 0 : mask.window > 0 ? -(mask.window - 1) : -kInf;
-  const int64_t d_hi = mask.window > 0 ? mask.window - 1 : kInf;
+  // A window wider than every position difference is no limit (and would overflow below).
+  const int64_t window = mask.window >= kMaxPos ? 0 : mask.window;
+  const int64_t d_lo = mask.causal ? 0 : window > 0 ? -(window - 1) : -kInf;
+  const int64_t d_hi = window > 0 ? window - 1 : kInf;
   const int64_t stride = q.count > 1 ? q.stride : k.stride;
   const int64_t c = q.first - k.first;
   // Allowed m = a - b: d_lo <= c + stride m <= d_hi.

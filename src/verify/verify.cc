@@ -1116,9 +1116,14 @@ std::string unexplained_text(const Ctx& c, const std::vector<std::vector<double>
 double tolerance(const std::string& tensor, const std::string& dtype) {
   // loom/tolerance.h: out in bf16 2u; dq, dk, dv 2u (kBf16GradRelTol); lse stays fp32.
   static_assert(kBf16OutRelTol == kBf16GradRelTol);
+  LOOM_CHECK(dtype == "fp32" || dtype == "bf16", InvalidArgument,
+             "unknown dtype '" << dtype << "' (choose fp32 or bf16)");
+  // An unknown name had the tolerance of a gradient.
+  LOOM_CHECK(
+      tensor == "out" || tensor == "lse" || tensor == "dq" || tensor == "dk" || tensor == "dv",
+      InvalidArgument, "unknown tensor '" << tensor << "' (choose out, lse, dq, dk or dv)");
   if (dtype == "fp32") return kFp32RelTol;
-  if (dtype == "bf16") return tensor == "lse" ? kFp32RelTol : kBf16GradRelTol;
-  throw InvalidArgument("unknown dtype '" + dtype + "' (choose fp32 or bf16)");
+  return tensor == "lse" ? kFp32RelTol : kBf16GradRelTol;
 }
 
 Report verify(const Problem& p, const Candidate& cand, const Options& o) {
@@ -1141,6 +1146,11 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
              "heads " << c.H << " must be a multiple of kv heads " << c.Hkv);
   (void)tolerance("out", o.dtype);
   c.group = c.H / c.Hkv;
+  // 0 is the default; a negative or NaN scale became the default silently, infinity gave a
+  // non-finite reference.
+  LOOM_CHECK(
+      p.scale == 0 || (std::isfinite(p.scale) && p.scale > 0), InvalidArgument,
+      "scale must be 0 (the default, 1/sqrt(D)) or a positive finite number, got " << p.scale);
   c.scale = p.scale > 0 ? p.scale : 1.0 / std::sqrt(static_cast<double>(c.D));
   c.sh = make_sharding(o.convention, c.S, o.ranks, p.doc_lengths);
   c.nc = static_cast<int>(c.sh.chunks.size());

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -129,6 +130,58 @@ TEST(PlanTiles, EqualKernelCounts) {
     checked += want > 0;
   }
   EXPECT_GT(checked, 500);  // most trials had work to compare
+}
+
+// count_tiles checked none of its arguments: differing strides were counted although the
+// contract requires equal ones, block_q 0 looped forever, stride 0 and block_k 0 divided by
+// zero. Each is one InvalidArgument naming the values.
+TEST(PlanTiles, BadArgumentsAreRefused) {
+  const Mask causal{true, 0};
+  const auto message = [](const Chunk& q, const Chunk& k, const Mask& m, int64_t bq, int64_t bk) {
+    try {
+      count_tiles(q, k, m, bq, bk);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const Chunk one{0, 1, 10, 0};
+  EXPECT_EQ(message(Chunk{0, 2, 10, 0}, Chunk{0, 3, 10, 0}, causal, 4, 4),
+            "count_tiles: q and k chunks of more than one row need the same stride, got 2 and 3");
+  // One row of either side has no stride to agree on.
+  EXPECT_EQ(message(Chunk{5, 2, 1, 0}, Chunk{0, 3, 10, 0}, causal, 4, 4), "no error");
+  EXPECT_EQ(message(one, one, causal, 0, 4),
+            "count_tiles: block_q and block_k must be >= 1, got 0 and 4");
+  EXPECT_EQ(message(one, one, causal, 4, 0),
+            "count_tiles: block_q and block_k must be >= 1, got 4 and 0");
+  EXPECT_EQ(message(one, one, causal, -1, 4),
+            "count_tiles: block_q and block_k must be >= 1, got -1 and 4");
+  EXPECT_EQ(message(Chunk{0, 0, 10, 0}, Chunk{0, 0, 10, 0}, causal, 4, 4),
+            "count_tiles: q chunk needs stride >= 1, count >= 0 and first >= 0, got 0+0x10");
+  EXPECT_EQ(message(one, Chunk{0, 1, -5, 0}, causal, 4, 4),
+            "count_tiles: k chunk needs stride >= 1, count >= 0 and first >= 0, got 0+1x-5");
+  EXPECT_EQ(message(Chunk{-3, 1, 10, 0}, one, causal, 4, 4),
+            "count_tiles: q chunk needs stride >= 1, count >= 0 and first >= 0, got -3+1x10");
+  EXPECT_EQ(message(one, one, Mask{false, -2}, 4, 4),
+            "count_tiles: mask window must be >= 0 (0: unlimited), got -2");
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  for (const Chunk& huge : {Chunk{big - 1, 1, 2, 0}, Chunk{0, big, 3, 0}, Chunk{0, 1, big, 0},
+                            Chunk{int64_t{1} << 56, 1, 1, 0}})
+    EXPECT_NE(message(huge, one, causal, 4, 4).find("has positions at or past 2^56"),
+              std::string::npos)
+        << huge.first << "+" << huge.stride << "x" << huge.count;
+  // The largest positions and windows are counted without overflow: a window wider than every
+  // position difference is no limit.
+  const Chunk far{(int64_t{1} << 56) - 10, 1, 10, 0};
+  for (const bool c : {false, true}) {
+    const TileCount unlimited = count_tiles(far, far, Mask{c, 0}, 4, 4);
+    for (const int64_t w : {int64_t{1} << 56, int64_t{1} << 62, big}) {
+      const TileCount wide = count_tiles(far, far, Mask{c, w}, 4, 4);
+      EXPECT_EQ(wide.full, unlimited.full) << c << " " << w;
+      EXPECT_EQ(wide.partial, unlimited.partial) << c << " " << w;
+    }
+  }
+  EXPECT_EQ(count_tiles(far, far, Mask{false, 0}, 4, 4).total(), 9);
 }
 
 struct Config {

@@ -1718,6 +1718,14 @@ TEST(WorkTiles, SideIsTheSmallestMultipleOfTheBlockReachingWantWithinTheRows) {
   EXPECT_EQ(work_tile_side(std::numeric_limits<int64_t>::max(), 10, 128),
             std::numeric_limits<int64_t>::max());
   EXPECT_EQ(work_tile_side(64, std::numeric_limits<int64_t>::max(), 128), 128);
+  // want and n near 2^63 overflowed block * factor (UBSan): the side stops at int64's largest
+  // multiple of the block.
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(work_tile_side(64, big, big), big / 64 * 64);
+  EXPECT_EQ(work_tile_side(48, big, big), big / 48 * 48);
+  EXPECT_EQ(work_tile_side(1, big, big), big);
+  EXPECT_EQ(work_tile_side(big, big, big), big);
+  EXPECT_EQ(work_tile_side(64, big, big - 100), (big - 100 + 63) / 64 * 64);  // fits: exact
   EXPECT_THROW(work_tile_side(0, 10, 128), InvalidArgument);
   EXPECT_THROW(work_tile_side(64, -1, 128), InvalidArgument);
 }

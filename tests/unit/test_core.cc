@@ -890,6 +890,43 @@ TEST(Memory, EstimatesAreRefusedInOneLineNamingEstimateLimitAndOption) {
     EXPECT_THROW(parse_size(bad, "--memory-limit"), InvalidArgument) << bad;
 }
 
+// parse_size took whatever std::stod read ("0x10" as 16, "1e3" as 1000, "+5", " 5", "1.5G")
+// and refused 8388607T (2^63 - 2^40, below 8 EiB) by a floating-point bound: now decimal
+// digits with an optional suffix, bounded exactly by 2^63 - 1.
+TEST(Memory, ParseSizeTakesDecimalDigitsUpTo8EiB) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(parse_size("8388607T", "--memory-limit"), kMax - (int64_t{1} << 40) + 1);
+  EXPECT_EQ(parse_size("8796093022207M", "--memory-limit"), (kMax >> 20) << 20);
+  EXPECT_EQ(parse_size("9223372036854775807", "--memory-limit"), kMax);
+  EXPECT_EQ(parse_size("9223372036854775807B", "--memory-limit"), kMax);
+  EXPECT_EQ(parse_size("1", "--memory-limit"), 1);
+  EXPECT_EQ(parse_size("007K", "--memory-limit"), 7 << 10);
+  EXPECT_EQ(parse_size("3t", "--memory-limit"), int64_t{3} << 40);
+  EXPECT_EQ(parse_size("5KB", "--max-bytes"), 5 << 10);
+  EXPECT_EQ(parse_size("5mb", "--max-bytes"), 5 << 20);
+  EXPECT_EQ(parse_size("5B", "--max-bytes"), 5);
+  for (const char* bad : {"0x10", "1e3", "+5", " 5", "5 ", "1.5G", ".5G", "5.", "1,000", "5iB",
+                          "5Bb", "5KiBB", "5k i", "-0", "0K", "00"}) {
+    try {
+      parse_size(bad, "--memory-limit");
+      ADD_FAILURE() << "'" << bad << "' accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("--memory-limit"), std::string::npos) << e.what();
+    }
+  }
+  // 2^63 bytes and past: one error naming the limit, not an overflow.
+  for (const char* big : {"8388608T", "9223372036854775808", "99999999999999999999999999",
+                          "8796093022208M", "9007199254740992K", "8589934592G"}) {
+    try {
+      parse_size(big, "--memory-limit");
+      ADD_FAILURE() << "'" << big << "' accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), "--memory-limit must be a positive size below 8 EiB, got '" +
+                                           std::string(big) + "'");
+    }
+  }
+}
+
 // An estimate whose byte counts overflowed (loom attn --seq 2^63 - 1 gave a negative one) passed
 // every limit and the run allocated; now it is refused, whatever the limit.
 TEST(Memory, OverflowedEstimatesAreRefusedWhateverTheLimit) {

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/comm.h"
@@ -214,6 +216,57 @@ TEST(ModelData, PackedSequencesMaskTargetsAndRestartPositions) {
   EXPECT_EQ(val_offsets(s, 6, int64_t{1} << 62), (std::vector<int64_t>{0, 1, 2, 3}));
 }
 
+// A window past the split's end read beyond its bytes (heap overflow), seq == size divided by
+// zero in train_offset and seq > size gave a negative offset, and seq -1 ended in an uncaught
+// std::length_error: each is now one InvalidArgument naming the values.
+TEST(ModelData, WindowsOutsideTheSplitAreRefused) {
+  const Corpus c = make_corpus(std::string(200, 'a'), "mem");
+  const Split& s = c.train;
+  const int64_t n = s.size();
+  ASSERT_GT(n, 20);
+  const auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no InvalidArgument");
+  };
+  // The last window that fits, then one byte past it.
+  EXPECT_EQ(make_sequence(s, n - 11, 10, false).input.size(), 10u);
+  EXPECT_EQ(make_sequence(s, n - 11, 10, true).input.size(), 10u);
+  std::string m = message([&] { make_sequence(s, n - 10, 10, false); });
+  EXPECT_NE(m.find("offset " + std::to_string(n - 10)), std::string::npos) << m;
+  EXPECT_NE(m.find(std::to_string(n) + " bytes"), std::string::npos) << m;
+  for (const auto& [offset, seq] :
+       std::vector<std::pair<int64_t, int64_t>>{{n - 5, 10},
+                                                {-1, 10},
+                                                {0, n},
+                                                {n, 1},
+                                                {1, std::numeric_limits<int64_t>::max()},
+                                                {std::numeric_limits<int64_t>::max(), 1}})
+    for (const bool pack : {false, true})
+      EXPECT_THROW(make_sequence(s, offset, seq, pack), InvalidArgument) << offset << " " << seq;
+  for (const int64_t seq : {int64_t{-1}, int64_t{0}, std::numeric_limits<int64_t>::min()}) {
+    m = message([&] { make_sequence(s, 0, seq, false); });
+    EXPECT_NE(m.find("sequence length must be >= 1, got " + std::to_string(seq)), std::string::npos)
+        << m;
+  }
+  // train_offset: seq == size (a division by zero), seq > size (a negative offset), seq <= 0.
+  EXPECT_EQ(train_offset(s, n - 1, 1, 0, 0), 0);  // one window: offset 0
+  for (const int64_t seq : {n, n + 5, int64_t{0}, int64_t{-3}, std::numeric_limits<int64_t>::max(),
+                            std::numeric_limits<int64_t>::min()}) {
+    m = message([&] { train_offset(s, seq, 1, 0, 0); });
+    EXPECT_NE(m.find("sequence length " + std::to_string(seq) + " does not fit the split of " +
+                     std::to_string(n) + " bytes"),
+              std::string::npos)
+        << m;
+  }
+  EXPECT_THROW(val_offsets(s, 0, 3), InvalidArgument);
+  EXPECT_THROW(val_offsets(s, -5, 3), InvalidArgument);
+  EXPECT_EQ(val_offsets(s, n - 1, 3), (std::vector<int64_t>{0}));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The whole model on one rank: fp32 gradient of every parameter tensor against central finite
 // differences of the loss along a random direction. fp32 loss evaluations limit the agreement
@@ -344,6 +397,52 @@ TEST(ModelConfigCheck, InvalidShapesAreOneClearError) {
   mc.dim = 60;  // head dim 15 is odd: no rotary pairs
   EXPECT_THROW(validate(mc, par, 2, 64), InvalidArgument);
   EXPECT_THROW(parse_precision("fp16"), InvalidArgument);
+}
+
+// vocab 100 was accepted and forward_backward wrote past the logits (byte targets go to 255);
+// a negative or NaN norm_eps and a NaN rope_theta were accepted and gave a NaN loss.
+TEST(ModelConfigCheck, VocabNormEpsAndRopeThetaAreChecked) {
+  const auto message = [](const ModelConfig& mc) {
+    try {
+      validate(mc, ParallelConfig{}, 1, 64);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const ModelConfig good;
+  EXPECT_EQ(message(good), "no error");
+  for (const int64_t vocab : {int64_t{100}, int64_t{255}, int64_t{257}, int64_t{0}, int64_t{-1}}) {
+    ModelConfig mc = good;
+    mc.vocab = vocab;
+    EXPECT_EQ(message(mc), "the model is byte-level, so its vocab must be 256 (got " +
+                               std::to_string(vocab) + ")");
+  }
+  for (const float eps : {-1.0f, 0.0f, std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::infinity()}) {
+    ModelConfig mc = good;
+    mc.norm_eps = eps;
+    const std::string m = message(mc);
+    EXPECT_NE(m.find("norm_eps must be finite and > 0, got "), std::string::npos) << eps << m;
+  }
+  for (const double theta : {-1.0, 0.0, std::numeric_limits<double>::quiet_NaN(),
+                             std::numeric_limits<double>::infinity()}) {
+    ModelConfig mc = good;
+    mc.rope_theta = theta;
+    const std::string m = message(mc);
+    EXPECT_NE(m.find("rope_theta must be finite and > 0, got "), std::string::npos) << theta << m;
+  }
+  // The model refuses them too, before any forward_backward.
+  run_local(1, [&](Communicator& world) {
+    const ParallelConfig par = one_thread();
+    Mesh mesh = build_mesh(world, par.mesh);
+    ModelConfig mc = small_model();
+    mc.vocab = 100;
+    EXPECT_THROW(Gpt(mc, par, mesh, Precision::fp32, false, 1), InvalidArgument);
+    mc = small_model();
+    mc.norm_eps = -1;
+    EXPECT_THROW(Gpt(mc, par, mesh, Precision::fp32, false, 1), InvalidArgument);
+  });
 }
 
 // The strategy's rules speak of the cp group's ranks and of one tp rank's heads, and the message

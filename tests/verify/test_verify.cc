@@ -406,6 +406,51 @@ TEST(Verify, NonFiniteInputsAreUnusable) {
   }
 }
 
+// Problem::scale -1 or NaN silently became the default 1/sqrt(D) (only 0 means the default):
+// they are refused, as infinity is, by name.
+TEST(Verify, ScaleMustBeZeroOrPositiveAndFinite) {
+  const RingInputs in = inputs(32, 2, 1, 8, true, 41);
+  const verify::Candidate c = out_only(ring(in, "zigzag", 2, {}, false).out);
+  verify::Problem p = to_problem(in);
+  p.scale = 0;  // the default, 1/sqrt(8): the ring's scale
+  EXPECT_TRUE(verify::verify(p, c, options("zigzag", 2)).passed);
+  for (const double bad :
+       {-1.0, -1.0 / std::sqrt(8.0), std::numeric_limits<double>::quiet_NaN(),
+        std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
+    p.scale = bad;
+    try {
+      verify::verify(p, c, options("zigzag", 2));
+      ADD_FAILURE() << "scale " << bad << " accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    "scale must be 0 (the default, 1/sqrt(D)) or a positive finite number, got "),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// tolerance() of an unknown tensor name returned a gradient's tolerance.
+TEST(Verify, ToleranceNamesItsTensorsAndDtypes) {
+  for (const char* t : {"out", "lse", "dq", "dk", "dv"}) {
+    EXPECT_EQ(verify::tolerance(t, "fp32"), kFp32RelTol) << t;
+    EXPECT_EQ(verify::tolerance(t, "bf16"), std::string(t) == "lse" ? kFp32RelTol : kBf16GradRelTol)
+        << t;
+  }
+  for (const char* bad : {"dz", "", "OUT", "q"}) {
+    for (const char* dtype : {"fp32", "bf16"}) {
+      try {
+        verify::tolerance(bad, dtype);
+        ADD_FAILURE() << bad << " accepted";
+      } catch (const InvalidArgument& e) {
+        EXPECT_EQ(std::string(e.what()),
+                  "unknown tensor '" + std::string(bad) + "' (choose out, lse, dq, dk or dv)");
+      }
+    }
+  }
+  EXPECT_THROW(verify::tolerance("out", "fp16"), InvalidArgument);
+}
+
 TEST(Verify, AbsentTensorsAreReported) {
   const RingInputs in = inputs(40, 2, 2, 8, true, 32);
   const verify::Candidate c = out_only(ring(in, "zigzag", 2, {}, false).out);

@@ -53,15 +53,17 @@ struct Sequence {
   int64_t predicted() const;         // targets >= 0
 };
 
-// The window of `seq` + 1 bytes at `offset` of the split. Precondition: offset + seq + 1 <=
-// split.size().
+// The window of `seq` + 1 bytes at `offset` of the split. Requires seq >= 1, offset >= 0 and
+// offset + seq + 1 <= split.size(); InvalidArgument naming the values otherwise.
 Sequence make_sequence(const Split& split, int64_t offset, int64_t seq, bool pack_documents);
 
-// Offset of training sequence `index` of step `step` (uniform over the valid starts).
+// Offset of training sequence `index` of step `step` (uniform over the valid starts). Requires
+// 1 <= seq <= split.size() - 1 (at least one window); InvalidArgument otherwise.
 int64_t train_offset(const Split& split, int64_t seq, uint64_t seed, int64_t step, int64_t index);
 // Offsets of the `count` validation windows: evenly spaced over the split, fixed for a run,
 // without repeats; at most the split's size - seq distinct windows (a larger count gives them
-// all, each once).
+// all, each once; none when seq >= the split's size or count <= 0). Requires seq >= 1
+// (InvalidArgument).
 std::vector<int64_t> val_offsets(const Split& split, int64_t seq, int64_t count);
 
 }  // namespace loom::model

@@ -48,7 +48,7 @@ Precision parse_precision(const std::string& name);  // "fp32" | "bf16", else In
 std::string to_string(Precision p);
 
 struct ModelConfig {
-  int64_t vocab = 256;
+  int64_t vocab = 256;  // byte-level: must be 256 (validate)
   int64_t layers = 2;
   int64_t dim = 64;
   int64_t heads = 4;
@@ -69,9 +69,10 @@ struct ParallelConfig {
   int threads = 1;  // OpenMP threads of the attention kernels on this rank
 };
 
-// Checks a model and mesh together; InvalidArgument naming the values (heads % kv_heads,
-// dim % heads, head_dim even, heads and kv_heads divisible by tp, ffn by tp, ulysses/hybrid head
-// rules, mesh product == world when world > 0, ...).
+// Checks a model and mesh together; InvalidArgument naming the values (vocab == 256, norm_eps and
+// rope_theta finite and > 0, heads % kv_heads, dim % heads, head_dim even, heads and kv_heads
+// divisible by tp, ffn by tp, ulysses/hybrid head rules, mesh product == world when world > 0,
+// ...).
 void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t seq);
 // loom train's strategy when none is named: hybrid when ulysses and ring > 1, ulysses when only
 // ulysses > 1, else ring.
