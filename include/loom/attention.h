@@ -81,11 +81,17 @@ inline constexpr int kMaxKernelThreads = 1024;
 // Every kernel entry point checks these (InvalidArgument naming the value).
 struct KernelConfig {
   Mask mask;
-  float scale = 0.0f;  // softmax scale; must be set (usually 1/sqrt(D)), 0 < scale <= 2.35e38
+  float scale = 0.0f;  // softmax scale; must be set (usually 1/sqrt(D)): float32's smallest
+                       // normal 1.18e-38 <= scale <= 2.35e38
   int threads = 0;     // OpenMP threads for this call, in [0, kMaxKernelThreads]; 0: OpenMP default
   int64_t block_q = 64;  // tile rows (queries), in [1, kMaxBlock]
   int64_t block_k = 64;  // tile columns (keys), in [1, kMaxBlock]
 };
+
+// The checks every kernel entry point makes of cfg (mask window >= 0, scale, threads, blocks),
+// for callers that hold a config before any call (CpAttention's constructor). InvalidArgument
+// naming the value.
+void check_kernel_config(const KernelConfig& cfg);
 
 // What one kernel call did. A tile is a block_q x block_k block of (query, key) pairs for one
 // query head; it is empty (skipped), full (no mask work) or partial.

@@ -102,6 +102,14 @@ struct ShardPlan {
 
   static ShardPlan make(Layout layout, int64_t seq, int ranks,
                         const std::vector<int64_t>& doc_lengths = {});
+  // The fields are public; a plan built by hand must hold what make() guarantees, and check()
+  // throws InvalidArgument naming the first thing that breaks it: every token of [0, seq) on
+  // exactly one rank; docs[r] empty without doc_lengths, else each row's document; segments
+  // that cover each rank's rows in order, each of ascending tokens of one document (the
+  // strategies find empty block pairs from a segment's first and last token). CpAttention's
+  // constructor and gather_rows call it (a token past seq overflowed the heap; tokens out of
+  // order gave wrong attention; a plan without segments gave zeros).
+  void check() const;
   // rows, token_info, shard and unshard take a rank r in [0, ranks) and throw InvalidArgument
   // naming r and ranks otherwise (rows: one comparison; no accessor is on a per-element path).
   int64_t rows(int r) const {
@@ -111,9 +119,10 @@ struct ShardPlan {
   int64_t max_rows() const;
   // Token metadata of rank r's rows (positions = global token indices).
   Tokens token_info(int r) const;
-  // Copies rank r's rows out of a global [S, *, *] tensor.
+  // Copies rank r's rows out of a global [S, *, *] tensor (InvalidArgument for a row whose token
+  // is outside [0, seq)).
   Tensor<float> shard(const Tensor<float>& global, int r) const;
-  // Writes rank r's rows of `local` into their places in `global`.
+  // Writes rank r's rows of `local` into their places in `global` (the same check).
   void unshard(const Tensor<float>& local, int r, Tensor<float>& global) const;
 
  private:
@@ -122,6 +131,7 @@ struct ShardPlan {
     if (r < 0 || r >= ranks || static_cast<size_t>(r) >= tokens.size()) rank_error(r, what);
   }
   [[noreturn]] void rank_error(int r, const char* what) const;
+  void check_token(int r, int64_t i) const;  // tokens[r][i] in [0, seq), else InvalidArgument
 };
 
 // The document lengths of a sequence of `seq` tokens, checked (each >= 1, an int64 sum without

@@ -2,7 +2,11 @@
 //
 // Tensor<T> owns a contiguous row-major buffer of up to 4 dimensions. View3<T> is a non-owning
 // window over an [S, H, D] array whose innermost (D) stride is 1 and whose S and H strides are
-// free, so a range of rows or a range of heads of a larger tensor is a view without a copy.
+// the caller's, so a range of rows or a range of heads of a larger tensor is a view without a
+// copy. The kernels and CpAttention take rows laid out one after another (S-major): head stride
+// hs >= D and row stride ss >= H x D; an output's rows must also not overlap (ss >= (H - 1) x hs
+// + D), and CpAttention's outputs must not share memory with its inputs. A head-major [H, S, D]
+// buffer (ss = D, hs = S x D) is refused: copy it to [S, H, D] first.
 // Views never outlive the storage they point into (the caller's duty). Neither type is
 // internally synchronised: concurrent writes to one tensor need outside coordination.
 #pragma once

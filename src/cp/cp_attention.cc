@@ -3,6 +3,7 @@
 // every call with the recorder (bytes, communication window).
 #include <algorithm>
 #include <memory>
+#include <vector>
 
 #include "engine.h"
 #include "strategies/strategy.h"
@@ -35,6 +36,51 @@ void check_view(const char* name, View3<const T> x, int64_t rows, int64_t heads,
                   << x.d << " = " << x.h * x.d);
 }
 
+// An output's rows and heads must not share memory: with head stride 2D and row stride H x D,
+// row i's head 1 was row i + 1's head 0, and the results overwrote each other silently.
+template <class T>
+void check_output_view(const char* name, View3<T> x) {
+  LOOM_CHECK(x.s <= 1 || x.h <= 1 || x.ss >= (x.h - 1) * x.hs + x.d, InvalidArgument,
+             name << ": row stride " << x.ss << " is smaller than (heads - 1) x head stride + head "
+                  << "dim = " << (x.h - 1) * x.hs + x.d << ": its rows would overlap");
+}
+
+// The bytes a view spans ([begin, end); empty for an empty view).
+struct Span {
+  const char* begin = nullptr;
+  const char* end = nullptr;
+  const char* name = "";
+};
+template <class T>
+Span span_of(const char* name, View3<T> x) {
+  if (x.s == 0 || x.h == 0 || x.d == 0) return Span{nullptr, nullptr, name};
+  const char* b = reinterpret_cast<const char*>(x.data);
+  return Span{b, b + ((x.s - 1) * x.ss + (x.h - 1) * x.hs + x.d) * int64_t(sizeof(T)), name};
+}
+Span span_of(const char* name, const float* p, int64_t count) {
+  const char* b = reinterpret_cast<const char*>(p);
+  return count > 0 && p ? Span{b, b + count * int64_t(sizeof(float)), name}
+                        : Span{nullptr, nullptr, name};
+}
+
+// No output may share memory with an input or another output: dq sharing dout's buffer gave
+// wrong gradients in ring, allgather and ring2d (dq is zeroed before dout is read).
+void check_no_overlap(const std::vector<Span>& outputs, const std::vector<Span>& inputs) {
+  const auto overlap = [](const Span& a, const Span& b) {
+    return a.begin && b.begin && a.begin < b.end && b.begin < a.end;
+  };
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (const Span& in : inputs)
+      LOOM_CHECK(!overlap(outputs[i], in), InvalidArgument,
+                 outputs[i].name << " shares memory with " << in.name
+                                 << ": outputs must not overlap inputs");
+    for (size_t j = i + 1; j < outputs.size(); ++j)
+      LOOM_CHECK(!overlap(outputs[i], outputs[j]), InvalidArgument,
+                 outputs[i].name << " shares memory with " << outputs[j].name
+                                 << ": outputs must not overlap each other");
+  }
+}
+
 }  // namespace
 
 CpAttention::CpAttention(Communicator& cp, const ShardPlan& plan, const CpConfig& cfg,
@@ -51,19 +97,15 @@ CpAttention::CpAttention(const CpGroups& groups, const ShardPlan& plan, const Cp
   LOOM_CHECK(heads >= 1 && kv_heads >= 1 && head_dim >= 1, InvalidArgument,
              "heads, kv-heads and head-dim must be positive (got " << heads << ", " << kv_heads
                                                                    << ", " << head_dim << ")");
+  LOOM_CHECK(
+      head_dim <= kMaxHeadDim, InvalidArgument,
+      "head-dim must be at most " << kMaxHeadDim << " (the kernels' limit), got " << head_dim);
   LOOM_CHECK(plan.ranks == P, InvalidArgument,
              "the shard plan is for " << plan.ranks << " ranks but the group has " << P);
-  LOOM_CHECK(cfg.kernel.scale > 0, InvalidArgument, "softmax scale must be positive");
-  LOOM_CHECK(cfg.kernel.mask.window >= 0, InvalidArgument,
-             "window must be >= 0 (0 = unlimited), got " << cfg.kernel.mask.window);
-  LOOM_CHECK(cfg.kernel.threads >= 0 && cfg.kernel.threads <= kMaxKernelThreads, InvalidArgument,
-             "threads must be in [0, " << kMaxKernelThreads << "] (0: the OpenMP default), got "
-                                       << cfg.kernel.threads);
-  LOOM_CHECK(cfg.kernel.block_q >= 1 && cfg.kernel.block_q <= kMaxBlock &&
-                 cfg.kernel.block_k >= 1 && cfg.kernel.block_k <= kMaxBlock,
-             InvalidArgument,
-             "block_q and block_k must be in [1, " << kMaxBlock << "], got " << cfg.kernel.block_q
-                                                   << " and " << cfg.kernel.block_k);
+  plan.check();
+  // The kernels' own rules (scale from float32's smallest normal to 2.35e38, window, threads,
+  // blocks), here rather than at the first forward: the constructor accepted scale inf and 1e-42.
+  check_kernel_config(cfg.kernel);
   const CpShape shape = check_cp_config(cfg, P, heads, kv_heads);
   const cp_detail::StrategyEntry& entry = cp_detail::entry(cfg.strategy);
 
@@ -110,6 +152,9 @@ void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View
   check_view<T>("v", v, n, e.kv_heads, e.dim);
   check_view<T>("out", View3<const T>(out), n, e.heads, e.dim);
   LOOM_CHECK(lse != nullptr || n == 0, InvalidArgument, "lse must not be null");
+  check_output_view("out", out);
+  check_no_overlap({span_of("out", out), span_of("lse", lse, e.heads * n)},
+                   {span_of("q", q), span_of("k", k), span_of("v", v)});
   s.engine->rec.begin();
   s.strategy->forward(cp_detail::ForwardArgs<T>{q, k, v, out, lse});
   s.engine->rec.end();
@@ -130,6 +175,12 @@ void backward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, Vie
   check_view<float>("dk", View3<const float>(dk), n, e.kv_heads, e.dim);
   check_view<float>("dv", View3<const float>(dv), n, e.kv_heads, e.dim);
   LOOM_CHECK(lse != nullptr || n == 0, InvalidArgument, "lse must not be null");
+  check_output_view("dq", dq);
+  check_output_view("dk", dk);
+  check_output_view("dv", dv);
+  check_no_overlap({span_of("dq", dq), span_of("dk", dk), span_of("dv", dv)},
+                   {span_of("q", q), span_of("k", k), span_of("v", v), span_of("out", out),
+                    span_of("dout", dout), span_of("lse", lse, e.heads * n)});
   s.engine->rec.begin();
   s.strategy->backward(cp_detail::BackwardArgs<T>{q, k, v, out, dout, lse, dq, dk, dv});
   s.engine->rec.end();
@@ -164,6 +215,7 @@ Tensor<float> gather_rows(Communicator& cp, const ShardPlan& plan, const Tensor<
              "gather_rows: the shard plan is for " << plan.ranks << " ranks but the group has "
                                                    << cp.size());
   LOOM_CHECK(local.dim() == 3, InvalidArgument, "gather_rows needs a 3-d tensor");
+  plan.check();
   const int me = cp.rank();
   const int64_t w = local.size(1) * local.size(2), max_n = plan.max_rows();
   LOOM_CHECK_EQ(local.size(0), plan.rows(me), InvalidArgument, "gather_rows: local rows");

@@ -145,10 +145,80 @@ ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
   return p;
 }
 
+void ShardPlan::check() const {
+  LOOM_CHECK(ranks >= 1 && tokens.size() == static_cast<size_t>(ranks) &&
+                 docs.size() == tokens.size() && segments.size() == tokens.size(),
+             InvalidArgument,
+             "shard plan: " << ranks << " ranks but tokens, docs and segments for " << tokens.size()
+                            << ", " << docs.size() << " and " << segments.size());
+  LOOM_CHECK(
+      layout == Layout::contiguous || layout == Layout::zigzag || layout == Layout::stripe,
+      InvalidArgument,
+      "shard plan: layout must be contiguous, zigzag or stripe, got " << static_cast<int>(layout));
+  LOOM_CHECK(seq >= 0, InvalidArgument, "shard plan: seq must be >= 0, got " << seq);
+  // Document d spans [starts[d], starts[d + 1]).
+  std::vector<int64_t> starts{0};
+  for (int64_t l : checked_doc_lengths(seq, doc_lengths)) starts.push_back(starts.back() + l);
+  const auto doc_of = [&](int64_t t) {
+    return std::upper_bound(starts.begin(), starts.end(), t) - starts.begin() - 1;
+  };
+  std::vector<bool> seen(static_cast<size_t>(seq), false);
+  int64_t held = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const std::vector<int64_t>& t = tokens[r];
+    const int64_t n = static_cast<int64_t>(t.size());
+    LOOM_CHECK(doc_lengths.empty() ? docs[r].empty() : docs[r].size() == t.size(), InvalidArgument,
+               "shard plan: rank " << r << " has " << docs[r].size() << " document indices for "
+                                   << n << " rows (" << (doc_lengths.empty() ? "none" : "one each")
+                                   << " expected)");
+    for (int64_t i = 0; i < n; ++i) {
+      check_token(r, i);
+      LOOM_CHECK(!seen[static_cast<size_t>(t[i])], InvalidArgument,
+                 "shard plan: token " << t[i] << " is held twice (again by rank " << r << " row "
+                                      << i << ")");
+      seen[static_cast<size_t>(t[i])] = true;
+      LOOM_CHECK(docs[r].empty() || docs[r][i] == doc_of(t[i]), InvalidArgument,
+                 "shard plan: rank " << r << " row " << i << " says token " << t[i]
+                                     << " is in document " << docs[r][i] << ", but it is in "
+                                     << doc_of(t[i]));
+    }
+    held += n;
+    // Segments: consecutive runs of rows covering the shard in order, each of ascending tokens
+    // of one document (the strategies find empty block pairs from a segment's first and last).
+    int64_t next = 0;
+    for (const Segment& g : segments[r]) {
+      LOOM_CHECK(g.begin == next && g.count >= 1 && g.count <= n - g.begin, InvalidArgument,
+                 "shard plan: rank " << r << "'s segment [" << g.begin << ", +" << g.count
+                                     << ") does not continue its segments at row " << next
+                                     << " within its " << n << " rows");
+      for (int64_t i = g.begin + 1; i < g.begin + g.count; ++i)
+        LOOM_CHECK(t[i] > t[i - 1] && doc_of(t[i]) == doc_of(t[g.begin]), InvalidArgument,
+                   "shard plan: rank " << r << " row " << i << " (token " << t[i]
+                                       << ") does not follow row " << i - 1 << " (token "
+                                       << t[i - 1]
+                                       << ") in ascending order within one document, as a "
+                                          "segment must");
+      next = g.begin + g.count;
+    }
+    LOOM_CHECK(
+        next == n, InvalidArgument,
+        "shard plan: rank " << r << "'s segments cover " << next << " of its " << n << " rows");
+  }
+  LOOM_CHECK(held == seq, InvalidArgument,
+             "shard plan: the ranks hold " << held << " tokens of a sequence of " << seq);
+}
+
 int64_t ShardPlan::max_rows() const {
   int64_t m = 0;
   for (int r = 0; r < ranks; ++r) m = std::max(m, rows(r));
   return m;
+}
+
+void ShardPlan::check_token(int r, int64_t i) const {
+  const int64_t t = tokens[r][static_cast<size_t>(i)];
+  LOOM_CHECK(t >= 0 && t < seq, InvalidArgument,
+             "shard plan: rank " << r << " row " << i << " holds token " << t
+                                 << ", outside the sequence [0, " << seq << ")");
 }
 
 void ShardPlan::rank_error(int r, const char* what) const {
@@ -169,8 +239,10 @@ Tensor<float> ShardPlan::shard(const Tensor<float>& global, int r) const {
              "shard: expected a [" << seq << ", H, D] tensor, got " << shape_str(global.shape()));
   const int64_t w = global.size(1) * global.size(2);
   Tensor<float> out({rows(r), global.size(1), global.size(2)});
-  for (int64_t i = 0; i < rows(r); ++i)
+  for (int64_t i = 0; i < rows(r); ++i) {
+    check_token(r, i);
     std::copy_n(global.data() + tokens[r][i] * w, w, out.data() + i * w);
+  }
   return out;
 }
 
@@ -183,8 +255,10 @@ void ShardPlan::unshard(const Tensor<float>& local, int r, Tensor<float>& global
              "unshard: local " << shape_str(local.shape()) << " does not fit global "
                                << shape_str(global.shape()) << " for rank " << r);
   const int64_t w = local.size(1) * local.size(2);
-  for (int64_t i = 0; i < rows(r); ++i)
+  for (int64_t i = 0; i < rows(r); ++i) {
+    check_token(r, i);
     std::copy_n(local.data() + i * w, w, global.data() + tokens[r][i] * w);
+  }
 }
 
 }  // namespace loom

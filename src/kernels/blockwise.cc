@@ -1212,6 +1212,10 @@ void backward_task_bf16(const BackwardArgs<bf16>& a, const TransposedRows& tr, i
 
 }  // namespace
 
+void check_kernel_config(const KernelConfig& cfg) {
+  check_config(cfg);
+}
+
 // ---------------------------------------------------------------------------------------------
 // SoftmaxState
 

@@ -2,6 +2,8 @@
 // against the one-process fp64 reference; zigzag balance; clear errors for invalid head counts.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <functional>
 #include <mutex>
 
@@ -297,10 +299,19 @@ TEST(CpErrors, ViewStridesKernelCapsAndPlanSizeAreChecked) {
   expect_error(construct(c), "threads must be in [0, 1024]");
   c = cfg;
   c.kernel.block_k = int64_t{1} << 50;
-  expect_error(construct(c), "block_q and block_k must be in [1, 4096]");
+  expect_error(construct(c), "block_k must be in [1, 4096]");
   c = cfg;
   c.kernel.block_q = kMaxBlock + 1;
-  expect_error(construct(c), "block_q and block_k must be in [1, 4096]");
+  expect_error(construct(c), "block_q must be in [1, 4096]");
+  // The kernels' scale and head-dim rules at construction (inf, 1e-42 and head dim 300 were
+  // accepted there and refused only at the first forward).
+  for (float bad : {std::numeric_limits<float>::infinity(), 1e-42f, 3e38f}) {
+    c = cfg;
+    c.kernel.scale = bad;
+    expect_error(construct(c), "softmax scale must be");
+  }
+  expect_error([&](Communicator& w) { CpAttention att(w, plan, cfg, H, H, 300); },
+               "head-dim must be at most 256");
 
   // A plan for 3 ranks on a group of 2: rank 2's rows were silently zeros.
   const ShardPlan three = ShardPlan::make(Layout::contiguous, 6, 3);
@@ -310,6 +321,122 @@ TEST(CpErrors, ViewStridesKernelCapsAndPlanSizeAreChecked) {
         gather_rows(w, three, local);
       },
       "gather_rows: the shard plan is for 3 ranks but the group has 2");
+}
+
+// A ShardPlan's fields are public; a plan that is not what ShardPlan::make gives is refused, not
+// trusted: a token past seq overflowed the heap in shard, unshard and gather_rows, tokens out of
+// order inside a segment gave wrong attention, a plan without segments all zeros.
+TEST(CpErrors, HandBuiltPlansAreChecked) {
+  constexpr int P = 2;
+  constexpr int64_t S = 16, H = 2, D = 4;
+  const ShardPlan good = ShardPlan::make(Layout::zigzag, S, P, {5, 11});
+  // Every plan make() gives passes, with and without documents.
+  for (Layout l : {Layout::contiguous, Layout::zigzag, Layout::stripe})
+    for (int64_t seq = 1; seq <= 40; seq += 3)
+      for (int ranks = 1; ranks <= 5; ++ranks) {
+        EXPECT_NO_THROW(ShardPlan::make(l, seq, ranks).check()) << seq << " " << ranks;
+        if (seq >= 3) {
+          const std::vector<int64_t> docs = {1, seq / 3, seq - 1 - seq / 3};
+          EXPECT_NO_THROW(ShardPlan::make(l, seq, ranks, docs).check()) << seq << " " << ranks;
+        }
+      }
+  auto refused = [](const ShardPlan& p, const std::string& needle) {
+    try {
+      p.check();
+      ADD_FAILURE() << "accepted; expected '" << needle << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  ShardPlan p = good;
+  p.tokens[1][2] = S + 100;
+  refused(p, "rank 1 row 2 holds token 116, outside the sequence [0, 16)");
+  try {  // shard reads through the token: refused, not an out-of-bounds read
+    p.shard(Tensor<float>({S, H, D}, 1.0f), 1);
+    ADD_FAILURE() << "shard took token 116";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("outside the sequence [0, 16)"), std::string::npos)
+        << e.what();
+  }
+  p = good;
+  std::swap(p.tokens[0][0], p.tokens[0][1]);
+  refused(p, "does not follow row 0");
+  p = good;
+  p.segments[0].clear();
+  refused(p, "rank 0's segments cover 0 of its 8 rows");
+  p = good;
+  p.docs[1].pop_back();
+  refused(p, "rank 1 has 7 document indices for 8 rows");
+  p = good;
+  p.tokens.pop_back();
+  refused(p, "2 ranks but tokens, docs and segments for 1, 2 and 2");
+  p = good;
+  p.tokens[0].push_back(0);
+  refused(p, "rank 0 has 8 document indices for 9 rows");
+  p.docs[0].push_back(0);
+  refused(p, "token 0 is held twice");
+  // CpAttention's constructor checks its plan.
+  p = good;
+  std::swap(p.tokens[0][0], p.tokens[0][1]);  // one segment of two tokens
+  CpConfig cfg;
+  cfg.kernel.scale = 0.5f;
+  try {
+    run_local(P, [&](Communicator& w) { CpAttention att(w, p, cfg, H, H, D); });
+    ADD_FAILURE() << "CpAttention took a plan with tokens out of order";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("does not follow row 0"), std::string::npos) << e.what();
+  }
+}
+
+// Outputs must not share memory with inputs or with each other, and an output's rows must not
+// overlap: dq in dout's buffer gave wrong gradients in ring, allgather and ring2d (dq is zeroed
+// before dout is read); an output view with head stride 2D and row stride H x D wrote row i's
+// head 1 over row i + 1's head 0.
+TEST(CpErrors, OutputsMustNotOverlapInputsOrThemselves) {
+  constexpr int P = 2;
+  constexpr int64_t S = 16, H = 2, D = 4;
+  const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, P);
+  for (const Strategy strat :
+       {Strategy::ring, Strategy::allgather, Strategy::ring2d, Strategy::ulysses}) {
+    CpConfig cfg;
+    cfg.strategy = strat;
+    cfg.inner = 2;
+    cfg.kernel.scale = 0.5f;
+    cfg.kernel.threads = 1;
+    for (int bad = 0; bad < 5; ++bad) {
+      const std::string needle[5] = {
+          "dq shares memory with dout: outputs must not overlap inputs",
+          "dk shares memory with dv: outputs must not overlap each other",
+          "out shares memory with q: outputs must not overlap inputs",
+          "lse shares memory with k: outputs must not overlap inputs",
+          "out: row stride 8 is smaller than (heads - 1) x head stride + head dim = 12"};
+      try {
+        run_local(P, [&](Communicator& w) {
+          CpAttention att(w, plan, cfg, H, H, D);
+          const int64_t n = plan.rows(w.rank());
+          Tensor<float> q({n, H, D}, 0.25f), kv({n, H, D}, 0.5f), out({n, H, D});
+          Tensor<float> dout({n, H, D}, 1.0f), dq({n, H, D}), dk({n, H, D}), dv({n, H, D});
+          Tensor<float> wide({2 * n, H, D});
+          std::vector<float> lse(static_cast<size_t>(H * n));
+          View3<float> o = out.view3();
+          float* l = lse.data();
+          if (bad == 2) o = q.view3();
+          if (bad == 3) l = kv.data();
+          if (bad == 4) o = View3<float>{wide.data(), n, H, D, H * D, 2 * D};
+          att.forward(q.view3(), kv.view3(), kv.view3(), o, l);
+          View3<float> g = dq.view3(), gv = dv.view3();
+          if (bad == 0) g = View3<float>{dout.data(), n, H, D, H * D, D};
+          if (bad == 1) gv = dk.view3();
+          att.backward(q.view3(), kv.view3(), kv.view3(), out.view3(), dout.view3(), lse.data(), g,
+                       dk.view3(), gv);
+        });
+        ADD_FAILURE() << to_string(strat) << ": accepted; expected '" << needle[bad] << "'";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find(needle[bad]), std::string::npos)
+            << to_string(strat) << ": " << e.what();
+      }
+    }
+  }
 }
 
 // The registry is what parse_strategy, to_string and the help read: every entry round-trips,
