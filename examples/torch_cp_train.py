@@ -3,14 +3,24 @@ James Bible (data/kjv.txt, written by scripts/setup.sh), context-parallel over a
 group: every rank holds the zigzag shard of each sequence, loom's engine passes K and V between
 the ranks, and the gradients of the (replicated) weights are summed over the group.
 
-    /usr/bin/python3 -m loom.torchrun --nproc_per_node 4 examples/torch_cp_train.py
+    /usr/bin/python3 -m loom.torchrun --standalone --nproc_per_node 4 examples/torch_cp_train.py
 
-(loom.torchrun is torchrun with a work-around for Debian's Python 3.11; `torchrun` works where
-that bug is absent.) After the context-parallel run, rank 0 trains the same model, from the same
-initial weights on the same batches, on one process twice: with loom.torch.attention and with
-torch's own eager attention (matmul, mask, softmax, matmul), and checks the per-step losses:
-within 1e-5 relative of the first and 1e-4 of the second. Exit status 1 when they do not match.
-Run without a launcher (plain /usr/bin/python3) it trains on one process only.
+(loom.torchrun is torchrun with work-arounds for Debian's torch 1.13 on Python 3.11; `torchrun`
+works where those bugs are absent.) After the context-parallel run, rank 0 trains the same model,
+from the same initial weights on the same batches, on one process twice: with
+loom.torch.attention and with torch's own eager attention (matmul, mask, softmax, matmul), and
+checks
+  - at step 0, before any update: every layer's attention output and every parameter's gradient
+    (summed over the ranks), within 1e-5 norm-relative of the one-process loom.torch.attention
+    run and of the eager run (a per-step loss hides a wrong gradient: AdamW's steps hardly
+    depend on the gradient's scale, and a mean loss averages one rank's error away);
+  - every step's loss: within 1e-5 relative of the first run and 1e-4 of the second (eager
+    attention rounds differently, and ten steps of training let that grow).
+Exit status 1 when they do not match; 2, with one line, for a bad option. --no-check skips the
+reference runs and their checks.
+Run without a launcher (plain /usr/bin/python3) it trains on one process with
+loom.torch.attention, and checks that run against the eager one the same way (there is no
+context-parallel run to check then).
 """
 import argparse
 import math
@@ -23,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import loom
 import loom.torch as lt
 
 
@@ -42,8 +53,32 @@ def parse_args():
     p.add_argument("--layout", default="zigzag", help="contiguous, zigzag, stripe")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-check", action="store_true", help="skip the one-process references")
-    return p.parse_args()
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the reference runs and their checks (under a launcher: the "
+                        "one-process runs; without one: the eager run)")
+    args = p.parse_args()
+    for name in ("steps", "seq", "batch", "dim", "heads", "kv_heads", "layers"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.dim % args.heads:
+        fail(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
+    if args.heads % args.kv_heads:
+        fail(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.strategy not in lt.strategies():
+        fail(f"unknown --strategy {args.strategy!r} (choose {', '.join(lt.strategies())})")
+    if args.layout not in lt.layouts:
+        fail(f"unknown --layout {args.layout!r} (choose {', '.join(lt.layouts)})")
+    if not 0 < args.lr < math.inf:
+        fail(f"--lr must be a positive number, got {args.lr}")
+    return args
+
+
+def fail(message):
+    """One line on stderr (rank 0's only under a launcher: every rank checks the same arguments)
+    and exit status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"torch_cp_train: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 class Attention(nn.Module):
@@ -55,6 +90,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, kv_heads * self.d, bias=False)
         self.wo = nn.Linear(heads * self.d, dim, bias=False)
         self.mode, self.args = mode, args
+        self.record = None  # a list: forward appends its attention output (detached) to it
 
     def forward(self, x):  # x [B, S_local, C]
         b, s, _ = x.shape
@@ -75,6 +111,8 @@ class Attention(nn.Module):
             mask = torch.ones(s, s, dtype=torch.bool).tril()
             scores = scores.masked_fill(~mask, float("-inf"))
             o = (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2)
+        if self.record is not None:
+            self.record.append(o.detach().clone())
         return self.wo(o.reshape(b, s, self.h * self.d))
 
 
@@ -107,19 +145,36 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def batches(args):
-    """The same batches on every rank and in every run: byte windows at seeded offsets."""
-    data = torch.frombuffer(bytearray(open(args.data, "rb").read()), dtype=torch.uint8).long()
+def load_data(args):
+    """The training bytes as a 1-D int64 tensor; one clear line (SystemExit) when there are not
+    seq + 1 of them (a window is seq input bytes and the seq labels one byte later)."""
+    try:
+        with open(args.data, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        fail(f"cannot read --data {args.data}: {e.strerror} (scripts/setup.sh writes data/kjv.txt)")
+    if len(raw) < args.seq + 1:
+        fail(f"--seq {args.seq} needs at least {args.seq + 1} bytes of --data; {args.data} has "
+             f"{len(raw)}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
+
+def batches(args, data):
+    """The same batches on every rank and in every run: byte windows at seeded offsets (any start
+    from 0 to numel - seq - 1, both included: the labels end at the last byte)."""
     gen = torch.Generator().manual_seed(args.seed + 1)
     for _ in range(args.steps):
-        starts = torch.randint(0, data.numel() - args.seq - 1, (args.batch,), generator=gen)
+        starts = torch.randint(0, data.numel() - args.seq, (args.batch,), generator=gen)
         x = torch.stack([data[s:s + args.seq] for s in starts.tolist()])
         y = torch.stack([data[s + 1:s + args.seq + 1] for s in starts.tolist()])
         yield x, y
 
 
-def train(args, mode):
-    """Per-step losses (mean cross entropy over all B * S tokens)."""
+def train(args, mode, data):
+    """(per-step losses (mean cross entropy over all B * S tokens), step 0's tensors): step 0's
+    are, before the first update, every layer's attention output ("attention output of layer i",
+    [B, S, H, D], the whole sequence in order: a context-parallel run gathers its shards) and
+    every parameter's gradient (summed over the ranks)."""
     torch.manual_seed(args.seed)
     model = GPT(args, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -127,10 +182,12 @@ def train(args, mode):
     positions = torch.arange(args.seq).unsqueeze(0).expand(args.batch, -1).contiguous()
     if cp:
         positions = lt.shard(positions, layout=args.layout)
-    losses = []
-    for x, y in batches(args):
+    losses, first = [], {}
+    for step, (x, y) in enumerate(batches(args, data)):
         if cp:
             x, y = lt.shard(x, layout=args.layout), lt.shard(y, layout=args.layout)
+        for blk in model.blocks:
+            blk.attn.record = [] if step == 0 else None
         logits = model(x, positions)
         loss_sum = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), reduction="sum")
         loss = loss_sum / (args.batch * args.seq)
@@ -147,44 +204,124 @@ def train(args, mode):
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+        if step == 0:
+            for i, blk in enumerate(model.blocks):
+                (o,) = blk.attn.record
+                first[f"attention output of layer {i}"] = (
+                    lt.unshard(o, layout=args.layout) if cp else o)
+                blk.attn.record = None
+            for name, p in model.named_parameters():
+                first[f"gradient of {name}"] = p.grad.detach().clone()
         opt.step()
         losses.append(total.item())
-    return losses
+    return losses, first
+
+
+# Step 0's tensors, two runs: ||a - b|| / ||b|| (fp64 norms over the whole tensor) at most 1e-5.
+# Both runs compute one fp32 function of the same weights and bytes, in other summation orders
+# only (the engine's blocks and ranks, the sum of the ranks' gradients, eager's matmul and
+# softmax). 1e-5 is loom's fp32 tolerance for attention against its fp64 reference (kFp32RelTol
+# in tests/unit/tolerance.h, which torch's eager attention meets too), and the layers around
+# attention are the same ops on the same rows, so two right runs stay well inside it: they differ
+# by 1e-7 to 3e-7 in the attention outputs and at most 8e-7 in any gradient (ring, ulysses,
+# hybrid, allgather and ring2d, every layout, 2 to 4 ranks, fp32 rounding being 6e-8). Wrong
+# results are far outside it: 1 % noise on one rank's attention output gives 5e-3, 0.1 % 5e-4,
+# dk x 1.1 on every rank 1e-1 (on one rank 3e-2), 5 % noise on dq 2e-2, 1 % on dv 3e-3 -- while
+# the per-step losses missed all but one of those. The norm of the whole tensor, not each
+# element: an entry near zero (a cancellation) differs relatively by far more than its tensor
+# without anything being wrong.
+STEP0_REL_TOL = 1e-5
+
+
+def rel_diff(a, b):
+    a, b = a.double(), b.double()
+    ref = b.norm().item()
+    return (a - b).norm().item() / ref if ref > 0 else (0.0 if a.norm().item() == 0 else math.inf)
+
+
+def compare_step0(name, got, ref):
+    """Prints the worst attention output and the worst gradient of got vs ref; True if every
+    tensor is within STEP0_REL_TOL. A tensor that differs is named."""
+    ok = True
+    for kind in ("attention output", "gradient"):
+        keys = [k for k in ref if k.startswith(kind)]
+        diffs = {k: rel_diff(got[k], ref[k]) for k in keys}
+        worst = max(keys, key=lambda k: diffs[k])
+        bad = [k for k in keys if not diffs[k] <= STEP0_REL_TOL]
+        label = f"{kind}s" if kind == "gradient" else "attention outputs"
+        print(f"step 0, {label} ({len(keys)} tensors) vs {name}: max {diffs[worst]:.2e} "
+              f"({worst.split(' of ')[1]}), limit {STEP0_REL_TOL:.0e}: "
+              f"{'match' if not bad else 'MISMATCH'}")
+        for k in bad:
+            print(f"  MISMATCH {k}: {diffs[k]:.2e}")
+        ok = ok and not bad
+    return ok
+
+
+def compare_losses(losses, name, references):
+    """Prints the per-step losses of `losses` (column `name`) beside each reference run
+    ((column, difference column, losses, relative limit)) and their relative differences; True if
+    every step is within every limit."""
+    print(f"{'step':>4} {name:>14}" + "".join(f" {col:>14}" for col, _, _, _ in references)
+          + "".join(f" {rel:>12}" for _, rel, _, _ in references))
+    worst = [0.0] * len(references)
+    for i, a in enumerate(losses):
+        rels = [abs(a - ref[i]) / abs(ref[i]) for _, _, ref, _ in references]
+        worst = [max(w, r) for w, r in zip(worst, rels)]
+        print(f"{i:>4} {a:>14.8f}" + "".join(f" {ref[i]:>14.8f}" for _, _, ref, _ in references)
+              + "".join(f" {r:>12.2e}" for r in rels))
+    if not references:
+        return True
+    ok = all(w <= limit for w, (_, _, _, limit) in zip(worst, references))
+    print("max relative difference of the losses: "
+          + ", ".join(f"{w:.2e} vs {col} (limit {limit:.0e})"
+                      for w, (col, _, _, limit) in zip(worst, references))
+          + f": {'match' if ok else 'MISMATCH'}")
+    return ok
 
 
 def main():
     args = parse_args()
-    if not os.path.exists(args.data):
-        sys.exit(f"torch_cp_train: {args.data} not found (scripts/setup.sh writes data/kjv.txt)")
+    data = load_data(args)
     distributed = "WORLD_SIZE" in os.environ
-    rank = 0
+    rank, ok = 0, True
     if distributed:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
-        t0 = time.time()
-        cp_losses = train(args, "cp")
-        cp_time = time.time() - t0
+    t0 = time.time()
+    if distributed:
+        try:
+            losses, first = train(args, "cp", data)
+        except loom.InvalidArgument as e:
+            # An option cp_attention refuses (--strategy, --layout, --ulysses, --inner): every
+            # rank raises the same error at once (the ranks check their arguments together).
+            fail(str(e))
         if rank == 0:
             print(f"context-parallel: {dist.get_world_size()} ranks, strategy {args.strategy}, "
-                  f"layout {args.layout}, S = {args.seq}, B = {args.batch}: {cp_time:.2f} s")
-    ok = True
-    if rank == 0 and (not args.no_check or not distributed):
-        loom_losses = train(args, "loom")
-        eager_losses = train(args, "eager")
-        print(f"{'step':>4} {'cp_attention':>14} {'attention(1p)':>14} {'eager(1p)':>14} "
-              f"{'rel vs 1p':>10} {'rel vs eager':>12}")
-        worst_l, worst_e = 0.0, 0.0
-        for i in range(args.steps):
-            a = cp_losses[i] if distributed else loom_losses[i]
-            rl = abs(a - loom_losses[i]) / abs(loom_losses[i])
-            re = abs(a - eager_losses[i]) / abs(eager_losses[i])
-            worst_l, worst_e = max(worst_l, rl), max(worst_e, re)
-            print(f"{i:>4} {a:>14.8f} {loom_losses[i]:>14.8f} {eager_losses[i]:>14.8f} "
-                  f"{rl:>10.2e} {re:>12.2e}")
-        ok = worst_l <= 1e-5 and worst_e <= 1e-4
-        print(f"max relative difference: {worst_l:.2e} vs loom.torch.attention on one process "
-              f"(limit 1e-5), {worst_e:.2e} vs torch eager attention (limit 1e-4): "
-              f"{'match' if ok else 'MISMATCH'}")
+                  f"layout {args.layout}, S = {args.seq}, B = {args.batch}: "
+                  f"{time.time() - t0:.2f} s")
+    else:
+        losses, first = train(args, "loom", data)
+        print(f"one process (no launcher, so no context-parallel run to check): "
+              f"loom.torch.attention, S = {args.seq}, B = {args.batch}: {time.time() - t0:.2f} s")
+    if rank == 0 and args.no_check:
+        print("--no-check: no reference runs")
+        compare_losses(losses, "cp_attention" if distributed else "attention(1p)", [])
+    elif rank == 0:
+        if distributed:
+            loom_losses, loom_first = train(args, "loom", data)
+            eager_losses, eager_first = train(args, "eager", data)
+            ok = compare_step0("loom.torch.attention on one process", first, loom_first)
+            ok = compare_step0("torch eager attention on one process", first, eager_first) and ok
+            ok = compare_losses(losses, "cp_attention",
+                                [("attention(1p)", "rel vs 1p", loom_losses, 1e-5),
+                                 ("eager(1p)", "rel vs eager", eager_losses, 1e-4)]) and ok
+        else:
+            eager_losses, eager_first = train(args, "eager", data)
+            ok = compare_step0("torch eager attention on one process", first, eager_first)
+            ok = compare_losses(losses, "attention(1p)",
+                                [("eager(1p)", "rel vs eager", eager_losses, 1e-4)]) and ok
+        print("every check matches" if ok else "MISMATCH: exit status 1")
     if distributed:
         flag = torch.tensor([0 if ok else 1])
         dist.broadcast(flag, 0)

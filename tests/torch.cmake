@@ -6,11 +6,15 @@
 #                      fp64 reference and an independent fp64 torch implementation (N = 3: fp32
 #                      only, to keep the time down; bf16 runs at 2 and 4)
 #   torch_torchrun     loom.torchrun's MASTER_PORT lies outside the ephemeral port range (torch's own
-#                      choice can be taken by any connection's source port before rank 0 binds it)
+#                      choice can be taken by any connection's source port before rank 0 binds it);
+#                      --redirects / --tee 0-3 and i:v,j:w parsed as torchrun documents (3 was
+#                      silently none on Python 3.11), bad values refused
 #   torch_kill         a worker SIGKILLed mid-call: the others raise within the timeout, the
 #                      launcher returns
-#   torch_example      examples/torch_cp_train.py at 4 processes: its per-step losses match one
-#                      process with loom.torch.attention (1e-5) and torch eager attention (1e-4)
+#   torch_example      examples/torch_cp_train.py at 4 processes: at step 0 its attention outputs
+#                      and every parameter gradient match one process with loom.torch.attention and
+#                      torch eager attention (1e-5 norm-relative; the losses alone missed dk x 1.1),
+#                      and its per-step losses (1e-5, 1e-4)
 if(LOOM_HAVE_TORCH)
   set(loom_torch_env PYTHONPATH=${CMAKE_BINARY_DIR}/python OMP_NUM_THREADS=1 LOOM_TIMEOUT_S=60)
   set(loom_torch_dir ${CMAKE_CURRENT_LIST_DIR}/torch)

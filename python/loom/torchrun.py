@@ -1,13 +1,16 @@
 """torchrun that works on Debian bookworm: /usr/bin/python3 -m loom.torchrun [torchrun args].
 
-Two fixes, then torch.distributed.run unchanged; the workers it starts are plain processes of the
+Three fixes, then torch.distributed.run unchanged; the workers it starts are plain processes of the
 given script.
 
 1. Debian's torch 1.13 with Python 3.11 crashes in torchrun before starting any worker
    ("AttributeError: 'NoneType' object has no attribute 'get'" in elastic/multiprocessing/api.py
-   to_map): iterating the Std flag enum no longer yields its zero member NONE on Python 3.11, so
-   the default `--redirects 0 --tee 0` parses to None. The wrapper teaches Std.from_str the zero
-   value. (Passing `--redirects 1 --tee 1` to the real torchrun is another work-around.)
+   to_map): iterating the Std flag enum yields only its one-bit members OUT and ERR on Python
+   3.11, neither NONE (0) nor ALL (3), so the default `--redirects 0 --tee 0` parses to None, and
+   so does 3. The wrapper parses `--redirects` and `--tee` itself (std_from_str): 0 none, 1
+   stdout, 2 stderr, 3 both, for every local rank or per local rank as `i:v,j:w` (`0:3,1:1`;
+   ranks not named get 0), as torchrun documents; anything else, a local rank named twice or one
+   at or above --nproc_per_node is refused with one line before any worker starts.
 
 2. With a c10d rendezvous (`--standalone`, or `--rdzv_backend c10d`) the agent picks the workers'
    MASTER_PORT by binding port 0, reads the port the kernel gave, closes the socket, and rank 0
@@ -26,6 +29,7 @@ given script.
    with a fresh rendezvous id: what --standalone means, one job on one node.
 """
 import random
+import re
 import socket
 import sys
 import uuid
@@ -80,18 +84,50 @@ def socket_with_port_outside_ephemeral_range():
                        f"{low}-{high}")
 
 
+_STD_VALUE = re.compile(r"[0-3]")
+_STD_MAP = re.compile(r"\d+:[0-3](,\d+:[0-3])*")
+
+
+def std_from_str(vm):
+    """torchrun's --redirects / --tee value as Std.from_str documents it, on every Python: "0"
+    NONE, "1" OUT, "2" ERR, "3" ALL, or "i:v,j:w" -> {i: Std(v), j: Std(w)} per local rank.
+    ValueError, with the accepted forms, for anything else (a local rank named twice too)."""
+    text = vm.strip() if isinstance(vm, str) else ""
+    if _STD_VALUE.fullmatch(text):
+        return _api.Std(int(text))
+    if _STD_MAP.fullmatch(text):
+        result = {}
+        for item in text.split(","):
+            rank, value = (int(x) for x in item.split(":"))
+            if rank in result:
+                raise ValueError(f"{vm!r} names local rank {rank} twice")
+            result[rank] = _api.Std(value)
+        return result
+    raise ValueError(f"{vm!r} is not 0 (none), 1 (stdout), 2 (stderr), 3 (both) or a list of "
+                     f"local_rank:value (e.g. 0:3,1:1)")
+
+
+def check_std_args(args):
+    """--redirects and --tee (or PET_REDIRECTS / PET_TEE) as std_from_str takes them, and no local
+    rank beyond --nproc_per_node (torch ignored it without a word); SystemExit with one line
+    naming the option otherwise."""
+    nproc = str(getattr(args, "nproc_per_node", ""))
+    for name in ("redirects", "tee"):
+        value = getattr(args, name)
+        try:
+            parsed = std_from_str(value)
+        except ValueError as e:
+            raise SystemExit(f"loom.torchrun: --{name}: {e}") from None
+        if isinstance(parsed, dict) and nproc.isdigit():
+            beyond = sorted(r for r in parsed if r >= int(nproc))
+            if beyond:
+                raise SystemExit(f"loom.torchrun: --{name} {value}: local rank {beyond[0]} does "
+                                 f"not exist (--nproc_per_node {nproc}: local ranks 0 to "
+                                 f"{int(nproc) - 1})")
+
+
 def _patch():
-    original = _api.Std.from_str
-
-    def from_str(vm):
-        if isinstance(vm, str) and vm.strip() == "0":
-            return _api.Std.NONE
-        result = original(vm)
-        if isinstance(result, dict):
-            return {k: (_api.Std.NONE if v is None else v) for k, v in result.items()}
-        return _api.Std.NONE if result is None else result
-
-    _api.Std.from_str = staticmethod(from_str)
+    _api.Std.from_str = staticmethod(std_from_str)
     # SimpleElasticAgent._set_master_addr_port looks the function up in its module at call time.
     _agent_api._get_socket_with_port = socket_with_port_outside_ephemeral_range
 
@@ -114,6 +150,7 @@ def standalone_args(args):
 def main(argv=None):
     _patch()
     args = _run.parse_args(argv if argv is not None else sys.argv[1:])
+    check_std_args(args)
     _run.run(standalone_args(args))
 
 

@@ -343,6 +343,23 @@ expect_error(E, "lse has shape [2, 4, 1]; pass one sequence ([H, S] or [1, H, S]
 check(lt.verify(o4, q4.detach(), k4.detach(), v4.detach(), lse=l4)["passed"], "verify takes attention()'s bshd lse")
 expect_error(E, "shard needs a process group", lambda: lt.shard(q))
 expect_error(E, "set_timeout needs a process group", lambda: lt.set_timeout(3))
+# set_timeout takes what LOOM_TIMEOUT_S takes, 0.001 to 1e9 s (1e-12 and 5e-324 were taken),
+# checked before the group is looked for. A one-process gloo group (never registered with
+# torch.distributed) shows that the accepted values reach the engine unchanged.
+for bad in (1e-12, 5e-324, 0.000999, -1.0, 0, 1e9 * (1 + 1e-15), float("nan"), float("-inf")):
+    text = ("at least 0.001 seconds (as LOOM_TIMEOUT_S: from 0.001 to 1e9)" if 0 < bad < 1e-3
+            else "timeout must be a positive number of seconds, at most 1e9")
+    expect_error(E, f"{text}, got {bad!r}", lambda: lt.set_timeout(bad))
+for bad in (True, "3", None, torch.tensor(3.0)):
+    expect_error(E, "timeout must be a positive number of seconds, at most 1e9, got",
+                 lambda: lt.set_timeout(bad))
+one_rank = torch.distributed.ProcessGroupGloo(torch.distributed.HashStore(), 0, 1)
+for good in (0.001, 1, 2.5, 1e9):
+    lt.set_timeout(good, one_rank)
+    got = lt._group(one_rank).timeout_s
+    check(got == good, f"set_timeout({good!r}) sets timeout_s {got!r}")
+expect_error(E, "got 1e-12", lambda: lt.set_timeout(1e-12, one_rank))
+check(lt._group(one_rank).timeout_s == 1e9, "a refused timeout leaves the group's timeout as it was")
 
 print(f"test_single: {check.count} checks, {len(check.failures)} failures", flush=True)
 sys.exit(1 if check.failures else 0)

@@ -1,4 +1,11 @@
-"""loom.torchrun's port choice: the workers' MASTER_PORT that torchrun's agent publishes lies
+"""loom.torchrun's --redirects / --tee, and its port choice.
+
+--redirects and --tee take 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank i:v,j:w,
+as torchrun documents; torch's own parse gives None for 0 and 3 on Python 3.11 (iterating the
+Std flag enum yields only OUT and ERR), and 3 became NONE without a word. Anything else is refused
+with one line before any worker starts.
+
+The workers' MASTER_PORT that torchrun's agent publishes lies
 outside the kernel's ephemeral port range once loom.torchrun has patched it (torch's own choice
 lies inside it, where any outgoing connection's source port can take it before rank 0 binds it:
 the "errno: 98 - Address already in use" that once failed torch_cp_np3).
@@ -50,6 +57,29 @@ stock = [published_port() for _ in range(10)]
 check(all(low <= p <= high for p in stock), f"torch's own ports {stock} lie in {low}-{high}")
 
 lr._patch()
+Std = lr._api.Std
+for text, want in (("0", Std.NONE), ("1", Std.OUT), ("2", Std.ERR), ("3", Std.ALL),
+                   ("0:3,1:1", {0: Std.ALL, 1: Std.OUT}), ("1:0,0:2", {1: Std.NONE, 0: Std.ERR}),
+                   ("12:3", {12: Std.ALL})):
+    got = Std.from_str(text)
+    check(got == want and type(got) is type(want), f"Std.from_str({text!r}) = {got!r}, want {want!r}")
+for text in ("4", "", "-1", "0:4", "0:3,", "a", "0:3,0:1", "1,2"):
+    try:
+        Std.from_str(text)
+        check(False, f"Std.from_str({text!r}) refused")
+    except ValueError as e:
+        check(repr(text) in str(e) and ("twice" in str(e) or "3 (both)" in str(e)),
+              f"Std.from_str({text!r}): clear error ({e})")
+for argv, want in ((["--redirects", "0:1,1:3"], None), (["--tee", "3"], None),
+                   (["--redirects", "5"], "loom.torchrun: --redirects: '5' is not 0 (none)"),
+                   (["--tee", "0:3,2:1"], "loom.torchrun: --tee 0:3,2:1: local rank 2 does not "
+                                          "exist (--nproc_per_node 2: local ranks 0 to 1)")):
+    try:
+        lr.check_std_args(lr._run.parse_args(["--nproc_per_node", "2"] + argv + ["x.py"]))
+        check(want is None, f"{argv} refused")
+    except SystemExit as e:
+        check(want is not None and str(e.code).startswith(want), f"{argv}: {e.code}")
+
 ports = [published_port() for _ in range(100)]
 outside = [p for p in ports if not low <= p <= high]
 check(len(outside) == len(ports),
@@ -114,6 +144,36 @@ with tempfile.TemporaryDirectory() as d:
     rc = [p.wait(timeout=50) for p in (first, second)]
     err = second.stderr.read().decode(errors="replace")
     check(rc == [0, 0], f"two --standalone jobs at once: exit codes {rc}; second: {err[-300:]}")
+
+# A real job: --redirects 3 sends both streams of every rank to its log files (it sent neither).
+# Refused values end the launcher with one line before any worker starts.
+with tempfile.TemporaryDirectory() as d:
+    worker = os.path.join(d, "w.py")
+    with open(worker, "w") as f:
+        f.write("import os, sys\nprint('out of', os.environ['RANK'])\n"
+                "print('err of', os.environ['RANK'], file=sys.stderr)\n")
+    logs = os.path.join(d, "logs")
+    launch = [sys.executable, "-m", "loom.torchrun", "--standalone", "--nproc_per_node", "2"]
+    run = subprocess.run(launch + ["--redirects", "3", "--log_dir", logs, worker],
+                         capture_output=True, text=True, timeout=50)
+    check(run.returncode == 0, f"--redirects 3: exit {run.returncode}: {run.stderr[-300:]}")
+    check("out of" not in run.stdout + run.stderr and "err of" not in run.stdout + run.stderr,
+          "--redirects 3: nothing of the workers on the console")
+    found = {}
+    for root, _, files in os.walk(logs):
+        for name in files:
+            with open(os.path.join(root, name)) as f:
+                found[(os.path.basename(root), name)] = f.read()
+    for rank in (0, 1):
+        for name, text in (("stdout.log", f"out of {rank}\n"), ("stderr.log", f"err of {rank}\n")):
+            got = found.get((str(rank), name))
+            check(got == text, f"--redirects 3: local rank {rank}'s {name} is {got!r}, want {text!r}")
+    run = subprocess.run(launch + ["--redirects", "4", worker], capture_output=True, text=True,
+                         timeout=50)
+    lines = run.stderr.strip().splitlines()
+    check(run.returncode != 0 and len(lines) == 1 and lines[0].startswith(
+        "loom.torchrun: --redirects: '4' is not 0 (none), 1 (stdout), 2 (stderr), 3 (both)")
+        and "out of" not in run.stdout, f"--redirects 4: exit {run.returncode}, {run.stderr!r}")
 
 print(f"test_torchrun: {check.count} checks, {len(check.failures)} failed")
 sys.exit(1 if check.failures else 0)
