@@ -92,7 +92,7 @@ void check_output_set(const std::string& dir, const std::vector<std::string>& na
 class OutputSet {
  public:
   // dir: the directory the set replaces (a trailing '/' dropped, symlinks followed); names: every
-  // file name the set may hold. Throws
+  // file name the set may hold, each a plain name (InvalidArgument for '/', '.' or '..'). Throws
   // IoError when dir exists and is not a directory, holds other files, or the staging
   // directory cannot be made.
   OutputSet(const std::string& dir, std::vector<std::string> names);

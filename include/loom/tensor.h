@@ -59,9 +59,11 @@ template <class T>
 class Tensor {
  public:
   Tensor() = default;
-  // Throws InvalidArgument for a negative dimension or an element count beyond int64, and
-  // OutOfMemory (naming the shape and size) when the allocation fails.
+  // Throws InvalidArgument for more than 4 dimensions, a negative dimension or an element count
+  // beyond int64, and OutOfMemory (naming the shape and size) when the allocation fails.
   explicit Tensor(std::vector<int64_t> shape, T fill = T{}) : shape_(std::move(shape)) {
+    LOOM_CHECK(shape_.size() <= 4, InvalidArgument,
+               "a tensor has at most 4 dimensions, got " << shape_str(shape_));
     int64_t n = 1;
     for (int64_t x : shape_) {
       LOOM_CHECK(x >= 0, InvalidArgument, "tensor dimension must be >= 0, got " << x);
@@ -80,7 +82,12 @@ class Tensor {
 
   const std::vector<int64_t>& shape() const { return shape_; }
   int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
-  int64_t size(int64_t i) const { return shape_.at(static_cast<size_t>(i)); }
+  // Dimension i in [0, dim()); InvalidArgument otherwise (it was std::out_of_range).
+  int64_t size(int64_t i) const {
+    LOOM_CHECK(i >= 0 && i < dim(), InvalidArgument,
+               "dimension " << i << " of a " << dim() << "-d tensor " << shape_str(shape_));
+    return shape_[static_cast<size_t>(i)];
+  }
   int64_t numel() const { return static_cast<int64_t>(data_.size()); }
   T* data() { return data_.data(); }
   const T* data() const { return data_.data(); }

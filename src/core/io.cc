@@ -404,6 +404,12 @@ OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names)
     : names_(std::move(names)) {
   LOOM_CHECK(!dir.empty() && dir != "-", InvalidArgument,
              "an output directory must be a directory path, got '" << dir << "'");
+  // A name is a plain file name of the set: "../escape.npy" wrote outside DIR.
+  for (const std::string& n : names_)
+    LOOM_CHECK(!n.empty() && n != "." && n != ".." && n.find('/') == std::string::npos &&
+                   n.find('\0') == std::string::npos,
+               InvalidArgument,
+               "OutputSet: '" << n << "' is not a plain file name (no '/', '.' or '..')");
   dir_ = resolve(dir, true);
   check_output_set(dir, names_);
   clean_stale_temps(dir_, names_);

@@ -149,6 +149,8 @@ std::vector<int64_t> parse_shape(const std::string& text, const std::string& wha
     }
     if (p < text.size() - 1 && text[p] == 'L') ++p;  // Python 2 long suffix
     shape.push_back(v);
+    // loom's tensors have at most 4 dimensions (loom/tensor.h).
+    if (shape.size() > 4) fail(what, "shape " + text + " has more than 4 dimensions");
   }
   return shape;
 }

@@ -267,6 +267,11 @@ TEST_F(Npy, RefusesMalformed) {
   expect_io_error(image("{'descr': '<f4', 'fortran_order': False}", f4x2), "'shape'");
   expect_io_error(image("{'descr': '<f4', 'fortran_order': False, 'shape': (a,), }", f4x2),
                   "malformed shape");
+  // loom's tensors have at most 4 dimensions: a 5-d array is the file's error (IoError), not a
+  // tensor's (the fuzzer found the InvalidArgument escaping parse_npy).
+  expect_io_error(
+      image("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1, 1, 1, 2), }", f4x2),
+      "has more than 4 dimensions");
   // The dict read strictly, as numpy does: two 'fortran_order' entries were read by the first
   // (numpy takes the last: a Fortran array read as C order), two 'shape's likewise, and unknown
   // keys, text after the '}' and a quoted 'False' were accepted.
@@ -662,6 +667,11 @@ TEST_F(Io, OutputSetNamesAreCheckedBeforeTheRun) {
   EXPECT_NO_THROW(check_output_set(at("set"), names));
   write_output(at("file"), "x");
   EXPECT_THROW(check_output_set(at("file"), names), IoError);
+  // A name is a plain file name of the set: "../escape.npy" was written outside it.
+  for (const std::string bad : {"../escape.npy", "sub/a.npy", "..", ".", ""}) {
+    EXPECT_THROW(OutputSet(at("set2"), {"a.npy", bad}), InvalidArgument) << bad;
+    EXPECT_FALSE(fs::exists(at("escape.npy")));
+  }
 }
 
 // access() says yes to root on /proc and /sys, and the run went ahead and failed at the write;
@@ -949,6 +959,31 @@ TEST(TensorTest, OverflowingShapesAndFailedAllocationsAreNamed) {
   } catch (const OutOfMemory& e) {
     EXPECT_NE(std::string(e.what()).find("[1073741824, 1073741824]"), std::string::npos)
         << e.what();
+  }
+}
+
+// tensor.h's contract: at most 4 dimensions (a 5-d shape was taken), and size(i) outside the
+// dimensions is a loom error naming it (it was std::out_of_range).
+TEST(TensorTest, DimensionsAreCheckedAsTheHeaderSays) {
+  EXPECT_NO_THROW(Tensor<float>({1, 2, 3, 4}));
+  try {
+    Tensor<float> t({1, 1, 1, 1, 1});
+    ADD_FAILURE() << "a 5-d tensor was made";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("at most 4 dimensions, got [1, 1, 1, 1, 1]"),
+              std::string::npos)
+        << e.what();
+  }
+  const Tensor<float> t({2, 3});
+  EXPECT_EQ(t.size(1), 3);
+  for (int64_t bad : {int64_t{-1}, int64_t{2}, int64_t{5}}) {
+    try {
+      (void)t.size(bad);
+      ADD_FAILURE() << "size(" << bad << ")";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("of a 2-d tensor [2, 3]"), std::string::npos)
+          << e.what();
+    }
   }
 }
 
