@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -223,18 +224,30 @@ void write_output(const std::string& path, const std::string& bytes) {
 
 namespace {
 
-// Removes dir if every entry in it is a regular file named in names (an output set's staging
-// directory, or the old set swapped out of it): those files, then the directory. Anything else
-// (a subdirectory, a link, a FIFO, another name: not loom's) leaves dir and all of it in place.
-// Never throws.
+// Whether `entry` is `name` or a write_atomic temporary of it ("<name>.tmp.<pid>-<n>").
+bool is_file_or_its_temp(const std::string& entry, const std::string& name) {
+  if (entry == name) return true;
+  const std::string prefix = temp_stem(name) + ".tmp.";
+  if (entry.compare(0, prefix.size(), prefix) != 0 || entry.size() == prefix.size()) return false;
+  for (size_t i = prefix.size(); i < entry.size(); ++i)
+    if (!std::isdigit(static_cast<unsigned char>(entry[i])) && entry[i] != '-') return false;
+  return true;
+}
+
+// Removes dir if every entry in it is a regular file named in names, or a temporary of one (an
+// output set's staging directory, or the old set swapped out of it; a kill while a file of the
+// set was being written left that file's temporary there, and the directory was then kept for
+// ever): those files, then the directory. Anything else (a subdirectory, a link, a FIFO,
+// another name: not loom's) leaves dir and all of it in place. Never throws.
 void remove_set_directory(const std::string& dir, const std::vector<std::string>& names) {
   std::error_code ec;
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (std::find(names.begin(), names.end(), name) == names.end() ||
-        e.symlink_status(ec).type() != fs::file_type::regular)
-      return;
+    const std::string entry = e.path().filename().string();
+    const bool ours = std::any_of(names.begin(), names.end(), [&](const std::string& n) {
+      return is_file_or_its_temp(entry, n);
+    });
+    if (!ours || e.symlink_status(ec).type() != fs::file_type::regular) return;
     files.push_back(e.path());
   }
   if (ec) return;

@@ -533,12 +533,21 @@ TEST_F(Io, StaleTemporariesOfDeadProcessesAreRemoved) {
   write_output(stale, "partial");
   fs::create_directories(stale_dir);
   write_output(stale_dir + "/a.npy", "a staging directory's file");
+  // A kill while b.npy was being written leaves b.npy's own temporary in the staging directory
+  // (the directory was then kept for ever).
+  write_output(stale_dir + "/b.npy.tmp." + std::to_string(dead) + "-4", "half of b");
+  // Another name in a staging directory is not loom's: that directory stays.
+  const std::string foreign_dir = at("o.tmp." + std::to_string(dead) + "-5");
+  fs::create_directories(foreign_dir);
+  write_output(foreign_dir + "/a.npy", "a");
+  write_output(foreign_dir + "/b.npy.tmp.x", "not a temporary of loom's");
   write_output(live, "someone else's, still running");
   write_output(at("out.npy"), "complete");
   clean_stale_temps(at("out.npy"));
   clean_stale_temps(at("o"), {"a.npy", "b.npy"});
   EXPECT_FALSE(fs::exists(stale));
   EXPECT_FALSE(fs::exists(stale_dir));
+  EXPECT_TRUE(fs::exists(foreign_dir + "/b.npy.tmp.x"));
   EXPECT_TRUE(fs::exists(live));
   EXPECT_EQ(slurp(at("out.npy")), "complete");
 }
