@@ -18,6 +18,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
@@ -43,6 +44,9 @@ namespace {
 constexpr double kSpinS = 1.0;
 // More ranks on this node than cores (set once at initialisation).
 bool g_oversubscribed = false;
+// Set once a wait of this process has timed out or failed (any communicator): the job is then
+// failing, and a pending send's destructor does not wait for a peer that is gone or stopped.
+std::atomic<bool> g_comm_failed{false};
 
 std::mutex& mpi_mutex() {
   static std::mutex mu;
@@ -238,11 +242,13 @@ class MpiComm final : public Communicator {
         rc = MPI_Test(&request, &flag, &status);
       }
       if (rc != MPI_SUCCESS) {
+        g_comm_failed = true;
         throw CommError(describe() + " failed: " + mpi_error_text(rc), __FILE__, __LINE__);
       }
       if (flag) return;
       const double now = now_s();
       if (now >= deadline) {
+        g_comm_failed = true;
         std::ostringstream os;
         os << describe() << " timed out after " << timeout << " s";
         throw Timeout(os.str(), __FILE__, __LINE__);
@@ -422,6 +428,7 @@ bool MpiP2PWork::test() {
   }
   if (rc != MPI_SUCCESS) {
     done_ = true;  // a failed request is complete (and freed)
+    g_comm_failed = true;
     throw CommError(describe() + " failed: " + mpi_error_text(rc), __FILE__, __LINE__);
   }
   if (flag) finish(status);
@@ -446,9 +453,13 @@ MpiP2PWork::~MpiP2PWork() {
   if (done_) return;
   std::unique_lock<std::mutex> lock(mpi_mutex());
   if (mpi_finalized() || request_ == MPI_REQUEST_NULL) return;
-  // A receive can be cancelled; a send is given until the timeout to finish, then let go.
+  // A receive can be cancelled; a send is given until the timeout to finish, then let go. Once
+  // a wait of this process has timed out or failed, a send's peer is gone or stopped: it is let
+  // go at once (each pending send of a ring waited its own timeout while the error unwound, and
+  // a stopped rank was reported after 2 to 4 timeouts).
   if (!is_send_) MPI_Cancel(&request_);
-  const double start = now_s(), deadline = start + comm_.timeout_for(-1);
+  const double start = now_s();
+  const double deadline = start + (g_comm_failed ? 0.0 : comm_.timeout_for(-1));
   while (request_ != MPI_REQUEST_NULL) {
     int flag = 0;
     if (MPI_Test(&request_, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) return;
