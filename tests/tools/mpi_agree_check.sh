@@ -100,6 +100,39 @@ once "non-finite training"
 expect "train: --data - under mpirun" "--data - (standard input) cannot be used under mpirun" -- \
   -np 2 "$@" "$loom" "${small[@]/$work\/text.txt/-}"
 once "--data -"
+# A rank stopped after the last collective (here during rank 0's fp64 --check): the others wait
+# in MPI_Finalize, which has no timeout, and waited for ever. Now at most 10 x LOOM_TIMEOUT_S,
+# then one line and the job ends.
+LOOM_TIMEOUT_S=1 timeout 60 "$mpiexec" -np 2 "$@" -x LOOM_TIMEOUT_S "$loom" attn --seq 3072 \
+  --heads 4 --head-dim 32 --iters 1 --warmup 0 --check --backward --quiet > "$work/out" \
+  2> "$work/err" &
+job=$!
+kids=""
+for _ in $(seq 100); do
+  mp=$(pgrep -P "$job" | head -1)
+  [ -n "$mp" ] && kids=$(pgrep -P "$mp" | tr '\n' ' ')
+  [ "$(echo $kids | wc -w)" -ge 2 ] && break
+  sleep 0.1
+done
+sleep 1.5  # the attention is done (0.1 s); rank 0's check takes about 3 s
+r0=""
+for p in $kids; do
+  [ "$(tr '\0' '\n' < /proc/$p/environ 2> /dev/null | grep '^OMPI_COMM_WORLD_RANK=')" = \
+    "OMPI_COMM_WORLD_RANK=0" ] && r0=$p
+done
+t0=$SECONDS
+[ -n "$r0" ] && kill -STOP "$r0"
+wait "$job"
+rc=$?
+took=$((SECONDS - t0))
+[ -n "$r0" ] && { kill -CONT "$r0"; kill -9 "$r0"; } 2> /dev/null
+if [ -n "$r0" ] && [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -le 20 ] &&
+  grep -q "rank 1: the other ranks did not finish within 10 s (10 x LOOM_TIMEOUT_S)" "$work/err"; then
+  ok "a rank stopped after the last collective ends the job from MPI_Finalize ($took s)"
+else
+  cat "$work/err"
+  bad "a rank stopped after the last collective: exit $rc after $took s (rank 0: '$r0')"
+fi
 # plan --calibrate: the other ranks wait while rank 0 calibrates (seconds), not under the
 # communication timeout (LOOM_TIMEOUT_S=2 failed a healthy calibration: "barrier ... timed out");
 # rank 0 alone prints the banner (every rank did).

@@ -68,11 +68,6 @@ bool mpi_finalized() {
   return finalized != 0;
 }
 
-void finalize_at_exit() {
-  Lock lock(mpi_mutex());
-  if (!mpi_finalized()) MPI_Finalize();
-}
-
 // MPI_Init waits for every rank of the job to reach it, with no timeout of its own: a rank that
 // exits (even with status 0) or stops before initialising MPI leaves the others in MPI_Init
 // for ever, and mpirun waits on them. A watchdog thread ends this process after the
@@ -82,8 +77,11 @@ void finalize_at_exit() {
 // an initialised MPI, so _Exit is the only way out.
 constexpr double kInitFloorS = 10;
 
-int init_within_deadline(int* provided) {
-  const double limit_s = std::max(Communicator::default_timeout_s(), kInitFloorS);
+// Runs call() (an MPI call with no timeout of its own) under a watchdog: past limit_s it prints
+// "loom: error: [rank N: ]<why>" on stderr and ends the process with status 1 (_Exit: nothing
+// can be thrown into the blocked call, and MPI_Abort may not be usable), which ends the job
+// under mpirun.
+int within_deadline(double limit_s, const std::string& why, const std::function<int()>& call) {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -91,18 +89,14 @@ int init_within_deadline(int* provided) {
     std::unique_lock<std::mutex> lock(mu);
     if (cv.wait_for(lock, std::chrono::duration<double>(limit_s), [&] { return done; })) return;
     const long rank = launcher_rank();
-    std::ostringstream line;
-    line << "loom: error: " << (rank >= 0 ? "rank " + std::to_string(rank) + ": " : "")
-         << "MPI initialisation did not complete within " << limit_s
-         << " s: another rank of this job exited or stopped before initialising MPI "
-            "(LOOM_TIMEOUT_S, at least "
-         << kInitFloorS << " s, sets the limit)\n";
-    const std::string text = line.str();
+    const std::string text =
+        "loom: error: " + (rank >= 0 ? "rank " + std::to_string(rank) + ": " : std::string()) +
+        why + "\n";
     std::fputs(text.c_str(), stderr);
     std::fflush(stderr);
     std::_Exit(1);
   });
-  const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, provided);
+  const int rc = call();
   {
     std::lock_guard<std::mutex> lock(mu);
     done = true;
@@ -110,6 +104,40 @@ int init_within_deadline(int* provided) {
   cv.notify_one();
   watchdog.join();
   return rc;
+}
+
+int init_within_deadline(int* provided) {
+  const double limit_s = std::max(Communicator::default_timeout_s(), kInitFloorS);
+  std::ostringstream why;
+  why << "MPI initialisation did not complete within " << limit_s
+      << " s: another rank of this job exited or stopped before initialising MPI "
+         "(LOOM_TIMEOUT_S, at least "
+      << kInitFloorS << " s, sets the limit)";
+  return within_deadline(limit_s, why.str(), [&] {
+    return MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, provided);
+  });
+}
+
+// MPI_Finalize waits for every rank of the job to reach it, with no timeout: a rank that stopped
+// after the last collective (during rank 0's --check, its writes) held the others there for
+// ever. They wait up to kFinalizeTimeouts communication timeouts (10 minutes by default: rank 0
+// may still be checking or writing), then end the job with one line.
+constexpr double kFinalizeTimeouts = 10;
+
+void finalize_at_exit() {
+  Lock lock(mpi_mutex());
+  if (mpi_finalized()) return;
+  double timeout = 60;
+  try {
+    timeout = Communicator::default_timeout_s();
+  } catch (const Error&) {
+  }
+  const double limit_s = kFinalizeTimeouts * timeout;
+  std::ostringstream why;
+  why << "the other ranks did not finish within " << limit_s << " s (" << kFinalizeTimeouts
+      << " x LOOM_TIMEOUT_S) after this one: one of them stopped or is still busy (MPI_Finalize "
+         "waits for every rank)";
+  within_deadline(limit_s, why.str(), [] { return MPI_Finalize(); });
 }
 
 void ensure_initialized() {
