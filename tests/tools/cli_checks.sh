@@ -218,6 +218,21 @@ if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $el -le 6 ] && grep -q "dropped a messa
 else
   cat "$work/stderr"; bad "drop:2 (rc=$rc, ${el}s)"
 fi
+# A drop that shows up as something other than a timeout names the drop too: a peer that
+# returned without sending (its message was the lost one), or the next message arriving in the
+# lost one's place (those blamed the peer or the sizes).
+for spec in "drop:1,at=24" "drop:0,at=22 --strategy hybrid --ulysses 2"; do
+  # shellcheck disable=SC2086
+  LOOM_TIMEOUT_S=3 timeout 60 "$loom" attn --ranks 4 --seq 67 --heads 4 --kv-heads 2 --head-dim 8 \
+    --iters 1 --warmup 0 --check --quiet --fault $spec > "$work/stdout" 2> "$work/stderr"
+  rc=$?
+  if [ $rc -eq 1 ] && [ "$(grep -c "loom: error" "$work/stderr")" -eq 1 ] &&
+     grep -q "(fault injection dropped a message from world rank" "$work/stderr"; then
+    ok "drop $spec named in its error: $(cat "$work/stderr")"
+  else
+    cat "$work/stderr"; bad "drop $spec (rc=$rc)"
+  fi
+done
 expect_ok "delay:1:20 still exact" --ranks 4 --seq 512 --backward --check --fault delay:1:20 \
   --iters 1 --warmup 0 --quiet
 LOOM_PROGRESS_AFTER_S=0 "$loom" attn --ranks 2 --seq 256 --iters 2 > /dev/null 2> "$work/stderr"

@@ -40,7 +40,10 @@ int main(int argc, char** argv) {
   const std::string who = rank >= 0 ? "rank " + std::to_string(rank) + ": " : std::string();
   auto fail = [&](const char* what) {
     // A communication error names this rank already ("rank 0: send to rank 1 ... timed out").
-    const bool named = std::strncmp(what, who.c_str(), who.size()) == 0;
+    // In a split it reads "rank 0 (world rank 2): ...", which was prefixed again.
+    const std::string me = who.empty() ? who : who.substr(0, who.size() - 2);  // "rank N"
+    const bool named = !who.empty() && std::strncmp(what, me.c_str(), me.size()) == 0 &&
+                       (what[me.size()] == ':' || what[me.size()] == ' ');
     std::fprintf(stderr, "loom: error: %s%s\n", named ? "" : who.c_str(), what);
     if (mpi) loom::mpi_abort(1);  // ends the other ranks now (a no-op before MPI started)
     return 1;
@@ -71,13 +74,12 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   } catch (const loom::Error& e) {
     // Under mpirun the ranks run one command line on the same inputs (agree_across_ranks), so
-    // an error that is not about communication (a strategy's rule, a size, a damaged checkpoint,
-    // non-finite training) is usually every rank's: each printed it, then Open MPI its banner.
-    // The other ranks give rank 0 two seconds to print it and end the job; one that is still
-    // running then (its error was its own) prints and ends it. A CommError names its own rank
-    // and peer and is printed at once.
-    if (mpi && rank > 0 && dynamic_cast<const loom::CommError*>(&e) == nullptr)
-      std::this_thread::sleep_for(std::chrono::seconds(2));
+    // an error (a strategy's rule, a size, a damaged checkpoint, non-finite training, a rank that
+    // stopped and makes the others time out) is usually every rank's, or several ranks': each
+    // printed it, then Open MPI its banner. The other ranks give rank 0 two seconds to print its
+    // line and end the job; one that is still running then (its error was its own, or rank 0 is
+    // the one that stopped) prints and ends it.
+    if (mpi && rank > 0) std::this_thread::sleep_for(std::chrono::seconds(2));
     return fail(e.what());
   } catch (const std::bad_alloc&) {
     return fail(

@@ -298,6 +298,7 @@ class LocalRecvWork final : public Work {
  private:
   // Throws when the receive can never complete (inbox lock held, receive not done).
   void check_alive(const Channel& ch) const;
+  std::string dropped_note() const;
   // Books the received bytes once; throws if the message did not fit.
   void finish();
   std::string describe() const;
@@ -514,9 +515,17 @@ void LocalRecvWork::check_alive(const Channel& ch) const {
   }
   if (ch.messages.empty() && u.finished(world_->world_rank(peer_))) {
     throw CommError(describe() + " can never complete: " + world_->who(peer_) +
-                        " has returned without sending it",
+                        " has returned without sending it" + dropped_note(),
                     __FILE__, __LINE__);
   }
+}
+
+// " (fault injection: ... dropped)" once a drop fault fired: a lost message shows up as a peer
+// that returned without sending, or as the next message arriving in its place, not only as a
+// timeout (those messages blamed the peer or the sizes).
+std::string LocalRecvWork::dropped_note() const {
+  const std::string dropped = world_->universe().dropped();
+  return dropped.empty() ? std::string() : " (" + dropped + ")";
 }
 
 void LocalRecvWork::finish() {
@@ -527,7 +536,8 @@ void LocalRecvWork::finish() {
   if (recv_->bad_size) {
     std::ostringstream os;
     os << describe() << ": the message has " << recv_->received << " bytes, "
-       << (recv_->exact ? "expected exactly " : "more than the receive's ") << recv_->capacity;
+       << (recv_->exact ? "expected exactly " : "more than the receive's ") << recv_->capacity
+       << dropped_note();
     throw CommError(os.str(), __FILE__, __LINE__);
   }
 }
@@ -558,9 +568,7 @@ void LocalRecvWork::wait(double timeout_s) {
       check_alive(channel_);
       if (now >= deadline) {
         std::ostringstream os;
-        os << describe() << " timed out after " << timeout << " s";
-        const std::string dropped = world_->universe().dropped();
-        if (!dropped.empty()) os << " (" << dropped << ")";
+        os << describe() << " timed out after " << timeout << " s" << dropped_note();
         throw Timeout(os.str(), __FILE__, __LINE__);
       }
       double wake = deadline;
