@@ -133,6 +133,15 @@ else
   cat "$work/err"
   bad "a rank stopped after the last collective: exit $rc after $took s (rank 0: '$r0')"
 fi
+# The largest timeout: MPI_Finalize's watchdog (10 x 1e9 s) is held to 1e9 s, which wait_for can
+# take (past 9.2e9 s its nanoseconds overflowed and the wait returned at once: every rank would
+# have ended in MPI_Finalize with the watchdog's error).
+if LOOM_TIMEOUT_S=1e9 timeout 60 "$mpiexec" -np 2 "$@" -x LOOM_TIMEOUT_S "$loom" "${attn[@]}" \
+     > "$work/out" 2> "$work/err"; then
+  ok "LOOM_TIMEOUT_S=1e9 under mpirun ends normally"
+else
+  cat "$work/err"; bad "LOOM_TIMEOUT_S=1e9 under mpirun"
+fi
 # plan --calibrate: the other ranks wait while rank 0 calibrates (seconds), not under the
 # communication timeout (LOOM_TIMEOUT_S=2 failed a healthy calibration: "barrier ... timed out");
 # rank 0 alone prints the banner (every rank did).

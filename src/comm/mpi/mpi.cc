@@ -82,6 +82,9 @@ constexpr double kInitFloorS = 10;
 // can be thrown into the blocked call, and MPI_Abort may not be usable), which ends the job
 // under mpirun.
 int within_deadline(double limit_s, const std::string& why, const std::function<int()>& call) {
+  // At most 1e9 s: wait_for's nanoseconds overflow past 9.2e9 s, and the wait returned at once
+  // (10 x LOOM_TIMEOUT_S=1e9 would have ended every rank in MPI_Finalize).
+  limit_s = std::min(limit_s, 1e9);
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
