@@ -101,9 +101,9 @@ expect "train: --data - under mpirun" "--data - (standard input) cannot be used 
   -np 2 "$@" "$loom" "${small[@]/$work\/text.txt/-}"
 once "--data -"
 # A rank stopped after the last collective (here during rank 0's fp64 --check): the others wait
-# in MPI_Finalize, which has no timeout, and waited for ever. Now at most 10 x LOOM_TIMEOUT_S,
-# then one line and the job ends.
-LOOM_TIMEOUT_S=1 timeout 60 "$mpiexec" -np 2 "$@" -x LOOM_TIMEOUT_S "$loom" attn --seq 3072 \
+# in MPI_Finalize, which has no timeout, and waited for ever. Now LOOM_FINALIZE_TIMEOUT_S (by
+# default max(10 x LOOM_TIMEOUT_S, 600 s)), then one line and the job ends.
+LOOM_FINALIZE_TIMEOUT_S=8 timeout 60 "$mpiexec" -np 2 "$@" -x LOOM_FINALIZE_TIMEOUT_S "$loom" attn --seq 3072 \
   --heads 4 --head-dim 32 --iters 1 --warmup 0 --check --backward --quiet > "$work/out" \
   2> "$work/err" &
 job=$!
@@ -127,7 +127,7 @@ rc=$?
 took=$((SECONDS - t0))
 [ -n "$r0" ] && { kill -CONT "$r0"; kill -9 "$r0"; } 2> /dev/null
 if [ -n "$r0" ] && [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -le 20 ] &&
-  grep -q "rank 1: the other ranks did not finish within 10 s (10 x LOOM_TIMEOUT_S)" "$work/err"; then
+  grep -q "rank 1: the other ranks did not finish within 8 s after this one (LOOM_FINALIZE_TIMEOUT_S)" "$work/err"; then
   ok "a rank stopped after the last collective ends the job from MPI_Finalize ($took s)"
 else
   cat "$work/err"
@@ -135,13 +135,16 @@ else
 fi
 # The largest timeout: MPI_Finalize's watchdog (10 x 1e9 s) is held to 1e9 s, which wait_for can
 # take (past 9.2e9 s its nanoseconds overflowed and the wait returned at once: every rank would
-# have ended in MPI_Finalize with the watchdog's error).
+# have ended in MPI_Finalize with the watchdog's error). A bad LOOM_FINALIZE_TIMEOUT_S is refused.
 if LOOM_TIMEOUT_S=1e9 timeout 60 "$mpiexec" -np 2 "$@" -x LOOM_TIMEOUT_S "$loom" "${attn[@]}" \
      > "$work/out" 2> "$work/err"; then
   ok "LOOM_TIMEOUT_S=1e9 under mpirun ends normally"
 else
   cat "$work/err"; bad "LOOM_TIMEOUT_S=1e9 under mpirun"
 fi
+expect "LOOM_FINALIZE_TIMEOUT_S=0 refused" \
+  "LOOM_FINALIZE_TIMEOUT_S must be a decimal number of seconds from 0.001 to 1e9, got '0'" -- \
+  -np 2 "$@" -x LOOM_FINALIZE_TIMEOUT_S=0 "$loom" "${attn[@]}"
 # plan --calibrate: the other ranks wait while rank 0 calibrates (seconds), not under the
 # communication timeout (LOOM_TIMEOUT_S=2 failed a healthy calibration: "barrier ... timed out");
 # rank 0 alone prints the banner (every rank did).

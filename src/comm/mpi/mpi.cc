@@ -123,23 +123,22 @@ int init_within_deadline(int* provided) {
 
 // MPI_Finalize waits for every rank of the job to reach it, with no timeout: a rank that stopped
 // after the last collective (during rank 0's --check, its writes) held the others there for
-// ever. They wait up to kFinalizeTimeouts communication timeouts (10 minutes by default: rank 0
-// may still be checking or writing), then end the job with one line.
-constexpr double kFinalizeTimeouts = 10;
-
+// ever. They wait LOOM_FINALIZE_TIMEOUT_S seconds, by default 10 communication timeouts but at
+// least 10 minutes (rank 0 may still be checking or writing files for a long time, whatever
+// LOOM_TIMEOUT_S says), then end the job with one line.
 void finalize_at_exit() {
   Lock lock(mpi_mutex());
   if (mpi_finalized()) return;
-  double timeout = 60;
+  double limit_s = 600;
   try {
-    timeout = Communicator::default_timeout_s();
-  } catch (const Error&) {
+    const double fallback = std::max(10 * Communicator::default_timeout_s(), 600.0);
+    limit_s = env_seconds("LOOM_FINALIZE_TIMEOUT_S", fallback, 1e-3, 1e9);
+  } catch (const Error&) {  // checked at start-up (mpi_world); here only the default is left
   }
-  const double limit_s = kFinalizeTimeouts * timeout;
   std::ostringstream why;
-  why << "the other ranks did not finish within " << limit_s << " s (" << kFinalizeTimeouts
-      << " x LOOM_TIMEOUT_S) after this one: one of them stopped or is still busy (MPI_Finalize "
-         "waits for every rank)";
+  why << "the other ranks did not finish within " << limit_s
+      << " s after this one (LOOM_FINALIZE_TIMEOUT_S): one of them stopped or is still busy "
+         "(MPI_Finalize waits for every rank)";
   within_deadline(limit_s, why.str(), [] { return MPI_Finalize(); });
 }
 
@@ -169,6 +168,8 @@ void ensure_initialized() {
     g_oversubscribed = cores == 0 || static_cast<unsigned>(node_ranks) > cores;
   });
   LOOM_CHECK(!mpi_finalized(), CommError, "mpi_world: MPI has already been finalised");
+  // A bad LOOM_FINALIZE_TIMEOUT_S is refused here, while an error can still be reported.
+  env_seconds("LOOM_FINALIZE_TIMEOUT_S", 600, 1e-3, 1e9);
 }
 
 // Between two MPI_Test polls. MPI moves large messages and non-blocking collectives forward only
