@@ -653,6 +653,11 @@ int64_t parse_size(const std::string& text, const std::string& option) {
                                         suffix.substr(1) == "b" || suffix.substr(1) == "iB")) {
     shift = 10 * static_cast<int>(k / 2 + 1);
   }
+  // A fraction ("1.5G", or "21.69GiB" as loom's own messages print sizes) is refused as such.
+  LOOM_CHECK(suffix.empty() || suffix[0] != '.', InvalidArgument,
+             option << " '" << text
+                    << "' is a fraction: give a whole number of bytes, K, M, G or T (1536M for "
+                       "1.5G)");
   LOOM_CHECK(shift >= 0, InvalidArgument,
              option << " '" << text << "' has an unknown suffix '" << suffix << "'" << usage);
   // The value, times 2^shift, must be in [1, 2^63 - 1] (computed exactly: 8388607T, below

@@ -2,7 +2,9 @@
 // strategy's shape from the mesh, builds the engine and the registered strategy, and brackets
 // every call with the recorder (bytes, communication window).
 #include <algorithm>
+#include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "engine.h"
@@ -45,37 +47,75 @@ void check_output_view(const char* name, View3<T> x) {
                   << "dim = " << (x.h - 1) * x.hs + x.d << ": its rows would overlap");
 }
 
-// The bytes a view spans ([begin, end); empty for an empty view).
-struct Span {
-  const char* begin = nullptr;
-  const char* end = nullptr;
+// Where a view's bytes lie: rows of `h` runs of `d` bytes, `hs` apart, the rows `ss` apart.
+struct Footprint {
+  uintptr_t begin = 0, end = 0;  // the bytes spanned, [begin, end); begin == end: empty
+  int64_t h = 0, d = 0, hs = 0, ss = 0;
   const char* name = "";
+  int64_t row_extent() const { return (h - 1) * hs + d; }
 };
 template <class T>
-Span span_of(const char* name, View3<T> x) {
-  if (x.s == 0 || x.h == 0 || x.d == 0) return Span{nullptr, nullptr, name};
-  const char* b = reinterpret_cast<const char*>(x.data);
-  return Span{b, b + ((x.s - 1) * x.ss + (x.h - 1) * x.hs + x.d) * int64_t(sizeof(T)), name};
+Footprint footprint(const char* name, View3<T> x) {
+  if (x.s == 0 || x.h == 0 || x.d == 0) return Footprint{0, 0, 0, 0, 0, 0, name};
+  const int64_t e = int64_t(sizeof(T));
+  const uintptr_t b = reinterpret_cast<uintptr_t>(x.data);
+  return Footprint{b,        b + uintptr_t(((x.s - 1) * x.ss + (x.h - 1) * x.hs + x.d) * e),
+                   x.h,      x.d * e,
+                   x.hs * e, x.ss * e,
+                   name};
 }
-Span span_of(const char* name, const float* p, int64_t count) {
-  const char* b = reinterpret_cast<const char*>(p);
-  return count > 0 && p ? Span{b, b + count * int64_t(sizeof(float)), name}
-                        : Span{nullptr, nullptr, name};
+Footprint footprint(const char* name, const float* p, int64_t count) {
+  if (count <= 0 || !p) return Footprint{0, 0, 0, 0, 0, 0, name};
+  const uintptr_t b = reinterpret_cast<uintptr_t>(p);
+  const int64_t bytes = count * int64_t(sizeof(float));
+  return Footprint{b, b + uintptr_t(bytes), 1, bytes, bytes, bytes, name};
+}
+
+// Whether two views may share a byte. Disjoint spans do not. Views with the same row stride whose
+// rows each fit in it (the heads of a packed [n, 3, H, D] buffer: dq, dk and dv side by side in
+// every row, flash-attn's qkvpacked layout) share a byte only where their runs meet modulo the
+// row stride; any other pair whose spans meet is taken to share one.
+bool may_share(const Footprint& a, const Footprint& b) {
+  if (a.begin == a.end || b.begin == b.end || a.end <= b.begin || b.end <= a.begin) return false;
+  const int64_t ss = a.ss;
+  if (b.ss != ss || ss <= 0 || a.row_extent() > ss || b.row_extent() > ss) return true;
+  // The runs of one row, as intervals of [0, ss) (a run that wraps is cut in two).
+  const auto runs = [ss](const Footprint& f) {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (int64_t i = 0; i < f.h; ++i) {
+      const int64_t at = int64_t((f.begin + uintptr_t(i * f.hs)) % uintptr_t(ss));
+      if (at + f.d <= ss) {
+        out.emplace_back(at, at + f.d);
+      } else {
+        out.emplace_back(at, ss);
+        out.emplace_back(0, at + f.d - ss);
+      }
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  const auto ra = runs(a), rb = runs(b);
+  for (size_t i = 0, j = 0; i < ra.size() && j < rb.size();) {
+    if (ra[i].first < rb[j].second && rb[j].first < ra[i].second) return true;
+    if (ra[i].second <= rb[j].second) {
+      ++i;
+    } else {
+      ++j;
+    }
+  }
+  return false;
 }
 
 // No output may share memory with an input or another output: dq sharing dout's buffer gave
 // wrong gradients in ring, allgather and ring2d (dq is zeroed before dout is read).
-void check_no_overlap(const std::vector<Span>& outputs, const std::vector<Span>& inputs) {
-  const auto overlap = [](const Span& a, const Span& b) {
-    return a.begin && b.begin && a.begin < b.end && b.begin < a.end;
-  };
+void check_no_overlap(const std::vector<Footprint>& outputs, const std::vector<Footprint>& inputs) {
   for (size_t i = 0; i < outputs.size(); ++i) {
-    for (const Span& in : inputs)
-      LOOM_CHECK(!overlap(outputs[i], in), InvalidArgument,
+    for (const Footprint& in : inputs)
+      LOOM_CHECK(!may_share(outputs[i], in), InvalidArgument,
                  outputs[i].name << " shares memory with " << in.name
                                  << ": outputs must not overlap inputs");
     for (size_t j = i + 1; j < outputs.size(); ++j)
-      LOOM_CHECK(!overlap(outputs[i], outputs[j]), InvalidArgument,
+      LOOM_CHECK(!may_share(outputs[i], outputs[j]), InvalidArgument,
                  outputs[i].name << " shares memory with " << outputs[j].name
                                  << ": outputs must not overlap each other");
   }
@@ -153,8 +193,8 @@ void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View
   check_view<T>("out", View3<const T>(out), n, e.heads, e.dim);
   LOOM_CHECK(lse != nullptr || n == 0, InvalidArgument, "lse must not be null");
   check_output_view("out", out);
-  check_no_overlap({span_of("out", out), span_of("lse", lse, e.heads * n)},
-                   {span_of("q", q), span_of("k", k), span_of("v", v)});
+  check_no_overlap({footprint("out", out), footprint("lse", lse, e.heads * n)},
+                   {footprint("q", q), footprint("k", k), footprint("v", v)});
   s.engine->rec.begin();
   s.strategy->forward(cp_detail::ForwardArgs<T>{q, k, v, out, lse});
   s.engine->rec.end();
@@ -178,9 +218,9 @@ void backward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, Vie
   check_output_view("dq", dq);
   check_output_view("dk", dk);
   check_output_view("dv", dv);
-  check_no_overlap({span_of("dq", dq), span_of("dk", dk), span_of("dv", dv)},
-                   {span_of("q", q), span_of("k", k), span_of("v", v), span_of("out", out),
-                    span_of("dout", dout), span_of("lse", lse, e.heads * n)});
+  check_no_overlap({footprint("dq", dq), footprint("dk", dk), footprint("dv", dv)},
+                   {footprint("q", q), footprint("k", k), footprint("v", v), footprint("out", out),
+                    footprint("dout", dout), footprint("lse", lse, e.heads * n)});
   s.engine->rec.begin();
   s.strategy->backward(cp_detail::BackwardArgs<T>{q, k, v, out, dout, lse, dq, dk, dv});
   s.engine->rec.end();

@@ -323,6 +323,63 @@ TEST(CpErrors, ViewStridesKernelCapsAndPlanSizeAreChecked) {
       "gather_rows: the shard plan is for 3 ranks but the group has 2");
 }
 
+// Views that interleave without sharing a byte are accepted: q, k, v and out as the four slots
+// of one packed [n, 4, H, D] buffer, dq, dk and dv as the three of a [n, 3, H, D] one (flash-attn's
+// qkvpacked layout), with results equal to separate buffers' (the first overlap check compared
+// spans and refused them).
+TEST(CpErrors, PackedBuffersThatShareNoByteAreAccepted) {
+  constexpr int P = 2;
+  constexpr int64_t S = 24, H = 2, D = 8;
+  const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, P);
+  for (const Strategy strat : {Strategy::ring, Strategy::allgather, Strategy::ulysses}) {
+    CpConfig cfg;
+    cfg.strategy = strat;
+    cfg.kernel.scale = 0.3f;
+    cfg.kernel.threads = 1;
+    run_local(P, [&](Communicator& w) {
+      CpAttention att(w, plan, cfg, H, H, D);
+      const int64_t n = plan.rows(w.rank());
+      Tensor<float> packed({n, 4, H, D}), grads({n, 3, H, D}), dout({n, H, D});
+      const uint64_t key = rng_key(7 + static_cast<uint64_t>(w.rank()), "packed");
+      for (int64_t i = 0; i < packed.numel(); ++i) packed[i] = normal_at(key, i, 0, 0);
+      for (int64_t i = 0; i < dout.numel(); ++i) dout[i] = normal_at(key, i, 1, 0);
+      const auto slot = [&](Tensor<float>& t, int64_t which, int64_t slots) {
+        return View3<float>{t.data() + which * H * D, n, H, D, slots * H * D, D};
+      };
+      const View3<float> q = slot(packed, 0, 4), k = slot(packed, 1, 4), v = slot(packed, 2, 4);
+      const View3<float> out = slot(packed, 3, 4);
+      std::vector<float> lse(static_cast<size_t>(H * n));
+      att.forward(q, k, v, out, lse.data());
+      att.backward(q, k, v, out, dout.view3(), lse.data(), slot(grads, 0, 3), slot(grads, 1, 3),
+                   slot(grads, 2, 3));
+      // The same with separate contiguous buffers.
+      Tensor<float> q2({n, H, D}), k2({n, H, D}), v2({n, H, D}), out2({n, H, D});
+      Tensor<float> dq2({n, H, D}), dk2({n, H, D}), dv2({n, H, D});
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < H * D; ++j) {
+          q2[i * H * D + j] = packed[(i * 4 + 0) * H * D + j];
+          k2[i * H * D + j] = packed[(i * 4 + 1) * H * D + j];
+          v2[i * H * D + j] = packed[(i * 4 + 2) * H * D + j];
+        }
+      std::vector<float> lse2(static_cast<size_t>(H * n));
+      att.forward(q2.view3(), k2.view3(), v2.view3(), out2.view3(), lse2.data());
+      att.backward(q2.view3(), k2.view3(), v2.view3(), out2.view3(), dout.view3(), lse2.data(),
+                   dq2.view3(), dk2.view3(), dv2.view3());
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < H * D; ++j) {
+          EXPECT_EQ(packed[(i * 4 + 3) * H * D + j], out2[i * H * D + j]);
+          EXPECT_EQ(grads[(i * 3 + 0) * H * D + j], dq2[i * H * D + j]);
+          EXPECT_EQ(grads[(i * 3 + 1) * H * D + j], dk2[i * H * D + j]);
+          EXPECT_EQ(grads[(i * 3 + 2) * H * D + j], dv2[i * H * D + j]);
+        }
+      // A slot that really is shared is still refused: dk in dq's slot of the packed rows.
+      EXPECT_THROW(att.backward(q, k, v, out, dout.view3(), lse.data(), slot(grads, 0, 3),
+                                slot(grads, 0, 3), slot(grads, 2, 3)),
+                   InvalidArgument);
+    });
+  }
+}
+
 // A ShardPlan's fields are public; a plan that is not what ShardPlan::make gives is refused, not
 // trusted: a token past seq overflowed the heap in shard, unshard and gather_rows, tokens out of
 // order inside a segment gave wrong attention, a plan without segments all zeros.

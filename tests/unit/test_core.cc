@@ -933,6 +933,17 @@ TEST(Memory, ParseSizeTakesDecimalDigitsUpTo8EiB) {
       EXPECT_NE(std::string(e.what()).find("--memory-limit"), std::string::npos) << e.what();
     }
   }
+  // A fraction is named as one (it was "an unknown suffix '.5G'"): loom prints limits such as
+  // "21.69 GiB", which a user may copy.
+  for (const char* frac : {"1.5G", "21.69GiB", "5."}) {
+    try {
+      parse_size(frac, "--memory-limit");
+      ADD_FAILURE() << "'" << frac << "' accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("is a fraction: give a whole number"), std::string::npos)
+          << e.what();
+    }
+  }
   // 2^63 bytes and past: one error naming the limit, not an overflow.
   for (const char* big : {"8388608T", "9223372036854775808", "99999999999999999999999999",
                           "8796093022208M", "9007199254740992K", "8589934592G"}) {

@@ -40,10 +40,13 @@ int main(int argc, char** argv) {
   const std::string who = rank >= 0 ? "rank " + std::to_string(rank) + ": " : std::string();
   auto fail = [&](const char* what) {
     // A communication error names this rank already ("rank 0: send to rank 1 ... timed out").
-    // In a split it reads "rank 0 (world rank 2): ...", which was prefixed again.
+    // In a split group it reads "rank 1 (world rank 3): ...", which was prefixed again.
     const std::string me = who.empty() ? who : who.substr(0, who.size() - 2);  // "rank N"
-    const bool named = !who.empty() && std::strncmp(what, me.c_str(), me.size()) == 0 &&
-                       (what[me.size()] == ':' || what[me.size()] == ' ');
+    const std::string text = what;
+    const std::string head = text.substr(0, text.find(':'));
+    const bool named =
+        !who.empty() && (head == me || (head.compare(0, 5, "rank ") == 0 &&
+                                        head.find("(world " + me + ")") != std::string::npos));
     std::fprintf(stderr, "loom: error: %s%s\n", named ? "" : who.c_str(), what);
     if (mpi) loom::mpi_abort(1);  // ends the other ranks now (a no-op before MPI started)
     return 1;
