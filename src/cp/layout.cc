@@ -162,8 +162,13 @@ void ShardPlan::check() const {
   const auto doc_of = [&](int64_t t) {
     return std::upper_bound(starts.begin(), starts.end(), t) - starts.begin() - 1;
   };
-  std::vector<bool> seen(static_cast<size_t>(seq), false);
+  // Every token once: as many rows as tokens (checked first, so that a plan claiming a huge seq
+  // is refused before the table below is allocated), each token seen once.
   int64_t held = 0;
+  for (const std::vector<int64_t>& t : tokens) held += static_cast<int64_t>(t.size());
+  LOOM_CHECK(held == seq, InvalidArgument,
+             "shard plan: the ranks hold " << held << " tokens of a sequence of " << seq);
+  std::vector<bool> seen(static_cast<size_t>(seq), false);
   for (int r = 0; r < ranks; ++r) {
     const std::vector<int64_t>& t = tokens[r];
     const int64_t n = static_cast<int64_t>(t.size());
@@ -182,7 +187,6 @@ void ShardPlan::check() const {
                                      << " is in document " << docs[r][i] << ", but it is in "
                                      << doc_of(t[i]));
     }
-    held += n;
     // Segments: consecutive runs of rows covering the shard in order, each of ascending tokens
     // of one document (the strategies find empty block pairs from a segment's first and last).
     int64_t next = 0;
@@ -204,8 +208,6 @@ void ShardPlan::check() const {
         next == n, InvalidArgument,
         "shard plan: rank " << r << "'s segments cover " << next << " of its " << n << " rows");
   }
-  LOOM_CHECK(held == seq, InvalidArgument,
-             "shard plan: the ranks hold " << held << " tokens of a sequence of " << seq);
 }
 
 int64_t ShardPlan::max_rows() const {

@@ -429,9 +429,14 @@ TEST(CpErrors, HandBuiltPlansAreChecked) {
   refused(p, "2 ranks but tokens, docs and segments for 1, 2 and 2");
   p = good;
   p.tokens[0].push_back(0);
-  refused(p, "rank 0 has 8 document indices for 9 rows");
-  p.docs[0].push_back(0);
-  refused(p, "token 0 is held twice");
+  refused(p, "the ranks hold 17 tokens of a sequence of 16");
+  p = good;
+  p.tokens[1][0] = p.tokens[0][0];
+  refused(p, "is held twice (again by rank 1 row 0)");
+  // A plan claiming a huge sequence is refused before anything of its size is allocated.
+  ShardPlan huge = ShardPlan::make(Layout::zigzag, S, P);
+  huge.seq = int64_t{1} << 60;
+  refused(huge, "the ranks hold 16 tokens of a sequence of 1152921504606846976");
   // CpAttention's constructor checks its plan.
   p = good;
   std::swap(p.tokens[0][0], p.tokens[0][1]);  // one segment of two tokens
