@@ -103,7 +103,7 @@ once "--data -"
 # A rank stopped after the last collective (here during rank 0's fp64 --check): the others wait
 # in MPI_Finalize, which has no timeout, and waited for ever. Now LOOM_FINALIZE_TIMEOUT_S (by
 # default max(10 x LOOM_TIMEOUT_S, 600 s)), then one line and the job ends.
-LOOM_FINALIZE_TIMEOUT_S=8 timeout 60 "$mpiexec" -np 2 "$@" -x LOOM_FINALIZE_TIMEOUT_S "$loom" attn --seq 3072 \
+LOOM_FINALIZE_TIMEOUT_S=5 timeout 60 "$mpiexec" -np 2 "$@" -x LOOM_FINALIZE_TIMEOUT_S "$loom" attn --seq 3072 \
   --heads 4 --head-dim 32 --iters 1 --warmup 0 --check --backward --quiet > "$work/out" \
   2> "$work/err" &
 job=$!
@@ -127,7 +127,7 @@ rc=$?
 took=$((SECONDS - t0))
 [ -n "$r0" ] && { kill -CONT "$r0"; kill -9 "$r0"; } 2> /dev/null
 if [ -n "$r0" ] && [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -le 20 ] &&
-  grep -q "rank 1: the other ranks did not finish within 8 s after this one (LOOM_FINALIZE_TIMEOUT_S)" "$work/err"; then
+  grep -q "rank 1: the other ranks did not finish within 5 s after this one (LOOM_FINALIZE_TIMEOUT_S)" "$work/err"; then
   ok "a rank stopped after the last collective ends the job from MPI_Finalize ($took s)"
 else
   cat "$work/err"
