@@ -314,10 +314,7 @@ class Group {
   // the same on every rank, so a backward names its forward by this count.
   int64_t forward_calls() const { return forward_calls_; }
   double timeout_s() const { return comm_->timeout_s(); }
-  void set_timeout_s(double t) {
-    LOOM_CHECK(t > 0, InvalidArgument, "timeout must be positive, got " << t);
-    comm_->set_timeout_s(t);
-  }
+  void set_timeout_s(double t) { comm_->set_timeout_s(t); }
   loom::Communicator& comm() { return *comm_; }
   void barrier() {
     py::gil_scoped_release nogil;
@@ -914,6 +911,9 @@ PYBIND11_MODULE(_loom, m) {
       .def("all_gather_bytes", &Group::all_gather_bytes)
       .def("op", &Group::op);
 
+  // The communicators' timeout rule (0.001 to 1e9 s), for loom.torch.set_timeout to apply before
+  // it looks for the group.
+  m.def("checked_timeout_s", &loom::Communicator::checked_timeout_s);
   m.def("cp_forward", &cp_forward);
   m.def("cp_backward", &cp_backward);
   m.def("attention_forward", &attention_forward);

@@ -214,16 +214,16 @@ def set_timeout(seconds, group=None):
     """Sets loom's timeout (seconds) for every wait over `group` (default: LOOM_TIMEOUT_S or 60):
     a number from 0.001 to 1e9, as LOOM_TIMEOUT_S takes; InvalidArgument for anything else (a
     bool, NaN, inf, 0, a negative number, a non-number)."""
-    # From 0.001 to 1e9 s, as LOOM_TIMEOUT_S: every wait has a timeout (inf was taken, a wait
-    # forever) of at least a millisecond (1e-12, even 5e-324, was taken, which the variable
-    # refuses).
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < seconds <= 1e9:
-        raise InvalidArgument(
-            f"timeout must be a positive number of seconds, at most 1e9, got {seconds!r}")
-    if not seconds >= 1e-3:
-        raise InvalidArgument(f"timeout must be at least 0.001 seconds (as LOOM_TIMEOUT_S: from "
-                              f"0.001 to 1e9), got {seconds!r}")
-    _group(group, "set_timeout").timeout_s = float(seconds)
+    # The range is the communicators' (0.001 to 1e9 s, as LOOM_TIMEOUT_S), checked before the
+    # group is looked for; a bool or a non-number is refused here (float() would take True, "3").
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise InvalidArgument(f"timeout must be a number of seconds, got {seconds!r}")
+    try:
+        seconds = float(seconds)
+    except OverflowError:  # an int past float's range
+        seconds = math.inf
+    _loom.checked_timeout_s(seconds)
+    _group(group, "set_timeout").timeout_s = seconds
 
 
 # ---------------------------------------------------------------------------------------------

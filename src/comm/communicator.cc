@@ -4,8 +4,8 @@
 // (with or without the MPI and torch backends).
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cstdlib>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,15 +30,19 @@ size_t dtype_size(DType t) {
 
 namespace {
 // 0.001, 60, 1e9 (ostream writes 1e+09).
+// The shortest text that reads back as v (std::to_chars), with "e+09" written "e9": 1e9, 0.001,
+// 1000000000.000001, 5e-324, nan, -inf.
 std::string short_number(double v) {
-  std::ostringstream o;
-  o << v;
-  std::string t = o.str();
-  const size_t e = t.find("e+");
+  char buf[64];
+  const std::to_chars_result r = std::to_chars(buf, buf + sizeof buf, v);
+  std::string t(buf, r.ptr);
+  const size_t e = t.find('e');
   if (e == std::string::npos) return t;
-  size_t digits = e + 2;
+  size_t digits = e + 1;
+  const bool negative = t[digits] == '-';
+  if (t[digits] == '+' || negative) ++digits;
   while (digits + 1 < t.size() && t[digits] == '0') ++digits;
-  return t.substr(0, e + 1) + t.substr(digits);
+  return t.substr(0, e + 1) + (negative ? "-" : "") + t.substr(digits);
 }
 }  // namespace
 
@@ -64,15 +68,15 @@ double env_seconds(const char* name, double fallback, double lo, double hi) {
 
 double Communicator::checked_timeout_s(double t) {
   LOOM_CHECK(t >= 1e-3 && t <= 1e9, InvalidArgument,
-             "a communicator's timeout must be from 0.001 to 1e9 seconds, got " << t);
+             "timeout must be from 0.001 to 1e9 seconds, got " << short_number(t));
   return t;
 }
 
 double Communicator::resolve_timeout(double t) const {
   if (t < 0) return timeout_s_;
-  LOOM_CHECK(
-      t <= 1e9, InvalidArgument,
-      "a wait's timeout must be at most 1e9 seconds (or < 0: the communicator's), got " << t);
+  LOOM_CHECK(t <= 1e9, InvalidArgument,
+             "a wait's timeout must be at most 1e9 seconds (or < 0: the communicator's), got "
+                 << short_number(t));
   return t;
 }
 

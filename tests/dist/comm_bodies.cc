@@ -448,6 +448,14 @@ void timeout(Communicator& c) {
       EXPECT_THROW(c.set_timeout_s(bad), InvalidArgument) << bad;
       EXPECT_EQ(c.timeout_s(), saved);
     }
+    // The message gives the value that reads back as the one refused (it said "1e+09").
+    try {
+      c.set_timeout_s(1e9 * (1 + 1e-15));
+      ADD_FAILURE() << "a timeout just above 1e9 s was taken";
+    } catch (const InvalidArgument& e) {
+      EXPECT_TRUE(contains(e.what(), "from 0.001 to 1e9 seconds, got 1000000000.000001"))
+          << e.what();
+    }
   }
   if (n > 1 && r <= 1) {
     // A wait given NaN or inf is refused before it blocks; the largest timeout waits normally.

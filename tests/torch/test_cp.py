@@ -203,7 +203,7 @@ msg = expect_error(loom.InvalidArgument, f"hybrid: ulysses={P + 1} must divide",
 check("--" not in msg, f"no command-line option in {msg!r}")
 expect_error(loom.InvalidArgument, f"ring2d: inner={P + 1} must divide",
              lambda: lt.cp_attention(q, k, k, strategy="ring2d", inner=P + 1))
-expect_error(loom.InvalidArgument, "timeout must be a positive number of seconds, at most 1e9, got inf",
+expect_error(loom.InvalidArgument, "timeout must be from 0.001 to 1e9 seconds, got inf",
              lambda: lt.set_timeout(float("inf")))
 expect_error(loom.InvalidArgument, "must be a torch.distributed ProcessGroup",
              lambda: lt.cp_attention(q, k, k, group="world"))
