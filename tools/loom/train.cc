@@ -264,6 +264,26 @@ std::string human_time(double s) {
   return buf;
 }
 
+// What --memory-limit (or, without it, the available memory) bounds in this process, and its
+// name for check_memory: the local backend's `here` ranks run in this one process; under mpirun
+// a limit bounds this rank's process (it counted every rank of the node there, and refused runs
+// whose processes fitted), and without one the node's `here` ranks together must fit in its
+// available memory.
+struct TrainMemory {
+  double bytes;
+  std::string what;
+};
+
+TrainMemory train_memory(const TrainConfig& c, int here, bool mpi, bool limited,
+                         double data_bytes) {
+  const std::string ranks = std::to_string(here) + " rank" + (here > 1 ? "s" : "");
+  if (!mpi)
+    return {estimate_train_bytes(c, here, data_bytes),
+            "loom train with " + ranks + " in this process"};
+  if (limited) return {estimate_train_bytes(c, 1, data_bytes), "this rank of loom train"};
+  return {here * estimate_train_bytes(c, 1, data_bytes), "loom train's " + ranks + " on this node"};
+}
+
 struct Summary {  // filled by world rank 0
   double first_loss = NAN, last_loss = NAN, val_loss = NAN;
   int64_t first_step = 0, last_step = 0, tokens = 0;
@@ -501,20 +521,9 @@ int run_train(const TrainOptions& o) {
   }
   // Under mpirun: every rank the same command line and the same --data bytes (commands.h).
   if (mpi) agree_across_ranks(*mpi, fnv1a64(text.data(), text.size()), "--data");
-  // --memory-limit bounds one process: all the local backend's ranks, or one rank under mpirun
-  // (it counted every rank of the node there, and refused runs whose processes fitted). Without
-  // it, the ranks of this node together must fit in its available memory.
   const int64_t limit = o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit");
-  const double estimate =
-      mpi ? (limit >= 0 ? 1 : here) * estimate_train_bytes(c, 1, double(text.size()))
-          : estimate_train_bytes(c, here, double(text.size()));
-  check_memory(estimate, limit,
-               mpi ? (limit >= 0 ? std::string("this rank of loom train")
-                                 : "loom train's " + std::to_string(here) + " rank" +
-                                       (here > 1 ? "s" : "") + " on this node")
-                   : "loom train with " + std::to_string(here) + " rank" + (here > 1 ? "s" : "") +
-                         " in this process",
-               "--memory-limit");
+  const TrainMemory m = train_memory(c, here, mpi != nullptr, limit >= 0, double(text.size()));
+  check_memory(m.bytes, limit, m.what, "--memory-limit");
   const Corpus corpus = model::make_corpus(text, data == "-" ? "standard input" : data);
   text = std::string();
   LOOM_CHECK(o.eval_every == 0 || corpus.val.size() >= o.seq + 1, InvalidArgument,
