@@ -6,6 +6,7 @@
 // assert. Never check in hot loops.
 #pragma once
 
+#include <charconv>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -43,6 +44,18 @@ class Timeout : public CommError {
  public:
   using CommError::CommError;
 };
+
+// x in the fewest digits that read back as x (std::to_chars: "2.3586574e+38", "1e-12", "nan"),
+// for messages that name a limit or a refused value: a stream's 6 digits printed float32's
+// largest softmax scale above itself, and "--lr 10.000001" as "10".
+inline std::string exact_text(double x) {
+  char buf[32];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, x).ptr);
+}
+inline std::string exact_text(float x) {
+  char buf[32];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, x).ptr);
+}
 
 }  // namespace loom
 

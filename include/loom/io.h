@@ -63,7 +63,9 @@ void clean_stale_temps(const std::string& path, const std::vector<std::string>& 
 void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs,
                             size_t inputs = 0);
 // The absolute path write_output(path) writes, symlinks followed (of the path's directories
-// too, where they exist): what check_distinct_outputs compares. "-" stays "-".
+// too, where they exist): what check_distinct_outputs compares. "-" (standard output) is keyed
+// as /proc/self/fd/1 is, i.e. as /dev/stdout and /dev/fd/1: the target of descriptor 1 (the file
+// standard output is redirected to, its pipe or tty; /proc/PID/fd/1 when it is closed).
 std::string output_key(const std::string& path);
 // Refuses (InvalidArgument) an output file `path` (given as `option`) that lies inside the
 // directory `dir` (given as `dir_option`), at any depth, symlinks followed: `loom attn --output

@@ -18,7 +18,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -505,9 +504,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
       case kScale: {  // the bits of a double, shown as Python does (1e-7 read "0.000000")
         double x = 0;
         std::memcpy(&x, &value, sizeof x);
-        char buf[32];
-        const auto end = std::to_chars(buf, buf + sizeof buf, x).ptr;
-        return std::string(buf, end);
+        return loom::exact_text(x);
       }
       case kWindow:
         return value ? std::to_string(value) : "None";

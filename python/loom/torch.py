@@ -112,6 +112,27 @@ _MIN_SCALE = 1.1754943508222875e-38  # fp32's smallest normal: a subnormal scale
 _MAX_SCALE = 3.4028234663852886e38 / 1.4426950408889634  # times log2(e) stays finite
 
 
+def _f32_text(x):
+    """The fewest digits that read back as float32 x: with .6g the largest scale the kernels take,
+    2.3586574e+38, read 2.35866e+38, which is above it (that number, passed back, was refused)."""
+    for digits in range(1, 10):
+        text = f"{x:.{digits}g}"
+        if torch.tensor(float(text), dtype=torch.float32).item() == x:
+            return text
+    return repr(x)
+
+
+def _largest_f32_at_most(x):
+    f = torch.tensor(x, dtype=torch.float32)
+    if f.item() > x:
+        f = torch.nextafter(f, torch.tensor(0.0))
+    return f.item()
+
+
+# The range as the kernels' own messages print it: 1.1754944e-38 .. 2.3586574e+38.
+_SCALE_RANGE = f"{_f32_text(_MIN_SCALE)} .. {_f32_text(_largest_f32_at_most(_MAX_SCALE))}"
+
+
 def _check_mask(causal, window, scale, dim):
     if type(causal).__name__ == "bool_":  # numpy's bool (np.bool_(True) was "got True")
         causal = bool(causal)
@@ -137,7 +158,7 @@ def _check_mask(causal, window, scale, dim):
         s32 = torch.tensor(s, dtype=torch.float32).item()
         if not _MIN_SCALE <= s32 <= _MAX_SCALE:
             raise InvalidArgument(f"scale must be within fp32's range for the kernels "
-                                  f"({_MIN_SCALE:.3g} .. {_MAX_SCALE:.6g}), got {scale!r}")
+                                  f"({_SCALE_RANGE}), got {scale!r}")
     return causal, w, s
 
 

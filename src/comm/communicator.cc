@@ -4,7 +4,6 @@
 // (with or without the MPI and torch backends).
 #include <cctype>
 #include <cerrno>
-#include <charconv>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -30,12 +29,9 @@ size_t dtype_size(DType t) {
 
 namespace {
 // 0.001, 60, 1e9 (ostream writes 1e+09).
-// The shortest text that reads back as v (std::to_chars), with "e+09" written "e9": 1e9, 0.001,
-// 1000000000.000001, 5e-324, nan, -inf.
+// exact_text(v) with "e+09" written "e9": 1e9, 0.001, 1000000000.000001, 5e-324, nan, -inf.
 std::string short_number(double v) {
-  char buf[64];
-  const std::to_chars_result r = std::to_chars(buf, buf + sizeof buf, v);
-  std::string t(buf, r.ptr);
+  std::string t = exact_text(v);
   const size_t e = t.find('e');
   if (e == std::string::npos) return t;
   size_t digits = e + 1;

@@ -290,12 +290,14 @@ void clean_stale_temps(const std::string& path, const std::vector<std::string>& 
 }
 
 std::string output_key(const std::string& path) {
-  std::string key = resolve_output_path(path);
-  if (key != "-") {
-    std::error_code ec;
-    const fs::path abs = fs::weakly_canonical(fs::absolute(key, ec), ec);
-    if (!ec) key = abs.string();
-  }
+  // "-" is descriptor 1, as /dev/stdout, /dev/fd/1 and /proc/self/fd/1 are: keyed as that link's
+  // target (a file stdout is redirected to, a pipe's "pipe:[N]", a tty; /proc/PID/fd/1 itself
+  // when stdout is closed), so `--json - --trace /dev/stdout` is two outputs on one stream, as
+  // `--json /dev/stdout --trace /dev/fd/1` was (it kept "-" and wrote both, unparseable, exit 0).
+  std::string key = resolve_output_path(path == "-" ? "/proc/self/fd/1" : path);
+  std::error_code ec;
+  const fs::path abs = fs::weakly_canonical(fs::absolute(key, ec), ec);
+  if (!ec) key = abs.string();
   return key;
 }
 
@@ -330,7 +332,8 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
     if (path.empty()) continue;
     Seen me{output_key(path), option};
     struct stat st;
-    if (path != "-" && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+    if ((path == "-" ? ::fstat(STDOUT_FILENO, &st) : ::stat(path.c_str(), &st)) == 0 &&
+        S_ISREG(st.st_mode)) {
       me.dev = st.st_dev;
       me.ino = st.st_ino;
     }

@@ -76,6 +76,7 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -904,16 +905,22 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
 void check_config(const KernelConfig& cfg) {
   kernels::check_mask(cfg.mask);
   kernels::check_scale(cfg.scale);
-  // The scores carry log2 e in their scale (to_base2), which must be finite.
+  // The scores carry log2 e in their scale (to_base2), which must be finite: the scale must be
+  // at most FLT_MAX / log2 e = 2.35865749e38, in float32 at most 2.3586574e38.
   constexpr double kMaxScale = std::numeric_limits<float>::max() / kLog2e;
-  LOOM_CHECK(cfg.scale <= kMaxScale, InvalidArgument,
-             "softmax scale must be at most " << kMaxScale << ", got " << cfg.scale);
+  if (!(cfg.scale <= kMaxScale)) {
+    float largest = static_cast<float>(kMaxScale);
+    if (largest > kMaxScale) largest = std::nextafter(largest, 0.0f);
+    throw InvalidArgument("softmax scale must be at most " + exact_text(largest) +
+                              " (FLT_MAX / log2 e in float32), got " + exact_text(cfg.scale),
+                          __FILE__, __LINE__);
+  }
   // A subnormal scale holds too few bits: at 1e-44 (9.8e-45 in float32) dq and dk came back 40 %
   // off, silently.
   LOOM_CHECK(cfg.scale >= std::numeric_limits<float>::min(), InvalidArgument,
-             "softmax scale must be at least " << std::numeric_limits<float>::min()
+             "softmax scale must be at least " << exact_text(std::numeric_limits<float>::min())
                                                << " (float32's smallest normal number), got "
-                                               << cfg.scale);
+                                               << exact_text(cfg.scale));
   LOOM_CHECK(cfg.threads >= 0 && cfg.threads <= kMaxKernelThreads, InvalidArgument,
              "threads must be in [0, " << kMaxKernelThreads << "] (0: the OpenMP default), got "
                                        << cfg.threads);

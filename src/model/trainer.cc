@@ -3,7 +3,6 @@
 #include "loom/model/trainer.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -36,13 +35,6 @@ int64_t first_non_finite(const std::vector<float>& v) {
   return -1;
 }
 
-// x in the fewest digits that read back as x: "10.000001", where a stream's 6 digits said "10"
-// (--lr 10.000001 was refused as "must be in (0, 10], got 10").
-std::string exact(double x) {
-  char buf[64];
-  const std::to_chars_result r = std::to_chars(buf, buf + sizeof buf, x);
-  return std::string(buf, r.ptr);
-}
 }  // namespace
 
 double learning_rate(const TrainConfig& c, int64_t step) {
@@ -69,11 +61,11 @@ void validate(const TrainConfig& cfg, int world) {
              "--batch " << cfg.batch << " x --seq " << cfg.seq << " x --steps " << cfg.steps
                         << " tokens do not fit 64 bits");
   LOOM_CHECK(cfg.lr > 0 && cfg.lr <= kMaxLr, InvalidArgument,
-             "--lr must be in (0, " << kMaxLr << "], got " << exact(cfg.lr));
+             "--lr must be in (0, " << kMaxLr << "], got " << exact_text(cfg.lr));
   LOOM_CHECK(cfg.weight_decay >= 0 && cfg.lr * cfg.weight_decay <= 1, InvalidArgument,
              "--weight-decay must be >= 0 with --lr x --weight-decay <= 1 (a larger decay step "
              "flips the weights' sign), got "
-                 << exact(cfg.weight_decay));
+                 << exact_text(cfg.weight_decay));
   LOOM_CHECK(cfg.clip >= 0 && std::isfinite(cfg.clip), InvalidArgument,
              "--clip must be a finite number >= 0 (0: off), got " << cfg.clip);
   LOOM_CHECK(cfg.warmup >= -1, InvalidArgument,

@@ -190,9 +190,28 @@ svg = open(sys.argv[3]).read()
 assert svg.startswith("<svg") and svg.count(">rank ") == 4 and "waiting" in svg
 PY
 then ok "json, trace and timeline"; else cat "$work/out"; bad "json, trace and timeline"; fi
+# --baseline runs the strategy at degree 1 on its one rank, and says so: hybrid --ulysses 2 and
+# ring2d --inner 2 kept their degree and failed the strategy's rule for one rank after the whole
+# P-rank run ("--ulysses 2 must divide the number of ranks 1", no JSON; bench/scaling.sh died).
+for spec in "hybrid --ulysses" "ring2d --inner"; do
+  # shellcheck disable=SC2086
+  if "$loom" attn --ranks 4 --strategy $spec 2 --seq 256 --heads 4 --head-dim 16 --iters 1 \
+      --warmup 0 --quiet --baseline --json "$work/bl.json" > "$work/out" 2>&1 &&
+     grep -q "efficiency .* (one rank, $spec 1: " "$work/out" &&
+     /usr/bin/python3 - "$work/bl.json" "$spec" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+strategy, option = sys.argv[2].split()
+b = r["baseline_run"]
+assert b == {"ranks": 1, "strategy": strategy, option[2:]: 1, "threads_per_rank": 1}, b
+assert r["config"][option[2:]] == 2 and r["baseline_s"] > 0 and r["efficiency"] > 0, r
+PY
+  then ok "--baseline with --strategy $spec 2: one rank at $spec 1, in the report"
+  else cat "$work/out"; bad "--baseline with --strategy $spec 2"; fi
+done
 r=$("$loom" attn --seq 64 --json "$work/r1.json" --quiet > /dev/null 2>&1 &&
-    /usr/bin/python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['backward_s'], r['efficiency'], r['check'])" "$work/r1.json")
-[ "$r" = "None None None" ] && ok "json nulls without --backward, --baseline, --check" || bad "json nulls: $r"
+    /usr/bin/python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['backward_s'], r['efficiency'], r['baseline_run'], r['check'])" "$work/r1.json")
+[ "$r" = "None None None None" ] && ok "json nulls without --backward, --baseline, --check" || bad "json nulls: $r"
 
 # Faults: a killed rank ends the run at once, a lost message within the timeout, a slow link
 # changes nothing but the time. Never a hang: `timeout` would kill it (exit 124).
@@ -240,6 +259,26 @@ grep -q "iteration 1/3, .* s elapsed, about .* s left" "$work/stderr" && ok "pro
   { cat "$work/stderr"; bad "progress on stderr"; }
 LOOM_PROGRESS_AFTER_S=0 "$loom" attn --ranks 2 --seq 256 --iters 2 --quiet > /dev/null 2> "$work/stderr"
 [ ! -s "$work/stderr" ] && ok "--quiet: nothing on stderr" || bad "--quiet: $(cat "$work/stderr")"
+# LOOM_PROGRESS_AFTER_S is read as LOOM_TIMEOUT_S is: garbage was atof's 0 (progress at once).
+for t in garbage -1 " 5" 0x10 1e10; do
+  LOOM_PROGRESS_AFTER_S=$t "$loom" attn --seq 64 --iters 1 --warmup 0 > "$work/stdout" 2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && [ ! -s "$work/stdout" ] &&
+    grep -q "LOOM_PROGRESS_AFTER_S must be a decimal number of seconds from 0 to 1e9, got '$t'" "$work/stderr" &&
+    ok "LOOM_PROGRESS_AFTER_S='$t' refused before the run" ||
+    { cat "$work/stderr"; bad "LOOM_PROGRESS_AFTER_S='$t'"; }
+done
+LOOM_PROGRESS_AFTER_S=1e9 "$loom" attn --ranks 2 --seq 256 --iters 2 > /dev/null 2> "$work/stderr"
+[ $? -eq 0 ] && [ ! -s "$work/stderr" ] && ok "LOOM_PROGRESS_AFTER_S=1e9: no progress lines" ||
+  { cat "$work/stderr"; bad "LOOM_PROGRESS_AFTER_S=1e9"; }
+# Help texts: the default of --causal said in words (CLI11's {false} read as "default false"), and
+# --fault's ,at=K form (docs/cli.md).
+for sub in attn verify; do
+  "$loom" $sub --help | grep -q -- "--causal,--no-causal{false} causal mask, on by default" &&
+    ok "$sub --help: --causal on by default" || bad "$sub --help: --causal's default"
+done
+"$loom" attn --help | grep -q -- "kill:R\[,at=K\] .*drop:R\[,at=K\]" && ok "attn --help: --fault's at=K" ||
+  bad "attn --help: --fault's at=K"
 expect_error "bad fault" "fault" --ranks 2 --fault explode:1
 expect_error "fault rank out of range" "names a rank outside" --ranks 2 --fault kill:5
 
@@ -269,6 +308,37 @@ expect_error "--trace to a FIFO nobody reads is refused, not blocking" "FIFO tha
   ok "the FIFO is still a FIFO" || bad "FIFO replaced or blocked"
 expect_error "one path for two outputs" "name the same file" --seq 64 --json "$work/rel/a" \
   --trace "$work/rel/a"
+# "-" and /dev/stdout (or /dev/fd/1, /proc/self/fd/1) are one stream: both outputs went into it,
+# unparseable, exit 0; so is "-" with the file standard output is redirected to.
+for other in /dev/stdout /dev/fd/1 /proc/self/fd/1; do
+  "$loom" attn --seq 64 --quiet --iters 1 --warmup 0 --json - --trace $other > "$work/mix.out" \
+    2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && [ ! -s "$work/mix.out" ] && grep -q "name the same file" "$work/stderr" &&
+    ok "--json - --trace $other into a file refused" || { cat "$work/stderr"; bad "--json - --trace $other"; }
+  "$loom" attn --seq 64 --quiet --iters 1 --warmup 0 --json - --timeline $other 2> "$work/stderr" |
+    cat > "$work/mix.out"
+  [ ! -s "$work/mix.out" ] && grep -q "name the same file" "$work/stderr" &&
+    ok "--json - --timeline $other into a pipe refused" || { cat "$work/stderr"; bad "--json - --timeline $other | cat"; }
+done
+"$loom" attn --seq 64 --quiet --iters 1 --warmup 0 --json - --trace "$work/mix.out" \
+  > "$work/mix.out" 2> "$work/stderr"
+[ $? -eq 1 ] && grep -q "name the same file" "$work/stderr" &&
+  ok "--json - with --trace on the file standard output goes to: refused" || bad "--json - --trace <stdout's file>"
+"$loom" attn --seq 64 --quiet --iters 1 --warmup 0 --json - --trace /dev/stderr 2> /dev/null |
+  /usr/bin/python3 -c "import json, sys; json.load(sys.stdin)" &&
+  ok "--json - --trace /dev/stderr: two streams, the JSON alone on stdout" || bad "--json - --trace /dev/stderr"
+mkdir -p "$work/vin"
+/usr/bin/python3 -c "
+import numpy as np, sys
+r = np.random.default_rng(0)
+for n in 'qkv': np.save(sys.argv[1] + '/' + n + '.npy', r.standard_normal((16, 2, 8)).astype(np.float32))
+" "$work/vin"
+"$loom" attn --input "$work/vin" --quiet --output "$work/vcand" > /dev/null 2>&1
+expect_error_of verify "verify --json - --heatmap /dev/stdout" "--heatmap /dev/stdout and --json name the same file" \
+  --input "$work/vin" --candidate "$work/vcand" --json - --heatmap /dev/stdout
+expect_error_of plan "plan --json - --svg /dev/stdout" "--svg /dev/stdout and --json name the same file" \
+  --json - --svg /dev/stdout
 # Unwritable outputs are refused before the run (the whole job ran, printed its table and only
 # then failed to write).
 expect_error "--json into a missing directory" "--json $work/nodir/r.json: cannot write into" \
@@ -368,8 +438,35 @@ expect_error "--scale 1e38 overflows to NaN: an error" "can pass float32's range
 # of the scores (the message said so).
 expect_error "--backward --scale 1e8: precision, not overflow" \
   "float32 holds a score only to about" --seq 256 --head-dim 64 --backward --scale 1e8
-expect_error "--scale 3e38: above FLT_MAX / log2(e)" "softmax scale must be at most" --seq 64 \
+expect_error "--scale 3e38: above FLT_MAX / log2(e)" \
+  "softmax scale must be at most 2.3586574e+38 (FLT_MAX / log2 e in float32), got 3e+38" --seq 64 \
   --scale 3e38
+# The largest scale, as docs/cli.md gives it, runs (q = 0 keeps the scores finite); the next
+# float32 up is refused with both numbers to their own digits. With 6 digits the limit printed as
+# 2.35866e+38, above itself: the documented maximum 2.35866e38 was refused as "at most
+# 2.35866e+38, got 2.35866e+38".
+mkdir -p "$work/q0"
+/usr/bin/python3 -c "
+import numpy as np, sys
+r = np.random.default_rng(0)
+np.save(sys.argv[1] + '/q.npy', np.zeros((16, 2, 8), np.float32))
+for n in 'kv': np.save(sys.argv[1] + '/' + n + '.npy', r.standard_normal((16, 2, 8)).astype(np.float32))
+" "$work/q0"
+most=$(sed -n 's/.*a normal float32 from \([0-9.e+-]*\) to \([0-9.e+-]*\) .*/\2/p' "$(dirname "$0")/../../docs/cli.md")
+least=$(sed -n 's/.*a normal float32 from \([0-9.e+-]*\) to \([0-9.e+-]*\) .*/\1/p' "$(dirname "$0")/../../docs/cli.md")
+[ "$most" = 2.3586574e38 ] && [ "$least" = 1.1754944e-38 ] && ok "docs/cli.md: --scale from $least to $most" ||
+  bad "docs/cli.md's --scale range: '$least' to '$most'"
+for s in "$most" "$least"; do
+  "$loom" attn --input "$work/q0" --scale "$s" --check --iters 1 --warmup 0 --quiet > "$work/out" 2>&1 &&
+    grep -q "check     passed" "$work/out" && ok "--scale $s (documented) runs" ||
+    { cat "$work/out"; bad "--scale $s (documented) refused"; }
+done
+expect_error "--scale one float32 above the largest" \
+  "softmax scale must be at most 2.3586574e+38 (FLT_MAX / log2 e in float32), got 2.3586576e+38" \
+  --input "$work/q0" --scale 2.3586576e38
+expect_error "--scale one float32 below the smallest normal" \
+  "--scale 1.17549e-38 is subnormal in float32 (the kernels need at least 1.1754944e-38," \
+  --input "$work/q0" --scale 1.17549e-38
 expect_error "--scale inf" "--scale must be a positive finite number" --seq 64 --scale inf
 expect_error "--scale 0" "--scale must be a positive finite number" --seq 64 --scale 0
 # A number past double's range was read as inf and refused as "got inf", not as what was given.
@@ -424,7 +521,7 @@ expect_error "--scale 1e-46 rounds to 0 in float32" "--scale 1e-46 rounds to 0 i
   --scale 1e-46
 # Subnormal in float32: dq and dk came back 40 % off at 1e-44, exit 0.
 expect_error "--scale 1e-44 is subnormal in float32" \
-  "--scale 1e-44 is subnormal in float32 (the kernels need at least 1.17549e-38" --seq 64 \
+  "--scale 1e-44 is subnormal in float32 (the kernels need at least 1.1754944e-38" --seq 64 \
   --backward --scale 1e-44
 # The process's own streams are written, not replaced: --json /dev/stdout followed the link to
 # the file stdout was appended to and renamed a new file over it (its lines lost, exit 0).

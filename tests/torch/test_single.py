@@ -231,8 +231,18 @@ for dt in (torch.float32, torch.bfloat16):
 # The scale travels in fp32: values that round to 0 or overflow there are refused with the value
 # given (they were reported as "got 0" and "got inf"); so is q with no tokens (it said "expected
 # 16 x 2 x 8 elements, got 0").
-expect_error(E, "scale must be within fp32's range for the kernels (1.18e-38 .. 2.35866e+38), got 1e+39",
+expect_error(E, "scale must be within fp32's range for the kernels (1.1754944e-38 .. 2.3586574e+38), got 1e+39",
              lambda: lt.attention(q, k, k, scale=1e39))
+# The range's ends as docs/python.md and the message give them run (q = 0 keeps the scores
+# finite); one float32 past either is refused. With .6g the largest read 2.35866e+38, above
+# itself: that number, passed back, was refused.
+for s_ok in (2.3586574e38, 1.1754944e-38):
+    check(torch.isfinite(lt.attention(torch.zeros_like(q), k, k, scale=s_ok)).all(), f"scale={s_ok}")
+expect_error(E, "(1.1754944e-38 .. 2.3586574e+38), got 2.3586576e+38",
+             lambda: lt.attention(q, k, k, scale=2.3586576e38))
+expect_error(E, "(1.1754944e-38 .. 2.3586574e+38), got 2.35866e+38",
+             lambda: lt.attention(q, k, k, scale=2.35866e38))
+expect_error(E, "got 1.1754942e-38", lambda: lt.attention(q, k, k, scale=1.1754942e-38))
 expect_error(E, "got 1e-46", lambda: lt.attention(q, k, k, scale=1e-46))
 # Subnormal in fp32 (9.8e-45): dq and dk came back 40 % off, silently.
 expect_error(E, "got 1e-44", lambda: lt.attention(q, k, k, scale=1e-44))

@@ -625,6 +625,79 @@ TEST_F(Io, TwoOutputsOnOnePathAreRefused) {
                InvalidArgument);
 }
 
+// "-" is standard output, descriptor 1, as /dev/stdout, /dev/fd/1 and /proc/self/fd/1 are: two
+// outputs on it are refused however each is named (`--json - --trace /dev/stdout` wrote both into
+// one stream, unparseable, exit 0), with standard output a regular file, a pipe, a terminal or
+// closed; and "-" with the file standard output is redirected to, by name or a hard link.
+TEST_F(Io, StandardOutputUnderAnyNameIsOneOutput) {
+  auto refused = [](const std::string& a, const std::string& b) {
+    try {
+      check_distinct_outputs({{"--json", a}, {"--trace", b}});
+      return false;
+    } catch (const InvalidArgument&) {
+      return true;
+    }
+  };
+  const std::vector<std::string> names = {"/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"};
+  std::fflush(stdout);
+  const int saved = ::dup(STDOUT_FILENO);
+  ASSERT_GE(saved, 0);
+  // Each case points descriptor 1 elsewhere, records, and restores it before any EXPECT prints.
+  struct Case {
+    std::string what;
+    std::vector<bool> with_names;  // "-" and each of `names`: refused?
+    bool alone = false, other = true, file = false, link = false;
+  };
+  std::vector<Case> cases;
+  auto record = [&](const std::string& what) {
+    Case c{what, {}};
+    for (const std::string& n : names) c.with_names.push_back(refused("-", n));
+    c.alone = refused("-", "");
+    c.other = refused("-", at("other.json"));
+    cases.push_back(c);
+    return &cases.back();
+  };
+  write_output(at("out.txt"), "x");
+  fs::create_hard_link(at("out.txt"), at("hard.txt"));
+  const int file = ::open(at("out.txt").c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  ASSERT_GE(file, 0);
+  ::dup2(file, STDOUT_FILENO);
+  Case* c = record("a regular file");
+  c->file = refused("-", at("out.txt"));
+  c->link = refused("-", at("hard.txt"));
+  ::close(file);
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  ::dup2(pipe_fds[1], STDOUT_FILENO);
+  record("a pipe");
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+  const int tty = ::posix_openpt(O_RDWR | O_NOCTTY);
+  int tty_slave = -1;
+  if (tty >= 0 && ::grantpt(tty) == 0 && ::unlockpt(tty) == 0)
+    tty_slave = ::open(::ptsname(tty), O_RDWR | O_NOCTTY | O_CLOEXEC);
+  if (tty_slave >= 0) {
+    ::dup2(tty_slave, STDOUT_FILENO);
+    record("a terminal");
+    ::close(tty_slave);
+  }
+  if (tty >= 0) ::close(tty);
+  ::close(STDOUT_FILENO);
+  record("closed");
+  ::dup2(saved, STDOUT_FILENO);
+  ::close(saved);
+  EXPECT_GE(cases.size(), 3u);
+  for (const Case& k : cases) {
+    for (size_t i = 0; i < names.size(); ++i)
+      EXPECT_TRUE(k.with_names[i]) << "- and " << names[i] << ", standard output " << k.what;
+    EXPECT_FALSE(k.alone) << k.what;
+    EXPECT_FALSE(k.other) << k.what;
+  }
+  EXPECT_TRUE(cases[0].file) << "- and the file standard output is redirected to";
+  EXPECT_TRUE(cases[0].link) << "- and a hard link to the file standard output is redirected to";
+  EXPECT_FALSE(refused("-", at("out.txt"))) << "standard output restored: out.txt is another file";
+}
+
 // A report inside the --output directory was swapped away with the old set or, written after
 // the swap, replaced one of its files (loom attn --output D --json D/out.npy); --json inside
 // loom verify's --candidate directory replaced a candidate file.

@@ -70,7 +70,8 @@ struct AttnOptions {
   std::string json, trace, timeline, fault;
   std::string dtype = "fp32";
   bool baseline = false;
-  std::string memory_limit;  // --memory-limit (empty: the machine's available memory)
+  std::string memory_limit;     // --memory-limit (empty: the machine's available memory)
+  double progress_after_s = 2;  // LOOM_PROGRESS_AFTER_S: progress lines from this many seconds
   // set by CLI11
   bool ranks_given = false, shape_given = false, kv_heads_given = false, scale_given = false,
        docs_given = false;
@@ -395,13 +396,12 @@ int default_threads(int ranks_here) {
   return std::max(1, hw / std::max(1, ranks_here));
 }
 
-// Progress on stderr for runs longer than about 2 seconds (rank 0 only; LOOM_PROGRESS_AFTER_S
-// changes the 2 seconds), at most one line a second.
+// Progress on stderr for runs longer than `after` seconds (rank 0 only; 2 s unless
+// LOOM_PROGRESS_AFTER_S says otherwise), at most one line a second.
 class Progress {
  public:
-  Progress(bool enabled, int total) : enabled_(enabled), total_(total), start_(now_s()) {
-    if (const char* e = std::getenv("LOOM_PROGRESS_AFTER_S")) after_ = std::atof(e);
-  }
+  Progress(bool enabled, int total, double after)
+      : enabled_(enabled), total_(total), start_(now_s()), after_(after) {}
   void update(int done) {
     if (!enabled_) return;
     const double t = now_s(), el = t - start_;
@@ -416,7 +416,7 @@ class Progress {
  private:
   bool enabled_;
   int total_;
-  double start_, last_ = -1e300, after_ = 2.0;
+  double start_, after_, last_ = -1e300;
   bool shown_ = false;
 };
 
@@ -592,7 +592,7 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
   std::vector<double> fwd, bwd;
   const bool want_spans = report && (!o.trace.empty() || !o.timeline.empty());
   const int total = o.warmup + o.iters;
-  Progress progress(report && me == 0 && !o.quiet, total);
+  Progress progress(report && me == 0 && !o.quiet, total, o.progress_after_s);
   for (int it = 0; it < total; ++it) {
     const bool timed = it >= o.warmup;
     if (it == o.warmup) att.metrics().clear_counters();
@@ -714,6 +714,46 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
   }
 }
 
+// --baseline's run: the same problem on one rank, for its time only (no check, no files).
+AttnOptions baseline_options(const AttnOptions& o) {
+  AttnOptions one = o;
+  one.check = false;
+  one.output.clear();
+  one.json.clear();
+  one.trace.clear();
+  one.timeline.clear();
+  one.baseline = false;
+  return one;
+}
+
+// --baseline's strategy configuration: p's, at degree 1. A degree option (hybrid's --ulysses,
+// ring2d's --inner) divides the ranks, and one rank has only degree 1: the P-rank degree failed
+// the strategy's rule for one rank after the whole P-rank run ("hybrid: --ulysses 2 must divide
+// the number of ranks 1"). Checked here, before any run: InvalidArgument naming --baseline.
+CpConfig baseline_config(const Problem& p) {
+  CpConfig one = p.cp;
+  if (!strategy_info(one.strategy).option.empty()) set_degree(one, 1);
+  try {
+    check_cp_config(one, 1, p.H, p.HKV);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(
+        std::string("--baseline runs the problem on one rank, which --strategy ") +
+            to_string(one.strategy) + " cannot: " + e.what(),
+        __FILE__, __LINE__);
+  }
+  return one;
+}
+
+// What --baseline ran, for the report: {"ranks": 1, "strategy": ..., its degree option: 1,
+// "threads_per_rank": T}.
+nlohmann::json baseline_json(const CpConfig& one, int threads) {
+  nlohmann::json j = {{"ranks", 1}, {"strategy", to_string(one.strategy)}};
+  const std::string& option = strategy_info(one.strategy).option;  // "--ulysses"
+  if (!option.empty()) j[option.substr(2)] = 1;
+  j["threads_per_rank"] = threads;
+  return j;
+}
+
 nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
   nlohmann::json j = {{"seq", p.S},
                       {"heads", p.H},
@@ -780,7 +820,13 @@ double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, in
     total += in32 * 3 + S * (H * D + H) * 8 * 2 + (bw ? S * (H + 2 * HKV) * D * 8 * 2 : 0);
   }
   if (!o.input.empty()) total += S * (2 * H + 2 * HKV) * D * (4 + 8);  // files: f32 + f64 read
-  if (o.baseline) total += (q_rows + kv_rows) * P * 12;
+  if (o.baseline) {  // then, on rank 0: the whole problem on one rank (the files counted above)
+    AttnOptions one = baseline_options(o);
+    one.input.clear();
+    Problem base = p;  // shapes only: the --input bodies are read after the estimate
+    base.cp = baseline_config(p);
+    total += estimate_attn_bytes(one, base, 1, 1);
+  }
   return total;
 }
 
@@ -836,6 +882,7 @@ int run_attn(const AttnOptions& o) {
   bool root = true;
   std::unique_ptr<OutputSet> staged;  // --output, committed last: a failed run leaves DIR as it was
   std::unique_ptr<Communicator> mpi;
+  CpConfig baseline_cp;  // --baseline's one-rank configuration (baseline_config)
   if (launched_by_mpirun()) {
     LOOM_CHECK(!o.ranks_given, InvalidArgument,
                "--ranks is for the local backend; under mpirun the number of ranks is mpirun's "
@@ -856,6 +903,7 @@ int run_attn(const AttnOptions& o) {
       agree_across_ranks(*mpi, h, "--input files");
     }
     check_cp_config(p.cp, mpi->size(), p.H, p.HKV);  // the strategy's rules, before any work
+    if (o.baseline) baseline_cp = baseline_config(p);
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     const int here = local ? std::max(1, std::atoi(local)) : mpi->size();
     threads = o.threads ? o.threads : default_threads(here);
@@ -868,6 +916,7 @@ int run_attn(const AttnOptions& o) {
         faults.kill_rank < o.ranks && faults.drop_rank < o.ranks && faults.delay_rank < o.ranks,
         InvalidArgument, "--fault " << o.fault << " names a rank outside 0.." << o.ranks - 1);
     check_cp_config(p.cp, o.ranks, p.H, p.HKV);  // the strategy's rules, before any rank starts
+    if (o.baseline) baseline_cp = baseline_config(p);
     check_memory(estimate_attn_bytes(o, p, o.ranks, o.ranks), memory_limit,
                  "loom attn with " + std::to_string(o.ranks) + " rank" + (o.ranks > 1 ? "s" : ""),
                  "--memory-limit");
@@ -885,13 +934,14 @@ int run_attn(const AttnOptions& o) {
   }
   if (!root) return 0;
   if (o.baseline) {
-    // The same problem on one rank with the same threads per rank: T1 for the efficiency.
-    AttnOptions one = o;
-    one.check = false;
-    one.output.clear();
+    // The same problem on one rank with the same threads per rank: T1 for the efficiency. The
+    // strategy at degree 1 (baseline_config); the report says what ran.
+    const AttnOptions one = baseline_options(o);
+    p.cp = baseline_cp;
     AttnReport base;
     run_local(1, [&](Communicator& world) { attn_rank(world, one, p, threads, base, false); });
     rep.baseline_s = base.forward_s() + (o.backward ? base.backward_s() : 0.0);
+    rep.baseline_run = baseline_json(baseline_cp, threads);
   }
   // With an output on standard output ("-"), the table stays off it.
   if (o.json != "-" && o.trace != "-" && o.timeline != "-") print_text(rep);
@@ -1037,9 +1087,12 @@ void declare_attn(CLI::App* c, AttnOptions& opts) {
   c->add_option("--trace", o->trace, "write a Chrome trace (chrome://tracing, Perfetto) to FILE");
   c->add_option("--timeline", o->timeline, "write an SVG timeline of the ranks to FILE");
   c->add_option("--fault", o->fault,
-                "local backend fault injection: kill:R, drop:R or delay:R:MS (see docs/cli.md)");
+                "local backend fault injection: kill:R[,at=K] (rank R fails at its K-th "
+                "communication, 0-based; default 1), drop:R[,at=K] (its K-th message is lost) or "
+                "delay:R:MS (see docs/cli.md)");
   c->add_flag("--baseline", o->baseline,
-              "also time the same problem on one rank and report the scaling efficiency");
+              "also time the same problem on one rank (the strategy's degree option at 1) and "
+              "report the scaling efficiency");
   add_memory_limit_option(c, o->memory_limit);
 }
 
@@ -1052,6 +1105,9 @@ void add_attn_command(CLI::App& app) {
                              o.kv_heads_given = c->count("--kv-heads") > 0;
                              o.scale_given = c->count("--scale") > 0;
                              o.docs_given = c->count("--docs") > 0;
+                             // Strictly, as LOOM_TIMEOUT_S: garbage (atof's 0) showed progress
+                             // from the first iteration instead of being refused.
+                             o.progress_after_s = env_seconds("LOOM_PROGRESS_AFTER_S", 2, 0, 1e9);
                              o.shape_given = c->count("--seq") + c->count("--heads") +
                                                  c->count("--kv-heads") + c->count("--head-dim") >
                                              0;

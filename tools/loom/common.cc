@@ -38,11 +38,14 @@ void check_scale_in_float32(double scale) {
   // A positive double that rounds to 0 in float32 was refused as "softmax scale must be
   // positive" (or "got 0"), after the value given had been checked as positive; a subnormal one
   // (1e-44) gave dq and dk 40 % off.
+  // Both numbers in the fewest digits that read back as themselves: with 6 digits the limit read
+  // 1.17549e-38, below float32's smallest normal, and "--scale 1.17549e-38 is subnormal ... at
+  // least 1.17549e-38" named one number twice.
   const float f = static_cast<float>(scale);
   LOOM_CHECK(f >= std::numeric_limits<float>::min(), InvalidArgument,
-             "--scale " << scale << (f > 0 ? " is subnormal" : " rounds to 0")
+             "--scale " << exact_text(scale) << (f > 0 ? " is subnormal" : " rounds to 0")
                         << " in float32 (the kernels need at least "
-                        << std::numeric_limits<float>::min()
+                        << exact_text(std::numeric_limits<float>::min())
                         << ", float32's smallest normal number)");
 }
 
@@ -105,7 +108,10 @@ std::vector<std::pair<std::string, int>> DegreeOptions::values() const {
 }
 
 CLI::Option* add_mask_options(CLI::App* command, bool& causal, int64_t& window, std::string& docs) {
-  command->add_flag("--causal,!--no-causal", causal, "causal mask (default) or full attention");
+  // The {false} CLI11 shows after --no-causal is the value that flag sets, not the default: the
+  // help says the default in words ("causal mask (default) or full attention" read as off).
+  command->add_flag("--causal,!--no-causal", causal,
+                    "causal mask, on by default (--no-causal turns it off: full attention)");
   command->add_option("--window", window, "sliding window W: keys with |i - j| < W (0: none)")
       ->capture_default_str();
   return command->add_option("--docs", docs, "packed documents: lengths L1,L2,... summing to S");

@@ -144,8 +144,18 @@ void print_text(const AttnReport& r) {
     std::printf("  backward  %10.3f ms  %8.2f GFLOP/s useful\n", tb * 1e3,
                 tb > 0 ? 2.5 * flops / tb * 1e-9 : 0.0);
   std::printf("  balance   %.3f (max / mean compute)   overlap %.3f", r.balance(), r.overlap());
-  if (r.efficiency() >= 0)
-    std::printf("   efficiency %.3f (one rank: %.3f ms)", r.efficiency(), r.baseline_s * 1e3);
+  if (r.efficiency() >= 0) {
+    // The baseline's strategy and degree ("hybrid --ulysses 1"): not always the P-rank run's.
+    std::string what = r.strategy;
+    if (r.baseline_run.is_object()) {
+      what = r.baseline_run.value("strategy", r.strategy);
+      for (const auto& [key, value] : r.baseline_run.items())
+        if (key != "ranks" && key != "strategy" && key != "threads_per_rank")
+          what += " --" + key + " " + value.dump();
+    }
+    std::printf("   efficiency %.3f (one rank, %s: %.3f ms)", r.efficiency(), what.c_str(),
+                r.baseline_s * 1e3);
+  }
   std::printf("\n");
   std::printf("  %-4s %10s %10s %10s %11s %11s %9s  %s\n", "rank", "compute_s", "comm_s", "wait_s",
               "sent", "recv", "tiles", "forward tiles per step");
@@ -204,6 +214,7 @@ nlohmann::json to_json(const AttnReport& r) {
                              : json(nullptr);
   j["efficiency"] = r.efficiency() >= 0 ? json(r.efficiency()) : json(nullptr);
   j["baseline_s"] = r.baseline_s > 0 ? json(r.baseline_s) : json(nullptr);
+  j["baseline_run"] = r.baseline_s > 0 ? r.baseline_run : json(nullptr);
   j["balance"] = r.balance();
   j["overlap"] = r.overlap();
   json ranks = json::array();

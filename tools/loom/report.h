@@ -81,6 +81,9 @@ struct AttnReport {
   std::vector<RankReport> ranks;
   CheckReport check;
   double baseline_s = -1;  // one-rank forward (+ backward) median, when --baseline
+  // What --baseline ran ({"ranks": 1, "strategy": "hybrid", "ulysses": 1, "threads_per_rank": T}:
+  // the strategy at degree 1); null without --baseline.
+  nlohmann::json baseline_run;
 
   double forward_s() const;
   double backward_s() const;  // 0 without backward
