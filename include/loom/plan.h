@@ -77,10 +77,12 @@ struct Profile {
 
 // Parses a profile from JSON text; `where` names the file in errors (IoError naming the field).
 // Every figure must lie in its range (docs/planning.md, "Hardware profiles"): rates, memory,
-// bandwidths and efficiencies positive (efficiencies at most 1), latencies and times >= 0, tile
-// sides and counts integers; device.flops_bf16, flops_fp32, memory_bytes, mem_bandwidth and both
-// links' bandwidth and latency_s must be given.
+// bandwidths positive, efficiencies and partial_tile_cost at least 1e-3 (efficiencies at most 1),
+// latencies and times >= 0, tile sides and counts integers; device.flops_bf16, flops_fp32,
+// memory_bytes, mem_bandwidth and both links' bandwidth and latency_s must be given.
 Profile parse_profile(const std::string& json_text, const std::string& where);
+// Reads a profile from a regular file (IoError otherwise: a FIFO, a device, a directory, and "-",
+// which is not standard input here), at most 16 MiB, and parses it.
 Profile load_profile(const std::string& path);
 std::string profile_json(const Profile& p);  // the JSON text (round-trips through parse)
 // The same ranges on a Profile built in code: InvalidArgument "profile 'NAME': field 'x' must be

@@ -9,11 +9,16 @@
 //               more forward when checkpointing; at peak x gemm_eff. The LM head likewise.
 //   TP + SP     per layer and pass, 2 all-gathers and 2 reduce-scatters of the layer's
 //               activations inside the tp group (intra-node), not overlapped (Megatron SP).
-//   DP          one all-reduce of the bf16 gradients (params / tp) over dp with ring cost
-//               2 (dp - 1) / dp; overlapped with the backward except the last layer's share.
+//   DP          one all-reduce of the bf16 gradients (params / tp) over the dp x cp ranks that
+//               hold the same tp piece (each cp rank's gradients come from its own tokens, so
+//               they are summed over cp too, as loom train sums them over its dp_cp group), ring
+//               cost 2 (n - 1) / n for n = dp x cp; overlapped with the backward except the last
+//               layer's share.
 // Memory per device: bf16 weights and gradients (4 B/param) + fp32 master weights and Adam
-//   moments (12 B/param) sharded over dp (distributed optimizer), all / tp; activations per
-//   layer and token 2 B x (2 dim + dim + 2 kv_dim + dim + 4 ffn) / tp + fp32 lse (Korthikanti
+//   moments (12 B/param) sharded over those dp x cp ranks (Megatron's distributed optimizer
+//   shards over its data-parallel group with the context-parallel ranks, the group its gradients
+//   are reduced over; loom train keeps the whole AdamW state on every rank), all / tp; activations
+//   per layer and token 2 B x (2 dim + dim + 2 kv_dim + dim + 4 ffn) / tp + fp32 lse (Korthikanti
 //   et al.'s accounting with FlashAttention, SP shards everything), or with full checkpointing
 //   the layer inputs plus one layer; the strategy's peak buffers (simulated); fp32 logits of
 //   tokens_local x vocab / tp. Estimates: say so in docs/planning.md.
@@ -88,7 +93,7 @@ AttnCase attn_case(const PlanRequest& req, const Profile& prof, const Mask& mask
   a.ulysses = strategy == "ring2d" ? 1 : u;
   a.inner = strategy == "ring2d" ? u : 1;
   a.heads = req.model.heads / tp;
-  a.kv_heads = std::max<int64_t>(1, req.model.kv_heads / tp);
+  a.kv_heads = req.model.kv_heads / tp;  // tp divides the kv heads (loom train's rule)
   a.head_dim = req.model.head_dim();
   a.mask = mask;
   a.block_q = prof.block_q;
@@ -228,13 +233,18 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
   std::vector<Shape> shapes;
   for (int tp : divisors(N)) {
     if (tp > prof.devices_per_node) continue;
-    if (M.heads % tp != 0 || (M.kv_heads % tp != 0 && tp % M.kv_heads != 0)) {
+    // loom train's rule (model::validate): tp divides the heads and the kv heads, so that every
+    // ranked plan is one loom's own trainer runs. A tp above the kv heads (each tp rank holding
+    // a replicated kv head, as some frameworks do) was ranked: `--model 2,256,8,2,0,256
+    // --devices 8` ranked dp2 tp4, which loom train and --train-step refuse.
+    if (M.heads % tp != 0 || M.kv_heads % tp != 0) {
       Candidate c;
       c.tp = tp;
       c.strategy = "-";
       c.fits = false;
-      c.why_not = "tp " + std::to_string(tp) + " does not divide the " + std::to_string(M.heads) +
-                  " heads / " + std::to_string(M.kv_heads) + " kv heads";
+      c.why_not = "tp " + std::to_string(tp) + " does not divide both the " +
+                  std::to_string(M.heads) + " heads and the " + std::to_string(M.kv_heads) +
+                  " kv heads (loom train's rule)";
       shapes.push_back({tp, 1, 1, "", c});
       continue;
     }
@@ -303,7 +313,9 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         const double L = static_cast<double>(M.layers);
         const double tokens = static_cast<double>(req.seq) / cp;
         const double params = M.params() / tp;
-        double mem = req.train ? params * (4.0 + 12.0 / dp) : params * 2.0;
+        // Optimizer state sharded over the dp x cp ranks that reduce the same gradients.
+        double mem =
+            req.train ? params * (4.0 + 12.0 / (static_cast<double>(dp) * cp)) : params * 2.0;
         const double kvdim = static_cast<double>(M.kv_heads * M.head_dim());
         const double per_token_layer =
             2.0 * (5.0 * M.dim + 2.0 * kvdim + 4.0 * M.ffn) / tp + 4.0 * hl;
@@ -355,11 +367,13 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         const double act_bytes = tokens * static_cast<double>(M.dim) * req.dtype_bytes / tp;
         const double tp_pass = 4.0 * gather_s(act_bytes, tp, prof.intra, prof.allgather_eff);
         c.tp_comm_s = L * tp_pass * (passes + (ckpt ? 1.0 : 0.0));
-        // DP: gradient all-reduce, overlapped with backward except the last layer.
-        if (req.train && dp > 1) {
-          const bool inter =
-              tp * cp >= prof.devices_per_node || dp * tp * cp > prof.devices_per_node;
-          const double ar = ring_allreduce_s(2.0 * M.params() / tp, dp,
+        // DP: the gradient all-reduce over the dp x cp ranks holding the same tp piece (a cp
+        // rank's gradients are those of its own tokens: with dp 1 and cp 16 they still travel,
+        // and a dp1 x cp16 mesh ranked first with no all-reduce at all), overlapped with the
+        // backward except the last layer. The group spans nodes once the job does.
+        if (req.train && dp * cp > 1) {
+          const bool inter = N > prof.devices_per_node;
+          const double ar = ring_allreduce_s(2.0 * M.params() / tp, dp * cp,
                                              inter ? prof.inter : prof.intra, prof.allreduce_eff);
           const double bwd_time = L * bwd + 2.0 * gemm_fwd;
           c.dp_comm_s = std::max(ar / L, ar - bwd_time);
@@ -382,8 +396,12 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         c.memory_bytes = mem;
         c.tokens_per_s = dp * static_cast<double>(req.seq) / c.step_s;
         c.mfu = model_flops * dp / (N * peak * c.step_s);
-        // A checked profile and problem give positive, finite figures; never rank others.
-        LOOM_CHECK(std::isfinite(c.step_s) && c.step_s > 0 && std::isfinite(c.mfu) &&
+        // A checked profile and problem give positive, finite figures; never rank others. The
+        // figures as printed too: the table shows the step in ms (a step of 1.5e307 s passed
+        // isfinite and printed "inf"), and the ranking is by tokens/s (a 7e297 s step ranked a
+        // winner at 0 tokens/s).
+        LOOM_CHECK(std::isfinite(c.step_s * 1e6) && c.step_s > 0 && std::isfinite(c.mfu) &&
+                       std::isfinite(c.tokens_per_s) && c.tokens_per_s > 0 &&
                        std::isfinite(c.memory_bytes),
                    InvalidArgument,
                    "profile '" << prof.name << "' gives " << c.name() << " a step of " << c.step_s
@@ -425,7 +443,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
       << "; exposed context-parallel communication " << duration(w.exposed_cp_s) << ", balance "
       << fmt(w.balance, 3) << ".\n";
     // Ulysses caps: query heads bound the degree, KV heads bound it without replication.
-    const int64_t hq_tp = M.heads / w.tp, hkv_tp = std::max<int64_t>(1, M.kv_heads / w.tp);
+    const int64_t hq_tp = M.heads / w.tp, hkv_tp = M.kv_heads / w.tp;
     e << "  Ulysses is capped at " << hq_tp << " ranks by the " << hq_tp
       << " query heads per tp rank, and at " << hkv_tp << " by the KV heads (above that K and V "
       << "are replicated: "
@@ -591,7 +609,7 @@ TrainStepPrediction predict_train_step(const TrainCase& c, const TrainMeasure& o
   r.update_s = one.update_s * (replicated + split / m.tp) / M.params() * shared;
   r.attention = s;
   r.step_s = r.attention_s + r.other_s + r.rest_s + r.tp_comm_s + r.grad_comm_s + r.update_s;
-  LOOM_CHECK(std::isfinite(r.step_s), InvalidArgument,
+  LOOM_CHECK(std::isfinite(r.step_s * 1e3), InvalidArgument,  // printed in ms
              "profile '" << p.name << "' gives mesh dp " << m.dp << " tp " << m.tp << " ulysses "
                          << m.ulysses << " ring " << m.ring << " a step of " << r.step_s
                          << " s; check its figures");

@@ -34,6 +34,15 @@ constexpr double kMaxBytes = 1e15;      // bytes of device memory
 constexpr double kMinBandwidth = 1e3;   // bytes/s of a link or of memory
 constexpr double kMaxBandwidth = 1e15;  // bytes/s of a link or of memory
 constexpr double kMaxSeconds = 1.0;     // a latency, a call's overhead, one tile's time
+// The efficiencies (a kernel's or a collective's fraction of its peak) and a masked tile's cost
+// over a full one's: at least a thousandth. "> 0" let 1e-300 through, and the times, work over
+// rate x efficiency, came out 300 digits long ("forward 6.6e+298 ms", with the backward lost to
+// the forward's rounding: "backward 0.000 ms"), printed as "inf ms" (1.5e307 s is finite, its ms
+// are not), or ranked a winner with a 7e297 s step and 0 tokens/s. No kernel, GEMM or collective
+// worth planning for runs below a thousandth of its peak (--calibrate clamps the collectives'
+// at 0.05); with the rates' and bandwidths' lower bounds it keeps every predicted time, in the
+// unit it is printed in, finite.
+constexpr double kMinFraction = 1e-3;
 constexpr int64_t kMaxTileSide = 4096;  // block_q, block_k, work_tile
 constexpr int64_t kMaxCount = 65536;    // threads, devices per node
 
@@ -60,11 +69,11 @@ std::vector<Rule> rules(const Profile& p) {
   };
   num("device.flops_bf16", p.flops_bf16, kMinRate, false, kMaxRate, "FLOP/s", true);
   num("device.flops_fp32", p.flops_fp32, kMinRate, false, kMaxRate, "FLOP/s", true);
-  num("device.attn_fwd_eff", p.attn_fwd_eff, 0, true, 1, "a fraction of peak");
-  num("device.attn_bwd_eff", p.attn_bwd_eff, 0, true, 1, "a fraction of peak");
-  num("device.partial_tile_cost", p.partial_tile_cost, 0, true, 100,
+  num("device.attn_fwd_eff", p.attn_fwd_eff, kMinFraction, false, 1, "a fraction of peak");
+  num("device.attn_bwd_eff", p.attn_bwd_eff, kMinFraction, false, 1, "a fraction of peak");
+  num("device.partial_tile_cost", p.partial_tile_cost, kMinFraction, false, 100,
       "a masked tile's time over a full one's");
-  num("device.gemm_eff", p.gemm_eff, 0, true, 1, "a fraction of peak");
+  num("device.gemm_eff", p.gemm_eff, kMinFraction, false, 1, "a fraction of peak");
   num("device.memory_bytes", p.memory_bytes, 0, true, kMaxBytes, "bytes", true);
   num("device.mem_bandwidth", p.mem_bandwidth, kMinBandwidth, false, kMaxBandwidth, "bytes/s",
       true);
@@ -89,9 +98,11 @@ std::vector<Rule> rules(const Profile& p) {
     num(std::string("links.") + name + ".latency_s", l->latency, 0, false, kMaxSeconds, "seconds",
         true);
   }
-  num("collectives.a2a_eff", p.a2a_eff, 0, true, 1, "a fraction of the link");
-  num("collectives.allgather_eff", p.allgather_eff, 0, true, 1, "a fraction of the link");
-  num("collectives.allreduce_eff", p.allreduce_eff, 0, true, 1, "a fraction of the link");
+  num("collectives.a2a_eff", p.a2a_eff, kMinFraction, false, 1, "a fraction of the link");
+  num("collectives.allgather_eff", p.allgather_eff, kMinFraction, false, 1,
+      "a fraction of the link");
+  num("collectives.allreduce_eff", p.allreduce_eff, kMinFraction, false, 1,
+      "a fraction of the link");
   return r;
 }
 
@@ -312,7 +323,11 @@ Profile parse_profile(const std::string& text, const std::string& where) {
 
 Profile load_profile(const std::string& path) {
   // A regular file only (a FIFO or /dev/zero would block or never end), and a bounded read: the
-  // shipped profiles are a few KiB.
+  // shipped profiles are a few KiB. "-" too: InputFile reads it as standard input, where a pipe
+  // that never closes blocked for ever (and /dev/stdin on a pipe is refused as not a regular file).
+  LOOM_CHECK(path != "-", IoError,
+             "cannot read profile -: is not a regular file ('-' is standard input); loom reads a "
+             "profile only from a regular file");
   std::string text;
   try {
     InputFile in(path, "profile");

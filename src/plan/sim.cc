@@ -459,13 +459,14 @@ AttnSim simulate_attention(const AttnCase& c, const Profile& p, const SimOptions
   for (const RankSim& r : out.ranks) out.backward_s = std::max(out.backward_s, r.end_s);
   out.backward_s = c.backward ? out.backward_s - out.forward_s : 0.0;
   // A checked profile and case give finite times (profile.cc's ranges); never return others
-  // (a rate of 1e-300 printed "forward inf ms, backward -nan ms", exit 0).
-  LOOM_CHECK(
-      std::isfinite(out.forward_s) && std::isfinite(out.backward_s) && std::isfinite(out.balance()),
-      InvalidArgument,
-      "profile '" << p.name << "' gives " << c.strategy << " on " << c.ranks
-                  << " ranks a forward of " << out.forward_s << " s and a backward of "
-                  << out.backward_s << " s; check its figures");
+  // (a rate of 1e-300 printed "forward inf ms, backward -nan ms", exit 0). Finite as printed,
+  // in ms: a forward of 1.5e307 s passed isfinite and printed "inf ms".
+  LOOM_CHECK(std::isfinite(out.forward_s * 1e3) && std::isfinite(out.backward_s * 1e3) &&
+                 std::isfinite(out.balance()),
+             InvalidArgument,
+             "profile '" << p.name << "' gives " << c.strategy << " on " << c.ranks
+                         << " ranks a forward of " << out.forward_s << " s and a backward of "
+                         << out.backward_s << " s; check its figures");
   return out;
 }
 

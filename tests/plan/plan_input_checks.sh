@@ -46,8 +46,26 @@ expect_error "block_q 1e18" "field 'device.block_q' must be an integer in [1, 40
   --profile "$work/bq_huge.json" --seq 8192
 expect_error "block_q 1.5" "field 'device.block_q' must be an integer in [1, 4096], got 1.5" \
   --profile "$work/bq_frac.json" --seq 8192
-expect_error "attn_fwd_eff 0" "eff0.json: field 'device.attn_fwd_eff' must be a number in (0, 1]" \
+expect_error "attn_fwd_eff 0" "eff0.json: field 'device.attn_fwd_eff' must be a number in [0.001, 1]" \
   --profile "$work/eff0.json" --seq 8192
+# Efficiencies (and a masked tile's cost) of 1e-300 passed "> 0": --simulate printed a 300-digit
+# forward time with "backward 0.000 ms", or "inf ms" (1.5e307 s), and the search ranked a winner
+# with a 7e297 s step and 0 tokens/s, exit 0. A thousandth is the least.
+variant fwd_tiny "p['device']['attn_fwd_eff'] = 1e-300"
+variant coll_tiny "p['collectives'] = {k: 1e-300 for k in p['collectives']}"
+variant gemm_tiny "p['device']['gemm_eff'] = 1e-300"
+variant partial_tiny "p['device']['partial_tile_cost'] = 1e-300"
+expect_error "attn_fwd_eff 1e-300 (simulate)" \
+  "fwd_tiny.json: field 'device.attn_fwd_eff' must be a number in [0.001, 1] (a fraction of peak), got 1e-300" \
+  --simulate --profile "$work/fwd_tiny.json" --ranks 2 --seq 4096 --json "$work/fwd_tiny_sim.json"
+[ ! -e "$work/fwd_tiny_sim.json" ] && ok "no simulation written" || bad "a simulation was written"
+expect_error "collectives 1e-300 (simulate)" "coll_tiny.json: field 'collectives.a2a_eff' must be a number in [0.001, 1]" \
+  --simulate --profile "$work/coll_tiny.json" --ranks 16 --seq 8192
+expect_error "gemm_eff 1e-300 (search)" "gemm_tiny.json: field 'device.gemm_eff' must be a number in [0.001, 1]" \
+  --profile "$work/gemm_tiny.json" --seq 8192 --devices 8
+expect_error "partial_tile_cost 1e-300" \
+  "partial_tiny.json: field 'device.partial_tile_cost' must be a number in [0.001, 100]" \
+  --profile "$work/partial_tiny.json" --seq 8192
 # Rates and bandwidths far below any machine: 1e-300 passed "> 0" and --simulate printed
 # "predicted forward inf ms, backward -nan ms ... balance -nan", exit 0, with nulls in --json.
 variant flops_tiny "p['device']['flops_bf16'] = 1e-300"

@@ -622,7 +622,18 @@ TEST(PlanProfiles, EveryFigureIsCheckedAtLoad) {
       {"/device/mem_bandwidth", 0, "field 'device.mem_bandwidth' must be"},
       {"/device/memory_bytes", 0, "field 'device.memory_bytes' must be"},
       {"/device/flops_bf16", 0, "field 'device.flops_bf16' must be"},
-      {"/device/attn_fwd_eff", 0, "field 'device.attn_fwd_eff' must be a number in (0, 1]"},
+      {"/device/attn_fwd_eff", 0, "field 'device.attn_fwd_eff' must be a number in [0.001, 1]"},
+      // An efficiency of 1e-300 passed "> 0": --simulate printed a 300-digit forward time with
+      // "backward 0.000 ms", or "inf ms" (1.5e307 s is finite, its ms are not), and a search
+      // ranked a winner with a 7e297 s step and 0 tokens/s. A thousandth is the least.
+      {"/device/attn_fwd_eff", 1e-300, "field 'device.attn_fwd_eff' must be a number in [0.001"},
+      {"/device/attn_bwd_eff", 1e-300, "field 'device.attn_bwd_eff' must be a number in [0.001"},
+      {"/device/gemm_eff", 9.99e-4, "field 'device.gemm_eff' must be a number in [0.001"},
+      {"/device/partial_tile_cost", 1e-300,
+       "field 'device.partial_tile_cost' must be a number in [0.001"},
+      {"/collectives/a2a_eff", 1e-300, "field 'collectives.a2a_eff' must be a number in [0.001"},
+      {"/collectives/allgather_eff", 1e-300, "field 'collectives.allgather_eff' must be"},
+      {"/collectives/allreduce_eff", 1e-300, "field 'collectives.allreduce_eff' must be"},
       {"/device/attn_bwd_eff", 1.5, "field 'device.attn_bwd_eff' must be"},
       {"/device/gemm_eff", -0.1, "field 'device.gemm_eff' must be"},
       {"/device/partial_tile_cost", 0, "field 'device.partial_tile_cost' must be"},
@@ -658,6 +669,43 @@ TEST(PlanProfiles, EveryFigureIsCheckedAtLoad) {
                    (field == "links" ? std::string("links.intra.bandwidth") : field) + "'");
   }
   EXPECT_NO_THROW(parse_profile(good.dump(), "good.json"));
+}
+
+// At every lower bound of the ranges (1 MFLOP/s, efficiencies of a thousandth, 1 kB/s links, 1 s
+// latencies) a large problem's times are finite as printed (ms, us in the search's table), and the
+// search ranks positive, finite tokens/s: the bounds exist for that (docs/planning.md).
+TEST(PlanProfiles, LowestFiguresGiveFinitePrintableTimes) {
+  Profile p = valid_profile();
+  p.flops_bf16 = p.flops_fp32 = 1e6;
+  p.attn_fwd_eff = p.attn_bwd_eff = p.gemm_eff = p.partial_tile_cost = 1e-3;
+  p.a2a_eff = p.allgather_eff = p.allreduce_eff = 1e-3;
+  p.mem_bandwidth = 1e3;
+  p.intra = p.inter = Link{1e3, 1.0};
+  p.memory_bytes = 1e15;
+  p.devices_per_node = 1;
+  for (const char* strategy : {"ring", "ulysses", "allgather"}) {
+    AttnCase a;
+    a.strategy = strategy;
+    a.seq = int64_t{1} << 28;
+    a.ranks = 4;
+    a.heads = a.kv_heads = 65536;
+    a.head_dim = kMaxHeadDim;
+    const AttnSim s = simulate_attention(a, p);
+    EXPECT_TRUE(std::isfinite(s.forward_s * 1e3) && s.forward_s > 0) << strategy;
+    EXPECT_TRUE(std::isfinite(s.backward_s * 1e3) && s.backward_s > 0) << strategy;
+  }
+  PlanRequest req;
+  req.model = ModelShape{80, 8192, 64, 8, 28672, 128256};  // Llama-3-70B
+  req.seq = 1 << 20;
+  req.devices = 16;
+  req.strategies = {"ring"};
+  req.all_layouts = false;
+  const PlanResult r = plan(req, p);
+  ASSERT_FALSE(r.ranked.empty());
+  for (const Candidate& c : r.ranked) {
+    EXPECT_TRUE(std::isfinite(c.step_s * 1e6) && c.step_s > 0) << c.name();
+    EXPECT_TRUE(std::isfinite(c.tokens_per_s) && c.tokens_per_s > 0) << c.name();
+  }
 }
 
 // A profile built in code meets the same ranges at the entries (plan, simulate_attention,
@@ -769,6 +817,98 @@ TEST(PlanSearch, RefusesUpFrontWhatNoCandidateCouldRun) {
     EXPECT_EQ(c.ring * c.ulysses, 1) << c.name();
     EXPECT_TRUE(std::isfinite(c.step_s) && c.step_s > 0) << c.name();
     EXPECT_TRUE(std::isfinite(c.tokens_per_s) && c.tokens_per_s > 0) << c.name();
+  }
+}
+
+// The gradient all-reduce runs over the dp x cp ranks that hold the same tp piece (each cp rank's
+// gradients are those of its own tokens, summed as loom train sums them over its dp_cp group),
+// and the optimizer state is sharded over the same ranks. Before, the search charged it over dp
+// alone: every dp1 plan with cp > 1 had no all-reduce, and `--model 4,4096,32,8,0,32000 --seq
+// 8192 --devices 16` ranked dp1 tp1 r16 i8 ring2d first at 7.9 ms per step (it needs >= 110 ms
+// for its all-reduce; dp16 wins).
+TEST(PlanSearch, GradientsAreSummedOverDpTimesCp) {
+  const Profile p = shipped("h100_sxm.json");
+  const auto ring_allreduce = [](double bytes, int n, const Link& l, double eff) {
+    return 2.0 * (n - 1) * l.latency + 2.0 * (n - 1) / n * bytes / (l.bandwidth * eff);
+  };
+  PlanRequest req;
+  req.seq = 8192;
+  req.devices = 16;
+  // One layer: the exposed all-reduce is the whole all-reduce (only the last layer's share of it
+  // is never overlapped), so it equals the formula.
+  req.model = ModelShape{1, 4096, 32, 8, 16384, 32000};
+  const PlanResult one = plan(req, p);
+  int with_cp = 0;
+  for (const Candidate& c : one.ranked) {
+    const int n = c.dp * c.ulysses * c.ring;  // dp x cp (ring2d: ring is the whole cp group)
+    ASSERT_EQ(n * c.tp, req.devices) << c.name();
+    const double want =
+        ring_allreduce(2.0 * req.model.params() / c.tp, n, p.inter, p.allreduce_eff);
+    EXPECT_NEAR(c.dp_comm_s, want, 1e-12 * want) << c.name();
+    with_cp += c.dp == 1 && n > 1;
+  }
+  EXPECT_GT(with_cp, 10);
+  // The probe's case: dp16 wins; the dp1 x cp16 double ring pays its all-reduce.
+  req.model = ModelShape{4, 4096, 32, 8, 16384, 32000};
+  const PlanResult four = plan(req, p);
+  ASSERT_FALSE(four.ranked.empty());
+  EXPECT_EQ(four.ranked.front().name(), "dp16 tp1 u1 r1 none/zigzag");
+  bool seen = false;
+  for (const Candidate& c : four.ranked)
+    if (c.name() == "dp1 tp1 u1 r16 i8 ring2d/stripe") {
+      seen = true;
+      EXPECT_GT(c.dp_comm_s, 0.11) << c.name();
+    }
+  EXPECT_TRUE(seen);
+  // Memory: fp32 master weights and Adam moments (12 B per parameter / tp) sharded over dp x cp.
+  // dp1 x cp2 and dp2 x cp2 differ only in that share: 12 P (1/2 - 1/4) (over dp alone: 12 P / 2).
+  req.model = ModelShape{2, 1024, 8, 8, 4096, 1000};
+  const auto memory_of = [&](int devices, const std::string& name) {
+    PlanRequest r = req;
+    r.devices = devices;
+    for (const Candidate& c : plan(r, p).ranked)
+      if (c.name() == name) return c.memory_bytes;
+    ADD_FAILURE() << name << " not ranked on " << devices << " devices";
+    return 0.0;
+  };
+  const double P = req.model.params();
+  EXPECT_NEAR(memory_of(2, "dp1 tp1 u1 r2 ring/zigzag") - memory_of(4, "dp2 tp1 u1 r2 ring/zigzag"),
+              12.0 * P * (1.0 / 2 - 1.0 / 4), 1e-6 * P);
+}
+
+// Every ranked plan is one loom train can run: tp divides the heads and the kv heads (its rule,
+// model::validate). A tp above the kv heads was ranked: `--model 2,256,8,2,0,256 --devices 8`
+// ranked dp2 tp4, which loom train and --train-step --mesh 2,4,1,1 refuse.
+TEST(PlanSearch, TpDividesTheKvHeadsAsLoomTrainRequires) {
+  const Profile p = shipped("h100_sxm.json");
+  PlanRequest req;
+  req.seq = 8192;
+  req.devices = 8;
+  req.model = ModelShape{2, 256, 8, 2, 1024, 256};
+  const PlanResult r = plan(req, p);
+  ASSERT_FALSE(r.ranked.empty());
+  for (const Candidate& c : r.ranked) EXPECT_EQ(req.model.kv_heads % c.tp, 0) << c.name();
+  int refused = 0;
+  for (const Candidate& c : r.rejected)
+    if (c.tp == 4 || c.tp == 8) {
+      ++refused;
+      EXPECT_EQ(c.why_not, "tp " + std::to_string(c.tp) +
+                               " does not divide both the 8 heads and the 2 kv heads (loom "
+                               "train's rule)");
+    }
+  EXPECT_EQ(refused, 2);
+}
+
+// "-" is not a profile: InputFile reads it as standard input, where a pipe that never closes
+// blocked for ever; refused as not a regular file, before anything is read.
+TEST(PlanProfiles, StandardInputIsNotAProfile) {
+  try {
+    load_profile("-");
+    ADD_FAILURE() << "read a profile from standard input";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot read profile -: is not a regular file"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -26,6 +26,10 @@ rc=$?
 [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -qF "/dev/zero: is not a regular file" "$work/stderr" &&
   ok "/dev/zero as --profile refused at once" ||
   { cat "$work/stderr"; bad "/dev/zero as --profile (rc=$rc; 124: it read forever)"; }
+# "-" is standard input to InputFile, where a pipe that never closes blocked for ever: a profile
+# is a regular file, "-" refused as not one (it was read, even from a regular file redirected).
+expect_error "--profile -" "cannot read profile -: is not a regular file ('-' is standard input)" \
+  --profile - < "$h100"
 expect_error "directory as --profile" "is a directory" --profile "$work"
 expect_error "missing --profile" "cannot read profile $work/none.json" --profile "$work/none.json"
 
@@ -61,6 +65,57 @@ expect_error "--svg into a missing directory" "--svg $work/nodir/p.svg: cannot w
 [ ! -s "$work/stdout" ] && ok "refused before the search: no table" || bad "the search ran"
 expect_error "--calibrate into a missing directory" "cannot write into" \
   --calibrate "$work/nodir/p.json"
+
+# A failed run leaves no new output: with --json a.json --svg /dev/full the JSON was written, then
+# the SVG failed (exit 1). Outputs written in place (a device, standard output) go first, the
+# regular files are staged and renamed only once all are written.
+"$loom" plan --profile "$h100" --top 2 --json "$work/a.json" --svg /dev/full > /dev/null \
+  2> "$work/stderr"
+rc=$?
+[ $rc -eq 1 ] && grep -qF "/dev/full: write failed" "$work/stderr" && [ ! -e "$work/a.json" ] &&
+  ok "--json a.json --svg /dev/full: exit 1, a.json not written" ||
+  { cat "$work/stderr"; ls "$work"; bad "--svg /dev/full left --json written (rc=$rc)"; }
+echo old > "$work/a.json"
+"$loom" plan --profile "$h100" --top 2 --svg "$work/a.svg" --json /dev/full > /dev/null 2>&1
+[ $? -eq 1 ] && [ "$(cat "$work/a.json")" = old ] && [ ! -e "$work/a.svg" ] &&
+  ok "--svg a.svg --json /dev/full: exit 1, a.svg not written" || bad "--json /dev/full wrote --svg"
+chmod 600 "$work/a.json"
+if "$loom" plan --profile "$h100" --top 2 --json "$work/a.json" --svg "$work/a.svg" > /dev/null &&
+   [ "$(stat -c %a "$work/a.json")" = 600 ] && [ -s "$work/a.svg" ] &&
+   /usr/bin/python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$work/a.json" &&
+   [ -z "$(find "$work" -name 'a.*.tmp.*')" ]; then
+  ok "--json and --svg both written, a.json keeps its 0600, no temporaries left"
+else ls -la "$work"; bad "--json and --svg together"; fi
+rm -f "$work/a.json" "$work/a.svg"
+
+# The text report on a full standard output is an error, exit 1 as in loom attn (docs/cli.md).
+"$loom" plan --profile "$h100" --top 2 > /dev/full 2> "$work/stderr"
+rc=$?
+[ $rc -eq 1 ] && grep -qF "standard output: write failed" "$work/stderr" &&
+  ok "plan > /dev/full: exit 1" || { cat "$work/stderr"; bad "plan > /dev/full (rc=$rc)"; }
+
+# main's usage errors name what is wrong, exit 2: an unknown command or option read "A subcommand
+# is required", and `loom run --help` printed the top-level help with exit 0.
+expect_usage() {  # expect_usage NAME NEEDLE ARGS...: exit 2, one stderr line with NEEDLE, no stdout
+  local name="$1" needle="$2"; shift 2
+  "$loom" "$@" > "$work/stdout" 2> "$work/stderr"
+  local rc=$?
+  if [ $rc -eq 2 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && [ ! -s "$work/stdout" ] &&
+     grep -qF -- "$needle" "$work/stderr"; then
+    ok "$name: $(cat "$work/stderr")"
+  else
+    echo "  rc=$rc:"; cat "$work/stderr"; head -3 "$work/stdout"; bad "$name"
+  fi
+}
+expect_usage "loom run" "unknown command 'run'; choose attn, train, plan or verify" run
+expect_usage "loom atn --seq 8" "unknown command 'atn'; choose attn" atn --seq 8
+expect_usage "loom run --help" "unknown command 'run'" run --help
+expect_usage "loom --bogus" "unknown option '--bogus': before the command" --bogus
+expect_usage "loom --bogus plan" "unknown option '--bogus'" --bogus plan
+expect_usage "loom" "A subcommand is required"
+"$loom" plan --help > "$work/stdout" 2>&1 && grep -q "Usage: .*loom plan" "$work/stdout" &&
+  "$loom" --version > /dev/null && "$loom" --help > /dev/null &&
+  ok "loom plan --help, loom --help and loom --version: exit 0" || bad "help and version"
 
 # Sizes: the search's divisor loop wrapped past INT_MAX and divided by zero (SIGFPE); the
 # simulator ran for minutes to centuries (--seq 1e12, 2^63 - 1) or until memory ran out

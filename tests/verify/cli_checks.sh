@@ -244,6 +244,26 @@ expect 2 "lse.rank02.npy, which is not a per-rank name" -- V --candidate "$T/str
 for s in 0 -0 -1 nan inf; do
   expect 2 "--scale must be a positive finite number" -- V --candidate "$T/lib/correct" --scale $s
 done
+# Taken in float32: a scale past its range is refused as such (1e39 was "out cannot be verified:
+# ... bound ... not computable"); float32's largest, as printed, is taken (and then held to the
+# problem's bound, which overflows at that scale, as at 3e38 above).
+expect 2 "--scale 1e+39 overflows float32 (at most 3.4028235e+38)" -- V --candidate "$T/lib/correct" \
+  --scale 1e39
+expect 2 "--scale 3.5e+38 overflows float32" -- V --candidate "$T/lib/correct" --scale 3.5e38
+expect 2 "out cannot be verified: this problem's fp32 error bound for it is not computable" -- \
+  V --candidate "$T/lib/correct" --scale 3.4028235e38
+# A failed write of the text report is exit 2 like every error but a failed tensor (it was 1, "a
+# tensor failed"), whether the tensors passed or failed, to a full or a closed standard output.
+for c in correct dropped_step; do
+  err=$(V --candidate "$T/lib/$c" 2>&1 >/dev/full)
+  rc=$?
+  [ $rc = 2 ] && grep -q "standard output: write failed (No space left on device)" <<<"$err" ||
+    fail "verify $c > /dev/full: exit $rc (want 2): $err"
+  err=$(V --candidate "$T/lib/$c" 2>&1 >&-)
+  rc=$?
+  [ $rc = 2 ] && grep -q "standard output: write failed" <<<"$err" ||
+    fail "verify $c with standard output closed: exit $rc (want 2): $err"
+done
 expect 0 "verify    PASSED" -- V --candidate "$T/lib/correct" --scale 0.25
 expect 1 "wrong softmax scale" -- V --candidate "$T/lib/correct" --scale 0.5
 # --ranks past the sequence length: exit 1 "out of memory (an allocation outside loom's tensors
@@ -379,7 +399,7 @@ expect 1 "diagnosis no known defect explains the out error" -- \
 [ $(( $(date +%s) - start )) -le 30 ] || fail "verify --ranks 512 and 128 took over 30 s"
 # A scale below float32's normal range was refused as "got 0" (5e-324) or accepted (1e-44).
 expect2 "--scale 1e-44 is subnormal in float32" -- SV --candidate "$T/samp_ref" --scale 1e-44
-expect2 "--scale 4.94066e-324 rounds to 0 in float32" -- SV --candidate "$T/samp_ref" --scale 5e-324
+expect2 "--scale 5e-324 rounds to 0 in float32" -- SV --candidate "$T/samp_ref" --scale 5e-324
 
 if [ $fails -ne 0 ]; then
   echo "$fails check(s) failed"

@@ -31,6 +31,25 @@ int main(int argc, char** argv) {
     return std::string("loom: error: ") + e.what() + " (see loom --help)\n";
   });
   loom::tools::set_command_line(argc, argv);
+  // The first argument is the command, or one of loom's own options (--help, -h, --version).
+  // CLI11 checks that a command was given before it looks at unexpected arguments, so `loom run`
+  // and `loom --bogus` said "A subcommand is required", naming neither, and `loom run --help`
+  // printed the top-level help with exit status 0.
+  const std::string unknown = [&]() -> std::string {
+    if (argc < 2) return "";  // no command: CLI11 says one is required
+    const std::string first = argv[1];
+    if (first == "--help" || first == "-h" || first == "--version") return "";
+    std::string names;
+    const auto commands = app.get_subcommands([](const CLI::App*) { return true; });
+    for (size_t i = 0; i < commands.size(); ++i) {
+      if (commands[i]->get_name() == first) return "";
+      names += (i == 0 ? "" : i + 1 == commands.size() ? " or " : ", ") + commands[i]->get_name();
+    }
+    if (first.size() > 1 && first[0] == '-')
+      return "unknown option '" + first + "': before the command (" + names +
+             ") loom takes only --help and --version";
+    return "unknown command '" + first + "'; choose " + names;
+  }();
   // Under mpirun, a rank that fails ends the whole job at once (MPI_Abort), whatever the error:
   // before, only a CommError did, and the other ranks waited out their timeout on a rank that had
   // raised InvalidArgument or IoError (a bad LOOM_TIMEOUT_S, an unreadable --data or checkpoint
@@ -57,11 +76,18 @@ int main(int argc, char** argv) {
     errno = 0;
     return std::fflush(stdout) == 0 && !std::ferror(stdout);
   };
+  // Exit status 1 (2 for loom verify, whose 1 means "a tensor failed": docs/verify.md).
   auto stdout_failed = [&] {
     const std::string why = std::string("standard output: write failed (") +
                             (errno ? std::strerror(errno) : "an earlier write failed") + ")";
-    return fail(why.c_str());
+    const int rc = fail(why.c_str());
+    return app.got_subcommand("verify") ? 2 : rc;
   };
+  if (!unknown.empty()) {
+    if (mpi && rank > 0) std::this_thread::sleep_for(std::chrono::seconds(2));  // as below
+    std::fprintf(stderr, "loom: error: %s (see loom --help)\n", unknown.c_str());
+    return 2;
+  }
   try {
     app.parse(argc, argv);
     const int rc = loom::tools::exit_code();

@@ -8,11 +8,18 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "commands.h"
 #include "loom/comm.h"
@@ -25,6 +32,8 @@
 namespace loom::tools {
 
 namespace {
+
+namespace fs = std::filesystem;
 
 constexpr int64_t kMaxMeasureSteps = 1000000;  // --train-step's measured steps
 
@@ -260,6 +269,70 @@ std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
      << "\" width=\"12\" height=\"12\" fill=\"#d62728\"/><text x=\"536\" y=\"" << ay + 11
      << "\">waiting (exposed communication)</text>\n</svg>\n";
   return os.str();
+}
+
+// The search's outputs (--json, --svg; path and bytes, empty paths skipped), written as a unit as
+// far as the file system allows: with --json a.json --svg /dev/full the JSON was written, then the
+// SVG failed (exit 1), so the failed run left a new output. Those written in place, which cannot
+// be staged or undone (standard output, the process's own streams, a device, a FIFO), go first;
+// then every regular file is staged next to its target ("<target>.tmp.<pid>-s<i>", which the
+// next run's clean_stale_temps removes if this one is killed) and the staged files are renamed
+// over their targets only once all of them are written, each keeping its target's permission
+// bits as write_output does. (A target name too long for the suffix is written directly, last.)
+void write_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
+  std::vector<const std::pair<std::string, std::string>*> regular;
+  for (const auto& out : outputs) {
+    if (out.first.empty()) continue;
+    struct stat st;
+    const bool in_place =
+        out.first == "-" || own_stream_fd(out.first) >= 0 ||
+        (::stat(resolve_output_path(out.first).c_str(), &st) == 0 && !S_ISREG(st.st_mode));
+    if (in_place)
+      write_output(out.first, out.second);
+    else
+      regular.push_back(&out);
+  }
+  struct Staged {
+    std::string path, target, stage;
+  };
+  std::vector<Staged> staged;
+  std::vector<const std::pair<std::string, std::string>*> direct;
+  try {
+    for (const auto* out : regular) {
+      const std::string target = resolve_output_path(out->first);
+      if (regular.size() == 1 || fs::path(target).filename().string().size() > 200) {
+        direct.push_back(out);
+        continue;
+      }
+      Staged s{
+          out->first, target,
+          target + ".tmp." + std::to_string(::getpid()) + "-s" + std::to_string(staged.size())};
+      staged.push_back(s);
+      write_output(s.stage, out->second);
+      struct stat st;
+      if (::stat(s.target.c_str(), &st) == 0 && S_ISREG(st.st_mode))
+        (void)::chmod(s.stage.c_str(), st.st_mode & 07777);  // best effort, as write_output
+    }
+    for (const auto* out : direct) write_output(out->first, out->second);
+    for (size_t i = 0; i < staged.size(); ++i) {
+      if (std::rename(staged[i].stage.c_str(), staged[i].target.c_str()) != 0)
+        throw IoError(staged[i].path + ": write failed (" + std::strerror(errno) + ")");
+      staged[i].stage.clear();  // renamed: nothing to remove
+    }
+  } catch (const IoError& e) {
+    // A staged file's error names its option's path, not the temporary.
+    std::string what = e.what();
+    for (const Staged& s : staged)
+      if (!s.stage.empty() && what.compare(0, s.stage.size() + 1, s.stage + ":") == 0)
+        what = s.path + what.substr(s.stage.size());
+    for (const Staged& s : staged)
+      if (!s.stage.empty()) ::unlink(s.stage.c_str());
+    throw IoError(what);
+  } catch (...) {
+    for (const Staged& s : staged)
+      if (!s.stage.empty()) ::unlink(s.stage.c_str());
+    throw;
+  }
 }
 
 // --train-step: one rank of loom train's model measured here, then every --mesh predicted.
@@ -794,6 +867,7 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
   if (o.explain && !r.ranked.empty()) text(show, "\n%s", r.explain.c_str());
   // Nothing ranked is an error (below), and an error writes nothing: --json was replaced by the
   // failed ranking while --svg kept the old plot.
+  std::vector<std::pair<std::string, std::string>> outputs;
   if (!o.json.empty() && !r.ranked.empty()) {
     nlohmann::json j;
     j["model"] = {{"layers", m.layers},     {"dim", m.dim}, {"heads", m.heads},
@@ -809,9 +883,10 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
     for (const auto& c : r.rejected) j["rejected"].push_back(candidate_json(c));
     j["best_attention"] = sim_json(r.best_attn);
     j["explain"] = r.explain;
-    write_file_atomic(o.json, j.dump(2) + "\n");
+    outputs.emplace_back(o.json, j.dump(2) + "\n");
   }
-  if (!o.svg.empty() && !r.ranked.empty()) write_file_atomic(o.svg, plan_svg(r, o, o.top));
+  if (!o.svg.empty() && !r.ranked.empty()) outputs.emplace_back(o.svg, plan_svg(r, o, o.top));
+  write_outputs(outputs);  // both or, as far as the file system allows, neither
   // Nothing ranked is an error: one line on stderr saying why (exit 1 came with nothing there).
   if (r.ranked.empty()) {
     const double limit = app->count("--memory-limit") ? o.memory_limit_gb * 1e9 : prof.memory_bytes;
@@ -867,7 +942,8 @@ void declare_plan(CLI::App* c, PlanOptions& opts) {
   c->add_option("--kv-heads", o->kv_heads, "--simulate: kv heads (default: heads)");
   c->add_option("--head-dim", o->head_dim, "--simulate: head dim")->capture_default_str();
   c->add_option("--dtype", o->dtype, "--simulate: fp32 or bf16")->capture_default_str();
-  c->add_flag("--causal,!--no-causal", o->causal, "--simulate: causal mask (default)");
+  c->add_flag("--causal,!--no-causal", o->causal,
+              "--simulate: causal mask, on by default (--no-causal: full attention)");
   c->add_flag("--forward-only", o->forward_only, "--simulate: no backward");
   c->add_flag("--train-step", o->train_step,
               "predict loom train's step time on this machine for each --mesh (--profile from "

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <new>
 #include <optional>
@@ -215,6 +216,16 @@ int run_verify(const VerifyOptions& o) {
   // Given, a scale is a positive finite number (0 meant "the default" and could pass).
   LOOM_CHECK(!o.scale_given || (std::isfinite(o.scale) && o.scale > 0), InvalidArgument,
              "--scale must be a positive finite number, got " << o.scale);
+  // Taken in float32 (docs/verify.md): a scale that rounds to infinity there is refused as such
+  // (1e39 went on to "out cannot be verified: ... bound ... not computable").
+  // Both numbers in the fewest digits that read back as themselves (6 digits showed float32's
+  // largest, 3.4028235e+38, as 3.40282e+38, below it).
+  if (o.scale_given && std::isinf(static_cast<float>(o.scale))) {
+    throw InvalidArgument("--scale " + exact_text(o.scale) + " overflows float32 (at most " +
+                              exact_text(std::numeric_limits<float>::max()) +
+                              "), in which the scale is taken",
+                          __FILE__, __LINE__);
+  }
   if (o.scale_given) check_scale_in_float32(o.scale);  // 5e-324 was refused as "got 0"
   LOOM_CHECK(o.full_check_max >= 1, InvalidArgument,
              "--full-check-max must be >= 1, got " << o.full_check_max);
