@@ -25,6 +25,8 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -41,6 +43,7 @@ struct Options {
   int ranks = 2;
   std::string backend = "auto";
   std::string min_bytes = "1K", max_bytes = "64M";
+  size_t lo = 0, hi = 0;  // min_bytes and max_bytes parsed (check_options)
   int iters = 20, warmup = 5;
   std::vector<std::string> ops = {"ring_step", "all_to_all", "all_gather", "all_reduce"};
   bool no_check = false;
@@ -192,15 +195,49 @@ std::unique_ptr<Op> make_op(const std::string& name) {
   if (name == "all_to_all") return std::make_unique<AllToAll>();
   if (name == "all_gather") return std::make_unique<AllGather>();
   if (name == "all_reduce") return std::make_unique<AllReduce>();
-  throw InvalidArgument("unknown op '" + name + "' (ring_step, all_to_all, all_gather, all_reduce)",
-                        __FILE__, __LINE__);
+  throw InvalidArgument(
+      "--ops: unknown op '" + name + "' (ring_step, all_to_all, all_gather, all_reduce)", __FILE__,
+      __LINE__);
+}
+
+// The bytes one rank's buffers hold for an op at its largest size (its send and receive
+// buffers; the backend's own staging comes on top).
+double buffer_bytes(const std::string& op, double bytes, int ranks) {
+  if (op == "all_gather") return bytes + bytes / ranks;  // its send block and the gathered whole
+  if (op == "all_reduce") return bytes;                  // in place
+  return 2 * bytes;                                      // ring_step, all_to_all: send + receive
+}
+
+// Everything the sweep would refuse or run out of, checked before any rank starts: every op
+// known (--ops ring_step,foo ran the whole ring_step sweep first, and under mpirun Open MPI's
+// unpack errors followed the refusal), the sizes parsed and in order, and the largest size's
+// buffers within the memory available (--max-bytes 4T ended in a bare std::bad_alloc). `ranks`:
+// the ranks this process holds (the local backend's threads; 1 under MPI).
+void check_options(Options& o, int ranks) {
+  for (const std::string& name : o.ops) make_op(name);
+  LOOM_CHECK(!o.ops.empty(), InvalidArgument, "--ops: give at least one op");
+  o.lo = static_cast<size_t>(parse_size(o.min_bytes, "--min-bytes"));
+  o.hi = static_cast<size_t>(parse_size(o.max_bytes, "--max-bytes"));
+  LOOM_CHECK(o.lo <= o.hi, InvalidArgument,
+             "--min-bytes " << o.min_bytes << " must not exceed --max-bytes " << o.max_bytes);
+  size_t top = o.lo;  // the largest size the doubling sweep reaches
+  while (top <= o.hi / 2) top *= 2;
+  double need = 0;
+  for (const std::string& name : o.ops)
+    need = std::max(need, buffer_bytes(name, static_cast<double>(top), ranks));
+  need *= ranks;
+  const int64_t avail = available_memory_bytes();
+  LOOM_CHECK(avail < 0 || need <= static_cast<double>(avail), InvalidArgument,
+             "--max-bytes " << o.max_bytes << ": the sweep's largest size needs at least "
+                            << human_bytes(need) << " of buffers (" << ranks << " rank"
+                            << (ranks == 1 ? "" : "s") << " in this process) but "
+                            << human_bytes(static_cast<double>(avail))
+                            << " of memory is available; lower --max-bytes");
 }
 
 // The whole sweep on one rank; rank 0 returns the results.
 std::vector<Result> sweep(Communicator& c, const Options& o) {
-  const size_t lo = static_cast<size_t>(parse_size(o.min_bytes, "--min-bytes"));
-  const size_t hi = static_cast<size_t>(parse_size(o.max_bytes, "--max-bytes"));
-  LOOM_CHECK_LE(lo, hi, InvalidArgument, "--min-bytes must not exceed --max-bytes");
+  const size_t lo = o.lo, hi = o.hi;
   const int n = c.size();
   std::vector<Result> results;
   for (const std::string& name : o.ops) {
@@ -276,10 +313,11 @@ void write_json(const std::vector<Result>& results, const Options& o, const std:
   write_output(o.json, j.dump(2) + "\n");  // atomically, every write checked (loom/io.h)
 }
 
-int run(const Options& o) {
+int run(Options& o) {
   const bool use_mpi = o.backend == "mpi" || (o.backend == "auto" && launched_by_mpirun());
   LOOM_CHECK(o.iters >= 1 && o.warmup >= 0, InvalidArgument,
              "--iters must be >= 1 and --warmup >= 0, got " << o.iters << " and " << o.warmup);
+  check_options(o, use_mpi ? 1 : o.ranks);
   std::vector<Result> results;
   int ranks = 0;
   bool failed = false;
@@ -333,7 +371,10 @@ int main(int argc, char** argv) {
   app.add_option("--warmup,-w", o.warmup, "untimed calls per size")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
-  app.add_option("--ops", o.ops, "ring_step, all_to_all, all_gather, all_reduce")->delimiter(',');
+  app.add_option("--ops", o.ops,
+                 "ring_step, all_to_all, all_gather, all_reduce (checked before "
+                 "anything runs)")
+      ->delimiter(',');
   app.add_flag("--no-check", o.no_check, "skip the correctness check");
   app.add_option("--json", o.json, "also write the results to this JSON file");
   app.add_option("--timeout", o.timeout_s, "seconds before a wait fails (default LOOM_TIMEOUT_S)")
@@ -342,6 +383,11 @@ int main(int argc, char** argv) {
   try {
     if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
     return loom::run(o);
+  } catch (const std::bad_alloc&) {  // the estimate above leaves out the backend's staging
+    std::fprintf(stderr, "bench_comm: out of memory at a size up to --max-bytes %s; lower it\n",
+                 o.max_bytes.c_str());
+    if (loom::launched_by_mpirun()) loom::mpi_abort(1);
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_comm: %s\n", e.what());
     if (loom::launched_by_mpirun()) loom::mpi_abort(1);

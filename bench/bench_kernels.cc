@@ -28,12 +28,17 @@
 // and is printed beneath it (its sgemm column: torch.mm), so the loom / PyTorch targets divide
 // rates of the same minute; elsewhere one line says they were skipped.
 // --torch makes them required (a Python without torch is an error), --no-torch leaves them out,
-// --torch-json reads them from an earlier torch_compare.py run instead. PyTorch runs every head's
-// own k and v (no GQA). Where CMake found a ggml build (-DLOOM_GGML_DIR, bench/kernels.cmake),
+// --torch-json reads them from an earlier torch_compare.py run instead (read and checked before
+// anything is timed). PyTorch runs every head's own k and v (no GQA: with --kv-heads below
+// --heads its rows are skipped, --torch refuses), and its rows are matched to loom's by the whole
+// shape. Where CMake found a ggml build (-DLOOM_GGML_DIR, bench/kernels.cmake),
 // ggml's CPU flash attention (bench/ggml_compare.cc: forward only, fp32 k and v, its own check
 // against the fp64 reference) runs on each fp32 one-thread shape too, printed beneath as `ggml`
 // with loom's row's sgemm; --no-ggml leaves it out. ggml is not in Debian, so by default these rows
 // are not built.
+//
+// The targets follow the table, each line tagged with what its value divides (a legend says
+// it); a line whose rows the run did not measure says what it needs.
 //
 //   bench_kernels                                  the default sweep, a table
 //   bench_kernels --seq 1024 --dim 64 --json out.json
@@ -54,6 +59,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <initializer_list>
 #include <iostream>
 #include <map>
 #include <numeric>
@@ -483,22 +489,109 @@ bool run_check(const Options& o, int threads, nlohmann::json& doc) {
   return ok;
 }
 
-// One target line: printed with met / NOT met and appended to targets.
-void print_target(nlohmann::json& targets, const std::string& what, double value, double goal) {
+// What a target's value divides (its "basis" in the JSON, its tag in the printed line): a row's
+// /gemm column; one row's /gemm column over another's, each row's rate over the sgemm windows
+// among its own calls (rows a minute or more apart: the machine's drift between them cancels,
+// docs/performance.md, round 14), which is not the quotient of their GFLOP/s columns; the
+// quotient of two GFLOP/s columns (a second thread, or loom over PyTorch, is what those measure);
+// the median over --thread-scaling's rounds of t1 / tN.
+enum class Basis { kGemmRatio, kGemmRatioQuotient, kGflopsQuotient, kPairedMedian };
+
+struct BasisInfo {
+  const char* key;          // the JSON's "basis"
+  const char* tag;          // ends the printed line
+  const char* description;  // the legend's
+};
+
+const BasisInfo& basis_info(Basis b) {
+  static const BasisInfo kInfo[] = {
+      {"gemm_ratio", "[/gemm]",
+       "the row's /gemm column: its rate over the fastest sgemm window among its own calls"},
+      {"gemm_ratio_quotient", "[/gemm over /gemm]",
+       "the first row's /gemm column over the second's (each over its own sgemm windows: the "
+       "drift between rows a minute apart cancels, docs/performance.md round 14), not the "
+       "quotient of their GFLOP/s columns"},
+      {"gflops_quotient", "[GFLOP/s over GFLOP/s]",
+       "the quotient of the two rows' GFLOP/s columns"},
+      {"paired_median", "[median of t1 / tN]",
+       "the median over the rounds of t1 / tN, the kernel's one-thread time over its N-thread "
+       "time in the same round"},
+  };
+  return kInfo[static_cast<int>(b)];
+}
+
+// The legend of the bases above, printed under a targets header, and recorded in the JSON.
+nlohmann::json print_bases(std::initializer_list<Basis> bases) {
+  nlohmann::json legend = nlohmann::json::object();
+  for (const Basis b : bases) {
+    std::printf("  %-24s %s\n", basis_info(b).tag, basis_info(b).description);
+    legend[basis_info(b).key] = basis_info(b).description;
+  }
+  return legend;
+}
+
+// The value of a target line, to three decimals: a met value rounded to nearest (never below its
+// goal, which has at most two), a value that missed its goal rounded down, so that it never
+// prints equal to the goal ("0.85 (target >= 0.85: NOT met)" was 0.8474).
+std::string target_value_text(double value, bool met) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.3f", met ? value : std::floor(value * 1e3) / 1e3);
+  return buf;
+}
+
+// One target line: printed with met / NOT met and its basis, and appended to targets.
+void print_target(nlohmann::json& targets, const std::string& what, double value, double goal,
+                  Basis basis) {
   // A ratio that is not a finite positive number measured nothing (an sgemm of 0 GFLOP/s made
   // every line over it "inf: met"): never met.
   const bool measured = std::isfinite(value) && value > 0;
   const bool met = measured && value >= goal;
   if (measured)
-    std::printf("  %-62s %6.2f  (target >= %.2f: %s)\n", what.c_str(), value, goal,
-                met ? "met" : "NOT met");
+    std::printf("  %-62s %7s  (target >= %.2f: %s)  %s\n", what.c_str(),
+                target_value_text(value, met).c_str(), goal, met ? "met" : "NOT met",
+                basis_info(basis).tag);
   else
-    std::printf("  %-62s %6s  (target >= %.2f: NOT met, nothing measured)\n", what.c_str(), "-",
-                goal);
+    std::printf("  %-62s %7s  (target >= %.2f: NOT met, nothing measured)  %s\n", what.c_str(), "-",
+                goal, basis_info(basis).tag);
   targets.push_back({{"what", what},
                      {"value", measured ? nlohmann::json(value) : nlohmann::json()},
                      {"target", goal},
+                     {"basis", basis_info(basis).key},
+                     {"measured", measured},
                      {"met", met}});
+}
+
+// A target this run cannot compute (its rows were not measured): printed and recorded as such,
+// with what it needs, never silently dropped.
+void print_unmeasured(nlohmann::json& targets, const std::string& what, double goal,
+                      const std::string& needs) {
+  std::printf("  %-62s %7s  (target >= %.2f: not measured, needs %s)\n", what.c_str(), "-", goal,
+              needs.c_str());
+  targets.push_back({{"what", what},
+                     {"value", nullptr},
+                     {"target", goal},
+                     {"measured", false},
+                     {"met", false},
+                     {"needs", needs}});
+}
+
+// The header of a target list: issue 10 sets one list for the AVX-512 paths and one for AVX2+FMA;
+// other paths (sse4, ssse3, scalar) have none of their own, and show the AVX2+FMA list for
+// reference. Records which in doc.
+void print_targets_header(const std::string& path, const char* source, nlohmann::json& doc) {
+  const bool avx512 = avx512_path(path);
+  const bool reference = !avx512 && path != "avx2";
+  const char* list = avx512 ? "AVX-512" : "AVX2+FMA";
+  if (reference)
+    std::printf(
+        "\ntargets: issue 10's %s list, shown for reference on the %s path (the issue sets "
+        "targets for the AVX2+FMA and AVX-512 paths only), %s; each value is\n",
+        list, path.c_str(), source);
+  else
+    std::printf("\ntargets (issue 10's %s list, %s path), %s; each value is\n", list, path.c_str(),
+                source);
+  doc["target_list"] = list;
+  doc["target_list_for_reference"] = reference;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -699,6 +792,103 @@ std::string temp_json(const char* what) {
   return path;
 }
 
+// PyTorch's rows: bench/torch_compare.py's JSON ("results": rows; "torch", "attention": what ran),
+// from --torch-json or from each --torch child. Each row is checked for the fields the
+// comparison reads and their types before anything is timed: well-formed JSON of another shape
+// (a bench_kernels output, {"results": [1, 2]}) aborted the run with nlohmann's type_error.
+struct TorchRow {
+  std::string dtype;
+  int64_t seq_q = 0, seq_k = 0, heads = 0, kv_heads = 0, dim = 0, threads = 0;
+  bool causal = false;
+  double fwd_s = 0, bwd_s = 0, fwd_gflops = 0, bwd_gflops = 0, gemm_gflops = 0;
+};
+
+constexpr const char* kTorchJsonHint = " (write it with bench/torch_compare.py --json)";
+
+// Field `key` of the object j, of type T (a string, a bool, an integer or any number); absent,
+// or of another type, is one IoError naming `where` and the key. Optional fields give `fallback`
+// where absent.
+template <class T>
+T torch_field(const nlohmann::json& j, const char* key, const std::string& where,
+              const T* fallback = nullptr) {
+  const auto it = j.find(key);
+  if (it == j.end() && fallback != nullptr) return *fallback;
+  const char* kind = "a number";
+  bool ok = it != j.end();
+  if constexpr (std::is_same_v<T, std::string>) {
+    kind = "a string";
+    ok = ok && it->is_string();
+  } else if constexpr (std::is_same_v<T, bool>) {
+    kind = "true or false";
+    ok = ok && it->is_boolean();
+  } else if constexpr (std::is_integral_v<T>) {
+    kind = "an integer";
+    ok = ok && it->is_number_integer();
+  } else {
+    ok = ok && it->is_number();
+  }
+  LOOM_CHECK(ok, IoError,
+             where << ": \"" << key << "\" "
+                   << (it == j.end() ? std::string("is missing") : std::string("is not ") + kind)
+                   << kTorchJsonHint);
+  return it->get<T>();
+}
+
+TorchRow torch_row_of(const nlohmann::json& t, const std::string& where) {
+  LOOM_CHECK(t.is_object(), IoError, where << " is not an object" << kTorchJsonHint);
+  TorchRow r;
+  r.dtype = torch_field<std::string>(t, "dtype", where);
+  r.seq_q = torch_field<int64_t>(t, "seq_q", where);
+  r.seq_k = torch_field<int64_t>(t, "seq_k", where);
+  r.heads = torch_field<int64_t>(t, "heads", where);
+  // PyTorch runs every head's own k and v (no GQA): a row without kv_heads has as many as heads.
+  r.kv_heads = torch_field<int64_t>(t, "kv_heads", where, &r.heads);
+  r.dim = torch_field<int64_t>(t, "dim", where);
+  r.causal = torch_field<bool>(t, "causal", where);
+  r.threads = torch_field<int64_t>(t, "threads", where);
+  r.fwd_gflops = torch_field<double>(t, "fwd_gflops", where);
+  r.bwd_gflops = torch_field<double>(t, "bwd_gflops", where);
+  const double zero = 0;
+  r.fwd_s = torch_field<double>(t, "fwd_s", where, &zero);
+  r.bwd_s = torch_field<double>(t, "bwd_s", where, &zero);
+  r.gemm_gflops = torch_field<double>(t, "gemm_gflops", where, &zero);
+  return r;
+}
+
+// The rows of a torch_compare.py document (checked as above); `what` names it in messages.
+std::vector<TorchRow> torch_rows_of(const nlohmann::json& doc, const std::string& what) {
+  LOOM_CHECK(doc.is_object() && doc.contains("results") && doc["results"].is_array(), IoError,
+             what << ": no \"results\" array" << kTorchJsonHint);
+  // Every torch_compare.py output names the torch version; a bench_kernels output (whose rows
+  // have the same fields) has no such string.
+  LOOM_CHECK(
+      doc.contains("torch") && doc["torch"].is_string(), IoError,
+      what << ": no \"torch\" version string, not a torch_compare.py output" << kTorchJsonHint);
+  LOOM_CHECK(!doc.contains("attention") || doc["attention"].is_string(), IoError,
+             what << ": \"attention\" is not a string" << kTorchJsonHint);
+  std::vector<TorchRow> rows;
+  for (size_t i = 0; i < doc["results"].size(); ++i)
+    rows.push_back(torch_row_of(doc["results"][i], what + ": results[" + std::to_string(i) + "]"));
+  return rows;
+}
+
+// --torch-json, read and checked before anything is timed (read after the sweep, a missing file
+// lost the whole run's results, and a FIFO blocked for ever): a regular file only.
+nlohmann::json read_torch_json(const std::string& path) {
+  LOOM_CHECK(path != "-", InvalidArgument,
+             "--torch-json: give a file (standard input is not read)");
+  InputFile f(path, "--torch-json");
+  const std::string text = f.read_rest(size_t{256} << 20);
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    LOOM_CHECK(false, IoError, "--torch-json " << path << ": not JSON (" << e.what() << ")");
+  }
+  torch_rows_of(doc, "--torch-json " + path);
+  return doc;
+}
+
 // --torch: PyTorch eager on one shape (bench/torch_compare.py in a child process, one thread, reps
 // timed calls of each kernel: as many as loom's forward took), right after loom's row of the same
 // shape. Returns its JSON row.
@@ -711,6 +901,7 @@ nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal, s
       " --ring 0 --mask " + (causal ? "causal" : "full") + " --reps " + std::to_string(reps) +
       " --gemm-n " + std::to_string(o.gemm_n) + " --json " + shell_quote(path) + " 2>&1";
   const nlohmann::json tj = child_row("--torch", cmd, path.c_str(), kTorchTimeoutS);
+  torch_rows_of(tj, "--torch: `" + cmd + "`");  // the fields the comparison reads, checked
   nlohmann::json row = tj["results"][0];
   row["torch"] = tj.value("torch", std::string("?"));
   return row;
@@ -732,12 +923,29 @@ nlohmann::json ggml_row(const Options& o, int64_t sq, int64_t d, bool causal, si
   return row;
 }
 
-// Whether o.torch_python can import torch (the default's test for PyTorch's rows).
-bool torch_importable(const Options& o) {
+// Whether o.torch_python can import torch (the default's test for PyTorch's rows; --torch's
+// before anything is timed). Where it cannot, *why gets the command's last output line.
+bool torch_importable(const Options& o, std::string* why = nullptr) {
   const std::string cmd =
-      "timeout -k 5 120 " + shell_quote(o.torch_python) + " -c 'import torch' > /dev/null 2>&1";
-  const int st = std::system(cmd.c_str());
-  return st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+      "timeout -k 5 120 " + shell_quote(o.torch_python) + " -c 'import torch' 2>&1";
+  std::fflush(stdout);
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) {
+    if (why != nullptr) *why = "cannot run `" + cmd + "`";
+    return false;
+  }
+  std::string last;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, pipe) != nullptr) {
+    std::string line(buf);
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
+    if (!line.empty()) last = line;
+  }
+  const int st = pclose(pipe);
+  const bool ok = st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+  if (!ok && why != nullptr)
+    *why = "`" + o.torch_python + " -c 'import torch'` failed" + (last.empty() ? "" : ": " + last);
+  return ok;
 }
 
 // One row of the table: a loom row, or PyTorch's beneath it (label "torch", its sgemm torch.mm).
@@ -759,7 +967,64 @@ void print_row(const char* label, int64_t sq, int64_t sk, int64_t heads, int64_t
   std::fflush(stdout);
 }
 
-int run(const Options& o) {
+// Where PyTorch's rows come from, settled before anything is timed: --torch with a Python that
+// cannot import torch failed only after loom's first row, and --torch-json was read after the
+// whole sweep.
+struct TorchPlan {
+  bool run = false;     // torch_compare.py right after each fp32 one-thread row
+  std::string skipped;  // the default's reason for leaving them out ("": not skipped)
+  nlohmann::json file;  // --torch-json's document, checked (null: none)
+};
+
+TorchPlan plan_torch(const Options& o) {
+  TorchPlan p;
+  if (!o.torch_json.empty()) {
+    p.file = read_torch_json(o.torch_json);
+    return p;
+  }
+  if (o.no_torch) return p;
+  // PyTorch runs every head's own k and v: beside a GQA row it would time other work.
+  if (o.kv_heads != o.heads) {
+    LOOM_CHECK(!o.torch, InvalidArgument,
+               "--torch: PyTorch's rows run every head's own k and v (no GQA), so they need "
+               "--kv-heads equal to --heads (got --heads "
+                   << o.heads << " --kv-heads " << o.kv_heads << ")");
+    p.skipped = "PyTorch runs every head's own k and v (no GQA), and --kv-heads " +
+                std::to_string(o.kv_heads) + " is not --heads " + std::to_string(o.heads);
+    return p;
+  }
+  std::string why;
+  p.run = torch_importable(o, &why);
+  LOOM_CHECK(p.run || !o.torch, IoError, "--torch: " << why);
+  if (!p.run)
+    p.skipped = o.torch_python +
+                " cannot import torch; --torch-python names a Python that can, --no-torch leaves "
+                "them out";
+  return p;
+}
+
+// The PyTorch row of loom's row r's shape: the same dtype, queries, keys, heads, kv heads, head
+// dim, mask and threads (a row of one head was once judged against loom's eight as "the same
+// shape"); nullptr where there is none.
+const TorchRow* torch_match(const std::vector<TorchRow>& rows, const Row& r) {
+  for (const TorchRow& t : rows)
+    if (t.dtype == r.dtype && t.seq_q == r.sq && t.seq_k == r.sk && t.heads == r.heads &&
+        t.kv_heads == r.kv_heads && t.dim == r.dim && t.causal == r.causal &&
+        t.threads == r.threads)
+      return &t;
+  return nullptr;
+}
+
+std::string shape_tag(const std::string& dtype, int64_t sq, int64_t sk, int64_t heads,
+                      int64_t kv_heads, int64_t dim, bool causal, int64_t threads) {
+  return " " + dtype + " Sq=" + std::to_string(sq) + (sk != sq ? " Sk=" + std::to_string(sk) : "") +
+         " H=" + std::to_string(heads) +
+         (kv_heads != heads ? " Hkv=" + std::to_string(kv_heads) : "") +
+         " D=" + std::to_string(dim) + (causal ? " causal" : " full") + " " +
+         std::to_string(threads) + " thr";
+}
+
+int run(const Options& o, const TorchPlan& tp) {
   const int all = o.threads > 0 ? o.threads : omp_get_max_threads();
   std::vector<int> thread_counts = {1};
   if (all > 1) thread_counts.push_back(all);
@@ -782,15 +1047,8 @@ int run(const Options& o) {
       "between each kernel's timed calls; the kernel's fastest window, and /gemm its fastest call "
       "over that\n",
       gemm_description().c_str(), static_cast<long long>(o.gemm_n));
-  bool torch = o.torch;
-  if (!o.torch && !o.no_torch && o.torch_json.empty()) {
-    torch = torch_importable(o);
-    if (!torch)
-      std::printf(
-          "PyTorch rows: skipped (%s cannot import torch; --torch-python names a Python that can, "
-          "--no-torch leaves them out)\n",
-          o.torch_python.c_str());
-  }
+  const bool torch = tp.run;
+  if (!tp.skipped.empty()) std::printf("PyTorch rows: skipped (%s)\n", tp.skipped.c_str());
   if (torch)
     std::printf("PyTorch rows: %s %s on each fp32 one-thread shape, right after loom's row\n",
                 o.torch_python.c_str(), LOOM_TORCH_COMPARE);
@@ -843,10 +1101,9 @@ int run(const Options& o) {
     done.push_back(r);
     if (torch && threads == 1 && dtype == "fp32") {
       const nlohmann::json t = torch_row(o, sq, d, causal, r.fwd.call_s.size());
-      const double tg = t.value("gemm_gflops", 0.0), tf = t.value("fwd_gflops", 0.0),
-                   tb = t.value("bwd_gflops", 0.0);
-      print_row("torch", sq, sk, o.heads, o.heads, d, causal, threads, t.value("fwd_s", 0.0), tf,
-                tg, t.value("bwd_s", 0.0), tb, tg);
+      const TorchRow tr = torch_row_of(t, "--torch");  // checked by torch_row
+      print_row("torch", sq, sk, tr.heads, tr.kv_heads, d, causal, threads, tr.fwd_s, tr.fwd_gflops,
+                tr.gemm_gflops, tr.bwd_s, tr.bwd_gflops, tr.gemm_gflops);
       torch_rows.push_back(t);
     }
     if (ggml && threads == 1 && dtype == "fp32") {
@@ -905,113 +1162,202 @@ int run(const Options& o) {
     return nullptr;
   };
   nlohmann::json targets = nlohmann::json::array();
-  auto target = [&](const std::string& what, double value, double goal) {
-    print_target(targets, what, value, goal);
+  auto target = [&](const std::string& what, double value, double goal, Basis basis) {
+    print_target(targets, what, value, goal, basis);
+  };
+  auto unmeasured = [&](const std::string& what, double goal, const std::string& needs) {
+    print_unmeasured(targets, what, goal, needs);
   };
   // Issue 10's targets for the path this run took: the AVX-512 ones on avx512 / avx512bf16 / amx,
-  // the AVX2+FMA ones (which the issue sets for every other SIMD target too) otherwise.
+  // the AVX2+FMA ones otherwise (on sse4, ssse3 and scalar for reference: the issue sets none
+  // there). A line whose rows this run did not measure is printed as such, with what it needs.
   const std::string path = kernel_path();
   const bool avx512 = avx512_path(path);
-  std::printf("\ntargets (issue 10, %s path), from the rows above:\n", path.c_str());
+  print_targets_header(path, "from the rows above", doc);
+  doc["target_bases"] =
+      print_bases({Basis::kGemmRatio, Basis::kGemmRatioQuotient, Basis::kGflopsQuotient});
   // Two 1-thread rows over each other, each over its own sgemm windows (fwd_ratio / bwd_ratio):
   // the rows ran a minute or more apart, and the machine's speed drifts by more than the targets'
   // margins in that time; the 2-thread / 1-thread targets stay raw (a second thread is what they
   // measure).
   auto rel_fwd = [](const Row& a, const Row& b) { return a.fwd_ratio() / b.fwd_ratio(); };
   auto rel_bwd = [](const Row& a, const Row& b) { return a.bwd_ratio() / b.bwd_ratio(); };
+  const bool has_fp32 = std::count(o.dtypes.begin(), o.dtypes.end(), "fp32") > 0;
+  const bool has_bf16 = std::count(o.dtypes.begin(), o.dtypes.end(), "bf16") > 0;
+  const bool has64 = std::count(o.dims.begin(), o.dims.end(), 64) > 0;
+  const bool has128 = std::count(o.dims.begin(), o.dims.end(), 128) > 0;
   const int64_t big = o.seqs.back();
   const std::string tb = " S=" + std::to_string(big);
+  if (!has128) {  // the issue sets the sgemm lines at D = 128
+    const std::string tag = tb + " D=128";
+    unmeasured("fp32 fwd / row's sgemm, full, 1 thr," + tag, avx512 ? 0.85 : 0.80,
+               "--dim 128" + std::string(has_fp32 ? "" : " and --dtype fp32"));
+    unmeasured("fp32 bwd / row's sgemm, full, 1 thr," + tag, avx512 ? 0.70 : 0.65,
+               "--dim 128" + std::string(has_fp32 ? "" : " and --dtype fp32"));
+  }
   for (int64_t d : o.dims) {
     const std::string tag = tb + " D=" + std::to_string(d);
     const Row* full = find("fp32", big, d, false, 1);
     const Row* causal = find("fp32", big, d, true, 1);
-    if (full && d == 128) {  // the issue sets these at D = 128; D = 64 is judged against it below
-      target("fp32 fwd / row's sgemm, full, 1 thr," + tag, full->fwd_ratio(), avx512 ? 0.85 : 0.80);
-      target("fp32 bwd / row's sgemm, full, 1 thr," + tag, full->bwd_ratio(), avx512 ? 0.70 : 0.65);
+    if (d == 128) {  // the issue sets these at D = 128; D = 64 is judged against it below
+      const std::string f = "fp32 fwd / row's sgemm, full, 1 thr," + tag;
+      const std::string b = "fp32 bwd / row's sgemm, full, 1 thr," + tag;
+      if (full) {
+        target(f, full->fwd_ratio(), avx512 ? 0.85 : 0.80, Basis::kGemmRatio);
+        target(b, full->bwd_ratio(), avx512 ? 0.70 : 0.65, Basis::kGemmRatio);
+      } else {
+        unmeasured(f, avx512 ? 0.85 : 0.80, "--dtype fp32");
+        unmeasured(b, avx512 ? 0.70 : 0.65, "--dtype fp32");
+      }
     }
-    if (!avx512 && full && causal) {
-      target("fp32 causal fwd useful rate / full, 1 thr," + tag, rel_fwd(*causal, *full), 0.85);
-      target("fp32 causal bwd useful rate / full, 1 thr," + tag, rel_bwd(*causal, *full), 0.85);
+    if (!avx512) {
+      const std::string f = "fp32 causal fwd useful rate / full, 1 thr," + tag;
+      const std::string b = "fp32 causal bwd useful rate / full, 1 thr," + tag;
+      if (full && causal) {
+        target(f, rel_fwd(*causal, *full), 0.85, Basis::kGemmRatioQuotient);
+        target(b, rel_bwd(*causal, *full), 0.85, Basis::kGemmRatioQuotient);
+      } else {
+        unmeasured(f, 0.85, "--dtype fp32");
+        unmeasured(b, 0.85, "--dtype fp32");
+      }
     }
     for (const std::string& dtype : o.dtypes) {
       const Row* one = find(dtype, big, d, false, 1);
-      const Row* two = find(dtype, big, d, false, 2);
-      if (!avx512 && one && two) {
-        target(dtype + " fwd 2 thr / 1 thr, full," + tag, two->fwd_gflops() / one->fwd_gflops(),
-               1.85);
-        target(dtype + " bwd 2 thr / 1 thr, full," + tag, two->bwd_gflops() / one->bwd_gflops(),
-               1.85);
+      if (!avx512) {  // issue 10's two-thread target is for 2 threads, not for every count
+        const Row* two = find(dtype, big, d, false, 2);
+        const std::string f = dtype + " fwd 2 thr / 1 thr, full," + tag;
+        const std::string b = dtype + " bwd 2 thr / 1 thr, full," + tag;
+        if (one && two) {
+          target(f, two->fwd_gflops() / one->fwd_gflops(), 1.85, Basis::kGflopsQuotient);
+          target(b, two->bwd_gflops() / one->bwd_gflops(), 1.85, Basis::kGflopsQuotient);
+        } else {
+          std::string needs = "--threads 2";
+          if (all > 2)
+            needs += " (this run's all-threads rows ran " + std::to_string(all) + " threads)";
+          else if (o.threads == 0)
+            needs += " (OpenMP's default here is 1 thread)";
+          unmeasured(f, 1.85, needs);
+          unmeasured(b, 1.85, needs);
+        }
       }
-      const Row* ring = find(dtype, o.ring, d, false, 1);
-      if (!avx512 && one && ring && o.ring != big) {
-        const std::string rt = " " + std::to_string(o.ring) + "x" + std::to_string(o.ring) +
+      if (!avx512) {
+        const Row* ring = o.ring > 0 ? find(dtype, o.ring, d, false, 1) : nullptr;
+        const int64_t rs = o.ring > 0 ? o.ring : 512;  // --ring 0: named as the default's
+        const std::string rt = " " + std::to_string(rs) + "x" + std::to_string(rs) +
                                " / S=" + std::to_string(big) + ", D=" + std::to_string(d);
-        target(dtype + " ring-step fwd," + rt, rel_fwd(*ring, *one), 0.80);
-        target(dtype + " ring-step bwd," + rt, rel_bwd(*ring, *one), 0.80);
+        const std::string f = dtype + " ring-step fwd," + rt;
+        const std::string b = dtype + " ring-step bwd," + rt;
+        if (one && ring && o.ring != big) {
+          target(f, rel_fwd(*ring, *one), 0.80, Basis::kGemmRatioQuotient);
+          target(b, rel_bwd(*ring, *one), 0.80, Basis::kGemmRatioQuotient);
+        } else {
+          const std::string needs = o.ring > 0 ? "--ring other than the last --seq"
+                                               : "--ring 512 (--ring 0 timed no ring-step rows)";
+          unmeasured(f, 0.80, needs);
+          unmeasured(b, 0.80, needs);
+        }
       }
     }
     const Row* b16 = find("bf16", big, d, false, 1);
-    if (full && b16) {
-      target("bf16 fwd / fp32 fwd, full, 1 thr," + tag, rel_fwd(*b16, *full), avx512 ? 1.6 : 0.95);
-      target("bf16 bwd / fp32 bwd, full, 1 thr," + tag, rel_bwd(*b16, *full), avx512 ? 1.3 : 0.95);
+    {
+      const std::string f = "bf16 fwd / fp32 fwd, full, 1 thr," + tag;
+      const std::string b = "bf16 bwd / fp32 bwd, full, 1 thr," + tag;
+      if (full && b16) {
+        target(f, rel_fwd(*b16, *full), avx512 ? 1.6 : 0.95, Basis::kGemmRatioQuotient);
+        target(b, rel_bwd(*b16, *full), avx512 ? 1.3 : 0.95, Basis::kGemmRatioQuotient);
+      } else {
+        const std::string needs = std::string("--dtype fp32 bf16") + (has_fp32   ? " (no bf16 rows)"
+                                                                      : has_bf16 ? " (no fp32 rows)"
+                                                                                 : "");
+        unmeasured(f, avx512 ? 1.6 : 0.95, needs);
+        unmeasured(b, avx512 ? 1.3 : 0.95, needs);
+      }
     }
   }
-  const bool has64 = std::count(o.dims.begin(), o.dims.end(), 64) > 0;
-  const bool has128 = std::count(o.dims.begin(), o.dims.end(), 128) > 0;
-  if (!avx512 && has64 && has128) {  // "D = 64: within 15 % of D = 128"
+  if (!avx512) {  // "D = 64: within 15 % of D = 128"
     const Row* small = find("fp32", big, 64, false, 1);
     const Row* large = find("fp32", big, 128, false, 1);
+    const std::string tag = ", full, 1 thr, D=64 / D=128";
     if (small && large) {
-      const std::string tag = ", full, 1 thr, D=64 / D=128";
-      target("fp32 fwd" + tag, rel_fwd(*small, *large), 0.85);
-      target("fp32 bwd" + tag, rel_bwd(*small, *large), 0.85);
+      target("fp32 fwd" + tag, rel_fwd(*small, *large), 0.85, Basis::kGemmRatioQuotient);
+      target("fp32 bwd" + tag, rel_bwd(*small, *large), 0.85, Basis::kGemmRatioQuotient);
+    } else {
+      const std::string needs = std::string("--dim 64 128") + (has_fp32 ? "" : " and --dtype fp32");
+      unmeasured("fp32 fwd" + tag, 0.85, (has64 && has128) ? "--dtype fp32" : needs);
+      unmeasured("fp32 bwd" + tag, 0.85, (has64 && has128) ? "--dtype fp32" : needs);
     }
   }
   // PyTorch eager on the same shapes: its rows of this run (each right after loom's; the default
   // where torch imports, or --torch) or --torch-json (bench/torch_compare.py --json, an earlier
-  // run on the same machine).
-  if (torch || !o.torch_json.empty()) {
-    nlohmann::json tj;
-    if (torch) {
-      tj["results"] = torch_rows;
-      tj["torch"] = torch_rows.empty() ? std::string("?") : torch_rows[0].value("torch", "?");
-      tj["attention"] =
-          torch_rows.empty() ? std::string("?") : torch_rows[0].value("attention", "?");
-    } else {
-      std::ifstream f(o.torch_json);
-      LOOM_CHECK(f.good(), IoError, "cannot read " << o.torch_json);
-      try {
-        tj = nlohmann::json::parse(f);
-      } catch (const std::exception& e) {
-        LOOM_CHECK(false, IoError, o.torch_json << ": not JSON (" << e.what() << ")");
-      }
-      LOOM_CHECK(tj.contains("results") && tj["results"].is_array(), IoError,
-                 o.torch_json << ": no \"results\" array (write it with bench/torch_compare.py)");
-    }
+  // run on the same machine). Each loom row is compared with the PyTorch row of its exact shape;
+  // a loom row without one, or with one of no positive rate, is "not measured", never a verdict.
+  nlohmann::json tj;
+  std::string torch_source;
+  if (torch) {
+    tj["results"] = torch_rows;
+    tj["torch"] = torch_rows.empty() ? std::string("?") : torch_rows[0].value("torch", "?");
+    tj["attention"] = torch_rows.empty() ? std::string("?") : torch_rows[0].value("attention", "?");
+    torch_source = "each PyTorch row right after loom's, this run";
+  } else if (!tp.file.is_null()) {
+    tj = tp.file;
+    torch_source = o.torch_json;
+  }
+  const std::vector<TorchRow> trows =  // checked already: by torch_row, or read_torch_json
+      tj.is_null()
+          ? std::vector<TorchRow>()
+          : torch_rows_of(tj, torch ? std::string("--torch") : "--torch-json " + o.torch_json);
+  if (!tj.is_null()) {
     // A file written before torch_compare.py named its attention timed the textbook formulation.
     const std::string tv = tj.value("torch", std::string("?"));
     const std::string ta = tj.value("attention", std::string("unnamed: the textbook formulation"));
-    std::printf("\nloom / PyTorch %s eager, %s (%s), same shapes:\n", tv.c_str(), ta.c_str(),
-                torch ? "each PyTorch row right after loom's, this run" : o.torch_json.c_str());
+    std::printf("\nloom / PyTorch %s eager, %s (%s), rows of the same shape:\n", tv.c_str(),
+                ta.c_str(), torch_source.c_str());
     doc["torch"] = tj;
-    for (const auto& t : tj["results"]) {
-      const Row* r =
-          find(t.value("dtype", std::string()), t.value("seq_q", int64_t{0}),
-               t.value("dim", int64_t{0}), t.value("causal", false), t.value("threads", 0));
-      if (!r || t.value("seq_k", int64_t{0}) != r->sk) continue;
-      const double tf = t.value("fwd_gflops", 0.0), tbw = t.value("bwd_gflops", 0.0);
-      if (tf <= 0 || tbw <= 0) continue;
-      const std::string tag = " " + r->dtype + " Sq=" + std::to_string(r->sq) +
-                              " D=" + std::to_string(r->dim) + (r->causal ? " causal" : " full") +
-                              " " + std::to_string(r->threads) + " thr";
-      std::printf("  torch%s: fwd %.1f, bwd %.1f GFLOP/s\n", tag.c_str(), tf, tbw);
-      if (r->sq != big || r->threads != 1 || r->dtype != "fp32") continue;
-      if (r->causal) {
-        target("loom / torch fwd," + tag, r->fwd_gflops() / tf, 5.0);
-      } else {
-        target("loom / torch fwd," + tag, r->fwd_gflops() / tf, 2.5);
-        target("loom / torch bwd," + tag, r->bwd_gflops() / tbw, 1.5);
-      }
+    for (const TorchRow& t : trows) {
+      const std::string tag =
+          shape_tag(t.dtype, t.seq_q, t.seq_k, t.heads, t.kv_heads, t.dim, t.causal, t.threads);
+      bool matched = false;
+      for (const Row& r : done) matched = matched || torch_match(trows, r) == &t;
+      if (!matched)
+        std::printf(
+            "  torch%s: fwd %.1f, bwd %.1f GFLOP/s: no loom row of this shape in this "
+            "run, compared with nothing\n",
+            tag.c_str(), t.fwd_gflops, t.bwd_gflops);
+      else if (!(t.fwd_gflops > 0 && t.bwd_gflops > 0))  // once skipped without a word
+        std::printf(
+            "  torch%s: fwd %.1f, bwd %.1f GFLOP/s (a rate that is not positive measured "
+            "nothing: no verdict over it)\n",
+            tag.c_str(), t.fwd_gflops, t.bwd_gflops);
+      else
+        std::printf("  torch%s: fwd %.1f, bwd %.1f GFLOP/s\n", tag.c_str(), t.fwd_gflops,
+                    t.bwd_gflops);
+    }
+  }
+  // The loom / torch targets: on the fp32 one-thread rows of the last --seq (not the ring rows).
+  for (const Row& r : done) {
+    if (r.sq != big || r.sk != big || r.threads != 1 || r.dtype != "fp32") continue;
+    const std::string tag =
+        shape_tag(r.dtype, r.sq, r.sk, r.heads, r.kv_heads, r.dim, r.causal, r.threads);
+    const TorchRow* t = torch_match(trows, r);
+    std::vector<std::pair<const char*, double>> kinds = {{"fwd", r.causal ? 5.0 : 2.5}};
+    if (!r.causal) kinds.push_back({"bwd", 1.5});
+    for (const auto& [kind, goal] : kinds) {
+      const std::string what = std::string("loom / torch ") + kind + "," + tag;
+      const bool fwd = std::string(kind) == "fwd";
+      const double trate = t == nullptr ? 0.0 : fwd ? t->fwd_gflops : t->bwd_gflops;
+      if (t != nullptr && trate > 0)
+        target(what, (fwd ? r.fwd_gflops() : r.bwd_gflops()) / trate, goal, Basis::kGflopsQuotient);
+      else if (t != nullptr)
+        unmeasured(what, goal,
+                   "a PyTorch row with a positive rate (its row of this shape has none)");
+      else if (tj.is_null())
+        unmeasured(what, goal,
+                   "PyTorch's rows (" +
+                       (tp.skipped.empty() ? std::string("--torch or --torch-json")
+                                           : "skipped: " + tp.skipped) +
+                       ")");
+      else
+        unmeasured(what, goal, "a PyTorch row of this shape (there is none)");
     }
   }
   // ggml's rows: loom's forward over ggml's on each shape (no target: the issue names none).
@@ -1044,9 +1390,9 @@ int run(const Options& o) {
 // the four in reverse order on odd rounds (a steady drift then favours neither count), each window
 // as long as the untimed warm-up call of its thread count. A round gives the kernel's scaling
 // t1 / tN and the sgemm's gN / g1 from the same seconds, and their quotient: the kernel's scaling
-// over the machine's. Printed: each kernel's medians and ranges over the rounds, and issue 10's
-// two-thread target (>= 1.85) against the kernel's median (its AVX2 list; the AVX-512 one has
-// none).
+// over the machine's. Printed: each kernel's medians and ranges over the rounds, and with N = 2,
+// issue 10's two-thread target (>= 1.85) against the kernel's median (its AVX2 list; the AVX-512
+// one has none).
 struct ScalingRound {
   double t1 = 0, tn = 0;  // kernel call, seconds: 1 thread, N threads
   double g1 = 0, gn = 0;  // sgemm windows, GFLOP/s
@@ -1155,9 +1501,8 @@ int run_thread_scaling(const Options& o) {
                              {"loom_median", median(lo)},
                              {"sgemm_median", median(sg)},
                              {"quotient_median", median(q)}});
-          lines.push_back({dtype + " " + kernel + " " + std::to_string(n) +
-                               " thr / 1 thr, paired median, full, S=" + std::to_string(s) +
-                               " D=" + std::to_string(d),
+          lines.push_back({dtype + " " + kernel + " 2 thr / 1 thr, paired median, full, S=" +
+                               std::to_string(s) + " D=" + std::to_string(d),
                            median(lo)});
         }
       };
@@ -1169,10 +1514,20 @@ int run_thread_scaling(const Options& o) {
         measure(p);
       }
     }
+  // Issue 10's two-thread target (>= 1.85 x one thread) is for two threads: another count's
+  // medians are in the table above, without a verdict.
   nlohmann::json targets = nlohmann::json::array();
   if (!avx512_path(path)) {
-    std::printf("\ntargets (issue 10, %s path), loom's median over the rounds:\n", path.c_str());
-    for (const Line& l : lines) print_target(targets, l.what, l.value, 1.85);
+    print_targets_header(path, "loom's median over the rounds", doc);
+    doc["target_bases"] = print_bases({Basis::kPairedMedian});
+    for (const Line& l : lines) {
+      if (n == 2)
+        print_target(targets, l.what, l.value, 1.85, Basis::kPairedMedian);
+      else
+        print_unmeasured(targets, l.what, 1.85,
+                         "--threads 2 (this run timed " + std::to_string(n) +
+                             " threads: its medians above are not judged)");
+    }
   }
   std::printf(
       "(loom / sgemm near 1 or above: the kernels scale as far as the machine did in the same "
@@ -1222,9 +1577,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1e-3, 3600.0))
       ->capture_default_str();
   app.add_flag("--no-check", o.no_check, "skip the correctness check");
-  app.add_option(
+  auto* torch_json = app.add_option(
       "--torch-json", o.torch_json,
-      "bench/torch_compare.py --json output on the same shapes: adds the PyTorch ratios");
+      "bench/torch_compare.py --json output on the same shapes: adds the PyTorch ratios (read "
+      "before anything is timed; rows match loom's by dtype, Sq, Sk, H, Hkv, D, mask and threads)");
   auto* torch_flag =
       app.add_flag("--torch", o.torch,
                    "require PyTorch eager (bench/torch_compare.py) on each fp32 one-thread shape "
@@ -1239,14 +1595,25 @@ int main(int argc, char** argv) {
   auto* cpu_time =
       app.add_flag("--cpu-time", loom::g_cpu_time,
                    "time one-thread rows by the process CPU clock (for loaded machines)");
+  // The modes other than the sweep ignore what they do not print: a combination one of them
+  // would ignore is refused (--tile-ops --sgemm-window ran only the sgemm, and --json beside
+  // either wrote nothing and left a stale file in place).
   auto* tile_ops =
       app.add_flag("--tile-ops", o.tile_ops,
-                   "time the tile operations of every runnable target on one work tile instead");
+                   "time the tile operations of every runnable target on one work tile instead "
+                   "(wall clock; no JSON)")
+          ->excludes(cpu_time)
+          ->excludes(torch_flag)
+          ->excludes(torch_json);
   auto* sgemm_window =
-      app.add_option("--sgemm-window", o.sgemm_window,
-                     "only print the one-thread sgemm rate over windows of back-to-back calls this "
-                     "many seconds long (to set beside a `loom attn` run of calls as long)")
-          ->check(CLI::Range(1e-3, 3600.0));
+      app.add_option(
+             "--sgemm-window", o.sgemm_window,
+             "only print the one-thread sgemm rate over windows of back-to-back calls this "
+             "many seconds long (to set beside a `loom attn` run of calls as long; no JSON)")
+          ->check(CLI::Range(1e-3, 3600.0))
+          ->excludes(tile_ops)
+          ->excludes(torch_flag)
+          ->excludes(torch_json);
   app.add_option("--thread-scaling", o.thread_scaling,
                  "instead of the sweep: this many rounds of each kernel at 1 and --threads threads "
                  "side by side with sgemm windows of both counts (loom's scaling beside the "
@@ -1254,18 +1621,28 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000))
       ->excludes(cpu_time)
       ->excludes(tile_ops)
-      ->excludes(sgemm_window);
+      ->excludes(sgemm_window)
+      ->excludes(torch_flag)
+      ->excludes(torch_json);
   app.add_flag("--keep-openblas-core", o.keep_openblas_core,
                "time OpenBLAS's sgemm with the core it (or OPENBLAS_CORETYPE) chose, even where "
                "its instruction set is not the kernel path's");
-  app.add_option("--json", o.json, "also write the results as JSON to this file");
+  app.add_option("--json", o.json,
+                 "also write the results as JSON to this file (the sweep and --thread-scaling)")
+      ->excludes(tile_ops)
+      ->excludes(sgemm_window);
   if (const auto rc = loom::parse_command_line(app, argc, argv, "bench_kernels")) return *rc;
-  {  // each dtype once (--dtype fp32,fp32 printed every row twice)
-    std::vector<std::string> once;
-    for (const std::string& d : o.dtypes)
-      if (std::find(once.begin(), once.end(), d) == once.end()) once.push_back(d);
-    o.dtypes = once;
-  }
+  // Each dtype, sequence length and head dim once, in the order given (--dtype fp32,fp32 printed
+  // every row twice; --seq 128 128 four times as many rows, every target line twice).
+  auto once = [](auto& values) {
+    std::remove_reference_t<decltype(values)> kept;
+    for (const auto& v : values)
+      if (std::find(kept.begin(), kept.end(), v) == kept.end()) kept.push_back(v);
+    values = kept;
+  };
+  once(o.dtypes);
+  once(o.seqs);
+  once(o.dims);
   if (o.heads % o.kv_heads != 0) {  // both >= 1: their ranges
     std::fprintf(stderr,
                  "bench_kernels: --heads %lld must be a positive multiple of --kv-heads %lld\n",
@@ -1274,7 +1651,10 @@ int main(int argc, char** argv) {
   }
   if (!o.keep_openblas_core) loom::match_openblas_core(argv);
   try {
-    if (!o.json.empty()) loom::check_output_writable(o.json, "--json");  // before the sweep
+    // Before the sweep: the output can be written and is not the input it would replace, and
+    // PyTorch's rows can be had (--torch-json read and checked, --torch's Python imports torch).
+    loom::check_distinct_outputs({{"--torch-json", o.torch_json}, {"--json", o.json}}, 1);
+    if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
     if (o.sgemm_window > 0) {
 #if LOOM_BENCH_OPENBLAS
       openblas_set_num_threads(1);
@@ -1285,8 +1665,15 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (o.thread_scaling > 0) return loom::run_thread_scaling(o);
-    return o.tile_ops ? loom::run_tile_ops(o) : loom::run(o);
+    if (o.tile_ops) return loom::run_tile_ops(o);
+    return loom::run(o, loom::plan_torch(o));
   } catch (const loom::Error& e) {
+    std::fprintf(stderr, "bench_kernels: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "bench_kernels: out of memory (lower --seq, --heads or --gemm-n)\n");
+    return 1;
+  } catch (const std::exception& e) {  // never an abort: one line, as every error
     std::fprintf(stderr, "bench_kernels: %s\n", e.what());
     return 1;
   }

@@ -21,9 +21,9 @@ Prints a Markdown table (for docs/performance.md) and writes JSON with --json FI
 Usage: /usr/bin/python3 bench/plan_validate.py [--loom build/loom] [--rounds 7] [--json out.json]
 Takes about 4 minutes on a quiet 2-core machine (--rounds 7).
 """
-import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,15 +72,25 @@ def median_profile(profiles):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = validate_common.ArgumentParser()
     ap.add_argument("--loom", default="build/loom")
     ap.add_argument("--json", default="")
-    ap.add_argument("--iters", type=int, default=3, help="timed iterations per run (median kept)")
-    ap.add_argument("--rounds", type=int, default=7, help="calibrate-and-measure rounds (median)")
+    ap.add_argument("--iters", type=validate_common.int_at_least(1), default=3,
+                    help="timed iterations per run (median kept)")
+    ap.add_argument("--rounds", type=validate_common.int_at_least(1), default=7,
+                    help="calibrate-and-measure rounds (median)")
     a = ap.parse_args()
-    if a.rounds < 1 or a.iters < 1:
-        sys.exit("plan_validate: --rounds and --iters must be >= 1")
+    # Before the run: --json was checked only when written, after minutes of it.
+    validate_common.check_output(ap, a.json)
+    validate_common.check_executable(ap, a.loom, "--loom")
     tmp = tempfile.mkdtemp(prefix="loom_plan_validate_")
+    try:
+        return validate(a, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the profiles and reports (once left behind)
+
+
+def validate(a, tmp):
     t_start = time.time()
     loads = [validate_common.loadavg()]
     labels = sorted(set(c[0] for c in CONFIGS))
@@ -172,9 +182,9 @@ def main():
     print(f"first choice within 10 % of the fastest measured in {n_pick} of {len(choices)} "
           f"problems: {'PASS' if ok_pick else 'FAIL'}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(rows=rows, choices=choices, worst=worst, median=med, rounds=a.rounds,
-                           seconds=elapsed, loadavg=loads, profiles=profiles), f, indent=2)
+        validate_common.write_json(a.json, dict(rows=rows, choices=choices, worst=worst,
+                                                median=med, rounds=a.rounds, seconds=elapsed,
+                                                loadavg=loads, profiles=profiles))
     return 0 if (ok_worst and ok_med and ok_pick) else 1
 
 

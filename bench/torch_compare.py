@@ -27,14 +27,17 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_attention  # noqa: E402  (bench/torch_attention.py, beside this script)
+import validate_common  # noqa: E402  (bench/validate_common.py: its command line and --json)
 
 # Debian's torch does its matrix products in OpenBLAS, whose thread pool follows
 # OPENBLAS_NUM_THREADS / OMP_NUM_THREADS read at load time, not torch.set_num_threads. So each
-# thread count runs in its own child process with those set (--child marks a child).
+# thread count runs in its own child process with those set (--child marks a child), and the
+# one-thread ring-step rows in a one-thread child (--ring-only where no --threads entry is 1).
 
 
 def alternated_times(fns, reps, setup=None):
@@ -59,46 +62,63 @@ def best_time(fn, reps):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, nargs="+", default=[4096])
-    ap.add_argument("--dim", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap = validate_common.ArgumentParser(description=__doc__.splitlines()[0])
+    positive = validate_common.int_at_least(1)
+    ap.add_argument("--seq", type=positive, nargs="+", default=[4096])
+    ap.add_argument("--dim", type=positive, nargs="+", default=[64, 128])
+    ap.add_argument("--heads", type=positive, default=8)
+    ap.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    ap.add_argument("--threads", type=positive, nargs="+", default=[1, 2])
     ap.add_argument("--mask", choices=["full", "causal", "both"], default="both")
-    ap.add_argument("--ring", type=int, default=512, help="ring-step rows (0: none)")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--gemm-n", type=int, default=1024)
+    ap.add_argument("--ring", type=validate_common.int_at_least(0), default=512,
+                    help="ring-step rows, one thread (0: none)")
+    ap.add_argument("--reps", type=positive, default=3)
+    ap.add_argument("--gemm-n", type=positive, default=1024)
     ap.add_argument("--impl", choices=("best",) + torch_attention.IMPLS, default="best",
                     help="PyTorch formulation(s) to time (bench/torch_attention.py); best: all, "
                          "alternated, each kernel reporting its fastest")
-    ap.add_argument("--json", default="")
+    ap.add_argument("--json", default="", help="also write the rows to this file (atomically)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ring-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for key in ("seq", "dim", "dtype", "threads"):  # each value once, in the order given
+        setattr(args, key, list(dict.fromkeys(getattr(args, key))))
+    validate_common.check_output(ap, args.json)  # before the run, not after it
     if not args.child:
-        rows, version = [], None
-        for i, t in enumerate(args.threads):
+        # Each thread count's rows in a child with that count's OpenBLAS / OpenMP environment;
+        # the ring-step rows (one thread) in a one-thread child: they ran in the first count's
+        # child, whose BLAS ran that many threads under rows labelled "1 thr".
+        children = [(t, args.ring if t == 1 else 0, False) for t in args.threads]
+        if args.ring > 0 and 1 not in args.threads:
+            children.append((1, args.ring, True))
+        rows, version, impl = [], None, None
+        for i, (t, ring, ring_only) in enumerate(children):
             env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t), OMP_NUM_THREADS=str(t))
-            out = f"/tmp/torch_compare_{os.getpid()}_{t}.json"
+            fd, out = tempfile.mkstemp(prefix="torch_compare_", suffix=".json")
+            os.close(fd)
             cmd = [sys.executable, __file__, "--child", "--threads", str(t), "--json", out,
                    "--seq", *map(str, args.seq), "--dim", *map(str, args.dim),
                    "--heads", str(args.heads), "--dtype", *args.dtype, "--mask", args.mask,
-                   "--ring", str(args.ring if i == 0 else 0), "--reps", str(args.reps),
+                   "--ring", str(ring), "--reps", str(args.reps),
                    "--gemm-n", str(args.gemm_n), "--impl", args.impl]
             if i > 0:
                 cmd.append("--no-header")
-            rc = subprocess.call(cmd, env=env)
-            if rc != 0:
-                return rc
-            with open(out) as f:
-                got = json.load(f)
-            os.remove(out)
+            if ring_only:
+                cmd.append("--ring-only")
+            try:
+                rc = subprocess.call(cmd, env=env)
+                if rc != 0:
+                    return rc
+                with open(out) as f:
+                    got = json.load(f)
+            finally:
+                os.remove(out)
             rows += got["results"]
             version, impl = got["torch"], got["attention"]
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"torch": version, "attention": impl, "results": rows}, f, indent=2)
+            validate_common.write_json(args.json,
+                                       {"torch": version, "attention": impl, "results": rows})
         return 0
     try:
         import torch
@@ -183,6 +203,8 @@ def main():
                  gemm_gflops=gemm, fwd_s=t_fwd, bwd_s=t_bwd, fwd_gflops=flops / t_fwd * 1e-9,
                  bwd_gflops=2.5 * flops / t_bwd * 1e-9, fwd_calls_s=fwd_calls[fwd_best],
                  bwd_calls_s=bwd_calls[bwd_best],
+                 # the BLAS pool this row ran with (the parent sets it per child: see above)
+                 openblas_num_threads=os.environ.get("OPENBLAS_NUM_THREADS"),
                  formulations={n: dict(attention=names[n], fwd_calls_s=fwd_calls[n],
                                        bwd_calls_s=bwd_calls[n]) for n in impls})
         which = "" if len(impls) == 1 else f"   fastest: fwd {fwd_best}, bwd {bwd_best}"
@@ -192,7 +214,7 @@ def main():
               f"{r['bwd_gflops'] / gemm:>6.2f}{which}", flush=True)
         rows.append(r)
 
-    for dtype in args.dtype:
+    for dtype in args.dtype if not args.ring_only else ():
         for s in args.seq:
             for d in args.dim:
                 for causal in {"full": (False,), "causal": (True,), "both": (False, True)}[args.mask]:
@@ -203,9 +225,8 @@ def main():
             for d in args.dim:
                 run(dtype, args.ring, args.ring, d, False, 1)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "attention": impl, "results": rows}, f,
-                      indent=2)
+        validate_common.write_json(args.json,
+                                   {"torch": torch.__version__, "attention": impl, "results": rows})
     return 0
 
 

@@ -21,9 +21,9 @@ Prints a Markdown table (for docs/performance.md) and writes JSON with --json FI
 Usage: /usr/bin/python3 bench/train_validate.py [--loom build/loom] [--rounds 7] [--json out.json]
 Takes about 1.5 minutes on a quiet 2-core machine (--rounds 7).
 """
-import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,16 +47,26 @@ def run(cmd):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = validate_common.ArgumentParser()
     ap.add_argument("--loom", default="build/loom")
     ap.add_argument("--json", default="")
-    ap.add_argument("--rounds", type=int, default=7, help="calibrate-predict-measure rounds")
-    ap.add_argument("--steps", type=int, default=8, help="loom train steps per run")
+    ap.add_argument("--rounds", type=validate_common.int_at_least(1), default=7,
+                    help="calibrate-predict-measure rounds")
+    ap.add_argument("--steps", type=validate_common.int_at_least(3), default=8,
+                    help="loom train steps per run (the first two are not timed)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     a = ap.parse_args()
-    if a.rounds < 1 or a.steps < 3:
-        sys.exit("train_validate: --rounds must be >= 1 and --steps >= 3")
+    # Before the run: --json was checked only when written, after minutes of it.
+    validate_common.check_output(ap, a.json)
+    validate_common.check_executable(ap, a.loom, "--loom")
     tmp = tempfile.mkdtemp(prefix="loom_train_validate_")
+    try:
+        return validate(a, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the profiles and logs (once left behind)
+
+
+def validate(a, tmp):
     t0 = time.time()
     loads = [validate_common.loadavg()]
     model = ["--layers", str(LAYERS), "--dim", str(DIM), "--heads", str(HEADS),
@@ -119,9 +129,8 @@ def main():
           f"{min(loads):.1f}-{max(loads):.1f} (1-minute, sampled between rounds)")
     print(f"worst error {100*worst:.1f} % (<= 20 %): {'PASS' if ok else 'FAIL'}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(rows=rows, one_rank=one_rank, worst=worst, rounds=a.rounds,
-                           seconds=elapsed, loadavg=loads), f, indent=2)
+        validate_common.write_json(a.json, dict(rows=rows, one_rank=one_rank, worst=worst,
+                                                rounds=a.rounds, seconds=elapsed, loadavg=loads))
     return 0 if ok else 1
 
 

@@ -29,6 +29,7 @@ Exit 0 when all hold, else 1 with one line per failure.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,79 @@ def is_avx512_path(path):
     """The paths issue 10's AVX-512 list applies to: avx512, avx512bf16 and amx (the avx512 table
     with bf16 GEMMs on AMX tiles)."""
     return path.startswith("avx512") or path == "amx"
+
+
+def basis_of(what):
+    """The basis a target line's value must have (bench_kernels prints and records it)."""
+    if "/ row's sgemm" in what:
+        return "gemm_ratio"
+    if "2 thr / 1 thr, paired median" in what:
+        return "paired_median"
+    if "2 thr / 1 thr" in what or what.startswith("loom / torch"):
+        return "gflops_quotient"
+    return "gemm_ratio_quotient"  # causal / full, ring-step, bf16 / fp32, D=64 / D=128
+
+
+TAGS = {"gemm_ratio": "[/gemm]", "gemm_ratio_quotient": "[/gemm over /gemm]",
+        "gflops_quotient": "[GFLOP/s over GFLOP/s]", "paired_median": "[median of t1 / tN]"}
+
+
+def value_text(value, met):
+    """The printed value: three decimals, rounded down where the goal was missed, so that a value
+    that missed never prints equal to its goal ("0.85 (target >= 0.85: NOT met)" was 0.8474)."""
+    return f"{value:.3f}" if met else f"{math.floor(value * 1e3) / 1e3:.3f}"
+
+
+def check_printed(stdout, doc, path):
+    """The printed target lines against the JSON's: each once, its value as value_text gives it
+    (and so never equal to its goal when NOT met), its verdict, its basis tag with the legend of
+    that basis above, and the header naming the list of the path (the AVX2+FMA list on a path
+    the issue sets none for, "for reference")."""
+    bad = []
+    lines = stdout.splitlines()
+    avx512 = is_avx512_path(path)
+    reference = not avx512 and path != "avx2"
+    want_list = "AVX-512" if avx512 else "AVX2+FMA"
+    heads = [x for x in lines if x.startswith("targets")]
+    if (len(heads) != 1 or f"issue 10's {want_list} list" not in heads[0]
+            or ("for reference" in heads[0]) != reference or path not in heads[0]):
+        bad.append(f"targets header {heads} on the {path} path (want issue 10's {want_list} list"
+                   f"{', for reference' if reference else ''})")
+    if doc.get("target_list") != want_list or doc.get("target_list_for_reference") != reference:
+        bad.append(f"JSON target_list {doc.get('target_list')!r}, for reference "
+                   f"{doc.get('target_list_for_reference')!r} on the {path} path")
+    for t in doc["targets"]:
+        hits = [x for x in lines if x.startswith("  " + t["what"] + " ")]
+        if len(hits) != 1:
+            bad.append(f"{len(hits)} printed lines for the target '{t['what']}' (want 1)")
+            continue
+        line = hits[0]
+        if "measured" not in t:
+            bad.append(f"target {t} does not say whether it was measured")
+            continue
+        if not t["measured"]:
+            if ": not measured, needs " + t.get("needs", "?") not in line or t["met"]:
+                bad.append(f"'{line}' for the unmeasured target {t}")
+            continue
+        basis = basis_of(t["what"])
+        if t.get("basis") != basis or not line.rstrip().endswith(TAGS[basis]):
+            bad.append(f"'{line}': basis {t.get('basis')} (want {basis}, tagged {TAGS[basis]})")
+        if basis not in doc.get("target_bases", {}) or not [
+                x for x in lines if x.startswith("  " + TAGS[basis] + " ")]:
+            bad.append(f"no legend for the basis {basis} of '{t['what']}'")
+        m = re.match(r"\s+(\S+)\s+\(target >= (\S+): (met|NOT met)\)",
+                     line[len("  " + t["what"]):])
+        if not m:
+            bad.append(f"cannot read the printed target line '{line}'")
+            continue
+        shown, goal, verdict = m.group(1), float(m.group(2)), m.group(3)
+        if shown != value_text(t["value"], t["met"]) or verdict != ("met" if t["met"] else
+                                                                    "NOT met"):
+            bad.append(f"'{line}': want {value_text(t['value'], t['met'])}, "
+                       f"{'met' if t['met'] else 'NOT met'} for the value {t['value']}")
+        elif (float(shown) >= goal) != t["met"]:
+            bad.append(f"'{line}': the printed value reads as the other verdict")
+    return bad
 
 
 def check_run(bench, work, kernel):
@@ -107,6 +181,9 @@ def check_run(bench, work, kernel):
             bad.append(f"{len(hits)} target lines named '{what}' (want 1)")
             return
         t = hits[0]
+        if t.get("measured") is False or t["value"] is None:
+            bad.append(f"'{what}': not measured although its rows were: {t}")
+            return
         if not math.isclose(t["value"], value, rel_tol=1e-9):
             bad.append(f"'{what}': value {t['value']} but its rows give {value}")
         if t["target"] != goal:
@@ -136,6 +213,28 @@ def check_run(bench, work, kernel):
                c64["fwd_ratio"] / f64["fwd_ratio"], 0.85)
         expect("fp32 ring-step fwd, 128x128 / S=256, D=64", ring64["fwd_ratio"] / f64["fwd_ratio"],
                0.80)
+    # This sweep has one thread only: the two-thread lines are there, not measured, saying so
+    # (they were dropped without a word).
+    if not avx512:
+        for dtype in ("fp32", "bf16"):
+            for d in ("128", "64"):
+                for k in ("fwd", "bwd"):
+                    what = f"{dtype} {k} 2 thr / 1 thr, full, S=256 D={d}"
+                    hits = [t for t in targets if t["what"] == what]
+                    if (len(hits) != 1 or hits[0].get("measured") is not False
+                            or hits[0]["met"] or "--threads 2" not in hits[0].get("needs", "")):
+                        bad.append(f"'{what}': {hits} (want one line, not measured, needing "
+                                   "--threads 2)")
+    # --no-torch: each loom / torch line is there, not measured, needing PyTorch's rows.
+    for mask, kinds in (("full", ("fwd", "bwd")), ("causal", ("fwd",))):
+        for d in ("128", "64"):
+            for k in kinds:
+                what = f"loom / torch {k}, fp32 Sq=256 H=2 D={d} {mask} 1 thr"
+                hits = [t for t in targets if t["what"] == what]
+                if (len(hits) != 1 or hits[0].get("measured") is not False
+                        or "PyTorch" not in hits[0].get("needs", "")):
+                    bad.append(f"'{what}': {hits} (want one line, not measured, needing PyTorch)")
+    bad += check_printed(r.stdout, doc, path)
     if any(t["what"].startswith("fp32 fwd / row's sgemm") and t["what"].endswith("D=64")
            for t in targets):
         bad.append("an sgemm-ratio target at D = 64 (issue 10 sets them at D = 128)")
@@ -143,7 +242,8 @@ def check_run(bench, work, kernel):
     # D = 64 / D = 128 or two-thread lines).
     other = ("causal", "ring-step", "D=64 / D=128", "2 thr")
     for t in targets:
-        if avx512 and any(o in t["what"] for o in other):
+        if avx512 and not t["what"].startswith("loom / torch") and any(o in t["what"]
+                                                                      for o in other):
             bad.append(f"'{t['what']}' on the {path} path (not in issue 10's AVX-512 list)")
     return path, bad
 
@@ -195,11 +295,13 @@ def check_scaling(bench, work):
             bad.append(f"{len(hits)} --thread-scaling target lines named '{what}' (want 1)")
             continue
         t = hits[0]
-        if (not math.isclose(t["value"], x["loom_median"], rel_tol=1e-9) or t["target"] != 1.85
-                or t["met"] != (t["value"] >= 1.85)):
+        if (not t.get("measured") or not math.isclose(t["value"], x["loom_median"], rel_tol=1e-9)
+                or t["target"] != 1.85 or t["met"] != (t["value"] >= 1.85)):
             bad.append(f"--thread-scaling target {t} (loom's median {x['loom_median']}, goal 1.85)")
     if avx512 and targets:
         bad.append(f"--thread-scaling target lines on the {doc['kernel_path']} path: {targets}")
+    if not avx512:
+        bad += check_printed(r.stdout, doc, doc["kernel_path"])
     for args, needle in ((["--thread-scaling", "2", "--threads", "1"], "--threads gives 1"),
                          (["--thread-scaling", "0"], "--thread-scaling"),
                          # its calls are timed by the wall clock; --cpu-time would mix two clocks
@@ -209,6 +311,201 @@ def check_scaling(bench, work):
             bad.append(f"{' '.join(args)}: exit {r.returncode}, stdout {r.stdout!r}, "
                        f"stderr {r.stderr!r} (want a refusal naming '{needle}')")
     return bad
+
+
+def runnable_paths(bench):
+    """The kernel paths this CPU runs, from the "kernel path:" line of a --help-free tiny run."""
+    r = subprocess.run([bench, "--seq", "16", "--dim", "16", "--dtype", "fp32", "--ring", "0",
+                        "--threads", "1", "--min-time", "0.001", "--gemm-n", "16", "--no-check",
+                        "--no-torch"], capture_output=True, text=True, timeout=120)
+    m = re.search(r"^kernel path: \S+ \(LOOM_KERNEL = auto \| portable \| (.*)\)$", r.stdout,
+                  re.M)
+    if not m:
+        return []
+    return [x for x in m.group(1).split(", ") if "not on this CPU" not in x]
+
+
+def check_reference_path(bench, work, kernel):
+    """A tiny sweep on a path issue 10 sets no targets for (sse4, ssse3, scalar): the AVX2+FMA
+    list shown for reference, each line it cannot compute (no D = 128, no bf16, no ring, one
+    thread) printed and recorded as not measured with what it needs; and --seq / --dim given
+    twice run each shape once (--seq 128 128 ran every row four times, every target twice)."""
+    out = os.path.join(work, f"bench-{kernel}.json")
+    cmd = [bench, "--seq", "128", "128", "--dim", "64,64", "--dtype", "fp32", "--ring", "0",
+           "--threads", "1", "--min-time", "0.01", "--heads", "2", "--kv-heads", "2",
+           "--gemm-n", "128", "--no-check", "--no-torch", "--json", out]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOOM_KERNEL", "OPENBLAS_CORETYPE")}
+    env["LOOM_KERNEL"] = kernel
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if r.returncode != 0:
+        return [f"bench_kernels (LOOM_KERNEL={kernel}) exited {r.returncode}:\n{r.stdout}\n"
+                f"{r.stderr}"]
+    doc = json.load(open(out))
+    bad = []
+    shapes = [(x["seq_q"], x["dim"], x["causal"]) for x in doc["results"]]
+    if sorted(shapes) != [(128, 64, False), (128, 64, True)]:
+        bad.append(f"--seq 128 128 --dim 64,64: rows {shapes} (want each shape once)")
+    whats = [t["what"] for t in doc["targets"]]
+    if len(whats) != len(set(whats)):
+        bad.append(f"a target line twice: {whats}")
+    needs = {  # every line of the AVX2+FMA list, and what this run lacks for it
+        "fp32 fwd / row's sgemm, full, 1 thr, S=128 D=128": "--dim 128",
+        "fp32 bwd / row's sgemm, full, 1 thr, S=128 D=128": "--dim 128",
+        "fp32 fwd 2 thr / 1 thr, full, S=128 D=64": "--threads 2",
+        "fp32 bwd 2 thr / 1 thr, full, S=128 D=64": "--threads 2",
+        "fp32 ring-step fwd, 512x512 / S=128, D=64": "--ring",
+        "fp32 ring-step bwd, 512x512 / S=128, D=64": "--ring",
+        "bf16 fwd / fp32 fwd, full, 1 thr, S=128 D=64": "bf16",
+        "bf16 bwd / fp32 bwd, full, 1 thr, S=128 D=64": "bf16",
+        "fp32 fwd, full, 1 thr, D=64 / D=128": "--dim 64 128",
+        "fp32 bwd, full, 1 thr, D=64 / D=128": "--dim 64 128",
+        "loom / torch fwd, fp32 Sq=128 H=2 D=64 full 1 thr": "PyTorch",
+        "loom / torch bwd, fp32 Sq=128 H=2 D=64 full 1 thr": "PyTorch",
+        "loom / torch fwd, fp32 Sq=128 H=2 D=64 causal 1 thr": "PyTorch",
+    }
+    for what, need in needs.items():
+        hits = [t for t in doc["targets"] if t["what"] == what]
+        if (len(hits) != 1 or hits[0].get("measured") is not False
+                or need not in hits[0].get("needs", "")):
+            bad.append(f"'{what}': {hits} (want one line, not measured, needing {need})")
+    for what in ("fp32 causal fwd useful rate / full, 1 thr, S=128 D=64",
+                 "fp32 causal bwd useful rate / full, 1 thr, S=128 D=64"):
+        hits = [t for t in doc["targets"] if t["what"] == what]
+        if len(hits) != 1 or not hits[0].get("measured"):
+            bad.append(f"'{what}': {hits} (want one measured line)")
+    return bad + check_printed(r.stdout, doc, kernel)
+
+
+def check_torch_json(bench, work):
+    """--torch-json: read and checked before anything is timed, its rows matched to loom's by
+    the whole shape, and the errors of a file that is not one (no timing is judged)."""
+    bad = []
+    base = [bench, "--seq", "128", "--dim", "64", "--dtype", "fp32", "--ring", "0", "--threads",
+            "1", "--min-time", "0.01", "--heads", "2", "--kv-heads", "2", "--gemm-n", "128",
+            "--no-check"]
+
+    def row(causal, heads, fwd, bwd, **extra):
+        return dict(dtype="fp32", seq_q=128, seq_k=128, heads=heads, dim=64, causal=causal,
+                    threads=1, fwd_s=1.0, bwd_s=1.0, fwd_gflops=fwd, bwd_gflops=bwd,
+                    gemm_gflops=50.0, **extra)
+
+    fake = os.path.join(work, "torch-fake.json")
+    with open(fake, "w") as f:  # a torch_compare.py output, by hand (no torch needed)
+        json.dump({"torch": "test", "attention": "hand-written", "results": [
+            row(False, 2, 1000.0, 1000.0, kv_heads=1),  # other kv heads: never loom's row
+            row(False, 2, 10.0, 20.0),                  # loom's full row
+            row(True, 1, 5.0, 5.0),                     # one head: never loom's two-head row
+            row(True, 2, 0.0, 7.0)]}, f)                # loom's causal row, rate 0: no verdict
+    out = os.path.join(work, "bench-torch-json.json")
+    r = subprocess.run(base + ["--torch-json", fake, "--json", out], capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        return [f"--torch-json (hand-written) exited {r.returncode}:\n{r.stdout}\n{r.stderr}"]
+    doc = json.load(open(out))
+    loom = {x["causal"]: x for x in doc["results"]}
+    tg = {t["what"]: t for t in doc["targets"]}
+    tag = " fp32 Sq=128 H=2 D=64 "
+    for k, rate in (("fwd", 10.0), ("bwd", 20.0)):
+        t = tg.get(f"loom / torch {k},{tag}full 1 thr")
+        want = loom[False][f"{k}_gflops"] / rate
+        if not t or not t.get("measured") or not math.isclose(t["value"], want, rel_tol=1e-9):
+            bad.append(f"loom / torch {k} full: {t} (want loom's rate over the PyTorch row of "
+                       f"the same heads and kv heads: {want})")
+    t = tg.get(f"loom / torch fwd,{tag}causal 1 thr")
+    if not t or t.get("measured") is not False or "positive" not in t.get("needs", ""):
+        bad.append(f"loom / torch fwd causal: {t} (want not measured: its PyTorch row's rate is 0,"
+                   " the one-head row is another shape)")
+    if not re.search(r"^  torch fp32 Sq=128 H=1 D=64 causal 1 thr: .*no loom row", r.stdout, re.M):
+        bad.append("the one-head PyTorch row is not said to match no loom row")
+    if not re.search(r"^  torch fp32 Sq=128 H=2 D=64 causal 1 thr: fwd 0\.0.*not positive",
+                     r.stdout, re.M):
+        bad.append("the PyTorch row of rate 0 is not said to measure nothing")
+    bad += check_printed(r.stdout, doc, doc["kernel_path"])
+
+    # Files that are not a torch_compare.py output: one line, exit 1, before anything runs.
+    def write(name, text):
+        path = os.path.join(work, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    fifo = os.path.join(work, "torch-fifo")
+    if not os.path.exists(fifo):
+        os.mkfifo(fifo)
+    cases = [(out, "not a torch_compare.py output"),  # a bench_kernels output
+             (write("t-ints.json", '{"torch": "x", "results": [1, 2]}'),
+              "results[0] is not an object"),
+             (write("t-noseq.json", '{"torch": "x", "results": [{"dtype": "fp32"}]}'),
+              '"seq_q" is missing'),
+             (write("t-str.json", json.dumps({"torch": "x", "results": [
+                 dict(row(False, 2, 1.0, 1.0), heads="2")]})), '"heads" is not an integer'),
+             (write("t-bad.json", "{"), "not JSON"),
+             (os.path.join(work, "no-such.json"), "cannot open"),
+             (fifo, "not a regular file"),
+             (work, "is a directory")]
+    for path, needle in cases:
+        try:
+            r = subprocess.run(base + ["--torch-json", path], capture_output=True, text=True,
+                               timeout=60)
+        except subprocess.TimeoutExpired:
+            bad.append(f"--torch-json {path}: still running after 60 s")
+            continue
+        err = r.stderr.strip().splitlines()
+        if r.returncode != 1 or len(err) != 1 or needle not in err[0] or r.stdout:
+            bad.append(f"--torch-json {path}: exit {r.returncode}, stdout {r.stdout[:300]!r}, "
+                       f"stderr {r.stderr!r} (want one line naming '{needle}', exit 1, nothing "
+                       f"timed)")
+    # The output naming the input: refused, the input left as it was.
+    before = open(fake).read()
+    r = subprocess.run(base + ["--torch-json", fake, "--json", fake], capture_output=True,
+                       text=True, timeout=60)
+    if r.returncode == 0 or "name the same file" not in r.stderr or open(fake).read() != before:
+        bad.append(f"--torch-json F --json F: exit {r.returncode}, stderr {r.stderr!r}, the input "
+                   f"{'kept' if open(fake).read() == before else 'replaced'}")
+    return bad
+
+
+def check_refusals(bench, work):
+    """Combinations a mode would ignore: one line, exit 2, nothing run, no file written."""
+    bad = []
+    out = os.path.join(work, "ignored.json")
+    for args in (["--tile-ops", "--json", out], ["--sgemm-window", "0.01", "--json", out],
+                 ["--tile-ops", "--sgemm-window", "0.01"],
+                 ["--thread-scaling", "1", "--torch-json", out],
+                 ["--tile-ops", "--torch"], ["--tile-ops", "--cpu-time"]):
+        r = subprocess.run([bench] + args, capture_output=True, text=True, timeout=60)
+        err = r.stderr.strip().splitlines()
+        if r.returncode != 2 or len(err) != 1 or "excludes" not in err[0] or r.stdout or \
+                os.path.exists(out):
+            bad.append(f"{' '.join(args)}: exit {r.returncode}, stdout {r.stdout[:200]!r}, "
+                       f"stderr {r.stderr!r} (want one 'excludes' line, exit 2)")
+    return bad
+
+
+def check_scaling_other_count(bench, work, kernel):
+    """--thread-scaling with 4 threads on a path with the two-thread target: the medians in the
+    table, the target lines not judged (the target is for two threads; 4 was judged against it)."""
+    out = os.path.join(work, "scaling4.json")
+    cmd = [bench, "--thread-scaling", "1", "--seq", "64", "--dim", "32", "--dtype", "fp32",
+           "--threads", "4", "--heads", "1", "--kv-heads", "1", "--gemm-n", "16", "--no-check",
+           "--json", out]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOOM_KERNEL", "OPENBLAS_CORETYPE")}
+    env["LOOM_KERNEL"] = kernel
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if r.returncode != 0:
+        return [f"--thread-scaling --threads 4 exited {r.returncode}:\n{r.stdout}\n{r.stderr}"]
+    doc = json.load(open(out))
+    bad = []
+    if [x["threads"] for x in doc["thread_scaling"]["results"]] != [4, 4]:
+        bad.append(f"--thread-scaling --threads 4 results: {doc['thread_scaling']['results']}")
+    for k in ("fwd", "bwd"):
+        what = f"fp32 {k} 2 thr / 1 thr, paired median, full, S=64 D=32"
+        hits = [t for t in doc["targets"] if t["what"] == what]
+        if (len(hits) != 1 or hits[0].get("measured") is not False
+                or "--threads 2" not in hits[0].get("needs", "")):
+            bad.append(f"--thread-scaling --threads 4: '{what}': {hits} (want one line, not "
+                       "measured, needing --threads 2)")
+    return bad + check_printed(r.stdout, doc, kernel)
 
 
 def main():
@@ -244,6 +541,19 @@ def main():
             bad.append(f"{' '.join(args)}: exit {r.returncode} (want {rc}), stdout "
                        f"{r.stdout[:200]!r}, stderr {r.stderr!r}")
     bad += check_scaling(bench, work)
+    runnable = runnable_paths(bench)
+    if not runnable:
+        bad.append("no 'kernel path:' line listing the runnable paths")
+    # A path issue 10 sets no targets for, where this CPU runs one (x86-64: sse4, ssse3, scalar).
+    ref = [p for p in runnable if p in ("sse4", "ssse3", "scalar")]
+    if ref:
+        bad += check_reference_path(bench, work, ref[0])
+        paths.append(ref[0])
+    two_thread = [p for p in runnable if p == "avx2"] + ref  # paths with the two-thread target
+    if two_thread:
+        bad += check_scaling_other_count(bench, work, two_thread[0])
+    bad += check_torch_json(bench, work)
+    bad += check_refusals(bench, work)
     if bad:
         print("\n".join(bad))
         return 1

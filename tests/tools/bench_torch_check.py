@@ -16,8 +16,11 @@ default where the Python can import torch), and checks
   - each "loom / torch" target is loom's row rate over PyTorch's row rate, and "met" is
     value >= target;
 and that by default a Python that cannot import torch is one "skipped" line, no PyTorch rows and
-a zero exit; that with --torch a Python that cannot be run is one error and a non-zero exit,
-leaving no temporary file behind; and that --torch with --torch-json or --no-torch is refused.
+a zero exit; that with --torch a Python that cannot be run is one error and a non-zero exit
+before any row; that GQA rows (--kv-heads below --heads) get no PyTorch rows (skipped by
+default, refused with --torch); that --torch with --torch-json or --no-torch is refused; and that
+bench/torch_compare.py runs each row with its own thread count's OpenBLAS pool (the one-thread
+ring-step rows too) and writes its --json whole.
 Nothing is timed against a threshold.
 Exit 0 when all hold, else 1 with one line per failure.
 """
@@ -27,6 +30,35 @@ import os
 import re
 import subprocess
 import sys
+
+
+TORCH_COMPARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                             "torch_compare.py")
+
+
+def check_torch_compare(python, work):
+    """bench/torch_compare.py alone: each row ran with its own thread count's OpenBLAS pool (the
+    one-thread ring-step rows ran in the first --threads entry's child, with its pool), and its
+    --json is written whole, with no temporary left beside it."""
+    bad = []
+    out = os.path.join(work, "torch_compare.json")
+    with open(out, "w") as f:
+        f.write("old")
+    r = subprocess.run([python, TORCH_COMPARE, "--seq", "64", "--dim", "32", "--heads", "1",
+                        "--dtype", "fp32", "--threads", "2", "--mask", "full", "--ring", "32",
+                        "--reps", "1", "--gemm-n", "32", "--impl", "textbook", "--json", out],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        return [f"torch_compare.py exited {r.returncode}:\n{r.stdout}\n{r.stderr}"]
+    rows = json.load(open(out))["results"]
+    got = [(x["seq_q"], x["threads"], x.get("openblas_num_threads")) for x in rows]
+    if sorted(got) != [(32, 1, "1"), (64, 2, "2")]:
+        bad.append(f"torch_compare.py --threads 2 --ring 32: rows (seq, threads, the pool they ran "
+                   f"with) {got} (want the 2-thread row with 2, the ring row with 1)")
+    left = [x for x in os.listdir(work) if x.startswith("torch_compare.json.")]
+    if left:
+        bad.append(f"torch_compare.py left {left} beside its --json")
+    return bad
 
 
 def main():
@@ -96,7 +128,7 @@ def main():
                       math.isclose(t[f"{k}_gflops"], flops / min(ts) * 1e-9, rel_tol=1e-9)):
                 bad.append(f"PyTorch {k}: {t[f'{k}_s']} s, {t[f'{k}_gflops']} GFLOP/s, but its "
                            f"fastest call {min(ts)} s gives {flops / min(ts) * 1e-9}")
-        tag = f" fp32 Sq=256 D=64 {'causal' if causal else 'full'} 1 thr"
+        tag = f" fp32 Sq=256 H=2 D=64 {'causal' if causal else 'full'} 1 thr"
         kinds = ("fwd",) if causal else ("fwd", "bwd")
         for k in kinds:
             hits = [x for x in targets if x["what"] == f"loom / torch {k}," + tag]
@@ -109,16 +141,33 @@ def main():
             if hits[0]["met"] != (hits[0]["value"] >= hits[0]["target"]):
                 bad.append(f"'loom / torch {k},{tag}': met is {hits[0]['met']}")
 
-    # A Python that cannot run: one error line naming the command, a non-zero exit, no temp file.
-    r = subprocess.run(base + ["--torch", "--torch-python", os.path.join(work, "no-such-python")],
+    # A Python that cannot run: one error line naming it, a non-zero exit, before anything is
+    # timed (it failed after loom's first row).
+    nopy = os.path.join(work, "no-such-python")
+    r = subprocess.run(base + ["--torch", "--torch-python", nopy],
                        capture_output=True, text=True, timeout=120)
     err = r.stderr.strip().splitlines()
-    if r.returncode == 0 or len(err) != 1 or not err[0].startswith("bench_kernels: --torch: "):
-        bad.append(f"a missing Python: exit {r.returncode}, stderr {r.stderr!r}")
-    else:
-        tmp = re.search(r"--json '([^']+)'", err[0])
-        if not tmp or os.path.exists(tmp.group(1)):
-            bad.append(f"the temporary file of a failed --torch run is left behind: {err[0]}")
+    if (r.returncode == 0 or len(err) != 1 or not err[0].startswith("bench_kernels: --torch: ")
+            or nopy not in err[0] or re.search(r"^\s*fp32\s", r.stdout, re.M)):
+        bad.append(f"a missing Python: exit {r.returncode}, stdout {r.stdout!r}, stderr "
+                   f"{r.stderr!r} (want one line naming it, before any row)")
+    # GQA: PyTorch's rows run every head's own k and v, another shape than loom's GQA rows. By
+    # default they are skipped, saying why; --torch refuses before anything runs.
+    gqa = [x if x != "2" or base[i - 1] != "--kv-heads" else "1" for i, x in enumerate(base)]
+    out3 = os.path.join(work, "bench_gqa.json")
+    r = subprocess.run(gqa + ["--torch-python", python, "--json", out3], capture_output=True,
+                       text=True, timeout=300)
+    skips = [x for x in r.stdout.splitlines() if x.startswith("PyTorch rows: skipped")]
+    if r.returncode != 0 or len(skips) != 1 or "GQA" not in skips[0] or \
+            re.search(r"^\s*torch\s", r.stdout, re.M) or "torch" in json.load(open(out3)):
+        bad.append(f"--kv-heads 1 --heads 2 by default: exit {r.returncode}, stdout {r.stdout!r} "
+                   "(want PyTorch's rows skipped, saying why)")
+    r = subprocess.run(gqa + ["--torch", "--torch-python", python], capture_output=True,
+                       text=True, timeout=120)
+    if r.returncode == 0 or "--kv-heads" not in r.stderr or r.stdout:
+        bad.append(f"--torch --kv-heads 1 --heads 2: exit {r.returncode}, stdout {r.stdout!r}, "
+                   f"stderr {r.stderr!r} (want a refusal before anything runs)")
+    bad += check_torch_compare(python, work)
     # The default with a Python that cannot import torch: skipped, said once, exit 0.
     notorch = os.path.join(work, "python-without-torch")
     with open(notorch, "w") as f:
