@@ -156,6 +156,13 @@ void check_buffers(const char* op, const void* send, const void* recv, size_t co
              op << ": null buffer for " << count << " " << unit);
 }
 
+void check_reduction(const char* op, DType dtype, ReduceOp reduce) {
+  LOOM_CHECK(dtype == DType::f32 || dtype == DType::f64 || dtype == DType::i64, InvalidArgument,
+             op << ": unknown dtype " << static_cast<int>(dtype) << " (f32, f64 or i64)");
+  LOOM_CHECK(reduce == ReduceOp::sum || reduce == ReduceOp::max, InvalidArgument,
+             op << ": unknown reduction " << static_cast<int>(reduce) << " (sum or max)");
+}
+
 }  // namespace detail
 
 bool launched_by_mpirun() {

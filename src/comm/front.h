@@ -28,4 +28,8 @@ void check_all_to_all(int rank, const size_t* send_bytes, const size_t* send_off
 void check_buffers(const char* op, const void* send, const void* recv, size_t count,
                    const char* unit);
 
+// reduce_scatter and all_reduce: a DType and a ReduceOp that exist (a cast integer was taken, and
+// any op but sum acted as max).
+void check_reduction(const char* op, DType dtype, ReduceOp reduce);
+
 }  // namespace loom::detail

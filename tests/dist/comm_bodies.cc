@@ -332,6 +332,18 @@ void all_reduce(Communicator& c) {
   }
   all_reduce_identical<float>(c);
   all_reduce_identical<double>(c);
+  // A ReduceOp or DType that does not exist (a cast integer) is refused on every rank before any
+  // message: an unknown op acted as max.
+  double x[1] = {1}, y[1] = {0};
+  const ReduceOp bad_op = static_cast<ReduceOp>(7);
+  const DType bad_type = static_cast<DType>(9);
+  EXPECT_THROW(c.all_reduce(x, 1, DType::f64, bad_op), InvalidArgument);
+  EXPECT_THROW(c.all_reduce(x, 1, bad_type, ReduceOp::sum), InvalidArgument);
+  std::vector<double> send(static_cast<size_t>(c.size()), 1.0);
+  EXPECT_THROW(c.reduce_scatter(send.data(), y, 1, DType::f64, bad_op), InvalidArgument);
+  EXPECT_THROW(c.reduce_scatter(send.data(), y, 1, bad_type, ReduceOp::max), InvalidArgument);
+  EXPECT_EQ(x[0], 1);
+  c.barrier();  // nothing was posted: the group is usable
 }
 
 void barrier(Communicator& c) {

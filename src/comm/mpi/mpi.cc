@@ -366,6 +366,7 @@ class MpiComm final : public Communicator {
   void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                       double timeout_s) override {
     detail::check_buffers("reduce_scatter", send, recv, count, "elements");
+    detail::check_reduction("reduce_scatter", dtype, op);
     const int n = as_int(count, "reduce_scatter count");
     as_int(count * size_, "reduce_scatter send count");
     collective("reduce_scatter", resolve_timeout(timeout_s), [&](MPI_Request* r) {
@@ -376,6 +377,7 @@ class MpiComm final : public Communicator {
 
   void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, double timeout_s) override {
     detail::check_buffers("all_reduce", buf, buf, count, "elements");
+    detail::check_reduction("all_reduce", dtype, op);
     const int n = as_int(count, "all_reduce count");
     collective("all_reduce", resolve_timeout(timeout_s), [&](MPI_Request* r) {
       return MPI_Iallreduce(MPI_IN_PLACE, buf, n, mpi_type(dtype), mpi_op(op), comm_, r);

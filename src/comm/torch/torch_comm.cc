@@ -164,12 +164,14 @@ class TorchComm final : public Communicator, public detail::Transport {
   void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                       double timeout_s) override {
     detail::check_buffers("reduce_scatter", send, recv, count, "elements");
+    detail::check_reduction("reduce_scatter", dtype, op);
     ScopedTimer timer(stats_.wait_s);
     detail::reduce_scatter(*this, send, recv, count, dtype, op, deadline(timeout_s));
   }
 
   void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, double timeout_s) override {
     detail::check_buffers("all_reduce", buf, buf, count, "elements");
+    detail::check_reduction("all_reduce", dtype, op);
     ScopedTimer timer(stats_.wait_s);
     detail::all_reduce(*this, buf, count, dtype, op, deadline(timeout_s));
   }
