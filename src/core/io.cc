@@ -321,7 +321,7 @@ void check_output_outside(const std::string& option, const std::string& path,
 void check_distinct_outputs(const std::vector<std::pair<std::string, std::string>>& outputs,
                             size_t inputs) {
   struct Seen {
-    std::string key, option;
+    std::string key, option;  // option: "--json", "--json - (standard output, /x/r.json)"
     dev_t dev = 0;
     ino_t ino = 0;  // 0: not an existing regular file
   };
@@ -330,7 +330,12 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
   for (size_t i = 0; i < outputs.size(); ++i) {
     const auto& [option, path] = outputs[i];
     if (path.empty()) continue;
-    Seen me{output_key(path), option};
+    // "-" is named as standard output and what it is: "--trace o.json and --json name the same
+    // file" was all a user of --json - > o.json was told.
+    const std::string key = output_key(path);
+    const std::string stdout_is = path == "-" ? " - (standard output, " + key + ")" : "";
+    const std::string named = option + (stdout_is.empty() ? " " + path : stdout_is);
+    Seen me{key, option + stdout_is};
     struct stat st;
     if ((path == "-" ? ::fstat(STDOUT_FILENO, &st) : ::stat(path.c_str(), &st)) == 0 &&
         S_ISREG(st.st_mode)) {
@@ -339,14 +344,14 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
     }
     for (size_t j = i < inputs ? seen_inputs : 0; j < seen.size(); ++j) {
       const Seen& o = seen[j];
-      LOOM_CHECK(o.key != me.key, InvalidArgument,
-                 option << " " << path << " and " << o.option
-                        << " name the same file; give each output its own path");
+      LOOM_CHECK(
+          o.key != me.key, InvalidArgument,
+          named << " and " << o.option << " name the same file; give each output its own path");
       // Hard links are one file under two names: a --log linked to --data truncated the corpus.
       LOOM_CHECK(me.ino == 0 || o.ino != me.ino || o.dev != me.dev, InvalidArgument,
-                 option << " " << path << " and " << o.option
-                        << " name the same file (hard links to one file); give each output its "
-                           "own path");
+                 named << " and " << o.option
+                       << " name the same file (hard links to one file); give each output its "
+                          "own path");
     }
     seen_inputs += i < inputs;
     seen.push_back(std::move(me));

@@ -209,6 +209,16 @@ PY
   then ok "--baseline with --strategy $spec 2: one rank at $spec 1, in the report"
   else cat "$work/out"; bad "--baseline with --strategy $spec 2"; fi
 done
+# The one-rank baseline runs after the P ranks have freed their memory: the estimate is the larger
+# of the two runs, not their sum (593 MiB for a run whose peak was 369 MB with the baseline and
+# 362 MB without; here the P-rank run is the larger, so both estimates are the same).
+estimate() {
+  "$loom" attn --ranks 4 --seq 8192 --heads 64 --head-dim 16 --iters 1 --warmup 0 "$@" \
+    --memory-limit 1 2>&1 | grep -o 'needs about [0-9.]* MiB'
+}
+e0=$(estimate) e1=$(estimate --baseline)
+[ -n "$e0" ] && [ "$e0" = "$e1" ] && ok "--baseline's memory: the larger run's ($e1)" ||
+  bad "--baseline's memory estimate: $e1 against $e0 without it"
 r=$("$loom" attn --seq 64 --json "$work/r1.json" --quiet > /dev/null 2>&1 &&
     /usr/bin/python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['backward_s'], r['efficiency'], r['baseline_run'], r['check'])" "$work/r1.json")
 [ "$r" = "None None None None" ] && ok "json nulls without --backward, --baseline, --check" || bad "json nulls: $r"
@@ -290,6 +300,53 @@ mkdir -p "$work/rel"
 [ -c /dev/null ] && ok "--json /dev/null leaves the device a device" || bad "/dev/null replaced"
 expect_error "--json /dev/full reports the write error" "/dev/full: write failed" --seq 64 \
   --quiet --json /dev/full
+# The outputs are written as a unit: --json a.json --trace /dev/full (or --timeline) wrote a.json,
+# then failed (exit 1), so the failed run left a new a.json, or replaced an old one. Outputs
+# written in place go first; regular files are staged and renamed only once all are written.
+for failing in --trace --timeline; do
+  rm -f "$work/rel/a.json" "$work/rel/b.json"
+  "$loom" attn --seq 64 --iters 1 --warmup 0 --json "$work/rel/a.json" $failing /dev/full \
+    > /dev/null 2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && grep -qF "/dev/full: write failed" "$work/stderr" &&
+    [ ! -e "$work/rel/a.json" ] &&
+    ok "--json a.json $failing /dev/full: exit 1, a.json not written" ||
+    { cat "$work/stderr"; bad "$failing /dev/full left --json written (rc=$rc)"; }
+done
+# A failed standard output (the text report) is found before the files are written: a.json was
+# written, then the run failed (exit 1).
+for out in full closed; do
+  rm -f "$work/rel/a.json"
+  if [ $out = full ]; then
+    "$loom" attn --seq 64 --iters 1 --warmup 0 --json "$work/rel/a.json" > /dev/full 2> "$work/stderr"
+  else
+    "$loom" attn --seq 64 --iters 1 --warmup 0 --json "$work/rel/a.json" >&- 2> "$work/stderr"
+  fi
+  rc=$?
+  [ $rc -eq 1 ] && grep -qF "standard output: write failed" "$work/stderr" &&
+    [ "$(grep -c . "$work/stderr")" = 1 ] && [ ! -e "$work/rel/a.json" ] &&
+    ok "--json a.json with standard output $out: exit 1, a.json not written" ||
+    { cat "$work/stderr"; bad "standard output $out left --json written (rc=$rc)"; }
+done
+echo old > "$work/rel/a.json"
+"$loom" attn --seq 64 --iters 1 --warmup 0 --json "$work/rel/a.json" --trace "$work/rel/b.json" \
+  --timeline /dev/full > /dev/null 2>&1
+[ $? -eq 1 ] && [ "$(cat "$work/rel/a.json")" = old ] && [ ! -e "$work/rel/b.json" ] &&
+  [ -z "$(find "$work/rel" -name '*.tmp.*')" ] &&
+  ok "--timeline /dev/full: the old a.json kept, b.json not written, no temporaries" ||
+  { ls -la "$work/rel"; bad "--timeline /dev/full wrote --json or --trace"; }
+chmod 600 "$work/rel/a.json"
+sh -c 'exit 0' & wait $!
+dead=$!
+echo partial > "$work/rel/b.json.tmp.$dead-s1"  # a killed run's staged file: removed
+if "$loom" attn --seq 64 --iters 1 --warmup 0 --json "$work/rel/a.json" \
+     --trace "$work/rel/b.json" --timeline "$work/rel/c.svg" > /dev/null 2>&1 &&
+   [ "$(stat -c %a "$work/rel/a.json")" = 600 ] && grep -q '"config"' "$work/rel/a.json" &&
+   grep -q traceEvents "$work/rel/b.json" && grep -q '<svg' "$work/rel/c.svg" &&
+   [ -z "$(find "$work/rel" -name '*.tmp.*')" ]; then
+  ok "--json, --trace and --timeline all written, a.json keeps its 0600, no temporaries"
+else ls -la "$work/rel"; bad "--json, --trace and --timeline together"; fi
+rm -f "$work/rel/a.json" "$work/rel/b.json" "$work/rel/c.svg"
 echo keep > "$work/rel/target.json"
 ln -s target.json "$work/rel/link.json"
 if "$loom" attn --seq 64 --quiet --json "$work/rel/link.json" > /dev/null 2>&1 &&
@@ -323,8 +380,8 @@ for other in /dev/stdout /dev/fd/1 /proc/self/fd/1; do
 done
 "$loom" attn --seq 64 --quiet --iters 1 --warmup 0 --json - --trace "$work/mix.out" \
   > "$work/mix.out" 2> "$work/stderr"
-[ $? -eq 1 ] && grep -q "name the same file" "$work/stderr" &&
-  ok "--json - with --trace on the file standard output goes to: refused" || bad "--json - --trace <stdout's file>"
+[ $? -eq 1 ] && grep -qF "and --json - (standard output, $(realpath "$work/mix.out")) name the same file" "$work/stderr" &&
+  ok "--json - with --trace on the file standard output goes to: refused, naming it" || { cat "$work/stderr"; bad "--json - --trace <stdout's file>"; }
 "$loom" attn --seq 64 --quiet --iters 1 --warmup 0 --json - --trace /dev/stderr 2> /dev/null |
   /usr/bin/python3 -c "import json, sys; json.load(sys.stdin)" &&
   ok "--json - --trace /dev/stderr: two streams, the JSON alone on stdout" || bad "--json - --trace /dev/stderr"
@@ -335,9 +392,9 @@ r = np.random.default_rng(0)
 for n in 'qkv': np.save(sys.argv[1] + '/' + n + '.npy', r.standard_normal((16, 2, 8)).astype(np.float32))
 " "$work/vin"
 "$loom" attn --input "$work/vin" --quiet --output "$work/vcand" > /dev/null 2>&1
-expect_error_of verify "verify --json - --heatmap /dev/stdout" "--heatmap /dev/stdout and --json name the same file" \
+expect_error_of verify "verify --json - --heatmap /dev/stdout" "--heatmap /dev/stdout and --json - (standard output" \
   --input "$work/vin" --candidate "$work/vcand" --json - --heatmap /dev/stdout
-expect_error_of plan "plan --json - --svg /dev/stdout" "--svg /dev/stdout and --json name the same file" \
+expect_error_of plan "plan --json - --svg /dev/stdout" "--svg /dev/stdout and --json - (standard output" \
   --json - --svg /dev/stdout
 # Unwritable outputs are refused before the run (the whole job ran, printed its table and only
 # then failed to write).

@@ -80,11 +80,17 @@ echo old > "$work/a.json"
 [ $? -eq 1 ] && [ "$(cat "$work/a.json")" = old ] && [ ! -e "$work/a.svg" ] &&
   ok "--svg a.svg --json /dev/full: exit 1, a.svg not written" || bad "--json /dev/full wrote --svg"
 chmod 600 "$work/a.json"
+# A killed run's staged files ("a.json.tmp.PID-s0") are removed by the next run (they were left
+# for ever: only a lone output's write removed its target's stale temporaries).
+sh -c 'exit 0' & wait $!
+dead=$!
+echo partial > "$work/a.json.tmp.$dead-s0"
+echo partial > "$work/a.svg.tmp.$dead-s1"
 if "$loom" plan --profile "$h100" --top 2 --json "$work/a.json" --svg "$work/a.svg" > /dev/null &&
    [ "$(stat -c %a "$work/a.json")" = 600 ] && [ -s "$work/a.svg" ] &&
    /usr/bin/python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$work/a.json" &&
    [ -z "$(find "$work" -name 'a.*.tmp.*')" ]; then
-  ok "--json and --svg both written, a.json keeps its 0600, no temporaries left"
+  ok "--json and --svg both written, a.json keeps its 0600, stale and new temporaries gone"
 else ls -la "$work"; bad "--json and --svg together"; fi
 rm -f "$work/a.json" "$work/a.svg"
 
@@ -93,6 +99,16 @@ rm -f "$work/a.json" "$work/a.svg"
 rc=$?
 [ $rc -eq 1 ] && grep -qF "standard output: write failed" "$work/stderr" &&
   ok "plan > /dev/full: exit 1" || { cat "$work/stderr"; bad "plan > /dev/full (rc=$rc)"; }
+# ... and a failed run leaves its files as they were: --json was replaced before the failed
+# standard output was found. One error line.
+echo old > "$work/a.json"
+"$loom" plan --profile "$h100" --top 2 --json "$work/a.json" --svg "$work/a.svg" > /dev/full \
+  2> "$work/stderr"
+rc=$?
+[ $rc -eq 1 ] && [ "$(cat "$work/a.json")" = old ] && [ ! -e "$work/a.svg" ] &&
+  [ "$(grep -c . "$work/stderr")" = 1 ] && ok "plan --json a.json > /dev/full: a.json kept" ||
+  { cat "$work/stderr"; bad "plan > /dev/full replaced --json or wrote --svg (rc=$rc)"; }
+rm -f "$work/a.json" "$work/a.svg"
 
 # main's usage errors name what is wrong, exit 2: an unknown command or option read "A subcommand
 # is required", and `loom run --help` printed the top-level help with exit 0.

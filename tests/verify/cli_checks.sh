@@ -43,6 +43,26 @@ grep -q '"kind": "dropped_step"' "$T/r.json" || fail "JSON lacks the diagnosis k
 grep -q '"passed": false' "$T/r.json" || fail "JSON lacks passed: false"
 grep -q '<svg' "$T/h.svg" || fail "heat map is not an SVG"
 grep -q 'query chunk 3 x KV chunk 1: 6' "$T/h.svg" || fail "heat map lacks the dropped pair"
+# The outputs are written as a unit: --json a.json --heatmap /dev/full wrote a.json, then failed on
+# the heat map (exit 2), so the failed run left a new a.json, or replaced an old one.
+err=$(V --candidate "$T/lib/correct" --quiet --json "$T/a.json" --heatmap /dev/full 2>&1)
+rc=$?
+[ $rc = 2 ] && grep -q "/dev/full: write failed" <<<"$err" && [ ! -e "$T/a.json" ] ||
+  fail "--json a.json --heatmap /dev/full: exit $rc (want 2), a.json $(ls "$T/a.json" 2>&1): $err"
+echo old > "$T/a.json"
+chmod 600 "$T/a.json"
+err=$(V --candidate "$T/lib/dropped_step" --quiet --json "$T/a.json" --heatmap /dev/full 2>&1)
+rc=$?
+[ $rc = 2 ] && [ "$(cat "$T/a.json")" = old ] ||
+  fail "--heatmap /dev/full replaced an existing --json (exit $rc): $err"
+sh -c 'exit 0' & wait $!
+dead=$!
+echo partial > "$T/a.svg.tmp.$dead-s1"  # a killed run's staged file: removed
+V --candidate "$T/lib/dropped_step" --quiet --json "$T/a.json" --heatmap "$T/a.svg"
+[ $? = 1 ] && grep -q '"kind": "dropped_step"' "$T/a.json" && grep -q '<svg' "$T/a.svg" &&
+  [ "$(stat -c %a "$T/a.json")" = 600 ] && [ -z "$(find "$T" -maxdepth 1 -name 'a.*.tmp.*')" ] ||
+  fail "--json and --heatmap together: both written, a.json keeps its 0600, no temporaries left"
+rm -f "$T/a.json" "$T/a.svg"
 
 # loom attn's own outputs: every strategy and layout, global order.
 for layout in contiguous zigzag stripe; do
@@ -263,6 +283,15 @@ for c in correct dropped_step; do
   rc=$?
   [ $rc = 2 ] && grep -q "standard output: write failed" <<<"$err" ||
     fail "verify $c with standard output closed: exit $rc (want 2): $err"
+  # A failed run leaves its files as they were (--json was written before standard output's
+  # failure was found), with one error line.
+  echo old > "$T/a.json"
+  err=$(V --candidate "$T/lib/$c" --json "$T/a.json" --heatmap "$T/a.svg" 2>&1 >/dev/full)
+  rc=$?
+  [ $rc = 2 ] && [ "$(cat "$T/a.json")" = old ] && [ ! -e "$T/a.svg" ] &&
+    [ "$(grep -c . <<<"$err")" = 1 ] ||
+    fail "verify $c --json a.json > /dev/full: exit $rc, a.json $(head -c 20 "$T/a.json"): $err"
+  rm -f "$T/a.json" "$T/a.svg"
 done
 expect 0 "verify    PASSED" -- V --candidate "$T/lib/correct" --scale 0.25
 expect 1 "wrong softmax scale" -- V --candidate "$T/lib/correct" --scale 0.5

@@ -819,13 +819,18 @@ double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, in
     const double in32 = S * (2 * H + 2 * HKV) * D * 4;
     total += in32 * 3 + S * (H * D + H) * 8 * 2 + (bw ? S * (H + 2 * HKV) * D * 8 * 2 : 0);
   }
-  if (!o.input.empty()) total += S * (2 * H + 2 * HKV) * D * (4 + 8);  // files: f32 + f64 read
-  if (o.baseline) {  // then, on rank 0: the whole problem on one rank (the files counted above)
+  const double files = o.input.empty() ? 0 : S * (2 * H + 2 * HKV) * D * (4 + 8);  // f32 + f64
+  total += files;
+  if (o.baseline) {
+    // Then, on rank 0, after the P ranks have ended and freed theirs: what their run leaves (the
+    // global results for --output or --check, the files read) and the whole problem on one rank.
+    // The peak is the larger of the two: their sum refused runs that fit (593 MiB estimated at
+    // --ranks 4 --seq 8192 --heads 64 --head-dim 16, against a 369 MB peak).
     AttnOptions one = baseline_options(o);
     one.input.clear();
     Problem base = p;  // shapes only: the --input bodies are read after the estimate
     base.cp = baseline_config(p);
-    total += estimate_attn_bytes(one, base, 1, 1);
+    total = std::max(total, (need ? global * 2 : 0) + files + estimate_attn_bytes(one, base, 1, 1));
   }
   return total;
 }
@@ -949,13 +954,18 @@ int run_attn(const AttnOptions& o) {
     if (k.spans_dropped > 0 && (!o.trace.empty() || !o.timeline.empty()))
       std::fprintf(stderr, "loom attn: note: rank %d kept its first %zu spans and dropped %.0f\n",
                    k.rank, k.spans.size(), k.spans_dropped);
-  // Paths in the report's config are bytes, not always UTF-8 (a directory named "bad\xff" failed
-  // the whole run at this point with the JSON library's error): invalid bytes become U+FFFD.
+  // Every report's bytes first, then all written as a unit (write_outputs): one after another,
+  // --json a.json --trace /dev/full wrote a.json and then failed. --output's set is swapped in
+  // after them and after the check, below. Paths in the report's config are bytes, not always
+  // UTF-8 (a directory named "bad\xff" failed the whole run at this point with the JSON library's
+  // error): invalid bytes become U+FFFD.
+  std::vector<std::pair<std::string, std::string>> outputs;
   if (!o.json.empty())
-    write_output(o.json,
-                 to_json(rep).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
-  if (!o.trace.empty()) write_output(o.trace, chrome_trace(rep));
-  if (!o.timeline.empty()) write_output(o.timeline, timeline_svg(rep));
+    outputs.emplace_back(
+        o.json, to_json(rep).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+  if (!o.trace.empty()) outputs.emplace_back(o.trace, chrome_trace(rep));
+  if (!o.timeline.empty()) outputs.emplace_back(o.timeline, timeline_svg(rep));
+  write_outputs(outputs);
   if (!check_ok(rep.check)) {
     if (rep.check.passed && rep.check.unverifiable.empty()) {
       std::string names;

@@ -80,6 +80,17 @@ void add_memory_limit_option(CLI::App* command, std::string& limit);
 // against it too.
 double estimate_train_bytes(const model::TrainConfig& c, int ranks_here, double data_bytes);
 
+// Writes a run's outputs ({path, bytes}; empty paths skipped) as a unit, as far as the file
+// system allows: a failed write of any one leaves every regular-file output as it was (a new one
+// not created, an old one unchanged). Outputs written in place, which cannot be staged or undone
+// (standard output "-", the process's own streams such as /dev/stdout, a device, a FIFO), are
+// written first, one after another; then every regular file (or missing path) is staged next to
+// its target, and the staged files are renamed over their targets only once all of them are
+// written, each keeping its target's permission bits as write_output does. Only a rename that
+// fails midway (after earlier ones) can leave some replaced. Build every output's bytes first,
+// then call this once. Throws IoError naming the output's path, as write_output does.
+void write_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
+
 // The command line (main's argv past the program name), for agree_across_ranks.
 void set_command_line(int argc, char** argv);
 // Under mpirun every rank parses its own command line and reads its own input files: ranks started

@@ -1,14 +1,21 @@
 // Command-line code the subcommands share: the registry's degree options, the options several
 // subcommands declare alike.
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <sstream>
 #include <vector>
 
+#include <stdio_ext.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "commands.h"
 #include "loom/error.h"
+#include "loom/io.h"
 #include "loom/model/trainer.h"
 #include "loom/rng.h"
 
@@ -61,6 +68,85 @@ void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::st
     LOOM_CHECK(all[2 * r + 1] == all[1], InvalidArgument,
                "rank " << r << " read other " << inputs_what
                        << " than rank 0 (their bytes differ): every rank must read the same");
+  }
+}
+
+// Written one after another, a run's outputs were not a unit: loom plan --json a.json --svg
+// /dev/full wrote the JSON, then failed on the SVG (exit 1), and loom verify and loom attn did
+// the same with --heatmap and --trace / --timeline, so a failed run left a new output or replaced
+// an old one. Outputs written in place cannot be staged or undone, so they go first: a failure
+// there leaves every file untouched. Staged files are named "<target>.tmp.<pid>-s<i>": the next
+// run's clean_stale_temps removes them when this one is killed.
+void write_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
+  namespace fs = std::filesystem;
+  // The text report on standard output first: a run that could not write it fails (main.cc), and
+  // a failed run leaves its files as they were (loom plan --json a.json > /dev/full replaced
+  // a.json, then exited 1). Reported here once: the unwritten text is dropped, so main's own
+  // check of standard output finds nothing more to flush.
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    const std::string why = std::string("standard output: write failed (") +
+                            (errno ? std::strerror(errno) : "an earlier write failed") + ")";
+    __fpurge(stdout);
+    std::clearerr(stdout);
+    throw IoError(why, __FILE__, __LINE__);
+  }
+  std::vector<const std::pair<std::string, std::string>*> regular;
+  for (const auto& out : outputs) {
+    if (out.first.empty()) continue;
+    struct stat st;
+    const bool in_place =
+        out.first == "-" || own_stream_fd(out.first) >= 0 ||
+        (::stat(resolve_output_path(out.first).c_str(), &st) == 0 && !S_ISREG(st.st_mode));
+    if (in_place) {
+      write_output(out.first, out.second);
+    } else {
+      clean_stale_temps(out.first);  // as write_output does: a killed run's staged files too
+      regular.push_back(&out);
+    }
+  }
+  struct Staged {
+    std::string path, target, stage;
+  };
+  std::vector<Staged> staged;
+  std::vector<const std::pair<std::string, std::string>*> direct;
+  try {
+    for (const auto* out : regular) {
+      const std::string target = resolve_output_path(out->first);
+      // One file alone is already atomic (write_output); a name too long for the suffix is
+      // written directly, after every staged file is complete.
+      if (regular.size() == 1 || fs::path(target).filename().string().size() > 200) {
+        direct.push_back(out);
+        continue;
+      }
+      Staged s{
+          out->first, target,
+          target + ".tmp." + std::to_string(::getpid()) + "-s" + std::to_string(staged.size())};
+      staged.push_back(s);
+      write_output(s.stage, out->second);
+      struct stat st;
+      if (::stat(s.target.c_str(), &st) == 0 && S_ISREG(st.st_mode))
+        (void)::chmod(s.stage.c_str(), st.st_mode & 07777);  // best effort, as write_output
+    }
+    for (const auto* out : direct) write_output(out->first, out->second);
+    for (size_t i = 0; i < staged.size(); ++i) {
+      if (std::rename(staged[i].stage.c_str(), staged[i].target.c_str()) != 0)
+        throw IoError(staged[i].path + ": write failed (" + std::strerror(errno) + ")");
+      staged[i].stage.clear();  // renamed: nothing to remove
+    }
+  } catch (const IoError& e) {
+    // A staged file's error names its option's path, not the temporary.
+    std::string what = e.what();
+    for (const Staged& s : staged)
+      if (!s.stage.empty() && what.compare(0, s.stage.size() + 1, s.stage + ":") == 0)
+        what = s.path + what.substr(s.stage.size());
+    for (const Staged& s : staged)
+      if (!s.stage.empty()) ::unlink(s.stage.c_str());
+    throw IoError(what);
+  } catch (...) {
+    for (const Staged& s : staged)
+      if (!s.stage.empty()) ::unlink(s.stage.c_str());
+    throw;
   }
 }
 

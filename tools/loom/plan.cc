@@ -8,8 +8,6 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <filesystem>
 #include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -17,9 +15,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "commands.h"
 #include "loom/comm.h"
@@ -32,8 +27,6 @@
 namespace loom::tools {
 
 namespace {
-
-namespace fs = std::filesystem;
 
 constexpr int64_t kMaxMeasureSteps = 1000000;  // --train-step's measured steps
 
@@ -269,70 +262,6 @@ std::string plan_svg(const plan::PlanResult& r, const PlanOptions& o, int top) {
      << "\" width=\"12\" height=\"12\" fill=\"#d62728\"/><text x=\"536\" y=\"" << ay + 11
      << "\">waiting (exposed communication)</text>\n</svg>\n";
   return os.str();
-}
-
-// The search's outputs (--json, --svg; path and bytes, empty paths skipped), written as a unit as
-// far as the file system allows: with --json a.json --svg /dev/full the JSON was written, then the
-// SVG failed (exit 1), so the failed run left a new output. Those written in place, which cannot
-// be staged or undone (standard output, the process's own streams, a device, a FIFO), go first;
-// then every regular file is staged next to its target ("<target>.tmp.<pid>-s<i>", which the
-// next run's clean_stale_temps removes if this one is killed) and the staged files are renamed
-// over their targets only once all of them are written, each keeping its target's permission
-// bits as write_output does. (A target name too long for the suffix is written directly, last.)
-void write_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
-  std::vector<const std::pair<std::string, std::string>*> regular;
-  for (const auto& out : outputs) {
-    if (out.first.empty()) continue;
-    struct stat st;
-    const bool in_place =
-        out.first == "-" || own_stream_fd(out.first) >= 0 ||
-        (::stat(resolve_output_path(out.first).c_str(), &st) == 0 && !S_ISREG(st.st_mode));
-    if (in_place)
-      write_output(out.first, out.second);
-    else
-      regular.push_back(&out);
-  }
-  struct Staged {
-    std::string path, target, stage;
-  };
-  std::vector<Staged> staged;
-  std::vector<const std::pair<std::string, std::string>*> direct;
-  try {
-    for (const auto* out : regular) {
-      const std::string target = resolve_output_path(out->first);
-      if (regular.size() == 1 || fs::path(target).filename().string().size() > 200) {
-        direct.push_back(out);
-        continue;
-      }
-      Staged s{
-          out->first, target,
-          target + ".tmp." + std::to_string(::getpid()) + "-s" + std::to_string(staged.size())};
-      staged.push_back(s);
-      write_output(s.stage, out->second);
-      struct stat st;
-      if (::stat(s.target.c_str(), &st) == 0 && S_ISREG(st.st_mode))
-        (void)::chmod(s.stage.c_str(), st.st_mode & 07777);  // best effort, as write_output
-    }
-    for (const auto* out : direct) write_output(out->first, out->second);
-    for (size_t i = 0; i < staged.size(); ++i) {
-      if (std::rename(staged[i].stage.c_str(), staged[i].target.c_str()) != 0)
-        throw IoError(staged[i].path + ": write failed (" + std::strerror(errno) + ")");
-      staged[i].stage.clear();  // renamed: nothing to remove
-    }
-  } catch (const IoError& e) {
-    // A staged file's error names its option's path, not the temporary.
-    std::string what = e.what();
-    for (const Staged& s : staged)
-      if (!s.stage.empty() && what.compare(0, s.stage.size() + 1, s.stage + ":") == 0)
-        what = s.path + what.substr(s.stage.size());
-    for (const Staged& s : staged)
-      if (!s.stage.empty()) ::unlink(s.stage.c_str());
-    throw IoError(what);
-  } catch (...) {
-    for (const Staged& s : staged)
-      if (!s.stage.empty()) ::unlink(s.stage.c_str());
-    throw;
-  }
 }
 
 // --train-step: one rank of loom train's model measured here, then every --mesh predicted.

@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.h"
@@ -391,6 +392,9 @@ int run_verify(const VerifyOptions& o) {
       std::fputs(reports[b].summary().c_str(), stdout);
     }
   }
+  // Both outputs' bytes first, then written as a unit (write_outputs): one after another,
+  // --json a.json --heatmap /dev/full left a new a.json behind a run that exited 2.
+  std::vector<std::pair<std::string, std::string>> outputs;
   if (!o.json.empty()) {
     std::string j;
     if (B == 1) {
@@ -400,9 +404,10 @@ int run_verify(const VerifyOptions& o) {
       for (size_t b = 0; b < reports.size(); ++b) j += (b ? ",\n" : "") + reports[b].to_json();
       j += "]\n}\n";
     }
-    write_file_atomic(o.json, j);
+    outputs.emplace_back(o.json, std::move(j));
   }
-  if (!o.heatmap.empty()) write_file_atomic(o.heatmap, shown->heatmap_svg());
+  if (!o.heatmap.empty()) outputs.emplace_back(o.heatmap, shown->heatmap_svg());
+  write_outputs(outputs);
   return passed ? 0 : 1;
 }
 
