@@ -241,8 +241,8 @@ def set_timeout(seconds, group=None):
         raise InvalidArgument(f"timeout must be a number of seconds, got {seconds!r}")
     try:
         seconds = float(seconds)
-    except OverflowError:  # an int past float's range
-        seconds = math.inf
+    except OverflowError:  # an int (or Fraction) past float's range, either sign
+        seconds = math.inf if seconds > 0 else -math.inf
     _loom.checked_timeout_s(seconds)
     _group(group, "set_timeout").timeout_s = seconds
 

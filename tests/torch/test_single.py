@@ -359,7 +359,7 @@ expect_error(E, "set_timeout needs a process group", lambda: lt.set_timeout(3))
 # registered with torch.distributed) shows that the accepted values reach the engine unchanged.
 for bad, text in ((1e-12, "1e-12"), (5e-324, "5e-324"), (0.000999, "0.000999"), (-1.0, "-1"),
                   (0, "0"), (1e9 * (1 + 1e-15), "1000000000.000001"), (float("nan"), "nan"),
-                  (float("-inf"), "-inf"), (10**400, "inf")):
+                  (float("-inf"), "-inf"), (10**400, "inf"), (-10**400, "-inf")):
     expect_error(E, f"timeout must be from 0.001 to 1e9 seconds, got {text}",
                  lambda: lt.set_timeout(bad))
 for bad in (True, "3", None, torch.tensor(3.0)):
