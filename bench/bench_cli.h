@@ -3,9 +3,17 @@
 // --help prints and exits 0.
 #pragma once
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <optional>
 #include <string>
+
+#include "loom/error.h"
 
 namespace loom {
 
@@ -21,6 +29,19 @@ inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** arg
     return app.exit(e) == 0 ? 0 : 2;
   }
   return std::nullopt;
+}
+
+// --json -: the JSON alone on standard output (it was mixed into the table there). Moves the
+// table (everything printed on stdout from here on) to standard error and returns the path the
+// JSON is then written to, a copy of descriptor 1 that children do not inherit; any other path
+// is returned as it is. IoError when descriptor 1 cannot be copied.
+inline std::string json_alone_on_stdout(const std::string& json) {
+  if (json != "-") return json;
+  std::fflush(stdout);
+  const int fd = fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
+  LOOM_CHECK(fd >= 0 && dup2(STDERR_FILENO, STDOUT_FILENO) >= 0, IoError,
+             "--json -: cannot use standard output (" << std::strerror(errno) << ")");
+  return "/dev/fd/" + std::to_string(fd);
 }
 
 }  // namespace loom

@@ -376,12 +376,17 @@ int main(int argc, char** argv) {
                  "anything runs)")
       ->delimiter(',');
   app.add_flag("--no-check", o.no_check, "skip the correctness check");
-  app.add_option("--json", o.json, "also write the results to this JSON file");
+  app.add_option("--json", o.json,
+                 "also write the results to this JSON file (-: standard output, the table then "
+                 "goes to standard error)");
   app.add_option("--timeout", o.timeout_s, "seconds before a wait fails (default LOOM_TIMEOUT_S)")
       ->check(CLI::Range(1e-3, 1e9));
   if (const auto rc = loom::parse_command_line(app, argc, argv, "bench_comm")) return *rc;
   try {
     if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
+    // --json -: the JSON alone on standard output, the table on standard error (both went to
+    // standard output, unparseable).
+    o.json = loom::json_alone_on_stdout(o.json);
     return loom::run(o);
   } catch (const std::bad_alloc&) {  // the estimate above leaves out the backend's staging
     std::fprintf(stderr, "bench_comm: out of memory at a size up to --max-bytes %s; lower it\n",

@@ -44,6 +44,7 @@
 //   bench_kernels --seq 1024 --dim 64 --json out.json
 //   bench_kernels --seq 4096 --dim 128 64 --dtype fp32 bf16 --ring 512 --threads 1
 //   bench_kernels --thread-scaling 8 --dtype fp32 bf16 --threads 2   the two-thread lines
+#include <fcntl.h>
 #include <omp.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -57,6 +58,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <initializer_list>
@@ -1015,6 +1017,13 @@ const TorchRow* torch_match(const std::vector<TorchRow>& rows, const Row& r) {
   return nullptr;
 }
 
+// Whether two PyTorch rows are of one shape (the fields torch_match compares).
+bool same_torch_shape(const TorchRow& a, const TorchRow& b) {
+  return a.dtype == b.dtype && a.seq_q == b.seq_q && a.seq_k == b.seq_k && a.heads == b.heads &&
+         a.kv_heads == b.kv_heads && a.dim == b.dim && a.causal == b.causal &&
+         a.threads == b.threads;
+}
+
 std::string shape_tag(const std::string& dtype, int64_t sq, int64_t sk, int64_t heads,
                       int64_t kv_heads, int64_t dim, bool causal, int64_t threads) {
   return " " + dtype + " Sq=" + std::to_string(sq) + (sk != sq ? " Sk=" + std::to_string(sk) : "") +
@@ -1142,13 +1151,17 @@ int run(const Options& o, const TorchPlan& tp) {
   for (const auto& [threads, g] : best_gemm)
     std::printf(" %.1f - %.1f GFLOP/s (%d thr)", worst_gemm[threads], g, threads);
   std::printf("\n");
-  if (best_gemm.size() >= 2)  // how much a second thread could add on this machine right now
+  if (best_gemm.size() >= 2) {  // how much N threads could add on this machine right now
+    // The sgemm scales nearly N-fold on N idle cores: below 0.95 N (1.9 at two threads) the run
+    // did not have them (it named two threads whatever N was).
+    const int n = best_gemm.rbegin()->first;
     std::printf(
-        "sgemm scaling of the run: %.2f x (%d thr / 1 thr); below ~1.9 the cores were "
-        "busy with other work and the 2-thread rows do not measure loom's scaling (their lines "
-        "divide rows a minute or more apart: --thread-scaling R times both thread counts side by "
-        "side, beside the sgemm's)\n",
-        best_gemm.rbegin()->second / best_gemm.begin()->second, best_gemm.rbegin()->first);
+        "sgemm scaling of the run: %.2f x (%d thr / 1 thr); below ~%.3g the run did not have %d "
+        "idle cores (other work, or fewer cores) and the %d-thread rows do not measure loom's "
+        "scaling (their lines divide rows a minute or more apart: --thread-scaling R times both "
+        "thread counts side by side, beside the sgemm's)\n",
+        best_gemm.rbegin()->second / best_gemm.begin()->second, n, 0.95 * n, n, n);
+  }
   doc["best_sgemm"] = nlohmann::json::object();
   for (const auto& [threads, g] : best_gemm) doc["best_sgemm"][std::to_string(threads)] = g;
   doc["worst_sgemm"] = nlohmann::json::object();
@@ -1313,12 +1326,24 @@ int run(const Options& o, const TorchPlan& tp) {
     std::printf("\nloom / PyTorch %s eager, %s (%s), rows of the same shape:\n", tv.c_str(),
                 ta.c_str(), torch_source.c_str());
     doc["torch"] = tj;
-    for (const TorchRow& t : trows) {
+    for (size_t i = 0; i < trows.size(); ++i) {
+      const TorchRow& t = trows[i];
       const std::string tag =
           shape_tag(t.dtype, t.seq_q, t.seq_k, t.heads, t.kv_heads, t.dim, t.causal, t.threads);
+      // A row of the shape of an earlier one (a file that repeats a row, or joins two runs):
+      // loom's row is compared with the first only, and this one said to be ignored (it was "no
+      // loom row of this shape" beside the loom row of that very shape).
+      size_t first = 0;
+      while (first < i && !same_torch_shape(trows[first], t)) ++first;
       bool matched = false;
       for (const Row& r : done) matched = matched || torch_match(trows, r) == &t;
-      if (!matched)
+      if (first < i)
+        std::printf(
+            "  torch%s: fwd %.1f, bwd %.1f GFLOP/s: a repeated row (results[%zu] has this shape; "
+            "only "
+            "the first of a shape is used), ignored\n",
+            tag.c_str(), t.fwd_gflops, t.bwd_gflops, first);
+      else if (!matched)
         std::printf(
             "  torch%s: fwd %.1f, bwd %.1f GFLOP/s: no loom row of this shape in this "
             "run, compared with nothing\n",
@@ -1356,6 +1381,11 @@ int run(const Options& o, const TorchPlan& tp) {
                        (tp.skipped.empty() ? std::string("--torch or --torch-json")
                                            : "skipped: " + tp.skipped) +
                        ")");
+      else if (r.kv_heads != r.heads)  // PyTorch's rows run every head's own k and v
+        unmeasured(
+            what, goal,
+            "--kv-heads equal to --heads (PyTorch runs no GQA: it has no row of --kv-heads " +
+                std::to_string(r.kv_heads) + " below --heads " + std::to_string(r.heads) + ")");
       else
         unmeasured(what, goal, "a PyTorch row of this shape (there is none)");
     }
@@ -1587,11 +1617,16 @@ int main(int argc, char** argv) {
                    "right after loom's row, the PyTorch ratios from the same minute (the default "
                    "where --torch-python can import torch)")
           ->excludes("--torch-json");
-  app.add_flag("--no-torch", o.no_torch, "leave PyTorch's rows out")->excludes(torch_flag);
+  app.add_flag("--no-torch", o.no_torch, "leave PyTorch's rows out")
+      ->excludes(torch_flag)
+      ->excludes(torch_json);
   app.add_flag("--no-ggml", o.no_ggml,
                "leave ggml's rows out (they run where ggml_compare was built: -DLOOM_GGML_DIR)");
   app.add_option("--torch-python", o.torch_python,
-                 "the Python with torch (default /usr/bin/python3)");
+                 "the Python with torch (default /usr/bin/python3; not with --no-torch or "
+                 "--torch-json, which run no Python)")
+      ->excludes("--no-torch")
+      ->excludes(torch_json);
   auto* cpu_time =
       app.add_flag("--cpu-time", loom::g_cpu_time,
                    "time one-thread rows by the process CPU clock (for loaded machines)");
@@ -1628,10 +1663,43 @@ int main(int argc, char** argv) {
                "time OpenBLAS's sgemm with the core it (or OPENBLAS_CORETYPE) chose, even where "
                "its instruction set is not the kernel path's");
   app.add_option("--json", o.json,
-                 "also write the results as JSON to this file (the sweep and --thread-scaling)")
+                 "also write the results as JSON to this file (the sweep and --thread-scaling; "
+                 "-: standard output, the table then on standard error)")
       ->excludes(tile_ops)
       ->excludes(sgemm_window);
   if (const auto rc = loom::parse_command_line(app, argc, argv, "bench_kernels")) return *rc;
+  // The modes other than the sweep use few of the options: any other option given beside one is
+  // refused, one line and exit 2, naming both (--tile-ops --seq 128, --sgemm-window --no-check,
+  // --thread-scaling --ring 64 ran and ignored it). Options left at their defaults are not given.
+  struct Mode {
+    const char* name;
+    bool on;
+    std::vector<std::string> uses;
+  };
+  const Mode modes[] = {
+      {"--sgemm-window", o.sgemm_window > 0, {"--gemm-n", "--cpu-time", "--keep-openblas-core"}},
+      {"--thread-scaling",
+       o.thread_scaling > 0,
+       {"--seq", "--dim", "--dtype", "--heads", "--kv-heads", "--block-q", "--block-k", "--threads",
+        "--gemm-n", "--no-check", "--json", "--keep-openblas-core"}},
+      {"--tile-ops", o.tile_ops, {"--dim", "--keep-openblas-core"}},
+  };
+  for (const Mode& m : modes) {
+    if (!m.on) continue;
+    for (const CLI::Option* opt : app.get_options()) {
+      const std::string name = opt->get_name();
+      if (opt->count() == 0 || name == m.name || name == "--help" ||
+          std::find(m.uses.begin(), m.uses.end(), name) != m.uses.end())
+        continue;
+      std::string uses;
+      for (size_t i = 0; i < m.uses.size(); ++i)
+        uses += (i == 0 ? "" : i + 1 == m.uses.size() ? " and " : ", ") + m.uses[i];
+      std::fprintf(stderr, "bench_kernels: %s excludes %s (%s uses only %s) (see --help)\n", m.name,
+                   name.c_str(), m.name, uses.c_str());
+      return 2;
+    }
+    break;  // the first mode on is the one that runs (two modes: refused above, by CLI11)
+  }
   // Each dtype, sequence length and head dim once, in the order given (--dtype fp32,fp32 printed
   // every row twice; --seq 128 128 four times as many rows, every target line twice).
   auto once = [](auto& values) {
@@ -1643,6 +1711,22 @@ int main(int argc, char** argv) {
   once(o.dtypes);
   once(o.seqs);
   once(o.dims);
+  // One value where a mode times one: --tile-ops one tile of one D, --thread-scaling one S (each
+  // timed only the last value given).
+  if (o.tile_ops && o.dims.size() > 1) {
+    std::fprintf(stderr,
+                 "bench_kernels: --tile-ops times one tile of one head dim: give one --dim (got "
+                 "%zu) (see --help)\n",
+                 o.dims.size());
+    return 2;
+  }
+  if (o.thread_scaling > 0 && o.seqs.size() > 1) {
+    std::fprintf(stderr,
+                 "bench_kernels: --thread-scaling times one sequence length: give one --seq (got "
+                 "%zu) (see --help)\n",
+                 o.seqs.size());
+    return 2;
+  }
   if (o.heads % o.kv_heads != 0) {  // both >= 1: their ranges
     std::fprintf(stderr,
                  "bench_kernels: --heads %lld must be a positive multiple of --kv-heads %lld\n",
@@ -1655,13 +1739,19 @@ int main(int argc, char** argv) {
     // PyTorch's rows can be had (--torch-json read and checked, --torch's Python imports torch).
     loom::check_distinct_outputs({{"--torch-json", o.torch_json}, {"--json", o.json}}, 1);
     if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
+    // --json -: the JSON alone on standard output (it was mixed into the table there, which
+    // then goes to standard error): written to a copy of descriptor 1, not inherited by children.
+    o.json = loom::json_alone_on_stdout(o.json);
     if (o.sgemm_window > 0) {
 #if LOOM_BENCH_OPENBLAS
       openblas_set_num_threads(1);
 #endif
-      std::printf("sgemm (%s), 1 thread, M = N = K = %lld, windows of %.2f s: %.1f GFLOP/s\n",
+      // --cpu-time times the windows by the process's CPU clock (as the sweep's one-thread
+      // rows): said on the line, which read the same either way.
+      std::printf("sgemm (%s), 1 thread, M = N = K = %lld, windows of %.2f s (%s): %.1f GFLOP/s\n",
                   loom::gemm_description().c_str(), static_cast<long long>(o.gemm_n),
-                  o.sgemm_window, loom::sgemm_window_gflops(o.gemm_n, 1, o.sgemm_window));
+                  o.sgemm_window, loom::g_cpu_time ? "process CPU time, --cpu-time" : "wall clock",
+                  loom::sgemm_window_gflops(o.gemm_n, 1, o.sgemm_window));
       return 0;
     }
     if (o.thread_scaling > 0) return loom::run_thread_scaling(o);

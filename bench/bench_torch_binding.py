@@ -223,7 +223,9 @@ def main():
                     help="the build directory holding the loom command")
     ap.add_argument("--check-seq", type=validate_common.int_at_least(0), default=300,
                     help="length of the correctness check (0: no check)")
-    ap.add_argument("--json", help="write the figures here (atomically)")
+    ap.add_argument("--json", help="write the figures as JSON: - is standard output (the text then "
+                                    "goes to standard error), /dev/stdout, a device or a FIFO "
+                                    "are written in place, a file atomically")
     ap.add_argument("--alternate", type=validate_common.int_at_least(0), default=0,
                     help="only the 1-process binding cost: N alternating runs of `loom attn "
                          "--ranks 1` and cp_attention over a 1-rank group, minimum of each (robust "

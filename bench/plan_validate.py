@@ -73,16 +73,13 @@ def median_profile(profiles):
 
 def main():
     ap = validate_common.ArgumentParser()
-    ap.add_argument("--loom", default="build/loom")
-    ap.add_argument("--json", default="")
+    validate_common.add_loom_and_json(ap)
     ap.add_argument("--iters", type=validate_common.int_at_least(1), default=3,
                     help="timed iterations per run (median kept)")
     ap.add_argument("--rounds", type=validate_common.int_at_least(1), default=7,
                     help="calibrate-and-measure rounds (median)")
     a = ap.parse_args()
-    # Before the run: --json was checked only when written, after minutes of it.
-    validate_common.check_output(ap, a.json)
-    validate_common.check_executable(ap, a.loom, "--loom")
+    validate_common.check_loom_and_json(ap, a)
     tmp = tempfile.mkdtemp(prefix="loom_plan_validate_")
     try:
         return validate(a, tmp)

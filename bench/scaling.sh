@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # Scaling of every strategy and layout: one rank x T threads against P ranks x T threads on the
-# same problem, forward + backward, measured in the same run (loom attn --baseline).
-#   bench/scaling.sh [LOOM] [P] [S] [loom attn options...]
-# Defaults: build/loom, P = 2, S = 8192, and, unless the options give their own, --heads 8
-# --head-dim 128 --threads 1 --iters 1 --warmup 1 (causal: loom attn's default, --no-causal for
-# full attention). Other loom attn options (--kv-heads, --dtype, --window...) pass through. The
-# script sets --ranks (P), --seq (S), --strategy, --layout, --ulysses, --inner, --backward,
-# --baseline, --quiet and --json itself: any of those among the options is refused.
+# same problem, forward + backward, measured in the same run (loom attn --baseline). ring,
+# ulysses and allgather run in each layout (zigzag, contiguous, stripe); so do hybrid (Ulysses
+# degree U inside groups, a ring across them) and ring2d (inner rings of I ranks, an outer ring
+# across them), where P has a divisor strictly between 1 and P for their degree: at P = 2 or a
+# prime P, hybrid would be ulysses or ring again and ring2d the ring, and they are not run (a
+# line says so).
+#   bench/scaling.sh [LOOM] [P] [S] [--ulysses U] [--inner I] [loom attn options...]
+# Defaults: build/loom, P = 2, S = 8192, U and I the smallest divisor of P above 1 (2 for even
+# P >= 4), and, unless the options give their own, --heads 8 --head-dim 128 --threads 1 --iters 1
+# --warmup 1 (causal: loom attn's default, --no-causal for full attention). --ulysses U and
+# --inner I set hybrid's and ring2d's degree (a divisor of P strictly between 1 and P); every
+# other loom attn option (--kv-heads, --dtype, --window...) passes through to every run. The
+# script sets --ranks (P), --seq (S), --strategy, --layout, --backward, --baseline, --quiet and
+# --json itself: any of those among the options is refused.
 # Prints one line per configuration: forward and backward times, efficiency E = T1 / (P * TP),
 # balance (max/mean compute) and overlap (docs/cli.md), and writes JSON reports to $OUT_DIR
 # (default: a temporary directory).
@@ -22,29 +29,72 @@ die() {
 [[ "$P" =~ ^[1-9][0-9]*$ ]] || die "P must be a positive integer, got '$P'"
 [[ "$S" =~ ^[1-9][0-9]*$ ]] || die "S must be a positive integer, got '$S'"
 command -v "$loom" > /dev/null || die "$loom: not an executable file (the loom command: build/loom)"
+# The degree of hybrid (--ulysses) and ring2d (--inner): the smallest divisor of P above 1 and
+# below P, none where P has no such divisor.
+degree=""
+for ((d = 2; d * d <= P; d++)); do
+  if ((P % d == 0)); then
+    degree=$d
+    break
+  fi
+done
+ulysses="$degree" inner="$degree"
+# Checks a --ulysses / --inner value: a divisor of P strictly between 1 and P (a degree of 1 or P
+# runs the plain ring or Ulysses again; one that does not divide P, loom refuses mid-script).
+degree_of() {
+  local name="$1" value="$2"
+  if ! [[ "$value" =~ ^[1-9][0-9]{0,8}$ ]] || ((value < 2 || value >= P || P % value != 0)); then
+    die "$name '$value' must divide P = $P and lie strictly between 1 and P (it is the degree of $3)"
+  fi
+  echo "$value"
+}
 # The defaults an option of the same name replaces (given twice, loom attn refused the run:
 # "--head-dim: At Most 1 required but received 2").
 declare -A defaults=([--heads]=8 [--head-dim]=128 [--threads]=1 [--iters]=1 [--warmup]=1)
-for arg in "$@"; do
+pass=()
+while (($# > 0)); do
+  arg="$1"
+  shift
   name="${arg%%=*}"
   case "$name" in
     --ranks | --seq) die "$name is set by the script (give P and S as its arguments)" ;;
-    --strategy | --layout | --ulysses | --inner | --backward | --baseline | --quiet | --json)
+    --strategy | --layout | --backward | --baseline | --quiet | --json)
       die "$name is set by the script (it runs every strategy and layout, see its header)" ;;
+    --ulysses | --inner)
+      if [[ "$arg" == *=* ]]; then
+        value="${arg#*=}"
+      else
+        (($# > 0)) || die "$name needs a value (a divisor of P = $P strictly between 1 and P)"
+        value="$1"
+        shift
+      fi
+      if [ "$name" = --ulysses ]; then
+        ulysses=$(degree_of --ulysses "$value" "hybrid's Ulysses groups")
+      else
+        inner=$(degree_of --inner "$value" "ring2d's inner rings")
+      fi
+      continue
+      ;;
   esac
   unset "defaults[$name]" 2> /dev/null || true
+  pass+=("$arg")
 done
+set -- ${pass[@]+"${pass[@]}"}
 fixed=()
 for name in "${!defaults[@]}"; do fixed+=("$name" "${defaults[$name]}"); done
 out="${OUT_DIR:-$(mktemp -d)}"
 mkdir -p "$out"
 printf "%-10s %-11s %10s %10s %8s %8s %8s\n" strategy layout fwd_ms bwd_ms effic balance overlap
 run() {
-  local strategy="$1" layout="$2"; shift 2
+  local strategy="$1" layout="$2" label="$1"; shift 2
+  case "$strategy" in
+    hybrid) label="hybrid/U$ulysses"; set -- --ulysses "$ulysses" "$@" ;;
+    ring2d) label="ring2d/I$inner"; set -- --inner "$inner" "$@" ;;
+  esac
   local json="$out/${strategy}_${layout}.json"
   "$loom" attn --ranks "$P" --strategy "$strategy" --layout "$layout" --seq "$S" \
     ${fixed[@]+"${fixed[@]}"} --backward --baseline --quiet --json "$json" "$@" > /dev/null
-  /usr/bin/python3 - "$json" "$strategy" "$layout" <<'PY'
+  /usr/bin/python3 - "$json" "$label" "$layout" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 print("%-10s %-11s %10.1f %10.1f %8.3f %8.3f %8.3f" % (sys.argv[2], sys.argv[3],
@@ -58,7 +108,12 @@ for layout in zigzag contiguous stripe; do
   run ulysses "$layout" "$@"
   run allgather "$layout" "$@"
 done
-if [ "$P" -ge 4 ] && [ $((P % 2)) -eq 0 ]; then
-  run hybrid zigzag --ulysses 2 "$@"
+if [ -n "$degree" ]; then
+  for layout in zigzag contiguous stripe; do
+    run hybrid "$layout" "$@"
+    run ring2d "$layout" "$@"
+  done
+else
+  echo "hybrid, ring2d: not run (P = $P has no divisor strictly between 1 and P for their degree)"
 fi
 echo "reports: $out"

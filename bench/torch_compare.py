@@ -77,7 +77,10 @@ def main():
     ap.add_argument("--impl", choices=("best",) + torch_attention.IMPLS, default="best",
                     help="PyTorch formulation(s) to time (bench/torch_attention.py); best: all, "
                          "alternated, each kernel reporting its fastest")
-    ap.add_argument("--json", default="", help="also write the rows to this file (atomically)")
+    ap.add_argument("--json", default="",
+                    help="also write the rows as JSON: - is standard output (the table then goes to "
+                         "standard error), /dev/stdout, a device or a FIFO are written in place, a "
+                         "file atomically")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ring-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)

@@ -48,17 +48,14 @@ def run(cmd):
 
 def main():
     ap = validate_common.ArgumentParser()
-    ap.add_argument("--loom", default="build/loom")
-    ap.add_argument("--json", default="")
+    validate_common.add_loom_and_json(ap)
     ap.add_argument("--rounds", type=validate_common.int_at_least(1), default=7,
                     help="calibrate-predict-measure rounds")
     ap.add_argument("--steps", type=validate_common.int_at_least(3), default=8,
                     help="loom train steps per run (the first two are not timed)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     a = ap.parse_args()
-    # Before the run: --json was checked only when written, after minutes of it.
-    validate_common.check_output(ap, a.json)
-    validate_common.check_executable(ap, a.loom, "--loom")
+    validate_common.check_loom_and_json(ap, a)
     tmp = tempfile.mkdtemp(prefix="loom_train_validate_")
     try:
         return validate(a, tmp)

@@ -1,9 +1,14 @@
 """What the bench scripts share (plan_validate.py, train_validate.py, torch_compare.py,
 bench_torch_binding.py): a command line whose bad values are one line and exit 2 before anything
-runs, --json outputs checked before the run and written atomically, running loom, the load."""
+runs, --json outputs checked before the run and written by loom's rules (docs/cli.md, "Files":
+"-" is standard output, streams and devices written in place, files atomically), running loom,
+the load."""
 import argparse
+import errno
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -15,6 +20,23 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def add_loom_and_json(ap):
+    """The --loom and --json options of the scripts that run the loom command."""
+    ap.add_argument("--loom", default="build/loom",
+                    help="the loom command: a path, or a command on PATH")
+    ap.add_argument("--json", default="",
+                    help="also write the results as JSON: - is standard output (the table then "
+                         "goes to standard error), /dev/stdout, a device or a FIFO are written in "
+                         "place, a file atomically")
+
+
+def check_loom_and_json(ap, a):
+    """Before the run (--json was checked only when written, after minutes of it): --json's path,
+    and --loom as a command (a name on PATH is found there); a.loom becomes its path."""
+    check_output(ap, a.json)
+    a.loom = check_executable(ap, a.loom, "--loom")
 
 
 def int_at_least(lo):
@@ -31,18 +53,64 @@ def int_at_least(lo):
     return parse
 
 
+def own_stream_fd(path):
+    """The descriptor that /dev/stdout, /dev/stderr, /dev/fd/N or /proc/self/fd/N names (the
+    process's own open stream, written to directly), else None; as loom's (include/loom/io.h)."""
+    if path == "/dev/stdout":
+        return 1
+    if path == "/dev/stderr":
+        return 2
+    for prefix in ("/dev/fd/", "/proc/self/fd/"):
+        digits = path[len(prefix):]
+        if path.startswith(prefix) and digits.isdigit() and len(digits) <= 9:
+            return int(digits)
+    return None
+
+
+# The descriptor a --json - is written to: standard output as it was when check_output moved the
+# text report off it (None: no --json -).
+_json_stdout = None
+
+
 def check_output(ap, path, option="--json"):
     """Refuses (ap.error: one line, exit 2) before the run an output that write_json could not
-    write: a directory, an existing file that is not a regular one (a FIFO, a device), or a
-    directory to hold it in which no file can be created (the temporary and the rename need it).
-    A --json onto /nonexistent/x.json failed with a traceback after the whole run."""
+    write, by loom's rules (docs/cli.md, "Files"): "-" is standard output, and the text report
+    then goes to standard error, children's included (the JSON on standard output parses); the
+    process's own streams (/dev/stdout, /dev/stderr, /dev/fd/N, /proc/self/fd/N) must be open; an
+    existing file that is not a regular one (a device such as /dev/null, a FIFO) is written
+    directly and needs nothing more here; a directory is refused, and so is a regular or new file
+    in a directory where the temporary beside it (for the atomic rename) cannot be created. A
+    --json onto /nonexistent/x.json failed with a traceback after the whole run; --json
+    /dev/stdout into a pipe was "cannot write in /proc/NNN/fd" (the link was resolved first)."""
+    global _json_stdout
     if not path:
         return
+    if path == "-":
+        try:
+            sys.stdout.flush()
+            _json_stdout = os.dup(1)  # not inherited: the children's output goes to stderr
+            os.dup2(2, 1)
+        except OSError as e:
+            ap.error(f"{option} -: standard output is not open ({e.strerror})")
+        return
+    fd = own_stream_fd(path)
+    if fd is not None:
+        try:
+            os.fstat(fd)
+        except OSError as e:
+            ap.error(f"{option} {path}: descriptor {fd} is not open ({e.strerror})")
+        return
+    try:
+        st = os.stat(path)  # symlinks followed
+        if stat.S_ISDIR(st.st_mode):
+            ap.error(f"{option} {path}: is a directory (a file was expected)")
+        if not stat.S_ISREG(st.st_mode):
+            return  # a device or a FIFO: written directly, never replaced
+    except FileNotFoundError:
+        pass  # a new file (or a dangling symlink: its target is created)
+    except OSError as e:
+        ap.error(f"{option} {path}: cannot write ({e.strerror})")
     target = os.path.realpath(path)
-    if os.path.isdir(target):
-        ap.error(f"{option} {path}: is a directory (a file was expected)")
-    if os.path.exists(target) and not os.path.isfile(target):
-        ap.error(f"{option} {path}: is not a regular file")
     parent = os.path.dirname(target)
     if not os.path.isdir(parent):
         ap.error(f"{option} {path}: no directory {parent} to write it in")
@@ -54,16 +122,36 @@ def check_output(ap, path, option="--json"):
         ap.error(f"{option} {path}: cannot write in {parent} ({e.strerror})")
 
 
-def write_json(path, doc, indent=2):
-    """Writes doc to path atomically: to a temporary file beside it, renamed over it when complete
-    (an interrupted run leaves the old file, never half a new one); symlinks followed."""
-    target = os.path.realpath(path)
+def _write_fd(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _write_in_place(target, data):
+    """Writes data to an existing file that is not a regular one (a device, a FIFO), opened as it
+    is: never replaced or truncated. A FIFO nobody reads is an error, not a wait for ever."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise OSError(e.errno, "a FIFO that nobody reads; start the reader first") from None
+        raise
+    try:
+        os.set_blocking(fd, True)
+        _write_fd(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(target, data):
+    """Writes data to a regular (or new) file: to a temporary beside it, renamed over it when
+    complete (an interrupted run leaves the old file, never half a new one), keeping an existing
+    file's permission bits."""
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".tmp.",
                                dir=os.path.dirname(target))
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=indent)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(target):
@@ -79,11 +167,38 @@ def write_json(path, doc, indent=2):
         raise
 
 
+def write_json(path, doc, indent=2, option="--json"):
+    """Writes doc as JSON to path by the rules check_output checked: "-" to standard output (as it
+    was before check_output moved the text off it), the process's own streams to their
+    descriptor, a device or FIFO in place, a regular or new file atomically (symlinks followed,
+    the link kept). A failed write is one line and exit 1 (no traceback)."""
+    data = (json.dumps(doc, indent=indent) + "\n").encode()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        if path == "-":
+            _write_fd(_json_stdout if _json_stdout is not None else 1, data)
+        elif own_stream_fd(path) is not None:
+            _write_fd(own_stream_fd(path), data)
+        else:
+            target = os.path.realpath(path)
+            if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):
+                _write_in_place(target, data)
+            else:
+                _write_atomic(target, data)
+    except OSError as e:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: {option} {path}: write failed ({e.strerror})")
+
+
 def check_executable(ap, path, option):
-    """Refuses (ap.error) before the run a program that cannot be run (a missing --loom was a
-    FileNotFoundError traceback)."""
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        ap.error(f"{option} {path}: not an executable file")
+    """The program to run for path: a file that can be run, or a command name found on PATH (as a
+    shell would: --loom loom). Refuses (ap.error) before the run one that cannot be run (a missing
+    --loom was a FileNotFoundError traceback)."""
+    found = shutil.which(path) if path else None
+    if found is None:
+        where = "" if os.sep in path else ", nor a command on PATH"
+        ap.error(f"{option} {path}: not an executable file{where}")
+    return found
 
 
 def run(cmd, who):

@@ -17,7 +17,11 @@ and checks from each run's --json that
   - each line carries its path's goal, and a path shows only its own list's lines;
   - "met" is value >= target;
 and that --heads not a multiple of --kv-heads, and each out-of-range value, is one error line
-and a non-zero exit before anything runs.
+and a non-zero exit before anything runs; that an option a mode (--tile-ops, --sgemm-window,
+--thread-scaling) does not use, or a --torch-python no Python is run with, is one line naming both
+and exit 2; that --json - leaves the JSON alone on standard output; that a 3-thread sweep's sgemm
+scaling line names 3 threads; and that a --torch-json row repeated, or beside GQA rows, is said
+so.
 Then --thread-scaling (rounds of 1-thread and 2-thread calls beside sgemm windows of both counts):
 that each kernel of each dtype has its rounds with positive times and windows, that its medians
 are the medians of the rounds' t1 / t2, g2 / g1 and their quotient, that the two-thread target
@@ -422,6 +426,38 @@ def check_torch_json(bench, work):
         bad.append("the PyTorch row of rate 0 is not said to measure nothing")
     bad += check_printed(r.stdout, doc, doc["kernel_path"])
 
+    # A file that repeats a row: the first of the shape is compared, the repeat said to be one
+    # (it was "no loom row of this shape" beside loom's row of that shape).
+    dup = os.path.join(work, "torch-dup.json")
+    with open(dup, "w") as f:
+        json.dump({"torch": "test", "results": [row(False, 2, 10.0, 20.0),
+                                                row(False, 2, 30.0, 40.0)]}, f)
+    r = subprocess.run(base + ["--torch-json", dup, "--json", out], capture_output=True,
+                       text=True, timeout=300)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("  torch fp32 Sq=128 H=2 D=64 full")]
+    if r.returncode != 0 or len(lines) != 2 or "no loom row" in r.stdout or \
+            "repeated row" not in lines[1] or "repeated" in lines[0]:
+        bad.append(f"--torch-json with a repeated row: exit {r.returncode}, lines {lines} (want the "
+                   "second said to be a repeated row, no 'no loom row')")
+    elif r.returncode == 0:
+        t = {x["what"]: x for x in json.load(open(out))["targets"]}.get(
+            f"loom / torch fwd,{tag}full 1 thr")
+        want = {x["causal"]: x for x in json.load(open(out))["results"]}[False]["fwd_gflops"] / 10
+        if not t or not t.get("measured") or not math.isclose(t["value"], want, rel_tol=1e-9):
+            bad.append(f"--torch-json with a repeated row: {t} (want the first row's ratio {want})")
+    # GQA beside --torch-json: the lines say PyTorch runs no GQA and what compares (they said
+    # "a PyTorch row of this shape (there is none)").
+    gqa = [x if not (x == "2" and base[i - 1] == "--kv-heads") else "1"
+           for i, x in enumerate(base)]
+    r = subprocess.run(gqa + ["--torch-json", dup, "--json", out], capture_output=True,
+                       text=True, timeout=300)
+    lt = [t for t in json.load(open(out))["targets"] if t["what"].startswith("loom / torch")] \
+        if r.returncode == 0 else []
+    if len(lt) != 3 or not all("no GQA" in t.get("needs", "") and
+                               "--kv-heads equal to --heads" in t["needs"] for t in lt):
+        bad.append(f"--kv-heads 1 --heads 2 --torch-json: exit {r.returncode}, loom / torch "
+                   f"lines {lt} (want 3, each needing --kv-heads equal to --heads: no GQA)")
+
     # Files that are not a torch_compare.py output: one line, exit 1, before anything runs.
     def write(name, text):
         path = os.path.join(work, name)
@@ -466,19 +502,84 @@ def check_torch_json(bench, work):
 
 
 def check_refusals(bench, work):
-    """Combinations a mode would ignore: one line, exit 2, nothing run, no file written."""
+    """Options a mode would ignore: one line naming the option and the mode, exit 2, nothing run,
+    no file written (--tile-ops --seq 128, --sgemm-window --no-check, --thread-scaling --ring 64
+    and more ran, ignoring them). Options each mode uses still run."""
     bad = []
     out = os.path.join(work, "ignored.json")
-    for args in (["--tile-ops", "--json", out], ["--sgemm-window", "0.01", "--json", out],
-                 ["--tile-ops", "--sgemm-window", "0.01"],
-                 ["--thread-scaling", "1", "--torch-json", out],
-                 ["--tile-ops", "--torch"], ["--tile-ops", "--cpu-time"]):
-        r = subprocess.run([bench] + args, capture_output=True, text=True, timeout=60)
+    tiny = ["--seq", "32", "--dim", "16", "--dtype", "fp32", "--ring", "0", "--threads", "1",
+            "--min-time", "0.001", "--gemm-n", "16", "--heads", "1", "--kv-heads", "1",
+            "--no-check"]
+    for args, needles in (
+            (["--tile-ops", "--json", out], ("--tile-ops", "--json")),
+            (["--sgemm-window", "0.01", "--json", out], ("--sgemm-window", "--json")),
+            (["--tile-ops", "--sgemm-window", "0.01"], ("--tile-ops", "--sgemm-window")),
+            (["--thread-scaling", "1", "--torch-json", out], ("--thread-scaling", "--torch-json")),
+            (["--tile-ops", "--torch"], ("--tile-ops", "--torch")),
+            (["--tile-ops", "--cpu-time"], ("--tile-ops", "--cpu-time")),
+            (["--tile-ops", "--seq", "128"], ("--tile-ops excludes --seq",)),
+            (["--tile-ops", "--ring", "0"], ("--tile-ops excludes --ring",)),
+            (["--tile-ops", "--no-torch"], ("--tile-ops excludes --no-torch",)),
+            (["--tile-ops", "--threads", "1"], ("--tile-ops excludes --threads",)),
+            (["--tile-ops", "--dim", "64", "128"], ("--tile-ops", "one --dim")),
+            (["--sgemm-window", "0.01", "--seq", "128"], ("--sgemm-window excludes --seq",)),
+            (["--sgemm-window", "0.01", "--no-check"], ("--sgemm-window excludes --no-check",)),
+            (["--sgemm-window", "0.01", "--threads", "2"], ("--sgemm-window excludes --threads",)),
+            (["--thread-scaling", "1", "--ring", "64"], ("--thread-scaling excludes --ring",)),
+            (["--thread-scaling", "1", "--min-time", "1"], ("--thread-scaling excludes --min-time",)),
+            (["--thread-scaling", "1", "--no-torch"], ("--thread-scaling excludes --no-torch",)),
+            (["--thread-scaling", "1", "--seq", "64", "128"], ("--thread-scaling", "one --seq")),
+            # the sweep (a tiny one, should it run): a Python it would not run
+            (tiny + ["--no-torch", "--torch-python", "/usr/bin/python3"],
+             ("--no-torch", "--torch-python")),
+            (tiny + ["--torch-json", out, "--torch-python", "/usr/bin/python3"],
+             ("--torch-json", "--torch-python")),
+            (tiny + ["--torch-json", out, "--no-torch"], ("--torch-json", "--no-torch"))):
+        try:
+            r = subprocess.run([bench] + args, capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            bad.append(f"{' '.join(args)}: still running after 60 s (want a refusal)")
+            continue
         err = r.stderr.strip().splitlines()
-        if r.returncode != 2 or len(err) != 1 or "excludes" not in err[0] or r.stdout or \
-                os.path.exists(out):
+        if r.returncode != 2 or len(err) != 1 or not all(n in err[0] for n in needles) or \
+                r.stdout or os.path.exists(out):
             bad.append(f"{' '.join(args)}: exit {r.returncode}, stdout {r.stdout[:200]!r}, "
-                       f"stderr {r.stderr!r} (want one 'excludes' line, exit 2)")
+                       f"stderr {r.stderr!r} (want one line naming {needles}, exit 2)")
+    # What the modes use runs; --sgemm-window says which clock timed it (--cpu-time's CPU clock
+    # was used without a word).
+    for args, needle in ((["--sgemm-window", "0.01", "--gemm-n", "16", "--keep-openblas-core"],
+                          "(wall clock)"),
+                         (["--sgemm-window", "0.01", "--gemm-n", "16", "--cpu-time"],
+                          "(process CPU time, --cpu-time)")):
+        r = subprocess.run([bench] + args, capture_output=True, text=True, timeout=60)
+        if r.returncode != 0 or needle not in r.stdout:
+            bad.append(f"{' '.join(args)}: exit {r.returncode}, stdout {r.stdout!r} (want a line "
+                       f"saying {needle})")
+    return bad
+
+
+def check_stdout_json(bench, work):
+    """--json -: the JSON alone on standard output, the table on standard error (they were mixed,
+    unparseable); and the sgemm scaling line of a 3-thread run names 3 threads (it said 2)."""
+    bad = []
+    tiny = [bench, "--seq", "32", "--dim", "16", "--dtype", "fp32", "--ring", "0", "--min-time",
+            "0.001", "--gemm-n", "16", "--heads", "1", "--kv-heads", "1", "--no-check",
+            "--no-torch"]
+    r = subprocess.run(tiny + ["--threads", "1", "--json", "-"], capture_output=True, text=True,
+                       timeout=120)
+    try:
+        rows = json.loads(r.stdout)["results"]
+    except (ValueError, KeyError):
+        rows = None
+    if r.returncode != 0 or not rows or "dtype" not in r.stderr or "kernel path:" not in r.stderr:
+        bad.append(f"--json -: exit {r.returncode}, stdout {r.stdout[:300]!r}, stderr "
+                   f"{r.stderr[:300]!r} (want the JSON alone on stdout, the table on stderr)")
+    r = subprocess.run(tiny + ["--threads", "3"], capture_output=True, text=True, timeout=120)
+    line = [x for x in r.stdout.splitlines() if x.startswith("sgemm scaling")]
+    if r.returncode != 0 or len(line) != 1 or "(3 thr / 1 thr)" not in line[0] or \
+            "3-thread rows" not in line[0] or "2-thread" in line[0] or "2.85" not in line[0]:
+        bad.append(f"--threads 3: exit {r.returncode}, sgemm scaling line {line} (want it to "
+                   "name 3 threads and 0.95 x 3 = 2.85, not 2)")
     return bad
 
 
@@ -554,6 +655,7 @@ def main():
         bad += check_scaling_other_count(bench, work, two_thread[0])
     bad += check_torch_json(bench, work)
     bad += check_refusals(bench, work)
+    bad += check_stdout_json(bench, work)
     if bad:
         print("\n".join(bad))
         return 1

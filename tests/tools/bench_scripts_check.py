@@ -8,10 +8,21 @@
     line "<script>: ... (see --help)" and exit 2 before anything runs (they ran and printed 0.0
     GFLOP/s rows, or ended in a traceback, some after the whole run); plan_validate.py and
     train_validate.py remove their temporary directory even when a loom command fails;
+  - their --json by loom's rules (docs/cli.md, "Files"; bench/validate_common.py): "-" is
+    standard output with the text on standard error, /dev/stdout into a pipe or appended to a
+    file is written there (it was refused: "cannot write in /proc/NNN/fd"), /dev/null and a FIFO
+    with a reader in place (refused: "is not a regular file"), a FIFO with none and /dev/full one
+    line and exit 1, a regular file atomically keeping its permission bits, a directory, a
+    missing directory or a closed descriptor refused before the run; plan_validate.py and
+    train_validate.py run end to end on a stand-in loom named by --loom loom, found on PATH (it
+    was refused: "not an executable file"), with --json -, /dev/stdout and /dev/null;
   - bench/scaling.sh: the options it sets by default (--heads, --head-dim, --threads...) are
     replaced by the caller's (they were passed twice, and loom refused the run), and those it
-    must set itself (--strategy, --json...) are refused in one line, exit 2; a stand-in loom
-    records what it was given;
+    must set itself (--strategy, --json...) are refused in one line, exit 2; every strategy runs
+    in every layout, hybrid and ring2d where P has a divisor strictly between 1 and P (ring2d
+    never ran, hybrid in zigzag only), --ulysses U and --inner I setting their degree (refused as
+    "set by the script", which set neither), a degree that does not divide P refused; a
+    stand-in loom records what it was given;
   - bench_comm: --ops with an unknown name, and a --max-bytes whose buffers cannot fit in memory,
     are one line and exit 1 before any op runs (--ops ring_step,foo ran the ring_step sweep
     first; --max-bytes 4T ended in a bare std::bad_alloc).
@@ -97,6 +108,178 @@ def check_python_scripts(work):
     return bad
 
 
+# Drives bench/validate_common.py's --json handling: check_output (before the "run"), a line of
+# text, write_json.
+JSON_DRIVER = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import validate_common as v
+ap = v.ArgumentParser(prog="driver")
+v.check_output(ap, sys.argv[2])
+print("text of the run", flush=True)
+v.write_json(sys.argv[2], {"ok": 1})
+"""
+
+
+def check_json_outputs(work):
+    """validate_common's --json: every kind of output the scripts share, as loom writes them."""
+    bad = []
+    py = sys.executable
+
+    def drive(path, **kw):
+        return subprocess.run([py, "-c", JSON_DRIVER, BENCH, path], text=True, timeout=60, **kw)
+
+    # "-": the JSON alone on standard output, the text on standard error (it wrote a file "-").
+    r = drive("-", capture_output=True, cwd=work)
+    if r.returncode != 0 or r.stdout != '{\n  "ok": 1\n}\n' or "text of the run" not in r.stderr \
+            or os.path.exists(os.path.join(work, "-")):
+        bad.append(f"--json -: exit {r.returncode}, stdout {r.stdout!r}, stderr {r.stderr!r}")
+    # /dev/stdout into a pipe: written there, after the text.
+    r = drive("/dev/stdout", capture_output=True)
+    if r.returncode != 0 or not r.stdout.startswith("text of the run\n{") or r.stderr:
+        bad.append(f"--json /dev/stdout into a pipe: exit {r.returncode}, stdout {r.stdout!r}, "
+                   f"stderr {r.stderr!r}")
+    # /dev/stdout appended to a file: the file's lines kept, the JSON after them (never replaced).
+    log = os.path.join(work, "append.log")
+    with open(log, "w") as f:
+        f.write("earlier\n")
+    with open(log, "a") as f:
+        r = drive("/dev/stdout", stdout=f, stderr=subprocess.PIPE)
+    text = open(log).read()
+    if r.returncode != 0 or not text.startswith("earlier\ntext of the run\n{"):
+        bad.append(f"--json /dev/stdout >> file: exit {r.returncode}, the file holds {text!r}")
+    # /dev/null: written in place, still a device.
+    r = drive("/dev/null", capture_output=True)
+    if r.returncode != 0 or r.stderr or not stat.S_ISCHR(os.stat("/dev/null").st_mode):
+        bad.append(f"--json /dev/null: exit {r.returncode}, stderr {r.stderr!r}")
+    # A FIFO with a reader: written in place; without one, one line and exit 1, no wait.
+    fifo = os.path.join(work, "json-fifo")
+    if os.path.exists(fifo):
+        os.remove(fifo)
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", fifo], stdout=subprocess.PIPE, text=True)
+    r = drive(fifo, capture_output=True)
+    try:  # a writer's end for the reader, should the script not have opened one
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+    try:
+        got = reader.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        reader.kill()
+        got = reader.communicate()[0]
+    try:
+        read = json.loads(got)
+    except ValueError:
+        read = None
+    if r.returncode != 0 or read != {"ok": 1}:
+        bad.append(f"--json FIFO with a reader: exit {r.returncode}, stderr {r.stderr!r}, the "
+                   f"reader got {got!r}")
+    try:
+        r = drive(fifo, capture_output=True)
+        err = r.stderr.strip().splitlines()
+        if r.returncode != 1 or len(err) != 1 or "nobody reads" not in err[0]:
+            bad.append(f"--json FIFO with no reader: exit {r.returncode}, stderr {r.stderr!r}")
+    except subprocess.TimeoutExpired:
+        bad.append("--json FIFO with no reader: still waiting after 60 s")
+    if not stat.S_ISFIFO(os.stat(fifo).st_mode):
+        bad.append("--json FIFO: the FIFO was replaced")
+    # /dev/full: one line, exit 1 (no traceback).
+    r = drive("/dev/full", capture_output=True)
+    err = r.stderr.strip().splitlines()
+    if r.returncode != 1 or len(err) != 1 or "/dev/full: write failed" not in err[0]:
+        bad.append(f"--json /dev/full: exit {r.returncode}, stderr {r.stderr!r}")
+    # A regular file: replaced whole, its permission bits kept, no temporary left.
+    reg = os.path.join(work, "reg.json")
+    with open(reg, "w") as f:
+        f.write("old")
+    os.chmod(reg, 0o600)
+    r = drive(reg, capture_output=True)
+    if r.returncode != 0 or json.load(open(reg)) != {"ok": 1} or \
+            stat.S_IMODE(os.stat(reg).st_mode) != 0o600 or \
+            [x for x in os.listdir(work) if x.startswith("reg.json.")]:
+        bad.append(f"--json regular file: exit {r.returncode}, mode "
+                   f"{oct(stat.S_IMODE(os.stat(reg).st_mode))}, {os.listdir(work)}")
+    # Refused before the run: one line, exit 2, nothing printed.
+    for path, needle in ((work, "is a directory"),
+                         (os.path.join(work, "no-such-dir", "x.json"), "no directory"),
+                         ("/dev/fd/9", "descriptor 9 is not open")):
+        r = drive(path, capture_output=True)
+        err = r.stderr.strip().splitlines()
+        if r.returncode != 2 or len(err) != 1 or needle not in err[0] or r.stdout:
+            bad.append(f"--json {path}: exit {r.returncode}, stdout {r.stdout!r}, stderr "
+                       f"{r.stderr!r} (want one line naming '{needle}', exit 2)")
+    return bad
+
+
+# A stand-in for the loom commands plan_validate.py and train_validate.py run: each writes what
+# the script reads, every prediction equal to its measurement.
+FAKE_PLAN_LOOM = r"""#!/usr/bin/python3
+import json, sys
+a = sys.argv[1:]
+def after(opt):
+    return a[a.index(opt) + 1]
+if a[:2] == ["plan", "--calibrate"]:
+    json.dump({"speed": 1.0}, open(a[2], "w"))
+elif a[0] == "attn":
+    json.dump({"forward_times_s": [0.25], "backward_times_s": [0.5]}, open(after("--json"), "w"))
+elif a[:2] == ["plan", "--simulate"]:
+    json.dump({"forward_s": 0.25, "backward_s": 0.5}, open(after("--json"), "w"))
+elif a[:2] == ["plan", "--train-step"]:
+    json.dump({"one_rank": {}, "meshes": [{"step_s": 0.5}] * a.count("--mesh")},
+              open(after("--json"), "w"))
+elif a[0] == "train":
+    with open(after("--log"), "w") as f:
+        for _ in range(int(after("--steps"))):
+            f.write(json.dumps({"seconds": 0.5}) + "\n")
+else:
+    sys.exit("fake loom: unexpected " + " ".join(a))
+"""
+
+
+def check_loom_scripts(work):
+    """plan_validate.py and train_validate.py end to end on a stand-in loom: --loom loom found on
+    PATH, and their --json on standard output, /dev/stdout into a pipe and /dev/null."""
+    bad = []
+    bindir = os.path.join(work, "bin")
+    os.makedirs(bindir, exist_ok=True)
+    loom = os.path.join(bindir, "loom")
+    with open(loom, "w") as f:
+        f.write(FAKE_PLAN_LOOM)
+    os.chmod(loom, 0o755)
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
+    for name in ("plan_validate.py", "train_validate.py"):
+        extra = ["--steps", "3"] if name == "train_validate.py" else ["--iters", "1"]
+        cmd = [sys.executable, script(name), "--loom", "loom", "--rounds", "1"] + extra
+        r = subprocess.run(cmd + ["--json", "-"], capture_output=True, text=True, timeout=120,
+                           env=env, cwd=work)
+        try:
+            doc = json.loads(r.stdout)
+        except ValueError:
+            doc = None
+        if r.returncode != 0 or not isinstance(doc, dict) or "PASS" not in r.stderr or \
+                os.path.exists(os.path.join(work, "-")):
+            bad.append(f"{name} --loom loom --json -: exit {r.returncode}, stdout "
+                       f"{r.stdout[:300]!r}, stderr {r.stderr[-600:]!r} (want the JSON alone on "
+                       "stdout, the table on stderr)")
+            continue
+        # /dev/stdout into a pipe (`| cat`): the table, then the JSON.
+        r = subprocess.run(cmd + ["--json", "/dev/stdout"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=120, env=env)
+        if r.returncode != 0 or "PASS" not in r.stdout or not r.stdout.rstrip().endswith("}"):
+            bad.append(f"{name} --json /dev/stdout | cat: exit {r.returncode}, stdout "
+                       f"{r.stdout[-300:]!r}, stderr {r.stderr!r}")
+        r = subprocess.run(cmd + ["--json", "/dev/null"], capture_output=True, text=True,
+                           timeout=120, env=env)
+        if r.returncode != 0 or not stat.S_ISCHR(os.stat("/dev/null").st_mode):
+            bad.append(f"{name} --json /dev/null: exit {r.returncode}, stderr {r.stderr!r}")
+    why = refused([sys.executable, script("plan_validate.py"), "--loom", "no-such-loom-cmd"],
+                  "nor a command on PATH", env=env)
+    if why:
+        bad.append(why)
+    return bad
+
+
 FAKE_LOOM = r"""#!/usr/bin/python3
 # A stand-in for `loom attn`: refuses an option given twice (as CLI11 does), records its
 # arguments and writes the report scaling.sh reads.
@@ -139,9 +322,45 @@ def check_scaling(work):
             bad.append(f"scaling.sh gave loom {c} (want --head-dim 64 and --threads=2 in place "
                        "of the defaults, --heads 8 kept)")
             break
-    for args, needle in ((["--strategy", "ring"], "--strategy"), (["--json", "x"], "--json"),
-                         (["--seq", "64"], "--seq"), (["--ranks=4"], "--ranks")):
-        why = refused(["bash", sh, loom, "2", "512"] + args, needle, env=env)
+    if "hybrid, ring2d: not run (P = 2" not in r.stdout:
+        bad.append(f"scaling.sh at P = 2 does not say hybrid and ring2d were not run: {r.stdout!r}")
+    # P = 4: every strategy in every layout, hybrid with --ulysses 2 and ring2d with --inner 2
+    # only (ring2d never ran; hybrid ran in zigzag only); P = 6 with --ulysses 3: hybrid at 3,
+    # ring2d at the default 2.
+    for P, opts, degrees in (("4", [], {"hybrid": "2", "ring2d": "2"}),
+                             ("4", ["--inner=2"], {"hybrid": "2", "ring2d": "2"}),
+                             ("6", ["--ulysses", "3"], {"hybrid": "3", "ring2d": "2"})):
+        if os.path.exists(log):
+            os.remove(log)
+        r = subprocess.run(["bash", sh, loom, P, "512"] + opts, capture_output=True, text=True,
+                           timeout=120, env=env)
+        calls = [json.loads(x) for x in open(log)] if os.path.exists(log) else []
+        runs = sorted((c[c.index("--strategy") + 1], c[c.index("--layout") + 1]) for c in calls)
+        want = sorted((s, lay) for s in ("ring", "ulysses", "allgather", "hybrid", "ring2d")
+                      for lay in ("zigzag", "contiguous", "stripe"))
+        what = f"scaling.sh LOOM {P} 512 {' '.join(opts)}"
+        if r.returncode != 0 or runs != want:
+            bad.append(f"{what}: exit {r.returncode}, ran {runs} (want every strategy in every "
+                       f"layout), stderr {r.stderr!r}")
+            continue
+        for c in calls:
+            strat = c[c.index("--strategy") + 1]
+            got = {o: c[c.index(o) + 1] for o in ("--ulysses", "--inner") if o in c}
+            want_deg = {"hybrid": {"--ulysses": degrees["hybrid"]},
+                        "ring2d": {"--inner": degrees["ring2d"]}}.get(strat, {})
+            if got != want_deg or c[c.index("--ranks") + 1] != P:
+                bad.append(f"{what}: {strat} ran with {got} (want {want_deg}), ranks "
+                           f"{c[c.index('--ranks') + 1]}")
+                break
+    for P, args, needle in (("2", ["--strategy", "ring"], "--strategy"),
+                            ("2", ["--json", "x"], "--json"),
+                            ("2", ["--seq", "64"], "--seq"), ("2", ["--ranks=4"], "--ranks"),
+                            ("2", ["--ulysses", "2"], "--ulysses '2' must divide P = 2"),
+                            ("4", ["--inner", "4"], "--inner '4' must divide P = 4"),
+                            ("4", ["--inner", "1"], "--inner '1' must divide P = 4"),
+                            ("6", ["--inner=4"], "--inner '4' must divide P = 6"),
+                            ("4", ["--inner"], "--inner needs a value")):
+        why = refused(["bash", sh, loom, P, "512"] + args, needle, env=env)
         if why:
             bad.append("scaling.sh: " + why)
     for pos, needle in ((["x", "512"], "P must be"), (["2", "0"], "S must be")):
@@ -164,13 +383,27 @@ def check_comm(comm):
                       rc=1)
         if why:
             bad.append("bench_comm: " + why)
+    # --json -: the JSON alone on standard output, the table on standard error (both went to
+    # standard output, unparseable).
+    p = subprocess.run([comm, "--ranks", "2", "--ops", "all_reduce", "--min-bytes", "1K",
+                        "--max-bytes", "1K", "--iters", "1", "--warmup", "0", "--json", "-"],
+                       capture_output=True, text=True, timeout=60)
+    try:
+        doc = json.loads(p.stdout)
+        ok = p.returncode == 0 and doc["results"] and "all_reduce" in p.stderr
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        bad.append(f"bench_comm --json -: exit {p.returncode}, stdout {p.stdout[:300]!r}, "
+                   f"stderr {p.stderr[-300:]!r} (want the JSON alone on stdout)")
     return bad
 
 
 def main():
     comm, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
-    bad = check_python_scripts(work) + check_scaling(work) + check_comm(comm)
+    bad = (check_python_scripts(work) + check_json_outputs(work) + check_loom_scripts(work) +
+           check_scaling(work) + check_comm(comm))
     if bad:
         print("\n".join(bad))
         return 1

@@ -20,7 +20,8 @@ a zero exit; that with --torch a Python that cannot be run is one error and a no
 before any row; that GQA rows (--kv-heads below --heads) get no PyTorch rows (skipped by
 default, refused with --torch); that --torch with --torch-json or --no-torch is refused; and that
 bench/torch_compare.py runs each row with its own thread count's OpenBLAS pool (the one-thread
-ring-step rows too) and writes its --json whole.
+ring-step rows too) and writes its --json whole, - as standard output (the table then on
+standard error) and /dev/stdout into a pipe after the table.
 Nothing is timed against a threshold.
 Exit 0 when all hold, else 1 with one line per failure.
 """
@@ -58,6 +59,32 @@ def check_torch_compare(python, work):
     left = [x for x in os.listdir(work) if x.startswith("torch_compare.json.")]
     if left:
         bad.append(f"torch_compare.py left {left} beside its --json")
+    # --json -: the JSON alone on standard output, the children's table on standard error (it
+    # wrote a file named "-"); --json /dev/stdout into a pipe: the table, then the JSON (refused:
+    # "cannot write in /proc/NNN/fd").
+    tiny = [python, TORCH_COMPARE, "--seq", "32", "--dim", "16", "--heads", "1", "--dtype",
+            "fp32", "--threads", "1", "--mask", "full", "--ring", "0", "--reps", "1", "--gemm-n",
+            "32"]
+    r = subprocess.run(tiny + ["--json", "-"], capture_output=True, text=True, timeout=300,
+                       cwd=work)
+    try:
+        rows = json.loads(r.stdout)["results"]
+    except (ValueError, KeyError):
+        rows = None
+    if r.returncode != 0 or not rows or "fwd ms" not in r.stderr or \
+            os.path.exists(os.path.join(work, "-")):
+        bad.append(f"torch_compare.py --json -: exit {r.returncode}, stdout {r.stdout[:300]!r}, "
+                   f"stderr {r.stderr[-300:]!r} (want the JSON alone on stdout)")
+    r = subprocess.run(tiny + ["--json", "/dev/stdout"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, timeout=300)
+    head, brace, rest = r.stdout.partition("\n{")
+    try:
+        rows = json.loads(brace.strip() + rest)["results"] if brace else None
+    except (ValueError, KeyError):
+        rows = None
+    if r.returncode != 0 or "fwd ms" not in head or not rows:
+        bad.append(f"torch_compare.py --json /dev/stdout | cat: exit {r.returncode}, stdout "
+                   f"{r.stdout[:300]!r}, stderr {r.stderr!r} (want the table, then the JSON)")
     return bad
 
 
