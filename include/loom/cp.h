@@ -245,7 +245,9 @@ struct CpGroups {
 // (check_cp_config, plan.ranks == P, and cfg.kernel: scale, window, threads in
 // [0, kMaxKernelThreads], block_q and block_k in [1, kMaxBlock]), naming the values. forward and
 // backward check every view's sizes and its strides (head stride >= D when H > 1, row stride
-// >= H * D when n > 1). `cp` (and the groups) must outlive the object.
+// >= H * D when n > 1). `cp` (and the groups) must outlive the object. Groups it splits from cp
+// wait cp's timeout as of each forward and backward (cp.set_timeout_s after construction
+// applies); groups the caller gives keep their own.
 class CpAttention {
  public:
   CpAttention(Communicator& cp, const ShardPlan& plan, const CpConfig& cfg, int64_t heads,

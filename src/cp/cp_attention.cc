@@ -15,6 +15,7 @@ namespace loom {
 struct CpAttention::Impl {
   ShardPlan plan;
   CpMetrics metrics;
+  Communicator* cp = nullptr;
   Mesh mesh;  // the inner and outer groups, when they had to be split from cp
   std::unique_ptr<cp_detail::Engine> engine;
   std::unique_ptr<cp_detail::CpStrategy> strategy;
@@ -129,7 +130,7 @@ CpAttention::CpAttention(Communicator& cp, const ShardPlan& plan, const CpConfig
 
 CpAttention::CpAttention(const CpGroups& groups, const ShardPlan& plan, const CpConfig& cfg,
                          int64_t heads, int64_t kv_heads, int64_t head_dim)
-    : impl_(new Impl{plan, {}, {}, nullptr, nullptr}) {
+    : impl_(new Impl{plan, {}, nullptr, {}, nullptr, nullptr}) {
   std::unique_ptr<Impl> guard(impl_);
   LOOM_CHECK(groups.cp != nullptr, InvalidArgument, "CpAttention needs a cp group");
   Communicator& cp = *groups.cp;
@@ -163,6 +164,7 @@ CpAttention::CpAttention(const CpGroups& groups, const ShardPlan& plan, const Cp
     outer = shape.outer == P ? &cp : fits(groups.outer, shape.outer) ? groups.outer : nullptr;
   if ((want_inner && !inner) || (want_outer && !outer)) {
     impl_->mesh = build_mesh(cp, MeshShape{1, 1, shape.inner, shape.outer});
+    impl_->cp = &cp;
     if (want_inner && !inner) inner = impl_->mesh.ulysses.get();
     if (want_outer && !outer) outer = impl_->mesh.ring.get();
   }
@@ -182,6 +184,18 @@ CpMetrics& CpAttention::metrics() {
 
 namespace {
 
+// The groups split from cp wait as long as cp does, as of each call: a split group copied cp's
+// timeout when the constructor made it, so a later cp.set_timeout_s (loom.torch.set_timeout over
+// an op it had cached) reached ring and ulysses but not hybrid or ring2d, which went on waiting
+// the old timeout (60 s where 2 s was set; a Timeout after 1 s where 30 s was).
+void follow_cp_timeout(CpAttention::Impl& s) {
+  if (s.cp == nullptr) return;
+  const double t = s.cp->timeout_s();
+  for (Communicator* c : {s.mesh.tp.get(), s.mesh.ulysses.get(), s.mesh.ring.get(), s.mesh.cp.get(),
+                          s.mesh.dp.get(), s.mesh.dp_cp.get()})
+    if (c != nullptr && c->timeout_s() != t) c->set_timeout_s(t);
+}
+
 template <class T>
 void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View3<const T> v,
                   View3<T> out, float* lse) {
@@ -195,6 +209,7 @@ void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View
   check_output_view("out", out);
   check_no_overlap({footprint("out", out), footprint("lse", lse, e.heads * n)},
                    {footprint("q", q), footprint("k", k), footprint("v", v)});
+  follow_cp_timeout(s);
   s.engine->rec.begin();
   s.strategy->forward(cp_detail::ForwardArgs<T>{q, k, v, out, lse});
   s.engine->rec.end();
@@ -221,6 +236,7 @@ void backward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, Vie
   check_no_overlap({footprint("dq", dq), footprint("dk", dk), footprint("dv", dv)},
                    {footprint("q", q), footprint("k", k), footprint("v", v), footprint("out", out),
                     footprint("dout", dout), footprint("lse", lse, e.heads * n)});
+  follow_cp_timeout(s);
   s.engine->rec.begin();
   s.strategy->backward(cp_detail::BackwardArgs<T>{q, k, v, out, dout, lse, dq, dk, dv});
   s.engine->rec.end();

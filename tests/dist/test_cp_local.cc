@@ -4,9 +4,11 @@
 
 #include <limits>
 
+#include <chrono>
 #include <functional>
 #include <mutex>
 
+#include <thread>
 #include <tuple>
 #include "loom/rng.h"
 
@@ -377,6 +379,38 @@ TEST(CpErrors, PackedBuffersThatShareNoByteAreAccepted) {
                                 slot(grads, 0, 3), slot(grads, 2, 3)),
                    InvalidArgument);
     });
+  }
+}
+
+// The groups hybrid and ring2d split from cp wait cp's timeout as of each call: they copied it
+// when the constructor split them, so loom.torch.set_timeout over a cached op reached ring but
+// not these (a Timeout after 0.3 s where 30 s had been set since; 60 s where 2 s had). Built
+// with 0.3 s, raised to 30 s: a rank that comes 1.5 s late is waited for.
+TEST(CpTimeouts, SplitGroupsFollowTheCpGroupsTimeout) {
+  constexpr int P = 4;
+  constexpr int64_t S = 32, H = 4, D = 8;
+  const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, P);
+  for (const Strategy strat : {Strategy::hybrid, Strategy::ring2d}) {
+    CpConfig cfg;
+    cfg.strategy = strat;
+    cfg.ulysses = 2;
+    cfg.inner = 2;
+    cfg.kernel.scale = 0.3f;
+    cfg.kernel.threads = 1;
+    EXPECT_NO_THROW(run_local(
+        P,
+        [&](Communicator& w) {
+          CpAttention att(w, plan, cfg, H, H, D);
+          w.set_timeout_s(30);
+          const int64_t n = plan.rows(w.rank());
+          Tensor<float> q({n, H, D}), out({n, H, D});
+          for (int64_t i = 0; i < q.numel(); ++i) q[i] = 0.01f * static_cast<float>(i % 17);
+          std::vector<float> lse(static_cast<size_t>(H * n));
+          if (w.rank() == P - 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+          att.forward(q.view3(), q.view3(), q.view3(), out.view3(), lse.data());
+        },
+        {}, 0.3))
+        << to_string(strat);
   }
 }
 
