@@ -81,12 +81,13 @@ inline constexpr int kMaxKernelThreads = 1024;
 // Every kernel entry point checks these (InvalidArgument naming the value).
 struct KernelConfig {
   Mask mask;
-  // Softmax scale; must be set (usually 1/sqrt(D)): float32's smallest normal 1.18e-38 <= scale
-  // <= 2.35e38. Accuracy depends on the scores, not only the scale: the fixed fp32 tolerance
-  // holds while |scale| max||q|| max||k|| <= 128 (loom/tolerance.h, kFp32FixedTolMaxScore); past
-  // it the errors grow with the scores (fp32_error_bounds gives the bound of one problem), and
-  // once scores reach about 1e6 float32 cannot resolve exp(score - lse): the backward's
-  // gradients are then dominated by rounding (finite, or NaN), whatever the kernel.
+  // Softmax scale; must be set (usually 1/sqrt(D)): FLT_MIN = 1.1754944e-38 <= scale <=
+  // 2.3586574e38 (the largest float32 at most FLT_MAX / log2 e). Accuracy depends on the scores,
+  // not only the scale: the fixed fp32 tolerance holds while |scale| max||q|| max||k|| <= 128
+  // (loom/tolerance.h, kFp32FixedTolMaxScore); past it the errors grow with the scores
+  // (fp32_error_bounds gives the bound of one problem), and once scores reach about 1e6 float32
+  // cannot resolve exp(score - lse): the backward's gradients are then dominated by rounding
+  // (finite, or NaN), whatever the kernel.
   float scale = 0.0f;
   int threads = 0;  // OpenMP threads for this call, in [0, kMaxKernelThreads]; 0: OpenMP default
   int64_t block_q = 64;  // tile rows (queries), in [1, kMaxBlock]
