@@ -14,6 +14,13 @@ if(LOOM_SYSTEM_PYTHON AND LOOM_BUILD_BENCH)
            COMMAND ${LOOM_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/tools/bench_kernels_check.py
                    $<TARGET_FILE:bench_kernels> ${CMAKE_CURRENT_BINARY_DIR}/bench_kernels_check)
   set_tests_properties(bench_kernels_targets PROPERTIES TIMEOUT 300 LABELS "tool")
+  # The benchmark scripts (torch_compare.py, bench_torch_binding.py, plan_validate.py,
+  # train_validate.py, scaling.sh) and bench_comm: bad input refused in one line before anything
+  # runs. Needs neither torch nor the loom command.
+  add_test(NAME bench_scripts_bad_input
+           COMMAND ${LOOM_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/tools/bench_scripts_check.py
+                   $<TARGET_FILE:bench_comm> ${CMAKE_CURRENT_BINARY_DIR}/bench_scripts_check)
+  set_tests_properties(bench_scripts_bad_input PROPERTIES TIMEOUT 300 LABELS "tool")
 endif()
 # bench_kernels --torch: PyTorch's rows beside loom's in one run, and its errors.
 if(LOOM_HAVE_TORCH AND LOOM_BUILD_BENCH)
@@ -22,15 +29,6 @@ if(LOOM_HAVE_TORCH AND LOOM_BUILD_BENCH)
                    $<TARGET_FILE:bench_kernels> ${Python3_EXECUTABLE}
                    ${CMAKE_CURRENT_BINARY_DIR}/bench_torch_check)
   set_tests_properties(bench_kernels_torch PROPERTIES TIMEOUT 300 LABELS "tool;torch")
-endif()
-# The benchmark scripts (torch_compare.py, bench_torch_binding.py, plan_validate.py,
-# train_validate.py, scaling.sh) and bench_comm: bad input refused in one line before anything
-# runs. Needs neither torch nor the loom command.
-if(LOOM_SYSTEM_PYTHON AND LOOM_BUILD_BENCH)
-  add_test(NAME bench_scripts_bad_input
-           COMMAND ${LOOM_SYSTEM_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/tools/bench_scripts_check.py
-                   $<TARGET_FILE:bench_comm> ${CMAKE_CURRENT_BINARY_DIR}/bench_scripts_check)
-  set_tests_properties(bench_scripts_bad_input PROPERTIES TIMEOUT 300 LABELS "tool")
 endif()
 # bench/torch_attention.py, the benchmarks' PyTorch side, against fp64 (and its check failing).
 if(LOOM_HAVE_TORCH)

@@ -80,6 +80,11 @@ void add_memory_limit_option(CLI::App* command, std::string& limit);
 // against it too.
 double estimate_train_bytes(const model::TrainConfig& c, int ranks_here, double data_bytes);
 
+// Flushes standard output: "" when everything written to it so far arrived, else the error line
+// ("standard output: write failed (No space left on device)"). main.cc checks it at the end of
+// every command, write_outputs before it writes any file.
+std::string stdout_write_error();
+
 // Writes a run's outputs ({path, bytes}; empty paths skipped) as a unit, as far as the file
 // system allows: a failed write of any one leaves every regular-file output as it was (a new one
 // not created, an old one unchanged). Outputs written in place, which cannot be staged or undone

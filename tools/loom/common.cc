@@ -71,6 +71,13 @@ void agree_across_ranks(Communicator& world, uint64_t inputs_hash, const std::st
   }
 }
 
+std::string stdout_write_error() {
+  errno = 0;
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout)) return "";
+  return std::string("standard output: write failed (") +
+         (errno ? std::strerror(errno) : "an earlier write failed") + ")";
+}
+
 // Written one after another, a run's outputs were not a unit: loom plan --json a.json --svg
 // /dev/full wrote the JSON, then failed on the SVG (exit 1), and loom verify and loom attn did
 // the same with --heatmap and --trace / --timeline, so a failed run left a new output or replaced
@@ -83,10 +90,8 @@ void write_outputs(const std::vector<std::pair<std::string, std::string>>& outpu
   // a failed run leaves its files as they were (loom plan --json a.json > /dev/full replaced
   // a.json, then exited 1). Reported here once: the unwritten text is dropped, so main's own
   // check of standard output finds nothing more to flush.
-  errno = 0;
-  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
-    const std::string why = std::string("standard output: write failed (") +
-                            (errno ? std::strerror(errno) : "an earlier write failed") + ")";
+  const std::string why = stdout_write_error();
+  if (!why.empty()) {
     __fpurge(stdout);
     std::clearerr(stdout);
     throw IoError(why, __FILE__, __LINE__);

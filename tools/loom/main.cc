@@ -71,15 +71,9 @@ int main(int argc, char** argv) {
     return 1;
   };
   // The text report goes to standard output through stdio: a failed write (a full disk, a
-  // closed stdout) is an error like any other write's, not exit 0 with the report lost.
-  auto stdout_ok = [] {
-    errno = 0;
-    return std::fflush(stdout) == 0 && !std::ferror(stdout);
-  };
-  // Exit status 1 (2 for loom verify, whose 1 means "a tensor failed": docs/verify.md).
-  auto stdout_failed = [&] {
-    const std::string why = std::string("standard output: write failed (") +
-                            (errno ? std::strerror(errno) : "an earlier write failed") + ")";
+  // closed stdout) is an error like any other write's, not exit 0 with the report lost. Exit
+  // status 1 (2 for loom verify, whose 1 means "a tensor failed": docs/verify.md).
+  auto stdout_failed = [&](const std::string& why) {
     const int rc = fail(why.c_str());
     return app.got_subcommand("verify") ? 2 : rc;
   };
@@ -91,16 +85,17 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     const int rc = loom::tools::exit_code();
-    if (!stdout_ok()) return stdout_failed();
-    return rc;
+    const std::string why = loom::tools::stdout_write_error();
+    return why.empty() ? rc : stdout_failed(why);
   } catch (const CLI::ParseError& e) {
     // Under mpirun every rank parses the same command line: rank 0 prints the usage error and
     // its exit ends the job (every rank printed it).
     if (mpi && rank > 0 && e.get_exit_code() != 0)
       std::this_thread::sleep_for(std::chrono::seconds(2));
     const int rc = app.exit(e);
-    if (rc == 0 && !stdout_ok()) return stdout_failed();
-    return rc == 0 ? 0 : 2;
+    if (rc != 0) return 2;
+    const std::string why = loom::tools::stdout_write_error();
+    return why.empty() ? 0 : stdout_failed(why);
   } catch (const loom::Error& e) {
     // Under mpirun the ranks run one command line on the same inputs (agree_across_ranks), so
     // an error (a strategy's rule, a size, a damaged checkpoint, non-finite training, a rank that
