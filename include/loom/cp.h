@@ -141,12 +141,18 @@ std::vector<int64_t> checked_doc_lengths(int64_t seq, const std::vector<int64_t>
 // Parses "L1,L2,..." (positive integers). InvalidArgument naming the bad text.
 std::vector<int64_t> parse_doc_lengths(const std::string& text);
 
+// How error messages name a strategy's degree option: as the command line's flag ("hybrid:
+// --ulysses 3 must divide ...") or as the Python op's keyword argument ("hybrid: ulysses=3 must
+// divide ...").
+enum class OptionSpelling { flag, keyword };
+
 struct CpConfig {
   Strategy strategy = Strategy::ring;
   int ulysses = 1;      // hybrid: ulysses degree U (P % U == 0); ulysses: P; ring/allgather: 1
   int inner = 0;        // ring2d: ranks per inner ring (P % inner == 0); others: unused
   int degree = 0;       // the degree of a registered strategy whose option has no field above
   KernelConfig kernel;  // mask, scale, threads, tile sizes
+  OptionSpelling option_spelling = OptionSpelling::flag;  // how errors name the degree option
 };
 
 // Sets the value cfg.strategy's degree option sets (its StrategyInfo::option: cfg.ulysses for
@@ -176,8 +182,10 @@ struct CpShape {
 // The one place of the head and group constraints, called by CpAttention, the trainer and the
 // CLI: checks cfg for a cp group of `ranks` ranks holding `heads` query and `kv_heads` KV heads
 // (per tp rank in the trainer) and returns the layout. InvalidArgument naming the values:
-//   heads, kv_heads >= 1 and heads % kv_heads == 0; the strategy's own rules (hybrid: P % U == 0;
-//   ring2d: P % inner == 0; ulysses, hybrid: H % U == 0 and (Hkv % U == 0 or U % Hkv == 0)).
+//   heads, kv_heads >= 1 and heads % kv_heads == 0; a strategy's degree option N >= 1 and
+//   P % N == 0 (hybrid's --ulysses, ring2d's --inner, a registered strategy's own; named as
+//   cfg.option_spelling says); ulysses, hybrid: H % U == 0 and (Hkv % U == 0 or U % Hkv == 0);
+//   then the strategy's own rules (StrategyEntry::inner_degree).
 CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t kv_heads);
 
 // Kinds of a time-line span.

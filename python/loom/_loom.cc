@@ -581,21 +581,10 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   cfg.ulysses = ulysses;
   cfg.inner = inner;
   cfg.kernel = kernel_config(causal, window, scale);
-  try {
+  cfg.option_spelling = loom::OptionSpelling::keyword;  // "hybrid: ulysses=8 must divide ..."
+  {
     py::gil_scoped_release nogil;
     op->attn = std::make_unique<loom::CpAttention>(*comm_, op->plan, cfg, heads, kv_heads, dim);
-  } catch (const loom::InvalidArgument& e) {
-    // The strategies' rules speak the command line's options ("hybrid: --ulysses 8 must divide
-    // ..."): named here as the Python arguments (ulysses=8). The same error on every rank.
-    std::string text = e.what();
-    for (const auto& [cli, py_name] :
-         {std::pair<std::string, std::string>{"--ulysses ", "ulysses="},
-          {"--inner ", "inner="},
-          {"--kv-heads ", "kv heads "},
-          {"--heads ", "heads "}})
-      for (size_t at = text.find(cli); at != std::string::npos; at = text.find(cli, at))
-        text.replace(at, cli.size(), py_name);
-    throw loom::InvalidArgument(text);
   }
   op->attn->metrics().record_spans = false;
   op->rows = rows;

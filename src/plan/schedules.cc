@@ -308,14 +308,14 @@ void ulysses_like(SimContext& x, int U) {
   for (int r = 0; r < x.P; ++r) x.out.ranks[r].end_s = x.t[r];
 }
 
-void check_ulysses(const AttnCase& c, int U, const char* name) {
-  if (U <= 1) return;
-  LOOM_CHECK(
-      c.heads % U == 0, InvalidArgument,
-      name << ": heads (" << c.heads << ") must be divisible by the ulysses degree (" << U << ")");
-  LOOM_CHECK(c.kv_heads % U == 0 || U % c.kv_heads == 0, InvalidArgument,
-             name << ": kv-heads (" << c.kv_heads << ") and the ulysses degree (" << U
-                  << ") must divide one another; heads = " << c.heads);
+// The cp registry's rules for x.c run as `strategy` (check_cp_config): the simulator refuses
+// what CpAttention would, in the same words, and takes its inner degree.
+int checked_inner(const SimContext& x, Strategy strategy) {
+  CpConfig cfg;
+  cfg.strategy = strategy;
+  cfg.ulysses = x.c.ulysses;
+  cfg.inner = x.c.inner;
+  return check_cp_config(cfg, x.P, x.c.heads, x.c.kv_heads).inner;
 }
 
 void ring_schedule(SimContext& x) {
@@ -323,16 +323,11 @@ void ring_schedule(SimContext& x) {
 }
 
 void ulysses_schedule(SimContext& x) {
-  check_ulysses(x.c, x.P, "ulysses");
-  ulysses_like(x, x.P);
+  ulysses_like(x, checked_inner(x, Strategy::ulysses));
 }
 
 void hybrid_schedule(SimContext& x) {
-  const int U = x.c.ulysses;
-  LOOM_CHECK(U >= 1 && x.P % U == 0, InvalidArgument,
-             "hybrid: --ulysses " << U << " must divide the number of ranks " << x.P);
-  check_ulysses(x.c, U, "hybrid");
-  ulysses_like(x, U);
+  ulysses_like(x, checked_inner(x, Strategy::hybrid));
 }
 
 // ring2d (src/cp/strategies/ring2d.cc): O = P / I inner rings of I consecutive cp ranks; rank
@@ -344,9 +339,7 @@ void hybrid_schedule(SimContext& x) {
 // home after O outer steps.
 void ring2d_schedule(SimContext& x) {
   const AttnCase& c = x.c;
-  const int I = c.inner, P = x.P;
-  LOOM_CHECK(I >= 1 && P % I == 0, InvalidArgument,
-             "ring2d: --inner " << I << " must divide the number of ranks " << P);
+  const int I = checked_inner(x, Strategy::ring2d), P = x.P;
   const int O = P / I;
   const int64_t D = c.head_dim, T = c.dtype_bytes, row = c.kv_heads * D;
   std::vector<Block> shard(P);

@@ -242,6 +242,21 @@ TEST(CpErrors, InvalidHeadsAndDegrees) {
   expect_error(4, c, "ring2d: --inner 3 must divide the number of ranks 4");
   c.inner = 0;
   expect_error(4, c, "ring2d: --inner 0 must divide the number of ranks 4");
+  // The Python op names the option as its keyword argument.
+  for (const auto& [strategy, text] :
+       {std::pair{Strategy::ring2d, "ring2d: inner=3 must divide the number of ranks 4"},
+        std::pair{Strategy::hybrid, "hybrid: ulysses=3 must divide the number of ranks 4"}}) {
+    CpConfig cfg;
+    cfg.strategy = strategy;
+    cfg.option_spelling = OptionSpelling::keyword;
+    set_degree(cfg, 3);
+    try {
+      check_cp_config(cfg, 4, 12, 12);
+      ADD_FAILURE() << text << ": accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  }
   c.strategy = Strategy::ring;
   c.H = 6;
   c.HKV = 4;

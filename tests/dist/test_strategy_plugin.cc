@@ -114,11 +114,9 @@ const cp_detail::StrategyEntry kAllgatherSumEntry{
 
 // The same strategy with a degree option of its own (CpConfig::degree, no header field): its
 // inner degree G groups consecutive ranks, which allgather_sum's calls do not need, so the
-// results are the same; it shows the option's path from the entry to CpShape.
-int grouped_inner(int P, const CpConfig& cfg) {
-  LOOM_CHECK(
-      cfg.degree >= 1 && P % cfg.degree == 0, InvalidArgument,
-      "allgather_sum_grouped: --group " << cfg.degree << " must divide the number of ranks " << P);
+// results are the same; it shows the option's path from the entry to CpShape. The registry
+// checks 1 <= G and P % G == 0 before it calls this.
+int grouped_inner(int, const CpConfig& cfg) {
   return cfg.degree;
 }
 const cp_detail::StrategyEntry kGroupedEntry{
@@ -167,6 +165,20 @@ TEST(StrategyPlugin, RegistryShowsIt) {
   bare.make = nullptr;
   EXPECT_THROW(cp_detail::register_strategy(bare), InvalidArgument);
   EXPECT_THROW(parse_strategy("bare"), InvalidArgument);
+  // A degree option is a flag --name: errors spell it "--name N" or "name=N".
+  for (const char* flag : {"", "group", "-g", "--", "---group"}) {
+    cp_detail::StrategyEntry odd = kGroupedEntry;
+    odd.id = Strategy{"odd_flag"};
+    odd.degree.flag = flag;
+    try {
+      cp_detail::register_strategy(odd);
+      ADD_FAILURE() << "option '" << flag << "' registered";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("which is not of the form --name"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_THROW(parse_strategy("odd_flag"), InvalidArgument);
 }
 
 TEST(StrategyPlugin, DegreeOptionAndMemoryEstimate) {
@@ -184,10 +196,22 @@ TEST(StrategyPlugin, DegreeOptionAndMemoryEstimate) {
     check_cp_config(cfg, 4, 4, 2);
     ADD_FAILURE() << "--group 3 of 4 ranks accepted";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("--group 3 must divide the number of ranks 4"),
+    EXPECT_NE(std::string(e.what()).find("allgather_sum_grouped: --group 3 must divide the "
+                                         "number of ranks 4"),
               std::string::npos)
         << e.what();
   }
+  cfg.option_spelling = OptionSpelling::keyword;  // as the Python op names it
+  try {
+    check_cp_config(cfg, 4, 4, 2);
+    ADD_FAILURE() << "group=3 of 4 ranks accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("allgather_sum_grouped: group=3 must divide the number "
+                                         "of ranks 4"),
+              std::string::npos)
+        << e.what();
+  }
+  cfg.option_spelling = OptionSpelling::flag;
   cfg.strategy = parse_strategy("allgather_sum");
   EXPECT_THROW(set_degree(cfg, 2), InvalidArgument);  // it takes no degree option
   // The built-ins' options set their own fields.

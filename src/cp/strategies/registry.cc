@@ -1,6 +1,7 @@
 // The strategy registry: the list of entries, the names, and the one function holding the head
 // and group constraints (check_cp_config). Adding a strategy: its file, and one line below.
 #include <sstream>
+#include <string_view>
 
 #include "strategy.h"
 
@@ -72,9 +73,16 @@ void register_strategy(const StrategyEntry& e) {
   LOOM_CHECK(
       e.inner_degree && e.make && e.working_bytes, InvalidArgument,
       "register_strategy: '" << e.id.name() << "' needs inner_degree, make and working_bytes");
-  LOOM_CHECK(*e.degree.flag == '\0' || e.degree.value, InvalidArgument,
-             "register_strategy: '" << e.id.name() << "' declares " << e.degree.flag
+  const std::string_view flag = e.degree.flag ? e.degree.flag : "";
+  LOOM_CHECK(flag.empty() || e.degree.value, InvalidArgument,
+             "register_strategy: '" << e.id.name() << "' declares " << flag
                                     << " without the CpConfig value it sets");
+  // The command line builds the option from the flag, and errors name it ("--group 3",
+  // "group=3"): a value needs a flag of the form --name.
+  LOOM_CHECK(!e.degree.value || (flag.size() > 2 && flag.starts_with("--") && flag[2] != '-'),
+             InvalidArgument,
+             "register_strategy: '" << e.id.name() << "' sets a CpConfig value through option '"
+                                    << flag << "', which is not of the form --name");
   r.add(e);
 }
 
@@ -136,6 +144,19 @@ CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t k
              "heads (" << heads << ") must be a multiple of kv-heads (" << kv_heads << ")");
   LOOM_CHECK(ranks >= 1, InvalidArgument, "a cp group needs >= 1 ranks, got " << ranks);
   const cp_detail::StrategyEntry& e = cp_detail::entry(cfg.strategy);
+  if (e.degree.value) {
+    // One rule for every degree option, named as the caller spells it: "--ulysses 3" on the
+    // command line, "ulysses=3" in Python (which rewrote the command line's text before).
+    const int n = cfg.*e.degree.value;
+    const std::string_view flag = e.degree.flag;
+    std::ostringstream named;
+    if (cfg.option_spelling == OptionSpelling::keyword)
+      named << flag.substr(2) << '=' << n;
+    else
+      named << flag << ' ' << n;
+    LOOM_CHECK(n >= 1 && ranks % n == 0, InvalidArgument,
+               e.id.name() << ": " << named.str() << " must divide the number of ranks " << ranks);
+  }
   CpShape shape;
   shape.inner = e.inner_degree(ranks, cfg);
   shape.outer = ranks / shape.inner;

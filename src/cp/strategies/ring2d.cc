@@ -143,9 +143,8 @@ class Ring2d : public CpStrategyOf<Ring2d> {
 
 }  // namespace
 
-int ring2d_inner(int P, const CpConfig& cfg) {
-  LOOM_CHECK(cfg.inner >= 1 && P % cfg.inner == 0, InvalidArgument,
-             "ring2d: --inner " << cfg.inner << " must divide the number of ranks " << P);
+// check_cp_config has checked the degree option (1 <= inner, P % inner == 0).
+int ring2d_inner(int, const CpConfig& cfg) {
   return cfg.inner;
 }
 
