@@ -2,7 +2,9 @@
 //
 // Accepted on read: dtype '<f4' or '<f8' (and '<i4', '<i8' for read_npy_index), C order. Anything
 // else (Fortran order, big-endian, another dtype, a truncated file, a header whose shape does
-// not match the data size, a malformed header) raises IoError with one line naming the file.
+// not match the data size, a malformed header, a shape that is not the Python tuple numpy writes:
+// "(2, 3)", "(6,)" or "()", a trailing comma allowed; "(2 3)" and "(2)" are refused as numpy
+// refuses them) raises IoError with one line naming the file.
 // Reads check the header before the body: a file without the magic, with a header longer than
 // 1 MiB, or whose declared data size differs from the file's size is refused before its data is
 // read; directories, FIFOs and devices are refused without blocking (loom/io.h InputFile).

@@ -139,7 +139,7 @@ struct AttnCase {
   bool backward = true;
   // Placement: world rank of cp rank c is c * cp_stride (tp ranks sit inside); node of a world
   // rank = world / devices_per_node.
-  int cp_stride = 1;
+  int cp_stride = 1;      // 1 <= cp_stride <= INT_MAX / ranks (else InvalidArgument)
   bool timeline = false;  // record events (bounded: at most max_events)
   int64_t max_events = 20000;
 };

@@ -28,7 +28,8 @@ uint64_t rng_key(uint64_t seed, std::string_view name);
 float normal_at(uint64_t key, int64_t t, int64_t h, int64_t d);
 
 // Fills x[i, h, d] with normal_at(rng_key(seed, name), global_t[i], h, d) * stddev.
-// global_t has x.s entries: the global token index of each row.
+// global_t has x.s entries: the global token index of each row. InvalidArgument for negative
+// sizes, or a null global_t or x.data where there are elements to fill.
 void fill_normal(View3<float> x, const int64_t* global_t, uint64_t seed, std::string_view name,
                  float stddev = 1.0f);
 

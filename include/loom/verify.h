@@ -69,7 +69,9 @@ struct Sharding {
 // Names accepted by make_sharding, in the order listed above.
 std::vector<std::string> convention_names();
 // Builds a convention. InvalidArgument naming the convention and the violated rule (e.g.
-// "te-thd needs every document length divisible by 2 * ranks = 8; document 1 has 30 tokens").
+// "te-thd needs every document length divisible by 2 * ranks = 8; document 1 has 30 tokens");
+// OutOfMemory naming the size where the token lists (every token twice) do not fit in memory,
+// before they are filled.
 Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
                        const std::vector<int64_t>& doc_lengths = {});
 
@@ -125,11 +127,12 @@ struct Options {
 // bf16 probabilities in p v; dq and dk see out's rounding through delta); dv 2u (u for rounding
 // the fp32 result to bf16 storage on top of its fp32 accuracy); lse 1e-5 (lse is fp32 in every
 // bf16 implementation we know: flash-attention, TE, loom). Those bf16 tolerances hold from
-// kBf16FixedTolMinKeys visible keys per query row and a head dim of kBf16FixedTolMinHeadDim;
-// below, verify() holds out to the problem's bound of the bf16-dot path (bf16_error_bounds, dots)
-// and dq, dk, dv to theirs plus u (a gradient may be stored in bf16), and says so
-// (Report::per_problem_bounds). Both dtypes' fixed tolerances need the scores in fp32's regime
-// (fp32_fixed_tolerance_holds: |scale| max||q|| max||k|| <= kFp32FixedTolMaxScore); past it,
+// kBf16FixedTolMinEffectiveKeys effective keys per query row (effective_keys)
+// and a head dim of kBf16FixedTolMinHeadDim; below, verify() holds out to the problem's bound of
+// the bf16-dot path (bf16_error_bounds, dots) and dq, dk, dv to theirs plus u (a gradient may be
+// stored in bf16), and says so (Report::per_problem_bounds). Both dtypes' fixed tolerances need
+// the scores in fp32's regime (|scale| max||q|| max||k|| <= kFp32FixedTolMaxScore) and fp32's
+// also kFp32FixedTolMinEffectiveKeys effective keys (fp32_fixed_tolerance_holds); outside,
 // every tensor, lse included, is held to the problem's bound for any implementation
 // (fp32_error_bounds, or the bf16 bounds with their fp32 terms; loom_kernels false).
 // InvalidArgument for a tensor other than out, lse, dq, dk, dv or a dtype other than fp32, bf16.
@@ -171,10 +174,11 @@ struct Report {
   std::string heat_tensor;
   std::vector<std::vector<double>> heat;
   std::vector<int> chunk_rank;  // owner rank of each chunk (for labels and steps)
-  // Outside the fixed tolerances' regime (loom/tolerance.h: scores past kFp32FixedTolMaxScore;
-  // bf16 also under kBf16FixedTolMinKeys visible keys per query row or a head dim under
-  // kBf16FixedTolMinHeadDim): each tensor is held to the problem's own bound (lse too, past the
-  // scores' regime). why: the reason, as the summary prints it.
+  // Outside the fixed tolerances' regime (loom/tolerance.h, fixed_tolerance_exclusion: scores
+  // past kFp32FixedTolMaxScore; under kFp32FixedTolMinEffectiveKeys, bf16
+  // kBf16FixedTolMinEffectiveKeys, effective keys per query row; bf16 also a head dim under
+  // kBf16FixedTolMinHeadDim): each tensor is held to the problem's own bound (lse too, but never
+  // under kFp32RelTol). why: the reason, as the summary prints it.
   bool per_problem_bounds = false;
   std::string per_problem_why;
 

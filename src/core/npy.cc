@@ -131,27 +131,45 @@ std::vector<DictEntry> parse_dict(const std::string& dict, const std::string& wh
 }
 
 std::vector<int64_t> parse_shape(const std::string& text, const std::string& what) {
-  // text is "(a, b, c)" or "(a,)" or "()"
-  std::vector<int64_t> shape;
+  // A Python tuple of non-negative integers, as numpy writes it and reads it back (ast's
+  // literal_eval, then a tuple of ints required): "()", "(n,)" or "(a, b, ...)", a trailing
+  // comma allowed after two or more. "(2)" is the integer 2 and "(2 3)" no Python at all: numpy
+  // refuses both, and they were read as [2] and [2, 3].
+  const auto bad = [&] {
+    fail(what, "malformed shape " + text +
+                   " in npy header (a Python tuple such as (2, 3), (2,) or () is required)");
+  };
+  if (text.size() < 2 || text.front() != '(' || text.back() != ')') bad();
+  const size_t end = text.size() - 1;  // the ')'
   size_t p = 1;
-  while (p < text.size() - 1) {
-    while (p < text.size() && (std::isspace(static_cast<unsigned char>(text[p])) || text[p] == ','))
-      ++p;
-    if (p >= text.size() - 1) break;
-    if (!std::isdigit(static_cast<unsigned char>(text[p])))
-      fail(what, "malformed shape " + text + " in npy header");
+  const auto skip = [&] {
+    while (p < end && std::isspace(static_cast<unsigned char>(text[p]))) ++p;
+  };
+  std::vector<int64_t> shape;
+  bool trailing_comma = false;
+  skip();
+  while (p < end) {
+    if (!std::isdigit(static_cast<unsigned char>(text[p]))) bad();
     int64_t v = 0;
-    while (p < text.size() && std::isdigit(static_cast<unsigned char>(text[p]))) {
+    while (p < end && std::isdigit(static_cast<unsigned char>(text[p]))) {
       if (v > (std::numeric_limits<int64_t>::max() - 9) / 10)
         fail(what, "shape " + text + " is too large");
       v = v * 10 + (text[p] - '0');
       ++p;
     }
-    if (p < text.size() - 1 && text[p] == 'L') ++p;  // Python 2 long suffix
+    if (p < end && text[p] == 'L') ++p;  // Python 2 long suffix
     shape.push_back(v);
     // loom's tensors have at most 4 dimensions (loom/tensor.h).
     if (shape.size() > 4) fail(what, "shape " + text + " has more than 4 dimensions");
+    skip();
+    trailing_comma = false;
+    if (p == end) break;
+    if (text[p] != ',') bad();  // "(2 3)", "(2;3)"
+    ++p;
+    trailing_comma = true;
+    skip();
   }
+  if (shape.size() == 1 && !trailing_comma) bad();  // "(2)": an int, not a tuple
   return shape;
 }
 

@@ -8,6 +8,8 @@
 
 #include <cmath>
 
+#include "loom/error.h"
+
 namespace loom {
 
 namespace {
@@ -69,6 +71,16 @@ float normal_at(uint64_t key, int64_t t, int64_t h, int64_t d) {
 
 void fill_normal(View3<float> x, const int64_t* global_t, uint64_t seed, std::string_view name,
                  float stddev) {
+  // Checked, as the kernels check their views: a null global_t was dereferenced (SIGSEGV).
+  LOOM_CHECK(
+      x.s >= 0 && x.h >= 0 && x.d >= 0, InvalidArgument,
+      "fill_normal(" << name << "): negative size [" << x.s << ", " << x.h << ", " << x.d << "]");
+  const bool empty = x.s == 0 || x.h == 0 || x.d == 0;
+  LOOM_CHECK(empty || x.data != nullptr, InvalidArgument,
+             "fill_normal(" << name << "): null data for a non-empty view");
+  LOOM_CHECK(empty || global_t != nullptr, InvalidArgument,
+             "fill_normal(" << name << "): global_t is null; it must hold the global token of "
+                            << "each of the " << x.s << " rows");
   const uint64_t key = rng_key(seed, name);
   for (int64_t i = 0; i < x.s; ++i)
     for (int64_t h = 0; h < x.h; ++h) {

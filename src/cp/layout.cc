@@ -95,6 +95,40 @@ ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
   p.tokens.assign(ranks, {});
   p.docs.assign(ranks, {});
   p.segments.assign(ranks, {});
+  // The plan lists every token (8 bytes, 4 more with documents): each rank's rows counted and
+  // reserved up front, so that a sequence no memory holds is refused at once as OutOfMemory
+  // naming its size (2^40 tokens threw std::bad_alloc).
+  std::vector<int64_t> held(static_cast<size_t>(ranks), 0);
+  {
+    int64_t begin = 0;
+    const int64_t P = ranks;
+    const auto below = [P](int64_t n, int64_t r) { return n / P + (n % P > r ? 1 : 0); };
+    for (const int64_t len : docs) {
+      for (int64_t r = 0; r < P; ++r) {
+        if (layout == Layout::contiguous)
+          held[r] += chunk_begin(len, P, r + 1) - chunk_begin(len, P, r);
+        else if (layout == Layout::zigzag)
+          held[r] += chunk_begin(len, 2 * P, r + 1) - chunk_begin(len, 2 * P, r) +
+                     chunk_begin(len, 2 * P, 2 * P - r) - chunk_begin(len, 2 * P, 2 * P - 1 - r);
+        else  // stripe: the tokens g of [begin, begin + len) with g mod P = r
+          held[r] += below(begin + len, r) - below(begin, r);
+      }
+      begin += len;
+    }
+  }
+  try {
+    for (int r = 0; r < ranks; ++r) {
+      p.tokens[r].reserve(static_cast<size_t>(held[r]));
+      if (with_docs) p.docs[r].reserve(static_cast<size_t>(held[r]));
+    }
+  } catch (const std::exception&) {  // std::bad_alloc, or std::length_error past max_size()
+    std::ostringstream os;
+    os << "out of memory: a shard plan of " << seq << " tokens over " << ranks
+       << " ranks lists every token, "
+       << static_cast<double>(seq) * (with_docs ? 12.0 : 8.0) / (1 << 20)
+       << " MiB: too long a sequence for this machine's memory";
+    throw OutOfMemory(os.str(), __FILE__, __LINE__);
+  }
   auto add_run = [&](int r, int64_t first, int64_t count, int32_t doc) {
     if (count <= 0) return;
     auto& t = p.tokens[r];

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "loom/attention.h"
 #include "loom/error.h"
@@ -15,7 +16,11 @@ namespace loom::kernels {
 
 constexpr int64_t kMaxHeadDim = 256;
 
-// A view's sizes are non-negative and its strides leave room for its rows and heads.
+// A view's sizes are non-negative and its strides leave room for its rows and heads. A writable
+// view (View3<T> with T not const: every output, out, dq, dk, dv, merge's out_a) must also not
+// overlap itself, ss >= (h - 1) hs + d (loom/tensor.h): with hs = 2D and ss = H x D, row i's head
+// 1 was row i + 1's head 0, and finish() wrote out with a relative error of 0.88, accepted.
+// Inputs may overlap (ss >= H x D suffices: they are only read).
 template <class T>
 void check_view(const View3<T>& x, const char* name) {
   LOOM_CHECK(x.s >= 0 && x.h >= 0 && x.d >= 0, InvalidArgument,
@@ -24,6 +29,14 @@ void check_view(const View3<T>& x, const char* name) {
              name << ": null data for a non-empty view");
   if (x.h > 1) LOOM_CHECK_GE(x.hs, x.d, InvalidArgument, name << ": head stride too small");
   if (x.s > 1) LOOM_CHECK_GE(x.ss, x.h * x.d, InvalidArgument, name << ": row stride too small");
+  if constexpr (!std::is_const_v<T>) {
+    // (h - 1) hs <= ss - d, in a form that cannot overflow (ss >= h d >= d here).
+    LOOM_CHECK(x.s <= 1 || x.h <= 1 || x.d == 0 || (x.ss - x.d) / (x.h - 1) >= x.hs,
+               InvalidArgument,
+               name << ": row stride " << x.ss << " is smaller than (heads - 1) x head stride + "
+                    << "head dim = (" << x.h << " - 1) x " << x.hs << " + " << x.d
+                    << ": the output's rows would overlap");
+  }
 }
 
 template <class T>

@@ -16,7 +16,10 @@
 // problem.
 #include <algorithm>
 #include <cmath>
+#include <iomanip>
 #include <limits>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "checks.h"
@@ -194,13 +197,36 @@ int64_t count_visible_pairs(Tokens qt, Tokens kt, const Mask& mask, int64_t head
   int64_t pairs = 0;
   for (int64_t i = 0; i < qt.n; ++i)
     for (int64_t j = 0; j < kt.n; ++j) pairs += pair_visible(mask, qt, i, kt, j) ? 1 : 0;
-  return pairs * heads;
+  // pairs <= qt.n kt.n fits (the loops ran); times heads may not (heads = 2^62 wrapped).
+  int64_t total = 0;
+  LOOM_CHECK(!__builtin_mul_overflow(pairs, heads, &total), InvalidArgument,
+             "visible pairs " << pairs << " x heads " << heads << " overflows int64");
+  return total;
 }
 
 bool bf16_fixed_tolerances_hold(Tokens qt, Tokens kt, const Mask& mask, int64_t head_dim) {
   if (qt.n <= 0 || head_dim < kBf16FixedTolMinHeadDim) return false;
   return static_cast<double>(count_visible_pairs(qt, kt, mask, 1)) >=
          kBf16FixedTolMinKeys * static_cast<double>(qt.n);
+}
+
+double effective_keys(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
+                      const Mask& mask, double scale) {
+  kernels::check_qkv(q, k, k, qt, kt);  // k stands in for v: the weights do not read v
+  kernels::check_mask(mask);
+  kernels::check_scale(scale);
+  std::vector<double> p(static_cast<size_t>(k.s));
+  double collisions = 0;  // sum over rows of sum_j p_j^2
+  int64_t rows = 0;
+  for (int64_t h = 0; h < q.h; ++h) {
+    for (int64_t i = 0; i < q.s; ++i) {
+      double lse = 0;
+      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
+      for (const double x : p) collisions += x * x;  // >= 1 / n^2 > 0 (NaN passes through)
+      ++rows;
+    }
+  }
+  return rows > 0 ? static_cast<double>(rows) / collisions : 0.0;
 }
 
 namespace {
@@ -469,6 +495,39 @@ bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, do
   return fp32_score_bound(q, k, scale) <= kFp32FixedTolMaxScore;
 }
 
+std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k, Tokens qt,
+                                      Tokens kt, const Mask& mask, double scale, bool bf16) {
+  std::ostringstream why;
+  why << std::setprecision(3);
+  const double score_bound = fp32_score_bound(q, k, scale);
+  if (!(score_bound <= kFp32FixedTolMaxScore)) {
+    why << "scores up to " << score_bound << " (|scale| max||q|| max||k|| above "
+        << kFp32FixedTolMaxScore << ")";
+    return why.str();
+  }
+  if (bf16 && q.d < kBf16FixedTolMinHeadDim) {
+    why << "head dim under " << kBf16FixedTolMinHeadDim;
+    return why.str();
+  }
+  const double want = bf16 ? kBf16FixedTolMinEffectiveKeys : kFp32FixedTolMinEffectiveKeys;
+  const double keys = effective_keys(q, k, qt, kt, mask, scale);
+  if (!(keys >= want))  // NaN: not in the regime either
+    why << std::fixed << std::setprecision(2) << keys
+        << " effective keys per query row (1 / the rows' mean sum_j p_j^2; under "
+        << std::defaultfloat << want << ")";
+  return why.str();
+}
+
+bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
+                                const Mask& mask, double scale) {
+  return fixed_tolerance_exclusion(q, k, qt, kt, mask, scale, false).empty();
+}
+
+bool bf16_fixed_tolerances_hold(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
+                                const Mask& mask, double scale) {
+  return fixed_tolerance_exclusion(q, k, qt, kt, mask, scale, true).empty();
+}
+
 Fp32Bounds fp32_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                              double scale, bool loom_kernels) {
@@ -561,10 +620,10 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
     }
   }
   // The bf16 roundings' bounds plus the fp32 arithmetic's, by the triangle inequality:
-  // kFp32RelTol within fp32's regime, fp32_error_bounds (the terms that grow with the scores)
-  // outside.
+  // kFp32RelTol within fp32's regime (scores and spread weights), fp32_error_bounds (the terms
+  // that grow with the scores or with concentrated rows) outside.
   const Fp32Bounds f =
-      fp32_fixed_tolerance_holds(q, k, scale)
+      fp32_fixed_tolerance_holds(q, k, qt, kt, mask, scale)
           ? Fp32Bounds{kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol}
           : fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, loom_kernels);
   const double slack = kFirstOrderSlack;

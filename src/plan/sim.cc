@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -237,10 +238,19 @@ SimContext::SimContext(const AttnCase& cs, const Profile& pr, AttnSim& o, const 
   key_.block_k = c.block_k;
   key_.work_tile = p.work_tile;
   chunks = shard_chunks(c.layout, c.seq, c.ranks, c.doc_lengths);
-  const int dpn = std::max(1, p.devices_per_node);
+  // Nodes numbered densely in rank order (world rank r x cp_stride, in int64: the node of the
+  // last rank sized these arrays, and a stride of 2^30 asked for gigabytes): the cost model only
+  // compares them and counts the ranks on each.
+  const int64_t dpn = std::max(1, p.devices_per_node);
   node_.resize(P);
-  for (int r = 0; r < P; ++r) node_[r] = r * c.cp_stride / dpn;
-  on_node_.assign(P > 0 ? node_[P - 1] + 1 : 0, 0);
+  int nodes = 0;
+  for (int r = 0; r < P; ++r) {
+    const int64_t node = static_cast<int64_t>(r) * c.cp_stride / dpn;
+    const int64_t before = r > 0 ? static_cast<int64_t>(r - 1) * c.cp_stride / dpn : -1;
+    if (node != before) ++nodes;
+    node_[r] = nodes - 1;
+  }
+  on_node_.assign(nodes, 0);
   busy_on_node_ = on_node_;
   // The kernels' seconds per tile: calibrated ("cpu" profiles, scaled linearly in the head dim)
   // or the peak rate times the efficiency.
@@ -401,6 +411,13 @@ AttnSim simulate_attention(const AttnCase& c, const Profile& p, const SimOptions
   LOOM_CHECK(c.heads % c.kv_heads == 0, InvalidArgument,
              "heads (" << c.heads << ") must be a multiple of kv-heads (" << c.kv_heads << ")");
   LOOM_CHECK(c.ranks >= 1, InvalidArgument, "ranks must be >= 1, got " << c.ranks);
+  // World rank of cp rank r: r x cp_stride, an int (a negative stride indexed the node counters
+  // out of bounds).
+  LOOM_CHECK(c.cp_stride >= 1 && c.cp_stride <= std::numeric_limits<int>::max() / c.ranks,
+             InvalidArgument,
+             "cp_stride must be in [1, "
+                 << std::numeric_limits<int>::max() / c.ranks << "] for " << c.ranks
+                 << " ranks (world rank = cp rank x cp_stride), got " << c.cp_stride);
   LOOM_CHECK(c.block_q >= 1 && c.block_k >= 1, InvalidArgument, "tile sizes must be >= 1");
   LOOM_CHECK(c.dtype_bytes == 2 || c.dtype_bytes == 4, InvalidArgument,
              "dtype must be fp32 (4 bytes) or bf16 (2 bytes), got " << c.dtype_bytes);

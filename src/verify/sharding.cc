@@ -2,8 +2,10 @@
 // the chunks localisation speaks of. Each convention is written from that project's code (cited
 // in loom/verify.h and docs/verify.md); loom's own three come from ShardPlan::make.
 #include <algorithm>
+#include <new>
 #include <numeric>
 #include <sstream>
+#include <stdexcept>
 
 #include "loom/cp.h"
 #include "loom/verify.h"
@@ -41,6 +43,14 @@ void add_chunk(Sharding& sh, int r, int64_t first, int64_t count,
 template <class Begin>
 void dual_chunk(Sharding& sh, const std::vector<int64_t>& docs, Begin begin) {
   const int P = sh.ranks;
+  // Reserved before the first token (rank r's two pieces of every document), so that a sequence
+  // too long for memory fails at once, not after filling it.
+  for (int r = 0; r < P; ++r) {
+    int64_t n = 0;
+    for (const int64_t len : docs)
+      n += begin(len, r + 1) - begin(len, r) + begin(len, 2 * P - r) - begin(len, 2 * P - 1 - r);
+    sh.tokens[r].reserve(static_cast<size_t>(n));
+  }
   std::vector<std::vector<int64_t>> chunk_tokens(2 * P);
   std::vector<int> owner(2 * P, -1);
   int64_t start = 0;
@@ -63,10 +73,10 @@ void dual_chunk(Sharding& sh, const std::vector<int64_t>& docs, Begin begin) {
 
 }  // namespace
 
-Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
-                       const std::vector<int64_t>& doc_lengths) {
-  LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
-  LOOM_CHECK(ranks >= 1, InvalidArgument, "--ranks must be >= 1, got " << ranks);
+namespace {
+
+Sharding build_sharding(const std::string& convention, int64_t seq, int ranks,
+                        const std::vector<int64_t>& doc_lengths) {
   const std::vector<int64_t> docs = checked_doc_lengths(seq, doc_lengths);
   Sharding sh;
   sh.convention = convention;
@@ -157,6 +167,27 @@ Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
     return sh;
   }
   throw InvalidArgument("unknown convention '" + convention + "' (choose " + choices() + ")");
+}
+
+}  // namespace
+
+Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
+                       const std::vector<int64_t>& doc_lengths) {
+  LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
+  LOOM_CHECK(ranks >= 1, InvalidArgument, "--ranks must be >= 1, got " << ranks);
+  // Every token is listed twice (its rank's rows, its chunk), 16 bytes each: a sequence no memory
+  // holds is the library's OutOfMemory naming its size (2^62 tokens threw std::bad_alloc).
+  // loom's three conventions fail up front in ShardPlan::make; the others reserve first.
+  try {
+    return build_sharding(convention, seq, ranks, doc_lengths);
+  } catch (const std::bad_alloc&) {
+  } catch (const std::length_error&) {
+  }
+  std::ostringstream os;
+  os << "out of memory: the " << convention << " sharding of " << seq << " tokens over " << ranks
+     << " ranks lists every token twice, " << static_cast<double>(seq) * 16.0 / (1 << 20)
+     << " MiB: too long a sequence for this machine's memory";
+  throw OutOfMemory(os.str(), __FILE__, __LINE__);
 }
 
 namespace {

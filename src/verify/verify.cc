@@ -1233,22 +1233,22 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   const Reference ref = run_reference(c, c.scale, any_grad);
   {
     const RowTokens rt(c);
+    // The score bound over every query row, the effective keys over the rows compared.
     const double score_bound = fp32_score_bound(p.q.view3(), p.k.view3(), c.scale);
+    const Tensor<double> q = gather_rows(p.q, c.rows);
     std::ostringstream why;
     why << std::setprecision(3);
     if (score_bound > kFp32FixedTolMaxScore)
       why << "scores up to " << score_bound << " (|scale| max||q|| max||k|| above "
           << kFp32FixedTolMaxScore << ")";
-    else if (o.dtype == "bf16" && c.D < kBf16FixedTolMinHeadDim)
-      why << "bf16 with a head dim under " << kBf16FixedTolMinHeadDim;
-    else if (o.dtype == "bf16" &&
-             !bf16_fixed_tolerances_hold(rt.tokens(), c.all_tokens(), p.mask, c.D))
-      why << "bf16 with under " << kBf16FixedTolMinKeys
-          << " keys per query row (rows with one or two keys amplify bf16 rounding in dq and dk)";
+    else if (const std::string x =
+                 fixed_tolerance_exclusion(q.view3(), p.k.view3(), rt.tokens(), c.all_tokens(),
+                                           p.mask, c.scale, o.dtype == "bf16");
+             !x.empty())
+      why << (o.dtype == "bf16" ? "bf16 with " : "") << x;
     rep.per_problem_why = why.str();
     rep.per_problem_bounds = !rep.per_problem_why.empty();
     if (rep.per_problem_bounds) {
-      const Tensor<double> q = gather_rows(p.q, c.rows);
       const Tensor<double> dout = any_grad ? gather_rows(p.dout, c.rows) : Tensor<double>();
       const View3<const double> dv =
           any_grad ? View3<const double>(dout.view3()) : View3<const double>{};

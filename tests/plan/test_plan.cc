@@ -781,6 +781,39 @@ TEST(PlanSim, RefusesSizesThatOverflowTheCounters) {
   }
 }
 
+// The placement's cp_stride is checked with the case: a negative stride indexed the node counters
+// out of bounds (SIGSEGV in busy_scales), and -1000 or 2^30 threw std::length_error sizing them
+// by the last rank's node. A stride far past the node size is accepted and places every rank on
+// a node of its own, as a stride of one node does.
+TEST(PlanSim, RefusesACpStrideOutsideTheWorld) {
+  Profile shared = valid_profile();  // ranks on one node share it: busy_scales counts them
+  shared.alone_speedup = 2;
+  shared.devices_per_node = 8;
+  for (const Profile& p : {shipped("h100_sxm.json"), shared}) {
+    SCOPED_TRACE(p.name);
+    AttnCase a;
+    a.seq = 16384;
+    a.ranks = 16;
+    a.heads = a.kv_heads = 8;
+    for (const int stride : {0, -1, -1000, 1 << 30, std::numeric_limits<int>::max()}) {
+      a.cp_stride = stride;
+      try {
+        simulate_attention(a, p);
+        ADD_FAILURE() << "cp_stride " << stride << " accepted";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("cp_stride must be in [1, "), std::string::npos)
+            << e.what();
+      }
+    }
+    a.cp_stride = p.devices_per_node;
+    const AttnSim one_node_apart = simulate_attention(a, p);
+    a.cp_stride = 1 << 20;
+    const AttnSim far_apart = simulate_attention(a, p);
+    EXPECT_EQ(far_apart.forward_s, one_node_apart.forward_s);
+    EXPECT_EQ(far_apart.backward_s, one_node_apart.backward_s);
+  }
+}
+
 // What would make every candidate of the search invalid is refused up front, naming it (before:
 // no candidate ranked, nothing on stderr, "raise --devices or --memory-limit"); S = 1 is planned
 // (it was "0 candidates ranked, 0 rejected").

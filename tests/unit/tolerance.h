@@ -3,8 +3,10 @@
 //
 // The fp32 kernels are compared with the fp64 reference by relative norm error
 //   ||x - ref||_2 / ||ref||_2 <= kFp32RelTol
-// where the scores are small enough for it (loom::fp32_fixed_tolerance_holds; the kernel tests'
-// scale 1 / sqrt(D) on N(0, 1) inputs is), else <= loom::fp32_error_bounds (loom/tolerance.h).
+// where the scores are small enough for it (the score condition of
+// loom::fp32_fixed_tolerance_holds, which these tests check; the kernel tests' scale 1 / sqrt(D)
+// on N(0, 1) inputs spreads each row's weights over many keys, the regime's other condition),
+// else <= loom::fp32_error_bounds (loom/tolerance.h).
 // The tolerance is a property of fp32 storage and fp32 accumulation; it is never loosened to make
 // a test pass (a mismatch is a bug). lse arrays hold -inf for rows that see no key: those entries
 // must agree exactly, and the finite ones are compared by the same relative norm.
@@ -24,7 +26,7 @@ namespace loom::test {
 using loom::kFp32RelTol;  // fp32 kernels vs the fp64 reference (relative norm)
 
 // bf16 storage: the derivation of the bounds, the per-problem bounds (loom::bf16_error_bounds)
-// and the fixed tolerances valid from loom::kBf16FixedTolMinKeys keys per row are in
+// and the regime of the fixed tolerances (loom::fixed_tolerance_exclusion) are in
 // loom/tolerance.h. The kernel sweep measured, on its cases with S >= 100: out <= 0.6 u, fp32 out
 // <= 0.4 u, dq and dk <= 0.42 u; on the bf16-dot path, Zen 5: dv <= 0.44 u, dq and dk <= 0.58 u.
 using loom::kBf16AccRelTol;   // out finished to fp32 (bf16-dot path)

@@ -39,11 +39,12 @@ namespace {
 int g_exit_code = 0;
 
 // Tolerances of every check against the fp64 reference (loom/tolerance.h): fp32 storage
-// kFp32RelTol for everything while |scale| max||q|| max||k|| <= kFp32FixedTolMaxScore, the
-// problem's own bounds (fp32_error_bounds) above; bf16 storage (the reference runs on the
+// kFp32RelTol for everything while |scale| max||q|| max||k|| <= kFp32FixedTolMaxScore and the
+// rows' weights spread over kFp32FixedTolMinEffectiveKeys effective keys (effective_keys), the
+// problem's own bounds (fp32_error_bounds) otherwise; bf16 storage (the reference runs on the
 // bf16-rounded inputs): out, dq, dk, dv 2 u = 2^-7 (u = 2^-8 is bf16's unit roundoff) and lse
-// kFp32RelTol from kBf16FixedTolMinKeys keys per query row on average and a head dim of
-// kBf16FixedTolMinHeadDim, within fp32's score regime; the problem's own bounds
+// kFp32RelTol from kBf16FixedTolMinEffectiveKeys effective keys per query row and a
+// head dim of kBf16FixedTolMinHeadDim, within fp32's score regime; the problem's own bounds
 // (bf16_error_bounds) otherwise.
 constexpr double kBf16RelTol = kBf16OutRelTol;
 static_assert(kBf16OutRelTol == kBf16GradRelTol);
@@ -345,9 +346,10 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
     }
   }
   // Tolerances: the fixed ones where they hold (fp32 and bf16: scores within
-  // kFp32FixedTolMaxScore; bf16 also kBf16FixedTolMinKeys visible keys per query row on average
-  // and a head dim of kBf16FixedTolMinHeadDim), else the problem's own bounds (loom/tolerance.h).
-  // The score bound is over every query row, sampled or not.
+  // kFp32FixedTolMaxScore and rows spread over kFp32FixedTolMinEffectiveKeys, bf16
+  // kBf16FixedTolMinEffectiveKeys, effective keys; bf16 also a head dim of
+  // kBf16FixedTolMinHeadDim), else the problem's own bounds (loom/tolerance.h). The score bound is
+  // over every query row, sampled or not; the effective keys over the rows compared.
   const double tol = p.bf16 ? kBf16RelTol : kFp32RelTol;
   Bf16Bounds bound{tol, tol, tol, tol, tol, kFp32RelTol};
   const View3<const double> dos_v =
@@ -358,10 +360,9 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
   if (score_bound > kFp32FixedTolMaxScore)
     why << "scores up to " << score_bound << " (|scale| max||q|| max||k|| above "
         << kFp32FixedTolMaxScore << ")";
-  else if (p.bf16 && p.D < kBf16FixedTolMinHeadDim)
-    why << "head dim under " << kBf16FixedTolMinHeadDim;
-  else if (p.bf16 && !bf16_fixed_tolerances_hold(qt, all, p.kernel.mask, p.D))
-    why << "under " << kBf16FixedTolMinKeys << " keys per query row";
+  else
+    why << fixed_tolerance_exclusion(qs.view3(), kd.view3(), qt, all, p.kernel.mask, p.kernel.scale,
+                                     p.bf16);
   r.per_problem_why = why.str();
   r.per_problem_bounds = !r.per_problem_why.empty();
   if (r.per_problem_bounds && p.bf16) {

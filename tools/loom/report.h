@@ -43,10 +43,11 @@ std::string human_bytes(double bytes);
 
 struct CheckReport {
   bool done = false, passed = true, sampled = false;
-  // Outside the fixed tolerances' regime (scores past kFp32FixedTolMaxScore; bf16 also fewer
-  // than kBf16FixedTolMinKeys keys per query row): each tensor is held to the problem's own
-  // bound (fp32_error_bounds, bf16_error_bounds), not to the fixed tolerance. why: the reason,
-  // as the report prints it ("scores up to 1.3e+03", "under 4 keys per query row").
+  // Outside the fixed tolerances' regime (loom/tolerance.h, fixed_tolerance_exclusion: scores
+  // past kFp32FixedTolMaxScore, fewer effective keys than kFp32FixedTolMinEffectiveKeys, for
+  // bf16 kBf16FixedTolMinEffectiveKeys, or a head dim under kBf16FixedTolMinHeadDim): each
+  // tensor is held to the problem's own bound (fp32_error_bounds, bf16_error_bounds), not to the
+  // fixed tolerance. why: the reason, as the report prints it (fixed_tolerance_exclusion's text).
   bool per_problem_bounds = false;
   std::string per_problem_why;
   // worst: the first tensor that failed, else the one with the largest relative error; max_rel

@@ -1,0 +1,386 @@
+// The library's contracts at its edges, each found broken by a probe of the C++ API: the fixed
+// tolerances claimed only where they hold (loom/tolerance.h), output views that overlap
+// themselves refused by the kernels (loom/tensor.h), sizes no memory holds refused as
+// OutOfMemory, null pointers and overflowing counts refused as InvalidArgument, and .npy shapes
+// read only as the Python tuples numpy writes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "loom/attention.h"
+#include "loom/bf16.h"
+#include "loom/comm.h"
+#include "loom/cp.h"
+#include "loom/error.h"
+#include "loom/npy.h"
+#include "loom/rng.h"
+#include "loom/tensor.h"
+#include "loom/tolerance.h"
+#include "loom/verify.h"
+
+namespace loom {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The fixed tolerances' regime.
+
+double rel_error(const std::vector<double>& x, const Tensor<double>& ref) {
+  double e = 0, n = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i) {
+    if (std::isinf(ref[i]) && x[i] == ref[i]) continue;  // lse of a row without keys
+    e += (x[i] - ref[i]) * (x[i] - ref[i]);
+    n += ref[i] * ref[i];
+  }
+  return n > 0 ? std::sqrt(e / n) : std::sqrt(e);
+}
+
+struct Outcome {
+  std::string exclusion;  // fixed_tolerance_exclusion: "" where the fixed tolerances are claimed
+  double err[5] = {};     // out, lse, dq, dk, dv: relative errors against the fp64 reference
+  Bf16Bounds bound;       // the problem's own bounds, as `loom attn --check` computes them
+};
+
+// One problem as `loom attn --seed seed --backward --check` makes and runs it on one rank: inputs
+// from fill_normal, rounded to bf16 for bf16 storage, through CpAttention with the default kernel
+// config, compared with the fp64 reference on the values the kernels saw.
+template <class T>
+Outcome run_attn(int64_t S, int64_t H, int64_t Hkv, int64_t D, bool causal, float scale,
+                 uint64_t seed) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, 1);
+  const int64_t* tokens = plan.tokens[0].data();
+  Tensor<float> q({S, H, D}), k({S, Hkv, D}), v({S, Hkv, D}), dout({S, H, D});
+  fill_normal(q.view3(), tokens, seed, "q");
+  fill_normal(k.view3(), tokens, seed, "k");
+  fill_normal(v.view3(), tokens, seed, "v");
+  fill_normal(dout.view3(), tokens, seed, "dout");
+  // convert<float, float> is not instantiated: fp32 takes the inputs as they are.
+  const auto as_t = [](const Tensor<float>& x) {
+    if constexpr (kBf16)
+      return convert<bf16>(x);
+    else
+      return x;
+  };
+  const Tensor<T> tq = as_t(q), tk = as_t(k), tv = as_t(v), tdout = as_t(dout);
+  Tensor<T> out({S, H, D});
+  Tensor<float> lse({H, S}), dq({S, H, D}), dk({S, Hkv, D}), dv({S, Hkv, D});
+  CpConfig cfg;
+  cfg.kernel.mask.causal = causal;
+  cfg.kernel.scale = scale;
+  cfg.kernel.threads = 1;
+  run_local(1, [&](Communicator& comm) {
+    CpAttention att(comm, plan, cfg, H, Hkv, D);
+    att.forward(tq.view3(), tk.view3(), tv.view3(), out.view3(), lse.data());
+    att.backward(tq.view3(), tk.view3(), tv.view3(), out.view3(), tdout.view3(), lse.data(),
+                 dq.view3(), dk.view3(), dv.view3());
+  });
+  // The values the kernels saw, in fp64 (bf16 widens exactly to float).
+  const auto as_f64 = [](const Tensor<T>& x) {
+    if constexpr (kBf16)
+      return convert<double>(convert<float>(x));
+    else
+      return convert<double>(x);
+  };
+  const Tensor<double> rq = as_f64(tq), rk = as_f64(tk), rv = as_f64(tv), rdout = as_f64(tdout);
+  std::vector<int64_t> pos(static_cast<size_t>(S));
+  for (int64_t i = 0; i < S; ++i) pos[i] = i;
+  const Tokens t{pos.data(), nullptr, S};
+  const Mask mask = cfg.kernel.mask;
+  Tensor<double> ref_out({S, H, D}), ref_lse({H, S}), ref_dq({S, H, D}), ref_dk({S, Hkv, D}),
+      ref_dv({S, Hkv, D});
+  reference_forward(rq.view3(), rk.view3(), rv.view3(), t, t, mask, scale, ref_out.view3(),
+                    ref_lse.data());
+  reference_backward(rq.view3(), rk.view3(), rv.view3(), rdout.view3(), t, t, mask, scale,
+                     ref_dq.view3(), ref_dk.view3(), ref_dv.view3());
+  // The kernels' lse is [H, S] in local row order; one zigzag rank holds the tokens in order.
+  const auto vec = [](const Tensor<float>& x) {
+    return std::vector<double>(x.data(), x.data() + x.numel());
+  };
+  Outcome o;
+  if constexpr (kBf16)
+    o.err[0] = rel_error(vec(convert<float>(out)), ref_out);
+  else
+    o.err[0] = rel_error(vec(out), ref_out);
+  o.err[1] = rel_error(vec(lse), ref_lse);
+  o.err[2] = rel_error(vec(dq), ref_dq);
+  o.err[3] = rel_error(vec(dk), ref_dk);
+  o.err[4] = rel_error(vec(dv), ref_dv);
+  o.exclusion = fixed_tolerance_exclusion(rq.view3(), rk.view3(), t, t, mask, scale, kBf16);
+  if constexpr (kBf16) {
+    o.bound = bf16_error_bounds(rq.view3(), rk.view3(), rv.view3(), rdout.view3(), t, t, mask,
+                                scale, kernel_path_bf16_dots(), /*loom_kernels=*/true);
+  } else {
+    const Fp32Bounds f = fp32_error_bounds(rq.view3(), rk.view3(), rv.view3(), rdout.view3(), t, t,
+                                           mask, scale, /*loom_kernels=*/true);
+    o.bound = Bf16Bounds{f.out, f.out, f.dq, f.dk, f.dv, f.lse};
+  }
+  return o;
+}
+
+// Where the library claims the fixed tolerances, correct results meet them; everywhere, they meet
+// the problem's own bounds. The two problems of the probe, 200 seeds each as `loom attn --seed`:
+// fp32 S = 2, D = 8, full, scale 2 (59 seeds put dq and dk over kFp32RelTol, up to 800 times:
+// seed 93 "check FAILED ... dq 0.0814 > 1e-05") and bf16 S = 4, H = 4 over 2, D = 8, full, scale
+// 1.41 (44 seeds over 2u from 4 visible keys per row: seed 2 "dq 0.0199 > 0.00781"). The fixed
+// tolerances were claimed for both (scores within 128, and for bf16 4 keys per row and D = 8);
+// the rows' weights sit on one or two keys, and the spread condition now sends them to their
+// bounds. The default scale at S = 64 stays in the regime.
+TEST(FixedTolerances, ClaimedOnlyWhereCorrectResultsMeetThem) {
+  const double fixed_bf16[5] = {kBf16OutRelTol, kFp32RelTol, kBf16GradRelTol, kBf16GradRelTol,
+                                kBf16GradRelTol};
+  const char* names[5] = {"out", "lse", "dq", "dk", "dv"};
+  const auto check = [&](const Outcome& o, bool bf16, uint64_t seed) {
+    const double b[5] = {o.bound.out, o.bound.lse, o.bound.dq, o.bound.dk, o.bound.dv};
+    for (int x = 0; x < 5; ++x) {
+      EXPECT_LE(o.err[x], b[x]) << names[x] << ", seed " << seed << ": outside its own bound";
+      if (o.exclusion.empty()) {
+        EXPECT_LE(o.err[x], bf16 ? fixed_bf16[x] : kFp32RelTol)
+            << names[x] << ", seed " << seed << ": the fixed tolerance was claimed";
+      }
+    }
+  };
+  int fp32_claimed = 0, bf16_claimed = 0;
+  for (uint64_t seed = 1; seed <= 200; ++seed) {
+    const Outcome a = run_attn<float>(2, 1, 1, 8, /*causal=*/false, 2.0f, seed);
+    check(a, false, seed);
+    fp32_claimed += a.exclusion.empty();
+    const Outcome b = run_attn<bf16>(4, 4, 2, 8, /*causal=*/false, 1.41421f, seed);
+    check(b, true, seed);
+    bf16_claimed += b.exclusion.empty();
+  }
+  // Neither problem is in the regime for any seed (one or two effective keys per row).
+  EXPECT_EQ(fp32_claimed, 0);
+  EXPECT_EQ(bf16_claimed, 0);
+  const Outcome seed93 = run_attn<float>(2, 1, 1, 8, false, 2.0f, 93);
+  EXPECT_NE(seed93.exclusion.find("effective keys per query row"), std::string::npos)
+      << seed93.exclusion;
+  // The default scale 1 / sqrt(D) at S = 64, causal: the fixed tolerances, and met.
+  for (const uint64_t seed : {1, 2, 3}) {
+    const Outcome f = run_attn<float>(64, 2, 1, 64, true, 0.125f, seed);
+    EXPECT_EQ(f.exclusion, "");
+    check(f, false, seed);
+    const Outcome g = run_attn<bf16>(64, 2, 1, 64, true, 0.125f, seed);
+    EXPECT_EQ(g.exclusion, "");
+    check(g, true, seed);
+  }
+}
+
+// effective_keys: n where every row has n equal weights, 1 where every row's weight sits on one
+// key, and pulled toward 1 by concentrated rows; the conditions in their order.
+TEST(FixedTolerances, EffectiveKeysAndTheReasonsGiven) {
+  const int64_t S = 8, D = 8;
+  Tensor<double> q({S, 1, D}), k({S, 1, D});
+  q.fill(0.0);
+  k.fill(0.0);
+  std::vector<int64_t> pos(S);
+  for (int64_t i = 0; i < S; ++i) pos[i] = i;
+  const Tokens t{pos.data(), nullptr, S};
+  // Zero scores: every visible key weighs the same. Full mask: 8 keys per row; causal: row i
+  // sees i + 1, sum_j p_j^2 = 1 / (i + 1), 8 / (1 + 1/2 + ... + 1/8) = 2.943; one key: 1.
+  EXPECT_DOUBLE_EQ(effective_keys(q.view3(), k.view3(), t, t, Mask{false, 0}, 1.0), 8.0);
+  EXPECT_NEAR(effective_keys(q.view3(), k.view3(), t, t, Mask{true, 0}, 1.0), 2.943, 1e-3);
+  EXPECT_DOUBLE_EQ(effective_keys(q.view3(), k.view3(), t, t, Mask{true, 1}, 1.0), 1.0);
+  // Full: both regimes. Causal: fp32's, not bf16's. One key: neither.
+  EXPECT_EQ(fixed_tolerance_exclusion(q.view3(), k.view3(), t, t, Mask{false, 0}, 1.0, true), "");
+  EXPECT_EQ(fixed_tolerance_exclusion(q.view3(), k.view3(), t, t, Mask{true, 0}, 1.0, false), "");
+  EXPECT_EQ(fixed_tolerance_exclusion(q.view3(), k.view3(), t, t, Mask{true, 0}, 1.0, true),
+            "2.94 effective keys per query row (1 / the rows' mean sum_j p_j^2; under 6)");
+  EXPECT_EQ(fixed_tolerance_exclusion(q.view3(), k.view3(), t, t, Mask{true, 1}, 1.0, false),
+            "1.00 effective keys per query row (1 / the rows' mean sum_j p_j^2; under 2)");
+  // One row spread over 8 keys does not carry 7 rows of one key: causal, queries 0..6 at
+  // position 0 (they see key 0 only) and query 7 at position 7 (every key). A mean of
+  // 1 / sum_j p_j^2 would give (7 + 8) / 8 = 1.875; the statistic is 8 / (7 + 1/8) = 1.12.
+  std::vector<int64_t> qpos(S, 0);
+  qpos[S - 1] = S - 1;
+  const Tokens qt{qpos.data(), nullptr, S};
+  EXPECT_NEAR(effective_keys(q.view3(), k.view3(), qt, t, Mask{true, 0}, 1.0), 8 / 7.125, 1e-12);
+  // A large score: the score condition first.
+  q[0] = 100;
+  k[0] = 100;
+  EXPECT_EQ(fixed_tolerance_exclusion(q.view3(), k.view3(), t, t, Mask{}, 1.0, false),
+            "scores up to 1e+04 (|scale| max||q|| max||k|| above 128)");
+  // A head dim under 8: bf16 only.
+  Tensor<double> q4({S, 1, 4}), k4({S, 1, 4});
+  q4.fill(0.0);
+  k4.fill(0.0);
+  EXPECT_EQ(fixed_tolerance_exclusion(q4.view3(), k4.view3(), t, t, Mask{}, 1.0, true),
+            "head dim under 8");
+  EXPECT_EQ(fixed_tolerance_exclusion(q4.view3(), k4.view3(), t, t, Mask{}, 1.0, false), "");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output views that overlap themselves (loom/tensor.h: ss >= (H - 1) hs + D).
+
+// An [S, H, D] buffer read through a view whose head stride is 2D and row stride H x D: row i's
+// head 1 is row i + 1's head 0. finish() wrote through it with a relative error of 0.88.
+TEST(KernelViews, OverlappingOutputsAreRefusedNamingTheStrides) {
+  const int64_t S = 8, H = 2, D = 16;
+  Tensor<float> q({S, H, D}), k({S, H, D}), v({S, H, D});
+  std::vector<int64_t> tokens(S);
+  for (int64_t i = 0; i < S; ++i) tokens[i] = i;
+  fill_normal(q.view3(), tokens.data(), 1, "q");
+  fill_normal(k.view3(), tokens.data(), 1, "k");
+  fill_normal(v.view3(), tokens.data(), 1, "v");
+  const Tokens t{tokens.data(), nullptr, S};
+  KernelConfig cfg;
+  cfg.scale = 0.25f;
+  SoftmaxState st(S, H, D);
+  attend(st.view(), q.view3(), k.view3(), v.view3(), t, t, cfg);
+  std::vector<float> buf(static_cast<size_t>(S * H * D + 2 * D)), lse(H * S), delta(H * S);
+  const View3<float> overlapping{buf.data(), S, H, D, H * D, 2 * D};
+  const auto expect_refused = [](const auto& call, const char* name) {
+    try {
+      call();
+      ADD_FAILURE() << name << ": an overlapping output was accepted";
+    } catch (const InvalidArgument& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(std::string(name) + ": row stride 32 is smaller than (heads - 1) x head "
+                                           "stride + head dim = (2 - 1) x 32 + 16"),
+                std::string::npos)
+          << m;
+    }
+  };
+  expect_refused([&] { finish(st.view(), overlapping, lse.data(), S); }, "out");
+  Tensor<float> out({S, H, D}), dq({S, H, D}), dk({S, H, D}), dv({S, H, D});
+  finish(st.view(), out.view3(), lse.data(), S);
+  expect_refused([&] { merge(overlapping, lse.data(), out.view3(), lse.data(), S); }, "out_a");
+  compute_delta(out.view3(), q.view3(), delta.data(), S);
+  const auto backward = [&](View3<float> a, View3<float> b, View3<float> c) {
+    attend_backward(q.view3(), k.view3(), v.view3(), q.view3(), lse.data(), delta.data(), S, t, t,
+                    cfg, a, b, c);
+  };
+  expect_refused([&] { backward(overlapping, dk.view3(), dv.view3()); }, "dq");
+  expect_refused([&] { backward(dq.view3(), overlapping, dv.view3()); }, "dk");
+  expect_refused([&] { backward(dq.view3(), dk.view3(), overlapping); }, "dv");
+  // The fp64 reference's outputs too.
+  std::vector<double> dbuf(buf.size());
+  const View3<double> doverlap{dbuf.data(), S, H, D, H * D, 2 * D};
+  const Tensor<double> qd = convert<double>(q), kd = convert<double>(k), vd = convert<double>(v);
+  std::vector<double> dlse(H * S);
+  expect_refused(
+      [&] {
+        reference_forward(qd.view3(), kd.view3(), vd.view3(), t, t, cfg.mask, cfg.scale, doverlap,
+                          dlse.data());
+      },
+      "out");
+  // Inputs may overlap (they are only read): q through the same strides reads the buffer's rows
+  // as the overlapping view has them, and gives what a contiguous copy of those rows gives.
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i % 7) * 0.1f;
+  const View3<const float> q_overlapping{buf.data(), S, H, D, H * D, 2 * D};
+  Tensor<float> q_copy({S, H, D});
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) q_copy.view3()(i, h, d) = q_overlapping(i, h, d);
+  SoftmaxState a(S, H, D), b(S, H, D);
+  attend(a.view(), q_overlapping, k.view3(), v.view3(), t, t, cfg);
+  attend(b.view(), q_copy.view3(), k.view3(), v.view3(), t, t, cfg);
+  EXPECT_EQ(a.acc.vec(), b.acc.vec());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sizes, counts and pointers.
+
+// A sequence no memory holds: OutOfMemory naming its size, before any token is listed (they
+// threw std::bad_alloc). 2^62 tokens exceed any vector's max_size(); 2^40 (8 TiB of indices) is
+// refused by the allocator where the kernel does not overcommit without limit.
+TEST(Sizes, SequencesNoMemoryHoldsAreOutOfMemory) {
+  const auto expect_oom = [](const auto& call, const std::string& needle) {
+    try {
+      call();
+      ADD_FAILURE() << needle << ": accepted";
+    } catch (const OutOfMemory& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const int64_t huge = int64_t{1} << 62;
+  expect_oom([&] { ShardPlan::make(Layout::zigzag, huge, 2); },
+             "a shard plan of 4611686018427387904 tokens over 2 ranks");
+  expect_oom([&] { verify::make_sharding("contiguous", huge, 2); },
+             "a shard plan of 4611686018427387904 tokens over 2 ranks");
+  expect_oom([&] { verify::make_sharding("te-thd", huge, 2); },
+             "the te-thd sharding of 4611686018427387904 tokens over 2 ranks");
+  std::ifstream mode("/proc/sys/vm/overcommit_memory");
+  int overcommit = 1;
+  if (mode >> overcommit && overcommit != 1)
+    expect_oom([&] { ShardPlan::make(Layout::zigzag, int64_t{1} << 40, 2); },
+               "a shard plan of 1099511627776 tokens over 2 ranks");
+  // Small plans are unchanged: every token once, in order within each rank.
+  const ShardPlan p = ShardPlan::make(Layout::stripe, 10, 3, {4, 6});
+  EXPECT_EQ(p.tokens[0], (std::vector<int64_t>{0, 3, 6, 9}));
+  EXPECT_EQ(p.tokens[1], (std::vector<int64_t>{1, 4, 7}));
+  EXPECT_EQ(p.tokens[2], (std::vector<int64_t>{2, 5, 8}));
+}
+
+// count_visible_pairs' product with the heads is checked (heads = 2^62 wrapped to a small or
+// negative count).
+TEST(Sizes, VisiblePairsTimesHeadsThatOverflowAreRefused) {
+  std::vector<int64_t> pos{0, 1};
+  const Tokens t{pos.data(), nullptr, 2};
+  EXPECT_EQ(count_visible_pairs(t, t, Mask{true, 0}, 4), 12);
+  try {
+    count_visible_pairs(t, t, Mask{true, 0}, int64_t{1} << 62);
+    ADD_FAILURE() << "overflow accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("visible pairs 3 x heads 4611686018427387904 overflows"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// fill_normal checks its pointers (a null global_t was dereferenced).
+TEST(Rng, FillNormalRefusesNullPointers) {
+  Tensor<float> x({2, 1, 4});
+  EXPECT_THROW(fill_normal(x.view3(), nullptr, 1, "q"), InvalidArgument);
+  const std::vector<int64_t> t{0, 1};
+  EXPECT_THROW(fill_normal(View3<float>{nullptr, 2, 1, 4, 4, 4}, t.data(), 1, "q"),
+               InvalidArgument);
+  fill_normal(View3<float>{nullptr, 0, 1, 4, 4, 4}, nullptr, 1, "q");  // nothing to fill
+  fill_normal(x.view3(), t.data(), 1, "q");
+  EXPECT_EQ(x[4], normal_at(rng_key(1, "q"), 1, 0, 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// .npy shapes: the Python tuples numpy writes, nothing else.
+
+std::string npy_image(const std::string& shape, size_t floats) {
+  std::string d = "{'descr': '<f4', 'fortran_order': False, 'shape': " + shape + ", }";
+  while ((10 + d.size() + 1) % 64) d.push_back(' ');
+  d.push_back('\n');
+  std::string out("\x93NUMPY\x01\x00", 8);
+  out.push_back(static_cast<char>(d.size() & 0xff));
+  out.push_back(static_cast<char>(d.size() >> 8));
+  return out + d + std::string(4 * floats, '\0');
+}
+
+std::vector<int64_t> npy_shape(const std::string& shape, size_t floats) {
+  const std::string img = npy_image(shape, floats);
+  return parse_npy(reinterpret_cast<const uint8_t*>(img.data()), img.size(), "x.npy").shape();
+}
+
+TEST(Npy, ShapesAreReadOnlyAsPythonTuples) {
+  EXPECT_EQ(npy_shape("(2, 3)", 6), (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(npy_shape("(6,)", 6), (std::vector<int64_t>{6}));
+  EXPECT_EQ(npy_shape("(2, 3,)", 6), (std::vector<int64_t>{2, 3}));  // a trailing comma is Python
+  EXPECT_EQ(npy_shape("( 1 ,2 , 3 )", 6), (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(npy_shape("(2L, 3L)", 6), (std::vector<int64_t>{2, 3}));  // Python 2's longs
+  // Not tuples numpy reads: "(2 3)" and "(2)" were read as [2, 3] and [2].
+  for (const char* bad :
+       {"(2 3)", "(2)", "(,)", "(2,,3)", "(2, 3,,)", "(,2)", "(2;3)", "(2 ,3 4)"}) {
+    try {
+      npy_shape(bad, 6);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("malformed shape ") + bad),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace loom
