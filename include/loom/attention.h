@@ -14,7 +14,11 @@
 // INT64_MIN and INT64_MAX): every kernel and the reference evaluate the rule without overflow.
 //
 // Rows that see no key. A query row that sees no key at all (possible with windows, documents or
-// arbitrary positions) has out = 0 and lse = -inf, and contributes nothing to dq/dk/dv; never NaN.
+// arbitrary positions) has out = 0 and lse = -inf, never NaN, and with finite inputs contributes
+// exactly nothing to dq/dk/dv (its dq is 0). Its weights are zeros inside the tiles it shares with
+// keys, so a NaN or infinity there (in k or v of a key of the tile, or in the row's own dout) can
+// still make its dq, and that tile's dk and dv, NaN by 0 x NaN in the backward's products: the
+// entries that share a tile with a NaN, below.
 //
 // Non-finite inputs are carried through as the formula carries them: wherever a NaN or Inf in q,
 // k or v makes the formula's out, lse, dq, dk or dv NaN or infinite (a NaN in k_j: every row that
@@ -84,10 +88,14 @@ struct KernelConfig {
   // Softmax scale; must be set (usually 1/sqrt(D)): FLT_MIN = 1.1754944e-38 <= scale <=
   // 2.3586574e38 (the largest float32 at most FLT_MAX / log2 e). Accuracy depends on the scores,
   // not only the scale: the fixed fp32 tolerance holds while |scale| max||q|| max||k|| <= 128
-  // (loom/tolerance.h, kFp32FixedTolMaxScore); past it the errors grow with the scores
-  // (fp32_error_bounds gives the bound of one problem), and once scores reach about 1e6 float32
-  // cannot resolve exp(score - lse): the backward's gradients are then dominated by rounding
-  // (finite, or NaN), whatever the kernel.
+  // (loom/tolerance.h, kFp32FixedTolMaxScore) and each row's weights spread over at least two
+  // effective keys (kFp32FixedTolMinEffectiveKeys); past the score bound the errors grow with the
+  // scores (fp32_error_bounds gives the bound of one problem), and once scores reach about 1e6
+  // float32 cannot resolve exp(score - lse) from the fp32 lse: the backward, which recomputes its
+  // weights that way (as FlashAttention does), then has gradients dominated by rounding (finite, or
+  // NaN: dv off by 5.5e-2 at scores up to 1e7, 1.6 at 9e7), while the forward keeps its accuracy.
+  // An implementation that keeps p from the forward (PyTorch's materialised softmax-then-matmul)
+  // has no such term (dv within 4e-8 on the same inputs).
   float scale = 0.0f;
   int threads = 0;  // OpenMP threads for this call, in [0, kMaxKernelThreads]; 0: OpenMP default
   int64_t block_q = 64;  // tile rows (queries), in [1, kMaxBlock]
@@ -186,10 +194,15 @@ class SoftmaxState {
 // are, on CPUs with AVX512-BF16, formed from bf16 operands with fp32 sums too: p is rounded to
 // bf16 for dv = p^T dout and ds for dk and dq (each relative u; dv then has bf16 accuracy),
 // while p, ds and every accumulator stay fp32; on CPUs without it the backward is fp32 on the
-// exact bf16 inputs (dv has fp32 accuracy). Memory: with AVX512-BF16 the backward also keeps q
-// and dout transposed, 2 Sq H D bf16 (one of at most 16 MiB kept with the calling thread, as
-// attend's packed copy). The error bounds against the fp64 reference on the same bf16 inputs
-// are derived in loom/tolerance.h (bf16_error_bounds computes them for one problem).
+// exact bf16 inputs (dv has fp32 accuracy). The bf16 dot products take subnormal operands as zero
+// and flush products and partial sums below FLT_MIN (whatever MXCSR says); the kernels multiply q,
+// k, v, dout and ds by powers of two where they are small (exactly, and taken back out in fp32),
+// so that what is flushed stays far below fp32's rounding (src/kernels/blockwise.cc, "lifting"):
+// small inputs (v of 1e-36, dout of 1e-37) keep the accuracy above. Memory: with AVX512-BF16 the
+// backward also keeps q and dout transposed, 2 Sq H D bf16 (one of at most 16 MiB kept with the
+// calling thread, as attend's packed copy). The error bounds against the fp64 reference on the
+// same bf16 inputs are derived in loom/tolerance.h (bf16_error_bounds computes them for one
+// problem).
 
 // Folds the KV block (k, v with tokens kt) into the state of the query rows q (tokens qt).
 // q: [st.rows, H, D] with H == st.heads, D == st.dim; k, v: [Sk, Hkv, D]. D <= 256.

@@ -63,7 +63,8 @@
 // path's on the widened values with half the packed bytes. The backward, with bf16 dot products,
 // runs its five products as vdpbf16ps GEMMs (backward_task_bf16, on q and dout transposed once
 // per chunk of kv heads: TransposedRows); elsewhere it widens its k-tile when packing. Every
-// accumulation is fp32.
+// accumulation is fp32. The bf16 dot products flush subnormals whatever MXCSR says, so operands
+// small enough for that to matter are first multiplied by exact powers of two ("lifting", below).
 #include <omp.h>
 
 #include <algorithm>
@@ -624,17 +625,223 @@ void pack_pairs_along_keys(View3<const bf16> x, int64_t k0, int64_t cols, int64_
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// bf16 dot products near float32's underflow: lifting.
+//
+// vdpbf16ps and AMX's TDPBF16PS ignore MXCSR: they take subnormal inputs as zero and flush every
+// product and partial sum below FLT_MIN = 2^-126 to zero (vcvtneps2bf16 flushes subnormal results
+// too). Where a product's operands are small, much of a result vanished: with v of 1e-36 and
+// N(0, 1) q, k and dout (S = 64, D = 32), p v and ds = p (dp - delta), about 1e-36 p, fell below
+// 2^-126 for the smaller p and dq came back 9 % off; dq 56 % with dout of 1e-37 instead, 51 %
+// with k of 1e-37, dk 57 % with q of 1e-37, out 53 % with q and k of 1e-19 at scale 1e38, where
+// the widening paths, fp32 with gradual underflow, stayed within 2^-9. So the bf16-dot paths lift
+// such operands by a power of two before the products and take it back out in the GEMM's alpha,
+// which multiplies the finished chain in fp32 (TileOps::gemm_bf16: C = alpha chain (+ C)):
+//  * q, k, v and dout, per call (bf16_lift): a tensor whose largest |x| is below 2^kLiftFloorExp
+//    = 2^-32 is multiplied by 2^e, e = -32 - ilogb(max |x|), at most kMaxLift, so that its
+//    largest |x| lies in [2^-32, 2^-31). The alphas: scores scale log2(e) 2^-(eq + ek), p v
+//    2^-ev, dout^T p 2^-ed, dout v^T 2^-(ed + ev). compute_delta lifts dout and out by the rule.
+//  * ds = scale p (dp - delta) is formed in fp32 by TileOps::ds. Where dout or v was lifted or the
+//    scale is below 2^-32, it is formed lifted by 2^eds, eds = -1 - ilogb(scale (D max|dout|
+//    max|v| + max|delta|)) (so below 1): up to ed + ev of it kept in dp (and delta multiplied to
+//    match), the rest in the scale. (Formed unlifted, ds was subnormal there, and fp32 arithmetic
+//    on subnormals is slow on x86: the backward took twice as long again.) Then a tile whose
+//    largest |ds| is still below ds_floor = 2^-64 / min(1, max |q'|, max |k'|) (the lifted
+//    maxima, or lower bounds of them where the scan stopped: 2^-64 for inputs of ordinary size;
+//    at most 2^-32) is multiplied into [ds_floor, 2 ds_floor) (lift_ds). dk's alpha is
+//    2^-(eq + eds + tile's), dq's 2^-(eds + tile's + ek).
+// Exact. A bf16 or fp32 value times 2^e inside the normal range keeps its significant bits, and
+// every alpha is a normal float (each lift is at most 63, the ds lifts leave room for eq and ek,
+// and the scores' lifts keep score_scale 2^-(eq + ek) >= 2^-126), so alpha chain is the unlifted
+// chain times one. Round to nearest commutes with powers of two while nothing leaves the normal
+// range: wherever the unlifted GEMM flushed nothing the lifted one gives bitwise its result.
+// Inputs of ordinary size are not lifted (only a ds tile whose every |ds| is below 2^-64), so
+// results there are unchanged; the backward's scores stay bitwise the forward's (q and k lifted by
+// the same rule from the same tensors) and compute_delta's delta still cancels dp exactly where out
+// is one row of v (unless that delta is below 2^-126 with bits below 2^-149, which float32 cannot
+// hold: ds then keeps that rounding, scale 2^-150 at most). Enough. After lifting, every bf16
+// product has max |a| max |b| >= 2^-64 (a weight p counted at 1, a row's largest; p is never
+// subnormal: exp2 returns 0 below 2^-125). A flush changes a sum by less than 2^-126 (a product or
+// a partial sum below it), or, for a subnormal operand a_t, by |a_t b_t| < 2^-126 max |b|: each at
+// most 2^-62 max |a| max |b|. So an element of an n-term product loses at most 3 n 2^-62 max |a|
+// max |b| (a product, an add and an input per term), under 2^-36 of u n max |a| max |b| (u =
+// 2^-24), fp32's worst-case rounding of the same sum, which the widening paths make and which the
+// tolerances of loom/tolerance.h carry (kFp32RelTol about 2^-16.6; the bf16 ones 2^-8 and 2^-7).
+// The ratio does not depend on n (D, the keys, the query rows): it holds at every size loom takes.
+// Lifting stops short only for a tensor whose largest |x| is below 2^-95 (lifted by 63, to at least
+// 2^-70: its products' flushes stay below 3 u n max |a| max |b|, and its results lie near or below
+// float32's normal range, as on the widening paths) and where a tiny scale limits the scores' lifts
+// (scale log2 e below 2^(eq + ek - 126): the flushes then move a score by less than 2^-50). Checked
+// against the fp64 reference by tests/unit/test_blockwise.cc
+// (PerTarget.Bf16SmallOperandsMatchTheReference): amx and avx512bf16 within 0.6 u where they were
+// off by up to 1.0. Cost: inputs of ordinary size pay the scans of q, k, v and dout, which stop at
+// the first row that reaches 2^-8 (q, k) or 2^-32 (v, dout), and the first block of each ds tile;
+// with v of 1e-36 (S = 2048, H = 8, D = 128, causal, one thread) the amx backward took 0.21 s (0.07
+// s on N(0, 1) inputs; 0.14 s before, wrong), the widening avx512 path 12.2 s: fp32 arithmetic on
+// subnormals (assists), which lifting keeps out of all but the accumulators (docs/performance.md).
+constexpr int kLiftFloorExp = -32;
+constexpr int kMaxLift = 63;
+constexpr uint16_t kBf16InfBits = 0x7f80;  // |x| bits at or above: an infinity or NaN
+
+// bf16 bits of 2^e, e in [-126, 127].
+constexpr uint16_t pow2_bits(int e) {
+  return static_cast<uint16_t>((e + 127) << 7);
+}
+
+inline float bits_value(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The largest |x| of a bf16 view as bits (kBf16InfBits and above: an infinity or NaN), or, found
+// first, the largest |x| of a row (d values) that reaches `stop` bits: then a lower bound. Inputs
+// of ordinary size stop at their first row; the rows' maxima are vector code (pmaxsw).
+uint16_t max_abs_bits(View3<const bf16> x, uint16_t stop) {
+  int16_t m = 0;
+  for (int64_t i = 0; i < x.s; ++i) {
+    for (int64_t h = 0; h < x.h; ++h) {
+      const bf16* r = x.row(i, h);
+      int16_t row_max = 0;
+      for (int64_t d = 0; d < x.d; ++d)
+        row_max = std::max(row_max, static_cast<int16_t>(r[d].bits & 0x7fff));
+      if (row_max >= static_cast<int16_t>(stop)) return static_cast<uint16_t>(row_max);
+      m = std::max(m, row_max);
+    }
+  }
+  return static_cast<uint16_t>(m);
+}
+
+// The lift of a tensor whose largest |x| has bf16 bits m (see above): 0 for zero, non-finite or
+// at least 2^kLiftFloorExp.
+int lift_exponent(uint16_t m) {
+  if (m == 0 || m >= kBf16InfBits || m >= pow2_bits(kLiftFloorExp)) return 0;
+  return std::min(kLiftFloorExp - std::ilogb(bits_value(m)), kMaxLift);
+}
+
+// x[0, n) (bf16 bits) times 2^e, exactly (the float product of a bf16 value and a power of two
+// inside float's range has zero low 16 bits). e = 0: unchanged.
+void lift_bits(uint16_t* x, int64_t n, int e) {
+  if (e == 0) return;
+  const float f = std::ldexp(1.0f, e);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = static_cast<uint32_t>(x[i]) << 16;
+    float v;
+    std::memcpy(&v, &u, 4);
+    v *= f;
+    std::memcpy(&u, &v, 4);
+    x[i] = static_cast<uint16_t>(u >> 16);
+  }
+}
+
+// A ds tile ds[0, n) whose largest |ds| is below floor is multiplied by 2^e into [floor,
+// 2 floor), e at most max_lift; returns e (0: unchanged: some |ds| reaches floor, or all are
+// zero). In blocks of 64, leaving at the first block that reaches floor (an ordinary tile: its
+// first).
+int lift_ds(float* ds, int64_t n, float floor, int max_lift) {
+  constexpr int64_t kBlock = 64;
+  float m = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    float bm = 0;
+    for (int64_t i = i0; i < std::min(n, i0 + kBlock); ++i) bm = std::max(bm, std::fabs(ds[i]));
+    if (bm >= floor) return 0;  // also an infinity; a NaN is never taken as the maximum
+    m = std::max(m, bm);
+  }
+  if (m == 0 || max_lift <= 0) return 0;
+  const int e = std::min(std::ilogb(floor) - std::ilogb(m), max_lift);
+  const float f = std::ldexp(1.0f, e);
+  for (int64_t i = 0; i < n; ++i) ds[i] *= f;
+  return e;
+}
+
+// The lifts of one bf16-dot call (all 0, and score_alpha = scale log2(e), for inputs of ordinary
+// size).
+struct Bf16Lift {
+  int q = 0, k = 0, v = 0, dout = 0;
+  int k_scores = 0;       // k's lift in q k^T (k's, less where score_scale is tiny)
+  float score_alpha = 0;  // scale log2(e) 2^-(q + k_scores)
+  // Backward: ds = ds_scale p (dp 2^dp_keep - delta 2^dp_keep) is ds 2^ds (dp_keep of dout's and
+  // v's lifts kept in dp, the rest in ds_scale = scale 2^(ds - dp_keep)); tiles below ds_floor
+  // are lifted further (lift_ds), by at most ds_max_lift.
+  int ds = 0, dp_keep = 0, ds_max_lift = 0;
+  float ds_scale = 0, ds_floor = 0;
+};
+
+float to_base2(float x);
+
+// The largest |delta| over heads x rows (stride ml_stride between heads); NaN if one is NaN.
+float max_abs_delta(const float* delta, int64_t ml_stride, int64_t heads, int64_t rows) {
+  float m = 0;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < rows; ++i) {
+      const float x = std::fabs(delta[h * ml_stride + i]);
+      if (!(x <= m)) m = x;  // also a NaN, which then stays
+    }
+  return m;
+}
+
+// dout == nullptr: the forward's lifts (q, k, v); else also the backward's (dout, ds: delta
+// [heads, q.s] with stride ml_stride between heads).
+Bf16Lift bf16_lift(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
+                   const View3<const bf16>* dout, float scale, const float* delta = nullptr,
+                   int64_t ml_stride = 0) {
+  Bf16Lift l;
+  const uint16_t qm = max_abs_bits(q, pow2_bits(-8)), km = max_abs_bits(k, pow2_bits(-8));
+  l.q = lift_exponent(qm);
+  l.k = lift_exponent(km);
+  l.v = lift_exponent(max_abs_bits(v, pow2_bits(kLiftFloorExp)));
+  if (dout != nullptr) l.dout = lift_exponent(max_abs_bits(*dout, pow2_bits(kLiftFloorExp)));
+  // score_scale 2^-(q + k_scores) must stay normal (>= 2^-126): k's lift gives way first.
+  const float score_scale = to_base2(scale);
+  const int room = std::ilogb(score_scale) + 126;  // >= 0: scale >= FLT_MIN
+  l.k_scores = std::max(0, std::min(l.k, room - l.q));
+  if (l.q + l.k_scores > room) l.q = room;
+  l.score_alpha = std::ldexp(score_scale, -(l.q + l.k_scores));
+  // The lifted maxima of q and k (lower bounds where the scan stopped early; 1 for zero or
+  // non-finite, where the products cannot flush anything that matters).
+  const auto lifted = [](uint16_t m, int e) {
+    return m == 0 || m >= kBf16InfBits ? 1.0f : std::ldexp(bits_value(m), e);
+  };
+  const float least = std::min({1.0f, lifted(qm, l.q), lifted(km, l.k)});
+  l.ds_floor = std::min(std::ldexp(1.0f, kLiftFloorExp), std::ldexp(1.0f, -64) / least);
+  // ds = scale p (dp - delta), formed in fp32: where dout or v was lifted, or the scale is
+  // small, |ds| <= scale (D max|dout| max|v| + max|delta|) can lie below 2^-126, and fp32
+  // arithmetic on subnormals is slow on x86 (the tiles' lifts then tripled the backward). So ds
+  // is formed lifted by 2^ds, ds = -1 - ilogb(that bound) (its values below 1): part of it kept
+  // in dp (dp_keep, at most dout's and v's lifts) and delta, the rest in the scale. The alphas of
+  // dk and dq take it back out, so ds and the tile lifts leave room for q's and k's lifts.
+  l.ds_scale = scale;
+  l.ds_max_lift = 126 - std::max(l.q, l.k);
+  if (dout != nullptr && (l.dout + l.v > 0 || scale < std::ldexp(1.0f, kLiftFloorExp))) {
+    const double a = bits_value(max_abs_bits(*dout, 0x7fff));  // exact maxima
+    const double b = bits_value(max_abs_bits(v, 0x7fff));
+    const double bound = scale * (static_cast<double>(q.d) * a * b +
+                                  (q.s > 0 ? max_abs_delta(delta, ml_stride, q.h, q.s) : 0.0));
+    if (bound > 0 && std::isfinite(bound)) {
+      l.ds = std::clamp(-1 - std::ilogb(bound), 0, l.ds_max_lift);
+      l.dp_keep = std::min(l.ds, l.dout + l.v);
+      l.ds_scale = std::ldexp(scale, l.ds - l.dp_keep);
+      l.ds_max_lift -= l.ds;
+    }
+  }
+  return l;
+}
+
 // The bf16-dot forward's tiles: kt(g, kj) is k in pairs along d (B of s = q k^T), v(g, kj) is v
 // in pairs along the keys (B of acc += p v).
 using PackedKvPairs = PackedKvTiles<uint16_t>;
 
 PackedKvPairs pack_kv_pairs(View3<const bf16> k, View3<const bf16> v, int64_t g0, int64_t kv_heads,
-                            const TilePlan& plan, const TileDims& t, int threads) {
+                            const TilePlan& plan, const TileDims& t, int threads,
+                            const Bf16Lift& lift) {
   return PackedKvPairs(g0, kv_heads, k.s, plan, t, threads,
                        false,  // the packs write the padding
                        [&](int64_t g, int64_t k0, int64_t cols, uint16_t* kt, uint16_t* vt) {
                          pack_pairs_along_d(k, k0, cols, g, t, kt);
+                         lift_bits(kt, t.dp * t.bk, lift.k_scores);
                          pack_pairs_along_keys(v, k0, cols, g, t, vt);
+                         lift_bits(vt, t.bk * t.dp, lift.v);
                        });
 }
 
@@ -790,6 +997,7 @@ struct ForwardArgs {
   TileDims dims;
   const PackedKvTiles<E>* kv;
   const TileOps* ops;
+  Bf16Lift lift;  // the bf16-dot forward's lifts (forward_task_bf16)
 };
 
 // Folds every non-empty k-tile into the state rows of q-tile qi, head h. (next_h, next_qi): the
@@ -869,12 +1077,14 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
   const TilePlan& plan = *a.plan;
   const TileDims& t = a.dims;
   const TileOps& ops = *a.ops;
-  const float score_scale = to_base2(a.cfg->scale);
+  const float score_alpha = a.lift.score_alpha;        // scale log2(e), less q's and k's lifts
+  const float pv_alpha = std::ldexp(1.0f, -a.lift.v);  // less v's lift
   const int64_t g = h / (a.q.h / a.k.h);
   const int64_t q0 = plan.q_begin(qi), rows = std::min(plan.block_q, a.q.s - q0);
 
   uint16_t* q16 = ws.q16.get();
   pack_rows_bits(a.q, q0, rows, h, t, q16);
+  lift_bits(q16, t.bq * t.dp, a.lift.q);
   pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
   float* acc = ws.acc.get();
   float* m = ws.row_m.get();
@@ -887,7 +1097,7 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
     if (kind == TileKind::kEmpty) continue;
     const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
     prefetch_l2(a.kv->v(g, kj), tile_bytes);  // this tile's v, while q k^T computes
-    ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, t.dp, a.kv->kt(g, kj), 2 * t.bk, score_scale, false,
+    ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, t.dp, a.kv->kt(g, kj), 2 * t.bk, score_alpha, false,
                   ws.s.get(), t.bk);
     if (kind == TileKind::kPartial) {
       pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
@@ -896,8 +1106,8 @@ void forward_task_bf16(const ForwardArgs<bf16, uint16_t>& a, int64_t h, int64_t 
     if (kj + 1 < plan.k_tiles) prefetch_l2(a.kv->kt(g, kj + 1), tile_bytes);  // the next k^T
     ops.softmax_update(rows, cols, t.bq, t.bk, t.dp, ws.s.get(), m, l, acc);
     ops.to_bf16(ws.s.get(), ws.p16.get(), t.bq * t.bk);
-    ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ws.p16.get(), t.bk, a.kv->v(g, kj), 2 * t.dp, 1.0f, true,
-                  acc, t.dp);
+    ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ws.p16.get(), t.bk, a.kv->v(g, kj), 2 * t.dp, pv_alpha,
+                  true, acc, t.dp);
   }
   store_state(a.st, h, q0, rows, t, acc, m, l);
 }
@@ -953,6 +1163,7 @@ struct BackwardArgs {
   TileDims dims;
   View3<float> dk, dv;
   const TileOps* ops;
+  Bf16Lift lift;  // the bf16-dot backward's lifts (backward_task_bf16; q and dout: their copies)
 };
 
 // The tile's rows of the lse (converted to base 2, as the scores) and of delta (0 in the padding).
@@ -1138,13 +1349,19 @@ void backward_task_bf16(const BackwardArgs<bf16>& a, const TransposedRows& tr, i
   const TileOps& ops = *a.ops;
   const int64_t group = a.q.h / a.k.h;
   const int64_t dim = a.q.d;
-  const float scale = a.cfg->scale;
-  const float score_scale = to_base2(scale);
+  // The alphas take the lifts back out (bf16_lift: q and dout come lifted in their copies).
+  const Bf16Lift& lift = a.lift;
+  const float dv_alpha = std::ldexp(1.0f, -lift.dout);
+  const float dp_alpha = std::ldexp(1.0f, lift.dp_keep - (lift.dout + lift.v));
+  const float delta_lift = std::ldexp(1.0f, lift.dp_keep);
   const int64_t k0 = plan.k_begin(kj), cols = std::min(plan.block_k, a.k.s - k0);
 
   pack_pairs_along_d(a.k, k0, cols, g, t, ws.kt16.get());
+  lift_bits(ws.kt16.get(), t.dp * t.bk, lift.k_scores);
   pack_pairs_along_d(a.v, k0, cols, g, t, ws.vt16.get());
+  lift_bits(ws.vt16.get(), t.dp * t.bk, lift.v);
   pack_pairs_along_keys(a.k, k0, cols, g, t, ws.k16.get());
+  lift_bits(ws.k16.get(), t.bk * t.dp, lift.k);
   pack_tokens(a.kt, k0, cols, ws.k_pos.data(), ws.k_doc.data());
   float* dk_t = ws.dk.get();
   float* dv_t = ws.dv.get();
@@ -1178,31 +1395,35 @@ void backward_task_bf16(const BackwardArgs<bf16>& a, const TransposedRows& tr, i
         pack_rows_bits(a.dout, q0, rows, h, t, ws.dout16.get());
       }
       load_lse_delta(a, h, q0, rows, t, lse, delta);
+      if (lift.dp_keep != 0)
+        for (int64_t r = 0; r < rows; ++r) delta[r] *= delta_lift;
 
-      ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, q_ld, ws.kt16.get(), 2 * t.bk, score_scale, false, s,
-                    t.bk);
+      ops.gemm_bf16(t.bq, t.bk, t.dp / 2, q16, q_ld, ws.kt16.get(), 2 * t.bk, lift.score_alpha,
+                    false, s, t.bk);
       if (kind == TileKind::kPartial) {
         pack_tokens(a.qt, q0, rows, ws.q_pos.data(), ws.q_doc.data());
         mask_tile(a.cfg->mask, ws, rows, cols, t, s);
       }
       ops.probs(rows, cols, t.bq, t.bk, lse, s);
       ops.to_bf16_pairs(s, t.bq, t.bk, pairs);
-      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.dout(h, q0), tr.ld(), pairs, 2 * t.bk, 1.0f, true,
+      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.dout(h, q0), tr.ld(), pairs, 2 * t.bk, dv_alpha, true,
                     dv_t, t.bk);
-      ops.gemm_bf16(t.bq, t.bk, t.dp / 2, dout16, dout_ld, ws.vt16.get(), 2 * t.bk, 1.0f, false, dp,
-                    t.bk);
-      ops.ds(s, delta, scale, t.bq, t.bk, dp);
+      ops.gemm_bf16(t.bq, t.bk, t.dp / 2, dout16, dout_ld, ws.vt16.get(), 2 * t.bk, dp_alpha, false,
+                    dp, t.bk);
+      ops.ds(s, delta, lift.ds_scale, t.bq, t.bk, dp);
+      const int ds_lift = lift.ds + lift_ds(dp, t.bq * t.bk, lift.ds_floor, lift.ds_max_lift);
       ops.to_bf16_pairs(dp, t.bq, t.bk, pairs);
       ops.to_bf16(dp, ds16, t.bq * t.bk);
-      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.q(h, q0), tr.ld(), pairs, 2 * t.bk, 1.0f, true, dk_t,
-                    t.bk);
-      if (whole) {  // c + 1 * sum: the same rounding as adding a tile result
-        ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ds16, t.bk, ws.k16.get(), 2 * t.dp, 1.0f, true,
+      ops.gemm_bf16(t.dp, t.bk, t.bq / 2, tr.q(h, q0), tr.ld(), pairs, 2 * t.bk,
+                    std::ldexp(1.0f, -(lift.q + ds_lift)), true, dk_t, t.bk);
+      const float dq_alpha = std::ldexp(1.0f, -(ds_lift + lift.k));
+      if (whole) {  // c + alpha * sum: the same rounding as adding a tile result
+        ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ds16, t.bk, ws.k16.get(), 2 * t.dp, dq_alpha, true,
                       dq_sink.row(q0, h), dq_sink.ss);
         continue;
       }
-      ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ds16, t.bk, ws.k16.get(), 2 * t.dp, 1.0f, false, dq_tile,
-                    t.dp);
+      ops.gemm_bf16(t.bq, t.dp, t.bk / 2, ds16, t.bk, ws.k16.get(), 2 * t.dp, dq_alpha, false,
+                    dq_tile, t.dp);
       add_rows(dq_tile, t.dp, rows, dq_sink, q0, h);
     }
   }
@@ -1324,6 +1545,11 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
       attend_kv_chunk_heads(k.h, std::max<int64_t>(1, PackedKvTiles<E>::head_bytes(plan, dims)));
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
+  // bf16 dot products: q, k and v lifted where they are small (bf16_lift); none otherwise.
+  Bf16Lift lift;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (ops.gemm_bf16 != nullptr) lift = bf16_lift(q, k, v, nullptr, cfg.scale);
+  }
   // Packs each chunk of kv heads with pack(g0, heads, threads) and runs its tasks in ForwardOrder
   // by task(args, w, h, qi, next_h, next_qi) (run_forward_tasks).
   const auto each_chunk = [&](const auto& pack, const auto& task) {
@@ -1333,7 +1559,7 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
       const int team = static_cast<int>(std::min<int64_t>(threads, tasks));
       const auto packed = pack(g0, heads, team);
       const ForwardArgs<T, typename std::decay_t<decltype(packed)>::Element> args{
-          st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops};
+          st, q, k, v, qt, kt, &wcfg, &plan, dims, &packed, &ops, lift};
       run_forward_tasks(ForwardOrder{g0, plan.q_tiles, group}, ws, tasks, team,
                         [&](Workspace& w, int64_t h, int64_t qi, int64_t nh, int64_t nqi) {
                           task(args, w, h, qi, nh, nqi);
@@ -1344,7 +1570,7 @@ KernelStats attend_impl(StateView st, View3<const T> q, View3<const T> k, View3<
     if (ops.gemm_bf16 != nullptr) {  // bf16 dot products (vdpbf16ps), fp32 softmax and acc
       for (int i = 0; i < threads; ++i) ws.emplace_back(dims, false, KvStore::kBf16Pairs);
       each_chunk([&](int64_t g0, int64_t heads,
-                     int team) { return pack_kv_pairs(k, v, g0, heads, plan, dims, team); },
+                     int team) { return pack_kv_pairs(k, v, g0, heads, plan, dims, team, lift); },
                  [](const auto& args, Workspace& w, int64_t h, int64_t qi, int64_t, int64_t) {
                    forward_task_bf16(args, h, qi, w);
                  });
@@ -1416,8 +1642,14 @@ void compute_delta_impl(View3<const T> out, View3<const T> dout, float* delta, i
   if constexpr (std::is_same_v<T, bf16>) {
     if (ops.dot_bf16 != nullptr) {
       // The bf16-dot backward computes dp = dout v^T by gemm_bf16 on the bf16 values: delta is
-      // its chain for one element (TileOps::dot_bf16), on rows padded to an even length.
+      // its chain for one element (TileOps::dot_bf16), on rows padded to an even length, with
+      // dout and out lifted as the backward lifts dout and v (bf16_lift: delta cancels dp
+      // bitwise where out is one v row and nothing flushes), the lifts taken back out by one
+      // exact factor as the dp GEMM's alpha does.
       const int64_t n2 = (out.d + 1) / 2;
+      const int g_lift = lift_exponent(max_abs_bits(dout, pow2_bits(kLiftFloorExp)));
+      const int o_lift = lift_exponent(max_abs_bits(out, pow2_bits(kLiftFloorExp)));
+      const float unlift = std::ldexp(1.0f, -(g_lift + o_lift));
       std::vector<uint16_t> o16(static_cast<size_t>(2 * n2), 0), g16(o16.size(), 0);
       for (int64_t i = 0; i < out.s; ++i) {
         for (int64_t h = 0; h < out.h; ++h) {
@@ -1425,7 +1657,9 @@ void compute_delta_impl(View3<const T> out, View3<const T> dout, float* delta, i
             o16[d] = out.row(i, h)[d].bits;
             g16[d] = dout.row(i, h)[d].bits;
           }
-          delta[h * stride + i] = ops.dot_bf16(g16.data(), o16.data(), n2);
+          lift_bits(o16.data(), out.d, o_lift);
+          lift_bits(g16.data(), out.d, g_lift);
+          delta[h * stride + i] = ops.dot_bf16(g16.data(), o16.data(), n2) * unlift;
         }
       }
       return;
@@ -1517,6 +1751,16 @@ void backward_in_head_chunks(const BackwardArgs<T>& a, std::vector<Workspace>& w
         std::memcpy(dout_rows + h * head_elems + i * dim, a.dout.row(i, h0 + h), dim * sizeof(T));
       }
     }
+    if constexpr (std::is_same_v<T, bf16>) {  // the bf16-dot backward's lifts (bf16_lift)
+      if (dots && (a.lift.q != 0 || a.lift.dout != 0)) {
+#pragma omp parallel for schedule(static) num_threads(team_size)
+        for (int64_t h = 0; h < nq; ++h) {
+          lift_bits(reinterpret_cast<uint16_t*>(q_rows) + h * head_elems, head_elems, a.lift.q);
+          lift_bits(reinterpret_cast<uint16_t*>(dout_rows) + h * head_elems, head_elems,
+                    a.lift.dout);
+        }
+      }
+    }
     std::optional<TransposedRows> tr;
     if constexpr (std::is_same_v<T, bf16>) {
       if (dots) tr.emplace(c.q, c.dout, sp, a.dims, team_size, transposed);
@@ -1584,11 +1828,16 @@ KernelStats attend_backward_impl(View3<const T> q, View3<const T> k, View3<const
       plan_tiles(qt, kt, cfg.mask, wcfg.block_q, wcfg.block_k, thread_count(cfg, qt.n));
   const KernelStats stats = accounting_stats(plan, qt, kt, cfg, q.h);
   const int threads = thread_count(cfg, k.h * plan.k_tiles);
-  const BackwardArgs<T> args{q,         k,  v,   dout,  lse,   delta,
-                             ml_stride, qt, kt,  &wcfg, &plan, tile_dims(wcfg, q.d, q.s, k.s),
-                             dk,        dv, &ops};
-  // bf16 storage on a path with bf16 dot products: backward_task_bf16.
+  // bf16 storage on a path with bf16 dot products: backward_task_bf16, on operands lifted where
+  // they are small (bf16_lift).
   const bool dots = std::is_same_v<T, bf16> && ops.gemm_bf16 != nullptr;
+  Bf16Lift lift;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (dots) lift = bf16_lift(q, k, v, &dout, cfg.scale, delta, ml_stride);
+  }
+  const BackwardArgs<T> args{q,         k,  v,    dout,  lse,   delta,
+                             ml_stride, qt, kt,   &wcfg, &plan, tile_dims(wcfg, q.d, q.s, k.s),
+                             dk,        dv, &ops, lift};
   std::vector<Workspace> ws;
   ws.reserve(static_cast<size_t>(threads));
   for (int i = 0; i < threads; ++i)

@@ -104,11 +104,15 @@ struct TileOps {
   // fp32 when packing and use `gemm`): C[M, N] = alpha sum_t A(i, t) . B(t, j) (+ C), where
   // A(i, t) is the pair a[i * lda + 2t], a[i * lda + 2t + 1] and B(t, j) the pair
   // b[t * ldb + 2j], b[t * ldb + 2j + 1] (bf16 bit patterns; products exact, sums fp32).
-  // M % 4 == 0, N % 16 == 0.
+  // M % 4 == 0, N % 16 == 0. As vdpbf16ps and TDPBF16PS compute, whatever MXCSR says, subnormal
+  // inputs count as zero and products and partial sums below FLT_MIN are flushed to zero (alpha
+  // and the add of C are ordinary fp32): the kernels lift small operands first (blockwise.cc,
+  // "lifting").
   void (*gemm_bf16)(int64_t M, int64_t N, int64_t K2, const uint16_t* a, int64_t lda,
                     const uint16_t* b, int64_t ldb, float alpha, bool accumulate, float* c,
                     int64_t ldc);
-  // y[i] = x[i] rounded to bf16 (nearest, ties to even), n % 16 == 0.
+  // y[i] = x[i] rounded to bf16 (nearest, ties to even; vcvtneps2bf16 flushes subnormals to
+  // zero), n % 16 == 0.
   void (*to_bf16)(const float* x, uint16_t* y, int64_t n);
   // Rows 2t and 2t + 1 of x [rows, cols] (row stride cols) rounded to bf16 and interleaved into
   // the pairs of gemm_bf16's B: y[t * 2 cols + 2j + e] = bf16(x[(2t + e) cols + j]); rows even,

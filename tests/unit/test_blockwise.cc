@@ -1128,6 +1128,127 @@ TEST_P(PerTarget, Bf16MatchesReference) {
   }
 }
 
+// bf16 operands near float32's underflow. The bf16-dot paths' products (vdpbf16ps, AMX tiles)
+// take subnormal inputs as zero and flush products and partial sums below 2^-126 = 1.2e-38,
+// whatever MXCSR says; the kernels lift small operands by powers of two (src/kernels/blockwise.cc,
+// bf16_lift) so that they keep what the widening paths' fp32 keeps. N(0, 1) inputs (random signs)
+// with one tensor, or a product, scaled towards float32's normal range, in full attention over
+// S = 256 keys with GQA (so most weights p lie near 1/256 and p v fell below 2^-126 for v of
+// 1e-36); the exact results stay normal floats (asserted: float32's own floor does not block the
+// comparison). Every runnable target within the fixed bf16 tolerances, which hold here (256 keys
+// per row, D = 32, scores as the default scale's on N(0, 1) inputs, spread over about 100
+// effective keys; the score and key conditions asserted). Before the lifts
+// amx and avx512bf16 failed every case but v of 1e-30 (whose products stay above 2^-126, a
+// control): dq 0.53 with v of 1e-36, 0.52 with dout of 1e-36 (dv 0.48), 0.97 with dout 1e-18 and
+// v 1e-19, 1.0 with k of 1e-37 (dk 1.0 with q of 1e-37, dq and dk 1.0 at scale FLT_MIN: ds below
+// 2^-126, all flushed), out 0.30 with q and k of 1e-19 at scale 1.8e37.
+// Keys (and queries) of these problems: 128 in the emulated build (tests/emulated/), where every
+// kernel and the fp64 reference run under QEMU; the weights are still near 1 / 128, p v below
+// 2^-126 for v of 1e-36.
+#ifdef LOOM_TEST_EMULATED
+constexpr int64_t kSmallOperandRows = 128;
+#else
+constexpr int64_t kSmallOperandRows = 256;
+#endif
+
+struct SmallOperandCase {
+  const char* name;
+  double q, k, v, dout;  // factors of the N(0, 1) inputs
+  float scale;           // 0: 1 / sqrt(D)
+};
+
+constexpr SmallOperandCase kSmallOperandCases[] = {
+    {"v 1e-30", 1, 1, 1e-30, 1, 0},
+    {"v 1e-36", 1, 1, 1e-36, 1, 0},
+    {"dout 1e-36", 1, 1, 1, 1e-36, 0},
+    {"dout 1e-18, v 1e-19", 1, 1, 1e-19, 1e-18, 0},
+    {"k 1e-37", 1, 1e-37, 1, 1, 0},
+    {"q 1e-37", 1e-37, 1, 1, 1, 0},
+    // scale 1e38 / sqrt(D): the default's scores; dout small enough for ds = scale p (dp - delta)
+    {"q, k 1e-19, scale 1.8e37", 1e-19, 1e-19, 1, 1e-4, 1.7677670e37f},
+    {"scale FLT_MIN", 1, 1, 1, 1, std::numeric_limits<float>::min()},
+};
+
+struct SmallOperandProblem {
+  Bf16Problem b;
+  RefResult ref;
+};
+
+// The problems and their fp64 references, computed once for every target.
+const std::vector<SmallOperandProblem>& small_operand_problems() {
+  static const std::vector<SmallOperandProblem> problems = [] {
+    std::vector<SmallOperandProblem> v;
+    uint32_t seed = 900;
+    for (const SmallOperandCase& c : kSmallOperandCases) {
+      Problem p = make_problem(
+          Case{kSmallOperandRows, 32, 2, 1, MaskKind::kFull, Layout::kContiguous, 64, 64, 2},
+          seed += 7);
+      const auto times = [](Tensor<float>& x, double f) {
+        for (float& e : x.vec()) e = static_cast<float>(e * f);
+      };
+      times(p.q, c.q);
+      times(p.k, c.k);
+      times(p.v, c.v);
+      times(p.dout, c.dout);
+      if (c.scale > 0) p.scale = c.scale;
+      SmallOperandProblem x{to_bf16_problem(std::move(p)), {}};
+      x.ref = run_reference(x.b.p);
+      v.push_back(std::move(x));
+    }
+    return v;
+  }();
+  return problems;
+}
+
+TEST_P(PerTarget, Bf16SmallOperandsMatchTheReference) {
+  const ScopedKernelPath scoped(GetParam().c_str());
+  ASSERT_EQ(std::string(kernel_path()), GetParam());
+  const bool bf16_dots = kernels::target_has_bf16_dots(GetParam());
+  const std::vector<SmallOperandProblem>& problems = small_operand_problems();
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const SmallOperandProblem& x = problems[i];
+    const Problem& p = x.b.p;
+    SCOPED_TRACE(kSmallOperandCases[i].name);
+    {
+      const Tensor<double> q = convert<double>(p.q), k = convert<double>(p.k);
+      ASSERT_TRUE(fp32_fixed_tolerance_holds(q.view3(), k.view3(), p.scale));
+      ASSERT_TRUE(bf16_fixed_tolerances_hold(p.qt(), p.kt(), p.mask, p.d));
+      for (const Tensor<double>* t : {&x.ref.out, &x.ref.dq, &x.ref.dk, &x.ref.dv}) {
+        Float32Floor floor;
+        for (double e : t->vec()) floor.add(e);
+        ASSERT_FALSE(float32_floor_blocks(floor.rel(), kFp32RelTol)) << floor.rel();
+      }
+    }
+    const Bf16Result r = run_blockwise_bf16(x.b, config(p, 64, 64, 2));
+    const double e_out = rel_error(convert<float>(r.out).vec(), x.ref.out.vec());
+    const double e_out32 = rel_error(r.out_f32.vec(), x.ref.out.vec());
+    const double e_dq = rel_error(r.dq.vec(), x.ref.dq.vec());
+    const double e_dk = rel_error(r.dk.vec(), x.ref.dk.vec());
+    const double e_dv = rel_error(r.dv.vec(), x.ref.dv.vec());
+    EXPECT_LE(e_out, test::kBf16OutRelTol) << "out";
+    EXPECT_LE(e_out32, test::kBf16AccRelTol) << "out finished to fp32";
+    EXPECT_LE(lse_rel_error(r.lse, x.ref.lse), kFp32RelTol) << "lse";
+    EXPECT_LE(e_dq, test::kBf16GradRelTol) << "dq";
+    EXPECT_LE(e_dk, test::kBf16GradRelTol) << "dk";
+    EXPECT_LE(e_dv, bf16_dots ? test::kBf16GradRelTol : kFp32RelTol) << "dv";
+    if (std::getenv("LOOM_TEST_PRINT_ERRORS") != nullptr)
+      std::printf("%s, %s: out %.3g fp32 out %.3g dq %.3g dk %.3g dv %.3g\n",
+                  kSmallOperandCases[i].name, kernel_path(), e_out, e_out32, e_dq, e_dk, e_dv);
+  }
+  // Lifted operands keep compute_delta's delta equal to the backward's dp where a row's weight
+  // sits on one key (out = v_j exactly): ds, dq and dk exactly 0, as for inputs of ordinary size
+  // (Bf16.RowsSeeingOneKeyHaveExactlyZeroDsGradients).
+  Bf16Problem b =
+      make_bf16_problem(Case{100, 72, 4, 2, MaskKind::kCausal, Layout::kContiguous}, 95);
+  b.p.mask = Mask{true, 1};
+  for (float& e : b.p.v.vec()) e *= 1e-36f;
+  for (float& e : b.p.dout.vec()) e *= 1e-3f;
+  b = to_bf16_problem(std::move(b.p));
+  const Bf16Result r = run_blockwise_bf16(b, config(b.p, 32, 48, 2));
+  for (float e : r.dq.vec()) ASSERT_EQ(e, 0.0f) << "dq, one key per row";
+  for (float e : r.dk.vec()) ASSERT_EQ(e, 0.0f) << "dk, one key per row";
+}
+
 // attend() packs and computes a chunk of kv heads at a time (attend_kv_chunk_heads): sq query
 // rows at the end of sk keys (a causal ring step's last block), H = 6 query heads over Hkv = 3
 // kv heads, D = 64, sized so that the packed block of one kv head is 2 MiB (fp32: 32 key tiles of
