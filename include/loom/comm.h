@@ -7,6 +7,16 @@
 // loom::Timeout; a failed peer or backend error throws loom::CommError. Both messages name this
 // rank and the peer(s) involved.
 //
+// After an error a communicator cannot be used again. Once any operation of a communicator (a
+// wait or test, a post, a collective, split) has thrown Timeout or CommError on this rank, that
+// communicator and every communicator of its split tree (the one it was split from, and every
+// split of those, transitively) throw CommError at once from every later operation, naming the
+// first error: the failed operation may have left messages in flight (a late peer's send arrives
+// after the receive gave up) and this rank's operations are out of step with its peers', so a
+// later receive would take a stale message and return a wrong answer without an error. Create a
+// new communicator instead (run_local, mpi_world, a new process group). Errors found before
+// anything is posted (InvalidArgument for bad arguments, NotSupported) leave it usable.
+//
 // Thread-safety. A Communicator is used by one thread at a time (its rank's thread); Work handles
 // are used by the thread that created them. Different Communicators (ranks, or groups made by
 // split) may be used concurrently from different threads.

@@ -100,6 +100,8 @@ struct ShardPlan {
                                                // when there is one document)
   std::vector<std::vector<Segment>> segments;  // [rank] -> segments of local rows
 
+  // InvalidArgument for a bad layout, seq < 1, ranks < 1 or document lengths that do not sum to
+  // seq; OutOfMemory naming the size when the plan's token lists do not fit.
   static ShardPlan make(Layout layout, int64_t seq, int ranks,
                         const std::vector<int64_t>& doc_lengths = {});
   // The fields are public; a plan built by hand must hold what make() guarantees, and check()
@@ -251,11 +253,19 @@ struct CpGroups {
 // holds plan.tokens[cp.rank()]). Construction is collective over cp (a two-axis strategy, hybrid
 // or ring2d, gets its inner and outer groups from the mesh). Checks every constraint once
 // (check_cp_config, plan.ranks == P, and cfg.kernel: scale, window, threads in
-// [0, kMaxKernelThreads], block_q and block_k in [1, kMaxBlock]), naming the values. forward and
-// backward check every view's sizes and its strides (head stride >= D when H > 1, row stride
-// >= H * D when n > 1). `cp` (and the groups) must outlive the object. Groups it splits from cp
-// wait cp's timeout as of each forward and backward (cp.set_timeout_s after construction
-// applies); groups the caller gives keep their own.
+// [0, kMaxKernelThreads], block_q and block_k in [1, kMaxBlock]), naming the values; then checks
+// (one all-gather over cp) that every rank passed the same plan (layout, seq, document lengths,
+// the tokens of each rank), strategy, degree, mask, scale, heads, kv heads and head dim, and
+// throws InvalidArgument on every rank naming the first difference ("rank 1 has stripe, rank 0
+// zigzag"); kernel threads and tile sizes may differ. forward and backward check every view's
+// sizes, data and strides (head stride >= D when H > 1, row stride >= H * D when n > 1), then
+// check (an all-gather of 8 bytes per rank over cp) that every rank is in the same call, forward
+// or backward, fp32 or bf16, and throw InvalidArgument on every rank otherwise. `cp` (and the
+// groups) must outlive the object. Groups it splits from cp wait cp's timeout as of each forward
+// and backward (cp.set_timeout_s after construction applies); groups the caller gives keep their
+// own. After a forward or backward threw Timeout or CommError, cp and its groups are unusable
+// (loom/comm.h): every later call throws CommError at once; build a new communicator and
+// CpAttention.
 class CpAttention {
  public:
   CpAttention(Communicator& cp, const ShardPlan& plan, const CpConfig& cfg, int64_t heads,

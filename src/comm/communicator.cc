@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -161,6 +162,26 @@ void check_reduction(const char* op, DType dtype, ReduceOp reduce) {
              op << ": unknown dtype " << static_cast<int>(dtype) << " (f32, f64 or i64)");
   LOOM_CHECK(reduce == ReduceOp::sum || reduce == ReduceOp::max, InvalidArgument,
              op << ": unknown reduction " << static_cast<int>(reduce) << " (sum or max)");
+}
+
+void Health::refuse(const std::string& who, const char* op) const {
+  std::string first;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = first_;
+  }
+  throw CommError(who + ": " + op + ": this communicator failed earlier (" + first +
+                      "); messages of that operation may still be in flight, so it cannot be used "
+                      "again: create a new one (" +
+                      remedy_ + ")",
+                  __FILE__, __LINE__);
+}
+
+void Health::fail(const std::string& error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_.load(std::memory_order_relaxed)) return;
+  first_ = error;
+  failed_.store(true, std::memory_order_release);
 }
 
 }  // namespace detail

@@ -7,10 +7,15 @@
 // the group it belongs to ("the group of 4 ranks").
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "loom/comm.h"
+#include "loom/error.h"
 
 namespace loom::detail {
 
@@ -31,5 +36,41 @@ void check_buffers(const char* op, const void* send, const void* recv, size_t co
 // reduce_scatter and all_reduce: a DType and a ReduceOp that exist (a cast integer was taken, and
 // any op but sum acted as max).
 void check_reduction(const char* op, DType dtype, ReduceOp reduce);
+
+// Whether a tree of communicators (one rank's communicator and every communicator split from it,
+// transitively) is still usable. After a Timeout or CommError the operation that failed may have
+// left messages in flight (a late peer's send arrives after the receive gave up), and this rank's
+// sequence of operations no longer matches its peers': the next receive on that channel took the
+// stale message and returned a wrong answer without an error (a ring forward retried after a
+// Timeout mixed the previous call's KV block into its result). So the first such error fails the
+// tree, and every later operation on any communicator of it throws CommError at once, naming that
+// first error. Shared by the tree's communicators, which may be used from different threads.
+class Health {
+ public:
+  // remedy: how to get a new communicator on this backend ("a new run_local", ...).
+  explicit Health(std::string remedy) : remedy_(std::move(remedy)) {}
+
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // CommError "<who>: <op>: this communicator failed earlier (<first error>) ...".
+  [[noreturn]] void refuse(const std::string& who, const char* op) const;
+  // Records the first error (later ones are its consequences).
+  void fail(const std::string& error);
+  // Runs f(); a CommError (Timeout included) it throws fails the tree and is rethrown.
+  template <class F>
+  decltype(auto) guard(F&& f) {
+    try {
+      return f();
+    } catch (const CommError& e) {
+      fail(e.what());
+      throw;
+    }
+  }
+
+ private:
+  const std::string remedy_;
+  mutable std::mutex mu_;  // guards first_
+  std::string first_;
+  std::atomic<bool> failed_{false};
+};
 
 }  // namespace loom::detail

@@ -1,13 +1,19 @@
-// CpAttention: the public entry. It checks the arguments once, takes the groups of the
-// strategy's shape from the mesh, builds the engine and the registered strategy, and brackets
-// every call with the recorder (bytes, communication window).
+// CpAttention: the public entry. It checks the arguments once, checks that every rank of the cp
+// group built the same attention (one small all-gather), takes the groups of the strategy's shape
+// from the mesh, builds the engine and the registered strategy, and brackets every call with the
+// recorder (bytes, communication window).
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <sstream>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "engine.h"
+#include "loom/rng.h"
 #include "strategies/strategy.h"
 
 namespace loom {
@@ -19,6 +25,7 @@ struct CpAttention::Impl {
   Mesh mesh;  // the inner and outer groups, when they had to be split from cp
   std::unique_ptr<cp_detail::Engine> engine;
   std::unique_ptr<cp_detail::CpStrategy> strategy;
+  std::vector<int64_t> calls;  // every rank's call word (check_same_call), reused
 };
 
 namespace {
@@ -28,10 +35,13 @@ namespace {
 // (ulysses, hybrid) never hand the caller's view to a kernel.
 template <class T>
 void check_view(const char* name, View3<const T> x, int64_t rows, int64_t heads, int64_t dim) {
-  LOOM_CHECK(x.s == rows && x.h == heads && x.d == dim && (x.data != nullptr || rows == 0),
-             InvalidArgument,
+  LOOM_CHECK(x.s == rows && x.h == heads && x.d == dim, InvalidArgument,
              name << " must be [" << rows << ", " << heads << ", " << dim << "] on this rank, got ["
                   << x.s << ", " << x.h << ", " << x.d << "]");
+  // Said apart: the sizes alone read "must be [6, 4, 8] on this rank, got [6, 4, 8]".
+  LOOM_CHECK(x.data != nullptr || rows == 0, InvalidArgument,
+             name << " has null data for its [" << rows << ", " << heads << ", " << dim
+                  << "] on this rank");
   LOOM_CHECK(x.h <= 1 || x.hs >= x.d, InvalidArgument,
              name << ": head stride " << x.hs << " is smaller than the head dim " << x.d);
   LOOM_CHECK(x.s <= 1 || x.ss >= x.h * x.d, InvalidArgument,
@@ -122,6 +132,171 @@ void check_no_overlap(const std::vector<Footprint>& outputs, const std::vector<F
   }
 }
 
+// What every rank of the cp group must agree on, exchanged once by the constructor: a rank built
+// with another plan, strategy, degree, mask, scale or shape posted messages of other sizes or
+// for other tokens, and the others accepted them (a receive may take a shorter message) and
+// returned wrong attention without an error (a stripe plan against zigzag, rel. error 0.5).
+// kernel threads and tile sizes are this rank's own: they change neither the messages nor the
+// result. kAgreeSlots int64 in all, as loom.torch's own exchanges (gloo aborts on a message
+// longer than its receive; a rank out of step then gets an error, not an abort).
+constexpr int kAgreeSlots = 24;
+constexpr int64_t kAgreeMagic = 0x6c6f6f6d10;  // "loom", CpAttention's constructor
+enum AgreeField : int {
+  kMagic,
+  kLayout,
+  kSeq,
+  kDocCount,
+  kDocHash,
+  kStrategy,
+  kDegree,
+  kHeads,
+  kKvHeads,
+  kHeadDim,
+  kCausal,
+  kWindow,
+  kScale,
+  kPlanHash,
+  kAgreeFields
+};
+static_assert(kAgreeFields <= kAgreeSlots);
+
+int64_t strategy_index(Strategy s) {
+  const auto& all = strategies();
+  for (size_t i = 0; i < all.size(); ++i)
+    if (all[i].id == s) return static_cast<int64_t>(i);
+  return -1;
+}
+
+// FNV-1a over every rank's tokens: which rank holds which token (the layout, seq and document
+// lengths are compared on their own, so that the message can name them). A row's document and
+// the segments follow from these (ShardPlan::check), and segments change no message.
+int64_t plan_hash(const ShardPlan& plan) {
+  uint64_t h = fnv1a64(nullptr, 0);
+  for (const std::vector<int64_t>& t : plan.tokens) {
+    const uint64_t n = t.size();
+    h = fnv1a64(&n, sizeof n, h);
+    if (!t.empty()) h = fnv1a64(t.data(), t.size() * sizeof(int64_t), h);
+  }
+  return static_cast<int64_t>(h);
+}
+
+std::vector<int64_t> agreement_record(const ShardPlan& plan, const CpConfig& cfg,
+                                      const CpShape& shape, const cp_detail::StrategyEntry& entry,
+                                      int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  std::vector<int64_t> rec(kAgreeSlots, 0);
+  rec[kMagic] = kAgreeMagic;
+  rec[kLayout] = static_cast<int64_t>(plan.layout);
+  rec[kSeq] = plan.seq;
+  // No document lengths and {seq} are one document alike.
+  const std::vector<int64_t> docs = checked_doc_lengths(plan.seq, plan.doc_lengths);
+  rec[kDocCount] = static_cast<int64_t>(docs.size());
+  rec[kDocHash] = static_cast<int64_t>(fnv1a64(docs.data(), docs.size() * sizeof(int64_t)));
+  rec[kStrategy] = strategy_index(cfg.strategy);
+  rec[kDegree] = entry.degree.value ? cfg.*entry.degree.value : shape.inner;
+  rec[kHeads] = heads;
+  rec[kKvHeads] = kv_heads;
+  rec[kHeadDim] = head_dim;
+  rec[kCausal] = cfg.kernel.mask.causal;
+  rec[kWindow] = cfg.kernel.mask.window;
+  uint32_t scale_bits = 0;
+  std::memcpy(&scale_bits, &cfg.kernel.scale, sizeof scale_bits);
+  rec[kScale] = scale_bits;
+  rec[kPlanHash] = plan_hash(plan);
+  return rec;
+}
+
+// A field's value as the caller wrote it.
+std::string agreement_value(int field, int64_t v, const CpConfig& cfg,
+                            const cp_detail::StrategyEntry& entry) {
+  std::ostringstream os;
+  switch (field) {
+    case kLayout:
+      return v >= 0 && v <= static_cast<int64_t>(Layout::stripe) ? to_string(static_cast<Layout>(v))
+                                                                 : std::to_string(v);
+    case kDocCount:
+      os << v << (v == 1 ? " document" : " documents");
+      return os.str();
+    case kStrategy:
+      return v >= 0 && v < static_cast<int64_t>(strategies().size())
+                 ? strategies()[static_cast<size_t>(v)].name
+                 : "a strategy not registered here";
+    case kDegree: {
+      if (!entry.degree.value) return "inner degree " + std::to_string(v);
+      const std::string_view flag = entry.degree.flag;
+      if (cfg.option_spelling == OptionSpelling::keyword)
+        os << flag.substr(2) << '=' << v;
+      else
+        os << flag << ' ' << v;
+      return os.str();
+    }
+    case kCausal:
+      return v ? "a causal mask" : "a non-causal mask";
+    case kWindow:
+      return v ? "window " + std::to_string(v) : "no window";
+    case kScale: {
+      float x = 0;
+      const uint32_t bits = static_cast<uint32_t>(v);
+      std::memcpy(&x, &bits, sizeof x);
+      return "scale " + exact_text(x);
+    }
+    case kSeq:
+      return "seq " + std::to_string(v);
+    case kHeads:
+      return std::to_string(v) + " heads";
+    case kKvHeads:
+      return std::to_string(v) + " kv heads";
+    case kHeadDim:
+      return "head dim " + std::to_string(v);
+    default:
+      return std::to_string(v);
+  }
+}
+
+// Exchanges the records and throws InvalidArgument, the same on every rank, naming the first
+// field in which a rank differs from rank 0.
+void check_ranks_agree(Communicator& cp, const std::vector<int64_t>& mine, const CpConfig& cfg,
+                       const cp_detail::StrategyEntry& entry) {
+  const int P = cp.size();
+  if (P == 1) return;
+  std::vector<int64_t> all(static_cast<size_t>(kAgreeSlots) * P);
+  cp.all_gather(mine.data(), kAgreeSlots * sizeof(int64_t), all.data());
+  const auto at = [&](int r, int f) { return all[static_cast<size_t>(r) * kAgreeSlots + f]; };
+  static const char* const names[kAgreeFields] = {"",
+                                                  "the layout",
+                                                  "the sequence length",
+                                                  "the number of documents",
+                                                  "the document lengths",
+                                                  "the strategy",
+                                                  "the strategy's degree",
+                                                  "the heads",
+                                                  "the kv heads",
+                                                  "the head dim",
+                                                  "the mask",
+                                                  "the window",
+                                                  "the softmax scale",
+                                                  "the shard plan (which tokens each rank holds)"};
+  for (int r = 1; r < P; ++r) {
+    LOOM_CHECK(at(r, kMagic) == kAgreeMagic && at(0, kMagic) == kAgreeMagic, InvalidArgument,
+               "CpAttention: rank " << (at(r, kMagic) == kAgreeMagic ? 0 : r)
+                                    << " is not constructing a CpAttention while the others are: "
+                                       "every rank of the cp group must make the same calls in "
+                                       "the same order");
+    for (int f = 1; f < kAgreeFields; ++f) {
+      if (at(r, f) == at(0, f)) continue;
+      std::ostringstream os;
+      os << "CpAttention: the ranks of the cp group disagree on " << names[f] << ": rank " << r;
+      if (f == kDocHash || f == kPlanHash)  // hashes: nothing to show
+        os << " has other " << (f == kDocHash ? "lengths" : "shards") << " than rank 0";
+      else  // the strategy's degree is named by rank 0's strategy: they agree by then
+        os << " has " << agreement_value(f, at(r, f), cfg, entry) << ", rank 0 "
+           << agreement_value(f, at(0, f), cfg, entry);
+      os << "; every rank must construct it with the same plan, strategy, degree, mask, scale "
+            "and head counts";
+      throw InvalidArgument(os.str(), __FILE__, __LINE__);
+    }
+  }
+}
+
 }  // namespace
 
 CpAttention::CpAttention(Communicator& cp, const ShardPlan& plan, const CpConfig& cfg,
@@ -130,7 +305,7 @@ CpAttention::CpAttention(Communicator& cp, const ShardPlan& plan, const CpConfig
 
 CpAttention::CpAttention(const CpGroups& groups, const ShardPlan& plan, const CpConfig& cfg,
                          int64_t heads, int64_t kv_heads, int64_t head_dim)
-    : impl_(new Impl{plan, {}, nullptr, {}, nullptr, nullptr}) {
+    : impl_(new Impl{plan, {}, nullptr, {}, nullptr, nullptr, {}}) {
   std::unique_ptr<Impl> guard(impl_);
   LOOM_CHECK(groups.cp != nullptr, InvalidArgument, "CpAttention needs a cp group");
   Communicator& cp = *groups.cp;
@@ -149,6 +324,9 @@ CpAttention::CpAttention(const CpGroups& groups, const ShardPlan& plan, const Cp
   check_kernel_config(cfg.kernel);
   const CpShape shape = check_cp_config(cfg, P, heads, kv_heads);
   const cp_detail::StrategyEntry& entry = cp_detail::entry(cfg.strategy);
+  // Before anything else crosses ranks: a rank that differs would post other messages.
+  check_ranks_agree(cp, agreement_record(plan, cfg, shape, entry, heads, kv_heads, head_dim), cfg,
+                    entry);
 
   // The groups of the shape: the cp group itself for an axis that spans it, none for an axis of
   // one rank that nothing talks over, the caller's mesh groups when their sizes fit, else a mesh
@@ -196,6 +374,37 @@ void follow_cp_timeout(CpAttention::Impl& s) {
     if (c != nullptr && c->timeout_s() != t) c->set_timeout_s(t);
 }
 
+// Every call: all ranks must be in the same call (forward or backward) with the same storage
+// type. A rank in the bf16 forward sent KV blocks half as long as an fp32 rank's receives, which
+// took them (a receive may take a shorter message) and returned wrong attention (rel. error 0.35)
+// while only the bf16 rank failed. One all-gather of 8 bytes per rank, before the strategy's
+// first message (so every rank raises, and nothing is left in flight): 28 us beside a 17 ms ring
+// forward of 4 ranks at S = 1024 (0.17 %), 36 us beside 202 ms at S = 4096 (H = 8, D = 64, local
+// backend, one thread a rank, 2 shared cores). Skipped over one rank, and over the torch
+// backend, which exists only inside loom.torch: its own exchange before every call compares the
+// dtype and the call on every rank.
+constexpr int64_t kCallMagic = int64_t{0x6c6f6f6d20} << 4;  // "loom", a CpAttention call
+template <class T>
+void check_same_call(CpAttention::Impl& s, bool backward) {
+  Communicator& cp = s.engine->cp;
+  const int P = cp.size();
+  if (P == 1 || cp.backend() == "torch") return;
+  const bool bf = std::is_same_v<T, bf16>;
+  const int64_t mine = kCallMagic | (backward ? 2 : 0) | (bf ? 1 : 0);
+  s.calls.resize(static_cast<size_t>(P));
+  cp.all_gather(&mine, sizeof mine, s.calls.data());
+  const auto name = [](int64_t w) -> std::string {
+    if ((w & ~int64_t{3}) != kCallMagic) return "not in a CpAttention call";
+    return std::string("in the ") + (w & 1 ? "bf16 " : "fp32 ") + (w & 2 ? "backward" : "forward");
+  };
+  for (int r = 1; r < P; ++r)
+    LOOM_CHECK(s.calls[static_cast<size_t>(r)] == s.calls[0], InvalidArgument,
+               "CpAttention: rank " << r << " is " << name(s.calls[static_cast<size_t>(r)])
+                                    << ", rank 0 " << name(s.calls[0])
+                                    << ": every rank of the cp group must make the same calls "
+                                       "(forward or backward, fp32 or bf16) in the same order");
+}
+
 template <class T>
 void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View3<const T> v,
                   View3<T> out, float* lse) {
@@ -210,6 +419,7 @@ void forward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, View
   check_no_overlap({footprint("out", out), footprint("lse", lse, e.heads * n)},
                    {footprint("q", q), footprint("k", k), footprint("v", v)});
   follow_cp_timeout(s);
+  check_same_call<T>(s, false);
   s.engine->rec.begin();
   s.strategy->forward(cp_detail::ForwardArgs<T>{q, k, v, out, lse});
   s.engine->rec.end();
@@ -237,6 +447,7 @@ void backward_impl(CpAttention::Impl& s, View3<const T> q, View3<const T> k, Vie
                    {footprint("q", q), footprint("k", k), footprint("v", v), footprint("out", out),
                     footprint("dout", dout), footprint("lse", lse, e.heads * n)});
   follow_cp_timeout(s);
+  check_same_call<T>(s, true);
   s.engine->rec.begin();
   s.strategy->backward(cp_detail::BackwardArgs<T>{q, k, v, out, dout, lse, dq, dk, dv});
   s.engine->rec.end();

@@ -10,9 +10,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "loom/error.h"
@@ -126,9 +128,46 @@ void p2p_test_poll(Communicator& c) {
   EXPECT_EQ(in, 7 * prev + 1) << where(c);
 }
 
+// After a Timeout or CommError every operation of the communicator and of its split tree throws
+// CommError at once, naming the first error (a receive reused after a Timeout took the late
+// peer's stale message and returned a wrong value without an error).
+void expect_refused(Communicator& c, const std::string& first_error_part) {
+  const double start = now_s();
+  int64_t v = 0;
+  std::vector<int64_t> all(static_cast<size_t>(c.size()));
+  const std::vector<std::pair<const char*, std::function<void()>>> ops = {
+      {"barrier", [&] { c.barrier(); }},
+      {"all_gather", [&] { c.all_gather(&v, sizeof v, all.data()); }},
+      {"all_reduce", [&] { c.all_reduce(&v, 1, DType::i64, ReduceOp::sum); }},
+      {"isend", [&] { c.isend(&v, sizeof v, 0, 0); }},
+      {"irecv", [&] { c.irecv(&v, sizeof v, 0, 0); }},
+      {"split", [&] { c.split(0, 0); }}};
+  for (const auto& [name, op] : ops) {
+    try {
+      op();
+      ADD_FAILURE() << where(c) << ": " << name << " on a failed communicator did not throw";
+    } catch (const Timeout& e) {
+      ADD_FAILURE() << where(c) << ": " << name << " waited: " << e.what();
+    } catch (const CommError& e) {
+      EXPECT_TRUE(contains(e.what(), "failed earlier")) << e.what();
+      EXPECT_TRUE(contains(e.what(), first_error_part)) << e.what();
+      EXPECT_TRUE(contains(e.what(), "rank " + std::to_string(c.rank()))) << e.what();
+    }
+  }
+  EXPECT_LT(now_s() - start, 1.0) << where(c) << ": refusing took time";
+}
+
 void p2p_errors(Communicator& c) {
   const int n = c.size(), r = c.rank(), next = (r + 1) % n, prev = (r - 1 + n) % n;
-  // A message longer than its receive fails on the receiver, naming both ranks.
+  // Bad arguments are refused at once, and leave the communicator usable.
+  int64_t v = 0;
+  EXPECT_THROW(c.isend(&v, sizeof v, n, 0), InvalidArgument);
+  EXPECT_THROW(c.irecv(&v, sizeof v, -1, 0), InvalidArgument);
+  EXPECT_THROW(c.isend(&v, sizeof v, next, -3), InvalidArgument);
+  EXPECT_THROW(c.irecv(nullptr, 8, prev, 0), InvalidArgument);
+  c.barrier();
+  // A message longer than its receive fails on the receiver, naming both ranks. Every rank's
+  // receive fails, so no rank uses the communicator after this but to see it refused.
   const Bytes out = make_pattern(r, next, 16);
   Bytes in(8);
   WorkPtr send = c.isend(out.data(), out.size(), next, 9);
@@ -140,14 +179,7 @@ void p2p_errors(Communicator& c) {
     EXPECT_TRUE(contains(e.what(), "rank " + std::to_string(r))) << e.what();
     EXPECT_TRUE(contains(e.what(), "rank " + std::to_string(prev))) << e.what();
   }
-  send->wait();
-  // Bad arguments are refused at once.
-  int64_t v = 0;
-  EXPECT_THROW(c.isend(&v, sizeof v, n, 0), InvalidArgument);
-  EXPECT_THROW(c.irecv(&v, sizeof v, -1, 0), InvalidArgument);
-  EXPECT_THROW(c.isend(&v, sizeof v, next, -3), InvalidArgument);
-  EXPECT_THROW(c.irecv(nullptr, 8, prev, 0), InvalidArgument);
-  c.barrier();
+  expect_refused(c, "rank " + std::to_string(prev));
 }
 
 void batch_ring(Communicator& c) {
@@ -432,26 +464,8 @@ void split(Communicator& c) {
 
 void timeout(Communicator& c) {
   const int n = c.size(), r = c.rank();
-  const int peer = n > 1 ? 1 : 0;  // never sends on tag 77
   if (r == 0) {
-    int64_t in = 0;
-    WorkPtr recv = c.irecv(&in, sizeof in, peer, 77);
-    const double start = now_s();
-    try {
-      recv->wait(0.3);
-      ADD_FAILURE() << where(c) << ": a receive nobody sends to did not time out";
-    } catch (const Timeout& e) {
-      const double waited = now_s() - start;
-      EXPECT_GE(waited, 0.29) << e.what();
-      EXPECT_LT(waited, 5.0) << e.what();
-      EXPECT_TRUE(contains(e.what(), "rank 0")) << e.what();
-      EXPECT_TRUE(contains(e.what(), "rank " + std::to_string(peer))) << e.what();
-    }
-    // The communicator's default applies to wait() without an argument.
     const double saved = c.timeout_s();
-    c.set_timeout_s(0.2);
-    EXPECT_THROW(c.irecv(&in, sizeof in, peer, 78)->wait(), Timeout);
-    c.set_timeout_s(saved);
     // Timeouts outside 0.001..1e9 s are refused, and the default stays: an infinite one made the
     // local backend's waits return at once and spin (the sender then hung), a NaN one waited
     // with no timeout at all, a negative one timed out every wait "after 0 s".
@@ -483,10 +497,36 @@ void timeout(Communicator& c) {
       c.isend(&v, sizeof v, 0, 79)->wait(1e9);
     }
   }
-  c.barrier();  // the timed-out receives were cancelled; the group is still usable
+  c.barrier();  // refused timeouts leave the group usable
   int64_t x = r;
   c.all_reduce(&x, 1, DType::i64, ReduceOp::max);
   EXPECT_EQ(x, n - 1);
+  // A receive nobody sends to times out after the communicator's default (wait() without an
+  // argument), naming both ranks; then the communicator refuses everything, at once. The peer
+  // stays alive meanwhile: the local backend fails a wait at once when its peer has returned, so
+  // there rank 1 waits for rank 0 to return (a CommError saying so).
+  const int peer = n > 1 ? 1 : 0;  // never sends on tag 77
+  if (r == 0) {
+    int64_t in = 0;
+    c.set_timeout_s(0.3);
+    WorkPtr recv = c.irecv(&in, sizeof in, peer, 77);
+    const double start = now_s();
+    try {
+      recv->wait();
+      ADD_FAILURE() << where(c) << ": a receive nobody sends to did not time out";
+    } catch (const Timeout& e) {
+      const double waited = now_s() - start;
+      EXPECT_GE(waited, 0.29) << e.what();
+      EXPECT_LT(waited, 5.0) << e.what();
+      EXPECT_TRUE(contains(e.what(), "rank 0")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "rank " + std::to_string(peer))) << e.what();
+    }
+    EXPECT_THROW(recv->wait(), CommError);
+    expect_refused(c, "timed out");
+  } else if (r == 1 && c.backend() == "local") {
+    int64_t in = 0;
+    EXPECT_THROW(c.irecv(&in, sizeof in, 0, 80)->wait(), CommError);
+  }
 }
 
 void stats(Communicator& c) {

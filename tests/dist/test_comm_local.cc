@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -205,6 +206,106 @@ TEST(RunLocal, CollectiveTimesOutOnEveryWaitingRank) {
     EXPECT_GE(run.ranks[r].at, kT * 0.95) << run.ranks[r].what;
     EXPECT_LT(run.ranks[r].at, 2 * kT) << run.ranks[r].what;
   }
+}
+
+// --- reuse after a failure ----------------------------------------------------------------------
+
+// A rank that catches a Timeout and goes on must not receive the late peer's message of the
+// failed operation as the answer to its next one: rank 1 sends call 1's value late, then call
+// 2's; rank 0's call 1 times out, and its call 2 received call 1's value (1, not 2), without an
+// error. Now every later operation of the communicator throws CommError at once, naming the
+// Timeout.
+TEST(CommFailure, ReuseAfterTimeoutIsRefusedNotFedAStaleMessage) {
+  std::atomic<bool> rank0_done{false};
+  run_local(
+      2,
+      [&](Communicator& c) {
+        if (c.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(600));
+          for (int64_t call : {1, 2}) c.isend(&call, sizeof call, 0, 7)->wait();
+          // Stays until rank 0 has finished: its waits would otherwise fail on "rank 1 has
+          // returned" rather than on what this test is about.
+          const double t0 = now_s();
+          while (!rank0_done.load() && now_s() - t0 < 5.0)
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          return;
+        }
+        int64_t got = 0;
+        EXPECT_THROW(c.irecv(&got, sizeof got, 1, 7)->wait(0.3), Timeout);
+        std::this_thread::sleep_for(std::chrono::milliseconds(600));  // both messages are here
+        got = 0;
+        const double start = now_s();
+        try {
+          c.irecv(&got, sizeof got, 1, 7)->wait(2.0);
+          ADD_FAILURE() << "the receive after a Timeout returned, with " << got << " (call 2 "
+                        << "sent 2)";
+        } catch (const Timeout& e) {
+          ADD_FAILURE() << "waited instead of refusing: " << e.what();
+        } catch (const CommError& e) {
+          EXPECT_TRUE(contains(e.what(), "rank 0: irecv: this communicator failed earlier"))
+              << e.what();
+          EXPECT_TRUE(contains(e.what(), "timed out after 0.3")) << e.what();
+          EXPECT_TRUE(contains(e.what(), "create a new one")) << e.what();
+        }
+        EXPECT_LT(now_s() - start, 0.5);
+        EXPECT_EQ(got, 0);
+        rank0_done = true;
+      },
+      {}, kTestTimeout);
+}
+
+// On one rank, a communicator, the one it was split from and its splits fail together: after
+// the failed operation this rank skipped the rest of its program's operations on every one of
+// them, and its peers' messages for those may sit in any of them.
+TEST(CommFailure, TheSplitTreeFailsTogether) {
+  // A receive from itself that nothing sends: a Timeout on one rank with nobody else involved.
+  const auto time_out = [](Communicator& c) {
+    int64_t v = 0;
+    EXPECT_THROW(c.irecv(&v, sizeof v, 0, 3)->wait(0.05), Timeout);
+  };
+  const auto refused = [](const char* what, const std::function<void()>& op) {
+    try {
+      op();
+      ADD_FAILURE() << what << " did not throw";
+    } catch (const Timeout& e) {
+      ADD_FAILURE() << what << " waited: " << e.what();
+    } catch (const CommError& e) {
+      EXPECT_TRUE(contains(e.what(), "failed earlier")) << what << ": " << e.what();
+      EXPECT_TRUE(contains(e.what(), "timed out")) << what << ": " << e.what();
+    }
+  };
+  run_local(1, [&](Communicator& world) {  // the parent fails: its splits are refused
+    auto child = world.split(0, 0);
+    auto grandchild = child->split(0, 0);
+    time_out(world);
+    refused("the child's barrier", [&] { child->barrier(); });
+    refused("the grandchild's barrier", [&] { grandchild->barrier(); });
+    refused("a new split", [&] { world.split(0, 0); });
+  });
+  run_local(1, [&](Communicator& world) {  // a split fails: the parent and siblings are refused
+    auto a = world.split(0, 0);
+    auto b = world.split(0, 0);
+    time_out(*a);
+    refused("the parent's barrier", [&] { world.barrier(); });
+    refused("the sibling's all_reduce", [&] {
+      int64_t x = 1;
+      b->all_reduce(&x, 1, DType::i64, ReduceOp::sum);
+    });
+  });
+  run_local(1, [&](Communicator& world) {  // a receive posted before the failure
+    int64_t v = 0, w = 0;
+    WorkPtr early = world.irecv(&v, sizeof v, 0, 4);
+    time_out(world);
+    refused("wait of a receive posted before", [&] { early->wait(); });
+    refused("test of a receive posted before", [&] { early->test(); });
+    // Bad arguments are refused before anything is posted and leave a communicator usable.
+    run_local(1, [&](Communicator& fresh) {
+      EXPECT_THROW(fresh.irecv(&w, sizeof w, 5, 0), InvalidArgument);
+      fresh.isend(&w, sizeof w, 0, 1)->wait();
+      fresh.irecv(&w, sizeof w, 0, 1)->wait();
+      fresh.barrier();
+    });
+  });
 }
 
 TEST(RunLocal, RejectsBadArguments) {

@@ -7,10 +7,13 @@
 #include <chrono>
 #include <functional>
 #include <mutex>
+#include <string>
 
 #include <thread>
 #include <tuple>
+#include <vector>
 #include "loom/rng.h"
+#include "loom/timer.h"
 
 #include "cp_bodies.h"
 
@@ -552,6 +555,257 @@ TEST(CpErrors, OutputsMustNotOverlapInputsOrThemselves) {
 
 // The registry is what parse_strategy, to_string and the help read: every entry round-trips,
 // an unknown name lists every registered one.
+// A view of the right sizes with null data: the message named the sizes only ("q must be [6, 2,
+// 4] on this rank, got [6, 2, 4]").
+TEST(CpErrors, NullDataIsNamed) {
+  constexpr int64_t S = 6, H = 2, D = 4;
+  const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, 1);
+  CpConfig cfg;
+  cfg.kernel.scale = 0.5f;
+  cfg.kernel.threads = 1;
+  run_local(1, [&](Communicator& w) {
+    CpAttention att(w, plan, cfg, H, H, D);
+    Tensor<float> x({S, H, D}, 0.25f), out({S, H, D});
+    std::vector<float> lse(static_cast<size_t>(H * S));
+    View3<const float> null_q = x.view3();
+    null_q.data = nullptr;
+    try {
+      att.forward(null_q, x.view3(), x.view3(), out.view3(), lse.data());
+      ADD_FAILURE() << "a null q was taken";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), "q has null data for its [6, 2, 4] on this rank");
+    }
+  });
+}
+
+// --- ranks that disagree, and reuse after a failure ---------------------------------------------
+
+// Runs body on P ranks, each catching its own error: every rank's "Kind: message", or "" for a
+// rank that returned normally.
+std::vector<std::string> each_rank_error(int P, const std::function<void(Communicator&)>& body,
+                                         double timeout_s = 5) {
+  std::vector<std::string> got(static_cast<size_t>(P));
+  std::mutex mu;
+  try {
+    run_local(
+        P,
+        [&](Communicator& w) {
+          std::string what;
+          try {
+            body(w);
+          } catch (const InvalidArgument& e) {
+            what = std::string("InvalidArgument: ") + e.what();
+          } catch (const Timeout& e) {
+            what = std::string("Timeout: ") + e.what();
+          } catch (const CommError& e) {
+            what = std::string("CommError: ") + e.what();
+          } catch (const std::exception& e) {
+            what = std::string("other: ") + e.what();
+          }
+          std::lock_guard<std::mutex> lock(mu);
+          got[static_cast<size_t>(w.rank())] = what;
+        },
+        {}, timeout_s);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "run_local: " << e.what();
+  }
+  return got;
+}
+
+void expect_every_rank(const std::vector<std::string>& got, const std::string& needle) {
+  for (size_t r = 0; r < got.size(); ++r)
+    EXPECT_NE(got[r].find(needle), std::string::npos)
+        << "rank " << r << ": " << (got[r].empty() ? "returned normally" : got[r])
+        << "\n  expected: " << needle;
+}
+
+// The constructor compares every rank's plan, strategy, degree, mask, scale and head counts: a
+// rank with a stripe plan among zigzag ones (or another mask, strategy ...) posted messages for
+// other tokens or of other sizes, the others took them, and some ranks returned wrong attention
+// (rel. error 0.5) without an error.
+TEST(CpAgreement, RanksThatDisagreeAreToldAtConstruction) {
+  constexpr int64_t S = 16, H = 2, D = 8;
+  struct Variant {
+    const char* needle;
+    std::function<void(ShardPlan&, CpConfig&, int64_t& h, int64_t& hkv, int64_t& d)> change;
+  };
+  const std::vector<int64_t> docs = {5, 11};
+  ShardPlan moved = ShardPlan::make(Layout::zigzag, S, 2, docs);
+  moved.layout = Layout::contiguous;  // contiguous's name, zigzag's tokens
+  const std::vector<Variant> variants = {
+      {"disagree on the layout: rank 1 has stripe, rank 0 contiguous",
+       [&](ShardPlan& p, CpConfig&, int64_t&, int64_t&, int64_t&) {
+         p = ShardPlan::make(Layout::stripe, S, 2, docs);
+       }},
+      {"disagree on the sequence length: rank 1 has seq 18, rank 0 seq 16",
+       [](ShardPlan& p, CpConfig&, int64_t&, int64_t&, int64_t&) {
+         p = ShardPlan::make(Layout::contiguous, 18, 2);
+       }},
+      {"disagree on the number of documents: rank 1 has 1 document, rank 0 2 documents",
+       [](ShardPlan& p, CpConfig&, int64_t&, int64_t&, int64_t&) {
+         p = ShardPlan::make(Layout::contiguous, S, 2);
+       }},
+      {"disagree on the document lengths: rank 1 has other lengths than rank 0",
+       [](ShardPlan& p, CpConfig&, int64_t&, int64_t&, int64_t&) {
+         p = ShardPlan::make(Layout::contiguous, S, 2, {6, 10});
+       }},
+      {"disagree on the shard plan (which tokens each rank holds): rank 1 has other shards",
+       [&](ShardPlan& p, CpConfig&, int64_t&, int64_t&, int64_t&) { p = moved; }},
+      {"disagree on the strategy: rank 1 has allgather, rank 0 ring",
+       [](ShardPlan&, CpConfig& c, int64_t&, int64_t&, int64_t&) {
+         c.strategy = Strategy::allgather;
+       }},
+      {"disagree on the heads: rank 1 has 4 heads, rank 0 2 heads",
+       [](ShardPlan&, CpConfig&, int64_t& h, int64_t&, int64_t&) { h = 4; }},
+      {"disagree on the kv heads: rank 1 has 1 kv heads, rank 0 2 kv heads",
+       [](ShardPlan&, CpConfig&, int64_t&, int64_t& hkv, int64_t&) { hkv = 1; }},
+      {"disagree on the head dim: rank 1 has head dim 16, rank 0 head dim 8",
+       [](ShardPlan&, CpConfig&, int64_t&, int64_t&, int64_t& d) { d = 16; }},
+      {"disagree on the mask: rank 1 has a non-causal mask, rank 0 a causal mask",
+       [](ShardPlan&, CpConfig& c, int64_t&, int64_t&, int64_t&) { c.kernel.mask.causal = false; }},
+      {"disagree on the window: rank 1 has window 5, rank 0 no window",
+       [](ShardPlan&, CpConfig& c, int64_t&, int64_t&, int64_t&) { c.kernel.mask.window = 5; }},
+      {"disagree on the softmax scale: rank 1 has scale 0.25, rank 0 scale 0.35",
+       [](ShardPlan&, CpConfig& c, int64_t&, int64_t&, int64_t&) { c.kernel.scale = 0.25f; }},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.needle);
+    expect_every_rank(
+        each_rank_error(2,
+                        [&](Communicator& w) {
+                          ShardPlan plan = ShardPlan::make(Layout::contiguous, S, 2, docs);
+                          CpConfig cfg;
+                          cfg.kernel.scale = 0.35f;
+                          cfg.kernel.threads = 1;
+                          int64_t h = H, hkv = H, d = D;
+                          if (w.rank() == 1) v.change(plan, cfg, h, hkv, d);
+                          CpAttention att(w, plan, cfg, h, hkv, d);
+                        }),
+        std::string("InvalidArgument: CpAttention: the ranks of the cp group ") + v.needle);
+  }
+  // The strategy's degree, named as the caller spells it; kernel threads and tiles are each
+  // rank's own.
+  expect_every_rank(
+      each_rank_error(4,
+                      [&](Communicator& w) {
+                        CpConfig cfg;
+                        cfg.strategy = Strategy::hybrid;
+                        cfg.ulysses = w.rank() == 3 ? 4 : 2;
+                        cfg.kernel.scale = 0.35f;
+                        cfg.kernel.threads = 1 + w.rank() % 2;
+                        cfg.kernel.block_k = 16 << w.rank();
+                        const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, 4);
+                        CpAttention att(w, plan, cfg, 4, 4, D);
+                      }),
+      "disagree on the strategy's degree: rank 3 has --ulysses 4, rank 0 --ulysses 2");
+  EXPECT_EQ(each_rank_error(4,
+                            [&](Communicator& w) {
+                              CpConfig cfg;
+                              cfg.kernel.scale = 0.35f;
+                              cfg.kernel.threads = 1 + w.rank() % 2;
+                              cfg.kernel.block_q = 16 << w.rank();
+                              const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, 4);
+                              CpAttention att(w, plan, cfg, H, H, D);
+                            }),
+            std::vector<std::string>(4));
+}
+
+// Every call: a rank in the bf16 forward among fp32 ones sent KV blocks half as long, which the
+// fp32 rank took (a receive may take a shorter message) and returned attention with a relative
+// error of 0.35, while only the bf16 rank failed. Now every rank raises, naming both calls, and
+// the next agreed call works.
+TEST(CpAgreement, ACallOfAnotherKindOrDtypeIsAnErrorOnEveryRank) {
+  constexpr int64_t S = 16, H = 2, D = 8;
+  for (const Strategy strat : {Strategy::ring, Strategy::ulysses, Strategy::allgather}) {
+    SCOPED_TRACE(to_string(strat));
+    const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, 2);
+    CpConfig cfg;
+    cfg.strategy = strat;
+    cfg.ulysses = 2;
+    cfg.kernel.scale = 0.35f;
+    cfg.kernel.threads = 1;
+    for (int mode : {0, 1}) {
+      const std::vector<std::string> got = each_rank_error(2, [&](Communicator& w) {
+        CpAttention att(w, plan, cfg, H, H, D);
+        const int64_t n = plan.rows(w.rank());
+        Tensor<float> q({n, H, D}), out({n, H, D}), dq({n, H, D}), dk({n, H, D}), dv({n, H, D});
+        for (int64_t i = 0; i < q.numel(); ++i) q[i] = 0.01f * static_cast<float>(i % 13);
+        Tensor<bf16> qb({n, H, D}), ob({n, H, D});
+        for (int64_t i = 0; i < q.numel(); ++i) qb[i] = to_bf16(q[i]);
+        std::vector<float> lse(static_cast<size_t>(H * n));
+        att.forward(q.view3(), q.view3(), q.view3(), out.view3(), lse.data());
+        std::string mismatch;
+        try {
+          if (w.rank() == 1 && mode == 0) {
+            att.forward(qb.view3(), qb.view3(), qb.view3(), ob.view3(), lse.data());
+          } else if (w.rank() == 1 && mode == 1) {
+            att.backward(q.view3(), q.view3(), q.view3(), out.view3(), q.view3(), lse.data(),
+                         dq.view3(), dk.view3(), dv.view3());
+          } else {
+            att.forward(q.view3(), q.view3(), q.view3(), out.view3(), lse.data());
+          }
+        } catch (const InvalidArgument& e) {
+          mismatch = e.what();
+        }
+        // The ranks were told together and nothing is left in flight: the next call works.
+        att.forward(q.view3(), q.view3(), q.view3(), out.view3(), lse.data());
+        if (!mismatch.empty()) throw InvalidArgument(mismatch);
+      });
+      expect_every_rank(got, mode == 0 ? "InvalidArgument: CpAttention: rank 1 is in the bf16 "
+                                         "forward, rank 0 in the fp32 forward"
+                                       : "InvalidArgument: CpAttention: rank 1 is in the fp32 "
+                                         "backward, rank 0 in the fp32 forward");
+    }
+  }
+}
+
+// A forward retried after a Timeout: rank 1 comes 0.6 s late to the first call, rank 0's wait
+// times out after 0.3 s and it calls again. Its second forward took rank 1's first-call KV block
+// and returned wrong attention (rel. error 0.1), without an error, on both ranks. Now it throws
+// CommError at once, naming the Timeout, and so does rank 1's.
+TEST(CpFailure, AForwardRetriedAfterATimeoutIsRefused) {
+  constexpr int64_t S = 16, H = 2, D = 8;
+  const ShardPlan plan = ShardPlan::make(Layout::zigzag, S, 2);
+  CpConfig cfg;
+  cfg.kernel.scale = 0.35f;
+  cfg.kernel.threads = 1;
+  std::vector<std::string> first(2), second(2);
+  std::vector<double> second_s(2);
+  run_local(
+      2,
+      [&](Communicator& w) {
+        const int me = w.rank();
+        CpAttention att(w, plan, cfg, H, H, D);
+        w.set_timeout_s(0.3);
+        const int64_t n = plan.rows(me);
+        Tensor<float> q({n, H, D}), out({n, H, D});
+        for (int64_t i = 0; i < q.numel(); ++i) q[i] = 0.01f * static_cast<float>(i % 13);
+        std::vector<float> lse(static_cast<size_t>(H * n));
+        if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+        for (int call = 0; call < 2; ++call) {
+          const double t0 = now_s();
+          std::string what = "returned normally";
+          try {
+            att.forward(q.view3(), q.view3(), q.view3(), out.view3(), lse.data());
+          } catch (const Timeout& e) {
+            what = std::string("Timeout: ") + e.what();
+          } catch (const CommError& e) {
+            what = std::string("CommError: ") + e.what();
+          }
+          (call == 0 ? first : second)[static_cast<size_t>(me)] = what;
+          if (call == 1) second_s[static_cast<size_t>(me)] = now_s() - t0;
+        }
+      },
+      {}, 5);
+  EXPECT_EQ(first[0].rfind("Timeout: rank 0", 0), 0u) << first[0];
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(second[r].rfind("CommError: rank " + std::to_string(r), 0), 0u) << second[r];
+    EXPECT_NE(second[r].find("failed earlier"), std::string::npos) << second[r];
+    EXPECT_LT(second_s[r], 0.25) << second[r];
+  }
+  EXPECT_NE(second[0].find("timed out"), std::string::npos) << second[0];
+}
+
 TEST(CpRegistry, NamesRoundTrip) {
   ASSERT_EQ(strategies().size(), 5u);
   for (const StrategyInfo& s : strategies()) {

@@ -13,7 +13,9 @@
 // Universe. When a rank's function throws, run_local poisons the universe and wakes every inbox
 // of every world: waits then fail at once with CommError "rank R failed: <reason>". A wait also
 // fails at once when its peer's thread has already returned without sending. Everything else is
-// bounded by the wait's timeout.
+// bounded by the wait's timeout. A rank that catches a Timeout or CommError and goes on finds its
+// communicators failed (detail::Health, shared by the rank's world communicator and its splits):
+// every later operation throws CommError at once, so no receive takes a stale message.
 //
 // Fault injection (FaultPlan): ops are counted per world rank over all its communicators (every
 // isend, irecv, collective, barrier and split call is one op); sends are counted per world rank
@@ -301,6 +303,8 @@ class LocalRecvWork final : public Work {
   std::string dropped_note() const;
   // Books the received bytes once; throws if the message did not fit.
   void finish();
+  bool test_once();
+  void wait_until(double timeout);
   std::string describe() const;
 
   LocalComm& comm_;
@@ -315,8 +319,12 @@ class LocalRecvWork final : public Work {
 
 class LocalComm final : public Communicator, public detail::Transport {
  public:
-  LocalComm(std::shared_ptr<World> world, int rank, double timeout_s)
-      : world_(std::move(world)), rank_(rank) {
+  // health: the tree's, for a split; none: a new tree (a world communicator).
+  LocalComm(std::shared_ptr<World> world, int rank, double timeout_s,
+            std::shared_ptr<detail::Health> health = nullptr)
+      : world_(std::move(world)),
+        rank_(rank),
+        health_(health ? std::move(health) : std::make_shared<detail::Health>("a new run_local")) {
     timeout_s_ = checked_timeout_s(timeout_s);
   }
 
@@ -327,26 +335,35 @@ class LocalComm final : public Communicator, public detail::Transport {
   int transport_size() const override { return world_->size(); }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
-    tick("split");
-    const detail::SplitGroup g = detail::split_group(*this, color, key, deadline(-1));
-    const int64_t seq = split_seq_++;
-    if (color < 0) return nullptr;
-    std::vector<int> members;  // world ranks
-    for (int p : g.members) members.push_back(world_->world_rank(p));
-    auto sub = world_->join_split(seq, color, members);
-    return std::make_unique<LocalComm>(std::move(sub), g.new_rank, timeout_s_);
+    alive("split");
+    return health_->guard([&]() -> std::unique_ptr<Communicator> {
+      tick("split");
+      const detail::SplitGroup g = detail::split_group(*this, color, key, deadline(-1));
+      const int64_t seq = split_seq_++;
+      if (color < 0) return nullptr;
+      std::vector<int> members;  // world ranks
+      for (int p : g.members) members.push_back(world_->world_rank(p));
+      auto sub = world_->join_split(seq, color, members);
+      return std::make_unique<LocalComm>(std::move(sub), g.new_rank, timeout_s_, health_);
+    });
   }
 
   WorkPtr isend(const void* buf, size_t bytes, int peer, int tag) override {
+    alive("isend");
     check_p2p("isend", buf, bytes, peer, tag);
-    tick("isend");
-    return post_send(buf, bytes, peer, tag, nullptr);
+    return health_->guard([&] {
+      tick("isend");
+      return post_send(buf, bytes, peer, tag, nullptr);
+    });
   }
 
   WorkPtr irecv(void* buf, size_t bytes, int peer, int tag) override {
+    alive("irecv");
     check_p2p("irecv", buf, bytes, peer, tag);
-    tick("irecv");
-    return post_recv(buf, bytes, peer, tag, nullptr, false);
+    return health_->guard([&] {
+      tick("irecv");
+      return post_recv(buf, bytes, peer, tag, nullptr, false);
+    });
   }
 
   // Receives first: a send that finds its receive posted copies once, straight into it.
@@ -422,39 +439,64 @@ class LocalComm final : public Communicator, public detail::Transport {
   void all_to_all(const void* send, const size_t* send_bytes, const size_t* send_offsets,
                   void* recv, const size_t* recv_bytes, const size_t* recv_offsets,
                   double timeout_s) override {
+    alive("all_to_all");
     detail::check_all_to_all(rank_, send_bytes, send_offsets, recv_bytes, recv_offsets);
-    tick("all_to_all");
-    detail::all_to_all(*this, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
-                       deadline(timeout_s));
+    const double until = deadline(timeout_s);
+    health_->guard([&] {
+      tick("all_to_all");
+      detail::all_to_all(*this, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
+                         until);
+    });
   }
 
   void all_gather(const void* send, size_t bytes, void* recv, double timeout_s) override {
+    alive("all_gather");
     detail::check_buffers("all_gather", send, recv, bytes, "bytes");
-    tick("all_gather");
-    detail::all_gather(*this, send, bytes, recv, deadline(timeout_s));
+    const double until = deadline(timeout_s);
+    health_->guard([&] {
+      tick("all_gather");
+      detail::all_gather(*this, send, bytes, recv, until);
+    });
   }
 
   void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                       double timeout_s) override {
+    alive("reduce_scatter");
     detail::check_buffers("reduce_scatter", send, recv, count, "elements");
     detail::check_reduction("reduce_scatter", dtype, op);
-    tick("reduce_scatter");
-    detail::reduce_scatter(*this, send, recv, count, dtype, op, deadline(timeout_s));
+    const double until = deadline(timeout_s);
+    health_->guard([&] {
+      tick("reduce_scatter");
+      detail::reduce_scatter(*this, send, recv, count, dtype, op, until);
+    });
   }
 
   void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, double timeout_s) override {
+    alive("all_reduce");
     detail::check_buffers("all_reduce", buf, buf, count, "elements");
     detail::check_reduction("all_reduce", dtype, op);
-    tick("all_reduce");
-    detail::all_reduce(*this, buf, count, dtype, op, deadline(timeout_s));
+    const double until = deadline(timeout_s);
+    health_->guard([&] {
+      tick("all_reduce");
+      detail::all_reduce(*this, buf, count, dtype, op, until);
+    });
   }
 
   void barrier(double timeout_s) override {
-    tick("barrier");
-    detail::barrier(*this, deadline(timeout_s));
+    alive("barrier");
+    const double until = deadline(timeout_s);
+    health_->guard([&] {
+      tick("barrier");
+      detail::barrier(*this, until);
+    });
   }
 
   double timeout_for(double t) const { return resolve_timeout(t); }
+  detail::Health& health() { return *health_; }
+  // CommError at once when this communicator's tree failed earlier (detail::Health).
+  void alive(const char* op) const {
+    if (health_->failed()) health_->refuse(world_->who(rank_), op);
+  }
 
  private:
   double deadline(double timeout_s) const { return now_s() + resolve_timeout(timeout_s); }
@@ -480,6 +522,7 @@ class LocalComm final : public Communicator, public detail::Transport {
 
   std::shared_ptr<World> world_;
   int rank_;
+  std::shared_ptr<detail::Health> health_;  // shared with the splits of this communicator
   int64_t split_seq_ = 0;
 };
 
@@ -545,6 +588,11 @@ void LocalRecvWork::finish() {
 }
 
 bool LocalRecvWork::test() {
+  comm_.alive("test of a receive");
+  return comm_.health().guard([&] { return test_once(); });
+}
+
+bool LocalRecvWork::test_once() {
   {
     std::lock_guard<std::mutex> lock(inbox_.mu);
     progress(channel_, now_s(), world_->universe().pool());
@@ -558,7 +606,12 @@ bool LocalRecvWork::test() {
 }
 
 void LocalRecvWork::wait(double timeout_s) {
+  comm_.alive("wait of a receive");
   const double timeout = comm_.timeout_for(timeout_s);
+  comm_.health().guard([&] { wait_until(timeout); });
+}
+
+void LocalRecvWork::wait_until(double timeout) {
   ScopedTimer timer(comm_.stats().wait_s);
   const double deadline = now_s() + timeout;
   {
@@ -691,18 +744,21 @@ void run_local(int ranks, const std::function<void(Communicator&)>& fn, const Fa
 
   std::vector<std::thread> threads;
   threads.reserve(ranks);
-  std::exception_ptr start_error;
-  for (int r = 0; r < ranks && !start_error; ++r) {
+  std::string start_error;  // why a rank's thread could not start
+  for (int r = 0; r < ranks && start_error.empty(); ++r) {
     try {
       threads.emplace_back(body, r);
     } catch (...) {
-      start_error = std::current_exception();
-      universe->poison(r, "could not start the thread of rank " + std::to_string(r) + ": " +
-                              what_of(start_error));
+      start_error = "could not start the thread of rank " + std::to_string(r) + " of " +
+                    std::to_string(ranks) + ": " + what_of(std::current_exception()) +
+                    " (the limit on processes and threads, ulimit -u, or memory); run fewer "
+                    "ranks or threads";
+      universe->poison(r, start_error);
     }
   }
   for (auto& t : threads) t.join();
-  if (start_error) std::rethrow_exception(start_error);
+  // Thrown with its context: the bare system_error said only "Resource temporarily unavailable".
+  if (!start_error.empty()) throw CommError(start_error, __FILE__, __LINE__);
   if (!universe->poisoned()) return;
   const int failed = universe->failed_rank();
   if (failed >= 0 && errors[failed]) std::rethrow_exception(errors[failed]);

@@ -11,7 +11,9 @@
 // and finalised at exit if loom initialised it. All MPI calls of the process go through one
 // mutex, so communicators may be used from different threads (comm.h) with SERIALIZED MPI.
 // After a collective times out its request cannot be cancelled: the communicator is then
-// unusable and the job should end (tools call mpi_abort).
+// unusable and the job should end (tools call mpi_abort). After any Timeout or CommError the
+// communicator and its splits refuse every later operation with CommError (detail::Health): a
+// late peer's message would otherwise meet the next receive.
 //
 // Traffic (CommStats) of collectives is booked as the local backend's algorithms would cause it
 // (collectives.h), so the counters compare across backends.
@@ -25,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -198,6 +201,7 @@ class MpiP2PWork final : public Work {
  private:
   std::string describe() const;
   void finish(const MPI_Status& status);
+  bool test_once();
 
   MpiComm& comm_;
   MPI_Request request_;
@@ -209,8 +213,12 @@ class MpiP2PWork final : public Work {
 
 class MpiComm final : public Communicator {
  public:
-  // Takes ownership of `comm` (freed on destruction).
-  explicit MpiComm(MPI_Comm comm) : comm_(comm) {
+  // Takes ownership of `comm` (freed on destruction). health: the tree's, for a split; none: a
+  // new tree (mpi_world).
+  explicit MpiComm(MPI_Comm comm, std::shared_ptr<detail::Health> health = nullptr)
+      : comm_(comm),
+        health_(health ? std::move(health)
+                       : std::make_shared<detail::Health>("a new mpi_world()")) {
     Lock lock(mpi_mutex());
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
@@ -299,37 +307,39 @@ class MpiComm final : public Communicator {
     });
     detail::add_traffic(stats_, detail::traffic_all_gather(size_, sizeof mine));
     MPI_Comm sub = MPI_COMM_NULL;
-    {
+    health_->guard([&] {
       Lock lock(mpi_mutex());
       check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "MPI_Comm_split");
-    }
+    });
     if (sub == MPI_COMM_NULL) return nullptr;
-    auto result = std::make_unique<MpiComm>(sub);
+    auto result = std::make_unique<MpiComm>(sub, health_);
     result->set_timeout_s(timeout_s_);
     return result;
   }
 
   WorkPtr isend(const void* buf, size_t bytes, int peer, int tag) override {
+    alive("isend");
     check_p2p("isend", buf, bytes, peer, tag);
     MPI_Request request;
-    {
+    health_->guard([&] {
       Lock lock(mpi_mutex());
       check(MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &request),
             "MPI_Isend to " + who(peer));
-    }
+    });
     stats_.bytes_sent += static_cast<int64_t>(bytes);
     stats_.messages_sent += 1;
     return std::make_unique<MpiP2PWork>(*this, request, true, peer, tag, bytes);
   }
 
   WorkPtr irecv(void* buf, size_t bytes, int peer, int tag) override {
+    alive("irecv");
     check_p2p("irecv", buf, bytes, peer, tag);
     MPI_Request request;
-    {
+    health_->guard([&] {
       Lock lock(mpi_mutex());
       check(MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &request),
             "MPI_Irecv from " + who(peer));
-    }
+    });
     return std::make_unique<MpiP2PWork>(*this, request, false, peer, tag, bytes);
   }
 
@@ -392,6 +402,11 @@ class MpiComm final : public Communicator {
   }
 
   double timeout_for(double t) const { return resolve_timeout(t); }
+  detail::Health& health() { return *health_; }
+  // CommError at once when this communicator's tree failed earlier (detail::Health).
+  void alive(const char* op) const {
+    if (health_->failed()) health_->refuse(who(rank_), op);
+  }
 
  private:
   static MPI_Datatype mpi_type(DType t) {
@@ -419,18 +434,23 @@ class MpiComm final : public Communicator {
     as_int(bytes, "message size");
   }
 
-  // Starts a non-blocking collective and polls it to completion.
+  // Starts a non-blocking collective and polls it to completion (every collective and split
+  // goes through here: the one place that checks and fails the tree's health).
   void collective(const char* op, double timeout, const std::function<int(MPI_Request*)>& start) {
-    MPI_Request request = MPI_REQUEST_NULL;
-    {
-      Lock lock(mpi_mutex());
-      check(start(&request), op);
-    }
-    MPI_Status status;
-    poll(request, status, timeout, [&] { return who(rank_) + ": " + op + " over " + group(); });
+    alive(op);
+    health_->guard([&] {
+      MPI_Request request = MPI_REQUEST_NULL;
+      {
+        Lock lock(mpi_mutex());
+        check(start(&request), op);
+      }
+      MPI_Status status;
+      poll(request, status, timeout, [&] { return who(rank_) + ": " + op + " over " + group(); });
+    });
   }
 
   MPI_Comm comm_;
+  std::shared_ptr<detail::Health> health_;  // shared with the splits of this communicator
   int rank_ = 0, size_ = 0, tag_ub_ = 32767;
   bool is_world_ = true;
   std::vector<int> world_ranks_;
@@ -453,7 +473,12 @@ void MpiP2PWork::finish(const MPI_Status& status) {
 }
 
 bool MpiP2PWork::test() {
+  comm_.alive("test of a request");
   if (done_) return true;
+  return comm_.health().guard([&] { return test_once(); });
+}
+
+bool MpiP2PWork::test_once() {
   int flag = 0, rc = 0;
   MPI_Status status;
   {
@@ -470,14 +495,17 @@ bool MpiP2PWork::test() {
 }
 
 void MpiP2PWork::wait(double timeout_s) {
+  comm_.alive("wait of a request");
   if (done_) return;
   MPI_Status status;
   try {
     comm_.poll(request_, status, comm_.timeout_for(timeout_s), [&] { return describe(); });
-  } catch (const Timeout&) {
+  } catch (const Timeout& e) {
+    comm_.health().fail(e.what());
     throw;
-  } catch (const CommError&) {
+  } catch (const CommError& e) {
     done_ = true;
+    comm_.health().fail(e.what());
     throw;
   }
   finish(status);

@@ -25,6 +25,7 @@
 #include <climits>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -79,6 +80,8 @@ class TorchWork final : public Work {
  private:
   std::string describe() const;
   void finish();
+  bool test_once();
+  void wait_for(double timeout);
 
   TorchComm& comm_;
   c10::intrusive_ptr<c10d::Work> work_;
@@ -93,9 +96,15 @@ class TorchWork final : public Work {
 
 class TorchComm final : public Communicator, public detail::Transport {
  public:
+  // health: the tree's, for a split; none: a new tree (torch_communicator).
   TorchComm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::vector<int> members, int rank,
-            int group_id, double timeout_s)
-      : pg_(std::move(pg)), members_(std::move(members)), rank_(rank), group_id_(group_id) {
+            int group_id, double timeout_s, std::shared_ptr<detail::Health> health = nullptr)
+      : pg_(std::move(pg)),
+        members_(std::move(members)),
+        rank_(rank),
+        group_id_(group_id),
+        health_(health ? std::move(health)
+                       : std::make_shared<detail::Health>("a new process group")) {
     timeout_s_ = checked_timeout_s(timeout_s);
     root_ = group_id_ == kRootGroup;
   }
@@ -114,7 +123,10 @@ class TorchComm final : public Communicator, public detail::Transport {
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
-    const detail::SplitGroup g = detail::split_group(*this, color, key, deadline(-1));
+    alive("split");
+    const double until = deadline(-1);
+    const detail::SplitGroup g =
+        health_->guard([&] { return detail::split_group(*this, color, key, until); });
     const int64_t seq = split_seq_++;
     if (color < 0) return nullptr;
     std::vector<int> members;  // torch ranks
@@ -125,17 +137,20 @@ class TorchComm final : public Communicator, public detail::Transport {
         (static_cast<uint64_t>(group_id_) * 1000003u + static_cast<uint64_t>(seq) * 7919u +
          static_cast<uint64_t>(color) * 31u + 1u);
     const int id = 2 + static_cast<int>(h % static_cast<uint64_t>(kMaxGroups - 1));
-    return std::make_unique<TorchComm>(pg_, std::move(members), g.new_rank, id, timeout_s_);
+    return std::make_unique<TorchComm>(pg_, std::move(members), g.new_rank, id, timeout_s_,
+                                       health_);
   }
 
   WorkPtr isend(const void* buf, size_t bytes, int peer, int tag) override {
+    alive("isend");
     detail::check_p2p("isend", who(rank_), size(), buf, bytes, peer, tag, kMaxUserTag);
-    return post_send(buf, bytes, peer, tag, nullptr);
+    return health_->guard([&] { return post_send(buf, bytes, peer, tag, nullptr); });
   }
 
   WorkPtr irecv(void* buf, size_t bytes, int peer, int tag) override {
+    alive("irecv");
     detail::check_p2p("irecv", who(rank_), size(), buf, bytes, peer, tag, kMaxUserTag);
-    return post_recv(buf, bytes, peer, tag, nullptr, false);
+    return health_->guard([&] { return post_recv(buf, bytes, peer, tag, nullptr, false); });
   }
 
   WorkPtr post_send(const void* buf, size_t bytes, int peer, int tag, const char* op) override {
@@ -149,39 +164,56 @@ class TorchComm final : public Communicator, public detail::Transport {
   void all_to_all(const void* send, const size_t* send_bytes, const size_t* send_offsets,
                   void* recv, const size_t* recv_bytes, const size_t* recv_offsets,
                   double timeout_s) override {
+    alive("all_to_all");
     detail::check_all_to_all(rank_, send_bytes, send_offsets, recv_bytes, recv_offsets);
+    const double until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
-    detail::all_to_all(*this, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
-                       deadline(timeout_s));
+    health_->guard([&] {
+      detail::all_to_all(*this, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
+                         until);
+    });
   }
 
   void all_gather(const void* send, size_t bytes, void* recv, double timeout_s) override {
+    alive("all_gather");
     detail::check_buffers("all_gather", send, recv, bytes, "bytes");
+    const double until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
-    detail::all_gather(*this, send, bytes, recv, deadline(timeout_s));
+    health_->guard([&] { detail::all_gather(*this, send, bytes, recv, until); });
   }
 
   void reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                       double timeout_s) override {
+    alive("reduce_scatter");
     detail::check_buffers("reduce_scatter", send, recv, count, "elements");
     detail::check_reduction("reduce_scatter", dtype, op);
+    const double until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
-    detail::reduce_scatter(*this, send, recv, count, dtype, op, deadline(timeout_s));
+    health_->guard([&] { detail::reduce_scatter(*this, send, recv, count, dtype, op, until); });
   }
 
   void all_reduce(void* buf, size_t count, DType dtype, ReduceOp op, double timeout_s) override {
+    alive("all_reduce");
     detail::check_buffers("all_reduce", buf, buf, count, "elements");
     detail::check_reduction("all_reduce", dtype, op);
+    const double until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
-    detail::all_reduce(*this, buf, count, dtype, op, deadline(timeout_s));
+    health_->guard([&] { detail::all_reduce(*this, buf, count, dtype, op, until); });
   }
 
   void barrier(double timeout_s) override {
+    alive("barrier");
+    const double until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
-    detail::barrier(*this, deadline(timeout_s));
+    health_->guard([&] { detail::barrier(*this, until); });
   }
 
   double timeout_for(double t) const { return resolve_timeout(t); }
+  detail::Health& health() { return *health_; }
+  // CommError at once when this communicator's tree failed earlier (detail::Health).
+  void alive(const char* op) const {
+    if (health_->failed()) health_->refuse(who(rank_), op);
+  }
   std::string group_text() const {
     return "the torch group of " + std::to_string(size()) + " ranks";
   }
@@ -216,6 +248,7 @@ class TorchComm final : public Communicator, public detail::Transport {
   std::vector<int> members_;  // [group rank] -> ProcessGroup rank
   int rank_;
   int group_id_;
+  std::shared_ptr<detail::Health> health_;  // shared with the splits of this communicator
   bool root_ = true;
   int64_t split_seq_ = 0;
 };
@@ -235,7 +268,12 @@ void TorchWork::finish() {
 }
 
 bool TorchWork::test() {
+  comm_.alive("test of a request");
   if (done_) return true;
+  return comm_.health().guard([&] { return test_once(); });
+}
+
+bool TorchWork::test_once() {
   LOOM_CHECK(!failed_, CommError, describe() << " failed earlier");
   bool completed = false;
   try {
@@ -250,9 +288,14 @@ bool TorchWork::test() {
 }
 
 void TorchWork::wait(double timeout_s) {
+  comm_.alive("wait of a request");
   if (done_) return;
-  LOOM_CHECK(!failed_, CommError, describe() << " failed earlier");
   const double timeout = comm_.timeout_for(timeout_s);
+  comm_.health().guard([&] { wait_for(timeout); });
+}
+
+void TorchWork::wait_for(double timeout) {
+  LOOM_CHECK(!failed_, CommError, describe() << " failed earlier");
   ScopedTimer timer(comm_.stats().wait_s);
   // c10d reads a zero timeout as "no timeout": wait at least 1 ms.
   const auto ms =

@@ -18,7 +18,8 @@
 // Failure. A peer process that dies closes its connections: the pending waits of the others fail
 // at once with CommError naming the peer. A peer that stops without dying is caught by the
 // timeout (loom::Timeout naming both ranks). After a failed wait the group must not be used
-// again (the transport may still hold the buffer's receive; the process should end).
+// again (the transport may still hold the buffer's receive; the process should end): every later
+// operation on the communicator or its splits throws CommError at once.
 //
 // Thread-safety: as loom/comm.h says (one thread per communicator at a time).
 #pragma once
