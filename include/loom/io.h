@@ -1,14 +1,16 @@
 // loom/io.h: safe file output, bounded file input and memory estimates.
 //
 // Output. write_output(path, bytes) never replaces something that is not a regular file:
-//   * "-" is standard output, written directly;
+//   * "-" is standard output, written directly, as are the process's other own streams
+//     (own_stream_fd: /dev/stdout, /dev/stderr, /dev/fd/N, and symlinks that lead to them);
 //   * a symlink is followed (to its final target), and the target is written as below;
 //   * an existing device, FIFO or socket is opened and written directly, never replaced (a FIFO
 //     without a reader is refused at once instead of blocking);
 //   * a regular file or a missing path is written atomically: the bytes go to
 //     "<target>.tmp.<pid>-<n>" in the same directory, are flushed to disk, and the temporary
-//     file is renamed over the target only when complete. A failed write removes it. A
-//     replaced file's permission bits are kept (a new one gets 0666 & ~umask).
+//     file is renamed over the target only when complete, the directory then synced (so the
+//     rename survives a crash). A failed write removes it. A replaced file's permission bits
+//     are kept (a new one gets 0666 & ~umask).
 //   * a directory is refused.
 // Every write is checked (a full disk is an IoError naming the path, never a silent loss).
 // clean_stale_temps removes the temporaries a killed run left next to a path (those whose pid
@@ -26,8 +28,9 @@
 // stream), and reads are bounded by the caller's limit.
 //
 // Memory. available_memory_bytes() is /proc/meminfo's MemAvailable, lowered to the cgroup
-// limit's headroom when one is set; check_memory() refuses an estimate above a limit in one line
-// that names the estimate, the limit and the option that changes it.
+// limit's headroom and to what an address-space limit (ulimit -v, -d) leaves, when set;
+// check_memory() refuses an estimate above a limit in one line that names the estimate, the
+// limit and the option that changes it.
 #pragma once
 
 #include <cstddef>
@@ -45,16 +48,49 @@ void write_output(const std::string& path, const std::string& bytes);
 // The path that write_output writes: symlinks followed; "-" stays "-".
 std::string resolve_output_path(const std::string& path);
 // The descriptor that /dev/stdout, /dev/stderr, /dev/fd/N or /proc/self/fd/N names (the
-// process's own open streams, which write_output writes directly, as "-"), else -1.
+// process's own open streams, which write_output writes directly, as "-"), else -1; also for a
+// path that leads there through symlinks (followed one link at a time, never through the last,
+// /proc/self/fd/N, to the file or pipe behind it) or through its directory ("../dev/stdout").
 int own_stream_fd(const std::string& path);
 // Temporaries are named "<target>.tmp.<pid>-<n>"; a target name too long for that suffix within
 // NAME_MAX (more than 219 bytes) gives its first 200 bytes, '~' and a hash of the whole name in
 // place of <target>.
-// Removes "<target>.tmp.<pid>[-<n>]" temporaries next to path's target whose process is gone:
+// Removes the temporaries next to path's target whose process is gone: exactly
+// "<target>.tmp.<pid>-<n>" (and "<target>.tmp.<pid>-s<n>", the staged files of earlier
+// versions), both numbers in decimal digits without a leading zero and the pid below pid_max;
 // regular files (write_output's), and, given the names of an OutputSet, directories that hold
-// only regular files of those names (its staging directories). Anything else under such a name
-// is left alone, as is a temporary that cannot be removed. Never throws.
+// only regular files of those names (its staging directories). Anything else (a user's
+// a.json.tmp.2024-06-01) is left alone, as is a temporary that cannot be removed. Never throws.
 void clean_stale_temps(const std::string& path, const std::vector<std::string>& names = {});
+// One file of several written as a unit (the tools' write_outputs): stage_output writes bytes
+// into a new temporary beside path's target (symlinks followed), named as write_output's, flushed
+// to disk and with the permission bits of the file it will replace, and returns its path;
+// commit_staged renames it over the target and syncs the directory. A failure of either removes
+// the temporary; the caller removes the staged files it does not commit. Both throw IoError
+// naming `path`.
+std::string stage_output(const std::string& path, const std::string& bytes);
+void commit_staged(const std::string& staged, const std::string& path);
+// Writes one file in pieces, with write_output's guarantees for a regular file or a missing
+// path: the pieces go to the temporary "<target>.tmp.<pid>-<n>" beside the target (symlinks
+// followed), and commit() flushes it to disk, renames it over the target and syncs the
+// directory. Destroyed before commit() (a failed piece, an exception between pieces), it
+// removes the temporary and the target is as it was. The constructor removes stale temporaries
+// of the target as write_output does, and refuses (IoError) a target that is a directory, a
+// device, a FIFO or a socket: a file written in pieces is only ever a regular file. (loom train
+// streams its checkpoints through it: they are larger than the memory a copy could take.)
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(const std::string& path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+  void write(const void* data, size_t bytes);  // throws IoError naming the path
+  void commit();                               // throws IoError; the temporary is then gone
+
+ private:
+  std::string shown_, target_, tmp_;
+  int fd_ = -1;
+};
 // Refuses (InvalidArgument) two outputs that resolve to the same file, e.g.
 //   {{"--json", "r.json"}, {"--trace", "r.json"}}, or to one existing regular file under two
 // names (hard links: same device and inode). Empty paths are ignored. The first `inputs` entries
@@ -83,9 +119,12 @@ void check_output_outside(const std::string& option, const std::string& path,
 // checked when written). Empty paths are ignored. With `directory`, a trailing '/' is dropped
 // before symlinks are followed ("link/" names link's target), and "-", "/" and a path ending in
 // "." or ".." (given or reached through a link) are refused (InvalidArgument): no directory can be
-// renamed onto them.
+// renamed onto them. With `replaced` (the output is renamed over an existing target, as
+// write_output and OutputSet do), an existing target that belongs to another user in a sticky
+// directory (/tmp, mode 1777) is refused as well: only its owner may replace it there. A file
+// written in place (loom train's --log) passes replaced = false.
 void check_output_writable(const std::string& path, const std::string& option,
-                           bool directory = false);
+                           bool directory = false, bool replaced = true);
 // Refuses (IoError), before any work, what the OutputSet(dir, names) constructor refuses: dir
 // exists and is not a directory, or holds a name the set does not write; and (InvalidArgument)
 // a dir no directory can be renamed onto, as check_output_writable does.
@@ -96,8 +135,10 @@ class OutputSet {
   // dir: the directory the set replaces (a trailing '/' dropped, symlinks followed); names: every
   // file name the set may hold, each a plain name (InvalidArgument for '/', '.' or '..'). Throws
   // IoError when dir exists and is not a directory, holds other files, or the staging
-  // directory cannot be made.
-  OutputSet(const std::string& dir, std::vector<std::string> names);
+  // directory cannot be made. `option` names the set in the messages of the files written to
+  // path(name): "--output set/out.npy: write failed (...)", not the staging directory.
+  OutputSet(const std::string& dir, std::vector<std::string> names,
+            const std::string& option = "--output");
   ~OutputSet();  // removes the staging directory unless committed
   OutputSet(const OutputSet&) = delete;
   OutputSet& operator=(const OutputSet&) = delete;
@@ -122,7 +163,9 @@ class OutputSet {
 void lock_or_refuse(int fd, const std::string& path, const std::string& option);
 
 // Opens the existing directory `dir` and holds its lock_or_refuse lock until destroyed. A dir
-// that cannot be opened locks nothing (whoever reads or writes it reports that).
+// that exists but cannot be opened for reading (not a directory, or not listable by this user:
+// mode 0333) is an IoError naming `option` and `dir`: it could be neither locked nor listed. A
+// missing dir locks nothing (whoever writes it reports that).
 class DirectoryLock {
  public:
   DirectoryLock(const std::string& dir, const std::string& option);
@@ -166,8 +209,19 @@ class InputFile {
 // ---- memory ----
 
 // Bytes this process may still allocate: MemAvailable, and the cgroup's memory.max minus its
-// memory.current when lower. -1 when neither can be read.
+// memory.current, and address_space_room(), whichever is lowest. -1 when none is known.
 int64_t available_memory_bytes();
+// Bytes this process may still map under its soft address-space limit (RLIMIT_AS, `ulimit -v`,
+// against /proc/self/status's VmSize) and data-size limit (RLIMIT_DATA, `ulimit -d`, against
+// VmData), the lower of the two; -1 when neither is set. `limit`, when given, gets that limit in
+// words: "the address-space limit (ulimit -v) of 146.5 MiB, of which 75.2 MiB is mapped already".
+// Mapped, not resident: thread stacks and OpenBLAS's buffers count in full.
+int64_t address_space_room(std::string* limit = nullptr);
+// What OpenBLAS (0.3.21, x86_64) maps for every thread that runs a GEMM, its own threads and
+// each thread that calls it at the same time: a 128 MiB buffer and a page. It maps it when the
+// thread first needs it (its own threads: as the library loads) and, where an address-space
+// limit leaves no room, retries for ever.
+constexpr int64_t kOpenBlasBufferBytes = (int64_t{128} << 20) + 4096;
 // "1.50 GiB", "12.0 MiB", "512 B".
 std::string human_bytes(double bytes);
 // Parses a size: a number of bytes in decimal digits (no sign, fraction or exponent) with an
@@ -178,10 +232,14 @@ int64_t parse_size(const std::string& text, const std::string& option);
 // Throws InvalidArgument when estimate > limit:
 //   "<what> needs about 24.5 GiB (estimate) but the memory limit is 7.8 GiB (available memory);
 //    lower the problem size or raise --memory-limit".
-// limit_bytes < 0: the limit is available_memory_bytes() (no check when that is unknown). An
-// estimate that is NaN, negative or infinite (its byte counts overflowed) is refused whatever the
-// limit.
+// limit_bytes < 0: the limit is the machine's available memory, MemAvailable or the cgroup's
+// headroom (no check when neither is known). Whatever the limit, the estimate plus
+// `mapped_bytes` (address space the run maps beyond what it uses, e.g. kOpenBlasBufferBytes for
+// each thread that will call OpenBLAS) must fit address_space_room(), or it is refused naming
+// that limit ("... but the address-space limit (ulimit -v) of 586 MiB, of which 214 MiB is
+// mapped already, leaves 372 MiB"). An estimate that is NaN, negative or infinite (its byte
+// counts overflowed) is refused whatever the limit.
 void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string& what,
-                  const std::string& option);
+                  const std::string& option, double mapped_bytes = 0);
 
 }  // namespace loom

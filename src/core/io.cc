@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <mutex>
 #include <sstream>
 
 #include "loom/error.h"
@@ -56,6 +58,45 @@ std::string temp_name(const std::string& target) {
          std::to_string(::getpid()) + "-" + std::to_string(g_temp_counter++);
 }
 
+// Decimal digits of s from i on, without a leading zero ("0" itself is one), at most 18: their
+// value in v, i past them. False for anything else.
+bool number_at(const std::string& s, size_t& i, int64_t& v) {
+  const size_t start = i;
+  v = 0;
+  while (i < s.size() && s[i] >= '0' && s[i] <= '9') {
+    if (i - start == 18) return false;
+    v = v * 10 + (s[i++] - '0');
+  }
+  return i > start && (i - start == 1 || s[start] != '0');
+}
+
+// The kernel's pid_max: a running process's pid is below it.
+int64_t pid_limit() {
+  static const int64_t limit = [] {
+    std::ifstream f("/proc/sys/kernel/pid_max");
+    int64_t v = 0;
+    return (f >> v) && v > 1 ? v : int64_t{4194304};  // PID_MAX_LIMIT
+  }();
+  return limit;
+}
+
+// The pid in `entry` when it is a temporary loom names "<prefix><pid>-<n>" (temp_name; prefix is
+// "<stem>.tmp.") or "<prefix><pid>-s<n>" (the staged files of write_outputs before it used
+// temp_name): both numbers in decimal digits without a leading zero, the pid one a process can
+// have (1 to pid_max - 1). Anything else is -1, not loom's whatever it looks like: any digits,
+// then anything after a '-', was taken for a dead run's, and a user's a.json.tmp.2024-06-01,
+// a.json.tmp.2024-06-01.bak and a.json.tmp.99999999 were deleted.
+long temp_pid(const std::string& entry, const std::string& prefix) {
+  if (entry.size() <= prefix.size() || entry.compare(0, prefix.size(), prefix) != 0) return -1;
+  size_t i = prefix.size();
+  int64_t pid = 0, n = 0;
+  if (!number_at(entry, i, pid) || pid < 1 || pid >= pid_limit()) return -1;
+  if (i == entry.size() || entry[i++] != '-') return -1;
+  if (i < entry.size() && entry[i] == 's') ++i;
+  if (!number_at(entry, i, n) || i != entry.size()) return -1;
+  return static_cast<long>(pid);
+}
+
 void write_all_fd(int fd, const std::string& bytes, const std::string& path) {
   size_t done = 0;
   while (done < bytes.size()) {
@@ -74,24 +115,42 @@ std::string dir_of(const std::string& p) {
   return parent.empty() ? std::string(".") : parent.string();
 }
 
-// Writes bytes to a new file `tmp` (created exclusively) and renames it over `target`.
-void write_atomic(const std::string& target, const std::string& bytes, const std::string& shown) {
-  const std::string tmp = temp_name(target);
+// Creates write_atomic's temporary `tmp` beside `target` (exclusively), with the permission bits
+// of the file it will replace. Returns its descriptor; throws IoError.
+int open_temp(const std::string& target, const std::string& tmp, const std::string& shown) {
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
-  try {
-    // A replaced file keeps its permission bits (a 0600 file became 0644, readable by all).
-    // Best effort: a file system without modes (vfat) refuses fchmod and has none to keep.
-    struct stat old;
-    if (::stat(target.c_str(), &old) == 0 && S_ISREG(old.st_mode))
-      (void)::fchmod(fd, old.st_mode & 07777);
-    write_all_fd(fd, bytes, shown);
-    if (::fsync(fd) != 0 && errno != EINVAL && errno != EROFS)
-      throw IoError(shown + ": write failed (" + errno_text(errno) + ")");
-  } catch (...) {
+  // A replaced file keeps its permission bits (a 0600 file became 0644, readable by all).
+  // Best effort: a file system without modes (vfat) refuses fchmod and has none to keep.
+  struct stat old;
+  if (::stat(target.c_str(), &old) == 0 && S_ISREG(old.st_mode))
+    (void)::fchmod(fd, old.st_mode & 07777);
+  return fd;
+}
+
+// Makes a rename in `dir` durable: without an fsync of the directory, a crash after the rename
+// could bring back the old file (or none) although the new one's bytes were synced. A directory
+// that cannot be opened for reading (mode 0333: writable, not listable) cannot be synced: best
+// effort, as the file's own fsync on a file system without it.
+void sync_directory(const std::string& dir, const std::string& shown) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  const int r = ::fsync(fd);
+  const int e = errno;
+  ::close(fd);
+  if (r != 0 && e != EINVAL && e != EROFS && e != ENOTSUP && e != ENOSYS)
+    throw IoError(shown + ": write failed (syncing its directory: " + errno_text(e) + ")");
+}
+
+// Flushes the temporary `tmp` (open as fd) to disk, closes it, renames it over `target` and syncs
+// the directory. Any failure removes the temporary and throws IoError; fd is closed either way.
+void commit_temp(int fd, const std::string& tmp, const std::string& target,
+                 const std::string& shown) {
+  if (::fsync(fd) != 0 && errno != EINVAL && errno != EROFS) {
+    const int e = errno;
     ::close(fd);
     ::unlink(tmp.c_str());
-    throw;
+    throw IoError(shown + ": write failed (" + errno_text(e) + ")");
   }
   if (::close(fd) != 0) {
     const int e = errno;
@@ -103,6 +162,21 @@ void write_atomic(const std::string& target, const std::string& bytes, const std
     ::unlink(tmp.c_str());
     throw IoError(shown + ": write failed (" + errno_text(e) + ")");
   }
+  sync_directory(dir_of(target), shown);
+}
+
+// Writes bytes to a new file `tmp` (created exclusively) and renames it over `target`.
+void write_atomic(const std::string& target, const std::string& bytes, const std::string& shown) {
+  const std::string tmp = temp_name(target);
+  const int fd = open_temp(target, tmp, shown);
+  try {
+    write_all_fd(fd, bytes, shown);
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  commit_temp(fd, tmp, target, shown);
 }
 
 // Writes into an existing device, FIFO or socket path without replacing it.
@@ -171,18 +245,60 @@ void check_replaceable(const std::string& given, const std::string& target,
 
 }  // namespace
 
-int own_stream_fd(const std::string& path) {
+namespace {
+
+// The descriptor N when `name` is a descriptor number (at most 9 digits), else -1.
+int fd_number(const std::string& name) {
+  if (name.empty() || name.size() > 9) return -1;
+  int fd = 0;
+  for (const char c : name) {
+    if (c < '0' || c > '9') return -1;
+    fd = fd * 10 + (c - '0');
+  }
+  return fd;
+}
+
+// The descriptor that `path` itself names, without following its last component: /dev/stdout,
+// /dev/stderr, /dev/fd/N, /proc/self/fd/N as spelled, or any path whose directory is /dev (for
+// stdout and stderr) or this process's fd directory (/proc/<pid>/fd, where /dev/fd and
+// /proc/self/fd lead): "../../dev/stdout", `cd /dev` and "stdout". Else -1.
+int stream_fd_named(const std::string& path) {
   if (path == "/dev/stdout") return STDOUT_FILENO;
   if (path == "/dev/stderr") return STDERR_FILENO;
   for (const char* prefix : {"/dev/fd/", "/proc/self/fd/"}) {
     const size_t n = std::strlen(prefix);
-    if (path.compare(0, n, prefix) != 0 || path.size() == n || path.size() > n + 9) continue;
-    int fd = 0;
-    for (size_t i = n; i < path.size(); ++i) {
-      if (path[i] < '0' || path[i] > '9') return -1;
-      fd = fd * 10 + (path[i] - '0');
-    }
-    return fd;
+    if (path.compare(0, n, prefix) == 0) return fd_number(path.substr(n));
+  }
+  const fs::path p(path);
+  const std::string name = p.filename().string();
+  if (name != "stdout" && name != "stderr" && fd_number(name) < 0) return -1;
+  char* real = ::realpath(dir_of(path).c_str(), nullptr);
+  if (!real) return -1;
+  const std::string dir = real;
+  std::free(real);
+  if (dir == "/dev" && name == "stdout") return STDOUT_FILENO;
+  if (dir == "/dev" && name == "stderr") return STDERR_FILENO;
+  if (dir == "/proc/" + std::to_string(::getpid()) + "/fd") return fd_number(name);
+  return -1;
+}
+
+}  // namespace
+
+int own_stream_fd(const std::string& path) {
+  if (path.empty() || path == "-") return -1;
+  // The symlink chain, one link at a time: a link to /dev/stdout was followed through
+  // /proc/self/fd/1 to the file standard output was redirected to, and replaced it (`>> log.txt`
+  // lost its lines), or to a pipe's "pipe:[N]" ("cannot write into /proc/self/fd"). The last
+  // link, /proc/self/fd/N itself, is never followed.
+  std::string p = path;
+  for (int hops = 0; hops < 40; ++hops) {
+    if (const int fd = stream_fd_named(p); fd >= 0) return fd;
+    struct stat st;
+    if (::lstat(p.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return -1;
+    std::error_code ec;
+    const fs::path link = fs::read_symlink(p, ec);
+    if (ec) return -1;
+    p = link.is_absolute() ? link.string() : (fs::path(dir_of(p)) / link).string();
   }
   return -1;
 }
@@ -190,6 +306,26 @@ int own_stream_fd(const std::string& path) {
 std::string resolve_output_path(const std::string& path) {
   return resolve(path, false);
 }
+
+namespace {
+
+// The staging directories of the OutputSets alive, each with the set as its user named it
+// ("--output set"): a file written there is named in messages as the user's DIR/name, not by the
+// temporary directory (a full disk said "set.tmp.5170-1/out.npy: write failed").
+std::mutex g_staging_mutex;
+std::vector<std::pair<std::string, std::string>> g_staging;  // {staging directory, shown}
+
+// How messages name the output `path`: as given, or, inside an OutputSet's staging directory,
+// as the set's file ("--output set/out.npy").
+std::string shown_output(const std::string& path) {
+  const std::string dir = dir_of(path);
+  std::lock_guard<std::mutex> lock(g_staging_mutex);
+  for (const auto& [staging, shown] : g_staging)
+    if (dir == staging) return shown + "/" + fs::path(path).filename().string();
+  return path;
+}
+
+}  // namespace
 
 void write_output(const std::string& path, const std::string& bytes) {
   LOOM_CHECK(!path.empty(), InvalidArgument, "an output path is empty");
@@ -207,31 +343,103 @@ void write_output(const std::string& path, const std::string& bytes) {
     write_all_fd(fd, bytes, path);
     return;
   }
+  const std::string shown = shown_output(path);
   const std::string target = resolve_output_path(path);
   clean_stale_temps(target);
   struct stat st;
   if (::stat(target.c_str(), &st) == 0) {
-    if (S_ISDIR(st.st_mode)) throw IoError(path + ": is a directory (a file was expected)");
+    if (S_ISDIR(st.st_mode)) throw IoError(shown + ": is a directory (a file was expected)");
     if (!S_ISREG(st.st_mode)) {
-      write_direct(target, bytes, path, S_ISFIFO(st.st_mode));
+      write_direct(target, bytes, shown, S_ISFIFO(st.st_mode));
       return;
     }
   } else if (errno != ENOENT) {
+    throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
+  }
+  write_atomic(target, bytes, shown);
+}
+
+std::string stage_output(const std::string& path, const std::string& bytes) {
+  LOOM_CHECK(!path.empty(), InvalidArgument, "an output path is empty");
+  const std::string target = resolve_output_path(path);
+  const std::string tmp = temp_name(target);
+  const int fd = open_temp(target, tmp, path);
+  try {
+    write_all_fd(fd, bytes, path);
+    if (::fsync(fd) != 0 && errno != EINVAL && errno != EROFS)
+      throw IoError(path + ": write failed (" + errno_text(errno) + ")");
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    throw IoError(path + ": write failed (" + errno_text(e) + ")");
+  }
+  return tmp;
+}
+
+void commit_staged(const std::string& staged, const std::string& path) {
+  const std::string target = resolve_output_path(path);
+  if (std::rename(staged.c_str(), target.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(staged.c_str());
+    throw IoError(path + ": write failed (" + errno_text(e) + ")");
+  }
+  sync_directory(dir_of(target), path);
+}
+
+AtomicFileWriter::AtomicFileWriter(const std::string& path) : shown_(path) {
+  LOOM_CHECK(!path.empty(), InvalidArgument, "an output path is empty");
+  target_ = resolve_output_path(path);
+  clean_stale_temps(target_);
+  struct stat st;
+  if (::stat(target_.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) throw IoError(path + ": is a directory (a file was expected)");
+    if (!S_ISREG(st.st_mode))
+      throw IoError(path + ": is not a regular file (a FIFO, device or socket); loom writes " +
+                    "this file only as a regular file, never into one of those");
+  } else if (errno != ENOENT) {
     throw IoError(path + ": cannot write (" + errno_text(errno) + ")");
   }
-  write_atomic(target, bytes, path);
+  tmp_ = temp_name(target_);
+  fd_ = open_temp(target_, tmp_, shown_);
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ < 0) return;
+  ::close(fd_);
+  ::unlink(tmp_.c_str());
+}
+
+void AtomicFileWriter::write(const void* data, size_t bytes) {
+  LOOM_CHECK(fd_ >= 0, InvalidArgument, shown_ << ": written after commit()");
+  size_t done = 0;
+  const char* p = static_cast<const char*>(data);
+  while (done < bytes) {
+    const ssize_t w = ::write(fd_, p + done, bytes - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0)
+      throw IoError(shown_ + ": write failed (" +
+                    (w < 0 ? errno_text(errno) : std::string("no progress")) + ")");
+    done += static_cast<size_t>(w);
+  }
+}
+
+void AtomicFileWriter::commit() {
+  LOOM_CHECK(fd_ >= 0, InvalidArgument, shown_ << ": committed twice");
+  const int fd = fd_;
+  fd_ = -1;  // commit_temp closes it, and removes the temporary on failure
+  commit_temp(fd, tmp_, target_, shown_);
 }
 
 namespace {
 
 // Whether `entry` is `name` or a write_atomic temporary of it ("<name>.tmp.<pid>-<n>").
 bool is_file_or_its_temp(const std::string& entry, const std::string& name) {
-  if (entry == name) return true;
-  const std::string prefix = temp_stem(name) + ".tmp.";
-  if (entry.compare(0, prefix.size(), prefix) != 0 || entry.size() == prefix.size()) return false;
-  for (size_t i = prefix.size(); i < entry.size(); ++i)
-    if (!std::isdigit(static_cast<unsigned char>(entry[i])) && entry[i] != '-') return false;
-  return true;
+  return entry == name || temp_pid(entry, temp_stem(name) + ".tmp.") > 0;
 }
 
 // Removes dir if every entry in it is a regular file named in names, or a temporary of one (an
@@ -268,12 +476,8 @@ void clean_stale_temps(const std::string& path, const std::vector<std::string>& 
   std::vector<std::string> stale;
   while (const dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    const char* digits = name.c_str() + prefix.size();
-    char* end = nullptr;
-    const long pid = std::strtol(digits, &end, 10);
-    if (end == digits || (*end != '\0' && *end != '-')) continue;
-    if (!pid_alive(pid)) stale.push_back((fs::path(dir) / name).string());
+    const long pid = temp_pid(name, prefix);
+    if (pid > 0 && !pid_alive(pid)) stale.push_back((fs::path(dir) / name).string());
   }
   ::closedir(d);
   // A write_output temporary is a regular file; an OutputSet's staging directory holds regular
@@ -294,7 +498,10 @@ std::string output_key(const std::string& path) {
   // target (a file stdout is redirected to, a pipe's "pipe:[N]", a tty; /proc/PID/fd/1 itself
   // when stdout is closed), so `--json - --trace /dev/stdout` is two outputs on one stream, as
   // `--json /dev/stdout --trace /dev/fd/1` was (it kept "-" and wrote both, unparseable, exit 0).
-  std::string key = resolve_output_path(path == "-" ? "/proc/self/fd/1" : path);
+  // A path that leads to one of the process's own streams (a symlink to /dev/stdout) is keyed
+  // as that stream is.
+  const int fd = path == "-" ? STDOUT_FILENO : own_stream_fd(path);
+  std::string key = resolve_output_path(fd >= 0 ? "/proc/self/fd/" + std::to_string(fd) : path);
   std::error_code ec;
   const fs::path abs = fs::weakly_canonical(fs::absolute(key, ec), ec);
   if (!ec) key = abs.string();
@@ -358,13 +565,32 @@ void check_distinct_outputs(const std::vector<std::pair<std::string, std::string
   }
 }
 
-void check_output_writable(const std::string& path, const std::string& option, bool directory) {
+namespace {
+
+// Whether this process may rename over another user's file in a sticky directory: it has
+// CAP_FOWNER (bit 3 of CapEff in /proc/self/status; root without that file).
+bool has_cap_fowner() {
+  std::ifstream f("/proc/self/status");
+  std::string key, value;
+  while (f >> key >> value) {
+    if (key != "CapEff:") continue;
+    const unsigned long long caps = std::strtoull(value.c_str(), nullptr, 16);
+    return (caps >> 3) & 1;
+  }
+  return ::geteuid() == 0;
+}
+
+}  // namespace
+
+void check_output_writable(const std::string& path, const std::string& option, bool directory,
+                           bool replaced) {
   if (path.empty() || ((path == "-" || own_stream_fd(path) >= 0) && !directory)) return;
   const std::string shown = option + " " + path;
   const std::string target = resolve(path, directory);
   if (directory) check_replaceable(path, target, shown);
   struct stat st;
-  if (::stat(target.c_str(), &st) == 0) {
+  const bool exists = ::stat(target.c_str(), &st) == 0;
+  if (exists) {
     if (directory && !S_ISDIR(st.st_mode)) throw IoError(shown + ": exists and is not a directory");
     if (!directory && S_ISDIR(st.st_mode))
       throw IoError(shown + ": is a directory (a file was expected)");
@@ -375,6 +601,15 @@ void check_output_writable(const std::string& path, const std::string& option, b
   const std::string dir = dir_of(target);
   if (::access(dir.c_str(), W_OK | X_OK) != 0)
     throw IoError(shown + ": cannot write into " + dir + " (" + errno_text(errno) + ")");
+  // In a sticky directory (/tmp, mode 1777) only the owner of a file (or of the directory) may
+  // rename over it: another user's file there passed, and the run failed at its very end with
+  // "write failed (Operation not permitted)".
+  struct stat ds;
+  if (exists && replaced && ::stat(dir.c_str(), &ds) == 0 && (ds.st_mode & S_ISVTX) &&
+      st.st_uid != ::geteuid() && ds.st_uid != ::geteuid() && !has_cap_fowner())
+    throw IoError(shown + ": belongs to another user (uid " + std::to_string(st.st_uid) +
+                  ") in the sticky directory " + dir +
+                  ", where only its owner may replace it; remove it or write elsewhere");
   // access() says yes to root on a read-only or pseudo file system (/proc, /sys): create the
   // temporary the write will need, for real, and remove it at once.
   const std::string probe = temp_name(target);
@@ -421,7 +656,8 @@ void check_output_set(const std::string& dir, const std::vector<std::string>& na
 
 // ---------------------------------------------------------------------------------------------
 
-OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names)
+OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names,
+                     const std::string& option)
     : names_(std::move(names)) {
   LOOM_CHECK(!dir.empty() && dir != "-", InvalidArgument,
              "an output directory must be a directory path, got '" << dir << "'");
@@ -442,9 +678,21 @@ OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names)
   struct stat st;
   if (::stat(dir_.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
     ::chmod(staging_.c_str(), st.st_mode & 07777);
+  std::string shown = dir;
+  strip_trailing_slashes(shown);
+  std::lock_guard<std::mutex> lock(g_staging_mutex);
+  g_staging.emplace_back(staging_, option.empty() ? shown : option + " " + shown);
 }
 
 OutputSet::~OutputSet() {
+  {
+    std::lock_guard<std::mutex> lock(g_staging_mutex);
+    for (auto it = g_staging.begin(); it != g_staging.end(); ++it)
+      if (it->first == staging_) {
+        g_staging.erase(it);
+        break;
+      }
+  }
   if (committed_) return;
   std::error_code ec;
   fs::remove_all(staging_, ec);
@@ -505,7 +753,12 @@ void lock_or_refuse(int fd, const std::string& path, const std::string& option) 
 
 DirectoryLock::DirectoryLock(const std::string& dir, const std::string& option) {
   fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd_ < 0) return;
+  // A missing directory holds nothing to protect (whoever writes it reports it missing). Any
+  // other failure locked nothing either: a directory one may write but not list (mode 0333) let
+  // a second run in, and its listing (a fresh run's guard) saw nothing to protect.
+  LOOM_CHECK(fd_ >= 0 || errno == ENOENT, IoError,
+             option << " " << dir << " cannot be opened (" << errno_text(errno)
+                    << "); it must be a directory this user can list and write");
   try {
     lock_or_refuse(fd_, dir, option);
   } catch (...) {
@@ -614,9 +867,23 @@ int64_t read_int_file(const char* path) {
   const long long v = std::strtoll(s.c_str(), &end, 10);
   return (end && *end == '\0' && v >= 0) ? v : -1;
 }
-}  // namespace
 
-int64_t available_memory_bytes() {
+// /proc/self/status's `key` ("VmSize:", "VmData:") in bytes; -1 when it cannot be read.
+int64_t status_bytes(const char* key) {
+  std::ifstream f("/proc/self/status");
+  std::string k, rest;
+  while (f >> k) {
+    if (k == key) {
+      int64_t kib = -1;
+      return (f >> kib) && kib >= 0 ? kib * 1024 : -1;
+    }
+    std::getline(f, rest);
+  }
+  return -1;
+}
+
+// MemAvailable, lowered to the cgroup's headroom; -1 when neither is known.
+int64_t machine_memory_bytes() {
   const int64_t kib = meminfo_kib("MemAvailable:");
   int64_t avail = kib >= 0 ? kib * 1024 : -1;
   const int64_t max = read_int_file("/sys/fs/cgroup/memory.max");
@@ -626,6 +893,41 @@ int64_t available_memory_bytes() {
     avail = avail < 0 ? room : std::min(avail, room);
   }
   return avail;
+}
+}  // namespace
+
+int64_t address_space_room(std::string* limit) {
+  struct Limit {
+    int resource;
+    const char *used, *name;
+  };
+  // RLIMIT_DATA counts the private writable mappings (VmData) since Linux 4.7.
+  const Limit limits[] = {{RLIMIT_AS, "VmSize:", "the address-space limit (ulimit -v)"},
+                          {RLIMIT_DATA, "VmData:", "the data-size limit (ulimit -d)"}};
+  int64_t room = -1;
+  for (const Limit& l : limits) {
+    struct rlimit rl;
+    if (::getrlimit(l.resource, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) continue;
+    const int64_t used = status_bytes(l.used);
+    if (used < 0) continue;
+    const int64_t max = rl.rlim_cur > uint64_t(std::numeric_limits<int64_t>::max())
+                            ? std::numeric_limits<int64_t>::max()
+                            : static_cast<int64_t>(rl.rlim_cur);
+    const int64_t left = std::max<int64_t>(0, max - used);
+    if (room >= 0 && left >= room) continue;
+    room = left;
+    if (limit)
+      *limit = std::string(l.name) + " of " + human_bytes(double(max)) + ", of which " +
+               human_bytes(double(used)) + " is mapped already";
+  }
+  return room;
+}
+
+int64_t available_memory_bytes() {
+  const int64_t avail = machine_memory_bytes();
+  const int64_t room = address_space_room();
+  if (room < 0) return avail;
+  return avail < 0 ? room : std::min(avail, room);
 }
 
 std::string human_bytes(double b) {
@@ -684,14 +986,28 @@ int64_t parse_size(const std::string& text, const std::string& option) {
 }
 
 void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string& what,
-                  const std::string& option) {
+                  const std::string& option, double mapped_bytes) {
   // An estimate whose byte counts overflowed (NaN, negative, infinite) is refused whatever the
   // limit, known or not: a negative one passed every limit and the run allocated.
   LOOM_CHECK(std::isfinite(estimate_bytes) && estimate_bytes >= 0, InvalidArgument,
              what << " is too large to estimate its memory (the byte counts overflow: "
                   << estimate_bytes << "); make the problem smaller");
+  // An address-space limit bounds the run whatever --memory-limit says, and counts what is only
+  // mapped too (OpenBLAS's buffers): past it an allocation fails, and OpenBLAS retries its own
+  // for ever (a run under `ulimit -v` hung).
+  std::string which;
+  const int64_t room = address_space_room(&which);
+  const double mapped = estimate_bytes + std::max(0.0, mapped_bytes);
+  if (room >= 0 && mapped > double(room)) {
+    std::ostringstream os;
+    os << what << " needs about " << human_bytes(mapped) << " of address space (estimate"
+       << (mapped_bytes > 0 ? ", with " + human_bytes(mapped_bytes) + " of OpenBLAS buffers" : "")
+       << ") but " << which << ", leaves " << human_bytes(double(room))
+       << "; make the problem smaller or raise the limit";
+    throw InvalidArgument(os.str(), __FILE__, __LINE__);
+  }
   const bool from_machine = limit_bytes < 0;
-  const double limit = from_machine ? double(available_memory_bytes()) : double(limit_bytes);
+  const double limit = from_machine ? double(machine_memory_bytes()) : double(limit_bytes);
   if (limit < 0) return;  // unknown: nothing to compare with
   if (!(estimate_bytes > limit)) return;
   std::ostringstream os;

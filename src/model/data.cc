@@ -34,10 +34,17 @@ std::vector<size_t> find_documents(const std::string& t) {
     kjv[0] = 0;  // anything before Genesis belongs to the first book
     return kjv;
   }
+  // Blank lines separate documents: "\n\n", or "\r\n\r\n" in CRLF text (whose blank lines were
+  // not seen: a CRLF file was one document). A document starts after the last blank line.
+  auto line_end = [&](size_t p) {  // length of the line end "\n" or "\r\n" at p, or 0
+    if (p < t.size() && t[p] == '\n') return size_t{1};
+    return p + 1 < t.size() && t[p] == '\r' && t[p + 1] == '\n' ? size_t{2} : size_t{0};
+  };
   std::vector<size_t> starts{0};
-  for (size_t p = t.find("\n\n"); p != std::string::npos; p = t.find("\n\n", p + 1)) {
-    size_t s = p + 2;
-    while (s < t.size() && t[s] == '\n') ++s;
+  for (size_t p = t.find('\n'); p != std::string::npos; p = t.find('\n', p + 1)) {
+    size_t s = p + 1;
+    if (line_end(s) == 0) continue;  // not followed by a blank line
+    while (const size_t n = line_end(s)) s += n;
     if (s < t.size() && s > starts.back()) starts.push_back(s);
     p = s - 1;
   }

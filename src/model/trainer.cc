@@ -22,17 +22,43 @@ namespace loom::model {
 
 namespace {
 constexpr char kMagic[8] = {'L', 'O', 'O', 'M', 'C', 'K', 'P', '1'};
+constexpr const char* kCheckpointFormat = "loom train checkpoint 1";  // the header's "format"
 constexpr double kPi = 3.14159265358979323846;
 constexpr double kMaxLr = 10;  // AdamW steps are about lr per weight: beyond this, no training
 // A checkpoint's JSON header is a few KiB; a far longer one is not a checkpoint.
 constexpr size_t kMaxCheckpointHeader = size_t{16} << 20;
 constexpr double kCheckpointWriteS = 600;  // the least a rank waits for rank 0 to write one
+// Checkpoints are streamed in pieces of this size (a multiple of 4: whole floats), never held
+// whole: a full copy of the weights and both moments on every rank, and the file as one string
+// on rank 0, took a 4-rank run estimated at 347 MiB to 1.42 GiB.
+constexpr size_t kIoChunk = size_t{1} << 20;
+constexpr int kCheckpointTag = 0x636b;  // the tp pieces sent to world rank 0 for a checkpoint
 
 // Index of the first non-finite value, or -1.
 int64_t first_non_finite(const std::vector<float>& v) {
   for (size_t i = 0; i < v.size(); ++i)
     if (!std::isfinite(v[i])) return static_cast<int64_t>(i);
   return -1;
+}
+
+// A value as the error lines show it: NaN as "nan" whatever its sign bit (it was "-nan").
+std::string value_text(double x) {
+  if (std::isnan(x)) return "nan";
+  std::ostringstream o;
+  o << x;
+  return o.str();
+}
+
+// Elements of the largest parameter tensor (full, unsplit) of the model: the most a checkpoint
+// holds at once beyond the trainer's own state.
+int64_t largest_tensor(const ModelConfig& m) {
+  return std::max({m.vocab * m.dim, m.dim * m.heads * m.head_dim(),
+                   m.dim * m.kv_heads * m.head_dim(), m.dim * m.ffn_dim()});
+}
+
+// Bytes of a checkpoint's JSON header text and its parsed form: allowed for in the estimate.
+double header_allowance(const ModelConfig& m) {
+  return 64.0 * 1024 + 1024.0 * static_cast<double>(4 + 9 * m.layers);
 }
 
 }  // namespace
@@ -145,7 +171,8 @@ StepResult Trainer::train_step() {
     world_.all_reduce(&key, 1, DType::f64, ReduceOp::max);
     LOOM_CHECK(false, Error,
                "non-finite training at step "
-                   << step_ + 1 << ": loss " << sums[0] * scale << ", gradient norm " << norm
+                   << step_ + 1 << ": loss " << value_text(sums[0] * scale) << ", gradient norm "
+                   << value_text(norm)
                    << (key > 0 ? " (first on rank " + std::to_string(world_.size() - int(key)) + ")"
                                : std::string())
                    << "; stopped before the update and before any checkpoint of it (lower --lr "
@@ -199,7 +226,15 @@ double Trainer::evaluate() {
     if (i % dp == mine) loss += model_->forward_backward(s, 0.0, false);
   }
   world_.all_reduce(&loss, 1, DType::f64, ReduceOp::sum);
-  return predicted > 0 ? loss / static_cast<double>(predicted) : std::nan("");
+  if (predicted == 0) return std::nan("");
+  // Every rank holds the same sum: all stop together. An Inf was logged as "val_loss": null.
+  const double mean = loss / static_cast<double>(predicted);
+  LOOM_CHECK(std::isfinite(mean), Error,
+             "non-finite validation loss after step "
+                 << step_ << ": " << value_text(mean)
+                 << "; stopped before that step's log line and checkpoint (lower --lr or raise "
+                    "--warmup)");
+  return mean;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -235,20 +270,6 @@ std::vector<float> Trainer::gather_full(const std::vector<float>& flat) {
   return full;
 }
 
-void Trainer::scatter_full(const std::vector<float>& full, std::vector<float>& flat) {
-  const int t = mesh_.tp_rank;
-  size_t base = 0;
-  for (const ParamSpec& p : model_->specs()) {
-    for (int64_t i = 0; i < p.local_rows; ++i)
-      for (int64_t j = 0; j < p.local_cols; ++j) {
-        const int64_t gi = p.split == ParamSpec::by_rows ? t * p.local_rows + i : i;
-        const int64_t gj = p.split == ParamSpec::by_cols ? t * p.local_cols + j : j;
-        flat[p.offset + i * p.local_cols + j] = full[base + gi * p.cols + gj];
-      }
-    base += static_cast<size_t>(p.rows * p.cols);
-  }
-}
-
 std::vector<float> Trainer::full_params() {
   return gather_full(model_->params());
 }
@@ -282,7 +303,93 @@ nlohmann::json run_identity(const TrainConfig& c, uint64_t data_hash) {
           {"data_fnv1a64", std::to_string(data_hash)}};
 }
 
+// World rank 0's checkpoint file as it is written: buffered, the checksum taken as it goes.
+class CheckpointOut {
+ public:
+  explicit CheckpointOut(const std::string& path) : file_(path) { buf_.reserve(kIoChunk); }
+  // Bytes the checksum covers (everything after the magic).
+  void put(const void* p, size_t n) {
+    sum_ = fnv1a64(p, n, sum_);
+    raw(p, n);
+  }
+  void raw(const void* p, size_t n) {
+    if (buf_.size() + n > kIoChunk) flush();
+    if (n >= kIoChunk)
+      file_.write(p, n);
+    else
+      buf_.append(static_cast<const char*>(p), n);
+  }
+  void commit() {
+    raw(&sum_, sizeof sum_);
+    flush();
+    file_.commit();
+  }
+
+ private:
+  void flush() {
+    file_.write(buf_.data(), buf_.size());
+    buf_.clear();
+  }
+  AtomicFileWriter file_;
+  std::string buf_;
+  uint64_t sum_ = 0xcbf29ce484222325ull;  // fnv1a64's offset basis
+};
+
 }  // namespace
+
+double checkpoint_bytes(const TrainConfig& c, int ranks_here, bool resume) {
+  // Loading: every rank reads in kIoChunk pieces and holds one tensor and the header at a time;
+  // saving: world rank 0 alone holds one tensor's pieces, its write buffer and the header.
+  const double one = static_cast<double>(kIoChunk) +
+                     static_cast<double>(largest_tensor(c.model)) * sizeof(float) +
+                     header_allowance(c.model);
+  return resume ? ranks_here * one : one;
+}
+
+void Trainer::stream_full(const std::vector<float>& flat,
+                          const std::function<void(const float*, size_t)>& emit, double timeout_s) {
+  // The other tp groups hold the same weights and moments as world rank 0's: nothing to send.
+  if (mesh_.dp_rank != 0 || mesh_.cp_rank() != 0) return;
+  const bool writer = world_.rank() == 0;  // tp rank 0 of this group
+  const int T = mesh_.shape.tp;
+  std::vector<float> pieces, row;
+  for (const ParamSpec& p : model_->specs()) {
+    const float* mine = flat.data() + p.offset;
+    const size_t local = static_cast<size_t>(p.local_size());
+    if (p.split == ParamSpec::none) {
+      if (writer) emit(mine, local);
+      continue;
+    }
+    // A piece goes out when world rank 0 asks for it: sends complete at once on the local
+    // backend, so unasked, every rank queued all its pieces of all three sets (a copy of its
+    // state) ahead of rank 0's writes.
+    char go = 0;
+    if (!writer) {
+      mesh_.tp->irecv(&go, 1, 0, kCheckpointTag)->wait(timeout_s);
+      mesh_.tp->isend(mine, local * sizeof(float), 0, kCheckpointTag)->wait(timeout_s);
+      continue;
+    }
+    pieces.resize(local * static_cast<size_t>(T));
+    std::copy(mine, mine + local, pieces.begin());
+    std::vector<WorkPtr> recvs;
+    for (int t = 1; t < T; ++t)
+      recvs.push_back(
+          mesh_.tp->irecv(pieces.data() + t * local, local * sizeof(float), t, kCheckpointTag));
+    for (int t = 1; t < T; ++t) mesh_.tp->isend(&go, 1, t, kCheckpointTag)->wait(timeout_s);
+    for (WorkPtr& r : recvs) r->wait(timeout_s);
+    if (p.split == ParamSpec::by_rows) {  // piece t is rows [t, t + 1) x local_rows: in order
+      emit(pieces.data(), pieces.size());
+      continue;
+    }
+    row.resize(static_cast<size_t>(p.cols));  // by columns: each row from every piece
+    for (int64_t i = 0; i < p.rows; ++i) {
+      for (int t = 0; t < T; ++t)
+        std::copy_n(pieces.data() + t * local + i * p.local_cols, p.local_cols,
+                    row.data() + t * p.local_cols);
+      emit(row.data(), row.size());
+    }
+  }
+}
 
 std::string Trainer::save_checkpoint(const std::string& dir) {
   // Collective: a non-finite weight or moment on any rank means no checkpoint at all.
@@ -292,41 +399,50 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   LOOM_CHECK(bad[0] == 0 && bad[1] == 0 && bad[2] == 0, Error,
              "step " << step_ << ": the " << (bad[0] ? "weights" : "AdamW moments")
                      << " hold NaN or Inf; no checkpoint written (lower --lr or raise --warmup)");
-  const std::vector<float> w = gather_full(model_->params());
-  const std::vector<float> mo = gather_full(adam_m_);
-  const std::vector<float> ve = gather_full(adam_v_);
   char name[32];
   std::snprintf(name, sizeof name, "step-%08lld.ckpt", static_cast<long long>(step_));
   const std::string path = (std::filesystem::path(dir) / name).string();
+  std::unique_ptr<CheckpointOut> out;
   if (world_.rank() == 0) {
-    nlohmann::json h;
-    h["format"] = "loom train checkpoint 1";
-    h["step"] = step_;
-    h["run"] = run_identity(cfg_, data_hash_);
-    h["floats_per_tensor"] = w.size();
-    nlohmann::json names = nlohmann::json::array();
-    for (const ParamSpec& p : model_->specs()) names.push_back({p.name, p.rows, p.cols});
-    h["params"] = names;
-    const std::string header = h.dump();
-    std::string bytes(kMagic, sizeof kMagic);
-    const uint64_t hl = header.size();
-    bytes.append(reinterpret_cast<const char*>(&hl), sizeof hl);
-    bytes += header;
-    for (const auto* v : {&w, &mo, &ve})
-      bytes.append(reinterpret_cast<const char*>(v->data()), v->size() * sizeof(float));
-    const uint64_t sum = fnv1a64(bytes.data() + sizeof kMagic, bytes.size() - sizeof kMagic);
-    bytes.append(reinterpret_cast<const char*>(&sum), sizeof sum);
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     LOOM_CHECK(std::filesystem::is_directory(dir), IoError,
                "cannot create --checkpoint-dir " << dir);
-    write_file_atomic(path, bytes);
+    size_t floats = 0;
+    nlohmann::json names = nlohmann::json::array();
+    for (const ParamSpec& p : model_->specs()) {
+      names.push_back({p.name, p.rows, p.cols});
+      floats += static_cast<size_t>(p.rows * p.cols);
+    }
+    nlohmann::json h;
+    h["format"] = kCheckpointFormat;
+    h["step"] = step_;
+    h["run"] = run_identity(cfg_, data_hash_);
+    h["floats_per_tensor"] = floats;
+    h["params"] = names;
+    const std::string header = h.dump();
+    const uint64_t hl = header.size();
+    out = std::make_unique<CheckpointOut>(path);
+    out->raw(kMagic, sizeof kMagic);
+    out->put(&hl, sizeof hl);
+    out->put(header.data(), header.size());
+  }
+  // The weights, then both moments, one tensor at a time: world rank 0 writes each as it
+  // arrives, its tp group sends their pieces (a write taking longer than the communication
+  // timeout is waited for, as the barrier below waits).
+  const double wait_s = std::max(world_.timeout_s(), kCheckpointWriteS);
+  const auto emit = [&](const float* v, size_t n) { out->put(v, n * sizeof(float)); };
+  for (const std::vector<float>* v : {&model_->params(), &adam_m_, &adam_v_})
+    stream_full(*v, emit, wait_s);
+  if (out) {
+    out->commit();
+    out.reset();
     write_file_atomic((std::filesystem::path(dir) / "latest").string(), std::string(name) + "\n");
   }
   // The other ranks wait while rank 0 writes and syncs the file: at least 10 minutes, as loom plan
   // --calibrate waits for its rank 0. Under the communication timeout a large checkpoint on a
   // slow disk failed the run after it was written (192 MB took 1.4 s here: a timeout of 1 s).
-  world_.barrier(std::max(world_.timeout_s(), kCheckpointWriteS));
+  world_.barrier(wait_s);
   return path;
 }
 
@@ -353,34 +469,63 @@ void Trainer::load_checkpoint(const std::string& where) {
                             << (rest.empty() ? "" : " " + rest) << "'");
     path = (fs::path(where) / name).string();
   }
-  size_t expect_floats = 0;
-  for (const ParamSpec& p : model_->specs()) expect_floats += static_cast<size_t>(p.rows * p.cols);
-  // Bounded: a checkpoint of this model has a known size (plus its header).
+  size_t expect = 0, largest = 0;
+  for (const ParamSpec& p : model_->specs()) {
+    expect += static_cast<size_t>(p.rows * p.cols);
+    largest = std::max(largest, static_cast<size_t>(p.rows * p.cols));
+  }
+  constexpr size_t kFixed = sizeof kMagic + 2 * sizeof(uint64_t);  // magic, length, checksum
+  std::vector<char> chunk(kIoChunk);
+
+  // Pass 1, nothing changed yet: the whole file in pieces for its checksum, its header, and its
+  // first non-finite value. Every rank reads the file (node-local directories work) but holds
+  // at most one piece of it (the whole file on every rank took a 1-rank run to 788 MiB).
   InputFile f(path, "checkpoint");
-  const std::string bytes =
-      f.read_rest(3 * expect_floats * sizeof(float) + 3 * sizeof(uint64_t) + kMaxCheckpointHeader);
-  uint64_t hl = 0;
-  LOOM_CHECK(bytes.size() >= sizeof kMagic + 2 * sizeof(uint64_t) &&
-                 std::memcmp(bytes.data(), kMagic, sizeof kMagic) == 0,
-             IoError,
+  LOOM_CHECK(f.regular(), IoError, "checkpoint " << path << " is not a regular file");
+  const uint64_t size = static_cast<uint64_t>(f.size());
+  // Bounded: a checkpoint of this model has a known size (plus its header).
+  const uint64_t most = 3 * expect * sizeof(float) + kFixed + kMaxCheckpointHeader;
+  LOOM_CHECK(size <= most, IoError,
+             "checkpoint " << path << " has " << size << " bytes, more than a checkpoint of this "
+                           << "model can (" << most << "); refusing to resume from it");
+  char magic[sizeof kMagic] = {};
+  if (size >= kFixed) f.read_exact(magic, sizeof magic);
+  LOOM_CHECK(size >= kFixed && std::memcmp(magic, kMagic, sizeof kMagic) == 0, IoError,
              "checkpoint " << path << " is not a loom train checkpoint (bad magic or "
                            << "truncated)");
-  std::memcpy(&hl, bytes.data() + sizeof kMagic, sizeof hl);
-  LOOM_CHECK(hl <= bytes.size() - sizeof kMagic - 2 * sizeof(uint64_t), IoError,
+  uint64_t hl = 0;
+  f.read_exact(&hl, sizeof hl);
+  LOOM_CHECK(hl <= size - kFixed && hl <= kMaxCheckpointHeader, IoError,
              "checkpoint " << path << " is truncated or corrupt (header length " << hl << ")");
+  std::string header(hl, '\0');
+  f.read_exact(header.data(), hl);
+  uint64_t sum = fnv1a64(&hl, sizeof hl);
+  sum = fnv1a64(header.data(), header.size(), sum);
+  const uint64_t payload = size - kFixed - hl;
+  int64_t first_bad = -1;  // index of the payload's first non-finite float
+  for (uint64_t done = 0; done < payload;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunk, payload - done));
+    f.read_exact(chunk.data(), n);
+    sum = fnv1a64(chunk.data(), n, sum);
+    for (size_t i = 0; first_bad < 0 && i + sizeof(float) <= n; i += sizeof(float)) {
+      float x;
+      std::memcpy(&x, chunk.data() + i, sizeof x);
+      if (!std::isfinite(x)) first_bad = static_cast<int64_t>((done + i) / sizeof(float));
+    }
+    done += n;
+  }
   uint64_t stored = 0;
-  std::memcpy(&stored, bytes.data() + bytes.size() - sizeof stored, sizeof stored);
-  const uint64_t sum =
-      fnv1a64(bytes.data() + sizeof kMagic, bytes.size() - sizeof kMagic - sizeof stored);
+  f.read_exact(&stored, sizeof stored);
   LOOM_CHECK(sum == stored, IoError,
              "checkpoint " << path << " is corrupt: checksum mismatch (stored " << stored
                            << ", computed " << sum << "); refusing to resume from it");
   nlohmann::json h;
   try {
-    h = nlohmann::json::parse(bytes.substr(sizeof kMagic + sizeof hl, hl));
+    h = nlohmann::json::parse(header);
   } catch (const nlohmann::json::exception& e) {
     LOOM_CHECK(false, IoError, "checkpoint " << path << " has a malformed header: " << e.what());
   }
+  header = std::string();
   // The header's fields, typed (a checksum proves only that the bytes are as written): a header
   // that is not an object, or a step outside [0, steps], made the run fail with a raw JSON
   // type_error, "train" from step -4 into NaN, or "resume" at step 1000 of 2 and exit 0 having
@@ -392,10 +537,22 @@ void Trainer::load_checkpoint(const std::string& where) {
              "checkpoint " << path
                            << " has a malformed header (no object with an integer step, "
                               "floats_per_tensor and run)");
-  const int64_t saved_step = h["step"].get<int64_t>();
-  LOOM_CHECK(saved_step >= 0 && saved_step <= cfg_.steps, IoError,
-             "checkpoint " << path << " is at step " << saved_step << ", outside this run's 0.."
+  // Another layout under the same magic is not read as this one (any format was taken).
+  LOOM_CHECK(h.contains("format") && h["format"] == kCheckpointFormat, IoError,
+             "checkpoint " << path << " has format "
+                           << (h.contains("format") ? h["format"].dump() : "(none)") << ", not \""
+                           << kCheckpointFormat
+                           << "\" (written by another version of loom?); refusing to resume "
+                              "from it");
+  // Shown as written: a step of 2^64 - 1 was "at step -1".
+  const nlohmann::json& js = h["step"];
+  const bool step_ok = js.is_number_unsigned()
+                           ? js.get<uint64_t>() <= static_cast<uint64_t>(cfg_.steps)
+                           : js.get<int64_t>() >= 0 && js.get<int64_t>() <= cfg_.steps;
+  LOOM_CHECK(step_ok, IoError,
+             "checkpoint " << path << " is at step " << js.dump() << ", outside this run's 0.."
                            << cfg_.steps);
+  const int64_t saved_step = js.get<int64_t>();
   const nlohmann::json want = run_identity(cfg_, data_hash_),
                        got = h.value("run", nlohmann::json{});
   for (auto it = want.begin(); it != want.end(); ++it)
@@ -405,26 +562,52 @@ void Trainer::load_checkpoint(const std::string& where) {
                                        << " but this run has " << it.key() << " = "
                                        << it.value().dump());
   const size_t count = h.value("floats_per_tensor", size_t{0});
-  const size_t payload = bytes.size() - sizeof kMagic - sizeof hl - hl - sizeof stored;
   LOOM_CHECK(payload == 3 * count * sizeof(float), IoError,
              "checkpoint " << path << " payload has " << payload << " bytes, expected "
                            << 3 * count * sizeof(float));
-  size_t expect = 0;
-  for (const ParamSpec& p : model_->specs()) expect += static_cast<size_t>(p.rows * p.cols);
   LOOM_CHECK(count == expect, InvalidArgument,
              "checkpoint " << path << " holds " << count << " parameters, this model " << expect);
-  const char* base = bytes.data() + sizeof kMagic + sizeof hl + hl;
-  std::vector<float> full(count);
-  std::vector<float>* dst[3] = {&model_->params(), &adam_m_, &adam_v_};
   static const char* const kWhat[3] = {"weights", "AdamW first moments", "AdamW second moments"};
-  for (int i = 0; i < 3; ++i) {
-    std::memcpy(full.data(), base + i * count * sizeof(float), count * sizeof(float));
-    const int64_t bad = first_non_finite(full);
-    LOOM_CHECK(bad < 0, IoError,
-               "checkpoint " << path << " holds a non-finite value in its " << kWhat[i]
-                             << " (index " << bad << "); refusing to resume from it");
-    scatter_full(full, *dst[i]);
+  LOOM_CHECK(first_bad < 0, IoError,
+             "checkpoint " << path << " holds a non-finite value in its "
+                           << kWhat[first_bad / static_cast<int64_t>(count)] << " (index "
+                           << first_bad % static_cast<int64_t>(count)
+                           << "); refusing to resume from it");
+
+  // Pass 2: the payload again, one tensor at a time, this rank's piece of each kept. Its
+  // checksum must be pass 1's: a file replaced between the two is refused (after the state was
+  // overwritten: the run stops).
+  InputFile g(path, "checkpoint");
+  uint64_t sum2 = 0xcbf29ce484222325ull;
+  const auto read = [&](void* dst, size_t n) {
+    g.read_exact(dst, n);
+    sum2 = fnv1a64(dst, n, sum2);
+  };
+  g.read_exact(magic, sizeof magic);
+  const bool same_magic = std::memcmp(magic, kMagic, sizeof kMagic) == 0;
+  for (uint64_t done = 0; done < sizeof hl + hl;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunk, sizeof hl + hl - done));
+    read(chunk.data(), n);
+    done += n;
   }
+  chunk = std::vector<char>();
+  std::vector<float> block(largest);
+  std::vector<float>* dst[3] = {&model_->params(), &adam_m_, &adam_v_};
+  const int t = mesh_.tp_rank;
+  for (std::vector<float>* flat : dst)
+    for (const ParamSpec& p : model_->specs()) {
+      read(block.data(), static_cast<size_t>(p.rows * p.cols) * sizeof(float));
+      for (int64_t i = 0; i < p.local_rows; ++i)
+        for (int64_t j = 0; j < p.local_cols; ++j) {
+          const int64_t gi = p.split == ParamSpec::by_rows ? t * p.local_rows + i : i;
+          const int64_t gj = p.split == ParamSpec::by_cols ? t * p.local_cols + j : j;
+          (*flat)[p.offset + i * p.local_cols + j] = block[gi * p.cols + gj];
+        }
+    }
+  uint64_t stored2 = 0;
+  g.read_exact(&stored2, sizeof stored2);
+  LOOM_CHECK(same_magic && sum2 == sum && stored2 == stored, IoError,
+             "checkpoint " << path << " changed while it was read; refusing to resume from it");
   model_->params_changed();
   step_ = saved_step;
   // Every rank reads the checkpoint itself (node-local directories work): all must have read the

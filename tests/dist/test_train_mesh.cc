@@ -371,5 +371,89 @@ TEST(TrainResume, CorruptOrForeignCheckpointsAreRefused) {
   std::filesystem::remove_all(dir);
 }
 
+// A checkpoint is mesh-independent: written on tp 2 (world rank 0 gathers each tensor from its
+// tp group, one at a time) or on dp 2 x tp 2, it is the one-rank file byte for byte; loaded on
+// one rank, a tp 2 run's weights are exactly the ones it saved.
+TEST(TrainResume, CheckpointsAreTheSameFileOnEveryMesh) {
+  const TrainConfig one = tiny(MeshShape{}, Strategy::ring);
+  auto save = [&](const MeshShape& mesh, const std::string& name) {
+    TrainConfig c = one;
+    c.par.mesh = mesh;
+    const std::string dir = temp_dir(name.c_str());
+    std::string path;
+    run_local(mesh.world(), [&](Communicator& world) {
+      Trainer t(world, c, corpus());
+      const std::string p = t.save_checkpoint(dir);
+      if (world.rank() == 0) path = p;
+    });
+    std::ifstream f(path, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    std::filesystem::remove_all(dir);
+    return bytes;
+  };
+  const std::string ref = save(MeshShape{}, "mesh1");
+  ASSERT_GT(ref.size(), 1000u);
+  EXPECT_TRUE(save(MeshShape{1, 2, 1, 1}, "tp2") == ref) << "tp 2";
+  EXPECT_TRUE(save(MeshShape{2, 2, 1, 1}, "dp2tp2") == ref) << "dp 2 x tp 2";
+
+  const std::string dir = temp_dir("tp2_to_1");
+  TrainConfig tp2 = one;
+  tp2.par.mesh = MeshShape{1, 2, 1, 1};
+  std::vector<float> saved, loaded;
+  run_local(2, [&](Communicator& world) {
+    Trainer t(world, tp2, corpus());
+    t.train_step();
+    t.train_step();
+    t.save_checkpoint(dir);
+    std::vector<float> w = t.full_params();
+    if (world.rank() == 0) saved = w;
+  });
+  run_local(1, [&](Communicator& world) {
+    Trainer t(world, one, corpus());
+    t.load_checkpoint(dir);
+    EXPECT_EQ(t.step(), 2);
+    loaded = t.full_params();
+  });
+  EXPECT_TRUE(saved == loaded) << "weights after a tp 2 save and a one-rank load";
+  std::filesystem::remove_all(dir);
+}
+
+// A validation loss that is not finite stops every rank (an Inf was logged as "val_loss": null);
+// windows that predict nothing give NaN, which loom train refuses before training.
+TEST(TrainEvaluate, NonFiniteLossIsAnErrorOnEveryRank) {
+  TrainConfig c = tiny(MeshShape{1, 1, 1, 2}, Strategy::ring);
+  int errors = 0;
+  std::mutex mu;
+  run_local(2, [&](Communicator& world) {
+    Trainer t(world, c, corpus());
+    EXPECT_TRUE(std::isfinite(t.evaluate()));
+    for (float& w : t.model().params()) w = 1e30f;  // finite weights whose logits overflow
+    t.model().params_changed();
+    try {
+      t.evaluate();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("non-finite validation loss"), std::string::npos)
+          << e.what();
+      std::lock_guard<std::mutex> lock(mu);
+      ++errors;
+    }
+  });
+  EXPECT_EQ(errors, 2);
+  const Corpus quotes = make_corpus(
+      [] {
+        std::string t;
+        for (int i = 0; i < 300; ++i) t += "quote " + std::to_string(10000 + i) + " of the day\n\n";
+        return t;
+      }(),
+      "quotes");
+  c = tiny(MeshShape{}, Strategy::ring);
+  c.seq = 16;
+  c.pack_documents = true;
+  run_local(1, [&](Communicator& world) {
+    Trainer t(world, c, quotes);
+    EXPECT_TRUE(std::isnan(t.evaluate()));
+  });
+}
+
 }  // namespace
 }  // namespace loom::model

@@ -44,9 +44,9 @@ expect_ok "bf16 storage, ring" --ranks 4 --seq 512 --heads 4 --kv-heads 2 --head
 expect_ok "bf16 storage, hybrid, documents" --ranks 4 --strategy hybrid --ulysses 2 --seq 300 \
   --heads 4 --kv-heads 2 --head-dim 32 --docs 100,200 --backward --check --dtype bf16 --iters 1 \
   --warmup 0 --quiet
-# bf16 --check: the fixed tolerance 2^-7 from 4 visible keys per query row on average, the
-# problem's own bounds below (loom/tolerance.h). S = 2 causal (1.5 keys per row) put dk 1.5 times
-# over the fixed tolerance on the avx512bf16 path and was reported FAILED.
+# bf16 --check: the fixed tolerance 2^-7 from 6 effective keys per query row, the problem's own
+# bounds below (loom/tolerance.h, fixed_tolerance_exclusion). S = 2 causal (1.5 keys per row)
+# put dk 1.5 times over the fixed tolerance on the avx512bf16 path and was reported FAILED.
 for s in 2 64; do
   "$loom" attn --seq $s --heads 2 --kv-heads 1 --dtype bf16 --backward --check --iters 1 \
     --warmup 0 --quiet --json "$work/bf16_$s.json" > "$work/out" 2>&1 || { cat "$work/out"; bad "bf16 S=$s: exit"; }
@@ -58,8 +58,8 @@ assert small["passed"] and small["bounds"] == "per-problem", small
 assert small["tolerance"] > 2**-7 and small["max_rel_err"] <= small["tolerance"], small
 assert big["passed"] and big["bounds"] == "fixed" and big["tolerance"] == 2**-7, big
 PY
-then ok "bf16 --check: per-problem bounds under 4 keys per row (S=2), fixed 2^-7 above (S=64)"
-else bad "bf16 --check: per-problem bounds under 4 keys per row (S=2), fixed 2^-7 above (S=64)"
+then ok "bf16 --check: per-problem bounds with few keys per row (S=2), fixed 2^-7 above (S=64)"
+else bad "bf16 --check: per-problem bounds with few keys per row (S=2), fixed 2^-7 above (S=64)"
 fi
 # fp32 --check: the fixed tolerance 1e-5 while |scale| max||q|| max||k|| <= 128, the problem's
 # own bounds above (loom/tolerance.h). --scale 10 (S = 256, D = 64) put dq over 1e-5 and was
@@ -452,9 +452,9 @@ done
 # A stale temporary of a dead process is removed on the next run.
 sh -c 'exit 0' & wait $!
 dead=$!
-echo partial > "$work/rel/r.json.tmp.$dead"
+echo partial > "$work/rel/r.json.tmp.$dead-0"
 "$loom" attn --seq 64 --quiet --json "$work/rel/r.json" > /dev/null 2>&1
-[ ! -e "$work/rel/r.json.tmp.$dead" ] && ok "stale r.json.tmp.PID removed" || bad "stale temp"
+[ ! -e "$work/rel/r.json.tmp.$dead-0" ] && ok "stale r.json.tmp.PID-N removed" || bad "stale temp"
 # 2. Memory is estimated before allocating.
 expect_error "issue's OOM case refused at once" "needs about" --seq 2000000 --heads 32 \
   --head-dim 128 --ranks 4
@@ -749,5 +749,127 @@ rc=$?
   [ "$(ls "$work/fail" | grep -c tmp)" -eq 0 ] &&
   ok "a failed --check (exit 1) leaves the --output set as it was, no temporaries" ||
   { cat "$work/stderr"; bad "a failed run replaced the --output set (rc=$rc)"; }
+
+# Audit (file output, limits). Each of these failed on the code before it.
+# 1. Only loom's own temporary names are removed: any digits after ".tmp.", then anything after a
+#    '-', were taken for a dead run's, and a user's backups were deleted (exit 0).
+mkdir -p "$work/own"
+sh -c 'exit 0' & wait $!
+dead=$!
+users=(a.json.tmp.2024-06-01 a.json.tmp.2024-06-01.bak a.json.tmp.99999999 "a.json.tmp.$dead")
+for n in "${users[@]}"; do echo mine > "$work/own/$n"; done
+echo partial > "$work/own/a.json.tmp.$dead-3"
+"$loom" attn --seq 64 --heads 2 --head-dim 16 --iters 1 --warmup 0 --quiet \
+  --json "$work/own/a.json" > /dev/null 2>&1
+kept=0
+for n in "${users[@]}"; do [ "$(cat "$work/own/$n" 2> /dev/null)" = mine ] && kept=$((kept + 1)); done
+[ $kept -eq ${#users[@]} ] && [ ! -e "$work/own/a.json.tmp.$dead-3" ] &&
+  ok "a user's a.json.tmp.2024-06-01 (and .bak, .99999999) kept; loom's own stale temporary removed" ||
+  { ls "$work/own"; bad "user files that look like temporaries deleted"; }
+# 2. A symlink to /dev/stdout is standard output: it was followed to the file stdout was appended
+#    to and replaced it (lost, exit 0), or into a pipe refused ("cannot write into /proc/self/fd").
+ln -s /dev/stdout "$work/own/so"
+ln -s so "$work/own/so2"
+echo precious > "$work/own/log.txt"
+"$loom" attn --seq 64 --iters 1 --warmup 0 --quiet --json "$work/own/so2" >> "$work/own/log.txt" &&
+  [ "$(head -1 "$work/own/log.txt")" = precious ] && grep -q '"config"' "$work/own/log.txt" &&
+  [ -L "$work/own/so" ] && ok "--json LINK to /dev/stdout appends to a redirected stdout" ||
+  { head -3 "$work/own/log.txt"; bad "--json LINK to /dev/stdout replaced the redirected file"; }
+"$loom" attn --seq 64 --iters 1 --warmup 0 --quiet --json "$work/own/so" 2> "$work/stderr" |
+  grep -q '"config"' && ok "--json LINK to /dev/stdout into a pipe" ||
+  { cat "$work/stderr"; bad "--json LINK to /dev/stdout into a pipe"; }
+# 3. A file size limit (ulimit -f) killed every command by SIGXFSZ, exit 153 without a word and
+#    its temporaries left; now the write fails: one line, exit 1 (2 for loom verify).
+mkdir -p "$work/fsz"
+(cd "$work/fsz" && ulimit -f 1 &&
+  "$loom" attn --seq 256 --heads 4 --ranks 2 --iters 1 --warmup 0 --quiet --json a.json \
+    > /dev/null 2> "$work/stderr")
+rc=$?
+[ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] &&
+  grep -qF "a.json: write failed (File too large)" "$work/stderr" && [ -z "$(ls "$work/fsz")" ] &&
+  ok "attn under ulimit -f: $(cat "$work/stderr")" ||
+  { ls "$work/fsz"; cat "$work/stderr"; bad "attn under ulimit -f (rc=$rc)"; }
+(cd "$work/fsz" && ulimit -f 1 &&
+  "$loom" verify --input "$work/vin" --candidate "$work/vcand" --quiet --json v.json 2> "$work/stderr")
+rc=$?
+[ $rc -eq 2 ] && grep -qF "v.json: write failed (File too large)" "$work/stderr" &&
+  [ -z "$(ls "$work/fsz")" ] && ok "verify under ulimit -f: exit 2, one line" ||
+  { cat "$work/stderr"; bad "verify under ulimit -f (rc=$rc)"; }
+profile="$(dirname "$0")/../../plan/profiles/h100_sxm.json"
+(cd "$work/fsz" && ulimit -f 1 &&
+  "$loom" plan --profile "$profile" --json p.json --svg p.svg > /dev/null 2> "$work/stderr")
+rc=$?
+[ $rc -eq 1 ] && grep -qF "write failed (File too large)" "$work/stderr" &&
+  [ -z "$(ls "$work/fsz")" ] && ok "plan --json --svg under ulimit -f: exit 1, nothing written" ||
+  { ls "$work/fsz"; cat "$work/stderr"; bad "plan under ulimit -f (rc=$rc)"; }
+# 4. Outputs are a unit whatever their names' length: a name of 201 to 255 bytes was written
+#    directly, so --json replaced its file and --trace then failed (SIGXFSZ ignored here, as
+#    loom now does, so that the old code reached that point).
+long_a="$(printf 'a%.0s' $(seq 210)).json"
+long_b="$(printf 'b%.0s' $(seq 210)).json"
+echo old > "$work/fsz/$long_a"
+(cd "$work/fsz" && trap '' XFSZ && ulimit -f 3 &&
+  "$loom" attn --seq 256 --heads 4 --ranks 2 --quiet --json "$long_a" --trace "$long_b" \
+    > /dev/null 2> "$work/stderr")
+rc=$?
+[ $rc -eq 1 ] && [ "$(cat "$work/fsz/$long_a")" = old ] && [ ! -e "$work/fsz/$long_b" ] &&
+  [ "$(ls "$work/fsz" | wc -l)" -eq 1 ] && grep -qF "$long_b: write failed" "$work/stderr" &&
+  ok "--json and --trace of 214-byte names: the trace failing, the JSON kept as it was" ||
+  { ls "$work/fsz" | cut -c1-20; cat "$work/stderr"; bad "long names not written as a unit (rc=$rc)"; }
+rm -f "$work/fsz"/*
+# 5. A failed write of an --output set's file named the staging directory (set.tmp.PID-N/out.npy).
+(cd "$work/fsz" && trap '' XFSZ && ulimit -f 4 &&
+  "$loom" attn --seq 256 --heads 4 --iters 1 --warmup 0 --quiet --output set > /dev/null \
+    2> "$work/stderr")
+rc=$?
+[ $rc -eq 1 ] && grep -qF "loom: error: --output set/out.npy: write failed (File too large)" "$work/stderr" &&
+  [ -z "$(ls "$work/fsz")" ] && ok "--output set under ulimit -f: $(cat "$work/stderr")" ||
+  { ls "$work/fsz"; cat "$work/stderr"; bad "--output's failed write named (rc=$rc)"; }
+# 6. Two need another user: a thread that cannot start said only "Resource temporarily
+#    unavailable"; another user's file in a sticky directory passed the up-front check, and the
+#    whole run went ahead and failed at the end ("Operation not permitted").
+nobody=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+chmod o+x "$work"
+if [ "$(id -u)" -eq 0 ] && command -v setpriv > /dev/null && "${nobody[@]}" test -x "$loom"; then
+  "${nobody[@]}" bash -c 'ulimit -u 4; "$0" attn --seq 512 --heads 4 --ranks 4 --threads 1 --quiet' \
+    "$loom" > /dev/null 2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] &&
+    grep -q "could not start the thread of rank [0-9]* of 4: .*ulimit -u" "$work/stderr" &&
+    ok "a rank thread that cannot start: $(cat "$work/stderr")" ||
+    { cat "$work/stderr"; bad "a rank thread that cannot start (rc=$rc)"; }
+  mkdir -p "$work/sticky" && chmod 1777 "$work/sticky"
+  echo OLD > "$work/sticky/a.json" && chmod 666 "$work/sticky/a.json"
+  "${nobody[@]}" "$loom" attn --seq 64 --heads 2 --quiet --json "$work/sticky/a.json" \
+    > "$work/stdout" 2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && [ ! -s "$work/stdout" ] && [ "$(cat "$work/sticky/a.json")" = OLD ] &&
+    grep -qF "belongs to another user (uid 0) in the sticky directory" "$work/stderr" &&
+    ok "another user's file in a sticky directory refused before the run" ||
+    { cat "$work/stderr"; bad "another user's file in a sticky directory (rc=$rc)"; }
+else
+  echo "note: the thread-limit and sticky-directory checks need root and setpriv; not run"
+fi
+# 7. OpenBLAS maps a 128 MiB buffer in each of its threads as the library loads and retries for
+#    ever where an address-space limit leaves no room; its exit handler waits for that thread,
+#    so every command hung under a tight ulimit -v (even --version). Refused at once instead.
+if [ "$(nproc)" -ge 2 ]; then
+  start=$(date +%s)
+  OPENBLAS_NUM_THREADS=2 bash -c 'ulimit -v 150000; timeout 30 "$0" attn --seq 1024 --heads 4 \
+    --iters 1 --warmup 0 --quiet' "$loom" > "$work/stdout" 2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && [ ! -s "$work/stdout" ] &&
+    grep -qF "the address-space limit (ulimit -v) of 146.5 MiB" "$work/stderr" &&
+    grep -qF "OPENBLAS_NUM_THREADS=1" "$work/stderr" && [ $(( $(date +%s) - start )) -le 10 ] &&
+    ok "ulimit -v below OpenBLAS's buffers: $(cat "$work/stderr")" ||
+    { cat "$work/stderr"; bad "ulimit -v below OpenBLAS's buffers (rc=$rc)"; }
+fi
+OPENBLAS_NUM_THREADS=1 bash -c 'ulimit -v 400000; timeout 30 "$0" attn --seq 65536 --heads 8 \
+  --ranks 2 --iters 1 --warmup 0 --quiet' "$loom" > "$work/stdout" 2> "$work/stderr"
+rc=$?
+[ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && [ ! -s "$work/stdout" ] &&
+  grep -qF "of address space (estimate) but the address-space limit (ulimit -v) of 390.6 MiB" \
+    "$work/stderr" && ok "an estimate above what ulimit -v leaves: $(cat "$work/stderr")" ||
+  { cat "$work/stderr"; bad "an estimate above what ulimit -v leaves (rc=$rc)"; }
 
 summary

@@ -2,6 +2,7 @@
 // error macros.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -527,9 +528,9 @@ TEST_F(Io, DirectoryIsRefused) {
 
 TEST_F(Io, StaleTemporariesOfDeadProcessesAreRemoved) {
   const long dead = dead_pid();
-  const std::string stale = at("out.npy.tmp." + std::to_string(dead));
+  const std::string stale = at("out.npy.tmp." + std::to_string(dead) + "-0");
   const std::string stale_dir = at("o.tmp." + std::to_string(dead) + "-3");
-  const std::string live = at("out.npy.tmp." + std::to_string(::getppid()));
+  const std::string live = at("out.npy.tmp." + std::to_string(::getppid()) + "-1");
   write_output(stale, "partial");
   fs::create_directories(stale_dir);
   write_output(stale_dir + "/a.npy", "a staging directory's file");
@@ -564,7 +565,7 @@ TEST_F(Io, LongestFileNamesAreWrittenAndTheirTemporariesCleaned) {
   char hash[17];
   std::snprintf(hash, sizeof hash, "%016llx",
                 static_cast<unsigned long long>(fnv1a64(name.data(), name.size())));
-  const std::string suffix = ".tmp." + std::to_string(dead_pid());
+  const std::string suffix = ".tmp." + std::to_string(dead_pid()) + "-1";
   const std::string mine = name.substr(0, 200) + "~" + hash + suffix;
   const std::string foreign = std::string(200, 'n') + "~0123456789abcdef" + suffix;
   write_output(at(mine), "partial");
@@ -595,6 +596,41 @@ TEST_F(Io, StaleTemporaryNamesHoldingOthersFilesAreLeftAlone) {
   EXPECT_EQ(slurp(foreign + "/notes.txt"), "mine");
   EXPECT_EQ(slurp(foreign + "/a.npy"), "a");
   EXPECT_EQ(slurp(nested + "/a.npy/photos/p.jpg"), "mine");
+}
+
+// Only the names loom gives its temporaries are removed, exactly: "<name>.tmp.<pid>-<n>" (and
+// "-s<n>", earlier versions' staged files), decimal numbers without a leading zero, a pid below
+// pid_max. Any digits and then anything after a '-' were taken for a dead run's: a user's
+// a.json.tmp.2024-06-01, a.json.tmp.2024-06-01.bak and a.json.tmp.99999999 were deleted.
+TEST_F(Io, OnlyLoomsOwnTemporaryNamesAreRemoved) {
+  const std::string dead = std::to_string(dead_pid());
+  const std::vector<std::string> loom = {"a.json.tmp." + dead + "-0", "a.json.tmp." + dead + "-17",
+                                         "a.json.tmp." + dead + "-s2"};
+  const std::vector<std::string> users = {"a.json.tmp.2024-06-01",
+                                          "a.json.tmp.2024-06-01.bak",
+                                          "a.json.tmp.99999999",
+                                          "a.json.tmp.99999999-1",
+                                          "a.json.tmp." + dead,
+                                          "a.json.tmp." + dead + "-",
+                                          "a.json.tmp." + dead + "-07",
+                                          "a.json.tmp.0" + dead + "-1",
+                                          "a.json.tmp." + dead + "-1x",
+                                          "a.json.tmp." + dead + "-s",
+                                          "a.json.tmp.0-1",
+                                          "a.json.tmp.-1-1",
+                                          "a.json.tmp." + dead + "-1-2"};
+  for (const auto& n : loom) write_output(at(n), "partial");
+  for (const auto& n : users) write_output(at(n), "mine");
+  clean_stale_temps(at("a.json"));
+  for (const auto& n : loom) EXPECT_FALSE(fs::exists(at(n))) << n;
+  for (const auto& n : users) EXPECT_EQ(slurp(at(n)), "mine") << n;
+  // The same names inside an OutputSet's old staging directory: it is loom's only when all are.
+  const std::string set = at("o.tmp." + dead + "-3");
+  fs::create_directories(set);
+  write_output(set + "/a.npy", "a");
+  write_output(set + "/a.npy.tmp.2024-06-01", "mine");
+  clean_stale_temps(at("o"), {"a.npy"});
+  EXPECT_EQ(slurp(set + "/a.npy.tmp.2024-06-01"), "mine");
 }
 
 TEST_F(Io, TwoOutputsOnOnePathAreRefused) {
@@ -698,6 +734,63 @@ TEST_F(Io, StandardOutputUnderAnyNameIsOneOutput) {
   EXPECT_FALSE(refused("-", at("out.txt"))) << "standard output restored: out.txt is another file";
 }
 
+// A path whose symlinks lead to one of the process's own streams is that stream: a link to
+// /dev/stdout was followed through /proc/self/fd/1 to the file standard output was appended to,
+// and a new file renamed over it (its lines lost, exit 0), or to a pipe's "pipe:[N]" ("cannot
+// write into /proc/self/fd"). The chain is walked one link at a time, never through the last.
+TEST_F(Io, SymlinksToTheProcessStreamsAreThoseStreams) {
+  fs::create_symlink("/dev/stdout", at("so"));
+  fs::create_symlink("so", at("so2"));  // a chain
+  fs::create_symlink("/dev/stderr", at("se"));
+  fs::create_symlink("/dev/fd/2", at("fd2"));
+  fs::create_symlink("/proc/self/fd/1", at("pfd1"));
+  // Relative, through ".." up to the root (deep enough for any TempDir) and down to /dev.
+  std::string up;
+  for (int i = 0; i < 64; ++i) up += "../";
+  fs::create_symlink(up + "dev/stdout", at("rel"));
+  write_output(at("file"), "x");
+  fs::create_symlink("file", at("to_file"));
+  EXPECT_EQ(own_stream_fd(at("so")), 1);
+  EXPECT_EQ(own_stream_fd(at("so2")), 1);
+  EXPECT_EQ(own_stream_fd(at("se")), 2);
+  EXPECT_EQ(own_stream_fd(at("fd2")), 2);
+  EXPECT_EQ(own_stream_fd(at("pfd1")), 1);
+  EXPECT_EQ(own_stream_fd(at("rel")), 1);
+  EXPECT_EQ(own_stream_fd("/dev/../dev/stdout"), 1);
+  EXPECT_EQ(own_stream_fd("/proc/" + std::to_string(::getpid()) + "/fd/1"), 1);
+  EXPECT_EQ(own_stream_fd(at("to_file")), -1);
+  EXPECT_EQ(own_stream_fd(at("file")), -1);
+  EXPECT_EQ(own_stream_fd(at("missing")), -1);
+  EXPECT_EQ(own_stream_fd(at("stdout")), -1);  // a file of that name elsewhere is a file
+  // Standard output appended to a file: written through the link, the file keeps its lines.
+  write_output(at("log.txt"), "precious\n");
+  std::fflush(stdout);
+  const int saved = ::dup(STDOUT_FILENO);
+  ASSERT_GE(saved, 0);
+  const int log = ::open(at("log.txt").c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  ASSERT_GE(log, 0);
+  ::dup2(log, STDOUT_FILENO);
+  ::close(log);
+  bool refused_as_one = false, writable = false;
+  try {
+    check_distinct_outputs({{"--json", "-"}, {"--trace", at("so2")}});
+  } catch (const InvalidArgument&) {
+    refused_as_one = true;
+  }
+  try {
+    check_output_writable(at("so"), "--json");
+    write_output(at("so"), "report\n");
+    writable = true;
+  } catch (const Error&) {
+  }
+  ::dup2(saved, STDOUT_FILENO);
+  ::close(saved);
+  EXPECT_TRUE(refused_as_one) << "- and a link to /dev/stdout passed as two outputs";
+  EXPECT_TRUE(writable);
+  EXPECT_EQ(slurp(at("log.txt")), "precious\nreport\n");
+  EXPECT_TRUE(fs::is_symlink(at("so")));
+}
+
 // A report inside the --output directory was swapped away with the old set or, written after
 // the swap, replaced one of its files (loom attn --output D --json D/out.npy); --json inside
 // loom verify's --candidate directory replaced a candidate file.
@@ -799,6 +892,49 @@ TEST_F(Io, OutputSetIsSwappedInWholeOrNotAtAll) {
 
 // The set keeps the permission bits of the directory and files it replaces, as write_output keeps
 // a replaced file's: a private 0700 directory became 0755 and a 0600 file 0644.
+// A failed write of a set's file names it as the user named the set, not by the staging
+// directory: a full disk said "set.tmp.5170-1/out.npy: write failed (No space left on device)".
+TEST_F(Io, OutputSetFilesAreNamedAsTheUserNamedTheSet) {
+  const std::vector<std::string> names = {"a.npy"};
+  OutputSet s(at("set") + "/", names);
+  fs::create_directories(s.path("a.npy"));  // a directory where the file goes: write_output fails
+  try {
+    write_output(s.path("a.npy"), "a");
+    ADD_FAILURE() << "a directory was written as a file";
+  } catch (const IoError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.find("--output " + at("set") + "/a.npy: is a directory"), 0u) << m;
+    EXPECT_EQ(m.find(".tmp."), std::string::npos) << m;
+  }
+}
+
+// write_outputs' staged files: named as write_output's temporaries whatever the name's length (a
+// name of 201 to 255 bytes was written directly, so with a full disk --json was replaced and
+// --trace failed), the targets untouched until commit_staged.
+TEST_F(Io, StagedOutputsOfLongNamesAreTemporariesUntilCommitted) {
+  const std::string a = std::string(210, 'a') + ".json", b = std::string(250, 'b') + ".json";
+  write_output(at(a), "old a");
+  const std::string ta = stage_output(at(a), "new a");
+  const std::string tb = stage_output(at(b), "new b");
+  EXPECT_EQ(slurp(at(a)), "old a");
+  EXPECT_FALSE(fs::exists(at(b)));
+  EXPECT_EQ(fs::path(ta).parent_path(), fs::path(at(a)).parent_path());
+  EXPECT_EQ(slurp(ta), "new a");
+  commit_staged(ta, at(a));
+  commit_staged(tb, at(b));
+  EXPECT_EQ(slurp(at(a)), "new a");
+  EXPECT_EQ(slurp(at(b)), "new b");
+  EXPECT_TRUE(others({a, b}).empty()) << "left " << others({a, b}).front();
+  // A staged file that is never committed (the process killed) is the next run's to remove.
+  const std::string left = stage_output(at(b), "half");
+  ASSERT_TRUE(fs::exists(left));
+  const std::string name = fs::path(left).filename().string();
+  const std::string stem = name.substr(0, name.rfind(".tmp.") + 5);  // "<stem>.tmp."
+  fs::rename(left, at(stem + std::to_string(dead_pid()) + "-5"));
+  clean_stale_temps(at(b));
+  EXPECT_TRUE(others({a, b}).empty()) << "left " << others({a, b}).front();
+}
+
 TEST_F(Io, OutputSetKeepsThePermissionBitsItReplaces) {
   const std::vector<std::string> names = {"a.npy", "b.npy"};
   fs::create_directories(at("priv"));
@@ -985,6 +1121,57 @@ TEST(Memory, EstimatesAreRefusedInOneLineNamingEstimateLimitAndOption) {
 // parse_size took whatever std::stod read ("0x10" as 16, "1e3" as 1000, "+5", " 5", "1.5G")
 // and refused 8388607T (2^63 - 2^40, below 8 EiB) by a floating-point bound: now decimal
 // digits with an optional suffix, bounded exactly by 2^63 - 1.
+// Under an address-space limit (ulimit -v) an allocation past it fails, and OpenBLAS retries its
+// own for ever (a run hung): the estimate, with what the run only maps, is held against what the
+// limit leaves, and the refusal names the limit.
+TEST(Memory, AnAddressSpaceLimitBoundsEveryEstimate) {
+  struct rlimit saved;
+  ASSERT_EQ(::getrlimit(RLIMIT_AS, &saved), 0);
+  // The limit: what is mapped now and 256 MiB (the soft limit only, restored below).
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  int64_t vm_kib = -1;
+  while (status >> key)
+    if (key == "VmSize:" && (status >> vm_kib)) break;
+  ASSERT_GT(vm_kib, 0);
+  struct rlimit lowered = saved;
+  lowered.rlim_cur = static_cast<rlim_t>(vm_kib * 1024 + (int64_t{256} << 20));
+  if (saved.rlim_max != RLIM_INFINITY && lowered.rlim_cur > saved.rlim_max)
+    GTEST_SKIP() << "the hard limit is below what the test needs";
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &lowered), 0);
+  std::string which, refusal;
+  const int64_t room = address_space_room(&which);
+  bool small_ok = true, mapped_refused = false;
+  try {
+    check_memory(double(int64_t{512} << 20), int64_t{1} << 40, "loom attn", "--memory-limit");
+  } catch (const InvalidArgument& e) {
+    refusal = e.what();
+  }
+  try {
+    check_memory(double(int64_t{1} << 20), -1, "x", "--memory-limit");
+  } catch (const InvalidArgument&) {
+    small_ok = false;
+  }
+  try {
+    check_memory(double(int64_t{1} << 20), -1, "x", "--memory-limit",
+                 2.0 * double(kOpenBlasBufferBytes));
+  } catch (const InvalidArgument&) {
+    mapped_refused = true;
+  }
+  const int64_t available = available_memory_bytes();
+  ASSERT_EQ(::setrlimit(RLIMIT_AS, &saved), 0);
+  EXPECT_GT(room, int64_t{200} << 20);
+  EXPECT_LE(room, int64_t{256} << 20);
+  EXPECT_LE(available, room);
+  EXPECT_NE(which.find("the address-space limit (ulimit -v)"), std::string::npos) << which;
+  EXPECT_NE(refusal.find("loom attn needs about 512.0 MiB of address space"), std::string::npos)
+      << refusal;
+  EXPECT_NE(refusal.find("the address-space limit (ulimit -v) of "), std::string::npos) << refusal;
+  EXPECT_EQ(refusal.find('\n'), std::string::npos) << refusal;
+  EXPECT_TRUE(small_ok);
+  EXPECT_TRUE(mapped_refused) << "OpenBLAS's buffers not counted against the limit";
+}
+
 TEST(Memory, ParseSizeTakesDecimalDigitsUpTo8EiB) {
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   EXPECT_EQ(parse_size("8388607T", "--memory-limit"), kMax - (int64_t{1} << 40) + 1);

@@ -184,6 +184,13 @@ TEST(ModelData, BibleBooksAreDocumentsAndValidationIsEachBooksTail) {
   const Corpus p = make_corpus("one two\n\nthree four five\n\n\nsix", "paragraphs");
   EXPECT_EQ(p.documents, 3);
   EXPECT_EQ(make_corpus("no separators here", "x").documents, 1);
+  // CRLF text: "\r\n\r\n" is a blank line too (a CRLF file was one document); a run of blank
+  // lines is one separator, and the next document starts at its first byte.
+  const Corpus crlf = make_corpus("one two\r\n\r\nthree four five\r\n\r\n\r\nsix\r\n", "crlf");
+  EXPECT_EQ(crlf.documents, 3);
+  const Corpus mixed = make_corpus("one\n\r\ntwo\r\n\nthree\r\nstill three", "mixed");
+  EXPECT_EQ(mixed.documents, 3);
+  EXPECT_EQ(make_corpus("one\r\ntwo\r\nthree\r\n", "lines").documents, 1);
   EXPECT_THROW(make_corpus("", "empty"), IoError);
   EXPECT_THROW(load_corpus("/nonexistent/loom/corpus.txt"), IoError);
 }

@@ -79,6 +79,13 @@ void add_memory_limit_option(CLI::App* command, std::string& limit);
 // a corpus of data_bytes (tools/loom/train.cc); loom plan --train-step checks its measured rank
 // against it too.
 double estimate_train_bytes(const model::TrainConfig& c, int ranks_here, double data_bytes);
+// The address space OpenBLAS will map beyond what is mapped now, for check_memory's
+// `mapped_bytes`: a buffer of kOpenBlasBufferBytes (loom/io.h), with the thread's stack and
+// malloc arena, for each of `callers` threads calling it at once (the ranks of this process),
+// and a buffer and a stack for each thread it starts to reach `threads` (set_blas_threads). Under
+// `ulimit -v` a rank that could not map its buffer waited in OpenBLAS for ever (loom train --ranks
+// 4 under ulimit -v 600000 hung).
+double blas_mapped_bytes(int callers, int threads);
 
 // Flushes standard output: "" when everything written to it so far arrived, else the error line
 // ("standard output: write failed (No space left on device)"). main.cc checks it at the end of

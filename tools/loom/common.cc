@@ -1,15 +1,16 @@
 // Command-line code the subcommands share: the registry's degree options, the options several
 // subcommands declare alike.
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <sstream>
 #include <vector>
 
 #include <stdio_ext.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -18,6 +19,8 @@
 #include "loom/io.h"
 #include "loom/model/trainer.h"
 #include "loom/rng.h"
+
+extern "C" int openblas_get_num_threads(void);
 
 namespace loom::tools {
 
@@ -82,10 +85,10 @@ std::string stdout_write_error() {
 // /dev/full wrote the JSON, then failed on the SVG (exit 1), and loom verify and loom attn did
 // the same with --heatmap and --trace / --timeline, so a failed run left a new output or replaced
 // an old one. Outputs written in place cannot be staged or undone, so they go first: a failure
-// there leaves every file untouched. Staged files are named "<target>.tmp.<pid>-s<i>": the next
-// run's clean_stale_temps removes them when this one is killed.
+// there leaves every file untouched. The regular files are staged (stage_output: temporaries
+// named as write_output's, which the next run's clean_stale_temps removes when this one is
+// killed) and renamed only once all are written.
 void write_outputs(const std::vector<std::pair<std::string, std::string>>& outputs) {
-  namespace fs = std::filesystem;
   // The text report on standard output first: a run that could not write it fails (main.cc), and
   // a failed run leaves its files as they were (loom plan --json a.json > /dev/full replaced
   // a.json, then exited 1). Reported here once: the unwritten text is dropped, so main's own
@@ -110,49 +113,43 @@ void write_outputs(const std::vector<std::pair<std::string, std::string>>& outpu
       regular.push_back(&out);
     }
   }
-  struct Staged {
-    std::string path, target, stage;
-  };
-  std::vector<Staged> staged;
-  std::vector<const std::pair<std::string, std::string>*> direct;
+  // One file alone is already atomic (write_output). Every name is staged, however long: a name
+  // of 201 to 255 bytes was written directly, after the others were staged, so a full disk
+  // replaced --json and then failed on --trace (stage_output's temporary name fits NAME_MAX).
+  if (regular.size() == 1) {
+    write_output(regular[0]->first, regular[0]->second);
+    return;
+  }
+  std::vector<std::pair<std::string, std::string>> staged;  // {temporary, path}; "" once renamed
   try {
-    for (const auto* out : regular) {
-      const std::string target = resolve_output_path(out->first);
-      // One file alone is already atomic (write_output); a name too long for the suffix is
-      // written directly, after every staged file is complete.
-      if (regular.size() == 1 || fs::path(target).filename().string().size() > 200) {
-        direct.push_back(out);
-        continue;
-      }
-      Staged s{
-          out->first, target,
-          target + ".tmp." + std::to_string(::getpid()) + "-s" + std::to_string(staged.size())};
-      staged.push_back(s);
-      write_output(s.stage, out->second);
-      struct stat st;
-      if (::stat(s.target.c_str(), &st) == 0 && S_ISREG(st.st_mode))
-        (void)::chmod(s.stage.c_str(), st.st_mode & 07777);  // best effort, as write_output
+    for (const auto* out : regular)
+      staged.emplace_back(stage_output(out->first, out->second), out->first);
+    for (auto& [tmp, path] : staged) {
+      const std::string t = tmp;
+      tmp.clear();  // commit_staged removes it if the rename fails
+      commit_staged(t, path);
     }
-    for (const auto* out : direct) write_output(out->first, out->second);
-    for (size_t i = 0; i < staged.size(); ++i) {
-      if (std::rename(staged[i].stage.c_str(), staged[i].target.c_str()) != 0)
-        throw IoError(staged[i].path + ": write failed (" + std::strerror(errno) + ")");
-      staged[i].stage.clear();  // renamed: nothing to remove
-    }
-  } catch (const IoError& e) {
-    // A staged file's error names its option's path, not the temporary.
-    std::string what = e.what();
-    for (const Staged& s : staged)
-      if (!s.stage.empty() && what.compare(0, s.stage.size() + 1, s.stage + ":") == 0)
-        what = s.path + what.substr(s.stage.size());
-    for (const Staged& s : staged)
-      if (!s.stage.empty()) ::unlink(s.stage.c_str());
-    throw IoError(what);
   } catch (...) {
-    for (const Staged& s : staged)
-      if (!s.stage.empty()) ::unlink(s.stage.c_str());
+    for (const auto& s : staged)
+      if (!s.first.empty()) ::unlink(s.first.c_str());
     throw;
   }
+}
+
+double blas_mapped_bytes(int callers, int threads) {
+  // A thread's stack is RLIMIT_STACK's soft limit (8 MiB by default; glibc takes less where it is
+  // unlimited, and 8 MiB then bounds it), and a thread that allocates gets a malloc arena that
+  // reserves 64 MiB (glibc's HEAP_MAX_SIZE): mapped before the thread's OpenBLAS buffer, they
+  // took the room the estimate left for it.
+  struct rlimit stack;
+  const double stack_bytes =
+      ::getrlimit(RLIMIT_STACK, &stack) == 0 && stack.rlim_cur != RLIM_INFINITY
+          ? double(stack.rlim_cur)
+          : double(8 << 20);
+  const double arena_bytes = double(64 << 20);
+  const int more = std::max(0, threads - openblas_get_num_threads());
+  return std::max(0, callers) * (double(kOpenBlasBufferBytes) + stack_bytes + arena_bytes) +
+         more * (double(kOpenBlasBufferBytes) + stack_bytes);
 }
 
 void DegreeOptions::add_to(CLI::App* command, const std::set<std::string>& skip) {

@@ -1,6 +1,7 @@
 // loom: the command-line tool. One file per subcommand; this one only dispatches and turns
 // errors into one clear line and a non-zero exit.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -11,14 +12,76 @@
 #include <string>
 #include <thread>
 
+#include <unistd.h>
+
 #include "commands.h"
 #include "loom/comm.h"
 #include "loom/error.h"
+#include "loom/io.h"
+
+extern "C" int openblas_get_num_threads(void);
+
+namespace {
+
+// The OpenBLAS buffers mapped so far: whole 128 MiB blocks of anonymous private read-write
+// memory in /proc/self/maps (at the start of main nothing else maps that much; adjacent buffers
+// show as one region). -1 when the maps cannot be read.
+int64_t blas_buffers_mapped() {
+  std::FILE* f = std::fopen("/proc/self/maps", "r");
+  if (!f) return -1;
+  int64_t buffers = 0;
+  char line[4096];
+  while (std::fgets(line, sizeof line, f)) {
+    unsigned long long start = 0, end = 0, inode = 0;
+    char perms[8] = {};
+    int path_at = 0;
+    if (std::sscanf(line, "%llx-%llx %7s %*s %*s %llu %n", &start, &end, perms, &inode, &path_at) <
+        4)
+      continue;
+    const bool anonymous = inode == 0 && (line[path_at] == '\0' || line[path_at] == '\n');
+    if (anonymous && std::strcmp(perms, "rw-p") == 0)
+      buffers += static_cast<int64_t>((end - start) >> 27);  // 128 MiB blocks
+  }
+  std::fclose(f);
+  return buffers;
+}
+
+// OpenBLAS starts its threads as the library loads, before main, and each maps a buffer of
+// loom::kOpenBlasBufferBytes (128 MiB), retrying for ever where an address-space limit (ulimit -v
+// or -d) leaves no room for it; at exit its handler waits for that thread. Every command under
+// such a limit hung, `loom --version` included, spinning a core (the run itself went through).
+// Refused before anything runs, in one line, where the buffers its threads still lack do not fit
+// what the limit leaves, and ended with _exit: a return would wait for those threads too.
+void refuse_blas_without_room() {
+  const int threads = openblas_get_num_threads();
+  if (threads < 2) return;  // no threads of its own (OPENBLAS_NUM_THREADS=1)
+  std::string which;
+  const int64_t room = loom::address_space_room(&which);
+  if (room < 0) return;
+  const int64_t mapped = blas_buffers_mapped();
+  const int64_t missing = std::max<int64_t>(0, (threads - 1) - std::max<int64_t>(0, mapped));
+  if (room >= missing * loom::kOpenBlasBufferBytes) return;
+  std::fprintf(
+      stderr,
+      "loom: error: %s, leaves %s (%lld KiB), too little for the %lld KiB buffer that "
+      "OpenBLAS still has to map for %lld of its threads (it would wait for the room "
+      "for ever); raise the limit, or set OPENBLAS_NUM_THREADS=1\n",
+      which.c_str(), loom::human_bytes(double(room)).c_str(), static_cast<long long>(room / 1024),
+      static_cast<long long>(loom::kOpenBlasBufferBytes / 1024), static_cast<long long>(missing));
+  std::fflush(stderr);
+  ::_exit(1);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
+  refuse_blas_without_room();
   // A reader that goes away (a FIFO --log, `--log - | head`) killed the process by SIGPIPE with
   // no message (exit 141), mid-run; ignored, the failed write is the error that names the output.
   std::signal(SIGPIPE, SIG_IGN);
+  // So did a file size limit (ulimit -f) by SIGXFSZ (exit 153), its temporaries left behind;
+  // ignored, the write fails with EFBIG: "write failed (File too large)", temporaries removed.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"loom: exact attention over sequences split across ranks (context parallelism)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "loom 0.1.0");

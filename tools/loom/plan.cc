@@ -410,7 +410,8 @@ int run_train_step(const CLI::App* app, const PlanOptions& o) {
                  app->count("--memory-limit")
                      ? static_cast<int64_t>(std::min(o.memory_limit_gb * 1e9, 9e18))
                      : -1,
-                 "loom plan --train-step (one measured rank of the model)", "--memory-limit");
+                 "loom plan --train-step (one measured rank of the model)", "--memory-limit",
+                 blas_mapped_bytes(1, o.threads));
   }
   model::set_blas_threads(o.threads);
   std::fprintf(stderr, "loom plan: measuring one rank of the model (%lld steps)...\n",

@@ -117,6 +117,15 @@ class StepLog {
   ~StepLog() {
     if (fd_ >= 0 && own_) ::close(fd_);
   }
+  // Flushes the lines written so far to disk (a regular log): before a checkpoint that covers
+  // their steps, so a crash cannot leave `latest` past the log's last line. Devices, FIFOs and
+  // standard output have nothing to sync.
+  void sync() {
+    if (!own_ || ::fsync(fd_) == 0 || errno == EINVAL || errno == EROFS || errno == ENOTSUP) return;
+    LOOM_CHECK(false, IoError,
+               "--log " << path_ << ": sync failed (" << std::strerror(errno)
+                        << "); stopping rather than writing a checkpoint past the log");
+  }
   void write(const std::string& line) {
     size_t done = 0;
     while (done < line.size()) {
@@ -171,6 +180,49 @@ class StepLog {
   bool own_ = true;  // false for standard output
 };
 
+// Whether `name` is a checkpoint as save_checkpoint names it: "step-" and at least 8 digits (the
+// step, zero-padded), ".ckpt". (Any "step-????????.ckpt" counted: step-zzzzzzzz.ckpt was the
+// newest, and --keep-checkpoints deleted real ones in its place.)
+bool is_checkpoint_name(const std::string& name) {
+  constexpr size_t kPrefix = 5, kSuffix = 5;  // "step-", ".ckpt"
+  if (name.size() < kPrefix + 8 + kSuffix || name.rfind("step-", 0) != 0 ||
+      name.compare(name.size() - kSuffix, kSuffix, ".ckpt") != 0)
+    return false;
+  return std::all_of(name.begin() + kPrefix, name.end() - kSuffix,
+                     [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// Whether `name` is a temporary of loom's own writes into a checkpoint directory: that of
+// `latest` or of a checkpoint, "<name>.tmp.<pid>-<n>" exactly as io.cc names it. Its pid.
+long checkpoint_temp_pid(const std::string& name) {
+  const size_t t = name.find(".tmp.");
+  if (t == std::string::npos) return -1;
+  const std::string stem = name.substr(0, t), tail = name.substr(t + 5);
+  if (stem != "latest" && !is_checkpoint_name(stem)) return -1;
+  const size_t dash = tail.find('-');
+  auto digits = [](const std::string& x) {
+    return !x.empty() && x.size() <= 18 &&
+           std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (dash == std::string::npos || !digits(tail.substr(0, dash)) || !digits(tail.substr(dash + 1)))
+    return -1;
+  return std::stol(tail.substr(0, dash));
+}
+
+// The names in --checkpoint-dir; a directory that cannot be listed is refused (unlisted, a run's
+// checkpoints went unseen and were replaced).
+std::vector<std::string> checkpoint_dir_names(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> names;
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) names.push_back(it->path().filename().string());
+  LOOM_CHECK(!ec, IoError,
+             "--checkpoint-dir " << dir << " cannot be listed (" << ec.message()
+                                 << "); it must be a directory this user can list and write");
+  return names;
+}
+
 // Keeps the newest `keep` step-*.ckpt files of dir (and always the one `latest` names).
 void prune_checkpoints(const std::string& dir, int64_t keep) {
   namespace fs = std::filesystem;
@@ -184,21 +236,22 @@ void prune_checkpoints(const std::string& dir, int64_t keep) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string n = e.path().filename().string();
-    if (n.size() == 18 && n.rfind("step-", 0) == 0 && n.compare(13, 5, ".ckpt") == 0 &&
-        e.is_regular_file())
-      names.push_back(n);
+    if (is_checkpoint_name(n) && e.is_regular_file(ec)) names.push_back(n);
   }
-  std::sort(names.begin(), names.end());  // zero-padded step numbers: by step
+  // Zero-padded step numbers: by step (a step past 8 digits is a longer name).
+  std::sort(names.begin(), names.end(), [](const std::string& a, const std::string& b) {
+    return a.size() != b.size() ? a.size() < b.size() : a < b;
+  });
   const int64_t drop = static_cast<int64_t>(names.size()) - keep;
   for (int64_t i = 0; i < drop; ++i)
     if (names[i] != latest) fs::remove(fs::path(dir) / names[i], ec);
 }
 
 // Refuses a file (--log, --data: `option`) that is one of --checkpoint-dir's files: `latest`,
-// `step-*.ckpt`, or a temporary (`*.tmp.*`; the writers' temporaries, which the start of a run
-// sweeps away). The log and a checkpoint overwrote each other (--log CK/latest: exit 0 and the
-// log lost), as the corpus and the pointer did (--data CK/latest). Other names in the directory
-// are the user's to use (--log CK/train.jsonl).
+// `step-*.ckpt`, or a temporary (`*.tmp.*`: the writers' temporaries, which the start of a run
+// sweeps away once their process is gone). The log and a checkpoint overwrote each other (--log
+// CK/latest: exit 0 and the log lost), as the corpus and the pointer did (--data CK/latest). Other
+// names in the directory are the user's to use (--log CK/train.jsonl).
 void check_outside_checkpoints(const std::string& option, const std::string& log,
                                const std::string& dir) {
   namespace fs = std::filesystem;
@@ -274,14 +327,19 @@ struct TrainMemory {
   std::string what;
 };
 
-TrainMemory train_memory(const TrainConfig& c, int here, bool mpi, bool limited,
-                         double data_bytes) {
+// With checkpoints (`checkpoints`, `resume`), what saving and loading them adds
+// (model::checkpoint_bytes): it counted none of it, and a run estimated at 347 MiB peaked at
+// 1.42 GiB.
+TrainMemory train_memory(const TrainConfig& c, int here, bool mpi, bool limited, double data_bytes,
+                         bool checkpoints, bool resume) {
   const std::string ranks = std::to_string(here) + " rank" + (here > 1 ? "s" : "");
+  auto ckpt = [&](int n) { return checkpoints ? model::checkpoint_bytes(c, n, resume) : 0.0; };
   if (!mpi)
-    return {estimate_train_bytes(c, here, data_bytes),
+    return {estimate_train_bytes(c, here, data_bytes) + ckpt(here),
             "loom train with " + ranks + " in this process"};
-  if (limited) return {estimate_train_bytes(c, 1, data_bytes), "this rank of loom train"};
-  return {here * estimate_train_bytes(c, 1, data_bytes), "loom train's " + ranks + " on this node"};
+  if (limited) return {estimate_train_bytes(c, 1, data_bytes) + ckpt(1), "this rank of loom train"};
+  return {here * estimate_train_bytes(c, 1, data_bytes) + ckpt(here),
+          "loom train's " + ranks + " on this node"};
 }
 
 struct Summary {  // filled by world rank 0
@@ -324,6 +382,7 @@ void train_rank(Communicator& world, const TrainOptions& o, const TrainConfig& c
     }
     if (!o.checkpoint_dir.empty() &&
         ((o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) || r.step == cfg.steps)) {
+      if (log) log->sync();  // the lines the checkpoint covers reach the disk first
       tr.save_checkpoint(o.checkpoint_dir);
       if (lead) prune_checkpoints(o.checkpoint_dir, o.keep_checkpoints);
       // Test hook (docs/reliability.md): LOOM_TEST_KILL_AFTER_CHECKPOINT=N kills the process
@@ -469,7 +528,9 @@ int run_train(const TrainOptions& o) {
   // /proc, so --log /proc/version failed only once the ranks ran. An existing file must be
   // writable itself too: the truncation keeps its permission bits, then the log appends to it.
   if (!o.log.empty() && o.log != "-" && own_stream_fd(o.log) < 0) {
-    check_output_writable(o.log, "--log");
+    // Truncated and written in place, never renamed over: a writable log another user owns in
+    // a sticky directory is usable (the rename check would refuse it).
+    check_output_writable(o.log, "--log", false, false);
     const std::string target = resolve_output_path(o.log);
     clean_stale_temps(target);
     struct stat st;
@@ -522,8 +583,11 @@ int run_train(const TrainOptions& o) {
   // Under mpirun: every rank the same command line and the same --data bytes (commands.h).
   if (mpi) agree_across_ranks(*mpi, fnv1a64(text.data(), text.size()), "--data");
   const int64_t limit = o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit");
-  const TrainMemory m = train_memory(c, here, mpi != nullptr, limit >= 0, double(text.size()));
-  check_memory(m.bytes, limit, m.what, "--memory-limit");
+  const TrainMemory m = train_memory(c, here, mpi != nullptr, limit >= 0, double(text.size()),
+                                     !o.checkpoint_dir.empty(), o.resume);
+  // Under `ulimit -v` or `-d` OpenBLAS's buffers count too: a rank that could not map its own
+  // waited inside OpenBLAS for ever.
+  check_memory(m.bytes, limit, m.what, "--memory-limit", blas_mapped_bytes(here, threads));
   const Corpus corpus = model::make_corpus(text, data == "-" ? "standard input" : data);
   text = std::string();
   LOOM_CHECK(o.eval_every == 0 || corpus.val.size() >= o.seq + 1, InvalidArgument,
@@ -538,6 +602,21 @@ int run_train(const TrainOptions& o) {
                                << " distinct validation windows of " << o.seq << " tokens in "
                                << corpus.source << " (" << corpus.val.size()
                                << " validation bytes); give at most " << windows);
+  // Packed, a window predicts only bytes of its own document: validation tails of one byte each
+  // predicted nothing, and every validation loss was dropped, exit 0.
+  if (o.eval_every > 0) {
+    int64_t predicted = 0;
+    for (const int64_t off : model::val_offsets(corpus.val, o.seq, o.eval_batches)) {
+      predicted += model::make_sequence(corpus.val, off, o.seq, o.pack_documents).predicted();
+      if (predicted > 0) break;
+    }
+    LOOM_CHECK(predicted > 0, InvalidArgument,
+               "--eval-every " << o.eval_every << ": the " << o.eval_batches
+                               << " validation windows of " << corpus.source
+                               << " predict no byte under --pack-documents (the documents' "
+                                  "validation tails in them are single bytes); give longer "
+                                  "documents, drop --pack-documents, or give --eval-every 0");
+  }
   if (!o.checkpoint_dir.empty() && !o.resume) {
     std::error_code ec;
     std::filesystem::create_directories(o.checkpoint_dir, ec);
@@ -560,10 +639,9 @@ int run_train(const TrainOptions& o) {
       dir_lock = std::make_unique<DirectoryLock>(o.checkpoint_dir, "--checkpoint-dir");
     // A fresh run into another run's checkpoints replaced its `latest` and step files, and
     // --keep-checkpoints then pruned by step number across both runs.
+    const std::vector<std::string> names = checkpoint_dir_names(o.checkpoint_dir);
     if (!o.resume) {
-      std::error_code ec;
-      for (const auto& e : std::filesystem::directory_iterator(o.checkpoint_dir, ec)) {
-        const std::string n = e.path().filename().string();
+      for (const std::string& n : names) {
         LOOM_CHECK(n != "latest" && !(n.rfind("step-", 0) == 0 && n.size() > 5 &&
                                       n.compare(n.size() - 5, 5, ".ckpt") == 0),
                    InvalidArgument,
@@ -576,14 +654,16 @@ int run_train(const TrainOptions& o) {
     // training up to it: tried for real now, as --log is.
     check_output_writable((std::filesystem::path(o.checkpoint_dir) / "latest").string(),
                           "--checkpoint-dir");
-  }
-  if (!o.checkpoint_dir.empty()) {  // temporaries of killed runs (their pid is gone)
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(o.checkpoint_dir, ec)) {
-      const std::string name = e.path().filename().string();
-      const size_t t = name.find(".tmp.");
-      if (t != std::string::npos && t > 0)
-        clean_stale_temps((e.path().parent_path() / name.substr(0, t)).string());
+    // Temporaries of killed runs (their pid is gone): loom's own only, `latest.tmp.<pid>-<n>`
+    // and `step-<step>.ckpt.tmp.<pid>-<n>` as regular files. Any name holding ".tmp." went
+    // (a user's thesis.tex.tmp.4242 was deleted).
+    for (const std::string& n : names) {
+      const long pid = checkpoint_temp_pid(n);
+      const std::string file = (std::filesystem::path(o.checkpoint_dir) / n).string();
+      struct stat st;
+      if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH &&
+          ::lstat(file.c_str(), &st) == 0 && S_ISREG(st.st_mode))
+        ::unlink(file.c_str());
     }
   }
   model::set_blas_threads(threads);
@@ -681,7 +761,7 @@ void declare_train(CLI::App* c, TrainOptions& opts) {
 // MLP intermediates of the rank's rows; one layer's with --checkpoint-activations), the logits,
 // and 8 MiB for the thread, its groups and BLAS buffers; once, the corpus (the text and its
 // splits) and 32 MiB for the process itself. (Default run, 4 ranks: estimate 151.5 MiB, measured
-// peak RSS 112 MiB.)
+// peak RSS 112 MiB.) With checkpoints, train_memory adds model::checkpoint_bytes.
 double estimate_train_bytes(const TrainConfig& c, int ranks_here, double data_bytes) {
   const model::ModelConfig& m = c.model;
   const MeshShape& s = c.par.mesh;

@@ -4,7 +4,8 @@
 //   * the King James Bible as `bible -f gen1:1-rev22:21` prints it: one verse per line, each
 //     line starting with "<book><chapter>:<verse> " ("Ge1:1 ", "1Sm1:1 "); a book (a document)
 //     starts at every verse 1:1, so the Bible gives its 66 books;
-//   * any other text: documents are separated by blank lines ("\n\n");
+//   * any other text: documents are separated by blank lines ("\n\n", or "\r\n\r\n" in CRLF
+//     text; a run of blank lines is one separator);
 //   * no separator found: the whole file is one document.
 // The held-out validation split is the last kValFraction of every document (moved back to the
 // start of its line when that at most doubles the tail), so training and validation see the same

@@ -11,9 +11,12 @@
 // Checkpoints hold the FULL (unsplit) parameters and AdamW moments, the step and the run's
 // configuration, so a run may resume on another mesh. File: "LOOMCKP1", a little-endian u64
 // header length, a JSON header, the fp32 payload, and a u64 FNV-1a checksum of header and
-// payload. Written atomically by world rank 0; read by every rank. A file that is short, has
-// another magic or a wrong checksum is refused with IoError; one from a different model, data or
-// schedule with InvalidArgument naming the field. Since the data draw and the schedule depend
+// payload. Written atomically by world rank 0, streamed one tensor at a time (its tp group sends
+// it their pieces); read by every rank in pieces, twice (checked whole, then this rank's pieces
+// kept), so saving or loading adds about one tensor and 1 MiB per rank (checkpoint_bytes), not a
+// copy of the state. A file that is short, has another magic, another "format" or a wrong
+// checksum is refused with IoError; one from a different model, data or schedule with
+// InvalidArgument naming the field. Since the data draw and the schedule depend
 // only on the step, resuming reproduces the uninterrupted run's losses exactly (same mesh) or to
 // fp32 rounding (another mesh).
 #pragma once
@@ -77,6 +80,12 @@ struct RankReport {
 // refuse before any estimate or allocation.
 void validate(const TrainConfig& cfg, int world);
 
+// Peak bytes that checkpoints add to a process holding `ranks_here` ranks of the run (world
+// rank 0's among them, the worst case): saving, world rank 0's one tensor in flight and its write
+// buffer; with `resume`, loading too, on every rank at once (one tensor, a read buffer and the
+// header each). For the memory estimate of `loom train`.
+double checkpoint_bytes(const TrainConfig& c, int ranks_here, bool resume);
+
 class Trainer {
  public:
   // Collective over world. Validates the configuration (InvalidArgument) and the corpus size.
@@ -85,7 +94,9 @@ class Trainer {
   ~Trainer();
 
   StepResult train_step();
-  // Mean validation loss over the fixed validation windows; NaN when the split is too short.
+  // Mean validation loss over the fixed validation windows; NaN when they predict no token (the
+  // split is too short, or, packed, every document's part of it is a byte). Collective. A
+  // non-finite mean is an Error on every rank (it was written to the log as null).
   double evaluate();
   int64_t step() const { return step_; }
   const TrainConfig& config() const { return cfg_; }
@@ -108,7 +119,11 @@ class Trainer {
 
  private:
   std::vector<float> gather_full(const std::vector<float>& flat);
-  void scatter_full(const std::vector<float>& full, std::vector<float>& flat);
+  // Passes a flat tensor set (weights or a moment) to `emit` on world rank 0, full and in spec
+  // order, in pieces of at most one tensor; the rest of world rank 0's tp group sends it their
+  // pieces, waiting up to timeout_s; every other rank returns at once. Collective.
+  void stream_full(const std::vector<float>& flat,
+                   const std::function<void(const float*, size_t)>& emit, double timeout_s);
   std::vector<Sequence> batch_sequences(int64_t step);
 
   Communicator& world_;
