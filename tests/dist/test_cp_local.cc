@@ -553,8 +553,6 @@ TEST(CpErrors, OutputsMustNotOverlapInputsOrThemselves) {
   }
 }
 
-// The registry is what parse_strategy, to_string and the help read: every entry round-trips,
-// an unknown name lists every registered one.
 // A view of the right sizes with null data: the message named the sizes only ("q must be [6, 2,
 // 4] on this rank, got [6, 2, 4]").
 TEST(CpErrors, NullDataIsNamed) {
@@ -806,6 +804,8 @@ TEST(CpFailure, AForwardRetriedAfterATimeoutIsRefused) {
   EXPECT_NE(second[0].find("timed out"), std::string::npos) << second[0];
 }
 
+// The registry is what parse_strategy, to_string and the help read: every entry round-trips,
+// an unknown name lists every registered one.
 TEST(CpRegistry, NamesRoundTrip) {
   ASSERT_EQ(strategies().size(), 5u);
   for (const StrategyInfo& s : strategies()) {
