@@ -62,6 +62,10 @@ int own_stream_fd(const std::string& path);
 // only regular files of those names (its staging directories). Anything else (a user's
 // a.json.tmp.2024-06-01) is left alone, as is a temporary that cannot be removed. Never throws.
 void clean_stale_temps(const std::string& path, const std::vector<std::string>& names = {});
+// The pid in `entry` when it is such a temporary of a file named `filename` (in the same
+// directory), else -1: the one rule of what loom's own temporaries are called (loom train sweeps
+// its checkpoint directory with it).
+long temporary_pid(const std::string& entry, const std::string& filename);
 // One file of several written as a unit (the tools' write_outputs): stage_output writes bytes
 // into a new temporary beside path's target (symlinks followed), named as write_output's, flushed
 // to disk and with the permission bits of the file it will replace, and returns its path;

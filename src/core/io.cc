@@ -97,6 +97,14 @@ long temp_pid(const std::string& entry, const std::string& prefix) {
   return static_cast<long>(pid);
 }
 
+}  // namespace
+
+long temporary_pid(const std::string& entry, const std::string& filename) {
+  return temp_pid(entry, temp_stem(filename) + ".tmp.");
+}
+
+namespace {
+
 void write_all_fd(int fd, const std::string& bytes, const std::string& path) {
   size_t done = 0;
   while (done < bytes.size()) {

@@ -193,20 +193,13 @@ bool is_checkpoint_name(const std::string& name) {
 }
 
 // Whether `name` is a temporary of loom's own writes into a checkpoint directory: that of
-// `latest` or of a checkpoint, "<name>.tmp.<pid>-<n>" exactly as io.cc names it. Its pid.
+// `latest` or of a checkpoint, exactly as io.cc names it (temporary_pid). Its pid, else -1.
 long checkpoint_temp_pid(const std::string& name) {
   const size_t t = name.find(".tmp.");
   if (t == std::string::npos) return -1;
-  const std::string stem = name.substr(0, t), tail = name.substr(t + 5);
+  const std::string stem = name.substr(0, t);
   if (stem != "latest" && !is_checkpoint_name(stem)) return -1;
-  const size_t dash = tail.find('-');
-  auto digits = [](const std::string& x) {
-    return !x.empty() && x.size() <= 18 &&
-           std::all_of(x.begin(), x.end(), [](char c) { return c >= '0' && c <= '9'; });
-  };
-  if (dash == std::string::npos || !digits(tail.substr(0, dash)) || !digits(tail.substr(dash + 1)))
-    return -1;
-  return std::stol(tail.substr(0, dash));
+  return temporary_pid(name, stem);
 }
 
 // The names in --checkpoint-dir; a directory that cannot be listed is refused (unlisted, a run's
