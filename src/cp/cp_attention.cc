@@ -222,12 +222,7 @@ std::string agreement_value(int field, int64_t v, const CpConfig& cfg,
                  : "a strategy not registered here";
     case kDegree: {
       if (!entry.degree.value) return "inner degree " + std::to_string(v);
-      const std::string_view flag = entry.degree.flag;
-      if (cfg.option_spelling == OptionSpelling::keyword)
-        os << flag.substr(2) << '=' << v;
-      else
-        os << flag << ' ' << v;
-      return os.str();
+      return cp_detail::degree_text(entry, cfg, v);
     }
     case kCausal:
       return v ? "a causal mask" : "a non-causal mask";

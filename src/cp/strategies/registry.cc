@@ -86,6 +86,16 @@ void register_strategy(const StrategyEntry& e) {
   r.add(e);
 }
 
+std::string degree_text(const StrategyEntry& e, const CpConfig& cfg, int64_t n) {
+  const std::string_view flag = e.degree.flag;
+  std::ostringstream os;
+  if (cfg.option_spelling == OptionSpelling::keyword)
+    os << flag.substr(2) << '=' << n;
+  else
+    os << flag << ' ' << n;
+  return os.str();
+}
+
 }  // namespace cp_detail
 
 const std::vector<StrategyInfo>& strategies() {
@@ -148,14 +158,9 @@ CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t k
     // One rule for every degree option, named as the caller spells it: "--ulysses 3" on the
     // command line, "ulysses=3" in Python (which rewrote the command line's text before).
     const int n = cfg.*e.degree.value;
-    const std::string_view flag = e.degree.flag;
-    std::ostringstream named;
-    if (cfg.option_spelling == OptionSpelling::keyword)
-      named << flag.substr(2) << '=' << n;
-    else
-      named << flag << ' ' << n;
     LOOM_CHECK(n >= 1 && ranks % n == 0, InvalidArgument,
-               e.id.name() << ": " << named.str() << " must divide the number of ranks " << ranks);
+               e.id.name() << ": " << cp_detail::degree_text(e, cfg, n)
+                           << " must divide the number of ranks " << ranks);
   }
   CpShape shape;
   shape.inner = e.inner_degree(ranks, cfg);

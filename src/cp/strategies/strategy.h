@@ -76,6 +76,11 @@ struct StrategyEntry {
 // InvalidArgument when the name is taken or the entry lacks inner_degree, make or working_bytes.
 void register_strategy(const StrategyEntry& e);
 
+// e's degree option set to n, as cfg.option_spelling names it: "--ulysses 3" (the command line)
+// or "ulysses=3" (the Python op). e must take a degree option (register_strategy checked its
+// flag's form).
+std::string degree_text(const StrategyEntry& e, const CpConfig& cfg, int64_t n);
+
 // The fp32 bytes of one rank's rows of q ([rows, H, D]), of K or V ([rows, Hkv, D]) and of a
 // softmax statistic ([H, rows]): the units of the working-set estimates.
 struct RowBytes {
