@@ -175,6 +175,12 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
                                           << kMaxHeadDim << " (the attention kernels' limit)");
   LOOM_CHECK(req.devices >= 1, InvalidArgument, "--devices must be >= 1, got " << req.devices);
   LOOM_CHECK(req.seq >= 1, InvalidArgument, "--seq must be >= 1, got " << req.seq);
+  // loom train's shortest sequence (model::validate: seq >= 2 x cp; the search's cp > 1 has at
+  // least 128 tokens per rank): a training plan of one token ranked dp and tp meshes that loom
+  // train refuses. Prefill plans one token.
+  LOOM_CHECK(!req.train || req.seq >= 2, InvalidArgument,
+             "--seq must be >= 2 to plan training (loom train's shortest sequence), got "
+                 << req.seq << "; --mode prefill plans a single token");
   LOOM_CHECK(req.window >= 0, InvalidArgument,
              "--window must be >= 0 (0 = no window), got " << req.window);
   if (!req.doc_lengths.empty()) checked_doc_lengths(req.seq, req.doc_lengths);
@@ -237,14 +243,19 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
     // ranked plan is one loom's own trainer runs. A tp above the kv heads (each tp rank holding
     // a replicated kv head, as some frameworks do) was ranked: `--model 2,256,8,2,0,256
     // --devices 8` ranked dp2 tp4, which loom train and --train-step refuse.
-    if (M.heads % tp != 0 || M.kv_heads % tp != 0) {
+    // Its FFN is split over tp too (model::validate: the MLP hidden size divisible by tp):
+    // `--model 8,4096,32,8,16386,256 --devices 4` ranked dp1 tp4, which loom train refuses.
+    if (M.heads % tp != 0 || M.kv_heads % tp != 0 || M.ffn % tp != 0) {
       Candidate c;
       c.tp = tp;
       c.strategy = "-";
       c.fits = false;
-      c.why_not = "tp " + std::to_string(tp) + " does not divide both the " +
-                  std::to_string(M.heads) + " heads and the " + std::to_string(M.kv_heads) +
-                  " kv heads (loom train's rule)";
+      c.why_not = M.heads % tp != 0 || M.kv_heads % tp != 0
+                      ? "tp " + std::to_string(tp) + " does not divide both the " +
+                            std::to_string(M.heads) + " heads and the " +
+                            std::to_string(M.kv_heads) + " kv heads (loom train's rule)"
+                      : "tp " + std::to_string(tp) + " does not divide the FFN size " +
+                            std::to_string(M.ffn) + " (loom train's rule)";
       shapes.push_back({tp, 1, 1, "", c});
       continue;
     }
@@ -293,8 +304,10 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
     const int tp = sh.tp, cp = sh.cp, u = sh.u, dp = N / tp / cp;
     const std::string& strategy = sh.strategy;
     const int64_t hl = M.heads / tp;
-    for (Layout layout : layouts) {
-      if (cp == 1 && layout != Layout::zigzag) continue;
+    // One rank holds the whole sequence: contiguous, every document in one piece, whatever
+    // --zigzag-only (zigzag cut each in two, three kernel calls per document instead of one).
+    const std::vector<Layout> one_rank = {Layout::contiguous};
+    for (Layout layout : cp == 1 ? one_rank : layouts) {
       for (bool ckpt : {false, true}) {
         if (!req.train && ckpt) continue;
         Candidate c;

@@ -172,7 +172,7 @@ void ring_pass(SimContext& x, const std::vector<Ring>& rings, int64_t hl, int64_
       for (int i = 0; i < R; ++i) {
         const Block& kb = *g.blocks[wrap(i - s, R)];
         x.count_tiles_on(m[i], w[i].tiles, hl, backward, step0 + s);
-        double dur = x.kernel_time(w[i], hl, backward, kb.rows, hkv) * scale[i];
+        double dur = x.kernel_time(w[i], hl, backward, hkv) * scale[i];
         if (backward) dur += x.mem_time(2.0 * kb.rows * row * 4);  // zero the partial dK, dV
         x.compute(m[i], dur, step0 + s);
       }
@@ -249,7 +249,9 @@ void group_a2a(SimContext& x, int U, bool to_head, F bytes) {
   }
 }
 
-void ulysses_like(SimContext& x, int U) {
+// gathers: the strategy moves the group's head-sliced tensors into its own (Ulysses, hybrid,
+// even on a group of one); the ring computes on the caller's and gathers none.
+void ulysses_like(SimContext& x, int U, bool gathers) {
   const AttnCase& c = x.c;
   const int64_t D = c.head_dim, T = c.dtype_bytes, hl = c.heads / U;
   const bool replicate = c.kv_heads % U != 0;
@@ -261,8 +263,9 @@ void ulysses_like(SimContext& x, int U) {
   auto gtotal = [&](int r) { return groups[r / U].rows; };
   for (int r = 0; r < x.P; ++r) {
     const int64_t N = gtotal(r);
-    x.gathered(r, N * (2 * hl + 2 * hkv) * D * T +
-                      (c.backward ? N * (hl * T + hl * 4 + 2 * hkv * 4) * D : 0));
+    if (gathers)
+      x.gathered(r, N * (2 * hl + 2 * hkv) * D * T +
+                        (c.backward ? N * (hl * T + hl * 4 + 2 * hkv * 4) * D : 0));
     if (c.backward) x.slot(r, kSlotDelta, hl * N * 4);
   }
   // seq_to_head of a [n, h, D] tensor of `elem` bytes per element: member i sends its rows.
@@ -319,15 +322,15 @@ int checked_inner(const SimContext& x, Strategy strategy) {
 }
 
 void ring_schedule(SimContext& x) {
-  ulysses_like(x, 1);
+  ulysses_like(x, 1, false);
 }
 
 void ulysses_schedule(SimContext& x) {
-  ulysses_like(x, checked_inner(x, Strategy::ulysses));
+  ulysses_like(x, checked_inner(x, Strategy::ulysses), true);
 }
 
 void hybrid_schedule(SimContext& x) {
-  ulysses_like(x, checked_inner(x, Strategy::hybrid));
+  ulysses_like(x, checked_inner(x, Strategy::hybrid), true);
 }
 
 // ring2d (src/cp/strategies/ring2d.cc): O = P / I inner rings of I consecutive cp ranks; rank
@@ -479,8 +482,7 @@ void allgather_schedule(SimContext& x) {
       x.busy_scales(all, busy, scale);
       for (int r = 0; r < P; ++r) {
         x.count_tiles_on(r, w[r].tiles, c.heads, backward, j);
-        x.compute(r, x.kernel_time(w[r], c.heads, backward, blocks[j].rows, c.kv_heads) * scale[r],
-                  j);
+        x.compute(r, x.kernel_time(w[r], c.heads, backward, c.kv_heads) * scale[r], j);
       }
     }
   };

@@ -34,12 +34,21 @@ std::map<std::string, ScheduleFn>& registry() {
 }
 
 // The work of the q chunks [q, q + nq) against the k chunks [k, k + nk), chunk pair by chunk pair
-// in that order.
-PairWork chunk_work(const Chunk* q0, size_t nq, const Chunk* k0, size_t nk, const PairKey& key) {
+// in that order; the q-tile loops of count_tiles run once per distinct loop (memo).
+PairWork chunk_work(const Chunk* q0, size_t nq, const Chunk* k0, size_t nk, const PairKey& key,
+                    TileMemo& memo) {
   PairWork w;
   Mask m;
   m.causal = key.causal;
   m.window = key.window;
+  const auto tiles = [&](const Chunk& q, const Chunk& k, int64_t bq, int64_t bk) {
+    TileCount tc;
+    TileLoop loop;
+    if (!count_tiles_or_loop(q, k, m, bq, bk, tc, loop)) return tc;
+    auto [it, added] = memo.try_emplace(loop);
+    if (added) it->second = tile_loop(loop);
+    return it->second;
+  };
   // Only chunks of one document meet: each q chunk's partners are the k chunks of its document,
   // found by binary search in the k chunks ordered by document (stably, so a q chunk meets them
   // in their given order, as when every pair was tried: the same sums, to the bit). Trying every
@@ -60,7 +69,8 @@ PairWork chunk_work(const Chunk* q0, size_t nq, const Chunk* k0, size_t nk, cons
       if (m.window > 0 && std::max(k->first - q->last(), q->first - k->last()) >= m.window)
         continue;
       ++w.calls;
-      const TileCount tc = count_tiles(*q, *k, m, key.block_q, key.block_k);
+      w.kv_rows += static_cast<double>(k->count);
+      const TileCount tc = tiles(*q, *k, key.block_q, key.block_k);
       w.tiles += tc;
       // The kernels' own work tiles (loom::work_tile_side, src/kernels/blockwise.cc).
       const int64_t wq = work_tile_side(key.block_q, q->count, key.work_tile),
@@ -69,7 +79,7 @@ PairWork chunk_work(const Chunk* q0, size_t nq, const Chunk* k0, size_t nk, cons
         w.full += static_cast<double>(tc.full);
         w.partial += static_cast<double>(tc.partial);
       } else {
-        const TileCount wt = count_tiles(*q, *k, m, wq, wk);
+        const TileCount wt = tiles(*q, *k, wq, wk);
         const double area =
             static_cast<double>(wq * wk) / static_cast<double>(key.block_q * key.block_k);
         w.full += area * static_cast<double>(wt.full);
@@ -80,14 +90,16 @@ PairWork chunk_work(const Chunk* q0, size_t nq, const Chunk* k0, size_t nk, cons
   return w;
 }
 
-PairWork chunk_work(const std::vector<Chunk>& q, const std::vector<Chunk>& k, const PairKey& key) {
-  return chunk_work(q.data(), q.size(), k.data(), k.size(), key);
+PairWork chunk_work(const std::vector<Chunk>& q, const std::vector<Chunk>& k, const PairKey& key,
+                    TileMemo& memo) {
+  return chunk_work(q.data(), q.size(), k.data(), k.size(), key, memo);
 }
 
 bool same(const PairWork& a, const PairWork& b) {
   return a.tiles.full == b.tiles.full && a.tiles.partial == b.tiles.partial && a.calls == b.calls &&
          std::bit_cast<uint64_t>(a.full) == std::bit_cast<uint64_t>(b.full) &&
-         std::bit_cast<uint64_t>(a.partial) == std::bit_cast<uint64_t>(b.partial);
+         std::bit_cast<uint64_t>(a.partial) == std::bit_cast<uint64_t>(b.partial) &&
+         std::bit_cast<uint64_t>(a.kv_rows) == std::bit_cast<uint64_t>(b.kv_rows);
 }
 
 struct PairWorkHash {
@@ -95,7 +107,7 @@ struct PairWorkHash {
     uint64_t h = 0;
     for (uint64_t v : {static_cast<uint64_t>(w.tiles.full), static_cast<uint64_t>(w.tiles.partial),
                        static_cast<uint64_t>(w.calls), std::bit_cast<uint64_t>(w.full),
-                       std::bit_cast<uint64_t>(w.partial)})
+                       std::bit_cast<uint64_t>(w.partial), std::bit_cast<uint64_t>(w.kv_rows)})
       h = (h ^ v) * 0x100000001b3ull + (h >> 29);
     return static_cast<size_t>(h);
   }
@@ -114,7 +126,8 @@ PairTable::PairTable(PairKey key, const std::vector<std::vector<Chunk>>& chunks)
              "PairTable: " << chunks.size() << " shards for " << P << " ranks");
   // Exactness of sums in any order (exact_sums()): a bound on every work figure of any union,
   // the whole sequence's (q tiles) x (k tiles), each counted in work tiles times their block
-  // factors, which is at least the block tile count.
+  // factors, which is at least the block tile count; the key rows packed, at most S per q chunk
+  // (a q chunk meets the chunks of its own document).
   double q_tiles = 0, k_tiles = 0, n_chunks = 0;
   for (const std::vector<Chunk>& shard : chunks)
     for (const Chunk& ch : shard) {
@@ -124,14 +137,16 @@ PairTable::PairTable(PairKey key, const std::vector<std::vector<Chunk>>& chunks)
       k_tiles += static_cast<double>((ch.count + wk - 1) / wk * (wk / key_.block_k));
       n_chunks += 1;
     }
-  exact_sums_ = q_tiles * k_tiles < 0x1p52 && n_chunks * n_chunks < 0x1p30;
+  exact_sums_ = q_tiles * k_tiles < 0x1p52 && n_chunks * n_chunks < 0x1p30 &&
+                n_chunks * static_cast<double>(key_.seq) < 0x1p52;
   idx_.resize(static_cast<size_t>(P) * static_cast<size_t>(P));
   std::unordered_map<PairWork, uint32_t, PairWorkHash, PairWorkEq> seen;
+  TileMemo memo;
   uint32_t last = 0;
   for (int d = 0; d < P; ++d)  // the layout of at(): by diagonal d = a - b mod P, then a
     for (int a = 0; a < P; ++a) {
       const int b = a >= d ? a - d : a - d + P;
-      const PairWork w = chunk_work(chunks[a], chunks[b], key_);
+      const PairWork w = chunk_work(chunks[a], chunks[b], key_, memo);
       uint32_t v = last;
       if (values_.empty() || !same(w, values_[last])) {
         auto [it, added] = seen.emplace(w, static_cast<uint32_t>(values_.size()));
@@ -141,6 +156,7 @@ PairTable::PairTable(PairKey key, const std::vector<std::vector<Chunk>>& chunks)
       set(static_cast<size_t>(d) * static_cast<size_t>(P) + a, v);
       last = v;
     }
+  loops_run_ = memo.size();
 }
 
 uint32_t PairTable::wide(size_t i) const {
@@ -329,13 +345,14 @@ SimContext::Work SimContext::group_work(const Block& qb, const Block& kb) const 
             w.calls += x.calls;
             w.full += x.full;
             w.partial += x.partial;
+            w.kv_rows += x.kv_rows;
           }
         done_[i] = 1;
       }
       return groups_[i];
     }
   }
-  return chunk_work(qb.chunks, kb.chunks, key_);
+  return chunk_work(qb.chunks, kb.chunks, key_, memo_);
 }
 
 void SimContext::busy_scales(const std::vector<int>& members, const std::vector<bool>& busy,

@@ -28,13 +28,32 @@ struct Block {
   int first = 0, count = 0;  // the cp ranks [first, first + count) whose chunks these are
 };
 
+// count_tiles (tiles.cc) in two halves: the closed form, and the loop over the q-tiles of a pair
+// the mask's edge crosses, which costs q.count / block_q steps and depends on these figures
+// alone. count_tiles_or_loop returns false with the count in tc, or true with the loop to run
+// (tile_loop) in `loop`. Every pair of stripe shards loops (their positions interleave), P^2
+// pairs of S / P rows: S = 2^28 on 8192 ranks ran for hours. Their loops are few distinct ones
+// (the offset q.first - k.first is below the stride: two m_lo, two m_hi, two row counts per
+// document), so a simulation runs each once (TileMemo).
+struct TileLoop {
+  int64_t qn = 0, kn = 0, m_lo = 0, m_hi = 0, block_q = 0, block_k = 0;
+  auto operator<=>(const TileLoop&) const = default;
+};
+bool count_tiles_or_loop(const Chunk& q, const Chunk& k, const Mask& mask, int64_t block_q,
+                         int64_t block_k, TileCount& tc, TileLoop& loop);
+TileCount tile_loop(const TileLoop& loop);
+using TileMemo = std::map<TileLoop, TileCount>;
+
 // The work of q rows against one KV block, per head: the exact block_q x block_k tiles (what the
-// kernels report), the kernel calls (chunk pairs the cp layer does not skip) and the work tiles
-// the kernel really computes (Profile::work_tile), in block-tile areas.
+// kernels report), the kernel calls (chunk pairs the cp layer does not skip), the work tiles
+// the kernel really computes (Profile::work_tile), in block-tile areas, and the key rows the
+// calls pack: each call (attend_blocks in src/cp/ring_pass.cc: one per pair of segments) packs
+// its own key chunk, not the whole block.
 struct PairWork {
   TileCount tiles;
   int calls = 0;
   double full = 0, partial = 0;  // work tiles, each weighted by its area in block tiles
+  double kv_rows = 0;            // the key chunk's rows, summed over the calls
 };
 
 // Everything the work of a pair of shards depends on: their chunks (layout, sequence, ranks,
@@ -69,9 +88,14 @@ class PairTable {
   size_t bytes() const { return idx_.size() + values_.size() * sizeof(PairWork); }
   // Whether the work of a union of shards may be summed from the pairs' in any order with the
   // same result, to the bit, as pair_work's chunk-by-chunk sum: every figure of a pair is an
-  // integer (tiles, calls, and work tiles times their areas, integer products of the block
-  // factors), so the sums are exact while every total stays below 2^53 (and calls below 2^31).
+  // integer (tiles, calls, key rows, and work tiles times their areas, integer products of the
+  // block factors), so the sums are exact while every total stays below 2^53 (and calls below
+  // 2^31).
   bool exact_sums() const { return exact_sums_; }
+  // How many distinct q-tile loops (count_tiles_or_loop's TileLoop) the table ran: pairs with the
+  // same loop shape share one run, so this stays small where the pairs are many (stripe: every
+  // pair on the causal diagonal, P^2 loops of S / (P block_q) steps before).
+  size_t loops_run() const { return loops_run_; }
 
  private:
   uint32_t wide(size_t i) const;
@@ -81,6 +105,7 @@ class PairTable {
   std::vector<uint8_t> idx_;  // width_ bytes per pair
   int width_ = 1;
   bool exact_sums_ = false;
+  size_t loops_run_ = 0;
 };
 
 // The tables of one search (plan()): the candidates of one layout and cp degree share one. At
@@ -136,16 +161,17 @@ struct SimContext {
 
   // Durations. The small ones are defined below, inline: the schedules call them for every
   // rank at every step (O(P^2) calls per ring pass).
-  double kernel_time(const Work& w, int64_t heads, bool backward, int64_t kv_rows,
-                     int64_t kv_heads) const {
+  double kernel_time(const Work& w, int64_t heads, bool backward, int64_t kv_heads) const {
     if (!rate_ok_[backward]) no_rate();
     const double d = static_cast<double>(c.head_dim);
     const double tiles_s = static_cast<double>(heads) *
                            (w.full * tile_full_[backward] + w.partial * tile_partial_[backward]);
-    // Each call packs its KV block (k and v; backward also k^T) once.
-    const double pack =
-        mem_time(static_cast<double>((backward ? 3 : 2) * kv_rows * kv_heads) * d * c.dtype_bytes);
-    return tiles_s + w.calls * (p.call_overhead + pack);
+    // Each call packs its key chunk (k and v; backward also k^T) once: the rows of every call's
+    // chunk, not the whole KV block per call (128 documents of 256 tokens on one rank were
+    // charged 384 packs of all 32K rows, 1147 ms predicted against 120 ms measured).
+    const double pack = mem_time(w.kv_rows * static_cast<double>((backward ? 3 : 2) * kv_heads) *
+                                 d * c.dtype_bytes);
+    return tiles_s + w.calls * p.call_overhead + pack;
   }
   double mem_time(double bytes) const {
     return bytes / p.mem_bandwidth;  // > 0: check_profile
@@ -235,6 +261,7 @@ struct SimContext {
   mutable int group_ = 0;                           // the ranks per group of groups_
   mutable std::vector<Work> groups_;                // [q group][k group], when done_
   mutable std::vector<char> done_;
+  mutable TileMemo memo_;  // group_work's chunk-by-chunk sums
 };
 
 }  // namespace loom::plan

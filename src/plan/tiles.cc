@@ -22,6 +22,7 @@
 
 #include "loom/error.h"
 #include "loom/plan.h"
+#include "sim.h"
 
 namespace loom::plan {
 
@@ -87,8 +88,8 @@ std::vector<std::vector<Chunk>> shard_chunks(Layout layout, int64_t seq, int ran
   return out;
 }
 
-TileCount count_tiles(const Chunk& q, const Chunk& k, const Mask& mask, int64_t block_q,
-                      int64_t block_k) {
+bool count_tiles_or_loop(const Chunk& q, const Chunk& k, const Mask& mask, int64_t block_q,
+                         int64_t block_k, TileCount& tc, TileLoop& loop) {
   // block 0 looped forever, stride 0 divided by zero, and positions near 2^63 overflowed.
   LOOM_CHECK(
       block_q >= 1 && block_k >= 1, InvalidArgument,
@@ -109,11 +110,12 @@ TileCount count_tiles(const Chunk& q, const Chunk& k, const Mask& mask, int64_t 
   LOOM_CHECK(q.count <= 1 || k.count <= 1 || q.stride == k.stride, InvalidArgument,
              "count_tiles: q and k chunks of more than one row need the same stride, got "
                  << q.stride << " and " << k.stride);
-  TileCount tc;
+  tc = TileCount{};
   // The cp layer's chunk-pair skip.
-  if (q.count == 0 || k.count == 0 || q.doc != k.doc) return tc;
-  if (mask.causal && k.first > q.last()) return tc;
-  if (mask.window > 0 && std::max(k.first - q.last(), q.first - k.last()) >= mask.window) return tc;
+  if (q.count == 0 || k.count == 0 || q.doc != k.doc) return false;
+  if (mask.causal && k.first > q.last()) return false;
+  if (mask.window > 0 && std::max(k.first - q.last(), q.first - k.last()) >= mask.window)
+    return false;
   // Allowed d = pos_q - pos_k.
   // A window wider than every position difference is no limit (and would overflow below).
   const int64_t window = mask.window >= kMaxPos ? 0 : mask.window;
@@ -130,9 +132,18 @@ TileCount count_tiles(const Chunk& q, const Chunk& k, const Mask& mask, int64_t 
   if (m_lo <= -(kn - 1) && qn - 1 <= m_hi) {
     const int64_t q_tiles = (qn + block_q - 1) / block_q;
     tc.full = q_tiles * k_tiles;
-    return tc;
+    return false;
   }
-  if (m_lo > m_hi) return tc;
+  if (m_lo > m_hi) return false;
+  loop = TileLoop{qn, kn, m_lo, m_hi, block_q, block_k};
+  return true;
+}
+
+TileCount tile_loop(const TileLoop& l) {
+  const int64_t qn = l.qn, kn = l.kn, m_lo = l.m_lo, m_hi = l.m_hi;
+  const int64_t block_q = l.block_q, block_k = l.block_k;
+  const int64_t k_tiles = (kn + block_k - 1) / block_k;
+  TileCount tc;
   for (int64_t a0 = 0; a0 < qn; a0 += block_q) {
     const int64_t a1 = std::min(a0 + block_q, qn) - 1;
     // Non-empty: b1 >= a0 - m_hi and b0 <= a1 - m_lo.
@@ -156,6 +167,13 @@ TileCount count_tiles(const Chunk& q, const Chunk& k, const Mask& mask, int64_t 
     tc.partial += nonempty - full;
   }
   return tc;
+}
+
+TileCount count_tiles(const Chunk& q, const Chunk& k, const Mask& mask, int64_t block_q,
+                      int64_t block_k) {
+  TileCount tc;
+  TileLoop loop;
+  return count_tiles_or_loop(q, k, mask, block_q, block_k, tc, loop) ? tile_loop(loop) : tc;
 }
 
 }  // namespace loom::plan

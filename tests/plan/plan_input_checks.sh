@@ -130,8 +130,12 @@ expect_error "nothing fits" "no configuration fits: " --profile "$h100" --seq 81
   --memory-limit 1
 expect_error "head dim 512" "head dim (dim 4096 / 8 heads = 512) must be at most 256" \
   --profile "$h100" --model 2,4096,8,8,1024,256
-# --seq 1 is planned (dp and tp only), with finite figures.
-if "$loom" plan --profile "$h100" --seq 1 --json "$work/one.json" > "$work/stdout" \
+# --seq 1: loom train refuses a sequence under 2 tokens, so a training plan does (it ranked dp and
+# tp meshes loom train could not run); prefill plans it (dp and tp only), with finite figures.
+expect_error "--seq 1 in training" \
+  "--seq must be >= 2 to plan training (loom train's shortest sequence), got 1" \
+  --profile "$h100" --seq 1
+if "$loom" plan --profile "$h100" --seq 1 --mode prefill --json "$work/one.json" > "$work/stdout" \
      2> "$work/stderr" && /usr/bin/python3 - "$work/one.json" <<'PY'
 import json, math, sys
 r = json.load(open(sys.argv[1]))
@@ -140,8 +144,21 @@ for c in r["ranked"]:
     assert c["ring"] * c["ulysses"] == 1, c["name"]
     assert all(math.isfinite(c[k]) and c[k] > 0 for k in ("step_s", "tokens_per_s", "mfu")), c
 PY
-then ok "--seq 1 ranks dp/tp candidates"
+then ok "--seq 1 --mode prefill ranks dp/tp candidates"
 else cat "$work/stderr"; bad "--seq 1"
+fi
+# tp divides the FFN size, loom train's rule: dp1 tp4 was ranked first with an FFN of 16386.
+if "$loom" plan --profile "$h100" --model 8,4096,32,8,16386,256 --seq 128 --devices 4 \
+     --memory-limit 16 --json "$work/ffn.json" > "$work/stdout" 2>&1 &&
+   /usr/bin/python3 - "$work/ffn.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["ranked"] and all(16386 % c["tp"] == 0 for c in r["ranked"]), [c["name"] for c in r["ranked"]]
+assert any(c["why_not"] == "tp 4 does not divide the FFN size 16386 (loom train's rule)"
+           for c in r["rejected"]), r["rejected"]
+PY
+then ok "tp 4 not ranked with an FFN of 16386"
+else cat "$work/stdout"; bad "tp not dividing the FFN"
 fi
 # --model's FFN 0 is 4 x dim, as loom train's --ffn 0 (it was refused).
 "$loom" plan --profile "$h100" --model 2,128,4,2,0,256 --seq 8192 --top 1 > "$work/stdout" 2>&1 &&
@@ -189,7 +206,7 @@ once, twice = (json.load(open(f"{w}/{n}.json")) for n in ("once", "twice"))
 assert len(once["ranked"]) == len(twice["ranked"]) and len(once["rejected"]) == len(twice["rejected"]), \
     (len(once["ranked"]), len(twice["ranked"]))
 one = json.load(open(f"{w}/one.json"))
-assert [c["name"] for c in one["ranked"]][:1] == ["dp1 tp1 u1 r1 none/zigzag"], one["ranked"][:1]
+assert [c["name"] for c in one["ranked"]][:1] == ["dp1 tp1 u1 r1 none/contiguous"], one["ranked"][:1]
 u8, all8 = (json.load(open(f"{w}/{n}.json")) for n in ("u8", "all8"))
 assert u8["ranked"][0]["strategy"] == "none", u8["ranked"][0]["name"]  # dp8: the best of all
 assert u8["ranked"][0]["name"] == all8["ranked"][0]["name"], (u8["ranked"][0]["name"], all8["ranked"][0]["name"])

@@ -7,13 +7,16 @@
 //    documents / full x GQA, and ring2d with inner rings of 1-4 on 2-8 ranks), the simulator's
 //    per-rank tiles (forward + backward), forward tiles per step, bytes sent and received, and
 //    peak buffer bytes (the memory seam's slots) equal what `loom attn --json` reports.
-// 4. Time is charged per work tile of the kernels.
+// 4. Time is charged per work tile of the kernels, and each call's packing on its own key chunk.
 // 5. Every shipped profile parses and cites a source for every figure.
 // 6. The loom train step model composes a one-rank measure with the mesh: hand-computed
 //    figures for one rank, dp, tp, cp and checkpointing; bad meshes refused.
 // 7. The pair tables (src/plan/sim.h): the work of every pair of shards, and of aligned groups
 //    of shards summed from it, equals the chunk-by-chunk count; simulations sharing tables
-//    through one PairCache equal simulations with their own, for cases that differ in one input.
+//    through one PairCache equal simulations with their own, for cases that differ in one input;
+//    a stripe table (every pair's tile count loops) of 2048 ranks over S = 2^28 is cheap.
+// 8. The search ranks only what loom train runs (tp divides the heads, the kv heads and the FFN;
+//    a training sequence of at least 2 tokens), and one rank runs the contiguous layout.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -344,6 +347,59 @@ TEST(PlanTime, KernelsAreChargedPerWorkTile) {
   }
 }
 
+// Each kernel call packs its own key chunk (attend_blocks in src/cp/ring_pass.cc calls the
+// kernel once per pair of segments), not the whole KV block: 128 documents of 256 tokens on one
+// rank were charged 384 packs of all 32K rows, 1147 ms forward predicted against 120 ms measured.
+// Here the bytes charged at the memory bandwidth, f(B1) - f(B2) = bytes (1 / B1 - 1 / B2), are
+// the hand-counted ones: the softmax state and the finish (forward), delta, dq's and dk, dv's
+// zeroing (backward), and the packs of every call's key chunk, k and v forward, k, v and k^T
+// backward. Zigzag on one rank cuts a document of L tokens into c0 = ceil(L / 2) and c1 rows;
+// the cp layer calls (0, 0), (1, 0), (1, 1): c0 + c0 + c1 key rows.
+TEST(PlanTime, EachCallPacksItsOwnKeyChunk) {
+  Profile p = valid_profile();
+  p.kind = "cpu";
+  p.call_overhead = 0;
+  p.block_q = p.block_k = 64;
+  const double tiles[4] = {1e-6, 2e-6, 3e-6, 4e-6};
+  std::copy(tiles, tiles + 4, p.tile_s_fp32);
+  AttnCase a;
+  a.strategy = "ring";
+  a.layout = Layout::zigzag;
+  a.seq = 1000;
+  a.doc_lengths = {101, 200, 300, 399};
+  a.ranks = 1;
+  a.heads = 4;
+  a.kv_heads = 2;
+  a.head_dim = 16;
+  a.mask.causal = true;
+  const double S = 1000, H = 4, Hkv = 2, D = 16, T = 4;
+  double kv_rows = 0;
+  for (int64_t L : a.doc_lengths) kv_rows += 2 * ((L + 1) / 2) + L / 2;
+  EXPECT_EQ(kv_rows, 1000 + 51 + 100 + 150 + 200);
+  const double B1 = 1e9, B2 = 2e9;
+  p.mem_bandwidth = B1;
+  const AttnSim s1 = simulate_attention(a, p);
+  p.mem_bandwidth = B2;
+  const AttnSim s2 = simulate_attention(a, p);
+  const double per = 1 / B1 - 1 / B2;
+  const double fwd_bytes = S * H * D * 4 + S * H * D * (4 + T) + 2 * kv_rows * Hkv * D * T;
+  const double bwd_bytes =
+      S * H * D * (2 * T + 4) + 2 * S * Hkv * D * 4 + 3 * kv_rows * Hkv * D * T;
+  EXPECT_NEAR((s1.forward_s - s2.forward_s) / per, fwd_bytes, 1e-6 * fwd_bytes);
+  EXPECT_NEAR((s1.backward_s - s2.backward_s) / per, bwd_bytes, 1e-6 * bwd_bytes);
+  // Many short documents cost about what one document does (fewer tiles, a few more calls):
+  // 128 x 256 tokens against 32768 in one, contiguous on one rank.
+  a.layout = Layout::contiguous;
+  a.seq = 32768;
+  a.doc_lengths.assign(128, 256);
+  p.mem_bandwidth = 1e10;
+  const AttnSim docs = simulate_attention(a, p);
+  a.doc_lengths.clear();
+  const AttnSim one = simulate_attention(a, p);
+  EXPECT_LT(docs.forward_s, one.forward_s);
+  EXPECT_LT(docs.backward_s, one.backward_s);
+}
+
 // The work of q rows against k rows, chunk pair by chunk pair in order: the cp layer's skip of
 // pairs the mask separates (segment_pair_empty in src/cp/ring.cc), the block tiles, and the
 // kernels' work tiles (work_tile_side) weighted by their area in block tiles.
@@ -359,6 +415,7 @@ PairWork reference_work(const std::vector<Chunk>& qs, const std::vector<Chunk>& 
       if (m.window > 0 && (k.first - q.last() >= m.window || q.first - k.last() >= m.window))
         continue;
       ++w.calls;
+      w.kv_rows += static_cast<double>(k.count);
       const TileCount tc = count_tiles(q, k, m, key.block_q, key.block_k);
       w.tiles += tc;
       const int64_t wq = work_tile_side(key.block_q, q.count, key.work_tile),
@@ -377,6 +434,7 @@ void expect_work_eq(const PairWork& got, const PairWork& want, const std::string
   EXPECT_EQ(got.calls, want.calls) << what;
   EXPECT_EQ(got.full, want.full) << what;  // exact: integers below 2^53
   EXPECT_EQ(got.partial, want.partial) << what;
+  EXPECT_EQ(got.kv_rows, want.kv_rows) << what;
 }
 
 std::vector<Chunk> concat(const std::vector<std::vector<Chunk>>& shards, int first, int count) {
@@ -842,8 +900,12 @@ TEST(PlanSearch, RefusesUpFrontWhatNoCandidateCouldRun) {
   r = req;
   r.memory_limit = -1;
   refused(r, "memory limit");
+  // One token: loom train refuses a sequence under 2 (model::validate), so a training plan does
+  // too (it ranked dp and tp meshes); prefill plans it.
   r = req;
   r.seq = 1;
+  refused(r, "--seq must be >= 2 to plan training (loom train's shortest sequence), got 1");
+  r.train = false;
   const PlanResult one = plan(r, p);
   ASSERT_FALSE(one.ranked.empty());
   for (const Candidate& c : one.ranked) {
@@ -885,7 +947,7 @@ TEST(PlanSearch, GradientsAreSummedOverDpTimesCp) {
   req.model = ModelShape{4, 4096, 32, 8, 16384, 32000};
   const PlanResult four = plan(req, p);
   ASSERT_FALSE(four.ranked.empty());
-  EXPECT_EQ(four.ranked.front().name(), "dp16 tp1 u1 r1 none/zigzag");
+  EXPECT_EQ(four.ranked.front().name(), "dp16 tp1 u1 r1 none/contiguous");
   bool seen = false;
   for (const Candidate& c : four.ranked)
     if (c.name() == "dp1 tp1 u1 r16 i8 ring2d/stripe") {
@@ -930,6 +992,97 @@ TEST(PlanSearch, TpDividesTheKvHeadsAsLoomTrainRequires) {
                                "train's rule)");
     }
   EXPECT_EQ(refused, 2);
+}
+
+// And tp divides the FFN size (model::validate: "the MLP hidden size ... must be divisible by
+// --tp"): `--model 8,4096,32,8,16386,256 --seq 128 --devices 4 --memory-limit 8` ranked dp1 tp4
+// first, which loom train refuses.
+TEST(PlanSearch, TpDividesTheFfnAsLoomTrainRequires) {
+  const Profile p = shipped("h100_sxm.json");
+  PlanRequest req;
+  req.seq = 128;
+  req.devices = 4;
+  req.memory_limit = 16e9;                             // the probe's 8 GB: tp 4 alone fitted
+  req.model = ModelShape{8, 4096, 32, 8, 16386, 256};  // 16386 = 2 x 8193
+  const PlanResult r = plan(req, p);
+  ASSERT_FALSE(r.ranked.empty());
+  for (const Candidate& c : r.ranked) EXPECT_EQ(req.model.ffn % c.tp, 0) << c.name();
+  int refused = 0;
+  for (const Candidate& c : r.rejected)
+    if (c.tp == 4) {
+      ++refused;
+      EXPECT_EQ(c.why_not, "tp 4 does not divide the FFN size 16386 (loom train's rule)");
+    }
+  EXPECT_EQ(refused, 1);
+}
+
+// A mesh without a cp group runs one rank over the whole sequence: contiguous, every document in
+// one piece (the search tried zigzag alone there, which cut each document in two: three kernel
+// calls per document instead of one). loom train runs it (--layout contiguous with cp 1).
+TEST(PlanSearch, OneRankRunsTheContiguousLayout) {
+  const Profile p = shipped("h100_sxm.json");
+  PlanRequest req;
+  req.seq = 32768;
+  req.devices = 2;
+  req.doc_lengths.assign(128, 256);
+  req.model = ModelShape{2, 256, 4, 2, 1024, 256};
+  for (bool all : {true, false}) {  // --zigzag-only too
+    req.all_layouts = all;
+    const PlanResult r = plan(req, p);
+    int none = 0;
+    for (const std::vector<Candidate>* list : {&r.ranked, &r.rejected})
+      for (const Candidate& c : *list)
+        if (c.strategy == "none") {
+          ++none;
+          EXPECT_EQ(c.layout, Layout::contiguous) << c.name();
+        }
+    EXPECT_EQ(none, 2 * 2) << all;  // dp2 tp1 and dp1 tp2, with and without checkpointing
+  }
+  // Its attention is the contiguous simulation's, cheaper than zigzag's on one rank.
+  AttnCase a;
+  a.layout = Layout::contiguous;
+  a.seq = req.seq;
+  a.doc_lengths = req.doc_lengths;
+  a.heads = 4;
+  a.kv_heads = 2;
+  a.head_dim = 64;
+  a.block_q = p.block_q;
+  a.block_k = p.block_k;
+  a.dtype_bytes = req.dtype_bytes;
+  a.backward = true;
+  const AttnSim contiguous = simulate_attention(a, p);
+  a.layout = Layout::zigzag;
+  const AttnSim zigzag = simulate_attention(a, p);
+  EXPECT_LT(contiguous.forward_s + contiguous.backward_s, zigzag.forward_s + zigzag.backward_s);
+  req.all_layouts = true;
+  int seen = 0;
+  for (const Candidate& c : plan(req, p).ranked) {
+    if (c.name() != "dp2 tp1 u1 r1 none/contiguous") continue;
+    EXPECT_NEAR(c.attn_s, 2 * (contiguous.forward_s + contiguous.backward_s), 1e-12);
+    ++seen;
+  }
+  EXPECT_EQ(seen, 1);
+}
+
+// Stripe shards interleave, so every pair's tile count loops over its q-tiles: P^2 pairs of
+// S / P rows (S = 2^28 on 8192 ranks ran for hours). The loops are few distinct ones, each run
+// once: a table of 2048 stripe ranks over S = 2^28 is P^2 cheap pairs.
+TEST(PlanPairs, StripeTablesAreCheap) {
+  PairKey key;
+  key.layout = Layout::stripe;
+  key.ranks = 2048;
+  key.seq = int64_t{1} << 28;
+  key.block_q = key.block_k = 64;
+  key.work_tile = 128;
+  const auto shards = shard_chunks(key.layout, key.seq, key.ranks, {});
+  const PairTable table(key, shards);
+  // Every one of the 2^22 pairs ran its own loop of 2^11 q-tile steps before (99 s); pairs of one
+  // loop shape now share a run. Counted, not timed (no timed assertions in tests).
+  EXPECT_LE(table.loops_run(), size_t{16});  // 4 here
+  for (int a : {0, 1, 1023, 2047})
+    for (int b : {0, 1, 1024, 2047})
+      expect_work_eq(table.at(a, b), reference_work(shards[a], shards[b], key),
+                     "pair " + std::to_string(a) + "," + std::to_string(b));
 }
 
 // "-" is not a profile: InputFile reads it as standard input, where a pipe that never closes

@@ -196,9 +196,10 @@ std::vector<std::pair<std::string, int>> DegreeOptions::values() const {
 }
 
 CLI::Option* add_mask_options(CLI::App* command, bool& causal, int64_t& window, std::string& docs) {
-  // The {false} CLI11 shows after --no-causal is the value that flag sets, not the default: the
-  // help says the default in words ("causal mask (default) or full attention" read as off).
-  command->add_flag("--causal,!--no-causal", causal,
+  // CLI11 shows after a flag's name the value that name sets: "--causal,--no-causal{false}" read
+  // as "default false" (causal is on by default). Both names carry theirs, and the help says the
+  // default in words ("causal mask (default) or full attention" read as off).
+  command->add_flag("--causal{true},--no-causal{false}", causal,
                     "causal mask, on by default (--no-causal turns it off: full attention)");
   command->add_option("--window", window, "sliding window W: keys with |i - j| < W (0: none)")
       ->capture_default_str();

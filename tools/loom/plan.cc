@@ -109,6 +109,7 @@ nlohmann::json rank_json(const plan::RankSim& x, size_t r) {
           {"bytes_sent", x.bytes_sent},
           {"bytes_recv", x.bytes_recv},
           {"peak_buffer_bytes", x.peak_buffer_bytes},
+          {"gathered_bytes", x.gathered_bytes},
           {"compute_s", x.compute_s},
           {"exposed_comm_s", x.comm_s},
           {"idle_s", x.idle_s},
@@ -599,14 +600,16 @@ int run_simulate(const CLI::App* app, const PlanOptions& o, const plan::Profile&
        static_cast<long long>(c.head_dim), o.dtype.c_str());
   text(show, "  predicted forward %.3f ms, backward %.3f ms (profile %s), balance %.3f\n",
        s.forward_s * 1e3, s.backward_s * 1e3, prof.name.c_str(), s.balance());
-  text(show, "  %-4s %10s %10s %12s %12s %12s\n", "rank", "fwd tiles", "tiles", "sent", "recv",
-       "buffers");
+  // buffers: the memory seam's slots (loom attn's peak_buffer_bytes); gathered: the head-sliced
+  // tensors Ulysses and hybrid gather outside the seam, which loom attn does not count.
+  text(show, "  %-4s %10s %10s %12s %12s %12s %12s\n", "rank", "fwd tiles", "tiles", "sent", "recv",
+       "buffers", "gathered");
   for (size_t r = 0; r < s.ranks.size(); ++r) {
     const plan::RankSim& x = s.ranks[r];
-    text(show, "  %-4zu %10lld %10lld %12lld %12lld %12lld\n", r,
+    text(show, "  %-4zu %10lld %10lld %12lld %12lld %12lld %12lld\n", r,
          static_cast<long long>(x.fwd_tiles), static_cast<long long>(x.fwd_tiles + x.bwd_tiles),
          static_cast<long long>(x.bytes_sent), static_cast<long long>(x.bytes_recv),
-         static_cast<long long>(x.peak_buffer_bytes));
+         static_cast<long long>(x.peak_buffer_bytes), static_cast<long long>(x.gathered_bytes));
   }
   if (!o.json.empty()) write_file_atomic(o.json, sim_json_text(s));
   return 0;
@@ -649,6 +652,10 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
   check_output_writable(o.json, "--json");
   check_output_writable(o.svg, "--svg");
   check_output_writable(o.calibrate, "--calibrate");
+  // Under mpirun only --calibrate uses the other ranks (it measures the MPI links); in every
+  // other mode each rank printed the report and rewrote --json and --svg (and --train-step timed
+  // its rank beside all the others). Rank 0 runs those; the others end at once.
+  if (mode != kCalibrate && launched_by_mpirun() && launcher_rank() > 0) return 0;
   if (o.train_step) return run_train_step(app, o);
   if (mode == kCalibrate) {
     LOOM_CHECK(!o.calibrate.empty(), InvalidArgument, "--calibrate needs a FILE to write");
@@ -666,8 +673,10 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
       if (world->rank() == 0) p = plan::calibrate(o.threads, o.ranks_per_node, log_line);
       // The others wait while rank 0 calibrates: 3-5 s on a quiet node, more with many
       // --ranks-per-node, so not under the communication timeout (LOOM_TIMEOUT_S=2 failed a
-      // healthy calibration); a rank 0 that fails ends the job at once (main.cc).
-      world->barrier(std::max(world->timeout_s(), 600.0));
+      // healthy calibration); a rank 0 that fails ends the job at once (main.cc). Rank 0 comes
+      // last, to ranks already waiting: the communication timeout (it waited 10 minutes too for
+      // a rank that had stopped).
+      world->barrier(world->rank() == 0 ? -1 : std::max(world->timeout_s(), 600.0));
       const plan::CommFigures f = plan::measure_comm(*world);
       if (world->rank() != 0) return 0;
       p.inter = plan::Link{f.bandwidth, f.latency};
@@ -852,7 +861,8 @@ void declare_plan(CLI::App* c, PlanOptions& opts) {
   c->add_option("--memory-limit", o->memory_limit_gb,
                 "GB per device (default: the profile's memory)");
   c->add_option("--strategies", o->strategies, "only these strategies (comma separated)");
-  c->add_flag("--zigzag-only", o->zigzag_only, "only the zigzag layout");
+  c->add_flag("--zigzag-only", o->zigzag_only,
+              "only the zigzag layout (a mesh without a cp group: contiguous)");
   c->add_option("--top", o->top, "rows of the table and bars of the SVG")->capture_default_str();
   c->add_flag("--explain", o->explain, "say in words why the winner wins");
   c->add_option("--json", o->json, "write the ranking as JSON to FILE");
@@ -872,7 +882,7 @@ void declare_plan(CLI::App* c, PlanOptions& opts) {
   c->add_option("--kv-heads", o->kv_heads, "--simulate: kv heads (default: heads)");
   c->add_option("--head-dim", o->head_dim, "--simulate: head dim")->capture_default_str();
   c->add_option("--dtype", o->dtype, "--simulate: fp32 or bf16")->capture_default_str();
-  c->add_flag("--causal,!--no-causal", o->causal,
+  c->add_flag("--causal{true},--no-causal{false}", o->causal,  // as add_mask_options
               "--simulate: causal mask, on by default (--no-causal: full attention)");
   c->add_flag("--forward-only", o->forward_only, "--simulate: no backward");
   c->add_flag("--train-step", o->train_step,
