@@ -34,8 +34,11 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  # The variable is set by env under sudo: sudo resets the environment, and one set before it
+  # (DEBIAN_FRONTEND=... sudo apt-get) never reached apt-get, whose packages could then prompt.
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}"
 fi
 
 jobs=$(nproc 2>/dev/null || echo 2)

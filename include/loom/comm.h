@@ -14,14 +14,20 @@
 // first error: the failed operation may have left messages in flight (a late peer's send arrives
 // after the receive gave up) and this rank's operations are out of step with its peers', so a
 // later receive would take a stale message and return a wrong answer without an error. Create a
-// new communicator instead (run_local, mpi_world, a new process group). Errors found before
-// anything is posted (InvalidArgument for bad arguments, NotSupported) leave it usable.
+// new communicator instead (run_local, mpi_world, a new process group): every rank must take
+// part, and mpi_world() throws Timeout when one does not (a rank that stopped). Errors found
+// before anything is posted (InvalidArgument for bad arguments, NotSupported) leave it usable.
 //
 // Thread-safety. A Communicator is used by one thread at a time (its rank's thread); Work handles
 // are used by the thread that created them. Different Communicators (ranks, or groups made by
 // split) may be used concurrently from different threads.
 //
-// Collectives must be called by every rank of the group in the same order (as MPI requires).
+// Collectives must be called by every rank of the group in the same order (as MPI requires),
+// with the same sizes (all_gather's bytes, all_to_all's matching send and receive sizes, the
+// count and dtype of a reduction). That is the caller's contract: the local backend checks it
+// and throws on every rank (a debugging aid: run the code on it), the MPI backend does not (a
+// mismatch fails the call on the rank that receives too much, MPI_ERR_TRUNCATE, and the others
+// may return with bytes unfilled and no error; checking would cost a collective per call).
 // Buffers handed to isend/irecv must stay valid until the Work completes (wait/test true) or the
 // Work is destroyed; destroying an unfinished Work cancels it where the backend can and otherwise
 // waits for it (bounded by the timeout).
@@ -78,7 +84,11 @@ class Communicator {
   virtual std::string backend() const = 0;
 
   // New communicator over the ranks that pass the same color, ordered by (key, old rank).
-  // Collective over this communicator. color < 0 gives nullptr for that rank.
+  // Collective over this communicator. color < 0 gives nullptr for that rank. On MPI the
+  // ranks first meet in a timed all-gather (Timeout as any collective); MPI_Comm_split, which
+  // has no non-blocking form, then runs under a watchdog: a rank that stops or dies inside it
+  // makes the others print one line and exit with status 1 after the timeout (nothing can be
+  // thrown into the blocked call), which ends the job under mpirun.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 
   // Point to point. Messages between one (sender, receiver, tag) arrive in posting order.
@@ -180,7 +190,12 @@ long launcher_rank();
 // waits for every rank of the job: if it has not returned after the default timeout (at least
 // 10 s), as when another rank exited before initialising MPI, the process prints one line on
 // stderr and exits with status 1 (_Exit: nothing can be thrown into the blocked call), which
-// ends the job under mpirun.
+// ends the job under mpirun. Every call is collective over the whole job (a new duplicate of
+// MPI_COMM_WORLD, MPI_Comm_idup, and on the first call a timed count of the node's ranks): it
+// throws Timeout when another rank has not joined within the default timeout (LOOM_TIMEOUT_S;
+// at least 10 s on the first call, which starts the job). The MPI calls loom makes with no
+// timeout of their own are MPI_Init, MPI_Comm_split (split, above) and MPI_Finalize (at exit,
+// bounded by LOOM_FINALIZE_TIMEOUT_S), each under a watchdog that ends the process.
 std::unique_ptr<Communicator> mpi_world();
 // Ends the whole MPI job at once after a fatal error on this rank (MPI_Abort); no-op without MPI.
 void mpi_abort(int code);
@@ -206,7 +221,18 @@ std::string launcher_backend();
 struct MeshShape {
   int dp = 1, tp = 1, ulysses = 1, ring = 1;
   int cp() const { return ulysses * ring; }
-  int world() const { return dp * tp * ulysses * ring; }
+  // dp * tp * ulysses * ring in int64, saturating at INT64_MAX: check a mesh against its world
+  // with this (in int, --dp 4 --ring 1073741825 wrapped to 4 ranks and matched --ranks 4).
+  int64_t ranks() const {
+    int64_t n = 1;
+    const int sizes[] = {dp, tp, ulysses, ring};
+    for (int size : sizes) {
+      if (__builtin_mul_overflow(n, int64_t{size}, &n)) return INT64_MAX;
+    }
+    return n;
+  }
+  // ranks() as an int, for a mesh already checked against its world.
+  int world() const { return static_cast<int>(ranks()); }
 };
 
 struct Mesh {

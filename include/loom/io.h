@@ -61,6 +61,10 @@ int own_stream_fd(const std::string& path);
 // regular files (write_output's), and, given the names of an OutputSet, directories that hold
 // only regular files of those names (its staging directories). Anything else (a user's
 // a.json.tmp.2024-06-01) is left alone, as is a temporary that cannot be removed. Never throws.
+// Whether a pid is gone is judged on this node, in this PID namespace: a temporary that a running
+// process on another node (or in another namespace) writes looks stale here and is removed, so
+// jobs on different nodes must not write one path at the same time. Under an MPI launcher only
+// rank 0, which writes loom's outputs, removes anything; a rank above 0 returns at once.
 void clean_stale_temps(const std::string& path, const std::vector<std::string>& names = {});
 // The pid in `entry` when it is such a temporary of a file named `filename` (in the same
 // directory), else -1: the one rule of what loom's own temporaries are called (loom train sweeps

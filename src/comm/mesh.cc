@@ -14,8 +14,7 @@ namespace loom {
 
 Mesh build_mesh(Communicator& world, const MeshShape& shape) {
   const int dp = shape.dp, tp = shape.tp, uly = shape.ulysses, ring = shape.ring;
-  LOOM_CHECK(dp >= 1 && tp >= 1 && uly >= 1 && ring >= 1 &&
-                 static_cast<int64_t>(dp) * tp * uly * ring == world.size(),
+  LOOM_CHECK(dp >= 1 && tp >= 1 && uly >= 1 && ring >= 1 && shape.ranks() == world.size(),
              InvalidArgument,
              "mesh dp=" << dp << " x tp=" << tp << " x ulysses=" << uly << " x ring=" << ring
                         << " does not match the world of " << world.size()

@@ -41,9 +41,10 @@ void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t 
   LOOM_CHECK(s.dp >= 1 && s.tp >= 1 && s.ulysses >= 1 && s.ring >= 1, InvalidArgument,
              "mesh sizes must be >= 1: dp=" << s.dp << " tp=" << s.tp << " ulysses=" << s.ulysses
                                             << " ring=" << s.ring);
-  LOOM_CHECK(world <= 0 || s.world() == world, InvalidArgument,
+  LOOM_CHECK(world <= 0 || s.ranks() == world, InvalidArgument,
              "mesh dp=" << s.dp << " x tp=" << s.tp << " x ulysses=" << s.ulysses << " x ring="
-                        << s.ring << " = " << s.world() << " ranks, but the world has " << world
+                        << s.ring << " = " << (s.ranks() == INT64_MAX ? "at least " : "")
+                        << s.ranks() << " ranks, but the world has " << world
                         << " (--ranks must equal dp * tp * ulysses * ring)");
   LOOM_CHECK(m.layers >= 1 && m.dim >= 1 && m.heads >= 1 && m.kv_heads >= 1, InvalidArgument,
              "--layers, --dim, --heads and --kv-heads must be >= 1 (got "

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -363,10 +364,14 @@ void Trainer::stream_full(const std::vector<float>& flat,
     // A piece goes out when world rank 0 asks for it: sends complete at once on the local
     // backend, so unasked, every rank queued all its pieces of all three sets (a copy of its
     // state) ahead of rank 0's writes.
+    // Only a wait for world rank 0, which may be writing the previous tensor to disk, gets
+    // timeout_s; the rest wait the communication timeout: rank 0 has posted its receives before
+    // it asks, and its peers wait for it with nothing else to do (rank 0 waited timeout_s, 10
+    // minutes, for a tp peer that had stopped).
     char go = 0;
     if (!writer) {
       mesh_.tp->irecv(&go, 1, 0, kCheckpointTag)->wait(timeout_s);
-      mesh_.tp->isend(mine, local * sizeof(float), 0, kCheckpointTag)->wait(timeout_s);
+      mesh_.tp->isend(mine, local * sizeof(float), 0, kCheckpointTag)->wait();
       continue;
     }
     pieces.resize(local * static_cast<size_t>(T));
@@ -375,8 +380,8 @@ void Trainer::stream_full(const std::vector<float>& flat,
     for (int t = 1; t < T; ++t)
       recvs.push_back(
           mesh_.tp->irecv(pieces.data() + t * local, local * sizeof(float), t, kCheckpointTag));
-    for (int t = 1; t < T; ++t) mesh_.tp->isend(&go, 1, t, kCheckpointTag)->wait(timeout_s);
-    for (WorkPtr& r : recvs) r->wait(timeout_s);
+    for (int t = 1; t < T; ++t) mesh_.tp->isend(&go, 1, t, kCheckpointTag)->wait();
+    for (WorkPtr& r : recvs) r->wait();
     if (p.split == ParamSpec::by_rows) {  // piece t is rows [t, t + 1) x local_rows: in order
       emit(pieces.data(), pieces.size());
       continue;
@@ -427,6 +432,12 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
     out->put(&hl, sizeof hl);
     out->put(header.data(), header.size());
   }
+  // Test hook (docs/reliability.md): LOOM_TEST_STOP_IN_CHECKPOINT=N stops world rank 1
+  // (SIGSTOP) in the save of step N, before it sends rank 0 anything, to prove that rank 0 waits
+  // for a silent peer the communication timeout only.
+  if (const char* e = std::getenv("LOOM_TEST_STOP_IN_CHECKPOINT");
+      e && world_.rank() == 1 && std::atoll(e) == step_)
+    std::raise(SIGSTOP);
   // The weights, then both moments, one tensor at a time: world rank 0 writes each as it
   // arrives, its tp group sends their pieces (a write taking longer than the communication
   // timeout is waited for, as the barrier below waits).
@@ -442,7 +453,9 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   // The other ranks wait while rank 0 writes and syncs the file: at least 10 minutes, as loom plan
   // --calibrate waits for its rank 0. Under the communication timeout a large checkpoint on a
   // slow disk failed the run after it was written (192 MB took 1.4 s here: a timeout of 1 s).
-  world_.barrier(wait_s);
+  // Rank 0 arrives last, to ranks that are already waiting: the communication timeout (it
+  // waited 10 minutes too, for a rank that had stopped).
+  world_.barrier(world_.rank() == 0 ? -1 : wait_s);
   return path;
 }
 

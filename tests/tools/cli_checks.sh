@@ -281,10 +281,11 @@ done
 LOOM_PROGRESS_AFTER_S=1e9 "$loom" attn --ranks 2 --seq 256 --iters 2 > /dev/null 2> "$work/stderr"
 [ $? -eq 0 ] && [ ! -s "$work/stderr" ] && ok "LOOM_PROGRESS_AFTER_S=1e9: no progress lines" ||
   { cat "$work/stderr"; bad "LOOM_PROGRESS_AFTER_S=1e9"; }
-# Help texts: the default of --causal said in words (CLI11's {false} read as "default false"), and
-# --fault's ,at=K form (docs/cli.md).
-for sub in attn verify; do
-  "$loom" $sub --help | grep -q -- "--causal,--no-causal{false} causal mask, on by default" &&
+# Help texts: the default of --causal said in words, and each name with the value it sets
+# ("--causal,--no-causal{false}" read as "default false"), and --fault's ,at=K form (docs/cli.md).
+for sub in attn verify plan; do
+  "$loom" $sub --help | grep -A1 -- "--causal{true},--no-causal{false}" |
+    grep -q "causal mask, on by default" &&
     ok "$sub --help: --causal on by default" || bad "$sub --help: --causal's default"
 done
 "$loom" attn --help | grep -q -- "kill:R\[,at=K\] .*drop:R\[,at=K\]" && ok "attn --help: --fault's at=K" ||
@@ -871,5 +872,19 @@ rc=$?
   grep -qF "of address space (estimate) but the address-space limit (ulimit -v) of 390.6 MiB" \
     "$work/stderr" && ok "an estimate above what ulimit -v leaves: $(cat "$work/stderr")" ||
   { cat "$work/stderr"; bad "an estimate above what ulimit -v leaves (rc=$rc)"; }
+# 8. Every thread's stack is the stack limit: under `ulimit -s 72` loom attn, train and plan
+#    crashed (SIGSEGV, exit 139). Refused at once in one line, every command alike; 512 KiB runs.
+for cmd in "attn --ranks 2 --seq 64 --iters 1 --warmup 0" "train --steps 1 --ranks 2 --seq 64" \
+           "plan --simulate --profile $profile --ranks 2 --seq 64" "--version"; do
+  bash -c 'ulimit -s 72; exec "$0" $1' "$loom" "$cmd" > "$work/stdout" 2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && [ ! -s "$work/stdout" ] &&
+    grep -qF "loom: error: the stack limit (ulimit -s) of 72 KiB is below the 512 KiB loom needs" \
+      "$work/stderr" && ok "ulimit -s 72, loom ${cmd%% *}: refused" ||
+    { cat "$work/stderr"; bad "ulimit -s 72, loom $cmd (rc=$rc)"; }
+done
+bash -c 'ulimit -s 512; exec "$0" attn --ranks 2 --seq 64 --iters 1 --warmup 0 --quiet' "$loom" \
+  > /dev/null 2> "$work/stderr" && ok "ulimit -s 512: loom attn runs" ||
+  { cat "$work/stderr"; bad "ulimit -s 512: loom attn"; }
 
 summary

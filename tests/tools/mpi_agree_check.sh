@@ -61,6 +61,59 @@ done
 expect "other --input bytes on one rank" "rank 1 read other --input files than rank 0" -- \
   -np 1 "$@" -wdir "$work/a" "$loom" attn --input in --quiet --iters 1 --warmup 0 : \
   -np 1 "$@" -wdir "$work/b" "$loom" attn --input in --quiet --iters 1 --warmup 0
+# A rank's own error reaches the user before the timeouts it causes: rank 1's k.npy holds a NaN,
+# and with LOOM_TIMEOUT_S=1 rank 0's all-gather timed out and ended the job before rank 1's
+# two seconds were up, so its timeout was the only line.
+mkdir -p "$work/c"
+/usr/bin/python3 - "$work/a/in" "$work/c/in" <<'PY'
+import numpy as np, os, shutil, sys
+shutil.copytree(sys.argv[1], sys.argv[2])
+k = np.load(f"{sys.argv[2]}/k.npy")
+k[1, 0, 3] = np.nan
+np.save(f"{sys.argv[2]}/k.npy", k)
+PY
+expect "a rank's own error under LOOM_TIMEOUT_S=1" "rank 1: k.npy contains a non-finite value" -- \
+  -np 1 "$@" -x LOOM_TIMEOUT_S=1 -wdir "$work/a" "$loom" attn --input in --quiet : \
+  -np 1 "$@" -x LOOM_TIMEOUT_S=1 -wdir "$work/c" "$loom" attn --input in --quiet
+# A usage error on one rank (MPMD) names it.
+expect "a usage error on one rank names it" \
+  "rank 1: The following argument was not expected: --bogus (see loom --help)" -- \
+  -np 1 "$@" "$loom" "${attn[@]}" : -np 1 "$@" "$loom" "${attn[@]}" --bogus
+# Under mpirun the ranks of a node together must fit in its available memory (each was checked
+# alone against all of it); a size each rank's estimate is already over shows what is counted.
+# --memory-limit bounds one process, one rank (as in loom train): 4 local ranks in one process
+# are refused under 120M, each of 4 mpirun ranks fits.
+avail_kib=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)
+seq=$(( (avail_kib / 24 / 1024 + 1) * 1024 ))  # 1.5x the available memory on each of 4 ranks
+expect "loom attn under mpirun: the node's ranks together" \
+  "loom attn's 4 ranks on this node needs about" -- \
+  -np 4 "$@" "$loom" attn --seq "$seq" --heads 32 --head-dim 128 --quiet
+mem=(attn --seq 32768 --heads 4 --head-dim 32 --quiet --iters 1 --warmup 0 --memory-limit 120M)
+if "$loom" "${mem[@]}" --ranks 4 > /dev/null 2> "$work/err"; then
+  bad "4 local ranks fit in 120M: the check below proves nothing"
+elif ! grep -q "loom attn with 4 ranks needs about" "$work/err"; then
+  cat "$work/err"; bad "4 local ranks under 120M: not the memory refusal"
+elif timeout 100 "$mpiexec" -np 4 "$@" "$loom" "${mem[@]}" > /dev/null 2> "$work/err"; then
+  ok "--memory-limit 120M: 4 local ranks refused, 4 mpirun ranks of loom attn run"
+else
+  cat "$work/err"; bad "mpirun ranks of loom attn refused under a per-process --memory-limit they fit"
+fi
+# loom verify and loom plan (but --calibrate) use no other rank: under mpirun every rank printed
+# its report and rewrote --json. Rank 0 alone runs them.
+profile="$(dirname "$0")/../../plan/profiles/h100_sxm.json"
+: > "$work/out2"
+(cd "$work/a" && "$loom" attn --input in --output cand --quiet > /dev/null) ||
+  bad "the local run that writes the candidate"
+if timeout 60 "$mpiexec" -np 2 "$@" -wdir "$work/a" "$loom" verify --input in --candidate cand \
+    --json v.json > "$work/out" 2> "$work/err" && [ "$(grep -c '^verify ' "$work/out")" = 1 ] &&
+  [ -s "$work/a/v.json" ] && timeout 60 "$mpiexec" -np 2 "$@" "$loom" plan --profile "$profile" \
+    --devices 8 --seq 16384 --top 2 --json "$work/p.json" > "$work/out2" 2>> "$work/err" &&
+  [ "$(grep -c '^loom plan: model' "$work/out2")" = 1 ] && [ -s "$work/p.json" ]; then
+  ok "loom verify and loom plan under mpirun: one report, rank 0's"
+else
+  cat "$work/out" "$work/out2" "$work/err"
+  bad "loom verify / loom plan under mpirun: $(grep -c '^verify ' "$work/out") verify and $(grep -c '^loom plan: model' "$work/out2") plan reports"
+fi
 # Node-local checkpoint directories at different steps: the same --resume on every rank.
 /usr/bin/python3 - "$work/text.txt" <<'PY'
 import sys

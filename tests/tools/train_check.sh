@@ -101,6 +101,10 @@ expect_error "--dp 0 refused" "--dp: Value 0 not in range 1 to" --ranks 2 --dp 0
 expect_error "--ring -3 refused" "--ring: Value -3 not in range 1 to" --ranks 2 --ring -3 --quiet \
   "${data[@]}"
 expect_error "mesh product" "does not match the 4 ranks" --ranks 4 --tp 2 --quiet "${data[@]}"
+# The product is counted in int64: 4 x 1073741825 wrapped to 4 in int, matched --ranks 4, and
+# the run blamed --seq (or, with --tp, the head counts).
+expect_error "mesh product past 2^31" "x --ring 1073741825 = 4294967300 ranks does not match the 4" \
+  --ranks 4 --dp 4 --ring 1073741825 --steps 1 --seq 64 --quiet "${data[@]}"
 expect_error "heads over tp" "divisible by --tp" --ranks 4 --tp 4 --heads 4 --kv-heads 2 --quiet \
   "${data[@]}"
 expect_error "bad dtype" "unknown dtype" --dtype fp16 --quiet "${data[@]}"

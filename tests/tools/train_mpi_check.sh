@@ -42,3 +42,51 @@ grep -q "loom train with 4 ranks in this process needs about" "$work/err" ||
 "$mpiexec" -n 4 "$@" "$loom" train --tp 2 --ring 2 "${args[@]}" --memory-limit 60M > /dev/null 2> "$work/err" ||
   { cat "$work/err"; echo "FAIL mpirun ranks refused under a per-process --memory-limit they fit"; exit 1; }
 echo "ok   --memory-limit 60M: 4 local ranks refused, 4 mpirun ranks run"
+# A tp peer that stops during a checkpoint save (LOOM_TEST_STOP_IN_CHECKPOINT=2: world rank 1
+# stops itself in the save of step 2, before it sends rank 0 anything): rank 0, waiting for its
+# pieces, times out after LOOM_TIMEOUT_S and ends the job. It waited max(LOOM_TIMEOUT_S, 600 s),
+# the allowance meant for the ranks that wait on rank 0's disk, and the job hung 10 minutes.
+mkdir -p "$work/stop"
+t0=$SECONDS
+(cd "$work/stop" && LOOM_TIMEOUT_S=2 LOOM_TEST_STOP_IN_CHECKPOINT=2 timeout 100 "$mpiexec" -n 2 "$@" \
+  -x LOOM_TIMEOUT_S -x LOOM_TEST_STOP_IN_CHECKPOINT "$loom" train --tp 2 "${args[@]}" \
+  --checkpoint-dir ck --checkpoint-every 1 > /dev/null 2> err)
+rc=$? took=$((SECONDS - t0))
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -le 20 ] &&
+  grep -q "rank 0: .*timed out after 2 s" "$work/stop/err"; then
+  echo "ok   a tp peer stopped during a checkpoint save ends the job in $took s (LOOM_TIMEOUT_S=2)"
+else
+  cat "$work/stop/err"
+  echo "FAIL a tp peer stopped during a checkpoint save: exit $rc after $took s"
+  exit 1
+fi
+# Temporaries that a process on another node, or in another PID namespace, writes: a pid is
+# looked up there only, so every rank took them for a dead run's and deleted them (a second job,
+# refused by the running one's lock on its rank 0, deleted the running job's checkpoint
+# temporary from its other ranks, and that job failed at its rename). Only the rank that holds
+# the checkpoint directory's lock sweeps it, and only rank 0 --log's. Rank 1 runs in a PID
+# namespace of its own, where the writer (a live process here) is not seen.
+if unshare --pid --fork true 2> /dev/null; then
+  sleep 300 &
+  writer=$!
+  mkdir -p "$work/ns/ck"
+  : > "$work/ns/ck/step-00000009.ckpt.tmp.$writer-0"
+  : > "$work/ns/log.jsonl.tmp.$writer-0"
+  (cd "$work/ns" && timeout 100 "$mpiexec" --mca btl tcp,self -n 1 "$@" "$loom" train "${args[@]}" \
+    --checkpoint-dir ck --checkpoint-every 5 --log log.jsonl : -n 1 "$@" unshare --pid --fork \
+    "$loom" train "${args[@]}" --checkpoint-dir ck --checkpoint-every 5 --log log.jsonl \
+    > /dev/null 2> err)
+  rc=$?
+  kill "$writer" 2> /dev/null
+  if [ $rc -eq 0 ] && [ -e "$work/ns/ck/step-00000009.ckpt.tmp.$writer-0" ] &&
+    [ -e "$work/ns/log.jsonl.tmp.$writer-0" ] && [ -e "$work/ns/ck/step-00000005.ckpt" ]; then
+    echo "ok   a rank in another PID namespace leaves a live writer's temporaries alone"
+  else
+    cat "$work/ns/err"
+    ls "$work/ns" "$work/ns/ck"
+    echo "FAIL temporaries of a live writer (pid $writer) with rank 1 in another PID namespace (exit $rc)"
+    exit 1
+  fi
+else
+  echo "skip the PID-namespace check (unshare --pid --fork is not permitted here)"
+fi

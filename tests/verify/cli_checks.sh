@@ -177,6 +177,9 @@ expect 2 "dq cannot be verified: this problem's fp32 error bound for it is" -- "
 # At scale 3e38 the bound's own arithmetic overflows: said so (it printed "-nan").
 expect 2 "error bound for it is not computable (the inputs' magnitude overflows it)" -- \
   "$LOOM" verify --input "$T/big32" --candidate "$T/attn_big" --scale 3e38
+# Its article: "(a out of zeros would pass; ...".
+expect 2 "overflows it) (an out of zeros would pass; scores up to" -- \
+  "$LOOM" verify --input "$T/big32" --candidate "$T/attn_big" --scale 3e38
 # The same outputs handed over per rank in every convention.
 for conv in contiguous zigzag stripe rfa-zigzag te-thd torch-headtail megatron; do
   "$MK" --shard "$T/attn_ring_zigzag" "$T/shard_$conv" "$conv" 4 || fail "shard $conv"

@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "commands.h"
@@ -72,9 +73,46 @@ void refuse_blas_without_room() {
   ::_exit(1);
 }
 
+// Every thread's stack is the stack limit (ulimit -s): glibc gives each new thread (the local
+// backend's ranks, OpenMP's and OpenBLAS's) a stack of that size, less the static thread-local
+// storage (OpenBLAS alone has 60 KiB), and the main thread's stack may grow to it. Under a small
+// limit loom crashed (SIGSEGV, exit 139): `ulimit -s 72` ended loom attn, train and plan that way.
+// Measured in steps of 8 KiB, loom attn (every strategy, bf16, head dim 256, --input, --check,
+// --backward, --output, --json, --trace, --fault), train (every mesh axis, bf16, checkpointed
+// activations, checkpoints), plan (search, --simulate, --train-step, --calibrate) and verify need
+// at most 88 KiB; loom train --resume needs 136 KiB (a rank thread reads the checkpoint through
+// loom::InputFile's 64 KiB buffer on its stack). 512 KiB gives nearly four times that; the main
+// thread's stack also holds the arguments and the environment, which Linux bounds to 128 KiB at
+// such limits. Refused before anything runs, every command alike.
+constexpr unsigned long long kStackNeedBytes = 512 << 10;
+
+void refuse_small_stack() {
+  struct rlimit stack;
+  if (::getrlimit(RLIMIT_STACK, &stack) != 0 || stack.rlim_cur == RLIM_INFINITY ||
+      stack.rlim_cur >= kStackNeedBytes)
+    return;
+  // Formatted into a buffer and written whole: fprintf to the unbuffered stderr formats through
+  // an 8 KiB buffer on the stack, which crashed under `ulimit -s 16` (below that, a library's
+  // constructor crashes before main).
+  char line[320];
+  const int n = std::snprintf(
+      line, sizeof line,
+      "loom: error: the stack limit (ulimit -s) of %llu KiB is below the %llu KiB loom needs "
+      "(each of its threads gets a stack of that size); raise it (ulimit -s %llu or more; 8192 "
+      "is the usual default)\n",
+      static_cast<unsigned long long>(stack.rlim_cur) / 1024, kStackNeedBytes / 1024,
+      kStackNeedBytes / 1024);
+  if (n > 0) {
+    const ssize_t written = ::write(STDERR_FILENO, line, std::min(size_t(n), sizeof line - 1));
+    (void)written;  // nothing more to say where stderr cannot be written
+  }
+  ::_exit(1);  // as refuse_blas_without_room below: nothing has run
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  refuse_small_stack();
   refuse_blas_without_room();
   // A reader that goes away (a FIFO --log, `--log - | head`) killed the process by SIGPIPE with
   // no message (exit 141), mid-run; ignored, the failed write is the error that names the output.
@@ -152,21 +190,33 @@ int main(int argc, char** argv) {
     return why.empty() ? rc : stdout_failed(why);
   } catch (const CLI::ParseError& e) {
     // Under mpirun every rank parses the same command line: rank 0 prints the usage error and
-    // its exit ends the job (every rank printed it).
-    if (mpi && rank > 0 && e.get_exit_code() != 0)
-      std::this_thread::sleep_for(std::chrono::seconds(2));
+    // its exit ends the job (every rank printed it). A rank started with other arguments
+    // (MPMD) prints its own after two seconds, naming itself (the line did not say which rank).
+    if (mpi && e.get_exit_code() != 0) {
+      if (rank > 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+      std::fprintf(stderr, "loom: error: %s%s (see loom --help)\n", who.c_str(), e.what());
+      return 2;
+    }
     const int rc = app.exit(e);
     if (rc != 0) return 2;
     const std::string why = loom::tools::stdout_write_error();
     return why.empty() ? 0 : stdout_failed(why);
   } catch (const loom::Error& e) {
     // Under mpirun the ranks run one command line on the same inputs (agree_across_ranks), so
-    // an error (a strategy's rule, a size, a damaged checkpoint, non-finite training, a rank that
-    // stopped and makes the others time out) is usually every rank's, or several ranks': each
-    // printed it, then Open MPI its banner. The other ranks give rank 0 two seconds to print its
-    // line and end the job; one that is still running then (its error was its own, or rank 0 is
-    // the one that stopped) prints and ends it.
-    if (mpi && rank > 0) std::this_thread::sleep_for(std::chrono::seconds(2));
+    // an error (a strategy's rule, a size, a damaged checkpoint, non-finite training) is usually
+    // every rank's, or several ranks': each printed it, then Open MPI its banner. So the first
+    // line printed ends the job (fail: MPI_Abort), and the ranks wait before printing, in turn:
+    //   rank 0's own error   at once;
+    //   another rank's own   after 2 s (rank 0 usually has the same one and prints it first);
+    //   a communication error (CommError, Timeout: usually the consequence of another rank's
+    //   error or stop)       rank 0's after 2.5 s, another rank's after 3.5 s.
+    // A rank's own error thus comes before the timeouts it causes: it waited 2 s behind them, and
+    // with LOOM_TIMEOUT_S under 2 s rank 0's timeout ended the job first and hid it.
+    if (mpi) {
+      const bool comm = dynamic_cast<const loom::CommError*>(&e) != nullptr;
+      const double wait_s = comm ? (rank > 0 ? 3.5 : 2.5) : (rank > 0 ? 2 : 0);
+      std::this_thread::sleep_for(std::chrono::duration<double>(wait_s));
+    }
     return fail(e.what());
   } catch (const std::bad_alloc&) {
     return fail(

@@ -287,9 +287,11 @@ MeshShape mesh_of(const TrainOptions& o, int world) {
   s.ring = o.ring ? o.ring : (any ? 1 : world);  // only --ranks N: all of it is context ranks
   LOOM_CHECK(s.dp >= 1 && s.tp >= 1 && s.ulysses >= 1 && s.ring >= 1, InvalidArgument,
              "--dp, --tp, --ulysses and --ring must be >= 1");
-  LOOM_CHECK(s.world() == world, InvalidArgument,
+  const int64_t ranks = s.ranks();  // saturates: "at least" INT64_MAX
+  LOOM_CHECK(ranks == world, InvalidArgument,
              "the mesh --dp " << s.dp << " x --tp " << s.tp << " x --ulysses " << s.ulysses
-                              << " x --ring " << s.ring << " = " << s.world()
+                              << " x --ring " << s.ring << " = "
+                              << (ranks == INT64_MAX ? "at least " : "") << ranks
                               << " ranks does not match the " << world
                               << " ranks of this run (--ranks or mpirun -np)");
   return s;
@@ -649,14 +651,19 @@ int run_train(const TrainOptions& o) {
                           "--checkpoint-dir");
     // Temporaries of killed runs (their pid is gone): loom's own only, `latest.tmp.<pid>-<n>`
     // and `step-<step>.ckpt.tmp.<pid>-<n>` as regular files. Any name holding ".tmp." went
-    // (a user's thesis.tex.tmp.4242 was deleted).
-    for (const std::string& n : names) {
-      const long pid = checkpoint_temp_pid(n);
-      const std::string file = (std::filesystem::path(o.checkpoint_dir) / n).string();
-      struct stat st;
-      if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH &&
-          ::lstat(file.c_str(), &st) == 0 && S_ISREG(st.st_mode))
-        ::unlink(file.c_str());
+    // (a user's thesis.tex.tmp.4242 was deleted). Only by the holder of the lock, once it holds
+    // it: a pid is looked up on this node, in this PID namespace, so every rank of a second job
+    // (refused by the lock on its rank 0) deleted the running job's temporary from another node
+    // or namespace, where its writer's pid is not seen, and that job failed at its rename.
+    if (dir_lock) {
+      for (const std::string& n : names) {
+        const long pid = checkpoint_temp_pid(n);
+        const std::string file = (std::filesystem::path(o.checkpoint_dir) / n).string();
+        struct stat st;
+        if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH &&
+            ::lstat(file.c_str(), &st) == 0 && S_ISREG(st.st_mode))
+          ::unlink(file.c_str());
+      }
     }
   }
   model::set_blas_threads(threads);

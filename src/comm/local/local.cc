@@ -1,13 +1,15 @@
 // The local backend: the ranks of a world are threads of one process.
 //
 // Each world keeps one inbox per receiving rank (a mutex, a condition variable and one channel
-// per (source, tag)). A channel holds two FIFO queues: messages that arrived before their
-// receive, and receives posted before their message. A send matches the oldest posted receive
-// and copies straight into its buffer; otherwise it copies the bytes into a new message, so an
-// isend is complete when it returns. A receive takes the oldest message, or queues itself and
-// waits. Delayed messages (fault injection) carry a delivery time and are matched by the
-// receiver once that time has passed; all sends of a delayed rank are delayed alike, so FIFO
-// order per channel holds.
+// per (source, tag) in use). A channel holds two FIFO queues: messages that arrived before their
+// receive, and receives posted before their message. It exists only while it holds a message or
+// a receive's Work refers to it; the last Work to go removes an empty channel (kept for ever, one
+// per pair of ranks a collective touched, over 1 KB each, they made memory grow as P^2, and
+// without bound over p2p tags). A send matches the oldest posted receive and copies straight
+// into its buffer; otherwise it copies the bytes into a new message, so an isend is complete when
+// it returns. A receive takes the oldest message, or queues itself and waits. Delayed messages
+// (fault injection) carry a delivery time and are matched by the receiver once that time has
+// passed; all sends of a delayed rank are delayed alike, so FIFO order per channel holds.
 //
 // Failure. All worlds made from one run_local call (the world and every split of it) share a
 // Universe. When a rank's function throws, run_local poisons the universe and wakes every inbox
@@ -26,9 +28,9 @@
 #include <climits>
 #include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <limits>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -107,15 +109,33 @@ class BufferPool {
   size_t cached_ = 0;
 };
 
+// Channels alive now, in every world (detail::local_channels_alive, for the tests).
+std::atomic<int64_t> g_channels_alive{0};
+
+// Lists, not deques: an empty std::deque still allocates about 600 bytes, and a collective over
+// P ranks has P * (P - 1) channels alive at once.
 struct Channel {
-  std::deque<Message> messages;
-  std::deque<std::shared_ptr<PendingRecv>> recvs;
+  Channel() { g_channels_alive.fetch_add(1, std::memory_order_relaxed); }
+  ~Channel() { g_channels_alive.fetch_sub(1, std::memory_order_relaxed); }
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+
+  std::list<Message> messages;
+  std::list<std::shared_ptr<PendingRecv>> recvs;
+  int works = 0;  // live LocalRecvWorks that refer to this channel
 };
 
 struct Inbox {
+  using Channels = std::map<std::pair<int, int>, Channel>;  // (source group rank, tag)
   std::mutex mu;
   std::condition_variable cv;
-  std::map<std::pair<int, int>, Channel> channels;  // (source group rank, tag)
+  Channels channels;  // map nodes never move: a Work keeps its channel's iterator
+
+  // Removes the channel once nothing is queued on it and no Work refers to it (lock held). A
+  // posted receive always has its Work, so works == 0 means no receive is queued either.
+  void drop_if_idle(Channels::iterator it) {
+    if (it->second.works == 0 && it->second.messages.empty()) channels.erase(it);
+  }
 };
 
 class World;
@@ -291,8 +311,9 @@ class LocalComm;
 
 class LocalRecvWork final : public Work {
  public:
-  LocalRecvWork(LocalComm& comm, std::shared_ptr<World> world, Channel& channel, int peer, int tag,
-                const char* op, std::shared_ptr<PendingRecv> recv);
+  // Counts itself in the channel's works (inbox lock held).
+  LocalRecvWork(LocalComm& comm, std::shared_ptr<World> world, Inbox::Channels::iterator channel,
+                int peer, int tag, const char* op, std::shared_ptr<PendingRecv> recv);
   ~LocalRecvWork() override;
   bool test() override;
   void wait(double timeout_s) override;
@@ -310,6 +331,7 @@ class LocalRecvWork final : public Work {
   LocalComm& comm_;
   std::shared_ptr<World> world_;
   Inbox& inbox_;
+  Inbox::Channels::iterator it_;
   Channel& channel_;
   int peer_, tag_;
   const char* op_;
@@ -398,10 +420,13 @@ class LocalComm final : public Communicator, public detail::Transport {
     const char* data = static_cast<const char*>(buf);
     {
       std::lock_guard<std::mutex> lock(box.mu);
-      Channel& ch = box.channels[{rank_, tag}];
-      if (deliver_at == 0 && ch.messages.empty() && !ch.recvs.empty()) {
-        deliver(*ch.recvs.front(), data, bytes);  // straight into the posted receive
-        ch.recvs.pop_front();
+      // No channel, no receive posted: find, not [], which would leave an empty one behind.
+      const auto it = box.channels.find({rank_, tag});
+      Channel* ch = it == box.channels.end() ? nullptr : &it->second;
+      if (ch && deliver_at == 0 && ch->messages.empty() && !ch->recvs.empty()) {
+        // Straight into the posted receive; its Work still refers to the channel, which stays.
+        deliver(*ch->recvs.front(), data, bytes);
+        ch->recvs.pop_front();
         box.cv.notify_all();
         return std::make_unique<DoneWork>();
       }
@@ -430,10 +455,18 @@ class LocalComm final : public Communicator, public detail::Transport {
     recv->exact = exact;
     Inbox& box = world_->inbox(rank_);
     std::lock_guard<std::mutex> lock(box.mu);
-    Channel& ch = box.channels[{peer, tag}];  // map nodes never move: the Work keeps &ch
-    ch.recvs.push_back(recv);
-    progress(ch, now_s(), world_->universe().pool());
-    return std::make_unique<LocalRecvWork>(*this, world_, ch, peer, tag, op, std::move(recv));
+    const auto it = box.channels.try_emplace({peer, tag}).first;
+    WorkPtr work;
+    try {
+      work = std::make_unique<LocalRecvWork>(*this, world_, it, peer, tag, op, recv);
+    } catch (...) {
+      box.drop_if_idle(it);
+      throw;
+    }
+    // The Work exists first, so the receive is never queued without one to cancel it.
+    it->second.recvs.push_back(std::move(recv));
+    progress(it->second, now_s(), world_->universe().pool());
+    return work;
   }
 
   void all_to_all(const void* send, const size_t* send_bytes, const size_t* send_offsets,
@@ -526,20 +559,26 @@ class LocalComm final : public Communicator, public detail::Transport {
   int64_t split_seq_ = 0;
 };
 
-LocalRecvWork::LocalRecvWork(LocalComm& comm, std::shared_ptr<World> world, Channel& channel,
-                             int peer, int tag, const char* op, std::shared_ptr<PendingRecv> recv)
+LocalRecvWork::LocalRecvWork(LocalComm& comm, std::shared_ptr<World> world,
+                             Inbox::Channels::iterator channel, int peer, int tag, const char* op,
+                             std::shared_ptr<PendingRecv> recv)
     : comm_(comm),
       world_(std::move(world)),
       inbox_(world_->inbox(comm.rank())),
-      channel_(channel),
+      it_(channel),
+      channel_(channel->second),
       peer_(peer),
       tag_(tag),
       op_(op),
-      recv_(std::move(recv)) {}
+      recv_(std::move(recv)) {
+  ++channel_.works;
+}
 
 LocalRecvWork::~LocalRecvWork() {
   std::lock_guard<std::mutex> lock(inbox_.mu);
   if (!recv_->done) std::erase(channel_.recvs, recv_);  // cancel: no sender touches buf now
+  --channel_.works;
+  inbox_.drop_if_idle(it_);
 }
 
 std::string LocalRecvWork::describe() const {
@@ -663,6 +702,14 @@ int64_t parse_int(const char* name, const std::string& field, const std::string&
 }
 
 }  // namespace
+
+namespace detail {
+// For the tests (tests/dist/test_comm_local.cc declares it): the local backend's channels alive
+// now, over every world of the process. Not in a public header.
+int64_t local_channels_alive() {
+  return g_channels_alive.load(std::memory_order_relaxed);
+}
+}  // namespace detail
 
 FaultPlan parse_fault(const std::string& text) {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();

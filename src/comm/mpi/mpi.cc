@@ -8,8 +8,15 @@
 // Both name this rank and the peer (or the group, for collectives).
 //
 // MPI is initialised once (MPI_Init_thread, MPI_THREAD_SERIALIZED) by the first mpi_world()
-// and finalised at exit if loom initialised it. All MPI calls of the process go through one
-// mutex, so communicators may be used from different threads (comm.h) with SERIALIZED MPI.
+// and finalised at exit if loom initialised it. MPI calls that block until other ranks join have
+// no timeout of their own, so loom uses none where MPI has a non-blocking form: mpi_world()
+// duplicates MPI_COMM_WORLD with MPI_Comm_idup and counts the node's ranks with a timed
+// all-gather of processor names (MPI_Comm_dup and MPI_Comm_split_type held a rank for ever when
+// another had stopped). MPI_Comm_split has no non-blocking form (MPI 3.1): split() runs it after
+// a timed all-gather that every rank of the group has reached, under a watchdog that ends the
+// process with one line past the timeout (within_deadline), as MPI_Init and MPI_Finalize are.
+// All MPI calls of the process go through one mutex, so communicators may be used from
+// different threads (comm.h) with SERIALIZED MPI.
 // After a collective times out its request cannot be cancelled: the communicator is then
 // unusable and the job should end (tools call mpi_abort). After any Timeout or CommError the
 // communicator and its splits refuse every later operation with CommError (detail::Health): a
@@ -160,15 +167,6 @@ void ensure_initialized() {
       std::atexit(finalize_at_exit);
     }
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    MPI_Comm node = MPI_COMM_NULL;
-    int node_ranks = 1;
-    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
-        MPI_SUCCESS) {
-      MPI_Comm_size(node, &node_ranks);
-      MPI_Comm_free(&node);
-    }
-    const unsigned cores = std::thread::hardware_concurrency();
-    g_oversubscribed = cores == 0 || static_cast<unsigned>(node_ranks) > cores;
   });
   LOOM_CHECK(!mpi_finalized(), CommError, "mpi_world: MPI has already been finalised");
   // A bad LOOM_FINALIZE_TIMEOUT_S is refused here, while an error can still be reported.
@@ -185,6 +183,34 @@ void back_off(double waited_s) {
     if (g_oversubscribed) std::this_thread::yield();
   } else {
     std::this_thread::sleep_for(std::chrono::microseconds(waited_s < 10 * kSpinS ? 50 : 500));
+  }
+}
+
+// Polls `request` until it completes, the mutex released between polls: CommError when it
+// failed, Timeout after timeout_s. describe() names the operation for both. A Timeout marks the
+// process's communication as failed (g_comm_failed).
+void poll_request(MPI_Request& request, MPI_Status& status, double timeout_s,
+                  const std::function<std::string()>& describe) {
+  const double deadline = now_s() + timeout_s;
+  for (;;) {
+    int flag = 0, rc = 0;
+    {
+      Lock lock(mpi_mutex());
+      rc = MPI_Test(&request, &flag, &status);
+    }
+    if (rc != MPI_SUCCESS) {
+      g_comm_failed = true;
+      throw CommError(describe() + " failed: " + mpi_error_text(rc), __FILE__, __LINE__);
+    }
+    if (flag) return;
+    const double now = now_s();
+    if (now >= deadline) {
+      g_comm_failed = true;
+      std::ostringstream os;
+      os << describe() << " timed out after " << timeout_s << " s";
+      throw Timeout(os.str(), __FILE__, __LINE__);
+    }
+    back_off(now - (deadline - timeout_s));
   }
 }
 
@@ -274,42 +300,35 @@ class MpiComm final : public Communicator {
   void poll(MPI_Request& request, MPI_Status& status, double timeout,
             const std::function<std::string()>& describe) {
     ScopedTimer timer(stats_.wait_s);
-    const double deadline = now_s() + timeout;
-    for (;;) {
-      int flag = 0, rc = 0;
-      {
-        Lock lock(mpi_mutex());
-        rc = MPI_Test(&request, &flag, &status);
-      }
-      if (rc != MPI_SUCCESS) {
-        g_comm_failed = true;
-        throw CommError(describe() + " failed: " + mpi_error_text(rc), __FILE__, __LINE__);
-      }
-      if (flag) return;
-      const double now = now_s();
-      if (now >= deadline) {
-        g_comm_failed = true;
-        std::ostringstream os;
-        os << describe() << " timed out after " << timeout << " s";
-        throw Timeout(os.str(), __FILE__, __LINE__);
-      }
-      back_off(now - (deadline - timeout));
-    }
+    poll_request(request, status, timeout, describe);
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     // Exchange (color, key) with a timed all_gather first: once it completes every rank has
-    // reached split, so the blocking MPI_Comm_split that follows cannot hang.
+    // reached split. MPI_Comm_split, which has no non-blocking form, then waits only for ranks
+    // that are already there; one stopped or killed in between (or inside it) would hold the
+    // others for ever, so it runs under a watchdog: past the timeout this process prints one
+    // line and exits with status 1 (nothing can be thrown into the blocked call), which ends the
+    // job under mpirun.
+    const double timeout = resolve_timeout(-1);
     const int mine[2] = {color, key};
     std::vector<int> all(2 * size_);
-    collective("split", resolve_timeout(-1), [&](MPI_Request* r) {
+    collective("split", timeout, [&](MPI_Request* r) {
       return MPI_Iallgather(mine, 2, MPI_INT, all.data(), 2, MPI_INT, comm_, r);
     });
     detail::add_traffic(stats_, detail::traffic_all_gather(size_, sizeof mine));
     MPI_Comm sub = MPI_COMM_NULL;
+    std::ostringstream why;
+    why << "split: MPI_Comm_split over " << group() << " did not complete within " << timeout
+        << " s after every rank had reached it: a rank of the group stopped or exited inside "
+           "it (it has no timeout of its own; the communicator's timeout, LOOM_TIMEOUT_S, "
+           "sets the limit)";
     health_->guard([&] {
       Lock lock(mpi_mutex());
-      check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), "MPI_Comm_split");
+      const int c = color < 0 ? MPI_UNDEFINED : color;
+      const int rc =
+          within_deadline(timeout, why.str(), [&] { return MPI_Comm_split(comm_, c, key, &sub); });
+      check(rc, "MPI_Comm_split");
     });
     if (sub == MPI_COMM_NULL) return nullptr;
     auto result = std::make_unique<MpiComm>(sub, health_);
@@ -542,16 +561,106 @@ bool mpi_available() {
   return true;
 }
 
-std::unique_ptr<Communicator> mpi_world() {
-  ensure_initialized();
-  MPI_Comm comm = MPI_COMM_NULL;
+namespace {
+
+std::string world_rank_text() {
+  int rank = 0;
+  Lock lock(mpi_mutex());
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return "rank " + std::to_string(rank);
+}
+
+// A duplicate of MPI_COMM_WORLD, waited for at most limit_s: MPI_Comm_dup blocks until every
+// rank calls it, so a new mpi_world() after a Timeout (as comm.h advises) never returned when the
+// rank that caused it had stopped. Timeout or CommError.
+MPI_Comm dup_world(double limit_s) {
+  // MPI writes the new handle when the request completes, which may still happen after a
+  // timeout (a late rank joins): the handle then stays allocated, as the request stays pending.
+  auto comm = std::make_unique<MPI_Comm>(MPI_COMM_NULL);
+  MPI_Request request = MPI_REQUEST_NULL;
+  const std::string who = world_rank_text();
   {
     Lock lock(mpi_mutex());
-    const int rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
-    if (rc != MPI_SUCCESS) {
-      throw CommError("mpi_world: MPI_Comm_dup failed: " + mpi_error_text(rc), __FILE__, __LINE__);
-    }
+    const int rc = MPI_Comm_idup(MPI_COMM_WORLD, comm.get(), &request);
+    if (rc != MPI_SUCCESS)
+      throw CommError(who + ": mpi_world: MPI_Comm_idup failed: " + mpi_error_text(rc), __FILE__,
+                      __LINE__);
   }
+  MPI_Status status;
+  try {
+    poll_request(request, status, limit_s, [&] {
+      return who +
+             ": mpi_world: MPI_Comm_idup of MPI_COMM_WORLD (every rank must call mpi_world; "
+             "one that stopped or exited never does)";
+    });
+  } catch (const Timeout&) {
+    comm.release();  // left allocated: MPI may still write it
+    throw;
+  }
+  return *comm;
+}
+
+// Whether this node runs more ranks than it has cores (for back_off), from a timed all-gather of
+// the processor names over `comm` (MPI_Comm_split_type, which counted them, has no timeout).
+bool node_oversubscribed(MPI_Comm comm, double limit_s) {
+  int size = 0, length = 0;
+  MPI_Comm_size(comm, &size);
+  // As in dup_world, the buffers outlive a timed-out request.
+  auto mine = std::make_unique<std::vector<char>>(MPI_MAX_PROCESSOR_NAME + 1, '\0');
+  auto all = std::make_unique<std::vector<char>>(
+      static_cast<size_t>(size) * (MPI_MAX_PROCESSOR_NAME + 1), '\0');
+  MPI_Request request = MPI_REQUEST_NULL;
+  const std::string who = world_rank_text();
+  {
+    Lock lock(mpi_mutex());
+    MPI_Get_processor_name(mine->data(), &length);
+    const int rc = MPI_Iallgather(mine->data(), MPI_MAX_PROCESSOR_NAME + 1, MPI_CHAR, all->data(),
+                                  MPI_MAX_PROCESSOR_NAME + 1, MPI_CHAR, comm, &request);
+    if (rc != MPI_SUCCESS)
+      throw CommError(who + ": mpi_world: MPI_Iallgather failed: " + mpi_error_text(rc), __FILE__,
+                      __LINE__);
+  }
+  MPI_Status status;
+  try {
+    poll_request(request, status, limit_s, [&] {
+      return who + ": mpi_world: the all-gather of processor names over every rank";
+    });
+  } catch (const Timeout&) {
+    mine.release();  // left allocated: MPI may still use them
+    all.release();
+    throw;
+  }
+  const std::string me(mine->data());
+  unsigned here = 0;
+  for (int p = 0; p < size; ++p)
+    here += me == std::string(all->data() + static_cast<size_t>(p) * (MPI_MAX_PROCESSOR_NAME + 1));
+  const unsigned cores = std::thread::hardware_concurrency();
+  return cores == 0 || here > cores;
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> mpi_world() {
+  ensure_initialized();
+  // The first call is part of starting the job: the ranks leave MPI_Init at different times on a
+  // loaded machine, so it waits as long as MPI_Init may (at least kInitFloorS); later calls wait
+  // the communication timeout.
+  static std::atomic<bool> started{false};
+  const double timeout = Communicator::default_timeout_s();
+  const double limit_s = started ? timeout : std::max(timeout, kInitFloorS);
+  const MPI_Comm comm = dup_world(limit_s);
+  static std::once_flag counted;
+  try {
+    std::call_once(counted, [&] { g_oversubscribed = node_oversubscribed(comm, limit_s); });
+  } catch (const Timeout&) {
+    throw;  // comm stays allocated: the timed-out all-gather may still use it
+  } catch (...) {
+    Lock lock(mpi_mutex());
+    MPI_Comm c = comm;
+    MPI_Comm_free(&c);
+    throw;
+  }
+  started = true;
   return std::make_unique<MpiComm>(comm);
 }
 
