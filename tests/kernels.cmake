@@ -7,3 +7,5 @@ set_tests_properties(test_blockwise PROPERTIES COST 72)
 loom_test(test_merge SOURCES unit/test_merge.cc LIBS loom_kernels LABELS kernels TIMEOUT 60)
 loom_test(test_kernels_exp SOURCES unit/test_kernels_exp.cc LIBS loom_kernels LABELS kernels TIMEOUT 60)
 loom_test(test_kernels_prefetch SOURCES unit/test_kernels_prefetch.cc LIBS loom_kernels LABELS kernels TIMEOUT 60)
+# attend_workspace_bytes against the kernels' measured allocations (operator new replaced).
+loom_test(test_kernel_memory SOURCES unit/test_kernel_memory.cc LIBS loom_kernels LABELS kernels TIMEOUT 120)

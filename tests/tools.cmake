@@ -47,6 +47,14 @@ if(LOOM_SYSTEM_PYTHON AND LOOM_BUILD_BENCH AND LOOM_GGML_DIR)
 endif()
 add_test(NAME loom_cli_checks COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/cli_checks.sh $<TARGET_FILE:loom>)
 set_tests_properties(loom_cli_checks PROPERTIES TIMEOUT 600 LABELS "tool")
+# loom attn's memory estimate against the peak RSS of the runs it estimates (every strategy,
+# forward and backward, bf16, GQA, threads, --check). Resident sizes mean nothing under the
+# sanitizers (shadow memory, quarantined frees), so the sanitized build leaves it out.
+if(LOOM_SYSTEM_PYTHON AND NOT LOOM_SANITIZE)
+  add_test(NAME loom_attn_memory
+           COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/attn_memory_check.sh $<TARGET_FILE:loom>)
+  set_tests_properties(loom_attn_memory PROPERTIES TIMEOUT 300 LABELS "tool")
+endif()
 
 # Reliability (issue 11): a bounded random-fault soak on the local backend (about 50 s), and the
 # MPI path once more with Open MPI forced onto TCP (pml ob1, btl tcp,self), including a rank

@@ -296,6 +296,21 @@ constexpr int64_t kBackwardChunkBytes = int64_t{8} << 20;
 int64_t attend_backward_chunk_heads(int64_t kv_heads, int64_t bytes_per_kv_head, int64_t k_tiles,
                                     int threads);
 
+// An upper bound of the heap bytes that attend() calls (and, with `backward`, attend_backward()
+// calls too) hold at once on one calling thread, for q of sq rows of `heads` heads against k, v
+// of sk rows of `kv_heads` heads of dimension `dim`, in bf16 storage or fp32, with cfg's tile
+// sizes and threads (its mask and scale are not read): the per-thread tiles, the tile plans and
+// the packed or head-major copies (the chunk functions above), the one the thread keeps between
+// calls included, on the path the process runs (with bf16 dot products or not:
+// kernel_path_bf16_dots()). It also bounds any sequence of smaller calls of the same proportions
+// (a call on n <= sq rows with at least n sk / sq - 1 keys, as the segment pairs of a context-
+// parallel step are), whatever the mask; a thread whose earlier calls were larger keeps up to
+// 16 MiB from them besides. strategy_working_bytes (loom/cp.h) counts it for each strategy.
+// InvalidArgument for sq, sk < 0, heads or kv_heads < 1, heads % kv_heads != 0, dim outside
+// [1, kMaxHeadDim], or cfg's threads or tile sizes out of range.
+int64_t attend_workspace_bytes(int64_t sq, int64_t sk, int64_t heads, int64_t kv_heads, int64_t dim,
+                               bool bf16, bool backward, const KernelConfig& cfg);
+
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 }  // namespace loom

@@ -162,18 +162,6 @@ struct CpConfig {
 // takes no degree option.
 void set_degree(CpConfig& cfg, int value);
 
-// A problem as the memory estimates see it: `rows` is the most rows a rank holds.
-struct CpProblem {
-  int64_t seq = 0, rows = 0, heads = 0, kv_heads = 0, head_dim = 0;
-  int ranks = 1;
-  bool backward = false;
-};
-// The estimated bytes of cfg.strategy's own working set on one rank (its fp32 buffers beyond the
-// caller's inputs and outputs: softmax state, blocks in flight, re-sharded copies, gradient
-// partials), from the strategy's registry entry. `loom attn --memory-limit` adds the rest.
-// Throws InvalidArgument for a negative size or ranks < 1.
-double strategy_working_bytes(const CpConfig& cfg, const CpProblem& p);
-
 // How a strategy lays the P ranks of a cp group out: `inner` consecutive cp ranks form an inner
 // group (the mesh's ulysses axis: a ulysses group, or ring2d's inner ring), and the P / inner
 // inner groups form the outer axis (the mesh's ring axis). ring: 1 x P; ulysses: P x 1.
@@ -189,6 +177,31 @@ struct CpShape {
 //   cfg.option_spelling says); ulysses, hybrid: H % U == 0 and (Hkv % U == 0 or U % Hkv == 0);
 //   then the strategy's own rules (StrategyEntry::inner_degree).
 CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t kv_heads);
+
+// A problem as the memory estimates see it: `rows` is the most rows a rank holds; forward and
+// (with `backward`) backward calls, repeated, in storage of dtype_bytes (4: fp32, 2: bf16), with
+// `threads` kernel threads and the kernels' tile sizes.
+struct CpProblem {
+  int64_t seq = 0, rows = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int ranks = 1;
+  bool backward = false;
+  int dtype_bytes = 4;                 // 4 (fp32) or 2 (bf16)
+  int threads = 1;                     // KernelConfig::threads as the calls run (>= 1)
+  int64_t block_q = 64, block_k = 64;  // KernelConfig's tile sizes
+  // The local backend copies a message whose receive is not posted yet, and keeps the released
+  // copies for reuse: true counts them (a rank's messages of a step or a collective in flight).
+  bool local_backend = false;
+  CpShape shape{};  // the strategy's layout of the ranks: strategy_working_bytes sets it from cfg
+};
+// The bytes of cfg.strategy's own working set on one rank, an upper bound, from the strategy's
+// registry entry: everything the strategy allocates beyond the caller's inputs and outputs (its
+// Memory slots: blocks in flight, gradient partials and accumulators, delta; the softmax state;
+// re-sharded copies and their send and receive buffers), the kernels' workspace for the calls it
+// makes (attend_workspace_bytes, loom/attention.h), and with local_backend the local backend's
+// message copies and a collective's scratch. `loom attn --memory-limit` adds the rest.
+// Throws InvalidArgument for a negative size, ranks or threads < 1, dtype_bytes other than 2 or
+// 4, tile sizes outside [1, kMaxBlock], and what check_cp_config refuses.
+double strategy_working_bytes(const CpConfig& cfg, const CpProblem& p);
 
 // Kinds of a time-line span.
 //   compute                          a kernel call (step = ring step or KV block)

@@ -1865,6 +1865,104 @@ int64_t attend_backward_chunk_heads(int64_t kv_heads, int64_t bytes_per_kv_head,
   return std::clamp<int64_t>(std::max(by_bytes, by_tasks), 1, kv_heads);
 }
 
+// Mirrors what the calls allocate (tests/unit/test_kernel_memory.cc holds it to their measured
+// peak): attend_impl's and attend_backward_impl's workspaces and tile plans, and the copies of
+// pack_kv (PackedKvTiles) and backward_in_head_chunks, which live in one KvStorage at a time.
+// The workspaces, plans and the forward's copy grow with the rows, so a smaller call is bounded
+// by the same terms: a chunk function's result times its bytes per kv head is at most the larger
+// of its byte budget and one head's bytes. The backward takes more kv heads when a call has few
+// k-tiles (two tasks per thread): for every k-tile count up to 2 threads, the most query rows a
+// call of at most sq x sk proportions has with that many is counted. In doubles (sizes near 2^63
+// saturate instead of overflowing).
+int64_t attend_workspace_bytes(int64_t sq, int64_t sk, int64_t heads, int64_t kv_heads, int64_t dim,
+                               bool bf16, bool backward, const KernelConfig& cfg) {
+  LOOM_CHECK(sq >= 0 && sk >= 0, InvalidArgument,
+             "attend_workspace_bytes: rows must be >= 0, got sq " << sq << ", sk " << sk);
+  LOOM_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, InvalidArgument,
+             "attend_workspace_bytes: heads " << heads << " must be a multiple of kv_heads "
+                                              << kv_heads << " (both >= 1)");
+  LOOM_CHECK(dim >= 1 && dim <= kMaxHeadDim, InvalidArgument,
+             "attend_workspace_bytes: dim must be in [1, " << kMaxHeadDim << "], got " << dim);
+  KernelConfig checked = cfg;  // the sizes only: the mask and scale are not read
+  checked.mask = Mask{};
+  checked.scale = 1.0f;
+  check_config(checked);
+  const TileOps& ops = kernels::select_ops();
+  const bool dots = bf16 && ops.gemm_bf16 != nullptr;
+  const KernelConfig w = work_config(cfg, ops, sq, sk);
+  const TileDims t = tile_dims(w, dim, sq, sk);
+  const double q_tiles = double(tile_count(sq, w.block_q)),
+               k_tiles = double(tile_count(sk, w.block_k));
+  const double wanted = cfg.threads > 0 ? cfg.threads : omp_get_max_threads();
+  const auto team = [&](double tasks) { return std::max(1.0, std::min(wanted, tasks)); };
+  const double H = double(heads), HKV = double(kv_heads), D = double(dim), T = bf16 ? 2 : 4;
+  // The work tiles' plan, and the config tiles' one that accounting_stats makes when they differ.
+  const double range = double(sizeof(TileRange));
+  double plans = q_tiles * k_tiles + k_tiles * range;
+  if (w.block_q != cfg.block_q || w.block_k != cfg.block_k) {
+    const double cq = double(tile_count(sq, cfg.block_q)), ck = double(tile_count(sk, cfg.block_k));
+    plans += cq * ck + ck * range;
+  }
+  // One Workspace (its constructor's buffers) per thread of the call.
+  const auto workspace = [&](bool bw, KvStore kv) {
+    const double qd = double(t.bq * t.dp), kd = double(t.bk * t.dp), qk = double(t.bq * t.bk);
+    double b =
+        double(sizeof(Workspace)) + 4 * (2 * qd + qk + 2 * double(t.bq)) + 12 * double(t.bq + t.bk);
+    if (kv == KvStore::kBf16Pairs) b += 2 * (qd + qk);
+    if (kv == KvStore::kBf16Panels) b += 4 * 2 * double(std::max(t.bk, t.dp) * kNr);
+    if (bw && kv == KvStore::kBf16Pairs) b += 2 * (3 * kd + qd + qk) + 4 * (qk + 2 * kd);
+    if (bw && kv != KvStore::kBf16Pairs) b += 4 * (5 * kd + 3 * qd + qk);
+    return b;
+  };
+  const double forward_ws = team(H * q_tiles) * workspace(false, dots   ? KvStore::kBf16Pairs
+                                                                 : bf16 ? KvStore::kBf16Panels
+                                                                        : KvStore::kFp32);
+  // pack_kv's copy: attend_kv_chunk_heads kv heads of head_bytes each.
+  const double head_bytes = 2 * k_tiles * double(t.dp * t.bk) * T;
+  const double forward_copy =
+      std::min(HKV * head_bytes, std::max(double(kAttendChunkBytes), head_bytes));
+  double backward_ws = 0, backward_copy = 0;
+  if (backward) {
+    const double threads = team(HKV * k_tiles), group = H / HKV;
+    backward_ws = threads * workspace(true, dots ? KvStore::kBf16Pairs : KvStore::kFp32);
+    // backward_in_head_chunks: q and dout, each thread's dq and (dots) the transposed q and dout
+    // (padded to whole q-tiles) of a chunk's query heads; q's and dout's parts are each rounded
+    // up to 64 bytes.
+    const auto per_head = [&](double rows, double thr) {
+      const int64_t n = static_cast<int64_t>(rows);  // the q-tiles of a call on n rows
+      const KernelConfig wn = work_config(cfg, ops, n, sk);
+      const double sp = double(tile_count(n, wn.block_q)) * double(tile_dims(wn, dim, n, sk).bq);
+      const double transposed = dots ? 2.0 * double(t.dp) * (sp + TransposedRows::kSkew) : 0;
+      return group * (rows * D * (2 * T + 4 * thr) + 2 * transposed);
+    };
+    const auto rounding = [&](double rows) {
+      return rows == double(sq) && std::fmod(group * rows * D * T, 64.0) == 0 ? 0.0 : 128.0;
+    };
+    const double whole = per_head(double(sq), threads);
+    backward_copy =
+        std::min(HKV * whole, std::max(double(kBackwardChunkBytes), whole)) + rounding(double(sq));
+    for (double tiles = 1; tiles <= std::min(k_tiles, 2 * threads); ++tiles) {
+      const double rows = std::min(
+          double(sq), std::ceil((tiles * double(w.block_k) + 1) * double(sq) / double(sk)));
+      const double thr = team(HKV * tiles);
+      const double by_tasks = std::min(HKV, std::ceil(2 * thr / tiles));
+      backward_copy = std::max(backward_copy, by_tasks * per_head(rows, thr) + rounding(rows));
+    }
+  }
+  // KvStorage: a copy of at most kKeptBytes replaces the thread's kept one if larger (else reuses
+  // it); a larger one is allocated besides it. The kept one is the largest such copy so far.
+  const double kept_limit = double(KvStorage::kKeptBytes);
+  const double kept =
+      std::max(std::min(forward_copy, kept_limit), std::min(backward_copy, kept_limit));
+  const auto with_copy = [&](double copy) {
+    return copy <= kept_limit ? std::max(kept, copy) : kept + copy;
+  };
+  double peak = plans + forward_ws + with_copy(forward_copy);
+  if (backward) peak = std::max(peak, plans + backward_ws + with_copy(backward_copy));
+  const double most = double(std::numeric_limits<int64_t>::max());
+  return peak >= most ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(peak);
+}
+
 KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,
                    Tokens qt, Tokens kt, const KernelConfig& cfg) {
   return attend_impl(st, q, k, v, qt, kt, cfg);

@@ -244,7 +244,7 @@ TEST(CpErrors, InvalidHeadsAndDegrees) {
   c.inner = 3;
   expect_error(4, c, "ring2d: --inner 3 must divide the number of ranks 4");
   c.inner = 0;
-  expect_error(4, c, "ring2d: --inner 0 must divide the number of ranks 4");
+  expect_error(4, c, "ring2d: --inner 0 must be >= 1 (a divisor of the number of ranks 4)");
   // The Python op names the option as its keyword argument.
   for (const auto& [strategy, text] :
        {std::pair{Strategy::ring2d, "ring2d: inner=3 must divide the number of ranks 4"},
@@ -264,6 +264,35 @@ TEST(CpErrors, InvalidHeadsAndDegrees) {
   c.H = 6;
   c.HKV = 4;
   expect_error(2, c, "heads (6) must be a multiple of kv-heads (4)");
+}
+
+// A degree below 1 is named as such: "--ulysses -4 must divide the number of ranks 4" was
+// false (-4 divides 4) and hid the rule it broke. The command line refuses these first (exit 2),
+// so only the library reaches this check.
+TEST(CpErrors, DegreeBelowOneIsNamedAsSuch) {
+  const std::tuple<Strategy, int, OptionSpelling, std::string> cases[] = {
+      {Strategy::hybrid, -4, OptionSpelling::flag,
+       "hybrid: --ulysses -4 must be >= 1 (a divisor of the number of ranks 4)"},
+      {Strategy::hybrid, 0, OptionSpelling::flag,
+       "hybrid: --ulysses 0 must be >= 1 (a divisor of the number of ranks 4)"},
+      {Strategy::ring2d, -2, OptionSpelling::flag,
+       "ring2d: --inner -2 must be >= 1 (a divisor of the number of ranks 4)"},
+      {Strategy::hybrid, -1, OptionSpelling::keyword,
+       "hybrid: ulysses=-1 must be >= 1 (a divisor of the number of ranks 4)"},
+      {Strategy::ring2d, 0, OptionSpelling::keyword,
+       "ring2d: inner=0 must be >= 1 (a divisor of the number of ranks 4)"}};
+  for (const auto& [strategy, degree, spelling, text] : cases) {
+    CpConfig cfg;
+    cfg.strategy = strategy;
+    cfg.option_spelling = spelling;
+    set_degree(cfg, degree);
+    try {
+      check_cp_config(cfg, 4, 8, 2);
+      ADD_FAILURE() << text << ": accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()), text);
+    }
+  }
 }
 
 // Every view CpAttention takes is checked for its strides as the kernels check theirs (ulysses

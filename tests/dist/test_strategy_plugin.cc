@@ -226,13 +226,18 @@ TEST(StrategyPlugin, DegreeOptionAndMemoryEstimate) {
   const CpProblem p{1000, 252, 8, 2, 64, 4, true};
   const double q = 4.0 * 252 * 8 * 64, all_kv = 8.0 * 1000 * 2 * 64;
   EXPECT_DOUBLE_EQ(strategy_working_bytes(cfg, p), q + 2 * all_kv);
-  // Ring's is smaller than all-gathering at P = 4.
+  // The built-ins' count the kernels' workspace too: ring's is smaller than all-gathering's at
+  // P = 4.
+  cfg.strategy = Strategy::allgather;
+  const double gathered = strategy_working_bytes(cfg, p);
   cfg.strategy = Strategy::ring;
-  EXPECT_LT(strategy_working_bytes(cfg, p), q + 2 * all_kv);
-  // Negative sizes (the estimate went negative: "fits" under any limit) and ranks < 1 are refused.
+  EXPECT_LT(strategy_working_bytes(cfg, p), gathered);
+  // Negative sizes (the estimate went negative: "fits" under any limit), ranks or threads < 1 and
+  // a storage other than fp32 or bf16 are refused.
   for (CpProblem bad :
        {CpProblem{-1000, 252, 8, 2, 64, 4, true}, CpProblem{1000, -252, 8, 2, 64, 4, true},
-        CpProblem{1000, 252, 8, 2, -64, 4, true}, CpProblem{1000, 252, 8, 2, 64, 0, true}})
+        CpProblem{1000, 252, 8, 2, -64, 4, true}, CpProblem{1000, 252, 8, 2, 64, 0, true},
+        CpProblem{1000, 252, 8, 2, 64, 4, true, 4, 0}, CpProblem{1000, 252, 8, 2, 64, 4, true, 3}})
     EXPECT_THROW(strategy_working_bytes(cfg, bad), InvalidArgument);
 }
 

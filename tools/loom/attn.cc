@@ -785,13 +785,24 @@ nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
   return j;
 }
 
-// Peak bytes of the run in this process, from the problem alone (before anything is allocated).
-// `ranks_here` ranks live in this process (all of them on the local backend, one under mpirun).
-// Counted per rank: the fp32 (and bf16) inputs and outputs of its shard, the strategy's working
-// set (its registry entry's estimate, strategy_working_bytes), and the report's counters. With
-// --check or --output every rank receives the gathered results (gather_rows is an all_gather), rank
-// 0 holds the global tensors and, with --check, the regenerated inputs and the fp64 reference.
-double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, int ranks_here) {
+// Peak bytes of the run's allocations in this process, from the problem alone (before anything
+// is allocated). `ranks_here` ranks live in this process (all of them on the local backend, one
+// under mpirun), each calling the kernels with `threads` threads. The phases follow each other,
+// so the peak is the largest of them, plus what outlives its phase (the local backend's pool of
+// message copies) and the --input files:
+//   run     each rank's shard (fp32 and bf16 inputs and outputs), the strategy's working set
+//           (strategy_working_bytes: its buffers, the kernels' workspace and, on the local
+//           backend, its message copies), its threads, communicator and plan, and rank 0's
+//           report counters;
+//   gather  with --check or --output every rank also receives the global results (gather_rows
+//           is an all-gather: its own padded rows, the P ranks' rows and the global tensor, the
+//           earlier results kept), and the local backend copies at most one message of each pair
+//           of ranks per all-gather (each rank posts its receives first);
+//   check   with --check, rank 0 alone (the others have returned) also holds the regenerated
+//           global inputs and run_check's fp64 copies, reference and scattered results (all
+//           query rows up to kCheckFullMax, else kCheckSampleRows of them).
+double attn_run_bytes(const AttnOptions& o, const Problem& p, int world, int ranks_here,
+                      int threads) {
   const double S = double(p.S), H = double(p.H), HKV = double(p.HKV), D = double(p.D);
   // A rank's rows, ceil(S / P) + 2, in integers: as a double it rounded S = 2^63 - 1 up to 2^63,
   // whose conversion back to int64 overflowed (the estimate went negative and the run went on).
@@ -800,40 +811,91 @@ double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, in
   const int64_t rows = per_rank > std::numeric_limits<int64_t>::max() - 2
                            ? std::numeric_limits<int64_t>::max()
                            : per_rank + 2;
-  const double P = double(world), n = double(rows);
-  const bool bw = o.backward;
+  const double P = double(world), n = double(rows), here = double(ranks_here);
+  const bool bw = o.backward, local = !launched_by_mpirun();
   const double q_rows = n * H * D * 4, kv_rows = n * HKV * D * 4;
-  double rank = 0;
-  rank +=
-      q_rows * (bw ? 4 : 2) + kv_rows * (bw ? 4 : 2) + n * H * 4;  // q,out(,dout,dq) k,v(,dk,dv)
-  if (p.bf16) rank += (q_rows * (bw ? 3 : 2) + kv_rows * 2) / 2;
-  rank += strategy_working_bytes(p.cp, CpProblem{p.S, rows, p.H, p.HKV, p.D, world, bw});
+  // q,out(,dout,dq) k,v(,dk,dv), lse, and their bf16 copies, with the fp32 out converted back
+  // from bf16 after the run beside the one it replaces
+  double shard = q_rows * (bw ? 4 : 2) + kv_rows * (bw ? 4 : 2) + n * H * 4;
+  if (p.bf16) shard += (q_rows * (bw ? 3 : 2) + kv_rows * 2) / 2 + q_rows;
+  CpProblem cp;
+  cp.seq = p.S;
+  cp.rows = rows;
+  cp.heads = p.H;
+  cp.kv_heads = p.HKV;
+  cp.head_dim = p.D;
+  cp.ranks = world;
+  cp.backward = bw;
+  cp.dtype_bytes = p.bf16 ? 2 : 4;
+  cp.threads = threads;
+  cp.local_backend = local;
+  const double working = strategy_working_bytes(p.cp, cp);
+  cp.local_backend = false;
+  const double pool = working - strategy_working_bytes(p.cp, cp);  // message copies, scratch
+  // Its thread and communicator (about 1 MiB, measured), each further kernel thread's stack and
+  // OpenMP state (about 200 KiB, measured), and the token lists of the whole plan (int64
+  // positions, int32 documents), which attn_rank, CpAttention, its engine and hybrid's groups
+  // each hold.
+  const double rank =
+      shard + working + 1024 * 1024 + 64 * P + 256.0 * 1024 * (threads - 1) + 4 * S * 12;
+  const double report = P * P * 8 + P * 128;
+  double peak = rank * here + report;
   const bool need = o.check || !o.output.empty();
-  const double global = S * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;
-  if (need) rank += P * n * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;  // gather_rows
-  rank += 1024 * 1024 + 64 * P;  // thread stack and comm state (measured ~1 MiB a rank)
-  double total = rank * ranks_here;
-  // Rank 0: the gathered report (P x P step counts), global results, the check.
-  total += P * P * 8 + P * 128;
-  if (need) total += global * 2;
-  if (o.check) {
-    const double in32 = S * (2 * H + 2 * HKV) * D * 4;
-    total += in32 * 3 + S * (H * D + H) * 8 * 2 + (bw ? S * (H + 2 * HKV) * D * 8 * 2 : 0);
+  double gathered = 0;  // on every rank after the gathers: out, lse (and dq, dk, dv)
+  if (need) {
+    gathered = S * (H * D + H + (bw ? (H + 2 * HKV) * D : 0)) * 4;
+    // The largest gather in flight (dq's or out's): its own padded rows and the P ranks' (the
+    // global tensor is counted in `gathered`); lse's passes through a [S, H] transpose.
+    const double in_flight = std::max((P + 1) * n * H * D * 4, (P + 2) * n * H * 4 + S * H * 4);
+    double copies = 0;  // one message of each pair, for each size
+    if (local) {
+      copies = n * H * D * 4 + (bw && HKV != H ? n * HKV * D * 4 : 0) + n * H * 4;
+      copies *= P * (P - 1) / 2;
+    }
+    peak = std::max(peak, (rank + gathered + in_flight) * here + report + copies);
+    if (o.check) {
+      // Rank 0: its shard and strategy, the others' pool, the gathered results; the regenerated
+      // fp32 inputs; run_check's fp64 q, k, v (and q again when every row is compared), the
+      // reference out, the scattered out, lse (fp32 and fp64), and in backward dout (and its
+      // sampled rows), the reference dq, dk, dv and the scattered dq.
+      const double rows_compared = p.S > kCheckFullMax ? double(kCheckSampleRows) : S;
+      const double inputs = S * (2 * H + 2 * HKV) * D * 4;
+      double ref =
+          S * (H + 2 * HKV) * D * 8 + rows_compared * H * D * 8 * 2 + S * H * D * 8 + S * H * 20;
+      if (bw)
+        ref += S * H * D * 8 + rows_compared * H * D * 8 * 2 + S * 2 * HKV * D * 8 + S * H * D * 8;
+      peak = std::max(peak, rank + pool * (here - 1) + copies + gathered + inputs + ref + report);
+    }
   }
   const double files = o.input.empty() ? 0 : S * (2 * H + 2 * HKV) * D * (4 + 8);  // f32 + f64
-  total += files;
+  peak += files;
   if (o.baseline) {
-    // Then, on rank 0, after the P ranks have ended and freed theirs: what their run leaves (the
-    // global results for --output or --check, the files read) and the whole problem on one rank.
+    // Then, on rank 0, after the P ranks have ended and freed theirs (their local backend's pool
+    // with them): what their run leaves (the global results for --output or --check, the files
+    // read) and the whole problem on one rank.
     // The peak is the larger of the two: their sum refused runs that fit (593 MiB estimated at
     // --ranks 4 --seq 8192 --heads 64 --head-dim 16, against a 369 MB peak).
     AttnOptions one = baseline_options(o);
     one.input.clear();
     Problem base = p;  // shapes only: the --input bodies are read after the estimate
     base.cp = baseline_config(p);
-    total = std::max(total, (need ? global * 2 : 0) + files + estimate_attn_bytes(one, base, 1, 1));
+    peak = std::max(peak,
+                    (need ? gathered * 2 : 0) + files + attn_run_bytes(one, base, 1, 1, threads));
   }
-  return total;
+  return peak;
+}
+
+// The estimate --memory-limit and an address-space limit compare: the run's allocations
+// (attn_run_bytes) and the process as it stands, its resident set (the binary, its libraries and
+// OpenBLAS: 9 to 10 MiB measured on the local backend; about 19 MiB under mpirun, once MPI is
+// initialised), in whole MiB and at least 12 MiB: the resident set moves by a few pages from one
+// run to the next (OpenBLAS's threads start as the library loads), and one problem's estimate
+// must not (--baseline's is compared with the run's alone).
+double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, int ranks_here,
+                           int threads) {
+  const double mib = 1024.0 * 1024.0;
+  const double process = std::max(12 * mib, std::ceil(double(current_rss_bytes()) / mib) * mib);
+  return process + attn_run_bytes(o, p, world, ranks_here, threads);
 }
 
 int run_attn(const AttnOptions& o) {
@@ -896,8 +958,19 @@ int run_attn(const AttnOptions& o) {
     LOOM_CHECK(o.fault.empty(), InvalidArgument,
                "--fault works on the local backend only (not under mpirun)");
     mpi = mpi_world();
-    check_memory(estimate_attn_bytes(o, p, mpi->size(), 1), memory_limit, "this rank",
-                 "--memory-limit");
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const int here = local ? std::max(1, std::atoi(local)) : mpi->size();
+    threads = o.threads ? o.threads : default_threads(here);
+    // --memory-limit bounds one process, as in loom train: under mpirun one rank. Without it,
+    // the node's `here` ranks together must fit in its available memory (each rank was checked
+    // alone against all of it, so 4 ranks that each fitted could together not).
+    const double one = estimate_attn_bytes(o, p, mpi->size(), 1, threads);
+    const std::string node =
+        "loom attn's " + std::to_string(here) + " rank" + (here > 1 ? "s" : "") + " on this node";
+    if (memory_limit >= 0)
+      check_memory(one, memory_limit, "this rank", "--memory-limit");
+    else
+      check_memory(here * one, memory_limit, node, "--memory-limit");
     load_inputs(o, p);
     {  // every rank the same command line and the same --input bytes (commands.h)
       uint64_t h = 0;
@@ -910,9 +983,6 @@ int run_attn(const AttnOptions& o) {
     }
     check_cp_config(p.cp, mpi->size(), p.H, p.HKV);  // the strategy's rules, before any work
     if (o.baseline) baseline_cp = baseline_config(p);
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    const int here = local ? std::max(1, std::atoi(local)) : mpi->size();
-    threads = o.threads ? o.threads : default_threads(here);
     attn_rank(*mpi, o, p, threads, rep, true, &staged);
     root = mpi->rank() == 0;
   } else {
@@ -923,11 +993,11 @@ int run_attn(const AttnOptions& o) {
         InvalidArgument, "--fault " << o.fault << " names a rank outside 0.." << o.ranks - 1);
     check_cp_config(p.cp, o.ranks, p.H, p.HKV);  // the strategy's rules, before any rank starts
     if (o.baseline) baseline_cp = baseline_config(p);
-    check_memory(estimate_attn_bytes(o, p, o.ranks, o.ranks), memory_limit,
+    threads = o.threads ? o.threads : default_threads(o.ranks);
+    check_memory(estimate_attn_bytes(o, p, o.ranks, o.ranks, threads), memory_limit,
                  "loom attn with " + std::to_string(o.ranks) + " rank" + (o.ranks > 1 ? "s" : ""),
                  "--memory-limit");
     load_inputs(o, p);
-    threads = o.threads ? o.threads : default_threads(o.ranks);
     run_local(
         o.ranks, [&](Communicator& world) { attn_rank(world, o, p, threads, rep, true, &staged); },
         faults);

@@ -4,6 +4,8 @@
 // the groups' blocks; the inverse all-to-all brings out, lse and the gradients home. For
 // clusters whose nodes hold U ranks: the all-to-all stays inside a node, the ring crosses nodes.
 // ulysses (ulysses.cc) is this with one group.
+#include <algorithm>
+
 #include "../ulysses.h"
 #include "strategy.h"
 
@@ -87,12 +89,45 @@ int hybrid_inner(int, const CpConfig& cfg) {
 
 constexpr const char* kHybridSummary =
     "ulysses inside groups of U consecutive ranks (a node), ring across the groups";
-// The re-sharded copies of q, k, v (out, dout and the gradients in backward), their send and
-// receive buffers, and the ring's KV blocks in flight.
+// The softmax state and the ring pass over the groups' blocks (N = U n rows of H / U heads), delta,
+// and the largest of the stages between the all-to-alls (src/cp/ulysses.cc): a re-sharding (its
+// send and receive vectors, the receive becoming the copy), the ring pass on the re-sharded q, k,
+// v (and out, dout, lse and the fp32 dq, dk, dv in backward) with the kernels' workspace for
+// N x N blocks, and the return of out or dq (its receive vector). On the local backend also the
+// all-to-alls' message copies (local_messages).
 double hybrid_working_bytes(const CpProblem& p) {
-  const RowBytes b(p);
-  const double io = p.backward ? 4 : 2;
-  return 3 * (b.q * io + b.kv * io) + 4 * b.kv;
+  const int U = p.shape.inner;
+  const bool replicate = p.shape.replicate_kv;
+  const int64_t n = p.rows, N = U * n, hl = p.heads / U;
+  const int64_t hkv = replicate ? 1 : p.kv_heads / U;
+  const double D = double(p.head_dim), T = double(p.dtype_bytes);
+  const double q = double(n) * double(p.heads) * D * T;  // q, out or dout, either sharding
+  const double kv = double(N) * double(hkv) * D * T;     // k or v re-sharded
+  // k or v as sent (replicated: each member's rows once per member) and the dk or dv received
+  const double kv_rows = replicate ? double(U) * double(n) : double(n) * double(p.kv_heads);
+  const double kv_send = kv_rows * D * T, dkv_home = kv_rows * D * 4;
+  const double stat = 4.0 * double(n) * double(p.heads);  // lse, delta: [hl, N] or [H, n]
+  const double dq = double(n) * double(p.heads) * D * 4, dkv = double(N) * double(hkv) * D * 4;
+  const double fwd =
+      std::max({2 * q, q + kv + kv_send + kv, q + 2 * kv + kernel_bytes(p, N, N, hl, hkv),
+                2 * q + 2 * kv + stat + std::max(q, 2 * stat)});
+  double bwd = 0;
+  if (p.backward) {
+    const double held = 3 * q + 2 * kv + stat + dq + 2 * dkv;  // ring_backward's operands
+    bwd = std::max(
+        {4 * q + 2 * kv, held + kernel_bytes(p, N, N, hl, hkv), held + std::max(dq, dkv_home)});
+  }
+  // The re-sharding vectors are freed and allocated again at every call: glibc's malloc keeps
+  // up to its trim threshold, twice the largest block freed (below 32 MiB), of freed memory in
+  // the thread's arena.
+  const double freed = std::max({q, kv_send, p.backward ? dq : 0});
+  double b = state_bytes(p, N, hl) + ring_pass_bytes(p, p.shape.outer, N, hkv) +
+             (p.backward ? stat : 0) + std::max(fwd, bwd) +
+             (freed < 32.0 * 1024 * 1024 ? 2 * freed : 0);
+  if (p.local_backend)  // the all-to-alls' messages: a rank's part for one member
+    b += local_messages(
+        U, {q / U, kv_send / U, p.backward ? dq / U : 0, p.backward ? dkv_home / U : 0});
+  return b;
 }
 
 extern constinit const StrategyEntry kHybridEntry{

@@ -1,5 +1,6 @@
 // The strategy registry: the list of entries, the names, and the one function holding the head
 // and group constraints (check_cp_config). Adding a strategy: its file, and one line below.
+#include <algorithm>
 #include <sstream>
 #include <string_view>
 
@@ -96,6 +97,37 @@ std::string degree_text(const StrategyEntry& e, const CpConfig& cfg, int64_t n) 
   return os.str();
 }
 
+// The working-set pieces (strategy.h).
+double state_bytes(const CpProblem& p, int64_t rows, int64_t heads) {
+  return 4.0 * double(rows) * double(heads) * double(p.head_dim + 2);
+}
+
+double kernel_bytes(const CpProblem& p, int64_t sq, int64_t sk, int64_t heads, int64_t kv_heads) {
+  if (heads < 1 || kv_heads < 1 || p.head_dim < 1) return 0;  // no kernel call
+  KernelConfig kc;
+  kc.threads = p.threads;
+  kc.block_q = p.block_q;
+  kc.block_k = p.block_k;
+  return double(attend_workspace_bytes(sq, sk, heads, kv_heads, p.head_dim, p.dtype_bytes == 2,
+                                       p.backward, kc));
+}
+
+double local_messages(int R, std::vector<double> sizes) {
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  double b = 0;
+  for (double size : sizes) b += size * (R - 1) / 2;
+  return b;
+}
+
+double ring_pass_bytes(const CpProblem& p, int R, int64_t rows, int64_t kv_heads) {
+  if (R <= 1) return 0;
+  const double cap = 2.0 * double(rows) * double(kv_heads) * double(p.head_dim);  // k and v
+  double b = 2 * cap * p.dtype_bytes + (p.backward ? 5 * cap * 4 : 0);
+  if (p.local_backend) b += cap * p.dtype_bytes + (p.backward ? cap * 4 : 0);
+  return b;
+}
+
 }  // namespace cp_detail
 
 const std::vector<StrategyInfo>& strategies() {
@@ -144,7 +176,14 @@ double strategy_working_bytes(const CpConfig& cfg, const CpProblem& p) {
                  << p.kv_heads << ", head_dim " << p.head_dim << ")");
   LOOM_CHECK(p.ranks >= 1, InvalidArgument,
              "strategy_working_bytes: ranks must be >= 1, got " << p.ranks);
-  return cp_detail::entry(cfg.strategy).working_bytes(p);
+  LOOM_CHECK(p.threads >= 1, InvalidArgument,
+             "strategy_working_bytes: threads must be >= 1, got " << p.threads);
+  LOOM_CHECK(
+      p.dtype_bytes == 2 || p.dtype_bytes == 4, InvalidArgument,
+      "strategy_working_bytes: dtype_bytes must be 2 (bf16) or 4 (fp32), got " << p.dtype_bytes);
+  CpProblem with_shape = p;
+  with_shape.shape = check_cp_config(cfg, p.ranks, p.heads, p.kv_heads);
+  return cp_detail::entry(cfg.strategy).working_bytes(with_shape);
 }
 
 CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t kv_heads) {
@@ -157,8 +196,12 @@ CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t k
   if (e.degree.value) {
     // One rule for every degree option, named as the caller spells it: "--ulysses 3" on the
     // command line, "ulysses=3" in Python (which rewrote the command line's text before).
+    // A degree below 1 is its own error: -4 divides 4, and "must divide" named the wrong rule.
     const int n = cfg.*e.degree.value;
-    LOOM_CHECK(n >= 1 && ranks % n == 0, InvalidArgument,
+    LOOM_CHECK(n >= 1, InvalidArgument,
+               e.id.name() << ": " << cp_detail::degree_text(e, cfg, n)
+                           << " must be >= 1 (a divisor of the number of ranks " << ranks << ")");
+    LOOM_CHECK(ranks % n == 0, InvalidArgument,
                e.id.name() << ": " << cp_detail::degree_text(e, cfg, n)
                            << " must divide the number of ranks " << ranks);
   }

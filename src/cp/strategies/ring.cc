@@ -39,11 +39,14 @@ class Ring : public CpStrategyOf<Ring> {
 
 constexpr const char* kRingSummary =
     "K,V blocks travel around all ranks while each computes (long sequences, any head count)";
-// The softmax state, this step's and the next step's KV blocks (double-buffered), and in
-// backward the travelling dK,dV sums and the dq partial.
+// The softmax state, the ring pass (its KV double buffer and, in backward, the dK,dV partial and
+// travelling accumulators), delta, and the kernels' workspace for n x n blocks (a rank's
+// segment pairs are within them).
 double ring_working_bytes(const CpProblem& p) {
-  const RowBytes b(p);
-  return b.q + 2 * b.stat + 4 * b.kv + (p.backward ? 4 * b.kv + b.q : 0);
+  const int64_t n = p.rows;
+  return state_bytes(p, n, p.heads) + ring_pass_bytes(p, p.ranks, n, p.kv_heads) +
+         (p.backward ? 4.0 * double(p.heads) * double(n) : 0) +
+         kernel_bytes(p, n, n, p.heads, p.kv_heads);
 }
 
 extern constinit const StrategyEntry kRingEntry =

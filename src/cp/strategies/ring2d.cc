@@ -151,10 +151,20 @@ int ring2d_inner(int, const CpConfig& cfg) {
 constexpr const char* kRing2dSummary =
     "double ring: inner rings of --inner consecutive ranks (a node), an outer ring across them; "
     "one inter-node transfer per outer step";
-// The ring's set, plus the outer KV block in flight and its travelling dK,dV sum.
+// The outer KV double buffer (slots kSlotOwn, +1), in backward delta, the group sum and, with
+// more than one inner ring, the outer travelling accumulators (+2 .. +6); the inner ring pass
+// over the ranks' shards, the softmax state and the kernels' workspace for n x n blocks. On the
+// local backend also the outer ring's messages of one step (a KV block, an accumulator).
 double ring2d_working_bytes(const CpProblem& p) {
-  const RowBytes b(p);
-  return b.q + 2 * b.stat + 6 * b.kv + (p.backward ? 6 * b.kv + b.q : 0);
+  const int64_t n = p.rows;
+  const int O = p.shape.outer;
+  const double cap = 2.0 * double(n) * double(p.kv_heads) * double(p.head_dim);
+  double b = 2 * cap * p.dtype_bytes + state_bytes(p, n, p.heads) +
+             ring_pass_bytes(p, p.shape.inner, n, p.kv_heads) +
+             kernel_bytes(p, n, n, p.heads, p.kv_heads);
+  if (p.backward) b += 4.0 * double(p.heads) * double(n) + cap * 4 * (O > 1 ? 5 : 1);
+  if (p.local_backend && O > 1) b += cap * p.dtype_bytes + (p.backward ? cap * 4 : 0);
+  return b;
 }
 
 extern constinit const StrategyEntry kRing2dEntry{

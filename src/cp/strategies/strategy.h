@@ -96,6 +96,29 @@ struct RowBytes {
 constexpr size_t kSlotDelta = 7;
 constexpr size_t kSlotOwn = 8;
 
+// Pieces of the working-set bounds (registry.cc), in bytes, for p's storage, threads and tile
+// sizes.
+//   state_bytes      the engine's SoftmaxState for `rows` query rows of `heads` heads (acc, m, l)
+//   kernel_bytes     the kernels' workspace (attend_workspace_bytes) for q blocks of at most sq
+//                    rows of `heads` heads against KV blocks of at most sk rows of kv_heads heads
+//   ring_pass_bytes  the ring pass's slots 0-6 (ring_pass.cc) over R members whose KV blocks have
+//                    at most `rows` rows of kv_heads heads: the KV double buffer in storage, and in
+//                    backward the dK,dV partial and TravellingSum's four accumulators in fp32;
+//                    none for R = 1. With p.local_backend also the messages of one step in flight
+//                    per member (a KV block; in backward also an accumulator): each member waits
+//                    for the block it receives at every step, which kept the members within a
+//                    step of each other in every run measured (one further ahead copies more).
+//   local_messages   the local backend's copies of one collective's messages over R ranks, on
+//                    one rank: a message whose receive is not posted is copied, and every rank
+//                    posts its receives before its sends, so of each pair of ranks at most one
+//                    message is copied, (R - 1) / 2 a rank; the copies go back to a pool that
+//                    keeps them for later messages, so each message size (bytes; 0: none) counts
+//                    once, for all the collectives that send it.
+double state_bytes(const CpProblem& p, int64_t rows, int64_t heads);
+double local_messages(int R, std::vector<double> sizes);
+double kernel_bytes(const CpProblem& p, int64_t sq, int64_t sk, int64_t heads, int64_t kv_heads);
+double ring_pass_bytes(const CpProblem& p, int R, int64_t rows, int64_t kv_heads);
+
 // Registry helpers: the factory of a strategy class, and the inner degree of strategies whose
 // ranks form one axis (ring, allgather).
 template <class S>
