@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "loom/attention.h"
+#include "loom/cp.h"
 #include "loom/tensor.h"
 
 namespace loom::verify {
@@ -119,6 +120,9 @@ struct Options {
   // which nothing can be compared is an InvalidArgument, not a pass. Localisation uses at most
   // 1024 of the compared rows (fewer when the pair partials would pass 512 MiB).
   int64_t full_check_max = 4096;
+  // How errors name full_check_max: "--full-check-max" (loom verify) or "full_check_max="
+  // (loom.torch.verify's keyword), as CpConfig::option_spelling.
+  OptionSpelling option_spelling = OptionSpelling::flag;
 };
 
 // Written tolerances (loom/tolerance.h): normwise relative error ||x - ref|| / ||ref|| per tensor;

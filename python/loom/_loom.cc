@@ -807,7 +807,7 @@ std::string verify_json(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& lse,
                         const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
                         const std::optional<at::Tensor>& dv, const std::string& convention,
-                        int ranks, const std::string& dtype) {
+                        int ranks, const std::string& dtype, int64_t full_check_max) {
   loom::verify::Problem problem;
   problem.q = to_loom(q);
   problem.k = to_loom(k);
@@ -825,6 +825,8 @@ std::string verify_json(const at::Tensor& q, const at::Tensor& k, const at::Tens
   opt.convention = convention;
   opt.ranks = ranks;
   opt.dtype = dtype;
+  opt.full_check_max = full_check_max;
+  opt.option_spelling = loom::OptionSpelling::keyword;  // "(full_check_max=4096)"
   py::gil_scoped_release nogil;
   return loom::verify::verify(problem, cand, opt).to_json();
 }
@@ -907,6 +909,9 @@ PYBIND11_MODULE(_loom, m) {
   m.def("reference_forward", &reference_forward);
   m.def("reference_backward", &reference_backward);
   m.def("verify_json", &verify_json);
+  // loom verify's sharding conventions, which loom.torch.verify checks `layout` against (the
+  // engine's message names --convention, an option the Python caller never passed).
+  m.def("verify_conventions", [] { return loom::verify::convention_names(); });
   m.def("shard_index", &shard_index);
   m.def("launcher_backend", [] { return loom::launcher_backend(); });
   m.def("kernel_path", [] { return std::string(loom::kernel_path()); });

@@ -59,7 +59,24 @@ def _tensor(x, name):
         # kernels read (a wrong answer, once).
         raise InvalidArgument(f"{name} is a lazy {'negation' if x.is_neg() else 'conjugation'} "
                               f"view; call .resolve_neg() / .resolve_conj() first")
+    _require_storage(x, name)
     return x
+
+
+def _require_storage(x, name, where=""):
+    """A tensor with no storage of its own is a vmap's batched tensor: its logical shape passes
+    every check, and the kernels then met torch's raw "Cannot access data pointer of Tensor that
+    doesn't have storage". NotSupported instead, in the forward (q, k, v) and in the backward (a
+    vectorized jacobian batches dout only; in cp_attention's every rank's alike, so every rank
+    raises it before the backward's exchange)."""
+    try:
+        x.data_ptr()
+    except RuntimeError:
+        raise NotSupported(
+            f"{where}{name} is a vmap's batched tensor, with no storage for loom's kernels to "
+            "read: loom.torch does not support vmap, which torch.autograd.functional.jacobian and "
+            "hessian use with vectorize=True and torch.autograd.grad with is_grads_batched=True; "
+            "call them with vectorize=False / is_grads_batched=False") from None
 
 
 def _check_qkv(q, k, v, cu_seqlens, allow_f64=False, allow_empty=False):
@@ -231,6 +248,17 @@ def _group(group, who="cp_attention"):
     return entry[1]
 
 
+def _long_number_text(x):
+    """x as given, shortened past a few dozen characters: 10**400 reads 100000000000... (401
+    digits)."""
+    if isinstance(x, numbers.Integral):
+        digits = str(abs(int(x)))
+        sign = "-" if x < 0 else ""
+        return sign + (digits if len(digits) <= 24 else f"{digits[:12]}... ({len(digits)} digits)")
+    text = repr(x)
+    return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
+
+
 def set_timeout(seconds, group=None):
     """Sets loom's timeout (seconds) for every wait over `group` (default: LOOM_TIMEOUT_S or 60):
     a number from 0.001 to 1e9, as LOOM_TIMEOUT_S takes; InvalidArgument for anything else (a
@@ -242,9 +270,35 @@ def set_timeout(seconds, group=None):
     try:
         seconds = float(seconds)
     except OverflowError:  # an int (or Fraction) past float's range, either sign
-        seconds = math.inf if seconds > 0 else -math.inf
+        # Named as given: read as +-inf it was reported as "got inf", a value never passed.
+        raise InvalidArgument(f"timeout must be from 0.001 to 1e9 seconds, got "
+                              f"{_long_number_text(seconds)}, beyond float's range") from None
     _loom.checked_timeout_s(seconds)
     _group(group, "set_timeout").timeout_s = seconds
+
+
+class _Naming:
+    """`with _Naming(what):` around a collective call of the op `what`: a CommError or Timeout
+    raised there names the op. The engine's text names this rank, the message and the peer
+    (`rank 0: all_gather: send to rank 1 timed out after 3 s (the torch group of 2 ranks)`), the
+    same in a forward and a backward, and not the setting that bounds the wait; it is kept whole,
+    after `what: `, and a Timeout adds the setting after it. The same exception (class, traceback)
+    goes on. A with block, not a wrapper function: a wrapper's frame would come between the caller
+    and Group.op's warning (stacklevel=2 names the caller's line)."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if isinstance(e, CommError):
+            text = f"{self.what}: {e}"
+            if isinstance(e, Timeout):
+                text += "; loom's timeout is LOOM_TIMEOUT_S or loom.torch.set_timeout"
+            e.args = (text,)
+        return False  # raised on
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,9 +340,11 @@ def _save_forward(ctx, q, k, v, out, lse, batch, seq):
     return out, lse_out
 
 
-def _saved(ctx, dout):
-    """(q, k, v, out, lse, dout): the saved tensors and dout contiguous in q's dtype."""
+def _saved(ctx, dout, who):
+    """(q, k, v, out, lse, dout): the saved tensors and dout contiguous in q's dtype (`who`: the
+    op, for the message on a batched dout)."""
     q, k, v, out, lse = ctx.saved_tensors
+    _require_storage(dout, "dout", f"the backward of {who}: ")
     return q, k, v, out, lse, dout.resolve_neg().to(q.dtype).contiguous()
 
 
@@ -344,7 +400,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     @_once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, dout = _saved(ctx, dout)
+        q, k, v, out, lse, dout = _saved(ctx, dout, "attention")
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
         is_bf16 = q.dtype == torch.bfloat16
         grads = _loom.attention_backward(q, k, v, out, dout, lse, batch, seq, docs, heads,
@@ -387,8 +443,9 @@ class _CpAttention(torch.autograd.Function):
         # cp_backward first checks that every rank is in the backward of this same call (one
         # small all-gather): a rank that skipped a backward, ran an extra one or is in another
         # call gives every rank one clear error, not a Timeout or mixed-up gradients.
-        q, k, v, out, lse, dout = _saved(ctx, dout)
-        grads = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse, ctx.check, ctx.call)
+        q, k, v, out, lse, dout = _saved(ctx, dout, "cp_attention")
+        with _Naming("the backward of cp_attention"):
+            grads = _loom.cp_backward(ctx.op, q, k, v, out, dout, lse, ctx.check, ctx.call)
         return _input_grads(q, k, v, grads) + (None, None, None, None, None)
 
 
@@ -440,12 +497,14 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     except Exception:  # noqa: BLE001 (re-raised)
         # Still make the forward's exchange, marked refused, so that every other rank raises at
         # once (naming this rank) instead of waiting for it until the timeout.
-        g.refuse_forward()
+        with _Naming("cp_attention (the forward)"):
+            g.refuse_forward()
         raise
     check = torch.is_anomaly_enabled()
-    op = g.op(strategy, layout, u, i, causal, window, scale, batch, rows, heads, kv_heads, dim,
-              q.dtype == torch.bfloat16, docs, q, k, v, check)
-    out, lse = _CpAttention.apply(q, k, v, op, batch, seq, check, g.forward_calls)
+    with _Naming("cp_attention (the forward)"):
+        op = g.op(strategy, layout, u, i, causal, window, scale, batch, rows, heads, kv_heads, dim,
+                  q.dtype == torch.bfloat16, docs, q, k, v, check)
+        out, lse = _CpAttention.apply(q, k, v, op, batch, seq, check, g.forward_calls)
     return (out, lse) if return_lse else out
 
 
@@ -504,7 +563,8 @@ def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     except Error:
         # The exchange still, marked refused (a number of dims of -1): every other rank raises at
         # once instead of waiting for this one until the timeout.
-        g.unshard_exchange([0, -1])
+        with _Naming("unshard"):
+            g.unshard_exchange([0, -1])
         raise
     shape = list(x.shape)
     shape[dim] = 0
@@ -512,7 +572,8 @@ def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     # Every rank's description through loom (its timeout; an exchange of one size for every
     # loom.torch collective): a part of another dtype or shape was read as bytes of this one
     # (a wrong tensor, or gloo aborting the process).
-    fields = g.unshard_exchange(mine)
+    with _Naming("unshard"):
+        fields = g.unshard_exchange(mine)
     stride = len(fields) // g.size
     what = ("number of dims", "dim", "dtype", "layout", "cu_seqlens")
     for r in range(g.size):
@@ -551,7 +612,8 @@ def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     if padded.dim() == 1:
         padded = padded.view(-1, 1)
     raw = padded.view(torch.uint8).reshape(-1)  # bytes: gloo has no bf16 (nor int16, bool)
-    parts = g.all_gather_bytes(raw)
+    with _Naming("unshard"):
+        parts = g.all_gather_bytes(raw)
     out = torch.empty((total,) + tuple(xt.shape[1:]), dtype=x.dtype)
     for r in range(g.size):
         part = parts[r].view(x.dtype).view((width,) + tuple(xt.shape[1:]))
@@ -578,6 +640,7 @@ class _Reference(torch.autograd.Function):
     @_once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v = ctx.saved_tensors
+        _require_storage(dout, "dout", "the backward of reference_attention: ")
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
         dq, dk, dv = _loom.reference_backward(q, k, v, dout.double().contiguous(), batch, seq,
                                               docs, heads, kv_heads, dim, causal, window, scale)
@@ -600,7 +663,8 @@ def reference_attention(q, k, v, causal=True, window=None, cu_seqlens=None, scal
 
 
 def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=True,
-           window=None, cu_seqlens=None, scale=None, layout="contiguous", ranks=1, dtype=None):
+           window=None, cu_seqlens=None, scale=None, layout="contiguous", ranks=1, dtype=None,
+           full_check_max=4096):
     """Checks another implementation's results against loom's fp64 reference, like `loom verify`
     (docs/verify.md), and returns the same report as a dict: "passed", per-tensor errors
     ("tensors"), "absent" tensors and, when something is wrong, "diagnoses" (best first, each
@@ -611,7 +675,9 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
     dq, dk, dv may be None (not checked); dq, dk, dv need dout. layout and ranks name the
     candidate's sharding (contiguous, zigzag, stripe, rfa-zigzag, te-thd, torch-headtail,
     megatron), so the diagnosis can speak of ranks, chunks and ring steps. dtype: "fp32" or
-    "bf16" (the tolerances); default from out's dtype."""
+    "bf16" (the tolerances); default from out's dtype. full_check_max: above this many tokens
+    out, lse and dq are compared on 256 evenly spaced rows and dk, dv not at all (they need every
+    query row), as loom verify's --full-check-max."""
     import json
 
     def flat(x, name, batched_dims=4, candidate=True):
@@ -638,8 +704,17 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
         raise InvalidArgument(f"verify: dtype must be None, 'fp32' or 'bf16', got {dtype!r}")
     if not isinstance(layout, str):
         raise InvalidArgument(f"verify: layout must be a string, got {layout!r}")
+    conventions = _loom.verify_conventions()
+    if layout not in conventions:
+        # Here, not in the engine: its message named loom verify's --convention.
+        raise InvalidArgument(f"verify: unknown layout {layout!r} (choose "
+                              f"{', '.join(conventions[:-1])} or {conventions[-1]})")
     if isinstance(ranks, bool) or not isinstance(ranks, numbers.Integral) or not 1 <= ranks <= 2**31 - 1:
         raise InvalidArgument(f"verify: ranks must be a positive int (at most 2^31 - 1), got {ranks!r}")
+    if (isinstance(full_check_max, bool) or not isinstance(full_check_max, numbers.Integral)
+            or not 1 <= full_check_max <= 2**62):
+        raise InvalidArgument("verify: full_check_max must be a positive int (at most 2^62), got "
+                              f"{full_check_max!r}")
     out64 = flat(out, "out")
 
     q64, k64, v64 = (flat(x, n, candidate=False) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -659,5 +734,5 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
     text = _loom.verify_json(q64, k64, v64, flat(dout, "dout", candidate=False), causal, window,
                              scale, docs,
                              out64, lse64, flat(dq, "dq"), flat(dk, "dk"),
-                             flat(dv, "dv"), layout, int(ranks), dtype)
+                             flat(dv, "dv"), layout, int(ranks), dtype, int(full_check_max))
     return json.loads(text)

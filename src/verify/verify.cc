@@ -1285,8 +1285,9 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
         {"dv", &cand.dv}})
     LOOM_CHECK(!t->has_value() || c.tol(name) < 1, InvalidArgument,
                name << " cannot be verified: this problem's " << o.dtype
-                    << " error bound for it is " << bound_text(c.tol(name)) << " (a " << name
-                    << " of zeros would pass; " << rep.per_problem_why
+                    << " error bound for it is " << bound_text(c.tol(name)) << " ("
+                    << (name[0] == 'o' || name[0] == 'l' ? "an " : "a ")  // an out, an lse, a dq
+                    << name << " of zeros would pass; " << rep.per_problem_why
                     << "): lower the scale or the inputs' magnitude");
   std::vector<int64_t> all_rows(c.S);
   std::iota(all_rows.begin(), all_rows.end(), 0);
@@ -1358,8 +1359,10 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   for (const auto& t : rep.tensors) any_compared = any_compared || t.compared;
   LOOM_CHECK(any_compared, InvalidArgument,
              "nothing could be compared: dk and dv need every query row, and S = "
-                 << c.S << " is above the full-check limit of " << o.full_check_max
-                 << " tokens (--full-check-max); give out, lse or dq too, or raise the limit");
+                 << c.S << " is above the full-check limit of " << o.full_check_max << " tokens ("
+                 << (o.option_spelling == OptionSpelling::keyword ? "full_check_max="
+                                                                  : "--full-check-max ")
+                 << o.full_check_max << "); give out, lse or dq too, or raise the limit");
   rep.passed = true;
   for (const auto& t : rep.tensors)
     if (t.compared && !t.passed) rep.passed = false;

@@ -6,6 +6,8 @@ reference_attention's gradients; and an error case for every bad input.
 """
 import os
 import sys
+import threading
+import warnings
 
 import torch
 
@@ -145,6 +147,7 @@ expect_error(E, "window must be None or a positive int, got 2.5", lambda: lt.att
 expect_error(E, "causal must be True or False", lambda: lt.attention(q, k, k, causal="yes"))
 # numpy's bool is a bool (np.bool_(True) was refused as "got True").
 import numpy as np  # noqa: E402
+from fractions import Fraction  # noqa: E402
 check(torch.equal(lt.attention(q, k, k, causal=np.bool_(False)), lt.attention(q, k, k, causal=False)),
       "causal=np.bool_(False) is causal=False")
 expect_error(E, "scale must be", lambda: lt.attention(q, k, k, scale=float("nan")))
@@ -330,7 +333,25 @@ rep = lt.verify(o4[0] * (1 + 1e-3), q, k, v)
 check(not rep["passed"], "verify fails an out 0.1 % off")
 expect_error(E, "pass dout", lambda: lt.verify(o4[0], q, k, v, dq=q4.grad[0]))
 expect_error(E, "ranks must be", lambda: lt.verify(o4[0], q, k, v, ranks=0))
-expect_error(E, "unknown", lambda: lt.verify(o4[0], q, k, v, layout="spiral", ranks=2))
+# The messages name verify's parameters: an unknown layout was the engine's "unknown convention
+# 'spiral'" (loom verify's --convention), and dk, dv alone above the full-check limit pointed to
+# --full-check-max, which verify() did not take: it takes full_check_max= now, and the message
+# names that (S = 4097, H = D = 1: cheap).
+expect_error(E, "verify: unknown layout 'spiral' (choose contiguous, zigzag, stripe, rfa-zigzag, "
+                "te-thd, torch-headtail or megatron)",
+             lambda: lt.verify(o4[0], q, k, v, layout="spiral", ranks=2))
+q1 = torch.randn(4097, 1, 1, generator=gen)
+expect_error(E, "nothing could be compared: dk and dv need every query row, and S = 4097 is above "
+                "the full-check limit of 4096 tokens (full_check_max=4096); give out, lse or dq "
+                "too, or raise the limit",
+             lambda: lt.verify(None, q1, q1, q1, dout=q1, dk=q1, dv=q1))
+expect_error(E, "full_check_max must be a positive int (at most 2^62), got 0",
+             lambda: lt.verify(None, q1, q1, q1, dout=q1, dk=q1, dv=q1, full_check_max=0))
+# Raised, the same dk and dv are compared (every row): all-ones gradients are found wrong.
+ones = torch.ones_like(q1)
+rep = lt.verify(None, q1, q1, q1, dout=q1, dk=ones, dv=ones, full_check_max=4097)
+check(not rep["passed"] and all(t["compared"] for t in rep["tensors"]),
+      f"full_check_max=4097 compares dk and dv at S = 4097 (and finds ones wrong): {rep['tensors']}")
 # verify's arguments: each bad one is loom's one-line error (these were pybind TypeErrors, an
 # AttributeError, torch's RuntimeError, or accepted: a complex out cut to its real part, int q).
 expect_error(E, "ranks must be a positive int (at most 2^31 - 1)", lambda: lt.verify(o4[0], q, k, v, ranks=2**40))
@@ -359,7 +380,12 @@ expect_error(E, "set_timeout needs a process group", lambda: lt.set_timeout(3))
 # registered with torch.distributed) shows that the accepted values reach the engine unchanged.
 for bad, text in ((1e-12, "1e-12"), (5e-324, "5e-324"), (0.000999, "0.000999"), (-1.0, "-1"),
                   (0, "0"), (1e9 * (1 + 1e-15), "1000000000.000001"), (float("nan"), "nan"),
-                  (float("-inf"), "-inf"), (10**400, "inf"), (-10**400, "-inf")):
+                  (float("-inf"), "-inf"),
+                  # Past float's range, named as given (it read "got inf" and "got -inf").
+                  (10**400, "100000000000... (401 digits), beyond float's range"),
+                  (-10**400, "-100000000000... (401 digits), beyond float's range"),
+                  (Fraction(10**400, 3),
+                   "Fraction(100000000000000... (414 characters), beyond float's range")):
     expect_error(E, f"timeout must be from 0.001 to 1e9 seconds, got {text}",
                  lambda: lt.set_timeout(bad))
 for bad in (True, "3", None, torch.tensor(3.0)):
@@ -373,6 +399,92 @@ for good in (0.001, 1, 2.5, 1e9):
 expect_error(E, "got 1e-12", lambda: lt.set_timeout(1e-12, one_rank))
 expect_error(E, "got 1e-12", lambda: setattr(lt._group(one_rank), "timeout_s", 1e-12))
 check(lt._group(one_rank).timeout_s == 1e9, "a refused timeout leaves the group's timeout as it was")
+
+# vmap: a batched tensor has no storage, and the kernels' call raised torch's raw "Cannot access
+# data pointer of Tensor that doesn't have storage". jacobian(vectorize=True) batches dout (the
+# backward of each op); vmap batches q (the forward). vectorize=False runs, and its jacobian is the
+# fp64 reference's.
+qj, kj = torch.randn(1, 4, 2, 2, generator=gen), torch.randn(1, 4, 1, 2, generator=gen)
+jac = torch.autograd.functional.jacobian
+vmap_text = ("is a vmap's batched tensor, with no storage for loom's kernels to read: loom.torch "
+             "does not support vmap, which torch.autograd.functional.jacobian and hessian use with "
+             "vectorize=True and torch.autograd.grad with is_grads_batched=True; call them with "
+             "vectorize=False / is_grads_batched=False")
+for name, fn in (("attention", lambda x: lt.attention(x, kj, kj)),
+                 ("reference_attention", lambda x: lt.reference_attention(x, kj, kj)),
+                 ("cp_attention", lambda x: lt.cp_attention(x, kj, kj, group=one_rank))):
+    expect_error(loom.NotSupported, f"the backward of {name}: dout {vmap_text}",
+                 lambda: jac(fn, qj, vectorize=True))
+j32 = jac(lambda x: lt.attention(x, kj, kj), qj)
+j64 = jac(lambda x: lt.reference_attention(x, kj.double(), kj.double()), qj.double())
+check(rel_error(j32, j64) <= 1e-5, f"jacobian(vectorize=False): {rel_error(j32, j64):.3g}")
+vmap = getattr(torch, "vmap", None) or torch._vmap_internals.vmap  # torch.vmap from torch 2.0
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # torch 1.13's vmap: "use functorch.vmap"
+    q3 = qj[None].expand(3, -1, -1, -1, -1)  # three [1, 4, 2, 2] q's, batched
+    expect_error(loom.NotSupported, f"q {vmap_text}", lambda: vmap(lambda x: lt.attention(x, kj, kj))(q3))
+
+
+# A Timeout (or CommError) names the loom.torch call it came from and the setting that bounds it;
+# the engine's text alone read the same in a forward and a backward. Two ranks of a gloo group in
+# two threads of this process (its waits release the GIL); rank 1 leaves rank 0 to wait 0.3 s: in
+# cp_attention's forward, in its backward (after a forward both ranks made), in unshard. A timeout
+# leaves a group unusable, so each case has its own.
+def two_ranks():
+    store, pgs = torch.distributed.HashStore(), [None, None]
+
+    def make(r):
+        pgs[r] = torch.distributed.ProcessGroupGloo(store, r, 2)
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return pgs
+
+
+def both(fn):
+    threads = [threading.Thread(target=fn, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def expect_timeout(call, fn):
+    """fn raises loom.Timeout: `call: ` + the engine's text (rank 0: all_gather: send to rank 1
+    timed out after 0.3 s (the torch group of 2 ranks)) + the setting."""
+    knob = ("(the torch group of 2 ranks); loom's timeout is LOOM_TIMEOUT_S or "
+            "loom.torch.set_timeout")
+    try:
+        fn()
+    except loom.Timeout as e:
+        check(str(e).startswith(f"{call}: rank 0: all_gather: ") and "rank 1 timed out after 0."
+              in str(e) and str(e).endswith(knob),
+              f"a Timeout names the call ({call}) and the setting: {e}")
+        return
+    except Exception as e:  # noqa: BLE001
+        check(False, f"{call}: wanted loom.Timeout, got {type(e).__name__}: {e}")
+        return
+    check(False, f"{call}: wanted loom.Timeout, nothing raised")
+
+
+qc = [torch.randn(1, 4, 2, 4, generator=gen) for _ in (0, 1)]  # each rank its own shard
+pgs = two_ranks()
+lt.set_timeout(0.3, pgs[0])
+expect_timeout("cp_attention (the forward)", lambda: lt.cp_attention(qc[0], qc[0], qc[0], pgs[0]))
+expect_error(loom.CommError, "cp_attention (the forward): rank 0: all_gather: this communicator "
+             "failed earlier", lambda: lt.cp_attention(qc[0], qc[0], qc[0], pgs[0]))
+pgs = two_ranks()
+outs = [None, None]
+leaves = [x.clone().requires_grad_() for x in qc]
+both(lambda r: outs.__setitem__(r, lt.cp_attention(leaves[r], qc[r], qc[r], pgs[r])))
+check(outs[0] is not None and outs[1] is not None, "two ranks' forward in threads")
+lt.set_timeout(0.3, pgs[0])
+expect_timeout("the backward of cp_attention", lambda: outs[0].sum().backward())
+pgs = two_ranks()
+lt.set_timeout(0.3, pgs[0])
+expect_timeout("unshard", lambda: lt.unshard(qc[0], pgs[0]))
 
 print(f"test_single: {check.count} checks, {len(check.failures)} failures", flush=True)
 sys.exit(1 if check.failures else 0)
