@@ -832,12 +832,15 @@ double attn_run_bytes(const AttnOptions& o, const Problem& p, int world, int ran
   const double working = strategy_working_bytes(p.cp, cp);
   cp.local_backend = false;
   const double pool = working - strategy_working_bytes(p.cp, cp);  // message copies, scratch
-  // Its thread and communicator (about 1 MiB, measured), each further kernel thread's stack and
-  // OpenMP state (about 200 KiB, measured), and the token lists of the whole plan (int64
-  // positions, int32 documents), which attn_rank, CpAttention, its engine and hybrid's groups
-  // each hold.
+  // Its thread, communicator and engine (256 KiB and 1 KiB per rank of the world: the local
+  // backend's receives of a collective in flight, one per peer; fitted to the peaks of 16 to 1024
+  // ranks of 256 to 4096 tokens, 0.4 MiB a rank at 256 ranks, 1.0 MiB at 1024; the 1 MiB counted
+  // before, from when each pair of ranks kept its channels for ever, was up to 2.9x high), each
+  // further kernel thread's stack and OpenMP state (about 200 KiB, measured), and the token lists
+  // of the whole plan (int64 positions, int32 documents), which attn_rank, CpAttention, its
+  // engine and hybrid's groups each hold.
   const double rank =
-      shard + working + 1024 * 1024 + 64 * P + 256.0 * 1024 * (threads - 1) + 4 * S * 12;
+      shard + working + 256.0 * 1024 + 1024.0 * P + 256.0 * 1024 * (threads - 1) + 4 * S * 12;
   const double report = P * P * 8 + P * 128;
   double peak = rank * here + report;
   const bool need = o.check || !o.output.empty();
