@@ -63,8 +63,8 @@ int own_stream_fd(const std::string& path);
 // a.json.tmp.2024-06-01) is left alone, as is a temporary that cannot be removed. Never throws.
 // Whether a pid is gone is judged on this node, in this PID namespace: a temporary that a running
 // process on another node (or in another namespace) writes looks stale here and is removed, so
-// jobs on different nodes must not write one path at the same time. Under an MPI launcher only
-// rank 0, which writes loom's outputs, removes anything; a rank above 0 returns at once.
+// jobs on different nodes must not write one path at the same time, and under an MPI launcher
+// only the rank that writes a path should call this for it (loom's tools: rank 0).
 void clean_stale_temps(const std::string& path, const std::vector<std::string>& names = {});
 // The pid in `entry` when it is such a temporary of a file named `filename` (in the same
 // directory), else -1: the one rule of what loom's own temporaries are called (loom train sweeps

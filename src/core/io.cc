@@ -212,19 +212,6 @@ bool pid_alive(long pid) {
   return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH;
 }
 
-// This process's rank as an MPI launcher exported it (OMPI_COMM_WORLD_RANK, PMIX_RANK or
-// PMI_RANK, as comm.h's launcher_rank reads them: loom_core cannot call it), else -1.
-long launcher_rank_of_process() {
-  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
-    const char* text = std::getenv(name);
-    if (!text || !*text) continue;
-    char* end = nullptr;
-    const long r = std::strtol(text, &end, 10);
-    if (*end == '\0' && r >= 0) return r;
-  }
-  return -1;
-}
-
 }  // namespace
 
 namespace {
@@ -488,10 +475,6 @@ void remove_set_directory(const std::string& dir, const std::vector<std::string>
 
 void clean_stale_temps(const std::string& path, const std::vector<std::string>& names) {
   if (path.empty() || path == "-" || own_stream_fd(path) >= 0) return;
-  // Under mpirun rank 0 writes the outputs; a pid is looked up on this node, in this PID
-  // namespace only, so the other ranks (on other nodes, or in other namespaces) took a running
-  // job's temporary for a dead one's and deleted it, and that job's write failed.
-  if (launcher_rank_of_process() > 0) return;
   std::error_code ec;
   const std::string target = resolve_output_path(path);
   const std::string dir = dir_of(target);

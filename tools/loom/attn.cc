@@ -920,9 +920,13 @@ int run_attn(const AttnOptions& o) {
                                      {"--trace", &o.trace},
                                      {"--timeline", &o.timeline}})
     check_output_outside(option, *path, "--output", o.output, "which loom replaces as a whole");
-  for (const std::string* out : {&o.json, &o.trace, &o.timeline})
-    if (!out->empty()) clean_stale_temps(*out);
-  if (!o.output.empty()) clean_stale_temps(o.output, kOutputNames);
+  // Only the writer (rank 0) removes stale temporaries: a pid is judged on this node, in this
+  // PID namespace, so another rank took a running job's for a dead one's (io.h).
+  if (launcher_rank() <= 0) {
+    for (const std::string* out : {&o.json, &o.trace, &o.timeline})
+      if (!out->empty()) clean_stale_temps(*out);
+    if (!o.output.empty()) clean_stale_temps(o.output, kOutputNames);
+  }
   // Unwritable outputs fail here, not after the run (--json nodir/r.json ran the whole job,
   // printed its table and only then failed).
   check_output_writable(o.json, "--json");

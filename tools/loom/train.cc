@@ -527,7 +527,9 @@ int run_train(const TrainOptions& o) {
     // a sticky directory is usable (the rename check would refuse it).
     check_output_writable(o.log, "--log", false, false);
     const std::string target = resolve_output_path(o.log);
-    clean_stale_temps(target);
+    // Only the writer (rank 0): a pid is judged on this node, in this PID namespace, so another
+    // rank took a running job's temporary for a dead one's and deleted it (io.h).
+    if (launcher_rank() <= 0) clean_stale_temps(target);
     struct stat st;
     LOOM_CHECK(::stat(target.c_str(), &st) != 0 || !S_ISREG(st.st_mode) ||
                    ::access(target.c_str(), W_OK) == 0,
