@@ -197,6 +197,11 @@ long launcher_rank();
 // timeout of their own are MPI_Init, MPI_Comm_split (split, above) and MPI_Finalize (at exit,
 // bounded by LOOM_FINALIZE_TIMEOUT_S), each under a watchdog that ends the process.
 std::unique_ptr<Communicator> mpi_world();
+// The job's ranks on this process's node (itself included), counted by the first mpi_world()
+// from the ranks' processor names; 0 before that call, and in builds without MPI. Whatever the
+// launcher (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE is Open MPI's alone: under another launcher the
+// tools took the whole world for one node, and refused a job by a node's memory that fitted).
+int mpi_ranks_on_this_node();
 // Ends the whole MPI job at once after a fatal error on this rank (MPI_Abort); no-op without MPI.
 void mpi_abort(int code);
 

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -53,6 +54,18 @@ TEST(CommMpiEnv, Backend) {
   EXPECT_TRUE(mpi_available());
   EXPECT_EQ(g_world->backend(), "mpi");
   EXPECT_EQ(launched_by_mpirun(), g_world->size() > 1);
+}
+
+// The node's ranks as mpi_world() counted them, from the processor names (the tools size their
+// memory check by it): every rank of this test's job, counted here from the host names (a launch
+// over several nodes counts its own node's).
+TEST(CommMpiEnv, RanksOnThisNode) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const int64_t mine = static_cast<int64_t>(std::hash<std::string>()(host));
+  std::vector<int64_t> all(g_world->size());
+  g_world->all_gather(&mine, sizeof mine, all.data());
+  EXPECT_EQ(mpi_ranks_on_this_node(), std::count(all.begin(), all.end(), mine));
 }
 
 // A new mpi_world() while a rank is stopped ends in Timeout after LOOM_TIMEOUT_S: MPI_Comm_dup

@@ -86,7 +86,7 @@ expect "a usage error on one rank names it" \
 avail_kib=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)
 seq=$(( (avail_kib / 24 / 1024 + 1) * 1024 ))  # 1.5x the available memory on each of 4 ranks
 expect "loom attn under mpirun: the node's ranks together" \
-  "loom attn's 4 ranks on this node needs about" -- \
+  "loom attn with 4 ranks on this node needs about" -- \
   -np 4 "$@" "$loom" attn --seq "$seq" --heads 32 --head-dim 128 --quiet
 mem=(attn --seq 32768 --heads 4 --head-dim 32 --quiet --iters 1 --warmup 0 --memory-limit 120M)
 if "$loom" "${mem[@]}" --ranks 4 > /dev/null 2> "$work/err"; then

@@ -965,15 +965,14 @@ int run_attn(const AttnOptions& o) {
     LOOM_CHECK(o.fault.empty(), InvalidArgument,
                "--fault works on the local backend only (not under mpirun)");
     mpi = mpi_world();
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    const int here = local ? std::max(1, std::atoi(local)) : mpi->size();
+    const int here = std::max(1, mpi_ranks_on_this_node());
     threads = o.threads ? o.threads : default_threads(here);
     // --memory-limit bounds one process, as in loom train: under mpirun one rank. Without it,
     // the node's `here` ranks together must fit in its available memory (each rank was checked
     // alone against all of it, so 4 ranks that each fitted could together not).
     const double one = estimate_attn_bytes(o, p, mpi->size(), 1, threads);
-    const std::string node =
-        "loom attn's " + std::to_string(here) + " rank" + (here > 1 ? "s" : "") + " on this node";
+    const std::string node = "loom attn with " + std::to_string(here) + " rank" +
+                             (here > 1 ? "s" : "") + " on this node";
     if (memory_limit >= 0)
       check_memory(one, memory_limit, "this rank", "--memory-limit");
     else

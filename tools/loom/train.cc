@@ -334,7 +334,7 @@ TrainMemory train_memory(const TrainConfig& c, int here, bool mpi, bool limited,
             "loom train with " + ranks + " in this process"};
   if (limited) return {estimate_train_bytes(c, 1, data_bytes) + ckpt(1), "this rank of loom train"};
   return {here * estimate_train_bytes(c, 1, data_bytes) + ckpt(here),
-          "loom train's " + ranks + " on this node"};
+          "loom train with " + ranks + " on this node"};
 }
 
 struct Summary {  // filled by world rank 0
@@ -549,8 +549,7 @@ int run_train(const TrainOptions& o) {
                "input to rank 0 only; name a file every rank can read");
     mpi = mpi_world();
     world = mpi->size();
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    here = local ? std::max(1, std::atoi(local)) : world;
+    here = std::max(1, mpi_ranks_on_this_node());
   }
   LOOM_CHECK(world >= 1, InvalidArgument, "--ranks must be >= 1, got " << world);
   c.par.mesh = mesh_of(o, world);

@@ -52,8 +52,9 @@ namespace {
 
 // Seconds a wait polls without sleeping.
 constexpr double kSpinS = 1.0;
-// More ranks on this node than cores (set once at initialisation).
+// More ranks on this node than cores, and how many (set once at initialisation).
 bool g_oversubscribed = false;
+std::atomic<int> g_node_ranks{0};
 // Set once a wait of this process has timed out or failed (any communicator): the job is then
 // failing, and a pending send's destructor does not wait for a peer that is gone or stopped.
 std::atomic<bool> g_comm_failed{false};
@@ -600,9 +601,9 @@ MPI_Comm dup_world(double limit_s) {
   return *comm;
 }
 
-// Whether this node runs more ranks than it has cores (for back_off), from a timed all-gather of
-// the processor names over `comm` (MPI_Comm_split_type, which counted them, has no timeout).
-bool node_oversubscribed(MPI_Comm comm, double limit_s) {
+// The ranks of `comm` on this node, from a timed all-gather of the processor names over `comm`
+// (MPI_Comm_split_type, which counted them, has no timeout).
+int count_node_ranks(MPI_Comm comm, double limit_s) {
   int size = 0, length = 0;
   MPI_Comm_size(comm, &size);
   // As in dup_world, the buffers outlive a timed-out request.
@@ -631,14 +632,17 @@ bool node_oversubscribed(MPI_Comm comm, double limit_s) {
     throw;
   }
   const std::string me(mine->data());
-  unsigned here = 0;
+  int here = 0;
   for (int p = 0; p < size; ++p)
     here += me == std::string(all->data() + static_cast<size_t>(p) * (MPI_MAX_PROCESSOR_NAME + 1));
-  const unsigned cores = std::thread::hardware_concurrency();
-  return cores == 0 || here > cores;
+  return here;
 }
 
 }  // namespace
+
+int mpi_ranks_on_this_node() {
+  return g_node_ranks;
+}
 
 std::unique_ptr<Communicator> mpi_world() {
   ensure_initialized();
@@ -651,7 +655,13 @@ std::unique_ptr<Communicator> mpi_world() {
   const MPI_Comm comm = dup_world(limit_s);
   static std::once_flag counted;
   try {
-    std::call_once(counted, [&] { g_oversubscribed = node_oversubscribed(comm, limit_s); });
+    std::call_once(counted, [&] {
+      // Whether this node runs more ranks than it has cores (for back_off).
+      const int here = count_node_ranks(comm, limit_s);
+      const unsigned cores = std::thread::hardware_concurrency();
+      g_oversubscribed = cores == 0 || static_cast<unsigned>(here) > cores;
+      g_node_ranks = here;
+    });
   } catch (const Timeout&) {
     throw;  // comm stays allocated: the timed-out all-gather may still use it
   } catch (...) {
