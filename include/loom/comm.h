@@ -180,7 +180,8 @@ void run_local(int ranks, const std::function<void(Communicator&)>& fn,
 // True if this build has the MPI backend.
 bool mpi_available();
 // True if the process looks like it was started by mpirun/mpiexec with more than one process
-// (checks OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK ...) without initialising MPI.
+// (checks OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK, with srun SLURM_STEP_NUM_TASKS ...) without
+// initialising MPI.
 bool launched_by_mpirun();
 // This process's world rank as the MPI launcher exported it (OMPI_COMM_WORLD_RANK, PMIX_RANK or
 // PMI_RANK), without initialising MPI; -1 where none is set.

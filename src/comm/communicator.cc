@@ -188,14 +188,22 @@ void Health::fail(const std::string& error) {
 
 bool launched_by_mpirun() {
   // World sizes set by Open MPI, MPICH/Hydra (PMI), MVAPICH and Intel MPI launchers.
+  bool sized = false;  // a launcher's own size wins (mpirun -np 1 inside a Slurm step)
   for (const char* name :
        {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"}) {
-    if (env_int(name) > 1) return true;
+    const long size = env_int(name);
+    if (size > 1) return true;
+    sized = sized || size == 1;
   }
+  if (sized) return false;
   // PMIx launchers (srun --mpi=pmix, prterun) do not always export a size; a rank above 0
-  // still proves there is more than one process.
+  // still proves there is more than one process. Rank 0 of such a launch has only the launcher's
+  // task count: Slurm's srun exports the step's (without it rank 0 ran the local backend alone
+  // while the others waited for it in MPI). SLURM_STEP_NUM_TASKS alone is not enough: srun
+  // without an MPI plugin starts independent processes, which export no PMI rank.
   for (const char* name : {"PMIX_RANK", "PMI_RANK"}) {
     if (env_int(name) > 0) return true;
+    if (env_int(name) == 0 && env_int("SLURM_STEP_NUM_TASKS") > 1) return true;
   }
   return false;
 }

@@ -658,7 +658,8 @@ TEST(CommHelpers, DefaultTimeoutFromEnvironment) {
 
 TEST(CommHelpers, LaunchedByMpirun) {
   EnvVar a("OMPI_COMM_WORLD_SIZE", nullptr), b("PMI_SIZE", nullptr), c("PMIX_RANK", nullptr),
-      d("PMI_RANK", nullptr), e("MV2_COMM_WORLD_SIZE", nullptr), f("MPI_LOCALNRANKS", nullptr);
+      d("PMI_RANK", nullptr), e("MV2_COMM_WORLD_SIZE", nullptr), f("MPI_LOCALNRANKS", nullptr),
+      g("SLURM_STEP_NUM_TASKS", nullptr);
   EXPECT_FALSE(launched_by_mpirun());
   {
     EnvVar one("OMPI_COMM_WORLD_SIZE", "1");
@@ -675,6 +676,24 @@ TEST(CommHelpers, LaunchedByMpirun) {
   {
     EnvVar pmix("PMIX_RANK", "3");
     EXPECT_TRUE(launched_by_mpirun());
+  }
+  // Rank 0 of srun --mpi=pmix: no size of PMIx's own, the step's task count from Slurm.
+  for (const char* rank : {"PMIX_RANK", "PMI_RANK"}) {
+    EnvVar zero(rank, "0");
+    EXPECT_FALSE(launched_by_mpirun()) << rank;  // a PMI(x) singleton
+    {
+      EnvVar tasks("SLURM_STEP_NUM_TASKS", "4");
+      EXPECT_TRUE(launched_by_mpirun()) << rank;
+    }
+    EnvVar one("SLURM_STEP_NUM_TASKS", "1");
+    EXPECT_FALSE(launched_by_mpirun()) << rank;
+  }
+  {  // srun without an MPI plugin: independent processes, each its own local run
+    EnvVar tasks("SLURM_STEP_NUM_TASKS", "4");
+    EXPECT_FALSE(launched_by_mpirun());
+    // mpirun -np 1 inside a step of several tasks: Open MPI's own size says one process
+    EnvVar zero("PMIX_RANK", "0"), size("OMPI_COMM_WORLD_SIZE", "1");
+    EXPECT_FALSE(launched_by_mpirun());
   }
 }
 
