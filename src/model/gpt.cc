@@ -36,6 +36,60 @@ std::string to_string(Precision p) {
   return p == Precision::fp32 ? "fp32" : "bf16";
 }
 
+namespace {
+
+// The mesh's cp axes must be the strategy's: CpAttention takes the cp group with its ulysses and
+// ring axes, but only a strategy whose degree option is --ulysses (hybrid) reads them; ulysses
+// runs one all-to-all over the whole group and every other strategy runs over the whole group
+// too. A mismatch ran something else than the summary said: --ulysses 2 --ring 2 --strategy
+// ulysses was a 4-way all-to-all reported as "ulysses=2 ring=2", --ranks 4 --strategy hybrid a
+// ring (U = 1) reported as hybrid, and --ulysses 4 --strategy ring a ring.
+void check_strategy_axes(const ParallelConfig& p) {
+  const MeshShape& s = p.mesh;
+  const std::string name = to_string(p.strategy);
+  const int64_t cp = int64_t{s.ulysses} * s.ring;
+  const std::string axes = "--ulysses " + std::to_string(s.ulysses) + " x --ring " +
+                           std::to_string(s.ring) + " = " + std::to_string(cp) +
+                           " context-parallel rank" + (cp == 1 ? "" : "s");
+  if (strategy_info(p.strategy).option == "--ulysses") {
+    // loom attn runs hybrid with any --ulysses U dividing the ranks, U = ranks included (the ring
+    // then has one group); U = 1 is a plain ring, which is --strategy ring's to run and name.
+    if (s.ulysses > 1) return;
+    int64_t u = 2;
+    while (u < cp && cp % u != 0) ++u;
+    std::string hint = "--strategy ring";
+    if (cp > 1)
+      hint = "e.g. --ulysses " + std::to_string(u) +
+             (cp / u > 1 ? " --ring " + std::to_string(cp / u) : std::string(" without --ring")) +
+             ", or --strategy ring";
+    LOOM_CHECK(false, InvalidArgument,
+               "--strategy " << name
+                             << " takes its ulysses degree from the mesh and needs --ulysses U > 1 "
+                                "(ulysses inside groups of U ranks, a ring across the groups), but "
+                                "the mesh has "
+                             << axes << ": give " << hint);
+  }
+  if (p.strategy == Strategy::ulysses) {
+    LOOM_CHECK(s.ring == 1, InvalidArgument,
+               "--strategy ulysses runs one all-to-all over the whole context-parallel group and "
+               "has no ring axis, but the mesh has "
+                   << axes << ": give --ulysses " << cp << " without --ring"
+                   << (s.ulysses > 1 ? ", or --strategy hybrid (ulysses inside groups of --ulysses "
+                                       "U ranks, a ring across them)"
+                                     : ""));
+    return;
+  }
+  LOOM_CHECK(s.ulysses == 1, InvalidArgument,
+             "--strategy " << name
+                           << " runs over the whole context-parallel group and has no ulysses "
+                              "axis, but the mesh has "
+                           << axes << ": give --ring " << cp
+                           << " without --ulysses, or --strategy hybrid (ulysses inside groups of "
+                              "--ulysses U ranks, a ring across them)");
+}
+
+}  // namespace
+
 void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t seq) {
   const MeshShape& s = p.mesh;
   LOOM_CHECK(s.dp >= 1 && s.tp >= 1 && s.ulysses >= 1 && s.ring >= 1, InvalidArgument,
@@ -46,6 +100,7 @@ void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t 
                         << s.ring << " = " << (s.ranks() == INT64_MAX ? "at least " : "")
                         << s.ranks() << " ranks, but the world has " << world
                         << " (--ranks must equal dp * tp * ulysses * ring)");
+  check_strategy_axes(p);
   LOOM_CHECK(m.layers >= 1 && m.dim >= 1 && m.heads >= 1 && m.kv_heads >= 1, InvalidArgument,
              "--layers, --dim, --heads and --kv-heads must be >= 1 (got "
                  << m.layers << ", " << m.dim << ", " << m.heads << ", " << m.kv_heads << ")");

@@ -108,6 +108,39 @@ expect_error "mesh product past 2^31" "x --ring 1073741825 = 4294967300 ranks do
 expect_error "heads over tp" "divisible by --tp" --ranks 4 --tp 4 --heads 4 --kv-heads 2 --quiet \
   "${data[@]}"
 expect_error "bad dtype" "unknown dtype" --dtype fp16 --quiet "${data[@]}"
+# An explicit --strategy must be the mesh's cp axes: ulysses over --ulysses 2 --ring 2 ran a
+# 4-way all-to-all (or blamed "the ulysses degree (4)" the user never gave) while the summary
+# said ulysses=2 ring=2; hybrid on --ranks 4 ran a ring (U = 1) reported as hybrid; ring on
+# --ulysses 4 ran a ring reported as ulysses=4.
+axes=(--seq 64 --layers 1 --dim 32 --steps 1 --batch 1 --quiet --eval-every 0 "${data[@]}")
+expect_error "--strategy ulysses on ulysses x ring" \
+  "--strategy ulysses runs one all-to-all over the whole context-parallel group and has no ring axis, but the mesh has --ulysses 2 x --ring 2 = 4 context-parallel ranks: give --ulysses 4 without --ring, or --strategy hybrid" \
+  --ranks 4 --ulysses 2 --ring 2 --strategy ulysses --heads 2 --kv-heads 2 "${axes[@]}"
+expect_error "--strategy ulysses on ulysses x ring (heads that fit)" \
+  "has no ring axis, but the mesh has --ulysses 2 x --ring 2" \
+  --ranks 4 --ulysses 2 --ring 2 --strategy ulysses --heads 8 --kv-heads 8 "${axes[@]}"
+expect_error "--strategy hybrid without --ulysses" \
+  "--strategy hybrid takes its ulysses degree from the mesh and needs --ulysses U > 1 (ulysses inside groups of U ranks, a ring across the groups), but the mesh has --ulysses 1 x --ring 4 = 4 context-parallel ranks: give e.g. --ulysses 2 --ring 2, or --strategy ring" \
+  --ranks 4 --strategy hybrid --heads 8 --kv-heads 8 "${axes[@]}"
+expect_error "--strategy ring on --ulysses" \
+  "--strategy ring runs over the whole context-parallel group and has no ulysses axis, but the mesh has --ulysses 4 x --ring 1 = 4 context-parallel ranks: give --ring 4 without --ulysses, or --strategy hybrid" \
+  --ranks 4 --ulysses 4 --strategy ring --heads 8 --kv-heads 8 "${axes[@]}"
+expect_error "--strategy allgather on --ulysses x --ring" "--strategy allgather runs over the whole" \
+  --ranks 4 --ulysses 2 --ring 2 --strategy allgather --heads 8 --kv-heads 8 "${axes[@]}"
+# The meshes that match run, and the summary names them.
+for mesh in "--ulysses 2 --ring 2 --strategy hybrid" "--ulysses 4 --strategy hybrid" \
+            "--ulysses 4 --strategy ulysses" "--ring 4 --strategy allgather"; do
+  # shellcheck disable=SC2086
+  "$loom" train --ranks 4 $mesh --heads 8 --kv-heads 8 "${axes[@]}" > "$work/stdout" \
+    2> "$work/stderr" &&
+    grep -q "$(echo "$mesh" | sed 's/.*--strategy \([a-z0-9]*\).*/\1/') attention" "$work/stdout" &&
+    ok "--ranks 4 $mesh runs" || { cat "$work/stderr"; bad "--ranks 4 $mesh"; }
+done
+# Only --ranks N: the N ranks are the strategy's axis (a ulysses group of 4, not a ring of 4).
+"$loom" train --ranks 4 --strategy ulysses --heads 8 --kv-heads 8 "${axes[@]}" > "$work/stdout" \
+  2> "$work/stderr" && grep -q "ulysses=4 ring=1" "$work/stdout" &&
+  grep -q "ulysses attention" "$work/stdout" && ok "--ranks 4 --strategy ulysses: ulysses=4" ||
+  { cat "$work/stdout" "$work/stderr"; bad "--ranks 4 --strategy ulysses"; }
 
 
 # 3. Reliability (issue 11): nothing lost, nothing overwritten, nothing silently wrong.

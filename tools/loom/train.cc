@@ -285,6 +285,10 @@ MeshShape mesh_of(const TrainOptions& o, int world) {
   s.tp = o.tp ? o.tp : 1;
   s.ulysses = o.ulysses ? o.ulysses : 1;
   s.ring = o.ring ? o.ring : (any ? 1 : world);  // only --ranks N: all of it is context ranks
+  // ... on the strategy's axis: --ranks N --strategy ulysses is a ulysses group of N (the mesh's
+  // cp axes must be the strategy's: model::validate)
+  if (!any && !o.strategy.empty() && parse_strategy(o.strategy) == Strategy::ulysses)
+    std::swap(s.ulysses, s.ring);
   LOOM_CHECK(s.dp >= 1 && s.tp >= 1 && s.ulysses >= 1 && s.ring >= 1, InvalidArgument,
              "--dp, --tp, --ulysses and --ring must be >= 1");
   const int64_t ranks = s.ranks();  // saturates: "at least" INT64_MAX
@@ -459,8 +463,9 @@ void print_summary(const TrainConfig& c, const Corpus& corpus, const Summary& s,
                 human_bytes(x.peak_rss).c_str());
   }
   std::printf(
-      "  times     attention_s: CpAttention forward + backward (with its communication); "
-      "other_fb_s: the rest of forward + backward; update_s: gradient sums, clipping, AdamW\n");
+      "  times     of the training steps (validation not counted): attention_s: CpAttention "
+      "forward + backward (with its communication); other_fb_s: the rest of forward + backward; "
+      "update_s: gradient sums, clipping, AdamW\n");
   std::printf(
       "  memory    activations: peak bytes kept for backward (computed per rank); process RSS: "
       "peak resident set of the rank's process (%s)\n",
@@ -701,7 +706,8 @@ void declare_train(CLI::App* c, TrainOptions& opts) {
       ->check(kPositiveInt);
   c->add_option("--strategy", o->strategy,
                 "attention over the cp group (default: hybrid when ulysses and ring > 1, ulysses "
-                "when only ulysses > 1, else ring); " +
+                "when only ulysses > 1, else ring); it must match the mesh: hybrid needs "
+                "--ulysses > 1, ulysses --ring 1, any other --ulysses 1; " +
                     strategy_help());
   o->degrees.add_to(c, {"--ulysses"});
   c->add_option("--layout", o->layout, "contiguous, zigzag or stripe")->capture_default_str();

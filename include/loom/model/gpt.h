@@ -62,8 +62,11 @@ struct ModelConfig {
 
 struct ParallelConfig {
   MeshShape mesh;
-  Strategy strategy = Strategy::ring;  // hybrid uses mesh.ulysses as its ulysses degree
-  int inner = 0;                       // ring2d: ranks per inner ring (CpConfig::inner)
+  // Must match the mesh's cp axes (validate): hybrid takes mesh.ulysses (> 1) as its ulysses
+  // degree; ulysses runs over the whole cp group (ring == 1), and so does any other strategy
+  // (ulysses == 1).
+  Strategy strategy = Strategy::ring;
+  int inner = 0;   // ring2d: ranks per inner ring (CpConfig::inner)
   int degree = 0;  // CpConfig::degree: the degree option of a registered strategy without a field
   Layout layout = Layout::zigzag;
   int threads = 1;  // OpenMP threads of the attention kernels on this rank
@@ -71,8 +74,9 @@ struct ParallelConfig {
 
 // Checks a model and mesh together; InvalidArgument naming the values (vocab == 256, norm_eps and
 // rope_theta finite and > 0, heads % kv_heads, dim % heads, head_dim even, heads and kv_heads
-// divisible by tp, ffn by tp, ulysses/hybrid head rules, mesh product == world when world > 0,
-// ...).
+// divisible by tp, ffn by tp, the strategy against the mesh's cp axes (hybrid: ulysses > 1;
+// ulysses: ring == 1; any other: ulysses == 1), ulysses/hybrid head rules, mesh product == world
+// when world > 0, ...).
 void validate(const ModelConfig& m, const ParallelConfig& p, int world, int64_t seq);
 // loom train's strategy when none is named: hybrid when ulysses and ring > 1, ulysses when only
 // ulysses > 1, else ring.

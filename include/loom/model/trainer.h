@@ -17,8 +17,9 @@
 // copy of the state. A file that is short, has another magic, another "format" or a wrong
 // checksum is refused with IoError; one from a different model, data or schedule with
 // InvalidArgument naming the field. Since the data draw and the schedule depend
-// only on the step, resuming reproduces the uninterrupted run's losses exactly (same mesh) or to
-// fp32 rounding (another mesh).
+// only on the step, resuming reproduces the uninterrupted run's losses exactly (same mesh and
+// backend) or as closely as two meshes agree (another mesh or backend: to fp32 rounding, or to
+// bf16 rounding with Precision::bf16; docs/train.md).
 #pragma once
 
 #include <cstdint>
@@ -65,7 +66,8 @@ struct StepResult {
   double seconds = 0;    // wall time of the step on this rank
 };
 
-// Per-rank figures for the summary (gathered to every rank).
+// Per-rank figures for the summary (gathered to every rank), of the training steps only
+// (evaluate() is not counted).
 struct RankReport {
   double attention_s = 0, total_s = 0;  // CpAttention; all of forward + backward
   double update_s = 0;                  // gradient reductions, clipping and AdamW
@@ -96,7 +98,8 @@ class Trainer {
   StepResult train_step();
   // Mean validation loss over the fixed validation windows; NaN when they predict no token (the
   // split is too short, or, packed, every document's part of it is a byte). Collective. A
-  // non-finite mean is an Error on every rank (it was written to the log as null).
+  // non-finite mean is an Error on every rank (it was written to the log as null). Leaves the
+  // model's time counters (model().stats(), reports()) as they were: they count training only.
   double evaluate();
   int64_t step() const { return step_; }
   const TrainConfig& config() const { return cfg_; }
