@@ -159,6 +159,31 @@ expect_error "an output onto an input" "--input's q.npy name the same file" --in
   --json "$work/in/q.npy"
 [ "$(cat "$work/in/q.npy")" = garbage ] && ok "q.npy left as it was" || bad "q.npy replaced"
 
+# One rank moves nothing: overlap 1 for every strategy (ulysses and allgather read 0, ring 1).
+# The text's tile column is the forward's (JSON forward_tiles; JSON tiles adds the backward's):
+# it was headed "tiles".
+for s in ulysses allgather ring; do
+  "$loom" attn --ranks 1 --strategy $s --seq 128 --heads 2 --head-dim 16 --iters 1 --warmup 0 \
+    --quiet > "$work/out" 2>&1 && grep -q "overlap 1.000" "$work/out" &&
+    ok "one rank's $s: overlap 1" || { cat "$work/out"; bad "one rank's $s: overlap"; }
+done
+if "$loom" attn --ranks 2 --seq 256 --heads 2 --head-dim 16 --backward --iters 1 --warmup 0 \
+    --quiet --json "$work/tiles.json" > "$work/out" 2>&1 &&
+  /usr/bin/python3 - "$work/tiles.json" "$work/out" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+lines = open(sys.argv[2]).read().splitlines()
+head = next(i for i, l in enumerate(lines) if l.split()[:1] == ["rank"])
+assert lines[head].split()[6] == "fwd_tiles", lines[head]
+for k, line in zip(r["ranks"], lines[head + 1:head + 3]):
+    assert int(line.split()[8]) == k["forward_tiles"] < k["tiles"], (line, k)  # sizes: "128.0 KiB"
+PY
+then
+  ok "the text's fwd_tiles column is JSON's forward_tiles"
+else
+  cat "$work/out"; bad "the text's tile column"
+fi
+
 # Reports: JSON keys, one trace track (process) per rank, an SVG with a row per rank.
 if "$loom" attn --ranks 4 --strategy ring --layout zigzag --seq 512 --heads 4 --kv-heads 2 \
     --head-dim 32 --backward --check --iters 2 --warmup 1 --quiet --baseline \

@@ -209,4 +209,14 @@ else
   cat "$work/err"
   bad "plan --calibrate under mpirun with LOOM_TIMEOUT_S=2"
 fi
+# The report's config names the run's ranks (mpirun's -np), not --ranks' default of 1 beside
+# "world": 2.
+if timeout 100 "$mpiexec" -np 2 "$@" "$loom" "${attn[@]}" --json "$work/r.json" > /dev/null \
+    2> "$work/err" && /usr/bin/python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
+assert r['config']['ranks'] == r['world'] == 2, (r['config']['ranks'], r['world'])" "$work/r.json"
+then
+  ok "--json's config.ranks under mpirun is -np"
+else
+  cat "$work/err"; bad "--json's config.ranks under mpirun"
+fi
 [ $fails -eq 0 ] && echo "all mpirun agreement checks passed" || { echo "$fails failed"; exit 1; }

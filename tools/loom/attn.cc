@@ -665,6 +665,7 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
   rep.fwd_times = fwd;
   rep.bwd_times = bwd;
   rep.world = P;
+  rep.config["ranks"] = P;  // under mpirun, -np (--ranks is the local backend's; it read 1 there)
   rep.backend = world.backend();
   rep.threads = threads;
   rep.ranks.assign(P, {});
