@@ -159,6 +159,9 @@ expect_error "an output onto an input" "--input's q.npy name the same file" --in
   --json "$work/in/q.npy"
 [ "$(cat "$work/in/q.npy")" = garbage ] && ok "q.npy left as it was" || bad "q.npy replaced"
 
+# An option given twice: CLI11's "--iters: At Most 1 required but received 2" did not say so.
+expect_error "an option given twice" "--iters was given 2 times; give it once" --iters 1 --iters 3
+
 # One rank moves nothing: overlap 1 for every strategy (ulysses and allgather read 0, ring 1).
 # The text's tile column is the forward's (JSON forward_tiles; JSON tiles adds the backward's):
 # it was headed "tiles".

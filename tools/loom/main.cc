@@ -109,6 +109,18 @@ void refuse_small_stack() {
   ::_exit(1);  // as refuse_blas_without_room below: nothing has run
 }
 
+// A usage error's text. CLI11 says "--iters: At Most 1 required but received 2" for an option
+// given twice, which does not say that it was repeated.
+std::string usage_text(const CLI::Error& e) {
+  const std::string what = e.what();
+  const std::string mark = ": At Most 1 required but received ";
+  const size_t at = what.find(mark);
+  if (at != std::string::npos && what.compare(0, 1, "-") == 0)
+    return what.substr(0, at) + " was given " + what.substr(at + mark.size()) +
+           " times; give it once";
+  return what;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -129,7 +141,7 @@ int main(int argc, char** argv) {
   loom::tools::add_verify_command(app);
   // A usage error is one line and exit status 2 (--help and --version print and exit 0).
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
-    return std::string("loom: error: ") + e.what() + " (see loom --help)\n";
+    return "loom: error: " + usage_text(e) + " (see loom --help)\n";
   });
   loom::tools::set_command_line(argc, argv);
   // The first argument is the command, or one of loom's own options (--help, -h, --version).
@@ -194,7 +206,8 @@ int main(int argc, char** argv) {
     // (MPMD) prints its own after two seconds, naming itself (the line did not say which rank).
     if (mpi && e.get_exit_code() != 0) {
       if (rank > 0) std::this_thread::sleep_for(std::chrono::seconds(2));
-      std::fprintf(stderr, "loom: error: %s%s (see loom --help)\n", who.c_str(), e.what());
+      std::fprintf(stderr, "loom: error: %s%s (see loom --help)\n", who.c_str(),
+                   usage_text(e).c_str());
       return 2;
     }
     const int rc = app.exit(e);
