@@ -16,12 +16,21 @@
                 and the 2-process scaling: the same global 2 * --seq tokens on 1 and 2 processes.
 
 Every figure is the median of --iters timed calls after --warmup; ratios are formed in the same
-run. Each part checks its result against loom's fp64 reference first (a benchmark checks).
+run. Every operation this script times through torch (loom.torch.attention, cp_attention over 1
+and 2 ranks, the bare C++ forward, torch's eager attention) is first checked, forward and
+backward (out, dq, dk, dv through autograd), against loom's fp64 reference on the first
+--check-seq tokens of the timed inputs (the tiny shapes whole), within loom's fp32 tolerance 1e-5
+(relative norm; kFp32RelTol, tests/unit/tolerance.h): a mismatch is one line naming the tensor and
+exit status 1, before anything of it is timed. The `loom attn` rows are loom's command, checked by
+its own tests (its --check would cost more than the run here). Bad values are one line and exit 2
+before anything runs; a failed child (`loom attn`, the torchrun workers) is one line with its own
+error and exit 1.
 
   PYTHONPATH=build/python /usr/bin/python3 bench/bench_torch_binding.py [--seq 4096] [--json f]
 """
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -35,6 +44,87 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import torch_attention  # noqa: E402  (bench/torch_attention.py)
 import validate_common  # noqa: E402  (bench/validate_common.py: its command line and --json)
+
+
+PROG = "bench_torch_binding.py"
+FP32_REL_TOL = 1e-5  # loom's fp32 tolerance (kFp32RelTol): out, dq, dk and dv alike
+MAX_HEAD_DIM = 256  # loom's kernels: a head dim above it was an InvalidArgument traceback
+
+
+def fail(message):
+    """One line on stderr and exit status 1 (a failed check or child: not a traceback, and not an
+    assert, which python -O removes)."""
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def check_op(what, op, q, k, v, check_seq, group=None):
+    """Checks op(q, k, v) -- its out, and dq, dk, dv through autograd for a seeded dout -- on the
+    first check_seq tokens of the [1, S, H, D] inputs against loom's fp64 reference, within
+    FP32_REL_TOL (relative norm over the whole tensor; NaN or Inf fails). With group, op is
+    cp_attention on this rank's zigzag shard: the inputs and the reference are sharded, the
+    squared norms summed over the ranks (every rank gets the same verdict, and rank 0 prints it).
+    A mismatch is one line and exit 1; check_seq 0 checks nothing."""
+    import torch
+    import torch.distributed as dist
+    import loom.torch as lt
+    if not check_seq:
+        return
+    qc, kc, vc = (x[:, :check_seq].contiguous() for x in (q, k, v))
+    dout = torch.randn(qc.shape, generator=torch.Generator().manual_seed(7))
+    q64, k64, v64 = (x.double().requires_grad_() for x in (qc, kc, vc))
+    ref = lt.reference_attention(q64, k64, v64)
+    ref.backward(dout.double())
+    refs = {"out": ref.detach(), "dq": q64.grad, "dk": k64.grad, "dv": v64.grad}
+    if group is not None:
+        qc, kc, vc, dout = (lt.shard(x, group=group) for x in (qc, kc, vc, dout))
+        refs = {name: lt.shard(r, group=group) for name, r in refs.items()}
+    qg, kg, vg = (x.clone().requires_grad_() for x in (qc, kc, vc))
+    out = op(qg, kg, vg)
+    out.backward(dout)
+    got = {"out": out.detach(), "dq": qg.grad, "dk": kg.grad, "dv": vg.grad}
+    sums = torch.tensor([[((got[n].double() - refs[n]) ** 2).sum().item(),
+                          (refs[n] ** 2).sum().item()] for n in refs], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    for n, (diff, norm) in zip(refs, sums.tolist()):
+        err = math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)
+        if not err <= FP32_REL_TOL:  # NaN fails too
+            if group is None or dist.get_rank(group) == 0:
+                fail(f"{what}: {n} is off loom's fp64 reference by {err:.3g} (relative norm over "
+                     f"the first {check_seq} tokens; limit {FP32_REL_TOL:g}): not timed")
+            sys.exit(1)
+
+
+def run_child(cmd, what, env=None):
+    """Runs a child (stdout and stderr captured); a failure is one line naming `what`, with the
+    child's own error lines (its lines from this script, else the last of its output), exit 1.
+    A child killed by a signal is named so."""
+    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       errors="replace")
+    if r.returncode == 0:
+        return
+    how = (f"killed by signal {-r.returncode}" if r.returncode < 0
+           else f"exit status {r.returncode}")
+    fail(f"{what} failed ({how}): " + " | ".join(child_error(r.stdout)))
+
+
+def child_error(output):
+    """The lines of a failed child's output that say why: this script's own error lines (a
+    worker's failed check), else the exception that ended the first traceback (torchrun's own
+    report of the failed worker and its ChildFailedError traceback follow it and say nothing
+    more), else its last three lines."""
+    lines = [l.strip() for l in output.splitlines() if l.strip()]
+    own = list(dict.fromkeys(l for l in lines if l.startswith(PROG + ":")))
+    if own:
+        return own[:3]
+    raw = output.splitlines()
+    for i, line in enumerate(raw):
+        if line.startswith("Traceback (most recent call last):"):
+            for after in raw[i + 1:]:
+                if after.strip() and not after[0].isspace():
+                    return [after.strip()]
+    return lines[-3:] or ["(no output)"]
 
 
 def median_time(fn, iters, warmup):
@@ -108,8 +198,9 @@ def loom_attn(ranks_args, args, s_global):
             cmd += ["--ranks", "1"]
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        rep = json.load(open(path))
+        run_child(cmd, "`" + " ".join(cmd[:len(ranks_args) + 2]) + "`", env=env)
+        with open(path) as f:
+            rep = json.load(f)
         return rep["forward_s"], rep["backward_s"]
 
 
@@ -123,15 +214,11 @@ def worker(args):
     p = dist.get_world_size()
     s_global = args.seq * p
     q, k, v = inputs(s_global, args.heads, args.kv_heads, args.dim)
-    # check first: this rank's output against the fp64 reference's shard
+    # check first, forward and backward: this rank's shard against the fp64 reference's
+    group = dist.distributed_c10d._get_default_group()
+    check_op(f"cp_attention over {p} processes", lambda a, b, c: lt.cp_attention(a, b, c), q, k, v,
+             args.check_seq, group=group)
     qs, ks, vs = (lt.shard(x) for x in (q, k, v))
-    out = lt.cp_attention(qs, ks, vs)
-    if args.check_seq:
-        qc, kc, vc = (x[:, :args.check_seq].contiguous() for x in (q, k, v))
-        ref = lt.reference_attention(qc, kc, vc)
-        got = lt.unshard(lt.cp_attention(*(lt.shard(x) for x in (qc, kc, vc))))
-        err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert err < 1e-5, f"cp_attention rel error {err}"
     tf, tb = fwd_bwd_times(lambda a, b, c: lt.cp_attention(a, b, c), qs, ks, vs, args.iters,
                            args.warmup)
     # slowest rank, as loom attn reports
@@ -153,38 +240,49 @@ def alternate(args):
     q, k, v = inputs(args.seq, args.heads, args.kv_heads, args.dim)
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     best = {"torch_f": [], "torch_b": [], "attn_f": [], "attn_b": []}
+    # The scale passed to both, explicitly: the op is cached by its arguments, and args.dim **
+    # -0.5 is one ulp off cp_attention's default 1 / sqrt(D) for 52 head dims (32, 48, 96, 128,
+    # ...), so the op held here was another one, which never ran (a division by its 0 s).
+    scale = 1.0 / math.sqrt(args.dim)
+
+    def cp(a, b, c):
+        return lt.cp_attention(a, b, c, group=pg, scale=scale)
+
+    check_op("cp_attention over a 1-rank group", cp, q, k, v, args.check_seq)
     # Same call, same load: the Python call's wall time over the engine's own time inside it
     # (CpAttention::forward / backward, timed in C++). This is exactly what the binding adds.
     g = lt._group(pg)
-    op = g.op("ring", "zigzag", 1, 0, True, 0, args.dim ** -0.5, 1, args.seq, args.heads,
+    op = g.op("ring", "zigzag", 1, 0, True, 0, scale, 1, args.seq, args.heads,
               args.kv_heads, args.dim, False, [], q, k, v, False)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     dout = torch.randn(q.shape)
     inner = {"f": [], "b": []}
     for _ in range(args.iters + 1):
         t0 = time.perf_counter()
-        out = lt.cp_attention(qg, kg, vg, group=pg)
+        out = cp(qg, kg, vg)
         t1 = time.perf_counter()
         out.backward(dout)
         t2 = time.perf_counter()
+        if not (op.last_forward_s > 0 and op.last_backward_s > 0):
+            fail("the engine op timed here is not the one cp_attention ran (its time is 0 s): "
+                 "the two were built with different arguments")
         inner["f"].append((t1 - t0) / op.last_forward_s)
         inner["b"].append((t2 - t1) / op.last_backward_s)
     fi, bi = statistics.median(inner["f"][1:]), statistics.median(inner["b"][1:])
     for _ in range(args.alternate):
-        f, b = fwd_bwd_times(lambda a, b_, c: lt.cp_attention(a, b_, c, group=pg), q, k, v,
-                             args.iters, args.warmup)
+        f, b = fwd_bwd_times(cp, q, k, v, args.iters, args.warmup)
         best["torch_f"].append(f)
         best["torch_b"].append(b)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "r.json")
-            subprocess.run([os.path.join(args.build, "loom"), "attn", "--ranks", "1", "--seq",
-                            str(args.seq), "--heads", str(args.heads), "--kv-heads",
-                            str(args.kv_heads), "--head-dim", str(args.dim), "--threads", "1",
-                            "--iters", str(args.iters), "--warmup", str(args.warmup),
-                            "--backward", "--quiet", "--json", path],
-                           check=True, stdout=subprocess.DEVNULL,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-            rep = json.load(open(path))
+            run_child([os.path.join(args.build, "loom"), "attn", "--ranks", "1", "--seq",
+                       str(args.seq), "--heads", str(args.heads), "--kv-heads",
+                       str(args.kv_heads), "--head-dim", str(args.dim), "--threads", "1",
+                       "--iters", str(args.iters), "--warmup", str(args.warmup),
+                       "--backward", "--quiet", "--json", path],
+                      "`loom attn --ranks 1`", env=dict(os.environ, OMP_NUM_THREADS="1"))
+            with open(path) as f_:
+                rep = json.load(f_)
             best["attn_f"].append(min(rep["forward_times_s"]))
             best["attn_b"].append(min(rep["backward_times_s"]))
     tf, tb = min(best["torch_f"]), min(best["torch_b"])
@@ -237,6 +335,8 @@ def main():
         return worker(args)
     if args.heads % args.kv_heads:
         ap.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.dim > MAX_HEAD_DIM:  # was an InvalidArgument traceback after part 1 had run
+        ap.error(f"--dim {args.dim}: loom's kernels take a head dim of at most {MAX_HEAD_DIM}")
     validate_common.check_output(ap, args.json)
     loom = os.path.join(args.build, "loom")
     if not (os.path.isfile(loom) and os.access(loom, os.X_OK)):
@@ -259,10 +359,19 @@ def main():
     res = {"seq_per_rank": args.seq, "heads": args.heads, "kv_heads": args.kv_heads,
            "dim": args.dim, "threads_per_rank": 1, "kernel_path": _loom.kernel_path()}
 
-    # 1. overhead at tiny shapes
+    # 1. overhead at tiny shapes, each timed operation checked first (the whole 8 tokens)
     q, k, v = inputs(8, 1, 1, 16)
     x = torch.randn(8, 1, 16)
     n = args.tiny_iters
+    check_op("loom.torch.attention (tiny shapes)", lt.attention, q, k, v, 8)
+    check_op("torch eager attention (tiny shapes)", lambda a, b, c: eager(a, b, c, True),
+             q, k, v, 8)
+    bare_out, _ = _loom.attention_forward(q, k, v, 1, 8, [], 1, 1, 16, True, 0, 0.25, False, False)
+    ref = lt.reference_attention(q, k, v)
+    err = ((bare_out.reshape(ref.shape).double() - ref).norm() / ref.norm()).item()
+    if not err <= FP32_REL_TOL:
+        fail(f"_loom.attention_forward (tiny shapes): out is off loom's fp64 reference by "
+             f"{err:.3g} (limit {FP32_REL_TOL:g}): not timed")
     bare = median_time(
         lambda: _loom.attention_forward(q, k, v, 1, 8, [], 1, 1, 16, True, 0, 0.25, False, False), n, 50)
     op = median_time(lambda: lt.attention(q, k, v), n, 50)
@@ -277,11 +386,9 @@ def main():
     # 2. vs plain torch on one process, S = --seq
     s = args.seq
     q, k, v = inputs(s, args.heads, args.kv_heads, args.dim)
-    if args.check_seq:  # 0: no check, as the worker's
-        qc, kc, vc = (t[:, :args.check_seq].contiguous() for t in (q, k, v))
-        ref = lt.reference_attention(qc, kc, vc)
-        err = ((lt.attention(qc, kc, vc).double() - ref).norm() / ref.norm()).item()
-        assert err < 1e-5, f"attention rel error {err}"
+    check_op("loom.torch.attention", lt.attention, q, k, v, args.check_seq)
+    check_op("torch eager attention", lambda a, b, c: eager(a, b, c, True), q, k, v,
+             args.check_seq)
     lf, lb = fwd_bwd_times(lambda a, b, c: lt.attention(a, b, c), q, k, v, args.iters, args.warmup)
     ef, eb = fwd_bwd_times(lambda a, b, c: eager(a, b, c, True), q, k, v, args.iters, args.warmup)
     res["one_process"] = {"loom_torch_forward_s": lf, "loom_torch_backward_s": lb,
@@ -290,6 +397,8 @@ def main():
     # 3. vs the loom command. 1 process: a 1-rank gloo group in this process.
     store = dist.HashStore()
     pg = dist.ProcessGroupGloo(store, 0, 1)
+    check_op("cp_attention over a 1-rank group", lambda a, b, c: lt.cp_attention(a, b, c, group=pg),
+             q, k, v, args.check_seq)
     cf, cb = fwd_bwd_times(lambda a, b, c: lt.cp_attention(a, b, c, group=pg), q, k, v,
                            args.iters, args.warmup)
     af, ab = loom_attn([], args, s)
@@ -300,13 +409,16 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "w.json")
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        subprocess.run([sys.executable, "-m", "loom.torchrun", "--standalone", "--nproc_per_node",
-                        "2", os.path.abspath(__file__), "--worker", "--worker-out", out, "--seq",
-                        str(s), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-                        "--dim", str(args.dim), "--iters", str(args.iters), "--warmup",
-                        str(args.warmup), "--check-seq", str(args.check_seq)],
-                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        w = json.load(open(out))
+        # Its output captured, not discarded: a failed worker (a failed check included) was only
+        # a CalledProcessError here.
+        run_child([sys.executable, "-m", "loom.torchrun", "--standalone", "--nproc_per_node",
+                   "2", os.path.abspath(__file__), "--worker", "--worker-out", out, "--seq",
+                   str(s), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
+                   "--dim", str(args.dim), "--iters", str(args.iters), "--warmup",
+                   str(args.warmup), "--check-seq", str(args.check_seq)],
+                  "the 2-process cp_attention run (loom.torchrun)", env=env)
+        with open(out) as f:
+            w = json.load(f)
     mf, mb = loom_attn(["mpirun", "-np", "2", "--oversubscribe", "--allow-run-as-root"], args, 2 * s)
     # the 2-process problem (2 * S tokens) on one process, for the scaling
     q2, k2, v2 = inputs(2 * s, args.heads, args.kv_heads, args.dim)

@@ -57,6 +57,12 @@ def run(cmd):
     return validate_common.run(cmd, "plan_validate")
 
 
+def run_json(cmd, path, keys=()):
+    """Runs cmd, which writes a JSON report at path, and returns it (one line and exit 1 when it
+    does not: a --loom that is not loom)."""
+    return validate_common.run_json(cmd, path, "plan_validate", keys)
+
+
 def median_profile(profiles):
     """The field-by-field median of profiles (numbers and number arrays; the rest from the first)."""
     first = profiles[0]
@@ -99,16 +105,16 @@ def validate(a, tmp):
         round_profiles = []
         for rnd in range(a.rounds):
             pf = os.path.join(tmp, f"profile_{label}_{rnd}.json")
-            run([a.loom, "plan", "--calibrate", pf, "--threads", "1", "--ranks-per-node", str(P)])
-            round_profiles.append(json.load(open(pf)))
+            round_profiles.append(run_json([a.loom, "plan", "--calibrate", pf, "--threads", "1",
+                                            "--ranks-per-node", str(P)], pf))
             order = list(range(len(group)))
             order = order[rnd % len(order):] + order[:rnd % len(order)]
             for i in order:
                 (_, strat, layout, _, U, S, H, HKV, W, dtype) = group[i]
                 mj = os.path.join(tmp, "m.json")
-                run([a.loom, "attn", "--quiet", "--backward", "--threads", "1", "--ranks", str(P),
-                     "--iters", str(a.iters), "--warmup", "1", "--json", mj] + args_of(group[i]))
-                m = json.load(open(mj))
+                m = run_json([a.loom, "attn", "--quiet", "--backward", "--threads", "1", "--ranks",
+                              str(P), "--iters", str(a.iters), "--warmup", "1", "--json", mj]
+                             + args_of(group[i]), mj, ("forward_times_s", "backward_times_s"))
                 # The median iteration of each pass (the calibration keeps the median of its
                 # windows of calls, each about as long as one iteration here).
                 samples[i].append(statistics.median(m["forward_times_s"]) +
@@ -188,9 +194,8 @@ def validate(a, tmp):
 def predict(loom, profile, ranks, cfg, tmp):
     """Predicted forward + backward seconds of cfg from a profile (loom plan --simulate)."""
     pj = os.path.join(tmp, "p.json")
-    run([loom, "plan", "--simulate", "--profile", profile, "--ranks", str(ranks), "--json", pj]
-        + args_of(cfg))
-    p = json.load(open(pj))
+    p = run_json([loom, "plan", "--simulate", "--profile", profile, "--ranks", str(ranks), "--json",
+                  pj] + args_of(cfg), pj, ("forward_s", "backward_s"))
     return p["forward_s"] + p["backward_s"]
 
 

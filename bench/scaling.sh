@@ -5,7 +5,10 @@
 # degree U inside groups, a ring across them) and ring2d (inner rings of I ranks, an outer ring
 # across them), where P has a divisor strictly between 1 and P for their degree: at P = 2 or a
 # prime P, hybrid would be ulysses or ring again and ring2d the ring, and they are not run (a
-# line says so).
+# line says so). ulysses and hybrid split the heads over their Ulysses degree (P, U): where the
+# heads are not divisible by it, or the kv-heads and it do not divide one another, their rows
+# read "not run: <why>" and the sweep goes on (at P = 3 with the default 8 heads ulysses is not
+# run; it stopped the sweep, allgather, hybrid and ring2d never ran).
 #   bench/scaling.sh [LOOM] [P] [S] [--ulysses U] [--inner I] [loom attn options...]
 # Defaults: build/loom, P = 2, S = 8192, U and I the smallest divisor of P above 1 (2 for even
 # P >= 4), and, unless the options give their own, --heads 8 --head-dim 128 --threads 1 --iters 1
@@ -17,6 +20,9 @@
 # Prints one line per configuration: forward and backward times, efficiency E = T1 / (P * TP),
 # balance (max/mean compute) and overlap (docs/cli.md), and writes JSON reports to $OUT_DIR
 # (default: a temporary directory).
+# Exit status: 0 when every row ran or says why it was not run; 2, with one line, for a bad
+# argument (before anything runs); 1 when a loom run fails (its own error line above; the sweep
+# stops there).
 set -euo pipefail
 loom="${1:-build/loom}"
 P="${2:-2}"
@@ -80,6 +86,32 @@ while (($# > 0)); do
   pass+=("$arg")
 done
 set -- ${pass[@]+"${pass[@]}"}
+# The heads and kv-heads loom attn gets (the defaults' or the options'), for the strategies that
+# split the heads over their Ulysses degree.
+opt_value() {
+  local name="$1" value="$2" i
+  for ((i = 0; i < ${#pass[@]}; i++)); do
+    case "${pass[i]}" in
+      "$name") value="${pass[i + 1]:-}" ;;
+      "$name"=*) value="${pass[i]#*=}" ;;
+    esac
+  done
+  echo "$value"
+}
+heads=$(opt_value --heads 8)
+kv_heads=$(opt_value --kv-heads "$heads")
+# Why heads split over Ulysses degree $1 cannot run, as loom would refuse them ('' where they can;
+# also where the values are not plain integers: loom refuses those at the first row, which stops
+# the sweep with its own line).
+heads_reason() {
+  local U="$1"
+  [[ "$heads" =~ ^[1-9][0-9]{0,8}$ && "$kv_heads" =~ ^[1-9][0-9]{0,8}$ ]] || return 0
+  if ((heads % U != 0)); then
+    echo "heads ($heads) must be divisible by the ulysses degree ($U)"
+  elif ((kv_heads % U != 0 && U % kv_heads != 0)); then
+    echo "kv-heads ($kv_heads) and the ulysses degree ($U) must divide one another"
+  fi
+}
 fixed=()
 for name in "${!defaults[@]}"; do fixed+=("$name" "${defaults[$name]}"); done
 out="${OUT_DIR:-$(mktemp -d)}"
@@ -87,10 +119,20 @@ mkdir -p "$out"
 printf "%-10s %-11s %10s %10s %8s %8s %8s\n" strategy layout fwd_ms bwd_ms effic balance overlap
 run() {
   local strategy="$1" layout="$2" label="$1"; shift 2
+  local why=""
   case "$strategy" in
-    hybrid) label="hybrid/U$ulysses"; set -- --ulysses "$ulysses" "$@" ;;
+    ulysses) why=$(heads_reason "$P") ;;
+    hybrid)
+      label="hybrid/U$ulysses"
+      set -- --ulysses "$ulysses" "$@"
+      why=$(heads_reason "$ulysses")
+      ;;
     ring2d) label="ring2d/I$inner"; set -- --inner "$inner" "$@" ;;
   esac
+  if [ -n "$why" ]; then
+    printf "%-10s %-11s not run: %s\n" "$label" "$layout" "$why"
+    return 0
+  fi
   local json="$out/${strategy}_${layout}.json"
   "$loom" attn --ranks "$P" --strategy "$strategy" --layout "$layout" --seq "$S" \
     ${fixed[@]+"${fixed[@]}"} --backward --baseline --quiet --json "$json" "$@" > /dev/null

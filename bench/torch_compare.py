@@ -25,6 +25,7 @@ threads.
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,76 @@ import validate_common  # noqa: E402  (bench/validate_common.py: its command lin
 # OPENBLAS_NUM_THREADS / OMP_NUM_THREADS read at load time, not torch.set_num_threads. So each
 # thread count runs in its own child process with those set (--child marks a child), and the
 # one-thread ring-step rows in a one-thread child (--ring-only where no --threads entry is 1).
+
+
+# --threads: at most this many times the CPUs the script may run on. More only oversubscribes
+# them (and times the oversubscription): --threads 5000 ran for minutes, --threads 100000 crashed
+# OpenBLAS in the child (SIGSEGV), and the parent printed nothing.
+THREADS_PER_CPU = 4
+# Bytes per visible-or-not score of the largest row's attention, at its peak (the backward of the
+# eager formulations holds the fp32 scores, their softmax and the gradients of both, H x Sq x Sk
+# each: measured 3.2-4.1x of one such tensor at S = 1024-4096), and what torch itself takes.
+ATTENTION_BYTES_PER_SCORE = 16
+TORCH_BASE_BYTES = 512 << 20
+
+
+def cpu_count():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def available_memory():
+    """Bytes this process may still allocate: MemAvailable (/proc/meminfo), or less under a
+    cgroup v2 limit (memory.max - memory.current); None where neither can be read."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            left = max(0, int(limit) - used)
+            avail = left if avail is None else min(avail, left)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_sizes(ap, args):
+    """Refuses (one line, exit 2) before anything runs a --threads beyond THREADS_PER_CPU x the
+    CPUs, and a --seq / --ring / --gemm-n whose tensors cannot fit in the memory available (each
+    child holds one row's at a time: a huge --seq or --gemm-n ended in a RuntimeError traceback
+    after the earlier rows had run)."""
+    cpus = cpu_count()
+    most = THREADS_PER_CPU * cpus
+    for t in args.threads:
+        if t > most:
+            ap.error(f"--threads {t}: at most {most} ({THREADS_PER_CPU} x the {cpus} CPUs this "
+                     "process may run on; more threads only oversubscribe them)")
+    avail = available_memory()
+    if avail is None:
+        return
+    gib = 1 << 30
+    seqs = ([] if args.ring_only else [("--seq", s) for s in args.seq]) + (
+        [("--ring", args.ring)] if args.ring > 0 else [])
+    needs = [(f"{option} {s}", ATTENTION_BYTES_PER_SCORE * args.heads * s * s,
+              f"PyTorch's eager attention holds about 4 fp32 --heads x S x S tensors ({args.heads} "
+              f"x {s} x {s})") for option, s in seqs]
+    needs.append((f"--gemm-n {args.gemm_n}", 12 * args.gemm_n ** 2,
+                  f"torch.mm's 3 fp32 {args.gemm_n} x {args.gemm_n} matrices"))
+    for option, need, what in needs:
+        if need + TORCH_BASE_BYTES > avail:
+            ap.error(f"{option}: needs about {(need + TORCH_BASE_BYTES) / gib:.1f} GiB ({what}), "
+                     f"more than the {avail / gib:.1f} GiB of memory available; lower it")
 
 
 def alternated_times(fns, reps, setup=None):
@@ -87,6 +158,7 @@ def main():
     args = ap.parse_args()
     for key in ("seq", "dim", "dtype", "threads"):  # each value once, in the order given
         setattr(args, key, list(dict.fromkeys(getattr(args, key))))
+    check_sizes(ap, args)
     validate_common.check_output(ap, args.json)  # before the run, not after it
     if not args.child:
         # Each thread count's rows in a child with that count's OpenBLAS / OpenMP environment;
@@ -111,6 +183,14 @@ def main():
                 cmd.append("--ring-only")
             try:
                 rc = subprocess.call(cmd, env=env)
+                if rc < 0:  # killed by a signal: it said nothing, and exit status -N was 256 - N
+                    try:
+                        name = signal.Signals(-rc).name
+                    except ValueError:
+                        name = f"signal {-rc}"
+                    print(f"torch_compare: the child for --threads {t} was killed by {name}",
+                          file=sys.stderr)
+                    return 1
                 if rc != 0:
                     return rc
                 with open(out) as f:
@@ -217,16 +297,26 @@ def main():
               f"{r['bwd_gflops'] / gemm:>6.2f}{which}", flush=True)
         rows.append(r)
 
-    for dtype in args.dtype if not args.ring_only else ():
-        for s in args.seq:
-            for d in args.dim:
-                for causal in {"full": (False,), "causal": (True,), "both": (False, True)}[args.mask]:
-                    for threads in args.threads:
-                        run(dtype, s, s, d, causal, threads)
-    if args.ring > 0:
-        for dtype in args.dtype:
-            for d in args.dim:
-                run(dtype, args.ring, args.ring, d, False, 1)
+    try:
+        for dtype in args.dtype if not args.ring_only else ():
+            for s in args.seq:
+                for d in args.dim:
+                    for causal in {"full": (False,), "causal": (True,),
+                                   "both": (False, True)}[args.mask]:
+                        for threads in args.threads:
+                            run(dtype, s, s, d, causal, threads)
+        if args.ring > 0:
+            for dtype in args.dtype:
+                for d in args.dim:
+                    run(dtype, args.ring, args.ring, d, False, 1)
+    except (MemoryError, RuntimeError) as e:
+        # What check_sizes' estimate let through (other processes took the memory meanwhile):
+        # one line, not torch's traceback.
+        if not isinstance(e, MemoryError) and "alloc" not in str(e):
+            raise
+        print(f"torch_compare: out of memory ({str(e).splitlines()[0] if str(e) else 'MemoryError'}"
+              "); lower --seq, --heads or --gemm-n", file=sys.stderr)
+        return 1
     if args.json:
         validate_common.write_json(args.json,
                                    {"torch": torch.__version__, "attention": impl, "results": rows})

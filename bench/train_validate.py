@@ -19,6 +19,10 @@ those predictions against `loom train` runs of the same model on three meshes of
 3. Criterion (issue 14): every prediction within 20 % of its measurement. One PASS/FAIL line.
 Prints a Markdown table (for docs/performance.md) and writes JSON with --json FILE.
 Usage: /usr/bin/python3 bench/train_validate.py [--loom build/loom] [--rounds 7] [--json out.json]
+       [--data data/kjv.txt]
+--data is the text `loom train` trains on (default: the repository's data/kjv.txt, written by
+scripts/setup.sh, wherever the script is run from; it was loom's default, relative to the
+current directory, so a run from elsewhere failed after the first calibration), checked first.
 Takes about 1.5 minutes on a quiet 2-core machine (--rounds 7).
 """
 import json
@@ -31,6 +35,7 @@ import time
 
 import validate_common
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The model: loom train options, and the same as loom plan --model layers,dim,heads,kv,ffn,vocab.
 LAYERS, DIM, HEADS, KV, FFN, SEQ, BATCH = 2, 128, 4, 2, 512, 1024, 2
 # (label, dp, tp, ulysses, ring)
@@ -46,6 +51,29 @@ def run(cmd):
     return validate_common.run(cmd, "train_validate")
 
 
+def run_json(cmd, path, keys=()):
+    """Runs cmd, which writes a JSON report at path, and returns it (one line and exit 1 when it
+    does not: a --loom that is not loom)."""
+    return validate_common.run_json(cmd, path, "train_validate", keys)
+
+
+def step_seconds(cmd, log):
+    """The per-step seconds of the `loom train` log cmd wrote, at least 3 of them (one line and
+    exit 1 without)."""
+    if os.path.lexists(log):
+        os.remove(log)
+    run(cmd)
+    try:
+        with open(log) as f:
+            steps = [json.loads(line)["seconds"] for line in f]
+        if len(steps) < 3 or not all(isinstance(x, (int, float)) for x in steps):
+            raise ValueError(f"{len(steps)} step times, want numbers for at least 3")
+        return steps
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"train_validate: `{' '.join(cmd)}` exited 0 but {log} is not its step log "
+                 f"({e}); is --loom {cmd[0]} the loom command?")
+
+
 def main():
     ap = validate_common.ArgumentParser()
     validate_common.add_loom_and_json(ap)
@@ -54,8 +82,12 @@ def main():
     ap.add_argument("--steps", type=validate_common.int_at_least(3), default=8,
                     help="loom train steps per run (the first two are not timed)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--data", default=os.path.join(ROOT, "data", "kjv.txt"),
+                    help="the text loom train trains on (default: the repository's data/kjv.txt)")
     a = ap.parse_args()
-    validate_common.check_loom_and_json(ap, a)
+    validate_common.check_loom_and_json(ap, a, [("--data", a.data)])
+    if not os.path.isfile(a.data) or not os.access(a.data, os.R_OK):
+        ap.error(f"--data {a.data}: no readable file (scripts/setup.sh writes data/kjv.txt)")
     tmp = tempfile.mkdtemp(prefix="loom_train_validate_")
     try:
         return validate(a, tmp)
@@ -74,25 +106,29 @@ def validate(a, tmp):
     one_rank = []
     for rnd in range(a.rounds):
         pf = os.path.join(tmp, f"profile_{rnd}.json")
-        run([a.loom, "plan", "--calibrate", pf, "--threads", "1", "--ranks-per-node", "2"])
+        run_json([a.loom, "plan", "--calibrate", pf, "--threads", "1", "--ranks-per-node", "2"], pf)
         pj = os.path.join(tmp, "predict.json")
         cmd = [a.loom, "plan", "--train-step", "--profile", pf, "--model",
                f"{LAYERS},{DIM},{HEADS},{KV},{FFN},256", "--seq", str(SEQ), "--batch",
                str(BATCH), "--dtype", a.dtype, "--json", pj]
         for (_, dp, tp, u, r) in MESHES:
             cmd += ["--mesh", f"{dp},{tp},{u},{r}"]
-        run(cmd)
-        p = json.load(open(pj))
+        p = run_json(cmd, pj, ("one_rank", "meshes"))
+        if not isinstance(p["meshes"], list) or len(p["meshes"]) != len(MESHES) or not all(
+                isinstance(m, dict) and isinstance(m.get("step_s"), (int, float))
+                for m in p["meshes"]):
+            sys.exit(f"train_validate: `{' '.join(cmd)}` predicted {p['meshes']!r}, not one "
+                     f"step per mesh ({len(MESHES)})")
         one_rank.append(p["one_rank"])
         for (label, *_), pm in zip(MESHES, p["meshes"]):
             predicted[label].append(pm["step_s"])
         order = MESHES[rnd % len(MESHES):] + MESHES[:rnd % len(MESHES)]
         for (label, dp, tp, u, r) in order:
             log = os.path.join(tmp, "steps.jsonl")
-            run([a.loom, "train", "--ranks", str(dp * tp * u * r), "--dp", str(dp), "--tp",
-                 str(tp), "--ulysses", str(u), "--ring", str(r), "--steps", str(a.steps),
-                 "--eval-every", "0", "--quiet", "--log", log] + model)
-            steps = [json.loads(line)["seconds"] for line in open(log)][2:]
+            steps = step_seconds([a.loom, "train", "--ranks", str(dp * tp * u * r), "--dp",
+                                  str(dp), "--tp", str(tp), "--ulysses", str(u), "--ring", str(r),
+                                  "--steps", str(a.steps), "--eval-every", "0", "--quiet",
+                                  "--data", a.data, "--log", log] + model, log)[2:]
             measured[label].append(statistics.median(steps))
         loads.append(validate_common.loadavg())
         print(f"  round {rnd + 1}: " + ", ".join(

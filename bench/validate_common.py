@@ -32,11 +32,44 @@ def add_loom_and_json(ap):
                          "place, a file atomically")
 
 
-def check_loom_and_json(ap, a):
-    """Before the run (--json was checked only when written, after minutes of it): --json's path,
-    and --loom as a command (a name on PATH is found there); a.loom becomes its path."""
-    check_output(ap, a.json)
+def check_loom_and_json(ap, a, inputs=()):
+    """Before the run (--json was checked only when written, after minutes of it): --loom as a
+    command (a name on PATH is found there; a.loom becomes its path), --json's path, and that
+    --json names neither --loom nor another of the script's inputs (`inputs`: (option, path)
+    pairs), whatever the name (check_not_input)."""
     a.loom = check_executable(ap, a.loom, "--loom")
+    check_not_input(ap, a.json, [("--loom", a.loom)] + list(inputs))
+    check_output(ap, a.json)
+
+
+def _regular_file_id(path):
+    """(device, inode) of the regular file path names ("-" and the process's own streams: the
+    file behind the descriptor), else None."""
+    fd = 1 if path == "-" else own_stream_fd(path)
+    try:
+        st = os.fstat(fd) if fd is not None else os.stat(path)  # symlinks followed
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
+def check_not_input(ap, path, inputs, option="--json"):
+    """Refuses (ap.error: one line, exit 2) an output that is one of the inputs, by any name (a
+    symlink, a hard link, "-" or /dev/stdout redirected to it): as loom refuses an output that is
+    an input (check_distinct_outputs, include/loom/io.h). `--json build/loom` replaced the loom
+    command with the report (atomically, so the executable was gone)."""
+    if not path:
+        return
+    me = _regular_file_id(path)
+    for other_option, other in inputs:
+        if not other:
+            continue
+        same = me is not None and me == _regular_file_id(other)
+        if not same and path != "-" and own_stream_fd(path) is None:
+            same = os.path.realpath(path) == os.path.realpath(other)
+        if same:
+            ap.error(f"{option} {path} and {other_option} {other} name the same file (the "
+                     f"report would replace it); give {option} a path of its own")
 
 
 def int_at_least(lo):
@@ -207,6 +240,34 @@ def run(cmd, who):
     if r.returncode != 0:
         sys.exit(f"{who}: failed: " + " ".join(cmd) + "\n" + r.stderr)
     return r.stdout
+
+
+def run_json(cmd, path, who, keys=()):
+    """Runs cmd (as run), which is to write a JSON object holding `keys` at path, and returns it.
+    path is removed first (a stale file from an earlier command is not read as this one's). A
+    command that writes none, or not that, is one line and exit 1: a --loom that is not loom
+    (/bin/true) was a FileNotFoundError traceback."""
+    if os.path.lexists(path):
+        os.remove(path)
+    run(cmd, who)
+    return read_json(path, who, cmd, keys)
+
+
+def read_json(path, who, cmd, keys=()):
+    """The JSON object cmd wrote at path, holding `keys`; one line and exit 1 if it is not."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        missing = [k for k in keys if not isinstance(doc, dict) or k not in doc]
+        why = f"no {', '.join(missing)} in it" if missing else ""
+    except OSError as e:
+        why = e.strerror or str(e)
+    except ValueError as e:
+        why = f"not JSON: {e}"
+    if why:
+        sys.exit(f"{who}: `{' '.join(cmd)}` exited 0 but {path} is not its report ({why}); is "
+                 f"--loom {cmd[0]} the loom command?")
+    return doc
 
 
 def loadavg():

@@ -16,8 +16,9 @@ checks
     depend on the gradient's scale, and a mean loss averages one rank's error away);
   - every step's loss: within 1e-5 relative of the first run and 1e-4 of the second (eager
     attention rounds differently, and ten steps of training let that grow).
-Exit status 1 when they do not match; 2, with one line, for a bad option. --no-check skips the
-reference runs and their checks.
+Exit status 1 when they do not match, or when any run's loss is not finite (NaN: the run
+diverged, and a NaN matches nothing); 2, with one line, for a bad option. --no-check skips the
+reference runs and their checks (not the finite-loss one).
 Run without a launcher (plain /usr/bin/python3) it trains on one process with
 loom.torch.attention, and checks that run against the eager one the same way (there is no
 context-parallel run to check then).
@@ -37,8 +38,15 @@ import loom
 import loom.torch as lt
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # argparse's own error printed its whole usage, from every rank under a launcher: one
+        # line (rank 0's), exit status 2, as for every other bad value.
+        fail(message)
+
+
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="data/kjv.txt", help="training text (bytes are tokens)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seq", type=int, default=512, help="tokens per sequence (any length)")
@@ -62,6 +70,11 @@ def parse_args():
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.dim % args.heads:
         fail(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
+    if args.dim // args.heads > 256:
+        # loom's kernels take a head dim of at most 256: without a launcher this was the
+        # kernels' InvalidArgument traceback at the first forward.
+        fail(f"--dim {args.dim} / --heads {args.heads} is a head dim of {args.dim // args.heads}; "
+             f"loom's kernels take at most 256 (raise --heads)")
     if args.heads % args.kv_heads:
         fail(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.strategy not in lt.strategies():
@@ -234,9 +247,21 @@ STEP0_REL_TOL = 1e-5
 
 
 def rel_diff(a, b):
+    """||a - b|| / ||b||; inf when either holds a NaN or an infinity (a NaN reference with an
+    all-zero a was 0.0, a match)."""
     a, b = a.double(), b.double()
     ref = b.norm().item()
+    if not (math.isfinite(ref) and math.isfinite(a.norm().item())):
+        return math.inf
     return (a - b).norm().item() / ref if ref > 0 else (0.0 if a.norm().item() == 0 else math.inf)
+
+
+def loss_rel(a, ref):
+    """|a - ref| / |ref|; inf when either is not finite (the running max took max(0.0, nan),
+    which is 0.0: NaN losses from a diverged run were reported as a match)."""
+    if not (math.isfinite(a) and math.isfinite(ref)):
+        return math.inf
+    return abs(a - ref) / abs(ref) if ref != 0 else (0.0 if a == 0 else math.inf)
 
 
 def compare_step0(name, got, ref):
@@ -261,18 +286,25 @@ def compare_step0(name, got, ref):
 def compare_losses(losses, name, references):
     """Prints the per-step losses of `losses` (column `name`) beside each reference run
     ((column, difference column, losses, relative limit)) and their relative differences; True if
-    every step is within every limit."""
+    every loss is finite and every step is within every limit (a NaN or infinite loss, in any
+    run, is a mismatch, with or without references: the run diverged, and NaN matches NaN)."""
     print(f"{'step':>4} {name:>14}" + "".join(f" {col:>14}" for col, _, _, _ in references)
           + "".join(f" {rel:>12}" for _, rel, _, _ in references))
     worst = [0.0] * len(references)
     for i, a in enumerate(losses):
-        rels = [abs(a - ref[i]) / abs(ref[i]) for _, _, ref, _ in references]
+        rels = [loss_rel(a, ref[i]) for _, _, ref, _ in references]
         worst = [max(w, r) for w, r in zip(worst, rels)]
         print(f"{i:>4} {a:>14.8f}" + "".join(f" {ref[i]:>14.8f}" for _, _, ref, _ in references)
               + "".join(f" {r:>12.2e}" for r in rels))
+    runs = [(name, losses)] + [(col, ref) for col, _, ref, _ in references]
+    diverged = [(col, i, x) for col, run in runs for i, x in enumerate(run) if not math.isfinite(x)]
+    if diverged:
+        col, i, x = diverged[0]
+        print(f"{col}: the loss at step {i} is {x} (not finite; the run diverged, a smaller --lr "
+              f"may help): MISMATCH")
     if not references:
-        return True
-    ok = all(w <= limit for w, (_, _, _, limit) in zip(worst, references))
+        return not diverged
+    ok = not diverged and all(w <= limit for w, (_, _, _, limit) in zip(worst, references))
     print("max relative difference of the losses: "
           + ", ".join(f"{w:.2e} vs {col} (limit {limit:.0e})"
                       for w, (col, _, _, limit) in zip(worst, references))
@@ -306,7 +338,9 @@ def main():
               f"loom.torch.attention, S = {args.seq}, B = {args.batch}: {time.time() - t0:.2f} s")
     if rank == 0 and args.no_check:
         print("--no-check: no reference runs")
-        compare_losses(losses, "cp_attention" if distributed else "attention(1p)", [])
+        ok = compare_losses(losses, "cp_attention" if distributed else "attention(1p)", [])
+        if not ok:
+            print("MISMATCH: exit status 1")
     elif rank == 0:
         if distributed:
             loom_losses, loom_first = train(args, "loom", data)

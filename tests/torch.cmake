@@ -15,6 +15,10 @@
 #                      and every parameter gradient match one process with loom.torch.attention and
 #                      torch eager attention (1e-5 norm-relative; the losses alone missed dk x 1.1),
 #                      and its per-step losses (1e-5, 1e-4)
+#   torch_scripts      the failure paths of examples/torch_cp_train.py (NaN losses are a mismatch,
+#                      exit 1; bad values one line) and bench/bench_torch_binding.py (--alternate
+#                      at head dim 128; a wrong dk found before timing, in the script and in its
+#                      torchrun workers, whose own error line reaches the parent's)
 if(LOOM_HAVE_TORCH)
   set(loom_torch_env PYTHONPATH=${CMAKE_BINARY_DIR}/python OMP_NUM_THREADS=1 LOOM_TIMEOUT_S=60)
   set(loom_torch_dir ${CMAKE_CURRENT_LIST_DIR}/torch)
@@ -39,6 +43,10 @@ if(LOOM_HAVE_TORCH)
   add_test(NAME torch_kill COMMAND ${Python3_EXECUTABLE} ${loom_torch_dir}/test_kill.py)
   set_tests_properties(torch_kill PROPERTIES LABELS "torch;dist" TIMEOUT 180 PROCESSORS 3
                                              ENVIRONMENT "${loom_torch_env}")
+  add_test(NAME torch_scripts
+           COMMAND ${Python3_EXECUTABLE} ${loom_torch_dir}/test_scripts.py $<TARGET_FILE_DIR:loom>)
+  set_tests_properties(torch_scripts PROPERTIES LABELS "torch;dist" TIMEOUT 240 PROCESSORS 2
+                                                ENVIRONMENT "${loom_torch_env}")
   add_test(NAME torch_example
            COMMAND ${Python3_EXECUTABLE} -m loom.torchrun --standalone --nproc_per_node 4
                    ${PROJECT_SOURCE_DIR}/examples/torch_cp_train.py --data ${PROJECT_SOURCE_DIR}/data/kjv.txt)

@@ -8,6 +8,16 @@
     line "<script>: ... (see --help)" and exit 2 before anything runs (they ran and printed 0.0
     GFLOP/s rows, or ended in a traceback, some after the whole run); plan_validate.py and
     train_validate.py remove their temporary directory even when a loom command fails;
+  - torch_compare.py: a --threads beyond 4 x the CPUs, and a --seq or --gemm-n whose tensors
+    cannot fit in memory, refused so (--threads 100000 crashed the child and the parent said
+    nothing, exit 245; a huge --seq or --gemm-n was a RuntimeError traceback); a child killed by a
+    signal is one line naming it, exit 1;
+  - plan_validate.py and train_validate.py: a --json that names --loom (the same path, a
+    symlink, a hard link, or "-" with standard output on it) or train_validate's --data is refused
+    (the report replaced the loom command); a --loom that exits 0 without writing its report
+    (/bin/true) is one line, exit 1 (a FileNotFoundError traceback); train_validate.py passes
+    --data to loom train (run from outside the repository, loom's default data/kjv.txt was
+    missing after the first calibration) and refuses a missing one first;
   - their --json by loom's rules (docs/cli.md, "Files"; bench/validate_common.py): "-" is
     standard output with the text on standard error, /dev/stdout into a pipe or appended to a
     file is written there (it was refused: "cannot write in /proc/NNN/fd"), /dev/null and a FIFO
@@ -21,8 +31,10 @@
     must set itself (--strategy, --json...) are refused in one line, exit 2; every strategy runs
     in every layout, hybrid and ring2d where P has a divisor strictly between 1 and P (ring2d
     never ran, hybrid in zigzag only), --ulysses U and --inner I setting their degree (refused as
-    "set by the script", which set neither), a degree that does not divide P refused; a
-    stand-in loom records what it was given;
+    "set by the script", which set neither), a degree that does not divide P refused; ulysses
+    and hybrid where their degree does not split the heads read "not run: <why>" and the sweep
+    goes on (at P = 3 it stopped at ulysses, exit 1, allgather never ran); a stand-in loom
+    records what it was given;
   - bench_comm: --ops with an unknown name, and a --max-bytes whose buffers cannot fit in memory,
     are one line and exit 1 before any op runs (--ops ring_step,foo ran the ring_step sweep
     first; --max-bytes 4T ended in a bare std::bad_alloc).
@@ -72,12 +84,20 @@ def check_python_scripts(work):
                              (["--threads", "0"], "--threads"), (["--dtype", "fp16"], "--dtype"),
                              (["--reps", "0"], "--reps"), (["--gemm-n", "0"], "--gemm-n"),
                              (["--ring", "-3"], "--ring"), (["--json", missing], "--json"),
-                             (["--json", work], "--json")],
+                             (["--json", work], "--json"),
+                             # far past 4 x any machine's CPUs and any machine's memory
+                             (["--threads", "1", "100000"], "--threads 100000: at most"),
+                             (["--gemm-n", "1000000"], "--gemm-n 1000000: needs about"),
+                             (["--seq", "1000000"], "--seq 1000000: needs about"),
+                             (["--ring", "1000000"], "--ring 1000000: needs about")],
         "bench_torch_binding.py": [(["--iters", "0"], "--iters"),
                                    (["--build", os.path.join(work, "no-such-build")], "--build"),
                                    (["--check-seq", "-1"], "--check-seq"),
                                    (["--tiny-iters", "3"], "--tiny-iters"),
                                    (["--heads", "3", "--kv-heads", "2"], "--kv-heads"),
+                                   # a traceback after part 1 had run
+                                   (["--dim", "300"], "--dim 300: loom's kernels take a head "
+                                                      "dim of at most 256"),
                                    (["--json", missing], "--json")],
         "plan_validate.py": [(["--rounds", "0"], "--rounds"), (["--iters", "0"], "--iters"),
                              (["--loom", "/bin/false", "--json", missing], "--json"),
@@ -93,6 +113,18 @@ def check_python_scripts(work):
                 bad.append(why)
             elif needle == "--json" and os.path.exists(missing):
                 bad.append(f"{name} {' '.join(args)}: wrote {missing}")
+    # A torch_compare.py child killed by a signal (here at its start, before torch loads): one
+    # line naming the signal, exit 1 (it was silent, exit status 245 for SIGSEGV).
+    site = os.path.join(work, "segv-site")
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write("import os, signal, sys\nif '--child' in sys.argv:\n"
+                "    os.kill(os.getpid(), signal.SIGSEGV)\n")
+    env = dict(os.environ, PYTHONPATH=site + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    why = refused([py, script("torch_compare.py"), "--seq", "8", "--threads", "1"],
+                  "killed by SIGSEGV", rc=1, env=env)
+    if why:
+        bad.append(why)
     # A loom command that fails: the scripts stop, and leave no temporary directory behind.
     for name in ("plan_validate.py", "train_validate.py"):
         tmp = os.path.join(work, "tmp-" + name)
@@ -215,7 +247,7 @@ def check_json_outputs(work):
 # A stand-in for the loom commands plan_validate.py and train_validate.py run: each writes what
 # the script reads, every prediction equal to its measurement.
 FAKE_PLAN_LOOM = r"""#!/usr/bin/python3
-import json, sys
+import json, os, sys
 a = sys.argv[1:]
 def after(opt):
     return a[a.index(opt) + 1]
@@ -229,6 +261,10 @@ elif a[:2] == ["plan", "--train-step"]:
     json.dump({"one_rank": {}, "meshes": [{"step_s": 0.5}] * a.count("--mesh")},
               open(after("--json"), "w"))
 elif a[0] == "train":
+    # As loom train: --data (default data/kjv.txt, relative to the current directory) must exist.
+    data = after("--data") if "--data" in a else "data/kjv.txt"
+    if not os.path.isfile(data):
+        sys.exit(f"loom: error: --data {data}: no such file")
     with open(after("--log"), "w") as f:
         for _ in range(int(after("--steps"))):
             f.write(json.dumps({"seconds": 0.5}) + "\n")
@@ -248,8 +284,13 @@ def check_loom_scripts(work):
         f.write(FAKE_PLAN_LOOM)
     os.chmod(loom, 0o755)
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
+    corpus = os.path.join(work, "corpus.txt")
+    with open(corpus, "w") as f:
+        f.write("In the beginning\n" * 64)
     for name in ("plan_validate.py", "train_validate.py"):
-        extra = ["--steps", "3"] if name == "train_validate.py" else ["--iters", "1"]
+        # cwd=work below: loom train's default data/kjv.txt is not there, the --data given is.
+        extra = (["--steps", "3", "--data", corpus] if name == "train_validate.py"
+                 else ["--iters", "1"])
         cmd = [sys.executable, script(name), "--loom", "loom", "--rounds", "1"] + extra
         r = subprocess.run(cmd + ["--json", "-"], capture_output=True, text=True, timeout=120,
                            env=env, cwd=work)
@@ -277,6 +318,55 @@ def check_loom_scripts(work):
                   "nor a command on PATH", env=env)
     if why:
         bad.append(why)
+    bad += check_inputs_kept(work, loom, corpus, env)
+    return bad
+
+
+def check_inputs_kept(work, loom, corpus, env):
+    """--json naming an input is refused, whatever the name, and the input is left as it was;
+    a --loom that writes no report, and a missing --data, are one line each."""
+    bad = []
+    link = os.path.join(work, "loom-symlink")
+    hard = os.path.join(work, "loom-hardlink")
+    for p in (link, hard):
+        if os.path.lexists(p):
+            os.remove(p)
+    os.symlink(loom, link)
+    os.link(loom, hard)
+    before = open(loom).read()
+    for name in ("plan_validate.py", "train_validate.py"):
+        base = [sys.executable, script(name), "--rounds", "1"]
+        if name == "train_validate.py":
+            base += ["--steps", "3", "--data", corpus]
+        cases = [(["--loom", loom, "--json", loom], "name the same file"),
+                 (["--loom", "loom", "--json", loom], "name the same file"),  # found on PATH
+                 (["--loom", loom, "--json", link], "name the same file"),
+                 (["--loom", link, "--json", hard], "name the same file")]
+        if name == "train_validate.py":
+            cases += [(["--loom", loom, "--json", corpus], "--data"),
+                      (["--loom", loom, "--data", os.path.join(work, "no-such-corpus")],
+                       "no readable file")]
+        for args, needle in cases:
+            why = refused(base + args, needle, env=env)
+            if why:
+                bad.append(why)
+        # "-" with standard output appended to the loom command (appended: the shell's ">" would
+        # have emptied it before the script ran).
+        with open(loom, "a") as out:
+            r = subprocess.run(base + ["--loom", loom, "--json", "-"], stdout=out,
+                               stderr=subprocess.PIPE, text=True, timeout=120, env=env)
+        err = r.stderr.strip().splitlines()
+        if r.returncode != 2 or len(err) != 1 or "name the same file" not in err[0]:
+            bad.append(f"{name} --json - >> LOOM: exit {r.returncode}, stderr {r.stderr!r} (want "
+                       "one line: --json - and --loom name the same file, exit 2)")
+        if open(loom).read() != before:
+            bad.append(f"{name}: the --loom file was changed by a --json naming it")
+            with open(loom, "w") as f:
+                f.write(before)
+        # A command that exits 0 and writes nothing: one line naming it, exit 1.
+        why = refused(base + ["--loom", "/bin/true"], "is not its report", rc=1, env=env)
+        if why:
+            bad.append(why)
     return bad
 
 
@@ -326,10 +416,11 @@ def check_scaling(work):
         bad.append(f"scaling.sh at P = 2 does not say hybrid and ring2d were not run: {r.stdout!r}")
     # P = 4: every strategy in every layout, hybrid with --ulysses 2 and ring2d with --inner 2
     # only (ring2d never ran; hybrid ran in zigzag only); P = 6 with --ulysses 3: hybrid at 3,
-    # ring2d at the default 2.
+    # ring2d at the default 2 (12 heads: ulysses splits them over 6 ranks, hybrid over 3).
     for P, opts, degrees in (("4", [], {"hybrid": "2", "ring2d": "2"}),
                              ("4", ["--inner=2"], {"hybrid": "2", "ring2d": "2"}),
-                             ("6", ["--ulysses", "3"], {"hybrid": "3", "ring2d": "2"})):
+                             ("6", ["--ulysses", "3", "--heads", "12"],
+                              {"hybrid": "3", "ring2d": "2"})):
         if os.path.exists(log):
             os.remove(log)
         r = subprocess.run(["bash", sh, loom, P, "512"] + opts, capture_output=True, text=True,
@@ -352,6 +443,31 @@ def check_scaling(work):
                 bad.append(f"{what}: {strat} ran with {got} (want {want_deg}), ranks "
                            f"{c[c.index('--ranks') + 1]}")
                 break
+    # Where the Ulysses degree does not split the heads: those rows say why, the rest run, and
+    # the sweep ends with its reports line, exit 0 (at P = 3 it stopped at ulysses).
+    for P, opts, skipped, why in (
+            ("3", [], {"ulysses"}, "heads (8) must be divisible by the ulysses degree (3)"),
+            ("4", ["--heads=12", "--kv-heads", "6"], {"ulysses"},
+             "kv-heads (6) and the ulysses degree (4) must divide one another"),
+            ("6", ["--heads", "3", "--kv-heads", "3"], {"ulysses", "hybrid"}, None)):
+        if os.path.exists(log):
+            os.remove(log)
+        r = subprocess.run(["bash", sh, loom, P, "512"] + opts, capture_output=True, text=True,
+                           timeout=120, env=env)
+        calls = [json.loads(x) for x in open(log)] if os.path.exists(log) else []
+        ran = {c[c.index("--strategy") + 1] for c in calls}
+        strategies = {"ring", "ulysses", "allgather"}
+        if P != "3":
+            strategies |= {"hybrid", "ring2d"}
+        lines = [x for x in r.stdout.splitlines() if "not run: " in x and "hybrid, ring2d" not in x]
+        what = f"scaling.sh LOOM {P} 512 {' '.join(opts)}"
+        if (r.returncode != 0 or ran != strategies - skipped or len(calls) != 3 * len(ran)
+                or len(lines) != 3 * len(skipped) or "reports: " not in r.stdout
+                or (why and not all(x.endswith("not run: " + why) for x in lines))):
+            bad.append(f"{what}: exit {r.returncode}, ran {sorted(ran)} in {len(calls)} runs "
+                       f"(want {sorted(strategies - skipped)}, 3 layouts each), stdout "
+                       f"{r.stdout!r}, stderr {r.stderr!r} (want {3 * len(skipped)} 'not run: "
+                       f"{why or '...'}' lines and the reports line)")
     for P, args, needle in (("2", ["--strategy", "ring"], "--strategy"),
                             ("2", ["--json", "x"], "--json"),
                             ("2", ["--seq", "64"], "--seq"), ("2", ["--ranks=4"], "--ranks"),
