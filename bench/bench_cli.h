@@ -17,15 +17,18 @@
 
 namespace loom {
 
-// Parses argv into `app`: nothing when the run goes on, else the exit status to return.
+// Parses argv into `app`: nothing when the run goes on, else the exit status to return. quiet:
+// print nothing (bench_comm's ranks above 0 under mpirun, which parse the command line rank 0
+// parses and prints the error of: it was printed once per rank).
 inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** argv,
-                                             const std::string& program) {
+                                             const std::string& program, bool quiet = false) {
   app.failure_message([program](const CLI::App*, const CLI::Error& e) {
     return program + ": " + e.what() + " (see --help)\n";
   });
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    if (quiet) return e.get_exit_code() == 0 ? 0 : 2;
     return app.exit(e) == 0 ? 0 : 2;
   }
   return std::nullopt;

@@ -13,13 +13,18 @@
 //   all_reduce  size = bytes of the buffer                        busbw = algbw * 2(P-1)/P
 // with algbw = size / time. Data are f32 small integers, so sums are exact.
 //
+// A size below one f32 element per rank buffer (all_to_all and all_gather: one for each rank) is
+// skipped, one "# skipped" line per op saying so; a sweep in which every size of every op is
+// skipped measures nothing and is refused (exit 2).
+//
 //   bench_comm --ranks 2                      local backend, 2 ranks (threads)
-//   mpirun -n 2 bench_comm                    MPI backend
+//   mpirun -n 2 bench_comm                    MPI backend (--ranks is refused: -np sets them)
 //   bench_comm --ranks 4 --ops all_reduce --min-bytes 1K --max-bytes 1M --json out.json
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -28,6 +33,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_cli.h"
@@ -41,6 +47,7 @@ namespace {
 
 struct Options {
   int ranks = 2;
+  bool ranks_given = false;  // --ranks on the command line (refused with the MPI backend)
   std::string backend = "auto";
   std::string min_bytes = "1K", max_bytes = "64M";
   size_t lo = 0, hi = 0;  // min_bytes and max_bytes parsed (check_options)
@@ -70,6 +77,9 @@ class Op {
   virtual ~Op() = default;
   // Elements of f32 per rank buffer for a given size; 0 if the size is too small.
   virtual size_t count_for(size_t bytes, int ranks) const = 0;
+  // The smallest size of a count of at least 1, and what it is, for the "skipped" lines.
+  virtual size_t min_bytes(int ranks) const = 0;
+  virtual std::string min_bytes_why(int ranks) const = 0;
   virtual double bus_factor(int ranks) const = 0;
   virtual void prepare(Communicator& c, size_t count) = 0;  // fills inputs with check data
   virtual void run(Communicator& c, size_t count) = 0;
@@ -78,9 +88,16 @@ class Op {
   virtual size_t size_of(size_t count, int ranks) const = 0;
 };
 
-class RingStep final : public Op {
+// One f32 element per buffer.
+class OneBufferOp : public Op {
  public:
   size_t count_for(size_t bytes, int) const override { return bytes / 4; }
+  size_t min_bytes(int) const override { return 4; }
+  std::string min_bytes_why(int) const override { return "one f32 element"; }
+};
+
+class RingStep final : public OneBufferOp {
+ public:
   double bus_factor(int) const override { return 1; }
   size_t size_of(size_t count, int) const override { return count * 4; }
   void prepare(Communicator& c, size_t count) override {
@@ -111,6 +128,10 @@ class RingStep final : public Op {
 class BlockOp : public Op {
  public:
   size_t count_for(size_t bytes, int ranks) const override { return bytes / 4 / ranks; }
+  size_t min_bytes(int ranks) const override { return 4 * static_cast<size_t>(ranks); }
+  std::string min_bytes_why(int ranks) const override {
+    return "one f32 element for each of the " + std::to_string(ranks) + " ranks";
+  }
   double bus_factor(int ranks) const override { return double(ranks - 1) / ranks; }
   size_t size_of(size_t count, int ranks) const override { return count * 4 * ranks; }
   int64_t wrong(Communicator& c, size_t count) const override {
@@ -162,9 +183,8 @@ class AllGather final : public BlockOp {
   int sender_key(int from, int, int) const override { return from; }
 };
 
-class AllReduce final : public Op {
+class AllReduce final : public OneBufferOp {
  public:
-  size_t count_for(size_t bytes, int) const override { return bytes / 4; }
   double bus_factor(int ranks) const override { return 2.0 * (ranks - 1) / ranks; }
   size_t size_of(size_t count, int) const override { return count * 4; }
   void prepare(Communicator& c, size_t count) override {
@@ -208,23 +228,40 @@ double buffer_bytes(const std::string& op, double bytes, int ranks) {
   return 2 * bytes;                                      // ring_step, all_to_all: send + receive
 }
 
-// Everything the sweep would refuse or run out of, checked before any rank starts: every op
-// known (--ops ring_step,foo ran the whole ring_step sweep first, and under mpirun Open MPI's
-// unpack errors followed the refusal), the sizes parsed and in order, and the largest size's
-// buffers within the memory available (--max-bytes 4T ended in a bare std::bad_alloc). `ranks`:
-// the ranks this process holds (the local backend's threads; 1 under MPI).
-void check_options(Options& o, int ranks) {
+// The command line's own errors, the same on every rank under mpirun, checked before any rank
+// starts: every op known, each named once (--ops ring_step,ring_step printed every row twice),
+// and the sizes parsed and in order. (--ops ring_step,foo ran the whole ring_step sweep first, and
+// under mpirun Open MPI's unpack errors followed the refusal.)
+void check_options(Options& o) {
   for (const std::string& name : o.ops) make_op(name);
   LOOM_CHECK(!o.ops.empty(), InvalidArgument, "--ops: give at least one op");
+  std::vector<std::string> once;
+  for (const std::string& name : o.ops)
+    if (std::find(once.begin(), once.end(), name) == once.end()) once.push_back(name);
+  o.ops = once;
   o.lo = static_cast<size_t>(parse_size(o.min_bytes, "--min-bytes"));
   o.hi = static_cast<size_t>(parse_size(o.max_bytes, "--max-bytes"));
   LOOM_CHECK(o.lo <= o.hi, InvalidArgument,
              "--min-bytes " << o.min_bytes << " must not exceed --max-bytes " << o.max_bytes);
-  size_t top = o.lo;  // the largest size the doubling sweep reaches
-  while (top <= o.hi / 2) top *= 2;
+}
+
+// The sizes of the doubling sweep.
+std::vector<size_t> sweep_sizes(const Options& o) {
+  std::vector<size_t> sizes;
+  for (size_t bytes = o.lo; bytes <= o.hi; bytes *= 2) {
+    sizes.push_back(bytes);
+    if (bytes > o.hi / 2) break;  // the next would pass --max-bytes (or overflow)
+  }
+  return sizes;
+}
+
+// The largest size's buffers within the memory available (--max-bytes 4T ended in a bare
+// std::bad_alloc). `ranks`: the ranks this process holds (the local backend's threads; 1 under
+// MPI). This node's memory: under mpirun it may differ from rank to rank.
+void check_buffers_fit(const Options& o, int ranks) {
+  const double top = static_cast<double>(sweep_sizes(o).back());
   double need = 0;
-  for (const std::string& name : o.ops)
-    need = std::max(need, buffer_bytes(name, static_cast<double>(top), ranks));
+  for (const std::string& name : o.ops) need = std::max(need, buffer_bytes(name, top, ranks));
   need *= ranks;
   const int64_t avail = available_memory_bytes();
   LOOM_CHECK(avail < 0 || need <= static_cast<double>(avail), InvalidArgument,
@@ -235,16 +272,57 @@ void check_options(Options& o, int ranks) {
                             << " of memory is available; lower --max-bytes");
 }
 
+// What the sweep runs on `ranks` ranks: each op's sizes, and those it skips (below one f32
+// element per rank buffer: they were left out without a word, and a sweep of nothing printed the
+// header alone, wrote "results": [] and exited 0).
+struct OpPlan {
+  std::string op;
+  std::vector<size_t> sizes, skipped;
+  size_t min_bytes = 0;
+  std::string min_bytes_why;
+};
+
+std::vector<OpPlan> plan_sweep(const Options& o, int ranks) {
+  std::vector<OpPlan> plan;
+  for (const std::string& name : o.ops) {
+    const auto op = make_op(name);
+    OpPlan p{name, {}, {}, op->min_bytes(ranks), op->min_bytes_why(ranks)};
+    for (const size_t bytes : sweep_sizes(o))
+      (op->count_for(bytes, ranks) == 0 ? p.skipped : p.sizes).push_back(bytes);
+    plan.push_back(p);
+  }
+  return plan;
+}
+
+// "4 and 8 B".
+std::string sizes_text(const std::vector<size_t>& sizes) {
+  std::string s;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == sizes.size() ? " and " : ", ") + std::to_string(sizes[i]);
+  return s + " B";
+}
+
+// The refusal of a sweep that measures nothing ("": it measures something).
+std::string nothing_measured(const Options& o, const std::vector<OpPlan>& plan, int ranks) {
+  std::string needs;
+  for (const OpPlan& p : plan) {
+    if (!p.sizes.empty()) return "";
+    needs += (needs.empty() ? "" : ", ") + p.op + " " + std::to_string(p.min_bytes) + " B";
+  }
+  return "--max-bytes " + o.max_bytes + " on " + std::to_string(ranks) +
+         " ranks measures nothing: the smallest size each op runs is " + needs +
+         " (one f32 element per buffer; all_to_all and all_gather one for each rank); raise "
+         "--max-bytes";
+}
+
 // The whole sweep on one rank; rank 0 returns the results.
-std::vector<Result> sweep(Communicator& c, const Options& o) {
-  const size_t lo = o.lo, hi = o.hi;
+std::vector<Result> sweep(Communicator& c, const Options& o, const std::vector<OpPlan>& plan) {
   const int n = c.size();
   std::vector<Result> results;
-  for (const std::string& name : o.ops) {
-    auto op = make_op(name);
-    for (size_t bytes = lo; bytes <= hi; bytes *= 2) {
+  for (const OpPlan& p : plan) {
+    auto op = make_op(p.op);
+    for (const size_t bytes : p.sizes) {
       const size_t count = op->count_for(bytes, n);
-      if (count == 0) continue;
       op->prepare(c, count);
       for (int i = 0; i < o.warmup; ++i) op->run(c, count);
       c.barrier();
@@ -260,7 +338,7 @@ std::vector<Result> sweep(Communicator& c, const Options& o) {
         c.all_reduce(&wrong, 1, DType::i64, ReduceOp::sum);
       }
       Result r;
-      r.op = name;
+      r.op = p.op;
       r.count = count;
       r.bytes = op->size_of(count, n);
       r.time_us = per_call * 1e6;
@@ -273,10 +351,14 @@ std::vector<Result> sweep(Communicator& c, const Options& o) {
   return results;
 }
 
-void print(const std::vector<Result>& results, const Options& o, const std::string& backend,
-           int ranks) {
+void print(const std::vector<Result>& results, const std::vector<OpPlan>& plan, const Options& o,
+           const std::string& backend, int ranks) {
   std::printf("# bench_comm: backend %s, %d ranks, %d iters, %d warmup, check %s\n",
               backend.c_str(), ranks, o.iters, o.warmup, o.no_check ? "off" : "on");
+  for (const OpPlan& p : plan)
+    if (!p.skipped.empty())
+      std::printf("# skipped: %s at %s (it needs at least %zu B: %s)\n", p.op.c_str(),
+                  sizes_text(p.skipped).c_str(), p.min_bytes, p.min_bytes_why.c_str());
   std::string last;
   for (const Result& r : results) {
     if (r.op != last) {
@@ -291,8 +373,8 @@ void print(const std::vector<Result>& results, const Options& o, const std::stri
   std::fflush(stdout);
 }
 
-void write_json(const std::vector<Result>& results, const Options& o, const std::string& backend,
-                int ranks) {
+void write_json(const std::vector<Result>& results, const std::vector<OpPlan>& plan,
+                const Options& o, const std::string& backend, int ranks) {
   nlohmann::json j;
   j["bench"] = "comm";
   j["backend"] = backend;
@@ -310,15 +392,18 @@ void write_json(const std::vector<Result>& results, const Options& o, const std:
                             {"busbw_gbs", r.busbw},
                             {"wrong", r.wrong}});
   }
+  j["skipped"] = nlohmann::json::array();
+  for (const OpPlan& p : plan)
+    if (!p.skipped.empty())
+      j["skipped"].push_back({{"op", p.op}, {"bytes", p.skipped}, {"min_bytes", p.min_bytes}});
   write_output(o.json, j.dump(2) + "\n");  // atomically, every write checked (loom/io.h)
 }
 
-int run(Options& o) {
-  const bool use_mpi = o.backend == "mpi" || (o.backend == "auto" && launched_by_mpirun());
-  LOOM_CHECK(o.iters >= 1 && o.warmup >= 0, InvalidArgument,
-             "--iters must be >= 1 and --warmup >= 0, got " << o.iters << " and " << o.warmup);
-  check_options(o, use_mpi ? 1 : o.ranks);
+// The sweep (options checked in main): on the MPI backend, or on the local one with o.ranks
+// ranks. The table and --json come from rank 0.
+int run(const Options& o, bool use_mpi) {
   std::vector<Result> results;
+  std::vector<OpPlan> plan;
   int ranks = 0;
   bool failed = false;
   int64_t wrong = 0;
@@ -326,22 +411,31 @@ int run(Options& o) {
     auto world = mpi_world();
     if (o.timeout_s > 0) world->set_timeout_s(o.timeout_s);
     ranks = world->size();
-    results = sweep(*world, o);
+    plan = plan_sweep(o, ranks);  // the same on every rank: each refuses, rank 0 says why
+    if (const std::string why = nothing_measured(o, plan, ranks); !why.empty()) {
+      if (world->rank() == 0) std::fprintf(stderr, "bench_comm: %s\n", why.c_str());
+      return 2;
+    }
+    results = sweep(*world, o, plan);
     if (world->rank() != 0) return 0;
   } else {
-    LOOM_CHECK_GE(o.ranks, 1, InvalidArgument, "--ranks must be positive");
     ranks = o.ranks;
+    plan = plan_sweep(o, ranks);
+    if (const std::string why = nothing_measured(o, plan, ranks); !why.empty()) {
+      std::fprintf(stderr, "bench_comm: %s\n", why.c_str());
+      return 2;
+    }
     run_local(
         o.ranks,
         [&](Communicator& c) {
-          auto mine = sweep(c, o);
+          auto mine = sweep(c, o, plan);
           if (c.rank() == 0) results = std::move(mine);
         },
         {}, o.timeout_s);
   }
   const std::string backend = use_mpi ? "mpi" : "local";
-  print(results, o, backend, ranks);
-  if (!o.json.empty()) write_json(results, o, backend, ranks);
+  print(results, plan, o, backend, ranks);
+  if (!o.json.empty()) write_json(results, plan, o, backend, ranks);
   for (const Result& r : results) wrong += std::max<int64_t>(r.wrong, 0);
   failed = wrong > 0;
   if (failed) std::fprintf(stderr, "bench_comm: %lld wrong elements\n", (long long)wrong);
@@ -356,10 +450,12 @@ int main(int argc, char** argv) {
   CLI::App app{"bench_comm: nccl-tests style benchmark of loom's communication backends"};
   // Values checked before anything runs (--ranks 0 printed an internal expression, --timeout -1
   // was taken, --json onto a directory failed after the sweep).
-  app.add_option("--ranks", o.ranks, "ranks of the local backend (threads)")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--backend", o.backend, "auto (mpi under mpirun, else local), local or mpi")
+  auto* ranks = app.add_option("--ranks", o.ranks,
+                               "ranks of the local backend (threads; under mpirun, -np sets them)")
+                    ->check(CLI::Range(1, 1024))
+                    ->capture_default_str();
+  app.add_option("--backend", o.backend,
+                 "auto (mpi under mpirun, else local), local (not under mpirun) or mpi")
       ->check(CLI::IsMember({"auto", "local", "mpi"}));
   app.add_option("--min-bytes,-b", o.min_bytes,
                  "smallest size (bytes; K, M, G suffixes, KiB etc. too)");
@@ -373,7 +469,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--ops", o.ops,
                  "ring_step, all_to_all, all_gather, all_reduce (checked before "
-                 "anything runs)")
+                 "anything runs; each runs once)")
       ->delimiter(',');
   app.add_flag("--no-check", o.no_check, "skip the correctness check");
   app.add_option("--json", o.json,
@@ -381,21 +477,58 @@ int main(int argc, char** argv) {
                  "goes to standard error)");
   app.add_option("--timeout", o.timeout_s, "seconds before a wait fails (default LOOM_TIMEOUT_S)")
       ->check(CLI::Range(1e-3, 1e9));
-  if (const auto rc = loom::parse_command_line(app, argc, argv, "bench_comm")) return *rc;
+  // Under mpirun every process runs this command line, and its errors were printed once per
+  // rank: an error of the command line itself (the same on every rank) is printed by rank 0
+  // alone, the others exit with the same status; --json is rank 0's file, checked there alone.
+  const bool mpirun = loom::launched_by_mpirun();
+  const long rank = mpirun ? loom::launcher_rank() : -1;
+  const bool root = rank <= 0;
+  if (const auto rc = loom::parse_command_line(app, argc, argv, "bench_comm", !root)) return *rc;
+  o.ranks_given = ranks->count() > 0;
+  auto refuse = [&](int code, const std::string& what) {
+    if (root) std::fprintf(stderr, "bench_comm: %s\n", what.c_str());
+    return code;
+  };
+  const bool use_mpi = o.backend == "mpi" || (o.backend == "auto" && mpirun);
+  if (use_mpi && o.ranks_given)  // it was ignored
+    return refuse(2, mpirun ? "--ranks is for the local backend; under mpirun the number of ranks "
+                              "is mpirun's -np (drop --ranks)"
+                            : "--ranks is for the local backend; --backend mpi takes the ranks "
+                              "mpirun starts (drop --ranks, or run under mpirun)");
+  if (o.backend == "local" && mpirun)  // every process ran its own sweep, table and --json
+    return refuse(2,
+                  "--backend local under mpirun: each process would run a sweep of its own, print "
+                  "its own table and write the same --json; run it without mpirun (or drop "
+                  "--backend local for the MPI backend)");
   try {
-    if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
+    loom::check_options(o);
+  } catch (const loom::Error& e) {
+    return refuse(1, e.what());
+  }
+  try {
+    // This node's memory, which may differ between ranks: a rank above 0 says its own after two
+    // seconds, by when a failed rank 0 has ended the job (one line, not one per rank).
+    loom::check_buffers_fit(o, use_mpi ? 1 : o.ranks);
+    if (root && !o.json.empty()) loom::check_output_writable(o.json, "--json");
+  } catch (const loom::Error& e) {
+    if (!root) std::this_thread::sleep_for(std::chrono::seconds(2));
+    std::fprintf(stderr, "bench_comm: %s%s\n",
+                 root ? "" : ("rank " + std::to_string(rank) + ": ").c_str(), e.what());
+    return 1;
+  }
+  try {
     // --json -: the JSON alone on standard output, the table on standard error (both went to
     // standard output, unparseable).
-    o.json = loom::json_alone_on_stdout(o.json);
-    return loom::run(o);
+    if (root) o.json = loom::json_alone_on_stdout(o.json);
+    return loom::run(o, use_mpi);
   } catch (const std::bad_alloc&) {  // the estimate above leaves out the backend's staging
     std::fprintf(stderr, "bench_comm: out of memory at a size up to --max-bytes %s; lower it\n",
                  o.max_bytes.c_str());
-    if (loom::launched_by_mpirun()) loom::mpi_abort(1);
+    if (mpirun) loom::mpi_abort(1);
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_comm: %s\n", e.what());
-    if (loom::launched_by_mpirun()) loom::mpi_abort(1);
+    if (mpirun) loom::mpi_abort(1);
     return 1;
   }
 }

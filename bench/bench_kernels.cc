@@ -18,9 +18,12 @@
 // fastest call's rate over that: on a shared machine whose speed moves 10-25 % from minute to
 // minute, windows among the calls keep both from the same seconds.
 //
-// Before timing, a small problem (S = 256, causal, GQA, tiles that do not divide S) is checked
-// against the fp64 reference (relative norm error <= 1e-5, the kFp32RelTol of the tests); a
-// failed check exits non-zero. --no-check skips it.
+// Before timing, every configuration the run times (each --dtype, --dim and mask, each thread
+// count, --block-q x --block-k, the kernel path, the GQA group of --heads / --kv-heads) is checked
+// on a small problem of its kind (S about 1.5 tiles, tiles that do not divide it) against the fp64
+// reference, within loom/tolerance.h's tolerances (the fixed ones where they hold, else the
+// problem's own bounds); a failed check is one line on standard error and exit 1, nothing timed.
+// --no-check skips it.
 //
 // Where /usr/bin/python3 (or --torch-python) can import torch, PyTorch attention, eager
 // (bench/torch_compare.py: its scaled dot product attention and the textbook formulation
@@ -32,8 +35,9 @@
 // anything is timed). PyTorch runs every head's own k and v (no GQA: with --kv-heads below
 // --heads its rows are skipped, --torch refuses), and its rows are matched to loom's by the whole
 // shape. Where CMake found a ggml build (-DLOOM_GGML_DIR, bench/kernels.cmake),
-// ggml's CPU flash attention (bench/ggml_compare.cc: forward only, fp32 k and v, its own check
-// against the fp64 reference) runs on each fp32 one-thread shape too, printed beneath as `ggml`
+// ggml's CPU flash attention (bench/ggml_compare.cc: forward only, fp32 k and v, --kv-heads
+// broadcast as GQA, its own check against the fp64 reference) runs on each fp32 one-thread shape
+// too, printed beneath as `ggml`
 // with loom's row's sgemm; --no-ggml leaves it out. ggml is not in Debian, so by default these rows
 // are not built.
 //
@@ -53,6 +57,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -66,6 +71,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -79,6 +85,7 @@
 #include "loom/io.h"
 #include "loom/tensor.h"
 #include "loom/timer.h"
+#include "loom/tolerance.h"
 
 #if LOOM_BENCH_OPENBLAS
 #include <cblas.h>
@@ -86,8 +93,6 @@
 
 namespace loom {
 namespace {
-
-constexpr double kCheckTol = 1e-5;  // = kFp32RelTol of tests/unit/tolerance.h
 
 struct Options {
   std::vector<int64_t> seqs = {4096};
@@ -395,6 +400,33 @@ class Problem {
     attend_backward(q_.view3(), k_.view3(), v_.view3(), dout_.view3(), lse_.data(), delta_.data(),
                     sq_, qt_, kt_, cfg_, dq_.view3(), dk_.view3(), dv_.view3());
   }
+  // For the check (check_runs): one forward and one backward into zeroed gradients (backward
+  // accumulates), the results as fp32 in the order out, lse, dq, dk, dv.
+  std::array<std::vector<float>, 5> results(int threads) {
+    forward(threads);
+    prepare_backward();
+    for (Tensor<float>* g : {&dq_, &dk_, &dv_}) std::fill(g->vec().begin(), g->vec().end(), 0.0f);
+    backward(threads);
+    std::vector<float> out;
+    if constexpr (std::is_same_v<T, float>)
+      out = out_.vec();
+    else
+      out = convert<float>(out_).vec();
+    return {out, lse_, dq_.vec(), dk_.vec(), dv_.vec()};
+  }
+  // q, k, v, dout as the fp64 reference takes them: exactly the values the kernels read.
+  std::array<Tensor<double>, 4> inputs_f64() const {
+    auto f64 = [](const Tensor<T>& x) {
+      if constexpr (std::is_same_v<T, float>)
+        return convert<double>(x);
+      else
+        return convert<double>(convert<float>(x));
+    };
+    return {f64(q_), f64(k_), f64(v_), f64(dout_)};
+  }
+  Tokens qt() const { return qt_; }
+  Tokens kt() const { return kt_; }
+  const KernelConfig& config() const { return cfg_; }
 
  private:
   int64_t sq_;
@@ -432,41 +464,128 @@ Row run_shape(const Options& o, const std::string& dtype, int64_t sq, int64_t sk
 // ---------------------------------------------------------------------------------------------
 // Correctness check
 
-// The largest relative error of out, lse, dq, dk, dv on a small zigzag-shaped problem.
-double check(int threads) {
-  const int64_t s = 256, h = 4, hkv = 2, d = 64;
-  const Tensor<float> q = random_normal({s, h, d}, 21), k = random_normal({s, hkv, d}, 22),
-                      v = random_normal({s, hkv, d}, 23), dout = random_normal({s, h, d}, 24);
-  // Rank 1 of 4 in a zigzag layout of 1024 tokens: chunks 1 and 6 of 128.
-  std::vector<int64_t> pos(static_cast<size_t>(s));
-  for (int64_t i = 0; i < s; ++i) pos[i] = i < 128 ? 128 + i : 6 * 128 + (i - 128);
-  const Tokens t{pos.data(), nullptr, s};
-  KernelConfig cfg;
-  cfg.mask = Mask{true, 0};
-  cfg.scale = 0.125f;
-  cfg.threads = threads;
-  cfg.block_q = 48;
-  cfg.block_k = 40;
-  SoftmaxState st(s, h, d);
-  attend(st.view(), q.view3(), k.view3(), v.view3(), t, t, cfg);
-  Tensor<float> out({s, h, d}), dq({s, h, d}), dk({s, hkv, d}), dv({s, hkv, d});
-  std::vector<float> lse(static_cast<size_t>(h * s)), delta(static_cast<size_t>(h * s));
-  finish(st.view(), out.view3(), lse.data(), s);
-  compute_delta(out.view3(), dout.view3(), delta.data(), s);
-  attend_backward(q.view3(), k.view3(), v.view3(), dout.view3(), lse.data(), delta.data(), s, t, t,
-                  cfg, dq.view3(), dk.view3(), dv.view3());
+// Before timing, every configuration the run times is checked against the fp64 reference on a
+// small problem of its own kind: its dtype, head dim, mask, GQA group (--heads over --kv-heads),
+// thread count, tiles (--block-q x --block-k) and kernel path, run by the timed rows' own
+// Problem class on S = check_seq() tokens. The tolerances are loom/tolerance.h's, applied as
+// `loom attn --check` applies them: the fixed ones where they hold for the problem
+// (fixed_tolerance_exclusion; fp32 kFp32RelTol, bf16 kBf16OutRelTol, kBf16GradRelTol and, on the
+// widening paths, kFp32RelTol for dv), else the problem's own bounds (fp32_error_bounds,
+// bf16_error_bounds with the path's bf16 dots). The check once ran fp32 alone, on 48 x 40 tiles
+// and the all-threads count: the bf16 rows (on an AMX CPU tile_ops_amx.cc, separate code) and
+// --block-q / --block-k were timed and judged unchecked.
 
-  const Tensor<double> qd = convert<double>(q), kd = convert<double>(k), vd = convert<double>(v),
-                       dd = convert<double>(dout);
+// S of the check problems: along queries and keys a full tile and a ragged one where the blocks
+// allow (S a multiple of neither, below twice the larger), at most kCheckMaxSeq so that a large
+// block keeps the check cheap (one ragged tile then).
+constexpr int64_t kCheckMaxSeq = 320;
+
+int64_t check_seq(const Options& o) {
+  const int64_t big = std::max(o.block_q, o.block_k), small = std::min(o.block_q, o.block_k);
+  int64_t s = big + small / 2 + 1;
+  for (int64_t t = s; t < 2 * big; ++t) {
+    if (t % o.block_q != 0 && t % o.block_k != 0) {
+      s = t;
+      break;
+    }
+  }
+  return std::min(s, kCheckMaxSeq);
+}
+
+// The check problems' heads: the run's GQA group (--heads / --kv-heads query heads per kv head)
+// over at most two kv heads.
+Options check_heads(const Options& o) {
+  Options c = o;
+  c.kv_heads = std::min<int64_t>(o.kv_heads, 2);
+  c.heads = o.heads / o.kv_heads * c.kv_heads;
+  return c;
+}
+
+std::string sci(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2e", x);
+  return buf;
+}
+
+struct CheckOutcome {
+  nlohmann::json cases = nlohmann::json::array();
+  std::string failed;      // the first failure, as its line says it ("": none)
+  double worst = 0;        // the largest error / limit of the checks
+  std::string worst_what;  // which check and tensor
+};
+
+// The check of one dtype, head dim and mask at each of thread_counts (one reference for all),
+// appended to c; stops at the first failure.
+template <class T>
+void check_config(const Options& o, const std::string& dtype, int64_t d, bool causal,
+                  const std::vector<int>& thread_counts, CheckOutcome& c) {
+  static constexpr const char* kNames[5] = {"out", "lse", "dq", "dk", "dv"};
+  constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  const Options co = check_heads(o);
+  const int64_t s = check_seq(o), h = co.heads, hkv = co.kv_heads;
+  Problem<T> p(co, s, s, d, causal);
+  const std::array<Tensor<double>, 4> in = p.inputs_f64();
+  const View3<const double> q = in[0].view3(), k = in[1].view3(), v = in[2].view3(),
+                            dout = in[3].view3();
+  const KernelConfig& cfg = p.config();
   Tensor<double> ref_out({s, h, d}), ref_dq({s, h, d}), ref_dk({s, hkv, d}), ref_dv({s, hkv, d});
   std::vector<double> ref_lse(static_cast<size_t>(h * s));
-  reference_forward(qd.view3(), kd.view3(), vd.view3(), t, t, cfg.mask, cfg.scale, ref_out.view3(),
-                    ref_lse.data());
-  reference_backward(qd.view3(), kd.view3(), vd.view3(), dd.view3(), t, t, cfg.mask, cfg.scale,
-                     ref_dq.view3(), ref_dk.view3(), ref_dv.view3());
-  return std::max({rel_error(out.vec(), ref_out.vec()), rel_error(lse, ref_lse),
-                   rel_error(dq.vec(), ref_dq.vec()), rel_error(dk.vec(), ref_dk.vec()),
-                   rel_error(dv.vec(), ref_dv.vec())});
+  reference_forward(q, k, v, p.qt(), p.kt(), cfg.mask, cfg.scale, ref_out.view3(), ref_lse.data());
+  reference_backward(q, k, v, dout, p.qt(), p.kt(), cfg.mask, cfg.scale, ref_dq.view3(),
+                     ref_dk.view3(), ref_dv.view3());
+  const std::array<const std::vector<double>*, 5> ref = {&ref_out.vec(), &ref_lse, &ref_dq.vec(),
+                                                         &ref_dk.vec(), &ref_dv.vec()};
+  const std::string why =
+      fixed_tolerance_exclusion(q, k, p.qt(), p.kt(), cfg.mask, cfg.scale, kBf16);
+  const bool dots = kBf16 && kernel_path_bf16_dots();
+  std::array<double, 5> limit{};
+  if (why.empty() && kBf16) {
+    limit = {kBf16OutRelTol, kFp32RelTol, kBf16GradRelTol, kBf16GradRelTol,
+             dots ? kBf16GradRelTol : kFp32RelTol};
+  } else if (why.empty()) {
+    limit.fill(kFp32RelTol);
+  } else if (kBf16) {
+    const Bf16Bounds b = bf16_error_bounds(q, k, v, dout, p.qt(), p.kt(), cfg.mask, cfg.scale, dots,
+                                           /*loom_kernels=*/true);
+    limit = {b.out, b.lse, b.dq, b.dk, b.dv};
+  } else {
+    const Fp32Bounds b = fp32_error_bounds(q, k, v, dout, p.qt(), p.kt(), cfg.mask, cfg.scale,
+                                           /*loom_kernels=*/true);
+    limit = {b.out, b.lse, b.dq, b.dk, b.dv};
+  }
+  const std::string tolerance =
+      why.empty() ? "the fixed tolerance" : "the problem's own bound (" + why + ")";
+  // LOOM_TEST_BENCH_CHECK_FAIL=<dtype>: the tests' way to see a failed check end the run before
+  // anything is timed (that dtype's dq negated, a sign error).
+  const char* fail = std::getenv("LOOM_TEST_BENCH_CHECK_FAIL");
+  for (const int threads : thread_counts) {
+    std::array<std::vector<float>, 5> got = p.results(threads);
+    if (fail != nullptr && dtype == fail)
+      for (float& x : got[2]) x = -x;
+    const std::string what = dtype + " D=" + std::to_string(d) + (causal ? " causal " : " full ") +
+                             std::to_string(threads) + " thr";
+    nlohmann::json errors, limits;
+    for (int i = 0; i < 5; ++i) {
+      const double e = rel_error(got[i], *ref[i]);
+      errors[kNames[i]] = e;
+      limits[kNames[i]] = limit[i];
+      if (!(e <= limit[i]) && c.failed.empty())
+        c.failed = what + ": " + kNames[i] + " relative error " + sci(e) + " > " + sci(limit[i]) +
+                   ", " + tolerance;
+      if (e / limit[i] > c.worst) {
+        c.worst = e / limit[i];
+        c.worst_what = what + " " + kNames[i];
+      }
+    }
+    c.cases.push_back({{"dtype", dtype},
+                       {"dim", d},
+                       {"causal", causal},
+                       {"threads", threads},
+                       {"tolerance", why.empty() ? "fixed" : "per-problem bound"},
+                       {"errors", errors},
+                       {"limits", limits}});
+    if (!c.failed.empty()) return;
+  }
 }
 
 // The JSON's description of the sgemm the ratios divide by.
@@ -479,16 +598,60 @@ nlohmann::json gemm_doc(const Options& o) {
   return g;
 }
 
-// The correctness check before timing (unless --no-check): prints one line and records it in doc;
-// false when it failed.
-bool run_check(const Options& o, int threads, nlohmann::json& doc) {
+// "a, b and c" of the values.
+template <class V>
+std::string listed(const std::vector<V>& values) {
+  std::ostringstream s;
+  for (size_t i = 0; i < values.size(); ++i)
+    s << (i == 0 ? "" : i + 1 == values.size() ? " and " : ", ") << values[i];
+  return s.str();
+}
+
+// The check before timing (unless --no-check) of every dtype and --dim of the run, at each of
+// `masks` (causal or not) and thread_counts: one line and doc["check"] when every check holds;
+// else one line on standard error naming the first failure, nothing timed, and false.
+bool run_check(const Options& o, const std::vector<bool>& masks,
+               const std::vector<int>& thread_counts, nlohmann::json& doc) {
   if (o.no_check) return true;
-  const double err = check(threads);
-  const bool ok = err <= kCheckTol;
-  std::printf("check: %s (max relative error %.2e vs fp64 reference, limit %.0e)\n",
-              ok ? "ok" : "FAILED", err, kCheckTol);
-  doc["check"] = {{"ok", ok}, {"max_rel_error", err}};
-  return ok;
+  CheckOutcome c;
+  for (const std::string& dtype : o.dtypes)
+    for (const int64_t d : o.dims)
+      for (const bool causal : masks) {
+        if (!c.failed.empty()) break;
+        if (dtype == "bf16")
+          check_config<bf16>(o, dtype, d, causal, thread_counts, c);
+        else
+          check_config<float>(o, dtype, d, causal, thread_counts, c);
+      }
+  const Options co = check_heads(o);
+  const int64_t s = check_seq(o);
+  std::vector<std::string> mask_names;
+  for (const bool causal : masks) mask_names.push_back(causal ? "causal" : "full");
+  const std::string where = "blocks " + std::to_string(o.block_q) + " x " +
+                            std::to_string(o.block_k) + ", " + kernel_path() +
+                            " path, S=" + std::to_string(s) + " H=" + std::to_string(co.heads) +
+                            " Hkv=" + std::to_string(co.kv_heads);
+  if (!c.failed.empty()) {
+    std::fprintf(stderr,
+                 "bench_kernels: check FAILED against the fp64 reference, nothing timed: %s (%s) "
+                 "(--no-check skips the check)\n",
+                 c.failed.c_str(), where.c_str());
+    return false;
+  }
+  std::printf(
+      "check: ok, %zu configurations against the fp64 reference before timing (%s; D %s; %s; %s "
+      "thr; %s), each within its tolerance (loom/tolerance.h); closest: %s at %.2f of its limit\n",
+      c.cases.size(), listed(o.dtypes).c_str(), listed(o.dims).c_str(), listed(mask_names).c_str(),
+      listed(thread_counts).c_str(), where.c_str(), c.worst_what.c_str(), c.worst);
+  doc["check"] = {{"ok", true},
+                  {"kernel_path", kernel_path()},
+                  {"block", {o.block_q, o.block_k}},
+                  {"seq", s},
+                  {"heads", co.heads},
+                  {"kv_heads", co.kv_heads},
+                  {"worst_fraction_of_limit", c.worst},
+                  {"cases", c.cases}};
+  return true;
 }
 
 // What a target's value divides (its "basis" in the JSON, its tag in the printed line): a row's
@@ -654,8 +817,11 @@ int run_tile_ops(const Options& o) {
   std::printf("sgemm (%s) %lld x %lld x %lld: %.1f GFLOP/s\n", kGemmName,
               static_cast<long long>(bq), static_cast<long long>(bk), static_cast<long long>(dp),
               gemm_flops / t_blas * 1e-9);
-  std::printf("%-11s %9s %9s %9s %9s | %10s %10s %10s %10s\n", "target", "q k^T", "p v", "p^T do",
-              "ds^T q", "softmax ns", "max grew", "probs ns", "ds ns");
+  // One column for the backward's dv += p^T dout and dk += ds^T q: the same call on operands of
+  // the same shapes and layout (A [bq, bk] read transposed, B [bq, D]), which it once timed twice
+  // as two columns.
+  std::printf("%-11s %9s %9s %9s | %10s %10s %10s %10s\n", "target", "q k^T", "p v", "p^T do",
+              "softmax ns", "max grew", "probs ns", "ds ns");
   std::vector<float> m(bq), l(bq), lse(bq, 0.0f), delta(bq, 0.1f);
   Tensor<float> s({bq, bk}), acc({bq, dp});
   for (const kernels::KernelTarget& t : kernels::kernel_targets()) {
@@ -665,15 +831,13 @@ int run_tile_ops(const Options& o) {
     }
     const kernels::TileOps& ops = *t.ops;
     auto rate = [&](auto&& f) { return gemm_flops / best_short(f, reps) * 1e-9; };
-    // s = q k^T (q [bq, dp] rows, k^T [dp, bk]); acc += p v; dv += p^T dout (A read transposed);
-    // dk += ds^T q.
+    // s = q k^T (q [bq, dp] rows, k^T [dp, bk]); acc += p v; dv += p^T dout (A read transposed),
+    // which times dk += ds^T q too (the same call).
     const double g_qk = rate(
         [&] { ops.gemm(bq, bk, dp, a.data(), dp, 1, b.data(), bk, 0.1f, false, s.data(), bk); });
     const double g_pv = rate(
         [&] { ops.gemm(bq, dp, bk, a.data(), bk, 1, b.data(), dp, 1.0f, true, acc.data(), dp); });
     const double g_pt = rate(
-        [&] { ops.gemm(bk, dp, bq, a.data(), 1, bk, b.data(), dp, 1.0f, true, c.data(), dp); });
-    const double g_dk = rate(
         [&] { ops.gemm(bk, dp, bq, a.data(), 1, bk, b.data(), dp, 1.0f, true, c.data(), dp); });
     // q k^T with k^T read from a pool of 256 tiles (32 MiB, beyond L2 and most L3s) as the
     // forward reads a long KV block: the GEMM with its B operand streaming from memory.
@@ -718,14 +882,14 @@ int run_tile_ops(const Options& o) {
         best_short([&] { ops.probs(bq, bk, bq, bk, lse.data(), s.data()); }, reps);
     const double t_ds =
         best_short([&] { ops.ds(s.data(), delta.data(), 0.1f, bq, bk, c.data()); }, reps);
-    std::printf("%-11s %9.1f %9.1f %9.1f %9.1f | %10.2f %10.2f %10.2f %10.2f\n", t.name, g_qk, g_pv,
-                g_pt, g_dk, t_soft * per_elem, t_grew * per_elem, t_probs * per_elem,
-                t_ds * per_elem);
+    std::printf("%-11s %9.1f %9.1f %9.1f | %10.2f %10.2f %10.2f %10.2f\n", t.name, g_qk, g_pv, g_pt,
+                t_soft * per_elem, t_grew * per_elem, t_probs * per_elem, t_ds * per_elem);
   }
   std::printf(
-      "(GEMM columns: GFLOP/s; ns columns: per score of the tile; softmax: the steady-state step, "
-      "the running max already at the tile's; max grew: every row's max grew, acc [bq, D] "
-      "rescaled)\n");
+      "(GEMM columns: GFLOP/s; p^T do is also ds^T q, the same call on tiles of the same shapes "
+      "(A read transposed, B row-major); ns columns: per score of the tile; softmax: the "
+      "steady-state step, the running max already at the tile's; max grew: every row's max grew, "
+      "acc [bq, D] rescaled)\n");
   return 0;
 }
 
@@ -910,14 +1074,17 @@ nlohmann::json torch_row(const Options& o, int64_t sq, int64_t d, bool causal, s
 }
 
 // ggml's forward on one shape (ggml_compare, where a ggml build was found), fp32 k and v, one
-// thread, reps timed calls, right after loom's and PyTorch's rows of the shape.
+// thread, reps timed calls, right after loom's and PyTorch's rows of the shape. With --kv-heads:
+// ggml broadcasts k and v over the query heads as loom does (it was given --heads alone, and its
+// row beside a GQA row timed every head's own k and v).
 nlohmann::json ggml_row(const Options& o, int64_t sq, int64_t d, bool causal, size_t reps) {
   const std::string path = temp_json("ggml");
   const std::string cmd =
       "timeout -k 10 " + std::to_string(kGgmlTimeoutS) + " " + shell_quote(LOOM_GGML_COMPARE) +
       " --seq " + std::to_string(sq) + " --dim " + std::to_string(d) + " --heads " +
-      std::to_string(o.heads) + " --mask " + (causal ? "causal" : "full") + " --kv-type fp32" +
-      " --threads 1 --reps " + std::to_string(reps) + " --json " + shell_quote(path) + " 2>&1";
+      std::to_string(o.heads) + " --kv-heads " + std::to_string(o.kv_heads) + " --mask " +
+      (causal ? "causal" : "full") + " --kv-type fp32" + " --threads 1 --reps " +
+      std::to_string(reps) + " --json " + shell_quote(path) + " 2>&1";
   const nlohmann::json gj = child_row("ggml", cmd, path.c_str(), kGgmlTimeoutS);
   nlohmann::json row = gj["results"][0];
   row["ggml"] = gj.value("ggml", std::string("?"));
@@ -1041,7 +1208,7 @@ int run(const Options& o, const TorchPlan& tp) {
   doc["gemm"] = gemm_doc(o);
   doc["block"] = {o.block_q, o.block_k};
 
-  if (!run_check(o, all, doc)) return 1;
+  if (!run_check(o, {false, true}, thread_counts, doc)) return 1;
 
   {
     std::string all;
@@ -1119,7 +1286,7 @@ int run(const Options& o, const TorchPlan& tp) {
       nlohmann::json g = ggml_row(o, sq, d, causal, r.fwd.call_s.size());
       const double gf = g.value("fwd_gflops", 0.0);
       g["loom_over_ggml_fwd"] = gf > 0 ? r.fwd_gflops() / gf : 0.0;
-      print_row("ggml", sq, sk, o.heads, o.heads, d, causal, threads, g.value("fwd_s", 0.0), gf,
+      print_row("ggml", sq, sk, o.heads, o.kv_heads, d, causal, threads, g.value("fwd_s", 0.0), gf,
                 r.fwd_gemm(), 0.0, 0.0, 0.0);
       ggml_rows.push_back(g);
     }
@@ -1395,11 +1562,15 @@ int run(const Options& o, const TorchPlan& tp) {
     std::printf("\nloom / ggml %s (ggml_flash_attn_ext, forward), same shapes:\n",
                 ggml_rows[0].value("ggml", std::string("?")).c_str());
     for (const auto& g : ggml_rows)
-      std::printf("  fp32 Sq=%lld D=%lld %s 1 thr: ggml %.1f GFLOP/s, loom / ggml %.2f\n",
-                  static_cast<long long>(g.value("seq", int64_t{0})),
-                  static_cast<long long>(g.value("dim", int64_t{0})),
-                  g.value("mask", std::string()).c_str(), g.value("fwd_gflops", 0.0),
-                  g.value("loom_over_ggml_fwd", 0.0));
+      std::printf(
+          "  fp32 Sq=%lld H=%lld Hkv=%lld D=%lld %s 1 thr: ggml %.1f GFLOP/s, loom / ggml "
+          "%.2f\n",
+          static_cast<long long>(g.value("seq", int64_t{0})),
+          static_cast<long long>(g.value("heads", int64_t{0})),
+          static_cast<long long>(g.value("kv_heads", int64_t{0})),
+          static_cast<long long>(g.value("dim", int64_t{0})),
+          g.value("mask", std::string()).c_str(), g.value("fwd_gflops", 0.0),
+          g.value("loom_over_ggml_fwd", 0.0));
     doc["ggml"] = ggml_rows;
   }
   doc["targets"] = targets;
@@ -1469,7 +1640,7 @@ int run_thread_scaling(const Options& o) {
                  << n << (o.threads > 0 ? "" : " (OpenMP's default on this machine)"));
   nlohmann::json doc;
   doc["gemm"] = gemm_doc(o);
-  if (!run_check(o, n, doc)) return 1;
+  if (!run_check(o, {false}, {1, n}, doc)) return 1;
   const int64_t s = o.seqs.back();
   const std::string path = kernel_path();
   std::printf(
@@ -1606,7 +1777,8 @@ int main(int argc, char** argv) {
   app.add_option("--min-time", o.min_time, "seconds of repetitions per measurement")
       ->check(CLI::Range(1e-3, 3600.0))
       ->capture_default_str();
-  app.add_flag("--no-check", o.no_check, "skip the correctness check");
+  app.add_flag("--no-check", o.no_check,
+               "skip the check of every timed configuration against the fp64 reference");
   auto* torch_json = app.add_option(
       "--torch-json", o.torch_json,
       "bench/torch_compare.py --json output on the same shapes: adds the PyTorch ratios (read "

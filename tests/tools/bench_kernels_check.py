@@ -16,7 +16,12 @@ and checks from each run's --json that
   - the sgemm lines appear for D = 128 only, and the D = 64 / D = 128 line appears once per kind;
   - each line carries its path's goal, and a path shows only its own list's lines;
   - "met" is value >= target;
-and that --heads not a multiple of --kv-heads, and each out-of-range value, is one error line
+  - the check before timing covered every timed configuration (each row's dtype, D, mask and
+    thread count, at the run's blocks, kernel path and GQA group), within its limits;
+and that a failed check of either dtype (LOOM_TEST_BENCH_CHECK_FAIL, with --block-q 32
+--block-k 48, which the check must use) is one line on stderr, exit 1, nothing timed, no --json;
+that --tile-ops has one GEMM column per distinct call (p^T do and ds^T q were the same call); and
+that --heads not a multiple of --kv-heads, and each out-of-range value, is one error line
 and a non-zero exit before anything runs; that an option a mode (--tile-ops, --sgemm-window,
 --thread-scaling) does not use, or a --torch-python no Python is run with, is one line naming both
 and exit 2; that --json - leaves the JSON alone on standard output; that a 3-thread sweep's sgemm
@@ -117,6 +122,38 @@ def check_printed(stdout, doc, path):
                        f"{'met' if t['met'] else 'NOT met'} for the value {t['value']}")
         elif (float(shown) >= goal) != t["met"]:
             bad.append(f"'{line}': the printed value reads as the other verdict")
+    return bad
+
+
+def check_covers_rows(doc, what):
+    """The check before timing covered every configuration the run timed: each row's dtype, D,
+    mask (ring-step rows: full) and thread count, at the run's blocks and kernel path, with the
+    run's GQA group, each case within its limits; returns failures. (It checked fp32 alone, on
+    48 x 40 tiles and the all-threads count: bf16 rows and --block-q / --block-k went unchecked.)"""
+    c = doc.get("check", {})
+    cases = c.get("cases", [])
+    bad = []
+    if not c.get("ok") or not cases:
+        return [f"{what}: no check cases before timing: {c}"]
+    if c.get("block") != doc.get("block", [64, 64]) or c.get("kernel_path") != doc["kernel_path"]:
+        bad.append(f"{what}: checked blocks {c.get('block')} on {c.get('kernel_path')}, timed "
+                   f"{doc.get('block')} on {doc['kernel_path']}")
+    got = {(x["dtype"], x["dim"], x["causal"], x["threads"]) for x in cases}
+    rows = doc["results"] if "results" in doc else [
+        dict(x, causal=False) for x in doc["thread_scaling"]["results"]]
+    for x in rows:
+        threads = [1, x["threads"]] if "rounds" in x else [x["threads"]]
+        for t in threads:
+            if (x["dtype"], x["dim"], x["causal"], t) not in got:
+                bad.append(f"{what}: {x['dtype']} D={x['dim']} causal={x['causal']} {t} thr "
+                           f"timed, not checked (checked: {sorted(got)})")
+        if x["heads"] // x["kv_heads"] != c["heads"] // c["kv_heads"]:
+            bad.append(f"{what}: checked H={c['heads']} Hkv={c['kv_heads']}, timed "
+                       f"H={x['heads']} Hkv={x['kv_heads']}")
+    for x in cases:
+        over = [k for k in x["errors"] if not x["errors"][k] <= x["limits"][k]]
+        if over:
+            bad.append(f"{what}: check case {x} passed with {over} over the limit")
     return bad
 
 
@@ -239,6 +276,7 @@ def check_run(bench, work, kernel):
                         or "PyTorch" not in hits[0].get("needs", "")):
                     bad.append(f"'{what}': {hits} (want one line, not measured, needing PyTorch)")
     bad += check_printed(r.stdout, doc, path)
+    bad += check_covers_rows(doc, f"LOOM_KERNEL={kernel}")
     if any(t["what"].startswith("fp32 fwd / row's sgemm") and t["what"].endswith("D=64")
            for t in targets):
         bad.append("an sgemm-ratio target at D = 64 (issue 10 sets them at D = 128)")
@@ -304,6 +342,7 @@ def check_scaling(bench, work):
             bad.append(f"--thread-scaling target {t} (loom's median {x['loom_median']}, goal 1.85)")
     if avx512 and targets:
         bad.append(f"--thread-scaling target lines on the {doc['kernel_path']} path: {targets}")
+    bad += check_covers_rows(doc, "--thread-scaling")
     if not avx512:
         bad += check_printed(r.stdout, doc, doc["kernel_path"])
     for args, needle in ((["--thread-scaling", "2", "--threads", "1"], "--threads gives 1"),
@@ -609,6 +648,66 @@ def check_scaling_other_count(bench, work, kernel):
     return bad + check_printed(r.stdout, doc, kernel)
 
 
+def check_checks(bench, work):
+    """The check before timing with --block-q 32 --block-k 48 and GQA: it covers each timed row
+    at those blocks; and a failed check (LOOM_TEST_BENCH_CHECK_FAIL=<dtype> negates that dtype's
+    dq in the check, a sign error) of either dtype is one line on stderr, exit 1, no row printed
+    and no --json written (the bf16 rows were never checked); returns failures."""
+    bad = []
+    tiny = [bench, "--seq", "64", "--dim", "32", "--dtype", "fp32,bf16", "--ring", "0",
+            "--threads", "1", "--min-time", "0.001", "--gemm-n", "16", "--heads", "4",
+            "--kv-heads", "2", "--block-q", "32", "--block-k", "48", "--no-torch"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOOM_KERNEL", "OPENBLAS_CORETYPE", "LOOM_TEST_BENCH_CHECK_FAIL")}
+    out = os.path.join(work, "blocks.json")
+    r = subprocess.run(tiny + ["--json", out], capture_output=True, text=True, timeout=120,
+                       env=env)
+    if r.returncode != 0:
+        return [f"--block-q 32 --block-k 48: exit {r.returncode}:\n{r.stdout}\n{r.stderr}"]
+    doc = json.load(open(out))
+    bad += check_covers_rows(doc, "--block-q 32 --block-k 48")
+    if doc.get("check", {}).get("block") != [32, 48]:
+        bad.append(f"--block-q 32 --block-k 48: checked blocks {doc.get('check', {}).get('block')}")
+    for dtype in ("fp32", "bf16"):
+        out = os.path.join(work, f"failed-{dtype}.json")
+        if os.path.exists(out):
+            os.remove(out)
+        r = subprocess.run(tiny + ["--json", out], capture_output=True, text=True, timeout=120,
+                           env=dict(env, LOOM_TEST_BENCH_CHECK_FAIL=dtype))
+        err = r.stderr.strip().splitlines()
+        if (r.returncode != 1 or len(err) != 1 or "check FAILED" not in err[0]
+                or f"{dtype} D=32" not in err[0] or "blocks 32 x 48" not in err[0]
+                or "dq relative error" not in err[0] or r.stdout or os.path.exists(out)):
+            bad.append(f"a failed {dtype} check: exit {r.returncode}, stdout {r.stdout[:300]!r}, "
+                       f"stderr {r.stderr!r}, --json written: {os.path.exists(out)} (want one "
+                       "line naming it, exit 1, nothing timed)")
+    return bad
+
+
+def check_tile_ops(bench):
+    """--tile-ops: one GEMM column per distinct call (its "p^T do" and "ds^T q" columns timed the
+    identical call, the second saying nothing the first did not); returns failures."""
+    r = subprocess.run([bench, "--tile-ops", "--dim", "16"], capture_output=True, text=True,
+                       timeout=120)
+    lines = r.stdout.splitlines()
+    head = [x for x in lines if x.startswith("target ")]
+    if r.returncode != 0 or len(head) != 1:
+        return [f"--tile-ops: exit {r.returncode}, stdout {r.stdout!r}, stderr {r.stderr!r}"]
+    cols = re.split(r"\s{2,}", head[0].split("|")[0].strip())[1:]
+    bad = []
+    if cols != ["q k^T", "p v", "p^T do"]:
+        bad.append(f"--tile-ops GEMM columns {cols} (want q k^T, p v, p^T do: ds^T q is the same "
+                   "call as p^T do)")
+    if not any("p^T do is also ds^T q" in x for x in lines):
+        bad.append("--tile-ops: no note that p^T do is also ds^T q")
+    for x in lines:
+        m = re.match(r"(\S+)\s+([\d.]+(?:\s+[\d.]+)*)\s+\|", x)
+        if m and len(m.group(2).split()) != len(cols):
+            bad.append(f"--tile-ops row {x!r}: {len(m.group(2).split())} GEMM values for "
+                       f"{len(cols)} columns")
+    return bad
+
+
 def main():
     bench, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
@@ -656,6 +755,8 @@ def main():
     bad += check_torch_json(bench, work)
     bad += check_refusals(bench, work)
     bad += check_stdout_json(bench, work)
+    bad += check_checks(bench, work)
+    bad += check_tile_ops(bench)
     if bad:
         print("\n".join(bad))
         return 1
