@@ -210,23 +210,71 @@ bool bf16_fixed_tolerances_hold(Tokens qt, Tokens kt, const Mask& mask, int64_t 
          kBf16FixedTolMinKeys * static_cast<double>(qt.n);
 }
 
-double effective_keys(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
-                      const Mask& mask, double scale) {
+namespace {
+
+// The statistics of the regime's weight conditions (loom/tolerance.h), in one pass over the
+// reference's weights: over the query rows and heads that see a key, their number, the sum of
+// sum_j p_ij^2, of ||kbar_i||^2 (kbar_i = sum_j p_ij k_j) and of sum_j p_ij ||k_j||^2, so that
+// sum_j p_ij ||k_j - kbar_i||^2 = sum_j p_ij ||k_j||^2 - ||kbar_i||^2 (sum_j p_ij = 1) costs no
+// second pass. Its cancellation loses about log10(1 + ratio^2) digits of double's 16, nothing at
+// the thresholds (1 and 8).
+struct WeightStats {
+  int64_t rows = 0;
+  double collisions = 0;  // sum over rows of sum_j p_ij^2
+  double mean_key2 = 0;   // sum over rows of ||kbar_i||^2
+  double key2 = 0;        // sum over rows of sum_j p_ij ||k_j||^2
+
+  double effective_keys() const { return rows > 0 ? static_cast<double>(rows) / collisions : 0.0; }
+  double common_key_ratio() const {
+    if (std::isnan(mean_key2) || std::isnan(key2)) return std::numeric_limits<double>::quiet_NaN();
+    if (!(mean_key2 > 0)) return 0.0;  // no row, or every weighted key 0: dq exactly 0
+    const double spread = key2 - mean_key2;
+    return spread > 0 ? std::sqrt(mean_key2 / spread) : std::numeric_limits<double>::infinity();
+  }
+};
+
+WeightStats weight_stats(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
+                         const Mask& mask, double scale) {
   kernels::check_qkv(q, k, k, qt, kt);  // k stands in for v: the weights do not read v
   kernels::check_mask(mask);
   kernels::check_scale(scale);
-  std::vector<double> p(static_cast<size_t>(k.s));
-  double collisions = 0;  // sum over rows of sum_j p_j^2
-  int64_t rows = 0;
+  const int64_t D = q.d;
+  std::vector<double> p(static_cast<size_t>(k.s)), kbar(static_cast<size_t>(D));
+  std::vector<double> knorm2(static_cast<size_t>(k.s * k.h));
+  for (int64_t j = 0; j < k.s; ++j)
+    for (int64_t g = 0; g < k.h; ++g) knorm2[j * k.h + g] = dot(k.row(j, g), k.row(j, g), D);
+  WeightStats w;
   for (int64_t h = 0; h < q.h; ++h) {
+    const int64_t g = h / (q.h / k.h);
     for (int64_t i = 0; i < q.s; ++i) {
       double lse = 0;
       if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
-      for (const double x : p) collisions += x * x;  // >= 1 / n^2 > 0 (NaN passes through)
-      ++rows;
+      std::fill(kbar.begin(), kbar.end(), 0.0);
+      for (int64_t j = 0; j < k.s; ++j) {
+        const double x = p[j];
+        w.collisions += x * x;  // >= 1 / n^2 > 0 over the row (NaN passes through)
+        if (x == 0.0) continue;
+        w.key2 += x * knorm2[j * k.h + g];
+        const double* kj = k.row(j, g);
+        for (int64_t d = 0; d < D; ++d) kbar[d] += x * kj[d];
+      }
+      w.mean_key2 += dot(kbar.data(), kbar.data(), D);
+      ++w.rows;
     }
   }
-  return rows > 0 ? static_cast<double>(rows) / collisions : 0.0;
+  return w;
+}
+
+}  // namespace
+
+double effective_keys(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
+                      const Mask& mask, double scale) {
+  return weight_stats(q, k, qt, kt, mask, scale).effective_keys();
+}
+
+double common_key_ratio(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
+                        const Mask& mask, double scale) {
+  return weight_stats(q, k, qt, kt, mask, scale).common_key_ratio();
 }
 
 namespace {
@@ -509,12 +557,22 @@ std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double>
     why << "head dim under " << kBf16FixedTolMinHeadDim;
     return why.str();
   }
+  const WeightStats w = weight_stats(q, k, qt, kt, mask, scale);
   const double want = bf16 ? kBf16FixedTolMinEffectiveKeys : kFp32FixedTolMinEffectiveKeys;
-  const double keys = effective_keys(q, k, qt, kt, mask, scale);
-  if (!(keys >= want))  // NaN: not in the regime either
+  const double keys = w.effective_keys();
+  if (!(keys >= want)) {  // NaN: not in the regime either
     why << std::fixed << std::setprecision(2) << keys
         << " effective keys per query row (1 / the rows' mean sum_j p_j^2; under "
         << std::defaultfloat << want << ")";
+    return why.str();
+  }
+  const double most = bf16 ? kBf16FixedTolMaxCommonKey : kFp32FixedTolMaxCommonKey;
+  const double ratio = w.common_key_ratio();
+  if (!(ratio <= most))  // NaN: not in the regime either
+    why << "keys sharing a component " << ratio
+        << " times their spread (sqrt of the rows' sum ||kbar||^2 / sum_j p_j ||k_j - kbar||^2, "
+           "kbar = sum_j p_j k_j; above "
+        << most << ")";
   return why.str();
 }
 

@@ -94,6 +94,21 @@ expect_error "--check where the bound passes zeros" \
   grep -q "this problem's bf16 bound, head dim under 8" "$work/bf16_d1.out" &&
   ok "bf16 --check at D = 1: per-problem bounds" ||
   { cat "$work/bf16_d1.out"; bad "bf16 --check at D = 1"; }
+# bf16 --check where the keys share a component: k ~ N(0, 1) + 4 (S = 256, D = 64, causal; 21
+# effective keys, scores within 128) put a correct dq at 0.0114 > 2^-7 (rounding out to bf16
+# alone gives 0.0069: dq = scale sum_j ds_ij (k_j - kbar_i) while delta's rounding multiplies
+# kbar_i itself) and was reported "check FAILED". Now the problem's own bounds, and passed.
+mkdir -p "$work/kbias"
+/usr/bin/python3 -c "
+import numpy as np
+r = np.random.default_rng(0); x = lambda: r.standard_normal((256, 2, 64))
+q = x(); k = x() + 4; v = x(); do = x()
+for n, t in (('q', q), ('k', k), ('v', v), ('dout', do)): np.save('$work/kbias/%s.npy' % n, t.astype(np.float32))"
+"$loom" attn --input "$work/kbias" --ranks 2 --dtype bf16 --backward --check --iters 1 --warmup 0 \
+  --quiet > "$work/kbias.out" 2>&1 && grep -q "check     passed" "$work/kbias.out" &&
+  grep -q "this problem's bf16 bound, keys sharing a component" "$work/kbias.out" &&
+  ok "bf16 --check with keys sharing a component: per-problem bounds" ||
+  { cat "$work/kbias.out"; bad "bf16 --check with keys sharing a component"; }
 expect_error "unknown dtype" "unknown --dtype 'fp16' (choose fp32 or bf16)" --dtype fp16
 expect_error "unknown strategy" "unknown strategy 'tree'" --strategy tree --seq 64
 expect_error "unknown layout" "unknown layout 'spiral'" --layout spiral --seq 64

@@ -11,6 +11,7 @@
 #include "loom/attention.h"
 #include "loom/error.h"
 #include "loom/tensor.h"
+#include "loom/tolerance.h"
 #include "unit/tolerance.h"
 
 namespace loom {
@@ -143,6 +144,47 @@ TEST(Reference, NanScoreMakesTheRowNanAsTheFormulaDoes) {
     EXPECT_EQ(std::isnan(lse[i]), i >= 2) << "row " << i;
     EXPECT_EQ(std::isnan(out.view3()(i, 0, 0)), i >= 2) << "row " << i;
   }
+}
+
+// common_key_ratio (loom/tolerance.h, the regime of the fixed tolerances): sqrt(sum_i ||kbar_i||^2
+// / sum_i sum_j p_ij ||k_j - kbar_i||^2), kbar_i = sum_j p_ij k_j. A vector c added to every key
+// moves every row's scores by scale q_i.c alone: the weights (and effective_keys) stay, kbar moves
+// by c and the spread stays, so the ratio follows ||c||.
+TEST(Reference, CommonKeyRatioMeasuresTheComponentTheKeysShare) {
+  const int64_t S = 40, D = 16;
+  const Tensor<double> q = random_double({S, 2, D}, 11), k = random_double({S, 1, D}, 12);
+  const std::vector<int64_t> pos = iota_positions(S);
+  const Tokens t{pos.data(), nullptr, S};
+  const Mask causal{true, 0};
+  const double keys = effective_keys(q.view3(), k.view3(), t, t, causal, 0.25);
+  const double base = common_key_ratio(q.view3(), k.view3(), t, t, causal, 0.25);
+  EXPECT_GT(base, 0.1);
+  EXPECT_LT(base, 1.0);
+  double last = base;
+  for (const double b : {1.0, 4.0, 16.0}) {
+    Tensor<double> kb = k;
+    for (int64_t j = 0; j < S; ++j)
+      for (int64_t d = 0; d < D; ++d) kb[j * D + d] += b * (d % 2 ? 1.0 : -1.0);
+    EXPECT_NEAR(effective_keys(q.view3(), kb.view3(), t, t, causal, 0.25), keys, 1e-9 * keys);
+    const double r = common_key_ratio(q.view3(), kb.view3(), t, t, causal, 0.25);
+    EXPECT_GT(r, last) << b;
+    last = r;
+  }
+  EXPECT_GT(last, 10.0);  // ||c|| = 64 against a spread of about sqrt(D) = 4 per row
+  // Equal keys, not 0: no spread but rounding's, a ratio of 1e5 or more (exact dq is 0: any
+  // rounding is all of its error). All keys 0: dq is 0 exactly, the ratio 0. No row sees a key:
+  // 0. A NaN score: NaN.
+  Tensor<double> same({S, 1, D});
+  same.fill(1.0);
+  EXPECT_GT(common_key_ratio(q.view3(), same.view3(), t, t, causal, 0.25), 1e5);
+  same.fill(0.0);
+  EXPECT_EQ(common_key_ratio(q.view3(), same.view3(), t, t, causal, 0.25), 0.0);
+  const std::vector<int64_t> late = iota_positions(S, S);
+  EXPECT_EQ(common_key_ratio(q.view3(), k.view3(), t, {late.data(), nullptr, S}, causal, 0.25),
+            0.0);
+  Tensor<double> qn = q;
+  qn[5] = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(common_key_ratio(qn.view3(), k.view3(), t, t, causal, 0.25)));
 }
 
 TEST(Reference, RejectsBadArguments) {
