@@ -7,9 +7,10 @@
 // undoes the sharding, compares each present tensor with the fp64 reference under the dtype's
 // written tolerance, and, when something fails, fits the error to the (query chunk, KV chunk)
 // pairs of the convention's ring schedule and to a library of known defects, and says in words
-// which one it is (a dropped or doubled ring step, a mask with the wrong chunk offset, rows in the
-// wrong order, bf16 rounding between steps, a sum with no log-sum-exp merge, stale KV in the
-// backward, a wrong softmax scale).
+// which one it is (a dropped or doubled ring step, a mask with the wrong chunk offset, a causal
+// mask one token off or missing on the diagonal step, rows in the wrong order, bf16 rounding
+// between steps, a sum with no log-sum-exp merge, stale KV in the forward or the backward, a
+// wrong softmax scale).
 //
 // Shapes (global order). q, out, dout, dq: [S, H, D]; k, v, dk, dv: [S, Hkv, D]; lse: [H, S]
 // (natural log, as loom and flash-attention define it). Masks follow loom/attention.h: positions
@@ -60,6 +61,7 @@ struct Sharding {
   std::string convention;
   int64_t seq = 0;
   int ranks = 1;
+  int64_t documents = 0;  // packed documents the sequence was given as (0: none given)
   std::vector<std::vector<int64_t>> tokens;  // [rank] -> global token of each local row
   // Chunks in position order of their first token: chunk c holds the global tokens chunks[c]
   // (ascending) and belongs to rank chunk_rank[c]. A rank's KV block is the union of its chunks.
@@ -77,12 +79,16 @@ Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
                        const std::vector<int64_t>& doc_lengths = {});
 
 // Puts per-rank row tensors ([n_r, A, B], rows = local tokens) into a global [S, A, B] tensor.
-// InvalidArgument when a rank's row count differs from the convention's.
+// row_shape: the [A, B] every rank must have (q's [H, D] for out and dq, k's [Hkv, D] for dk
+// and dv); empty: rank 0's. InvalidArgument naming the first rank whose shape differs from
+// [n_r, A, B] and the shape the convention gives it (with packed documents and contiguous, also
+// that contiguous is per document).
 Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>>& local,
-                            const std::string& what);
-// The same for lse ([A, n_r] per rank, tokens along the last axis) -> [A, S].
+                            const std::string& what, const std::vector<int64_t>& row_shape = {});
+// The same for lse ([A, n_r] per rank, tokens along the last axis) -> [A, S]; rows: the A every
+// rank must have (q's H), -1: rank 0's.
 Tensor<double> unshard_cols(const Sharding& sh, const std::vector<Tensor<double>>& local,
-                            const std::string& what);
+                            const std::string& what, int64_t rows = -1);
 // The reverse of unshard_rows for one rank (rows = sh.tokens[r]), or any rows: rows `rows` of a
 // [S, A, B] tensor, in that order, as [rows.size(), A, B]. T is float or double. InvalidArgument
 // for a tensor that is not 3-d or a row outside [0, S).
@@ -156,13 +162,16 @@ struct TensorCheck {
 };
 
 struct Diagnosis {
-  // dropped_step, doubled_step, mask_offset, row_order, bf16_between_steps, bf16_storage,
-  // gqa_mapping, no_lse_merge, stale_kv_backward, wrong_scale, non_finite, unexplained
+  // dropped_step, doubled_step, mask_offset, mask_off_by_one, diagonal_unmasked, row_order,
+  // bf16_between_steps, bf16_storage, gqa_mapping, no_lse_merge, stale_kv_forward,
+  // stale_kv_backward, wrong_scale, non_finite, unexplained, not_localised
   std::string kind;
   std::string text;     // one sentence in words
   double residual = 1;  // ||candidate - model|| / ||candidate - reference|| (0: fully explained)
   std::vector<int> ranks, steps, q_chunks, kv_chunks;  // what it names (empty: all / none)
-  double value = 0;  // wrong_scale: the scale the candidate used; mask_offset: the offset (chunks)
+  // wrong_scale: the scale the candidate used; mask_offset: the offset (chunks); mask_off_by_one:
+  // the causal mask's offset in tokens (1: key j <= i + 1 visible, -1: j < i)
+  double value = 0;
 };
 
 struct Report {

@@ -675,7 +675,8 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
     dq, dk, dv may be None (not checked); dq, dk, dv need dout. layout and ranks name the
     candidate's sharding (contiguous, zigzag, stripe, rfa-zigzag, te-thd, torch-headtail,
     megatron), so the diagnosis can speak of ranks, chunks and ring steps. dtype: "fp32" or
-    "bf16" (the tolerances); default from out's dtype. full_check_max: above this many tokens
+    "bf16" (the tolerances); default "bf16" where any of out, dq, dk, dv is bfloat16, else
+    "fp32" (lse is held to 1e-5 in both). full_check_max: above this many tokens
     out, lse and dq are compared on 256 evenly spaced rows and dk, dv not at all (they need every
     query row), as loom verify's --full-check-max."""
     import json
@@ -729,7 +730,10 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
         raise InvalidArgument("verify: dq, dk and dv are checked against the gradient of dout; "
                               "pass dout")
     if dtype is None:
-        dtype = "bf16" if out is not None and out.dtype == torch.bfloat16 else "fp32"
+        # Any bf16 result, not out's dtype alone: bf16 gradients with out=None (or an fp32 out)
+        # were held to fp32's 1e-5, where loom verify --dtype bf16 holds them to bf16's.
+        bf16 = [x is not None and x.dtype == torch.bfloat16 for x in (out, dq, dk, dv)]
+        dtype = "bf16" if any(bf16) else "fp32"
     lse64 = flat(lse, "lse", batched_dims=3)  # [H, S], or [1, H, S] as attention() returns it
     text = _loom.verify_json(q64, k64, v64, flat(dout, "dout", candidate=False), causal, window,
                              scale, docs,

@@ -82,6 +82,7 @@ Sharding build_sharding(const std::string& convention, int64_t seq, int ranks,
   sh.convention = convention;
   sh.seq = seq;
   sh.ranks = ranks;
+  sh.documents = static_cast<int64_t>(doc_lengths.size());
   sh.tokens.assign(ranks, {});
   const int64_t two_p = 2 * static_cast<int64_t>(ranks);
 
@@ -192,19 +193,20 @@ Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
 
 namespace {
 
-// What both unshard functions check first: one tensor per rank, and rank 0 of `dims` dimensions
-// (`expected` says which, for the message).
+// What both unshard functions check first: one tensor per rank, and, where the caller gives no
+// expected shape (they are read from rank 0), rank 0 of `dims` dimensions (`expected` says
+// which, for the message).
 void check_locals(const Sharding& sh, const std::vector<Tensor<double>>& local,
-                  const std::string& what, int64_t dims, const char* expected) {
+                  const std::string& what, int64_t dims, const char* expected, bool given) {
   LOOM_CHECK(static_cast<int>(local.size()) == sh.ranks, InvalidArgument,
              what << ": expected " << sh.ranks << " per-rank tensors, got " << local.size());
   LOOM_CHECK(
-      local[0].dim() == dims, InvalidArgument,
+      given || local[0].dim() == dims, InvalidArgument,
       what << ".rank0 has shape " << shape_str(local[0].shape()) << ", expected " << expected);
 }
 
 // "<what>.rank<r> has shape [..] but <convention> with <P> ranks gives rank <r> ": the start of
-// a per-rank shape error; the caller adds the shape the convention gives.
+// a per-rank shape error; the caller adds the shape the convention gives, then hint().
 std::string rank_mismatch(const Sharding& sh, const std::string& what, int r,
                           const Tensor<double>& t) {
   std::ostringstream os;
@@ -213,18 +215,35 @@ std::string rank_mismatch(const Sharding& sh, const std::string& what, int r,
   return os.str();
 }
 
+// The end of a per-rank shape error: with packed documents, contiguous is per document (as
+// ShardPlan::make cuts it), not the sequence cut in P runs, which files written that way miss.
+std::string hint(const Sharding& sh) {
+  if (sh.convention != "contiguous" || sh.documents < 2 || sh.ranks < 2) return "";
+  std::ostringstream os;
+  os << " (with " << sh.documents << " documents, contiguous cuts each document into " << sh.ranks
+     << " pieces and rank r holds piece r of every document; a contiguous split of the packed "
+        "sequence is not a convention loom verify knows: give global files, name.npy, instead)";
+  return os.str();
+}
+
 }  // namespace
 
 Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>>& local,
-                            const std::string& what) {
-  check_locals(sh, local, what, 3, "3 dims");
-  const int64_t a = local[0].size(1), b = local[0].size(2);
+                            const std::string& what, const std::vector<int64_t>& row_shape) {
+  LOOM_CHECK(row_shape.empty() || row_shape.size() == 2, InvalidArgument,
+             "unshard_rows: row_shape must be empty or [A, B], got " << shape_str(row_shape));
+  check_locals(sh, local, what, 3, "3 dims", !row_shape.empty());
+  // The sizes every rank must have: the caller's (q's or k's), else rank 0's. Read from rank 0,
+  // a wrong rank 0 was blamed on rank 1, with rank 0's wrong sizes as the expected ones.
+  const int64_t a = row_shape.empty() ? local[0].size(1) : row_shape[0];
+  const int64_t b = row_shape.empty() ? local[0].size(2) : row_shape[1];
   Tensor<double> g({sh.seq, a, b});
   for (int r = 0; r < sh.ranks; ++r) {
     const auto& t = local[r];
     const int64_t n = static_cast<int64_t>(sh.tokens[r].size());
     LOOM_CHECK(t.dim() == 3 && t.size(0) == n && t.size(1) == a && t.size(2) == b, InvalidArgument,
-               rank_mismatch(sh, what, r, t) << n << " rows of [" << a << ", " << b << "]");
+               rank_mismatch(sh, what, r, t) << n << " rows of [" << a << ", " << b << "]"
+                                             << (t.dim() == 3 && t.size(0) != n ? hint(sh) : ""));
     for (int64_t i = 0; i < n; ++i)
       std::copy(t.data() + i * a * b, t.data() + (i + 1) * a * b,
                 g.data() + sh.tokens[r][i] * a * b);
@@ -233,15 +252,18 @@ Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>
 }
 
 Tensor<double> unshard_cols(const Sharding& sh, const std::vector<Tensor<double>>& local,
-                            const std::string& what) {
-  check_locals(sh, local, what, 2, "[H, n]");
-  const int64_t a = local[0].size(0);
+                            const std::string& what, int64_t rows) {
+  LOOM_CHECK(rows >= -1, InvalidArgument,
+             "unshard_cols: rows must be -1 (rank 0's) or a size, got " << rows);
+  check_locals(sh, local, what, 2, "[H, n]", rows >= 0);
+  const int64_t a = rows >= 0 ? rows : local[0].size(0);
   Tensor<double> g({a, sh.seq});
   for (int r = 0; r < sh.ranks; ++r) {
     const auto& t = local[r];
     const int64_t n = static_cast<int64_t>(sh.tokens[r].size());
     LOOM_CHECK(t.dim() == 2 && t.size(0) == a && t.size(1) == n, InvalidArgument,
-               rank_mismatch(sh, what, r, t) << "[" << a << ", " << n << "]");
+               rank_mismatch(sh, what, r, t) << "[" << a << ", " << n << "]"
+                                             << (t.dim() == 2 && t.size(0) == a ? hint(sh) : ""));
     for (int64_t h = 0; h < a; ++h)
       for (int64_t i = 0; i < n; ++i) g[h * sh.seq + sh.tokens[r][i]] = t[h * n + i];
   }

@@ -43,7 +43,9 @@ constexpr int64_t kLocRows = 1024;
 constexpr double kLocBytes = 512.0 * 1024 * 1024;
 // Localisation's work, in row-element visits (about 1e10 a second here): the forward models
 // visit 2 P (P + 1) times the rows, heads, chunks and head dims, the heat map 4 nc^2 times the
-// rows, heads and head dims. Past this the rows are thinned (to at least kMinLocRows), then
+// rows, heads and head dims (the forward stale-KV and one-token mask models add about a fifth to
+// the whole at 64 ranks, inside the estimate's slack: counted, the rows were thinned further and
+// the 64-rank report lost cells). Past this the rows are thinned (to at least kMinLocRows), then
 // localisation is skipped and said so: 2048 ranks ran for minutes, 128 for 94 s.
 constexpr double kLocWork = 3e10;
 constexpr int64_t kMinLocRows = 16;
@@ -559,6 +561,10 @@ void forward_models(const Ctx& c, const Pairs& pr, const Observed& ob,
   std::vector<bool> every(c.nc, true);
   // Dropped and doubled ring steps: every rank, or one rank.
   if (P > 1) {
+    // Residuals of the dropped (m = 0) and doubled (m = 2) step models, [m / 2][s][r + 1] (r = -1:
+    // every rank), against which the stale-KV models are weighed below.
+    std::vector<std::vector<std::vector<double>>> step_res(
+        2, std::vector<std::vector<double>>(P, std::vector<double>(P + 1, 1.0)));
     for (int m : {0, 2}) {
       for (int s = 0; s < P; ++s) {
         Diagnosis d;
@@ -571,6 +577,7 @@ void forward_models(const Ctx& c, const Pairs& pr, const Observed& ob,
            << ": rank r's queries " << (m == 0 ? "lack" : "count twice")
            << " the contribution of the KV block of rank (r - " << s << ") mod " << P;
         d.text = os.str();
+        step_res[m / 2][s][0] = d.residual;
         consider(all, d);
         for (int r = 0; r < P; ++r) {
           std::vector<bool> touched(c.nc, false);
@@ -591,8 +598,48 @@ void forward_models(const Ctx& c, const Pairs& pr, const Observed& ob,
              << " the contribution of " << chunk_list(rc[src]) << " (ring step " << s
              << ", the KV block of rank " << src << ")";
           e.text = es.str();
+          step_res[m / 2][s][r + 1] = e.residual;
           consider(all, e);
         }
+      }
+    }
+    // Stale KV in the forward: at step s the block of step s - 1 is used again (the received
+    // block was not), with its own positions for the mask: step s has weight 0 and step s - 1
+    // weight 2 in the merge (a dropped step alone left half the error unexplained). Where its
+    // rows see no other step, doubling step s - 1 changes nothing after normalisation (P = 2:
+    // out is a dropped step s exactly; only lse differs), and where step s is masked out for
+    // them it is a doubled step s - 1: it is named only when it explains clearly more (1 % of
+    // the error's norm) than both.
+    for (int s = 1; s < P; ++s) {
+      for (int r = -1; r < P; ++r) {
+        std::vector<bool> touched(c.nc, r < 0);
+        if (r >= 0)
+          for (int a : rc[r]) touched[a] = true;
+        Diagnosis e;
+        e.kind = "stale_kv_forward";
+        e.steps = {s};
+        if (r >= 0) {
+          e.ranks = {r};
+          e.q_chunks = rc[r];
+          e.kv_chunks = rc[((r - s) % P + P) % P];
+        }
+        e.residual = multiplicity_residual(
+            c, pr, ob,
+            [&](int a, int b) {
+              if (r >= 0 && c.sh.chunk_rank[a] != r) return 1;
+              const int st = c.step_of(a, b);
+              return st == s ? 0 : (st == s - 1 ? 2 : 1);
+            },
+            touched);
+        std::ostringstream es;
+        es << "stale KV in the forward: at ring step " << s << " "
+           << (r < 0 ? "every rank" : "rank " + std::to_string(r))
+           << " computed with the KV block of step " << s - 1
+           << " again (the received block was not used), so out counts step " << s - 1
+           << "'s keys twice and lacks step " << s << "'s";
+        e.text = es.str();
+        if (e.residual < std::min(step_res[0][s][r + 1], step_res[1][s - 1][r + 1]) - 0.01)
+          consider(all, e);
       }
     }
   } else {
@@ -687,6 +734,99 @@ void forward_models(const Ctx& c, const Pairs& pr, const Observed& ob,
                          : "the diagonal blocks are masked with the wrong offset: each query "
                            "chunk sees the previous KV chunk causally and its own not at all "
                            "(mask shifted one chunk into the past)";
+      consider(all, d);
+    }
+  }
+
+  // The causal mask wrong by one token, or not applied, where it is applied: on the diagonal step
+  // (each rank's own KV block, ring step 0), on the other ranks' blocks, or everywhere. These fit
+  // any convention, documents and windows (the chunk-offset models above need none), and name
+  // what a heat map cannot point at: keys that a wrong mask lets a query see in a pair the true
+  // mask hides entirely, which no pair direction covers (an off-by-one between blocks was "no
+  // known defect", a diagonal block without its mask half-right "mask shifted one chunk").
+  if (c.p.mask.causal) {
+    Mask acausal = c.p.mask;  // the mask but for causality: documents and the window
+    acausal.causal = false;
+    auto doc_of = [&](int64_t t) { return c.doc.empty() ? 0 : c.doc[t]; };
+    auto rank_of = [&](int64_t t) { return c.sh.chunk_rank[c.chunk_of[t]]; };
+    std::vector<double> sbuf, own_o(c.D);
+    // Own block treated otherwise (0: without the causal mask; 1: strictly, key j < i), merged
+    // with the true pairs of the other ranks' chunks.
+    for (int variant = 0; variant < 2; ++variant) {
+      Diagnosis d;
+      d.kind = variant == 0 ? "diagonal_unmasked" : "mask_off_by_one";
+      d.value = variant == 0 ? 0 : -1;
+      d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
+        const int64_t i = c.lrows[ri];
+        const int r = rank_of(i);
+        double l = kNegInf;
+        partial(
+            c, c.scale, i, h, c.sh.tokens[r],
+            [&](int64_t qi, int64_t kj, size_t) {
+              return variant == 0 ? visible(acausal, qi, doc_of(qi), kj, doc_of(kj))
+                                  : kj != qi && c.vis(qi, kj);
+            },
+            sbuf, own_o.data(), l);
+        double L = l;
+        for (int b = 0; b < c.nc; ++b)
+          if (c.sh.chunk_rank[b] != r) L = lse_add(L, pr.lse[pr.li(b, ri, h)]);
+        std::fill(y, y + c.D, 0.0);
+        if (L == kNegInf) return;
+        if (l != kNegInf)
+          for (int64_t k = 0; k < c.D; ++k) y[k] += std::exp(l - L) * own_o[k];
+        for (int b = 0; b < c.nc; ++b) {
+          if (c.sh.chunk_rank[b] == r || pr.lse[pr.li(b, ri, h)] == kNegInf) continue;
+          const double w = std::exp(pr.lse[pr.li(b, ri, h)] - L);
+          const double* o = pr.o.data() + pr.oi(b, ri, h);
+          for (int64_t k = 0; k < c.D; ++k) y[k] += w * o[k];
+        }
+      });
+      if (variant == 0)
+        d.text = P > 1 ? "the diagonal step is attended without the causal mask: at ring step 0 "
+                         "(each rank's own KV block) every query also sees the later keys of its "
+                         "rank's block"
+                       : "the causal mask is not applied: every query also sees the later keys";
+      else
+        d.text =
+            "the causal mask is strict (key j < i instead of j <= i): every query misses its "
+            "own key";
+      consider(all, d);
+    }
+    // Key i + 1 visible to query i (j <= i + 1): on every block, on the other ranks' blocks only
+    // (a block offset one token off), or on the rank's own block only.
+    for (int where = 0; where < 3; ++where) {
+      if (where > 0 && P == 1) continue;
+      Diagnosis d;
+      d.kind = "mask_off_by_one";
+      d.value = 1;
+      d.residual = residual(c, ob, every, [&](int64_t ri, int64_t h, double* y) {
+        const int64_t i = c.lrows[ri], j = i + 1;
+        const double* out = pr.out.data() + (ri * c.H + h) * c.D;
+        const double L = pr.out_lse[ri * c.H + h];
+        std::copy(out, out + c.D, y);
+        if (j >= c.S || !visible(acausal, i, doc_of(i), j, doc_of(j))) return;
+        const bool own = rank_of(j) == rank_of(i);
+        if ((where == 1 && own) || (where == 2 && !own)) return;
+        const int64_t g = h / c.group;
+        const double* qi = c.p.q.data() + (i * c.H + h) * c.D;
+        const double* kj = c.p.k.data() + (j * c.Hkv + g) * c.D;
+        const double* vj = c.p.v.data() + (j * c.Hkv + g) * c.D;
+        double dot = 0;
+        for (int64_t k = 0; k < c.D; ++k) dot += qi[k] * kj[k];
+        const double sj = c.scale * dot, Ln = lse_add(L, sj);
+        const double wa = L == kNegInf ? 0.0 : std::exp(L - Ln), wb = std::exp(sj - Ln);
+        for (int64_t k = 0; k < c.D; ++k) y[k] = wa * out[k] + wb * vj[k];
+      });
+      const std::string steps = "ring steps 1 to " + std::to_string(P - 1);
+      d.text = where == 0 ? "the causal mask is one token off (key j <= i + 1 instead of j <= i): "
+                            "every query also sees the next key"
+               : where == 1
+                   ? "the causal mask is one token off on the other ranks' blocks (" + steps +
+                         "; key j <= i + 1 there, as from a block offset one token off): a query "
+                         "whose next key is on another rank sees it"
+                   : "the causal mask is one token off on the diagonal step (ring step 0, each "
+                     "rank's own KV block; key j <= i + 1 there): every query also sees the next "
+                     "key where it is on its own rank";
       consider(all, d);
     }
   }
@@ -1067,6 +1207,11 @@ std::vector<std::vector<double>> heat_map(
   for (auto& row : heat)
     for (double& v : row) v = std::min(1.0, v);
   return heat;
+}
+
+// How the caller selects bf16's tolerances: loom verify's option or loom.torch.verify's keyword.
+std::string bf16_option(const Options& o) {
+  return o.option_spelling == OptionSpelling::keyword ? "dtype=\"bf16\"" : "--dtype bf16";
 }
 
 std::string unexplained_text(const Ctx& c, const std::vector<std::vector<double>>& heat,
@@ -1456,7 +1601,8 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
              << ", more than one rounding of the exact answer gives (as from bf16 products "
                 "inside)";
         }
-        os << ": a bf16 implementation checked with fp32 tolerances; check it with --dtype bf16";
+        os << ": a bf16 implementation checked with fp32 tolerances; check it with "
+           << bf16_option(o);
         d.text = os.str();
         bf16_evident = std::isfinite(d.residual);
         consider(all, d);
@@ -1490,6 +1636,60 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
                         [&](int b, int64_t ri, int64_t h, std::vector<double>&) -> const double* {
                           return pr.dq.data() + pr.oi(b, ri, h);
                         });
+  }
+  // Gradients stored in bf16 checked with fp32 tolerances, where out passed or is absent (bf16
+  // dq, dk, dv with an fp32 out or none got no hint, only "no known defect"): every value of
+  // each failed gradient is a bf16 number and its error within the bf16 tolerance. The model is
+  // the exact gradient rounded once to bf16, on the compared rows.
+  if (!out_t && !loc_non_finite && o.dtype == "fp32") {
+    std::vector<const TensorCheck*> grads;
+    bool evident = true;
+    double m2 = 0, e2 = 0;
+    for (const auto& t : rep.tensors) {
+      if (t.name == "out" || t.name == "lse" || !t.compared || t.passed) continue;
+      const bool is_dq = t.name == "dq";
+      const Tensor<double>& x = is_dq ? *cand.dq : t.name == "dk" ? *cand.dk : *cand.dv;
+      const Tensor<double>& r = is_dq ? ref.dq : t.name == "dk" ? ref.dk : ref.dv;
+      if (t.rel_err > tolerance(t.name, "bf16")) evident = false;
+      for (size_t k = 0; k < x.vec().size() && evident; ++k) {
+        const float f = static_cast<float>(x[static_cast<int64_t>(k)]);
+        if (std::isfinite(f) && to_float(to_bf16(f)) != f) evident = false;
+      }
+      if (!evident) break;
+      grads.push_back(&t);
+      const std::vector<int64_t>& rows = is_dq ? c.rows : all_rows;
+      const int64_t w = x.size(1) * x.size(2);
+      for (size_t ri = 0; ri < rows.size(); ++ri)
+        for (int64_t e = 0; e < w; ++e) {
+          const double xv = x[rows[ri] * w + e];
+          const double rv = r[(is_dq ? static_cast<int64_t>(ri) : rows[ri]) * w + e];
+          m2 += (xv - round_bf16(rv)) * (xv - round_bf16(rv));
+          e2 += (xv - rv) * (xv - rv);
+        }
+    }
+    if (evident && !grads.empty()) {
+      Diagnosis d;
+      d.kind = "bf16_storage";
+      d.residual = e2 > 0 ? std::sqrt(m2 / e2) : 0.0;
+      std::ostringstream os;
+      os.precision(3);
+      for (size_t i = 0; i < grads.size(); ++i)
+        os << (i == 0 ? "" : (i + 1 == grads.size() ? " and " : ", ")) << grads[i]->name;
+      const bool one = grads.size() == 1;
+      os << (one ? " is" : " are") << " stored in bf16 (every value is a bf16 number"
+         << (d.residual <= kNameResidual ? ", the exact answer rounded once" : "") << ") and "
+         << (one ? "its error" : "their errors");
+      for (size_t i = 0; i < grads.size(); ++i) os << (i ? ", " : " ") << grads[i]->rel_err;
+      os << (one ? " is" : " are") << " within the bf16 tolerance "
+         << tolerance(grads[0]->name, "bf16")
+         << (d.residual <= kNameResidual ? ""
+                                         : ", more than one rounding of the exact answer gives")
+         << ": a bf16 implementation checked with fp32 tolerances; check it with "
+         << bf16_option(o);
+      d.text = os.str();
+      bf16_evident = std::isfinite(d.residual);
+      consider(all, d);
+    }
   }
   std::stable_sort(all.begin(), all.end(),
                    [](const Diagnosis& a, const Diagnosis& b) { return a.residual < b.residual; });

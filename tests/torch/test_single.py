@@ -368,6 +368,20 @@ expect_error(E, f"ranks must be in [1, {q.shape[0]}] (at most the sequence lengt
 expect_error(E, "out is float16; verify has tolerances for fp32 and bf16 results only",
              lambda: lt.verify(o4[0].half(), q, k, v))
 check("tensors" in lt.verify(o4[0], q.half(), k.half(), v.half()), "float16 inputs (q, k, v) are taken")
+# bf16 gradients take bf16's tolerances by default, with out=None or an fp32 out (the dtype came
+# from out alone: they were held to 1e-5 and failed); held to fp32's on request, the diagnosis
+# names bf16 storage in verify's own spelling (it said "no known defect explains the dq error").
+gb = [x.grad[0].bfloat16() for x in (q4, k4, v4)]
+for out in (None, o4[0]):
+    rep = lt.verify(out, q, k, v, dout=do, dq=gb[0], dk=gb[1], dv=gb[2], layout="zigzag", ranks=2)
+    check(rep["passed"] and all(t["tolerance"] == 2.0 ** -7 for t in rep["tensors"] if t["compared"]),
+          f"bf16 dq, dk, dv (out {None if out is None else out.dtype}) get bf16's tolerances: {rep['tensors']}")
+rep = lt.verify(None, q, k, v, dout=do, dq=gb[0], dk=gb[1], dv=gb[2], layout="zigzag", ranks=2,
+                dtype="fp32")
+check(not rep["passed"] and rep["diagnoses"][0]["kind"] == "bf16_storage"
+      and "dq, dk and dv are stored in bf16" in rep["diagnoses"][0]["text"]
+      and 'check it with dtype="bf16"' in rep["diagnoses"][0]["text"],
+      f"bf16 gradients held to fp32's tolerances are named bf16 storage: {rep['diagnoses']}")
 expect_error(E, "lse has shape [2, 4, 1]; pass one sequence ([H, S] or [1, H, S])",
              lambda: lt.verify(o4[0], q, k, v, lse=torch.zeros(2, 4, 1)))
 # The [1, H, S] lse that attention() returns for [1, S, H, D] inputs is taken as it is.

@@ -32,6 +32,8 @@ expect 1 "wrong zigzag order" -- V --candidate "$T/lib/zigzag_order"
 expect 1 "the error grows with ring step: partial results were rounded to bf16" -- V --candidate "$T/lib/bf16_steps"
 expect 1 "missing log-sum-exp merge" -- V --candidate "$T/lib/no_lse_merge"
 expect 1 "stale KV in the backward: at ring step 3" -- V --candidate "$T/lib/stale_kv"
+# The forward's stale KV was "every rank skipped ring step 2" (half the error unexplained).
+expect 1 "diagnosis stale KV in the forward: at ring step 2 every rank computed with the KV block of step 1" -- V --candidate "$T/lib/stale_kv_forward"
 expect 1 "wrong softmax scale: the candidate used 0.0625 (= 1/D)" -- V --candidate "$T/lib/wrong_scale"
 expect 1 "out has 1 non-finite value (NaN or Inf); the first at token 15, head 0" -- V --candidate "$T/lib/nan"
 expect 1 "absent: lse, dq, dk, dv" -- V --candidate "$T/lib/no_lse_merge"
@@ -186,9 +188,15 @@ for conv in contiguous zigzag stripe rfa-zigzag te-thd torch-headtail megatron; 
   expect 0 "verify    PASSED" -- "$LOOM" verify --input "$T/lib/input" \
     --candidate "$T/shard_$conv" --convention "$conv" --ranks 4
 done
-# A wrong convention is caught: zigzag files read as contiguous.
+# A wrong convention is caught: zigzag files read as contiguous. It is the one diagnosis (it was
+# followed by "or no known defect explains the out error", fitted to rows in the wrong order).
 expect 1 "the per-rank files are in zigzag order, not contiguous" -- "$LOOM" verify --input "$T/lib/input" \
   --candidate "$T/shard_zigzag" --convention contiguous --ranks 4
+out=$("$LOOM" verify --input "$T/lib/input" --candidate "$T/shard_zigzag" --convention contiguous \
+  --ranks 4 --json "$T/wc.json" 2>&1)
+grep -q "the errors above and the heat map read them in contiguous order" <<<"$out" &&
+  ! grep -q "^  or " <<<"$out" && [ "$(grep -c '"kind"' "$T/wc.json")" = 1 ] ||
+  fail "wrong convention: not the only diagnosis: $out"
 # Layouts on disk.
 for dims in BSHD HSD; do
   "$MK" --relayout "$T/lib/input" "$T/in_$dims" "$dims" && "$MK" --relayout "$T/attn_ring_zigzag" "$T/c_$dims" "$dims" ||
@@ -199,7 +207,8 @@ done
 
 # Unusable input: exit status 2 with one line.
 expect 2 "is not a directory" -- "$LOOM" verify --input "$T/nope" --candidate "$T/lib/correct"
-expect 2 "gives rank 0 25 rows" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention contiguous --ranks 4 --docs 90,6
+# contiguous with documents is per document (rank r holds piece r of each), and the error says so.
+expect 2 "gives rank 0 25 rows of \[2, 16\] (with 2 documents, contiguous cuts each document into 4 pieces" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention contiguous --ranks 4 --docs 90,6
 expect 2 "but --ranks is 3" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention zigzag --ranks 3
 expect 2 "unknown convention" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention nonsense
 expect 2 "te-thd needs every" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention te-thd --ranks 4 --docs 90,6
@@ -367,6 +376,27 @@ for shape in "()" "(8,)"; do
   expect2 "q.npy has shape $want but --layout-dims BSHD needs \[B, S, H, D\]" -- "$LOOM" verify \
     --input "$T/qdim" --candidate "$T/attn_ring_zigzag" --layout-dims BSHD
 done
+# A per-rank shape error named the right rank and the shape q gives: rank 0's sizes were the
+# expected ones, so a wrong dq.rank0 was blamed on rank 1 ("dq.rank1 has shape [24, 2, 16] but
+# ... gives rank 1 24 rows of [1, 16]"), and lse [n, H] on every rank asked for [24, 24].
+cp -r "$T/lib/correct" "$T/shape0" && cp -r "$T/lib/correct" "$T/lseT" &&
+  /usr/bin/python3 - "$T/shape0" "$T/lseT" <<'PY' || fail "bad per-rank shapes"
+import numpy as np, sys
+f = sys.argv[1] + "/dq.rank0.npy"
+np.save(f, np.load(f)[:, :1].copy())
+for r in range(4):
+    f = f"{sys.argv[2]}/lse.rank{r}.npy"
+    np.save(f, np.load(f).T.copy())
+PY
+expect2 "dq.rank0 has shape \[24, 1, 16\] but zigzag with 4 ranks gives rank 0 24 rows of \[2, 16\]" -- \
+  V --candidate "$T/shape0"
+expect2 "lse.rank0 has shape \[24, 2\] but zigzag with 4 ranks gives rank 0 \[2, 24\]" -- \
+  V --candidate "$T/lseT"
+# A q of no tokens was "--ranks must be in [1, 0] ..., got 1".
+mkdir -p "$T/q0" && /usr/bin/python3 -c "import numpy as np; [np.save(f'$T/q0/{n}.npy', np.ones((0, 2, 16), np.float32)) for n in 'qkv']" ||
+  fail "q of no tokens"
+expect2 "q.npy has shape \[0, 2, 16\]: no tokens (S = 0), nothing to verify" -- "$LOOM" verify \
+  --input "$T/q0" --candidate "$T/attn_ring_zigzag"
 cp -r "$T/lib/input" "$T/kdim" && /usr/bin/python3 -c "import numpy as np; np.save('$T/kdim/k.npy', np.ones(8, np.float32))"
 expect2 "k.npy has shape \[8\] but --layout-dims SHD needs" -- "$LOOM" verify --input "$T/kdim" \
   --candidate "$T/attn_ring_zigzag"

@@ -64,15 +64,27 @@ RingOutputs run_defect_ring(const RingInputs& in_, const verify::Sharding& sh, c
     Tensor<float> part({n, H, D}), part_lse({H, n});
     bool first = true;
     for (int s = 0; s < P; ++s) {
-      const int src = ((r - s) % P + P) % P;
+      // Stale KV: the block (data and positions) of the previous step is used again.
+      const int src = hits(inj, Defect::stale_kv_forward, r, s) ? ((r - s + 1) % P + P) % P
+                                                                : ((r - s) % P + P) % P;
       if (hits(inj, Defect::dropped_step, r, s)) continue;
       const Tensor<float> k = verify::gather_rows(in.k, sh.tokens[src]),
                           v = verify::gather_rows(in.v, sh.tokens[src]);
-      const Tokens kt{kpos[src].data(), nullptr, static_cast<int64_t>(kpos[src].size())};
+      Tokens kt{kpos[src].data(), nullptr, static_cast<int64_t>(kpos[src].size())};
       const int times = hits(inj, Defect::doubled_step, r, s) ? 2 : 1;
       if (!per_step) {
+        // The mask defects: this step's keys without the causal mask, or at positions shifted.
+        KernelConfig step_cfg = cfg;
+        if (inj.kind == Defect::diagonal_unmasked && s == 0) step_cfg.mask.causal = false;
+        std::vector<int64_t> shifted;
+        if (inj.kind == Defect::token_offset &&
+            (inj.step < 0 || (inj.step == 0 && s == 0) || (inj.step == 1 && s > 0))) {
+          shifted = kpos[src];
+          for (auto& p : shifted) p -= inj.offset;
+          kt.pos = shifted.data();
+        }
         for (int t = 0; t < times; ++t)
-          attend(st.view(), q.view3(), k.view3(), v.view3(), qt, kt, cfg);
+          attend(st.view(), q.view3(), k.view3(), v.view3(), qt, kt, step_cfg);
         continue;
       }
       // One finished partial per step.

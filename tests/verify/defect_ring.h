@@ -27,6 +27,13 @@ enum class Defect {
   stale_kv,      // backward: at ring step `step` the KV block of step - 1 is used again
   wrong_scale,   // softmax scale 1/D instead of 1/sqrt(D)
   gqa_mapping,   // query head h reads KV head h mod Hkv instead of h / (H / Hkv)
+  // forward: at ring step `step` the KV block of step - 1 is used again
+  stale_kv_forward,
+  // ring step 0 (the rank's own block) attended without the causal mask
+  diagonal_unmasked,
+  // key positions shifted by -`offset` tokens (the causal mask j <= i + offset) at ring step 0
+  // (`step` 0), at steps 1.. (`step` 1), or at every step (`step` -1)
+  token_offset,
 };
 
 struct Injected {

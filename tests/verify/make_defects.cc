@@ -161,6 +161,7 @@ int main(int argc, char** argv) {
       {"bf16_steps", {Defect::bf16_steps, -1, -1, 0}, false},
       {"no_lse_merge", {Defect::no_lse_merge, -1, -1, 0}, false},
       {"stale_kv", {Defect::stale_kv, P - 1, -1, 0}, true},
+      {"stale_kv_forward", {Defect::stale_kv_forward, 2, -1, 0}, false},
       {"wrong_scale", {Defect::wrong_scale, -1, -1, 0}, false},
       {"nan", {}, false},  // correct, except one NaN written into out (token 15, head 0)
   };

@@ -193,10 +193,12 @@ Files read_candidate(const std::string& dir, const std::string& name, int ranks,
   return f;
 }
 
-// Batch element b of a candidate tensor, in global order: rows [S, A, B] or lse [H, S].
+// Batch element b of a candidate tensor, in global order: rows [S, A, B] or lse [H, S]. want:
+// the [A, B] of every rank's rows (lse: [H]), from q or k, so that a wrong rank is named with
+// the right shape (taken from rank 0, a wrong rank 0 was blamed on rank 1).
 std::optional<Tensor<double>> assemble(const Files& f, const verify::Sharding& sh, Dims dims,
                                        int64_t b, int64_t batches, const std::string& name,
-                                       bool lse) {
+                                       bool lse, const std::vector<int64_t>& want) {
   if (!f.present) return std::nullopt;
   if (!f.per_rank)
     return lse ? lse_to_hs(f.global, dims, b, batches, name + ".npy")
@@ -207,7 +209,8 @@ std::optional<Tensor<double>> assemble(const Files& f, const verify::Sharding& s
     local.push_back(lse ? lse_to_hs(f.ranks[r], dims, b, batches, what)
                         : rows_to_shd(f.ranks[r], dims, b, batches, what));
   }
-  return lse ? verify::unshard_cols(sh, local, name) : verify::unshard_rows(sh, local, name);
+  return lse ? verify::unshard_cols(sh, local, name, want[0])
+             : verify::unshard_rows(sh, local, name, want);
 }
 
 int run_verify(const VerifyOptions& o) {
@@ -298,6 +301,10 @@ int run_verify(const VerifyOptions& o) {
 
   // The convention must be able to split this sequence before any candidate file is read.
   const int64_t S = dims == Dims::hsd ? q.size(1) : (dims == Dims::bshd ? q.size(1) : q.size(0));
+  // A q of no tokens was refused as "--ranks must be in [1, 0] ..., got 1".
+  LOOM_CHECK(
+      S >= 1, InvalidArgument,
+      "q.npy has shape " << shape_str(q.shape()) << ": no tokens (S = 0), nothing to verify");
   // Every rank holds at least one token: --ranks 2147483647 ran out of memory building the
   // sharding ("an allocation outside loom's tensors failed", exit 1).
   LOOM_CHECK(o.ranks >= 1 && o.ranks <= S, InvalidArgument,
@@ -327,11 +334,12 @@ int run_verify(const VerifyOptions& o) {
   auto candidate_of = [&](const verify::Problem& p, int64_t b, const std::string& conv) {
     const verify::Sharding sh = verify::make_sharding(conv, p.q.size(0), o.ranks, docs);
     verify::Candidate c;
-    c.out = assemble(files[0], sh, dims, b, B, "out", false);
-    c.lse = assemble(files[1], sh, dims, b, B, "lse", true);
-    c.dq = assemble(files[2], sh, dims, b, B, "dq", false);
-    c.dk = assemble(files[3], sh, dims, b, B, "dk", false);
-    c.dv = assemble(files[4], sh, dims, b, B, "dv", false);
+    const std::vector<int64_t> hd = {p.q.size(1), p.q.size(2)}, kd = {p.k.size(1), p.k.size(2)};
+    c.out = assemble(files[0], sh, dims, b, B, "out", false, hd);
+    c.lse = assemble(files[1], sh, dims, b, B, "lse", true, {p.q.size(1)});
+    c.dq = assemble(files[2], sh, dims, b, B, "dq", false, hd);
+    c.dk = assemble(files[3], sh, dims, b, B, "dk", false, kd);
+    c.dv = assemble(files[4], sh, dims, b, B, "dv", false, kd);
     return c;
   };
 
@@ -372,8 +380,13 @@ int run_verify(const VerifyOptions& o) {
       d.kind = "row_order";
       d.residual = 0;
       d.text = "rows are in the wrong order: the per-rank files are in " + conv + " order, not " +
-               o.convention + " (with --convention " + conv + " every tensor passes)";
-      for (auto& r : reports) r.diagnoses.insert(r.diagnoses.begin(), d);
+               o.convention + " (with --convention " + conv +
+               " every tensor passes; the errors above and the heat map read them in " +
+               o.convention + " order)";
+      // It replaces the diagnoses: they were fitted to rows read in the wrong order, and one
+      // printed after it as "or no known defect explains the out error" contradicted it.
+      for (auto& r : reports)
+        if (!r.passed) r.diagnoses = {d};
       break;
     }
   }
