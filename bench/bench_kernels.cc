@@ -536,7 +536,7 @@ void check_config(const Options& o, const std::string& dtype, int64_t d, bool ca
   const std::array<const std::vector<double>*, 5> ref = {&ref_out.vec(), &ref_lse, &ref_dq.vec(),
                                                          &ref_dk.vec(), &ref_dv.vec()};
   const std::string why =
-      fixed_tolerance_exclusion(q, k, p.qt(), p.kt(), cfg.mask, cfg.scale, kBf16);
+      fixed_tolerance_exclusion(q, k, v, p.qt(), p.kt(), cfg.mask, cfg.scale, kBf16);
   const bool dots = kBf16 && kernel_path_bf16_dots();
   std::array<double, 5> limit{};
   if (why.empty() && kBf16) {

@@ -158,6 +158,16 @@ inline constexpr double kFp32Unit = 0x1p-24;
 // (N(0, 1): 0.10), bf16 within 0.64 of its tolerances (N(0, 1): 0.35), both on the axis. N(0, 1)
 // reached a ratio of 0.51 at the default scale and 0.82 at any scale swept, the cases of
 // tests/unit/test_blockwise.cc's kernel sweeps 1.05 (fp32) and 0.78 (bf16): all inside.
+// The values likewise (common_value_ratio, the same thresholds; checks with v use the overload
+// of fixed_tolerance_exclusion that takes it): dp_ij - delta_i = dout_i . (v_j - out_i) cancels a
+// component the values share while delta_i's rounding (out's) carries it. A correct fp32 dq of
+// v ~ N(0, 1) + 100 missed kFp32RelTol (loom 2.9e-5, PyTorch 1.7e-5), and bf16 with 4 of 64
+// channels of v at + 20 (massive-activation style) missed 2u (0.013). Measured (Xeon with AMX,
+// avx512 / amx and avx2, one rank; v + b along a random direction b sqrt(D) long, b 0 to 64;
+// S / D 256 / 64 causal, 128 / 16 full, 512 / 128 causal; two seeds; 216 runs): dq's error grows
+// with the ratio, fp32 about 0.03 kFp32RelTol per unit of it (0.96 at 32.9), bf16 about 0.28 of
+// 2u per unit (1.18 at 4.1, 2.2 at 8.2); inside the new condition fp32 within 0.17 of kFp32RelTol,
+// bf16 within 0.35 of 2u; outside, every run within 0.22 of its per-problem bounds.
 inline constexpr double kFp32FixedTolMaxScore = 128;
 inline constexpr double kFp32FixedTolMinEffectiveKeys = 2;  // effective_keys, fp32
 inline constexpr double kFp32FixedTolMaxCommonKey = 8;      // common_key_ratio, fp32
@@ -182,6 +192,13 @@ double effective_keys(View3<const double> q, View3<const double> k, Tokens qt, T
 // one-pass form); NaN where a score is NaN. Costs about one reference_forward.
 double common_key_ratio(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
                         const Mask& mask, double scale);
+// The same of v [Sk, Hkv, Dv]: sqrt(sum_i ||out_i||^2 / sum_i sum_j p_ij ||v_j - out_i||^2), out_i
+// = sum_j p_ij v_j. dp_ij - delta_i = dout_i . (v_j - out_i) cancels the values' common component
+// while the rounding of delta_i (from out's) carries it: ds, and so dq and dk, err by about this
+// ratio times out's rounding (the third condition's values, below). 0, 1e5 or more and NaN as
+// common_key_ratio.
+double common_value_ratio(View3<const double> q, View3<const double> k, View3<const double> v,
+                          Tokens qt, Tokens kt, const Mask& mask, double scale);
 
 // Why the fixed tolerances of a problem (fp32's, or bf16's where bf16) do not hold, as the
 // reports print it ("scores up to 1.3e+03 (|scale| max||q|| max||k|| above 128)", "head dim under
@@ -192,6 +209,12 @@ double common_key_ratio(View3<const double> q, View3<const double> k, Tokens qt,
 // pass) only where the other conditions hold.
 std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k, Tokens qt,
                                       Tokens kt, const Mask& mask, double scale, bool bf16);
+// The same with the values' condition too (common_value_ratio at most the keys' threshold; "values
+// sharing a component 4.12 times their spread (...)"): what every check of a backward should use
+// (the overload above does not see v).
+std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k,
+                                      View3<const double> v, Tokens qt, Tokens kt, const Mask& mask,
+                                      double scale, bool bf16);
 // Whether kFp32RelTol holds for the problem: fixed_tolerance_exclusion(..., false) is "".
 bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
                                 const Mask& mask, double scale);

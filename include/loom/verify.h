@@ -142,7 +142,9 @@ struct Options {
 // the bf16-dot path (bf16_error_bounds, dots) and dq, dk, dv to theirs plus u (a gradient may be
 // stored in bf16), and says so (Report::per_problem_bounds). Both dtypes' fixed tolerances need
 // the scores in fp32's regime (|scale| max||q|| max||k|| <= kFp32FixedTolMaxScore) and fp32's
-// also kFp32FixedTolMinEffectiveKeys effective keys (fp32_fixed_tolerance_holds); outside,
+// also kFp32FixedTolMinEffectiveKeys effective keys, and keys and values sharing no component
+// above the common_key_ratio / common_value_ratio thresholds (fixed_tolerance_exclusion with v);
+// outside,
 // every tensor, lse included, is held to the problem's bound for any implementation
 // (fp32_error_bounds, or the bf16 bounds with their fp32 terms; loom_kernels false).
 // InvalidArgument for a tensor other than out, lse, dq, dk, dv or a dtype other than fp32, bf16.

@@ -218,31 +218,41 @@ namespace {
 // sum_j p_ij ||k_j - kbar_i||^2 = sum_j p_ij ||k_j||^2 - ||kbar_i||^2 (sum_j p_ij = 1) costs no
 // second pass. Its cancellation loses about log10(1 + ratio^2) digits of double's 16, nothing at
 // the thresholds (1 and 8).
+// The same sums over v (with v given), whose weighted mean is the row's out_i: mean_val2, val2.
 struct WeightStats {
   int64_t rows = 0;
   double collisions = 0;  // sum over rows of sum_j p_ij^2
   double mean_key2 = 0;   // sum over rows of ||kbar_i||^2
   double key2 = 0;        // sum over rows of sum_j p_ij ||k_j||^2
+  double mean_val2 = 0;   // sum over rows of ||out_i||^2 (out_i = sum_j p_ij v_j)
+  double val2 = 0;        // sum over rows of sum_j p_ij ||v_j||^2
 
   double effective_keys() const { return rows > 0 ? static_cast<double>(rows) / collisions : 0.0; }
-  double common_key_ratio() const {
-    if (std::isnan(mean_key2) || std::isnan(key2)) return std::numeric_limits<double>::quiet_NaN();
-    if (!(mean_key2 > 0)) return 0.0;  // no row, or every weighted key 0: dq exactly 0
-    const double spread = key2 - mean_key2;
-    return spread > 0 ? std::sqrt(mean_key2 / spread) : std::numeric_limits<double>::infinity();
+  static double ratio(double mean2, double all2) {
+    if (std::isnan(mean2) || std::isnan(all2)) return std::numeric_limits<double>::quiet_NaN();
+    if (!(mean2 > 0)) return 0.0;  // no row, or every weighted row 0: nothing to cancel
+    const double spread = all2 - mean2;
+    return spread > 0 ? std::sqrt(mean2 / spread) : std::numeric_limits<double>::infinity();
   }
+  double common_key_ratio() const { return ratio(mean_key2, key2); }
+  double common_value_ratio() const { return ratio(mean_val2, val2); }
 };
 
-WeightStats weight_stats(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
-                         const Mask& mask, double scale) {
-  kernels::check_qkv(q, k, k, qt, kt);  // k stands in for v: the weights do not read v
+WeightStats weight_stats(View3<const double> q, View3<const double> k, const View3<const double>* v,
+                         Tokens qt, Tokens kt, const Mask& mask, double scale) {
+  kernels::check_qkv(q, k, v ? *v : k, qt,
+                     kt);  // without v, k stands in (the weights do not read v)
   kernels::check_mask(mask);
   kernels::check_scale(scale);
-  const int64_t D = q.d;
-  std::vector<double> p(static_cast<size_t>(k.s)), kbar(static_cast<size_t>(D));
-  std::vector<double> knorm2(static_cast<size_t>(k.s * k.h));
+  const int64_t D = q.d, Dv = v ? v->d : 0;
+  std::vector<double> p(static_cast<size_t>(k.s)), kbar(static_cast<size_t>(D)),
+      vbar(static_cast<size_t>(Dv));
+  std::vector<double> knorm2(static_cast<size_t>(k.s * k.h)), vnorm2(v ? knorm2.size() : 0);
   for (int64_t j = 0; j < k.s; ++j)
-    for (int64_t g = 0; g < k.h; ++g) knorm2[j * k.h + g] = dot(k.row(j, g), k.row(j, g), D);
+    for (int64_t g = 0; g < k.h; ++g) {
+      knorm2[j * k.h + g] = dot(k.row(j, g), k.row(j, g), D);
+      if (v) vnorm2[j * k.h + g] = dot(v->row(j, g), v->row(j, g), Dv);
+    }
   WeightStats w;
   for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
@@ -250,6 +260,7 @@ WeightStats weight_stats(View3<const double> q, View3<const double> k, Tokens qt
       double lse = 0;
       if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
       std::fill(kbar.begin(), kbar.end(), 0.0);
+      std::fill(vbar.begin(), vbar.end(), 0.0);
       for (int64_t j = 0; j < k.s; ++j) {
         const double x = p[j];
         w.collisions += x * x;  // >= 1 / n^2 > 0 over the row (NaN passes through)
@@ -257,8 +268,13 @@ WeightStats weight_stats(View3<const double> q, View3<const double> k, Tokens qt
         w.key2 += x * knorm2[j * k.h + g];
         const double* kj = k.row(j, g);
         for (int64_t d = 0; d < D; ++d) kbar[d] += x * kj[d];
+        if (!v) continue;
+        w.val2 += x * vnorm2[j * k.h + g];
+        const double* vj = v->row(j, g);
+        for (int64_t d = 0; d < Dv; ++d) vbar[d] += x * vj[d];
       }
       w.mean_key2 += dot(kbar.data(), kbar.data(), D);
+      if (v) w.mean_val2 += dot(vbar.data(), vbar.data(), Dv);
       ++w.rows;
     }
   }
@@ -269,12 +285,17 @@ WeightStats weight_stats(View3<const double> q, View3<const double> k, Tokens qt
 
 double effective_keys(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
                       const Mask& mask, double scale) {
-  return weight_stats(q, k, qt, kt, mask, scale).effective_keys();
+  return weight_stats(q, k, nullptr, qt, kt, mask, scale).effective_keys();
 }
 
 double common_key_ratio(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
                         const Mask& mask, double scale) {
-  return weight_stats(q, k, qt, kt, mask, scale).common_key_ratio();
+  return weight_stats(q, k, nullptr, qt, kt, mask, scale).common_key_ratio();
+}
+
+double common_value_ratio(View3<const double> q, View3<const double> k, View3<const double> v,
+                          Tokens qt, Tokens kt, const Mask& mask, double scale) {
+  return weight_stats(q, k, &v, qt, kt, mask, scale).common_value_ratio();
 }
 
 namespace {
@@ -543,8 +564,10 @@ bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, do
   return fp32_score_bound(q, k, scale) <= kFp32FixedTolMaxScore;
 }
 
-std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k, Tokens qt,
-                                      Tokens kt, const Mask& mask, double scale, bool bf16) {
+namespace {
+
+std::string exclusion(View3<const double> q, View3<const double> k, const View3<const double>* v,
+                      Tokens qt, Tokens kt, const Mask& mask, double scale, bool bf16) {
   std::ostringstream why;
   why << std::setprecision(3);
   const double score_bound = fp32_score_bound(q, k, scale);
@@ -557,7 +580,7 @@ std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double>
     why << "head dim under " << kBf16FixedTolMinHeadDim;
     return why.str();
   }
-  const WeightStats w = weight_stats(q, k, qt, kt, mask, scale);
+  const WeightStats w = weight_stats(q, k, v, qt, kt, mask, scale);
   const double want = bf16 ? kBf16FixedTolMinEffectiveKeys : kFp32FixedTolMinEffectiveKeys;
   const double keys = w.effective_keys();
   if (!(keys >= want)) {  // NaN: not in the regime either
@@ -568,12 +591,33 @@ std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double>
   }
   const double most = bf16 ? kBf16FixedTolMaxCommonKey : kFp32FixedTolMaxCommonKey;
   const double ratio = w.common_key_ratio();
-  if (!(ratio <= most))  // NaN: not in the regime either
+  if (!(ratio <= most)) {  // NaN: not in the regime either
     why << "keys sharing a component " << ratio
         << " times their spread (sqrt of the rows' sum ||kbar||^2 / sum_j p_j ||k_j - kbar||^2, "
            "kbar = sum_j p_j k_j; above "
         << most << ")";
+    return why.str();
+  }
+  const double values = v ? w.common_value_ratio() : 0.0;
+  if (!(values <= most))
+    why << "values sharing a component " << values
+        << " times their spread (sqrt of the rows' sum ||out||^2 / sum_j p_j ||v_j - out||^2; "
+           "above "
+        << most << ")";
   return why.str();
+}
+
+}  // namespace
+
+std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k, Tokens qt,
+                                      Tokens kt, const Mask& mask, double scale, bool bf16) {
+  return exclusion(q, k, nullptr, qt, kt, mask, scale, bf16);
+}
+
+std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k,
+                                      View3<const double> v, Tokens qt, Tokens kt, const Mask& mask,
+                                      double scale, bool bf16) {
+  return exclusion(q, k, &v, qt, kt, mask, scale, bf16);
 }
 
 bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
@@ -681,7 +725,7 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   // kFp32RelTol within fp32's regime (scores and spread weights), fp32_error_bounds (the terms
   // that grow with the scores or with concentrated rows) outside.
   const Fp32Bounds f =
-      fp32_fixed_tolerance_holds(q, k, qt, kt, mask, scale)
+      fixed_tolerance_exclusion(q, k, v, qt, kt, mask, scale, false).empty()
           ? Fp32Bounds{kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol}
           : fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, loom_kernels);
   const double slack = kFirstOrderSlack;

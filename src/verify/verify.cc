@@ -1387,8 +1387,8 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
       why << "scores up to " << score_bound << " (|scale| max||q|| max||k|| above "
           << kFp32FixedTolMaxScore << ")";
     else if (const std::string x =
-                 fixed_tolerance_exclusion(q.view3(), p.k.view3(), rt.tokens(), c.all_tokens(),
-                                           p.mask, c.scale, o.dtype == "bf16");
+                 fixed_tolerance_exclusion(q.view3(), p.k.view3(), p.v.view3(), rt.tokens(),
+                                           c.all_tokens(), p.mask, c.scale, o.dtype == "bf16");
              !x.empty())
       why << (o.dtype == "bf16" ? "bf16 with " : "") << x;
     rep.per_problem_why = why.str();

@@ -109,6 +109,19 @@ for n, t in (('q', q), ('k', k), ('v', v), ('dout', do)): np.save('$work/kbias/%
   grep -q "this problem's bf16 bound, keys sharing a component" "$work/kbias.out" &&
   ok "bf16 --check with keys sharing a component: per-problem bounds" ||
   { cat "$work/kbias.out"; bad "bf16 --check with keys sharing a component"; }
+# The values likewise: v ~ N(0, 1) + 100, fp32, put a correct dq at 2.7e-5 > 1e-5 (dp - delta =
+# dout . (v_j - out_i) cancels the offset, delta's rounding carries it): "check FAILED" before.
+mkdir -p "$work/vbias"
+/usr/bin/python3 -c "
+import numpy as np
+r = np.random.default_rng(1); x = lambda: r.standard_normal((256, 2, 64))
+q = x(); k = x(); do = x(); v = x() + 100
+for n, t in (('q', q), ('k', k), ('v', v), ('dout', do)): np.save('$work/vbias/%s.npy' % n, t.astype(np.float32))"
+"$loom" attn --input "$work/vbias" --ranks 2 --backward --check --iters 1 --warmup 0 --quiet \
+  > "$work/vbias.out" 2>&1 && grep -q "check     passed" "$work/vbias.out" &&
+  grep -q "this problem's fp32 bound, values sharing a component" "$work/vbias.out" &&
+  ok "fp32 --check with values sharing a component: per-problem bounds" ||
+  { cat "$work/vbias.out"; bad "fp32 --check with values sharing a component"; }
 expect_error "unknown dtype" "unknown --dtype 'fp16' (choose fp32 or bf16)" --dtype fp16
 expect_error "unknown strategy" "unknown strategy 'tree'" --strategy tree --seq 64
 expect_error "unknown layout" "unknown layout 'spiral'" --layout spiral --seq 64

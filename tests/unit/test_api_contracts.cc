@@ -106,7 +106,8 @@ Outcome run_attn_on(const Tensor<float>& q, const Tensor<float>& k, const Tensor
   o.err[2] = rel_error(vec(dq), ref_dq);
   o.err[3] = rel_error(vec(dk), ref_dk);
   o.err[4] = rel_error(vec(dv), ref_dv);
-  o.exclusion = fixed_tolerance_exclusion(rq.view3(), rk.view3(), t, t, mask, scale, kBf16);
+  o.exclusion =
+      fixed_tolerance_exclusion(rq.view3(), rk.view3(), rv.view3(), t, t, mask, scale, kBf16);
   if constexpr (kBf16) {
     o.bound = bf16_error_bounds(rq.view3(), rk.view3(), rv.view3(), rdout.view3(), t, t, mask,
                                 scale, kernel_path_bf16_dots(), /*loom_kernels=*/true);
@@ -264,6 +265,42 @@ TEST(FixedTolerances, KeysSharingAComponentLeaveTheRegime) {
     const Outcome g = run_attn<bf16>(256, 2, 2, 64, true, 0.125f, seed);
     EXPECT_EQ(g.exclusion, "");
     expect_within(g, true, "N(0, 1), seed " + std::to_string(seed));
+  }
+}
+
+// Values sharing a component leave the regime too (common_value_ratio): dp - delta cancels it
+// while delta's rounding carries it. v ~ N(0, 1) + 100 failed fp32's 1e-5 (dq 2.9e-5) and 4 of 64
+// channels of v at + 20 bf16's 2u (dq 0.013), correct results within their own bounds.
+TEST(FixedTolerances, ValuesSharingAComponentLeaveTheRegime) {
+  const int64_t S = 256, H = 2, D = 64;
+  const Tensor<float> q = normal_tensor({S, H, D}, 6, "q"), k = normal_tensor({S, H, D}, 6, "k"),
+                      dout = normal_tensor({S, H, D}, 6, "dout");
+  const auto expect_reason = [](const Outcome& o, const std::string& what) {
+    EXPECT_NE(o.exclusion.find("values sharing a component"), std::string::npos)
+        << what << ": " << o.exclusion;
+  };
+  {
+    Tensor<float> v = normal_tensor({S, H, D}, 6, "v");
+    for (float& x : v.vec()) x += 100.0f;
+    const Outcome f = run_attn_on<float>(q, k, v, dout, /*causal=*/true, 0.125f);
+    expect_reason(f, "fp32, v + 100");
+    expect_within(f, false, "fp32, v + 100");
+    EXPECT_GT(f.err[2], kFp32RelTol) << "the case no longer shows what the condition is for";
+  }
+  {
+    Tensor<float> v = normal_tensor({S, H, D}, 6, "v");
+    for (int64_t j = 0; j < S; ++j)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < 4; ++d) v.vec()[(j * H + h) * D + d] += 20.0f;
+    const Outcome b = run_attn_on<bf16>(q, k, v, dout, true, 0.125f);
+    expect_reason(b, "bf16, 4 channels + 20");
+    expect_within(b, true, "bf16, 4 channels + 20");
+    EXPECT_GT(b.err[2], kBf16GradRelTol) << "the case no longer shows what the condition is for";
+  }
+  {  // N(0, 1) values: inside both
+    const Tensor<float> v = normal_tensor({S, H, D}, 6, "v");
+    EXPECT_EQ(run_attn_on<float>(q, k, v, dout, true, 0.125f).exclusion, "");
+    EXPECT_EQ(run_attn_on<bf16>(q, k, v, dout, true, 0.125f).exclusion, "");
   }
 }
 

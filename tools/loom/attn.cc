@@ -40,12 +40,14 @@ int g_exit_code = 0;
 
 // Tolerances of every check against the fp64 reference (loom/tolerance.h): fp32 storage
 // kFp32RelTol for everything while |scale| max||q|| max||k|| <= kFp32FixedTolMaxScore and the
-// rows' weights spread over kFp32FixedTolMinEffectiveKeys effective keys (effective_keys), the
-// problem's own bounds (fp32_error_bounds) otherwise; bf16 storage (the reference runs on the
-// bf16-rounded inputs): out, dq, dk, dv 2 u = 2^-7 (u = 2^-8 is bf16's unit roundoff) and lse
-// kFp32RelTol from kBf16FixedTolMinEffectiveKeys effective keys per query row and a
-// head dim of kBf16FixedTolMinHeadDim, within fp32's score regime; the problem's own bounds
-// (bf16_error_bounds) otherwise.
+// rows' weights spread over kFp32FixedTolMinEffectiveKeys effective keys (effective_keys) and the
+// keys and values share no component above kFp32FixedTolMaxCommonKey times their spread
+// (common_key_ratio, common_value_ratio), the problem's own bounds (fp32_error_bounds) otherwise;
+// bf16 storage (the reference runs on the bf16-rounded inputs): out, dq, dk, dv 2 u = 2^-7 (u =
+// 2^-8 is bf16's unit roundoff) and lse kFp32RelTol from kBf16FixedTolMinEffectiveKeys effective
+// keys per query row and a head dim of kBf16FixedTolMinHeadDim, keys and values sharing no
+// component above kBf16FixedTolMaxCommonKey times their spread, within fp32's score regime; the
+// problem's own bounds (bf16_error_bounds) otherwise.
 constexpr double kBf16RelTol = kBf16OutRelTol;
 static_assert(kBf16OutRelTol == kBf16GradRelTol);
 // The files `--output DIR` may hold (the set replaces DIR as a whole).
@@ -347,8 +349,9 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
   }
   // Tolerances: the fixed ones where they hold (fp32 and bf16: scores within
   // kFp32FixedTolMaxScore and rows spread over kFp32FixedTolMinEffectiveKeys, bf16
-  // kBf16FixedTolMinEffectiveKeys, effective keys; bf16 also a head dim of
-  // kBf16FixedTolMinHeadDim), else the problem's own bounds (loom/tolerance.h). The score bound is
+  // kBf16FixedTolMinEffectiveKeys, effective keys; keys and values sharing no large component;
+  // bf16 also a head dim of kBf16FixedTolMinHeadDim), else the problem's own bounds
+  // (loom/tolerance.h, fixed_tolerance_exclusion with v). The score bound is
   // over every query row, sampled or not; the effective keys over the rows compared.
   const double tol = p.bf16 ? kBf16RelTol : kFp32RelTol;
   Bf16Bounds bound{tol, tol, tol, tol, tol, kFp32RelTol};
@@ -361,8 +364,8 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
     why << "scores up to " << score_bound << " (|scale| max||q|| max||k|| above "
         << kFp32FixedTolMaxScore << ")";
   else
-    why << fixed_tolerance_exclusion(qs.view3(), kd.view3(), qt, all, p.kernel.mask, p.kernel.scale,
-                                     p.bf16);
+    why << fixed_tolerance_exclusion(qs.view3(), kd.view3(), vd.view3(), qt, all, p.kernel.mask,
+                                     p.kernel.scale, p.bf16);
   r.per_problem_why = why.str();
   r.per_problem_bounds = !r.per_problem_why.empty();
   if (r.per_problem_bounds && p.bf16) {

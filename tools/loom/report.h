@@ -45,7 +45,8 @@ struct CheckReport {
   bool done = false, passed = true, sampled = false;
   // Outside the fixed tolerances' regime (loom/tolerance.h, fixed_tolerance_exclusion: scores
   // past kFp32FixedTolMaxScore, fewer effective keys than kFp32FixedTolMinEffectiveKeys, for
-  // bf16 kBf16FixedTolMinEffectiveKeys, or a head dim under kBf16FixedTolMinHeadDim): each
+  // bf16 kBf16FixedTolMinEffectiveKeys, keys or values sharing a large component, or a head dim
+  // under kBf16FixedTolMinHeadDim): each
   // tensor is held to the problem's own bound (fp32_error_bounds, bf16_error_bounds), not to the
   // fixed tolerance. why: the reason, as the report prints it (fixed_tolerance_exclusion's text).
   bool per_problem_bounds = false;
