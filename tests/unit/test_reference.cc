@@ -187,6 +187,42 @@ TEST(Reference, CommonKeyRatioMeasuresTheComponentTheKeysShare) {
   EXPECT_TRUE(std::isnan(common_key_ratio(qn.view3(), k.view3(), t, t, causal, 0.25)));
 }
 
+// common_value_ratio: the same of the values, whose weighted mean is out_i. A vector c added to
+// every value moves every out_i by c (the weights do not read v) and not the spread about it, so
+// the ratio follows ||c||; the keys' ratio does not see v.
+TEST(Reference, CommonValueRatioMeasuresTheComponentTheValuesShare) {
+  const int64_t S = 40, D = 16;
+  const Tensor<double> q = random_double({S, 2, D}, 13), k = random_double({S, 1, D}, 14),
+                       v = random_double({S, 1, D}, 15);
+  const std::vector<int64_t> pos = iota_positions(S);
+  const Tokens t{pos.data(), nullptr, S};
+  const Mask causal{true, 0};
+  const double base = common_value_ratio(q.view3(), k.view3(), v.view3(), t, t, causal, 0.25);
+  EXPECT_GT(base, 0.1);
+  EXPECT_LT(base, 1.0);
+  double last = base;
+  Tensor<double> vb = v;
+  for (const double b : {1.0, 4.0, 16.0}) {
+    vb = v;
+    for (int64_t j = 0; j < S; ++j)
+      for (int64_t d = 0; d < D; ++d) vb[j * D + d] += b * (d % 2 ? 1.0 : -1.0);
+    const double r = common_value_ratio(q.view3(), k.view3(), vb.view3(), t, t, causal, 0.25);
+    EXPECT_GT(r, last) << b;
+    last = r;
+  }
+  EXPECT_GT(last, 10.0);
+  // fp32's regime: the values' condition (above 8) decides, and the reason names it
+  EXPECT_EQ(fixed_tolerance_exclusion(q.view3(), k.view3(), v.view3(), t, t, causal, 0.25, false),
+            "");
+  EXPECT_EQ(fixed_tolerance_exclusion(q.view3(), k.view3(), t, t, causal, 0.25, false), "");
+  EXPECT_NE(fixed_tolerance_exclusion(q.view3(), k.view3(), vb.view3(), t, t, causal, 0.25, false)
+                .find("values sharing a component"),
+            std::string::npos);
+  Tensor<double> vn = v;
+  vn[3] = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(common_value_ratio(q.view3(), k.view3(), vn.view3(), t, t, causal, 0.25)));
+}
+
 TEST(Reference, RejectsBadArguments) {
   const Tensor<double> q({2, 4, 8}), k({3, 3, 8}), v({3, 3, 8}), k2({3, 2, 8}), v2({3, 2, 8}),
       k_short_dim({3, 2, 7});
