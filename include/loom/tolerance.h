@@ -215,9 +215,11 @@ std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double>
 std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k,
                                       View3<const double> v, Tokens qt, Tokens kt, const Mask& mask,
                                       double scale, bool bf16);
-// Whether kFp32RelTol holds for the problem: fixed_tolerance_exclusion(..., false) is "".
-bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
-                                const Mask& mask, double scale);
+// Whether kFp32RelTol holds for the problem: fixed_tolerance_exclusion(q, k, v, ..., false) is
+// "" (v [Sk, Hkv, Dv]: the values' condition too; without it the answer could be yes where the
+// values share a component).
+bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, View3<const double> v,
+                                Tokens qt, Tokens kt, const Mask& mask, double scale);
 // The score condition alone (fp32_score_bound <= kFp32FixedTolMaxScore): necessary, not
 // sufficient; kept for tests/unit/test_blockwise.cc's large problems. Use the overload above.
 bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, double scale);
@@ -310,10 +312,10 @@ inline constexpr double kBf16FixedTolMaxCommonKey = 1;  // common_key_ratio, bf1
 // fixed 2u in 1 of 8 seeds at S = 185).
 inline constexpr int64_t kBf16FixedTolMinHeadDim = 8;
 
-// Whether the fixed bf16 tolerances hold for the problem (arguments as effective_keys):
-// fixed_tolerance_exclusion(..., true) is "".
-bool bf16_fixed_tolerances_hold(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
-                                const Mask& mask, double scale);
+// Whether the fixed bf16 tolerances hold for the problem (arguments as fp32_fixed_tolerance_holds):
+// fixed_tolerance_exclusion(q, k, v, ..., true) is "".
+bool bf16_fixed_tolerances_hold(View3<const double> q, View3<const double> k, View3<const double> v,
+                                Tokens qt, Tokens kt, const Mask& mask, double scale);
 // The former condition, kept for tests/unit/test_blockwise.cc's large default-scale problems: at
 // least kBf16FixedTolMinKeys visible keys per query row on average and head_dim >=
 // kBf16FixedTolMinHeadDim (false for no query rows). Necessary (effective_keys is at most the

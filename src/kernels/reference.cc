@@ -620,14 +620,14 @@ std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double>
   return exclusion(q, k, &v, qt, kt, mask, scale, bf16);
 }
 
-bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
-                                const Mask& mask, double scale) {
-  return fixed_tolerance_exclusion(q, k, qt, kt, mask, scale, false).empty();
+bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, View3<const double> v,
+                                Tokens qt, Tokens kt, const Mask& mask, double scale) {
+  return fixed_tolerance_exclusion(q, k, v, qt, kt, mask, scale, false).empty();
 }
 
-bool bf16_fixed_tolerances_hold(View3<const double> q, View3<const double> k, Tokens qt, Tokens kt,
-                                const Mask& mask, double scale) {
-  return fixed_tolerance_exclusion(q, k, qt, kt, mask, scale, true).empty();
+bool bf16_fixed_tolerances_hold(View3<const double> q, View3<const double> k, View3<const double> v,
+                                Tokens qt, Tokens kt, const Mask& mask, double scale) {
+  return fixed_tolerance_exclusion(q, k, v, qt, kt, mask, scale, true).empty();
 }
 
 Fp32Bounds fp32_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
@@ -725,7 +725,7 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   // kFp32RelTol within fp32's regime (scores and spread weights), fp32_error_bounds (the terms
   // that grow with the scores or with concentrated rows) outside.
   const Fp32Bounds f =
-      fixed_tolerance_exclusion(q, k, v, qt, kt, mask, scale, false).empty()
+      fp32_fixed_tolerance_holds(q, k, v, qt, kt, mask, scale)
           ? Fp32Bounds{kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol}
           : fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, loom_kernels);
   const double slack = kFirstOrderSlack;
