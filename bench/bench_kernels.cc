@@ -468,11 +468,10 @@ Row run_shape(const Options& o, const std::string& dtype, int64_t sq, int64_t sk
 // small problem of its own kind: its dtype, head dim, mask, GQA group (--heads over --kv-heads),
 // thread count, tiles (--block-q x --block-k) and kernel path, run by the timed rows' own
 // Problem class on S = check_seq() tokens. The tolerances are loom/tolerance.h's, applied as
-// `loom attn --check` applies them: the fixed ones where they hold for the problem
-// (fixed_tolerance_exclusion; fp32 kFp32RelTol, bf16 kBf16OutRelTol, kBf16GradRelTol and, on the
-// widening paths, kFp32RelTol for dv), else the problem's own bounds (fp32_error_bounds,
-// bf16_error_bounds with the path's bf16 dots). The check once ran fp32 alone, on 48 x 40 tiles
-// and the all-threads count: the bf16 rows (on an AMX CPU tile_ops_amx.cc, separate code) and
+// `loom attn --check` applies them (check_limits: the fixed ones where they hold for the problem,
+// else the problem's own bounds, with the path's bf16 dots). The check once ran fp32 alone, on 48 x
+// 40 tiles and the all-threads count: the bf16 rows (on an AMX CPU tile_ops_amx.cc, separate code)
+// and
 // --block-q / --block-k were timed and judged unchecked.
 
 // S of the check problems: along queries and keys a full tile and a ragged one where the blocks
@@ -535,24 +534,11 @@ void check_config(const Options& o, const std::string& dtype, int64_t d, bool ca
                      ref_dk.view3(), ref_dv.view3());
   const std::array<const std::vector<double>*, 5> ref = {&ref_out.vec(), &ref_lse, &ref_dq.vec(),
                                                          &ref_dk.vec(), &ref_dv.vec()};
-  const std::string why =
-      fixed_tolerance_exclusion(q, k, v, p.qt(), p.kt(), cfg.mask, cfg.scale, kBf16);
-  const bool dots = kBf16 && kernel_path_bf16_dots();
-  std::array<double, 5> limit{};
-  if (why.empty() && kBf16) {
-    limit = {kBf16OutRelTol, kFp32RelTol, kBf16GradRelTol, kBf16GradRelTol,
-             dots ? kBf16GradRelTol : kFp32RelTol};
-  } else if (why.empty()) {
-    limit.fill(kFp32RelTol);
-  } else if (kBf16) {
-    const Bf16Bounds b = bf16_error_bounds(q, k, v, dout, p.qt(), p.kt(), cfg.mask, cfg.scale, dots,
-                                           /*loom_kernels=*/true);
-    limit = {b.out, b.lse, b.dq, b.dk, b.dv};
-  } else {
-    const Fp32Bounds b = fp32_error_bounds(q, k, v, dout, p.qt(), p.kt(), cfg.mask, cfg.scale,
-                                           /*loom_kernels=*/true);
-    limit = {b.out, b.lse, b.dq, b.dk, b.dv};
-  }
+  const CheckLimits l =
+      check_limits(q, k, v, dout, p.qt(), p.kt(), cfg.mask, cfg.scale,
+                   CheckedResults{kBf16, kBf16 && kernel_path_bf16_dots(), /*loom_kernels=*/true});
+  const std::array<double, 5> limit = {l.out, l.lse, l.dq, l.dk, l.dv};
+  const std::string& why = l.why;
   const std::string tolerance =
       why.empty() ? "the fixed tolerance" : "the problem's own bound (" + why + ")";
   // LOOM_TEST_BENCH_CHECK_FAIL=<dtype>: the tests' way to see a failed check end the run before

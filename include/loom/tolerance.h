@@ -168,6 +168,14 @@ inline constexpr double kFp32Unit = 0x1p-24;
 // with the ratio, fp32 about 0.03 kFp32RelTol per unit of it (0.96 at 32.9), bf16 about 0.28 of
 // 2u per unit (1.18 at 4.1, 2.2 at 8.2); inside the new condition fp32 within 0.17 of kFp32RelTol,
 // bf16 within 0.35 of 2u; outside, every run within 0.22 of its per-problem bounds.
+// Gradients of a few rows: with dout given (check_limits, bf16_error_bounds' fp32 part), the
+// spread and common-component conditions are also taken over the rows weighted by ||dout_i||^2
+// (dq_i and row i's terms of dk scale with dout_i), and the worse of the two decides. A loss mask
+// that leaves dout on a few rows makes the gradients those rows' alone: dout on one row of 256
+// (N(0, 1), D = 16, causal, scale 1, the row's top key leaving 1e-3 of the weight) put a correct
+// fp32 dq at 1.1e-4 with 5.7 effective keys over every row and about 1 over the weighted ones
+// (tests/unit/test_api_contracts.cc, GradientsOfFewRowsAreJudgedByThoseRows). On N(0, 1) dout the
+// weighted and plain measures differ by the spread of ||dout_i||^2 only.
 inline constexpr double kFp32FixedTolMaxScore = 128;
 inline constexpr double kFp32FixedTolMinEffectiveKeys = 2;  // effective_keys, fp32
 inline constexpr double kFp32FixedTolMaxCommonKey = 8;      // common_key_ratio, fp32
@@ -210,8 +218,9 @@ double common_value_ratio(View3<const double> q, View3<const double> k, View3<co
 std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k, Tokens qt,
                                       Tokens kt, const Mask& mask, double scale, bool bf16);
 // The same with the values' condition too (common_value_ratio at most the keys' threshold; "values
-// sharing a component 4.12 times their spread (...)"): what every check of a backward should use
-// (the overload above does not see v).
+// sharing a component 4.12 times their spread (...)"): the overload above does not see v. Neither
+// sees dout: a check of a backward should use check_limits (below), which also weighs the rows by
+// their dout.
 std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k,
                                       View3<const double> v, Tokens qt, Tokens kt, const Mask& mask,
                                       double scale, bool bf16);
@@ -346,6 +355,48 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                              double scale, bool dots, bool loom_kernels = false);
 
+// Which condition of the fixed tolerances' regime a problem misses first
+// (fixed_tolerance_exclusion's order): kNone inside the regime.
+enum class RegimeMiss { kNone, kScores, kHeadDim, kEffectiveKeys, kCommonKey, kCommonValue };
+
+// Whose results a check compares with the fp64 reference: what sets its limits.
+struct CheckedResults {
+  bool bf16 = false;  // bf16 storage (q, k, v, dout, out), as bf16_error_bounds
+  // bf16: products of bf16 operands, as the amx and avx512bf16 paths (kernel_path_bf16_dots())
+  // take them; false for the widening paths, whose dv keeps kFp32RelTol. true where the
+  // implementation is not known: its limits cover both.
+  bool bf16_dots = true;
+  // The results are loom's kernels' (fp32_error_bounds' refinements); false: any implementation
+  // whose roundings are each within the bounds above.
+  bool loom_kernels = false;
+};
+
+// The limits of one comparison, as normwise relative errors (absolute where the reference tensor
+// is all zero): out as stored (bf16 where bf16), lse, dq, dk, dv.
+struct CheckLimits {
+  double out = 0, lse = 0, dq = 0, dk = 0, dv = 0;
+  RegimeMiss miss = RegimeMiss::kNone;
+  std::string why;  // fixed_tolerance_exclusion's text ("" where miss is kNone)
+};
+
+// The limits `loom attn --check`, `loom verify` and bench_kernels' check hold a problem's results
+// to: inside the fixed tolerances' regime (fixed_tolerance_exclusion with v) the fixed tolerances
+// (fp32: kFp32RelTol; bf16: kBf16OutRelTol for out, kFp32RelTol for lse, kBf16GradRelTol for dq
+// and dk, and for dv kBf16GradRelTol with bf16 dots, kFp32RelTol without); outside, the problem's
+// own bounds (fp32_error_bounds, bf16_error_bounds with results.bf16_dots), which can be 1 or
+// more (a result of zeros would pass them: a caller says it cannot tell). Arguments as
+// bf16_error_bounds (dout.data == nullptr: the forward's; dq, dk, dv are then +inf outside the
+// regime). Where q holds a sample of the query rows, score_bound is fp32_score_bound over all of
+// them (the score condition then covers the rows left out); negative: computed over q.
+CheckLimits check_limits(View3<const double> q, View3<const double> k, View3<const double> v,
+                         View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
+                         double scale, const CheckedResults& results, double score_bound = -1);
+
+// What a user can change so that a check whose limit was 1 or more can tell, by the condition
+// missed: lower the scale or the magnitude (scores, concentrated rows), or subtract the keys' or
+// the values' common component, which leaves the exact gradients as they are. "" for kNone.
+std::string check_limits_hint(RegimeMiss miss);
+
 // Exact values below float32's normal range. Rounding an exact tensor to float32 alone errs by
 // Float32Floor::rel() (normwise relative, absolute where the tensor is all zero; non-finite
 // values left out), and no float32 result can do better. Where that floor exceeds a quarter of
@@ -370,9 +421,10 @@ inline bool float32_floor_blocks(double floor, double tolerance) {
 }
 
 // A bound as the error messages print it: three significant digits, or, when the inputs' size
-// overflowed the bound's own arithmetic (a NaN bound was printed as "-nan"), a phrase saying so.
+// overflowed the bound's own arithmetic (a NaN bound was printed as "-nan", an infinite one as
+// "inf"), a phrase saying so.
 inline std::string bound_text(double bound) {
-  if (std::isnan(bound)) return "not computable (the inputs' magnitude overflows it)";
+  if (!std::isfinite(bound)) return "not computable (the inputs' magnitude overflows it)";
   std::ostringstream os;
   os << std::setprecision(3) << bound;
   return os.str();

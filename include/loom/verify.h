@@ -189,13 +189,16 @@ struct Report {
   std::string heat_tensor;
   std::vector<std::vector<double>> heat;
   std::vector<int> chunk_rank;  // owner rank of each chunk (for labels and steps)
-  // Outside the fixed tolerances' regime (loom/tolerance.h, fixed_tolerance_exclusion: scores
-  // past kFp32FixedTolMaxScore; under kFp32FixedTolMinEffectiveKeys, bf16
-  // kBf16FixedTolMinEffectiveKeys, effective keys per query row; bf16 also a head dim under
-  // kBf16FixedTolMinHeadDim): each tensor is held to the problem's own bound (lse too, but never
-  // under kFp32RelTol). why: the reason, as the summary prints it.
+  // Outside the fixed tolerances' regime (loom/tolerance.h, check_limits: scores past
+  // kFp32FixedTolMaxScore; under kFp32FixedTolMinEffectiveKeys, bf16
+  // kBf16FixedTolMinEffectiveKeys, effective keys per query row; keys or values sharing a large
+  // component; bf16 also a head dim under kBf16FixedTolMinHeadDim): each tensor is held to the
+  // problem's own bound (lse too, but never under kFp32RelTol). why: the reason, as the summary
+  // prints it.
   bool per_problem_bounds = false;
   std::string per_problem_why;
+  // What would let a bound of 1 or more be checked (loom/tolerance.h check_limits_hint).
+  std::string per_problem_hint;
 
   std::string to_json() const;      // the report as one JSON object
   std::string heatmap_svg() const;  // a self-contained SVG of `heat`

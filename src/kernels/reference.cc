@@ -20,6 +20,8 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -219,15 +221,23 @@ namespace {
 // second pass. Its cancellation loses about log10(1 + ratio^2) digits of double's 16, nothing at
 // the thresholds (1 and 8).
 // The same sums over v (with v given), whose weighted mean is the row's out_i: mean_val2, val2.
-struct WeightStats {
-  int64_t rows = 0;
+struct RowSums {
+  double rows = 0;        // the rows' count (or total weight)
   double collisions = 0;  // sum over rows of sum_j p_ij^2
   double mean_key2 = 0;   // sum over rows of ||kbar_i||^2
   double key2 = 0;        // sum over rows of sum_j p_ij ||k_j||^2
   double mean_val2 = 0;   // sum over rows of ||out_i||^2 (out_i = sum_j p_ij v_j)
   double val2 = 0;        // sum over rows of sum_j p_ij ||v_j||^2
 
-  double effective_keys() const { return rows > 0 ? static_cast<double>(rows) / collisions : 0.0; }
+  void add(double weight, const RowSums& row) {
+    rows += weight;
+    collisions += weight * row.collisions;
+    mean_key2 += weight * row.mean_key2;
+    key2 += weight * row.key2;
+    mean_val2 += weight * row.mean_val2;
+    val2 += weight * row.val2;
+  }
+  double effective_keys() const { return rows > 0 ? rows / collisions : 0.0; }
   static double ratio(double mean2, double all2) {
     if (std::isnan(mean2) || std::isnan(all2)) return std::numeric_limits<double>::quiet_NaN();
     if (!(mean2 > 0)) return 0.0;  // no row, or every weighted row 0: nothing to cancel
@@ -238,12 +248,43 @@ struct WeightStats {
   double common_value_ratio() const { return ratio(mean_val2, val2); }
 };
 
+// The sums with every row counted once, and, with dout given, weighted by ||dout_i||^2: a row's
+// share of the gradients (dq_i and row i's terms of dk and dv scale with dout_i). A loss mask
+// that leaves dout on a few rows makes the gradients those rows' alone, and a concentrated row
+// among many spread ones then rules dq while the plain mean hides it (dout on one row of 256 whose
+// top key held 1 - 5e-4 of the weight: a correct fp32 dq 1.1e-4 from the reference, "check
+// FAILED" at 1e-5 with 5.7 effective keys counted over every row). The conditions take the
+// worse of the two.
+struct WeightStats {
+  RowSums all, grad;
+  double effective_keys() const {
+    const double a = all.effective_keys();
+    const double b = grad.rows > 0 ? grad.effective_keys() : a;
+    return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN()
+                                          : std::min(a, b);
+  }
+  static double worse(double a, double b) {
+    return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN()
+                                          : std::max(a, b);
+  }
+  double common_key_ratio() const {
+    return grad.rows > 0 ? worse(all.common_key_ratio(), grad.common_key_ratio())
+                         : all.common_key_ratio();
+  }
+  double common_value_ratio() const {
+    return grad.rows > 0 ? worse(all.common_value_ratio(), grad.common_value_ratio())
+                         : all.common_value_ratio();
+  }
+};
+
 WeightStats weight_stats(View3<const double> q, View3<const double> k, const View3<const double>* v,
-                         Tokens qt, Tokens kt, const Mask& mask, double scale) {
+                         Tokens qt, Tokens kt, const Mask& mask, double scale,
+                         const View3<const double>* dout = nullptr) {
   kernels::check_qkv(q, k, v ? *v : k, qt,
                      kt);  // without v, k stands in (the weights do not read v)
   kernels::check_mask(mask);
   kernels::check_scale(scale);
+  if (dout) kernels::check_same_shape(*dout, q, "dout and q");
   const int64_t D = q.d, Dv = v ? v->d : 0;
   std::vector<double> p(static_cast<size_t>(k.s)), kbar(static_cast<size_t>(D)),
       vbar(static_cast<size_t>(Dv));
@@ -261,21 +302,23 @@ WeightStats weight_stats(View3<const double> q, View3<const double> k, const Vie
       if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
       std::fill(kbar.begin(), kbar.end(), 0.0);
       std::fill(vbar.begin(), vbar.end(), 0.0);
+      RowSums row;
       for (int64_t j = 0; j < k.s; ++j) {
         const double x = p[j];
-        w.collisions += x * x;  // >= 1 / n^2 > 0 over the row (NaN passes through)
+        row.collisions += x * x;  // >= 1 / n^2 > 0 over the row (NaN passes through)
         if (x == 0.0) continue;
-        w.key2 += x * knorm2[j * k.h + g];
+        row.key2 += x * knorm2[j * k.h + g];
         const double* kj = k.row(j, g);
         for (int64_t d = 0; d < D; ++d) kbar[d] += x * kj[d];
         if (!v) continue;
-        w.val2 += x * vnorm2[j * k.h + g];
+        row.val2 += x * vnorm2[j * k.h + g];
         const double* vj = v->row(j, g);
         for (int64_t d = 0; d < Dv; ++d) vbar[d] += x * vj[d];
       }
-      w.mean_key2 += dot(kbar.data(), kbar.data(), D);
-      if (v) w.mean_val2 += dot(vbar.data(), vbar.data(), Dv);
-      ++w.rows;
+      row.mean_key2 = dot(kbar.data(), kbar.data(), D);
+      if (v) row.mean_val2 = dot(vbar.data(), vbar.data(), Dv);
+      w.all.add(1.0, row);
+      if (dout) w.grad.add(dot(dout->row(i, h), dout->row(i, h), dout->d), row);
     }
   }
   return w;
@@ -392,7 +435,23 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
         w[j] = p[j] == 0 ? 0 : std::max(std::exp(f) / zm - 1, 1 - std::exp(-f) / zp);
         if (m - s[j] + f > kExp2Cut) w[j] = std::max(w[j], 1.0);  // may be flushed to 0
       }
-      const double lse_err = std::max(std::log(zp), -std::log(zm)) + l_rel + u * std::fabs(lse);
+      // log Z+ and -log Z- in log space: at scores past about 1e9 the exponents f reach
+      // thousands, zp overflows and zm underflows, and lse's bound came out NaN ("not
+      // computable") where it is a few ulps of |lse|.
+      double fmax = -std::numeric_limits<double>::infinity(), fmin = -fmax;
+      for (int64_t j : keys) {
+        if (p[j] == 0) continue;
+        fmax = std::max(fmax, e[j] + rs[j]);
+        fmin = std::min(fmin, e[j] + rs[j]);
+      }
+      double zp_scaled = 0, zm_scaled = 0;
+      for (int64_t j : keys) {
+        if (p[j] == 0) continue;
+        zp_scaled += p[j] * std::exp(e[j] + rs[j] - fmax);
+        zm_scaled += p[j] * std::exp(fmin - e[j] - rs[j]);
+      }
+      const double lse_err = std::max(fmax + std::log(zp_scaled), fmin - std::log(zm_scaled)) +
+                             l_rel + u * std::fabs(lse);
       lse_e2 += lse_err * lse_err;
       lse_r2 += lse * lse;
       // out: the weights' error, acc's roundings (per element), l's, and 1 / l (inv_l = fl(1 / l),
@@ -566,58 +625,71 @@ bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, do
 
 namespace {
 
-std::string exclusion(View3<const double> q, View3<const double> k, const View3<const double>* v,
-                      Tokens qt, Tokens kt, const Mask& mask, double scale, bool bf16) {
+// The first condition of the fixed tolerances' regime that the problem misses, and its text.
+// score_bound: fp32_score_bound over every query row where q holds a sample of them (negative:
+// computed here, over q).
+std::pair<RegimeMiss, std::string> exclusion(View3<const double> q, View3<const double> k,
+                                             const View3<const double>* v, Tokens qt, Tokens kt,
+                                             const Mask& mask, double scale, bool bf16,
+                                             double score_bound = -1,
+                                             const View3<const double>* dout = nullptr) {
   std::ostringstream why;
   why << std::setprecision(3);
-  const double score_bound = fp32_score_bound(q, k, scale);
+  if (score_bound < 0) score_bound = fp32_score_bound(q, k, scale);
   if (!(score_bound <= kFp32FixedTolMaxScore)) {
     why << "scores up to " << score_bound << " (|scale| max||q|| max||k|| above "
         << kFp32FixedTolMaxScore << ")";
-    return why.str();
+    return {RegimeMiss::kScores, why.str()};
   }
   if (bf16 && q.d < kBf16FixedTolMinHeadDim) {
     why << "head dim under " << kBf16FixedTolMinHeadDim;
-    return why.str();
+    return {RegimeMiss::kHeadDim, why.str()};
   }
-  const WeightStats w = weight_stats(q, k, v, qt, kt, mask, scale);
+  const WeightStats w = weight_stats(q, k, v, qt, kt, mask, scale, dout);
+  // The worse of every row's sums and the dout-weighted ones: the text says which.
+  const bool by_grad = w.grad.rows > 0;
+  const char* weighted = ", each row weighted by its ||dout||^2";
   const double want = bf16 ? kBf16FixedTolMinEffectiveKeys : kFp32FixedTolMinEffectiveKeys;
   const double keys = w.effective_keys();
   if (!(keys >= want)) {  // NaN: not in the regime either
     why << std::fixed << std::setprecision(2) << keys
-        << " effective keys per query row (1 / the rows' mean sum_j p_j^2; under "
+        << " effective keys per query row (1 / the rows' mean sum_j p_j^2"
+        << (by_grad && keys != w.all.effective_keys() ? weighted : "") << "; under "
         << std::defaultfloat << want << ")";
-    return why.str();
+    return {RegimeMiss::kEffectiveKeys, why.str()};
   }
   const double most = bf16 ? kBf16FixedTolMaxCommonKey : kFp32FixedTolMaxCommonKey;
   const double ratio = w.common_key_ratio();
   if (!(ratio <= most)) {  // NaN: not in the regime either
     why << "keys sharing a component " << ratio
         << " times their spread (sqrt of the rows' sum ||kbar||^2 / sum_j p_j ||k_j - kbar||^2, "
-           "kbar = sum_j p_j k_j; above "
-        << most << ")";
-    return why.str();
+           "kbar = sum_j p_j k_j"
+        << (by_grad && ratio != w.all.common_key_ratio() ? weighted : "") << "; above " << most
+        << ")";
+    return {RegimeMiss::kCommonKey, why.str()};
   }
   const double values = v ? w.common_value_ratio() : 0.0;
-  if (!(values <= most))
+  if (!(values <= most)) {
     why << "values sharing a component " << values
-        << " times their spread (sqrt of the rows' sum ||out||^2 / sum_j p_j ||v_j - out||^2; "
-           "above "
-        << most << ")";
-  return why.str();
+        << " times their spread (sqrt of the rows' sum ||out||^2 / sum_j p_j ||v_j - out||^2"
+        << (by_grad && values != w.all.common_value_ratio() ? weighted : "") << "; above " << most
+        << ")";
+    return {RegimeMiss::kCommonValue, why.str()};
+  }
+  return {RegimeMiss::kNone, ""};
 }
 
 }  // namespace
 
 std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k, Tokens qt,
                                       Tokens kt, const Mask& mask, double scale, bool bf16) {
-  return exclusion(q, k, nullptr, qt, kt, mask, scale, bf16);
+  return exclusion(q, k, nullptr, qt, kt, mask, scale, bf16).second;
 }
 
 std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k,
                                       View3<const double> v, Tokens qt, Tokens kt, const Mask& mask,
                                       double scale, bool bf16) {
-  return exclusion(q, k, &v, qt, kt, mask, scale, bf16);
+  return exclusion(q, k, &v, qt, kt, mask, scale, bf16).second;
 }
 
 bool fp32_fixed_tolerance_holds(View3<const double> q, View3<const double> k, View3<const double> v,
@@ -724,10 +796,12 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   // The bf16 roundings' bounds plus the fp32 arithmetic's, by the triangle inequality:
   // kFp32RelTol within fp32's regime (scores and spread weights), fp32_error_bounds (the terms
   // that grow with the scores or with concentrated rows) outside.
+  const bool fp32_fixed =
+      exclusion(q, k, &v, qt, kt, mask, scale, false, -1, backward ? &dout : nullptr).first ==
+      RegimeMiss::kNone;
   const Fp32Bounds f =
-      fp32_fixed_tolerance_holds(q, k, v, qt, kt, mask, scale)
-          ? Fp32Bounds{kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol}
-          : fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, loom_kernels);
+      fp32_fixed ? Fp32Bounds{kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol}
+                 : fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, loom_kernels);
   const double slack = kFirstOrderSlack;
   Bf16Bounds b;
   b.out = rel(slack * u * (std::sqrt(out_n2) + std::sqrt(a_n2)), std::sqrt(out_n2)) + f.out;
@@ -741,6 +815,58 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
          f.dk;
   b.dv = rel(slack * u * l2_norm(dv_round), l2_norm(dv)) + f.dv;
   return b;
+}
+
+CheckLimits check_limits(View3<const double> q, View3<const double> k, View3<const double> v,
+                         View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
+                         double scale, const CheckedResults& results, double score_bound) {
+  check_bounds_args(q, k, v, dout, qt, kt, mask, scale);
+  CheckLimits l;
+  std::tie(l.miss, l.why) = exclusion(q, k, &v, qt, kt, mask, scale, results.bf16, score_bound,
+                                      dout.data != nullptr ? &dout : nullptr);
+  if (l.miss == RegimeMiss::kNone && results.bf16) {
+    l.out = kBf16OutRelTol;
+    l.lse = kFp32RelTol;
+    l.dq = l.dk = kBf16GradRelTol;
+    l.dv = results.bf16_dots ? kBf16GradRelTol : kFp32RelTol;
+  } else if (l.miss == RegimeMiss::kNone) {
+    l.out = l.lse = l.dq = l.dk = l.dv = kFp32RelTol;
+  } else if (results.bf16) {
+    const Bf16Bounds b = bf16_error_bounds(q, k, v, dout, qt, kt, mask, scale, results.bf16_dots,
+                                           results.loom_kernels);
+    l.out = b.out;
+    l.lse = b.lse;
+    l.dq = b.dq;
+    l.dk = b.dk;
+    l.dv = b.dv;
+  } else {
+    const Fp32Bounds b =
+        fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, results.loom_kernels);
+    l.out = b.out;
+    l.lse = b.lse;
+    l.dq = b.dq;
+    l.dk = b.dk;
+    l.dv = b.dv;
+  }
+  return l;
+}
+
+std::string check_limits_hint(RegimeMiss miss) {
+  switch (miss) {
+    case RegimeMiss::kCommonKey:
+      return "the keys share a component: subtracting the keys' mean from every key leaves out, "
+             "dq, dk and dv as they are (lse shifts), and that problem's check can tell";
+    case RegimeMiss::kCommonValue:
+      return "the values share a component: subtracting the values' mean from every value leaves "
+             "dq, dk and dv as they are (out shifts by it), and that problem's check can tell";
+    case RegimeMiss::kNone:
+      return "";
+    case RegimeMiss::kScores:
+    case RegimeMiss::kHeadDim:
+    case RegimeMiss::kEffectiveKeys:
+      break;
+  }
+  return "lower the scale or the inputs' magnitude to check it";
 }
 
 }  // namespace loom

@@ -96,10 +96,10 @@ struct Ctx {
   bool sampled = false;
   std::vector<int64_t> lrows;   // localisation rows (subset of rows)
   std::vector<int> lrow_chunk;  // chunk of each localisation row
-  // Outside the fixed tolerances' regime: the problem's own bounds (loom/tolerance.h); for bf16
-  // those of the bf16-dot path, which cover the widening paths too; for fp32 fp32_error_bounds
-  // in the same fields.
-  std::optional<Bf16Bounds> bounds;
+  // Outside the fixed tolerances' regime: the problem's own bounds (loom/tolerance.h
+  // check_limits, of any implementation; for bf16 those of the bf16-dot path, which cover the
+  // widening paths too).
+  std::optional<CheckLimits> bounds;
 
   Ctx(const Problem& p_, const Options& o_) : p(p_), o(o_) {}
   // For a reference run (run_reference) of problem p_ on rows rows_: c's sharding, sizes and
@@ -1378,34 +1378,21 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   const Reference ref = run_reference(c, c.scale, any_grad);
   {
     const RowTokens rt(c);
-    // The score bound over every query row, the effective keys over the rows compared.
-    const double score_bound = fp32_score_bound(p.q.view3(), p.k.view3(), c.scale);
+    // The score condition over every query row, the others over the rows compared.
     const Tensor<double> q = gather_rows(p.q, c.rows);
-    std::ostringstream why;
-    why << std::setprecision(3);
-    if (score_bound > kFp32FixedTolMaxScore)
-      why << "scores up to " << score_bound << " (|scale| max||q|| max||k|| above "
-          << kFp32FixedTolMaxScore << ")";
-    else if (const std::string x =
-                 fixed_tolerance_exclusion(q.view3(), p.k.view3(), p.v.view3(), rt.tokens(),
-                                           c.all_tokens(), p.mask, c.scale, o.dtype == "bf16");
-             !x.empty())
-      why << (o.dtype == "bf16" ? "bf16 with " : "") << x;
-    rep.per_problem_why = why.str();
-    rep.per_problem_bounds = !rep.per_problem_why.empty();
-    if (rep.per_problem_bounds) {
-      const Tensor<double> dout = any_grad ? gather_rows(p.dout, c.rows) : Tensor<double>();
-      const View3<const double> dv =
-          any_grad ? View3<const double>(dout.view3()) : View3<const double>{};
-      if (o.dtype == "bf16") {
-        c.bounds = bf16_error_bounds(q.view3(), p.k.view3(), p.v.view3(), dv, rt.tokens(),
-                                     c.all_tokens(), p.mask, c.scale, true);
-      } else {
-        const Fp32Bounds f = fp32_error_bounds(q.view3(), p.k.view3(), p.v.view3(), dv, rt.tokens(),
-                                               c.all_tokens(), p.mask, c.scale, false);
-        c.bounds = Bf16Bounds{f.out, f.out, f.dq, f.dk, f.dv, f.lse};
-      }
+    const Tensor<double> dout = any_grad ? gather_rows(p.dout, c.rows) : Tensor<double>();
+    const View3<const double> dv =
+        any_grad ? View3<const double>(dout.view3()) : View3<const double>{};
+    CheckLimits limits =
+        check_limits(q.view3(), p.k.view3(), p.v.view3(), dv, rt.tokens(), c.all_tokens(), p.mask,
+                     c.scale, CheckedResults{o.dtype == "bf16", true, false},
+                     fp32_score_bound(p.q.view3(), p.k.view3(), c.scale));
+    if (!limits.why.empty()) {
+      rep.per_problem_why = (o.dtype == "bf16" ? "bf16 with " : "") + limits.why;
+      rep.per_problem_hint = check_limits_hint(limits.miss);
+      c.bounds = std::move(limits);
     }
+    rep.per_problem_bounds = c.bounds.has_value();
   }
   // Finite inputs whose scores overflow float64 (|scale q.k| > 1.8e308) leave NaN in the
   // reference: every candidate then "failed" with an infinite error and a diagnosis fitted to
@@ -1433,7 +1420,7 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
                     << " error bound for it is " << bound_text(c.tol(name)) << " ("
                     << (name[0] == 'o' || name[0] == 'l' ? "an " : "a ")  // an out, an lse, a dq
                     << name << " of zeros would pass; " << rep.per_problem_why
-                    << "): lower the scale or the inputs' magnitude");
+                    << "): " << rep.per_problem_hint);
   std::vector<int64_t> all_rows(c.S);
   std::iota(all_rows.begin(), all_rows.end(), 0);
   auto absent = [&](const char* n) {

@@ -38,18 +38,9 @@ namespace {
 
 int g_exit_code = 0;
 
-// Tolerances of every check against the fp64 reference (loom/tolerance.h): fp32 storage
-// kFp32RelTol for everything while |scale| max||q|| max||k|| <= kFp32FixedTolMaxScore and the
-// rows' weights spread over kFp32FixedTolMinEffectiveKeys effective keys (effective_keys) and the
-// keys and values share no component above kFp32FixedTolMaxCommonKey times their spread
-// (common_key_ratio, common_value_ratio), the problem's own bounds (fp32_error_bounds) otherwise;
-// bf16 storage (the reference runs on the bf16-rounded inputs): out, dq, dk, dv 2 u = 2^-7 (u =
-// 2^-8 is bf16's unit roundoff) and lse kFp32RelTol from kBf16FixedTolMinEffectiveKeys effective
-// keys per query row and a head dim of kBf16FixedTolMinHeadDim, keys and values sharing no
-// component above kBf16FixedTolMaxCommonKey times their spread, within fp32's score regime; the
-// problem's own bounds (bf16_error_bounds) otherwise.
-constexpr double kBf16RelTol = kBf16OutRelTol;
-static_assert(kBf16OutRelTol == kBf16GradRelTol);
+// Tolerances of every check against the fp64 reference: loom/tolerance.h's check_limits (the
+// fixed ones inside their regime, else the problem's own bounds), as loom verify and
+// bench_kernels hold them; bf16's reference runs on the bf16-rounded inputs.
 // The files `--output DIR` may hold (the set replaces DIR as a whole).
 const std::vector<std::string> kOutputNames = {"out.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"};
 // Above this many tokens --check compares a sample of kCheckSampleRows query rows.
@@ -230,13 +221,6 @@ Problem make_problem(const AttnOptions& o) {
 // rows is empty). lse may hold -inf in both: such entries must agree exactly.
 void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref,
              const std::vector<int64_t>& rows, int64_t row_width, double tol, CheckReport& r) {
-  if (!(tol < 1)) {  // a bound of 1 or more passes zeros: nothing a check can tell
-    std::ostringstream os;
-    os << name << " (bound " << bound_text(tol) << ")";
-    r.unverifiable.push_back(os.str());
-    r.done = true;
-    return;
-  }
   double num = 0, den = 0, max_abs = 0;
   Float32Floor floor;  // what rounding the exact values to float32 alone errs (subnormals)
   bool inf_mismatch = false, non_finite = false;
@@ -264,6 +248,16 @@ void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref
     for (int64_t row : rows)
       for (int64_t c = 0; c < row_width; ++c) visit(row * row_width + c);
   }
+  // A bound of 1 or more passes zeros: nothing a check can tell, unless the result is the exact
+  // answer itself (scores so large that every row's weight sits on one key: out is that key's
+  // value, bitwise).
+  if (!(tol < 1) && (inf_mismatch || num != 0)) {
+    std::ostringstream os;
+    os << name << " (bound " << bound_text(tol) << ")";
+    r.unverifiable.push_back(os.str());
+    r.done = true;
+    return;
+  }
   const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   const double rel_f32 = floor.rel();
   if (!inf_mismatch && !(rel <= tol) && float32_floor_blocks(rel_f32, tol)) {
@@ -273,7 +267,8 @@ void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref
     r.done = true;
     return;
   }
-  const bool fails = inf_mismatch || !(rel <= tol);
+  const bool exact = !inf_mismatch && num == 0;  // whatever the bound (NaN where not computable)
+  const bool fails = !exact && (inf_mismatch || !(rel <= tol));
   r.done = true;
   r.max_abs = std::max(r.max_abs, max_abs);
   // worst: the first tensor that failed, else the one with the largest relative error.
@@ -347,36 +342,18 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
       dos = std::move(dod);
     }
   }
-  // Tolerances: the fixed ones where they hold (fp32 and bf16: scores within
-  // kFp32FixedTolMaxScore and rows spread over kFp32FixedTolMinEffectiveKeys, bf16
-  // kBf16FixedTolMinEffectiveKeys, effective keys; keys and values sharing no large component;
-  // bf16 also a head dim of kBf16FixedTolMinHeadDim), else the problem's own bounds
-  // (loom/tolerance.h, fixed_tolerance_exclusion with v). The score bound is
-  // over every query row, sampled or not; the effective keys over the rows compared.
-  const double tol = p.bf16 ? kBf16RelTol : kFp32RelTol;
-  Bf16Bounds bound{tol, tol, tol, tol, tol, kFp32RelTol};
+  // Tolerances: loom/tolerance.h's check_limits, the fixed ones where they hold, else the
+  // problem's own bounds. The score condition over every query row, sampled or not; the others
+  // over the rows compared.
   const View3<const double> dos_v =
       backward ? View3<const double>(dos.view3()) : View3<const double>{};
-  const double score_bound = fp32_score_bound(qd.view3(), kd.view3(), p.kernel.scale);
-  std::ostringstream why;
-  why << std::setprecision(3);
-  if (score_bound > kFp32FixedTolMaxScore)
-    why << "scores up to " << score_bound << " (|scale| max||q|| max||k|| above "
-        << kFp32FixedTolMaxScore << ")";
-  else
-    why << fixed_tolerance_exclusion(qs.view3(), kd.view3(), vd.view3(), qt, all, p.kernel.mask,
-                                     p.kernel.scale, p.bf16);
-  r.per_problem_why = why.str();
+  const CheckLimits bound = check_limits(
+      qs.view3(), kd.view3(), vd.view3(), dos_v, qt, all, p.kernel.mask, p.kernel.scale,
+      CheckedResults{p.bf16, p.bf16 && kernel_path_bf16_dots(), /*loom_kernels=*/true},
+      fp32_score_bound(qd.view3(), kd.view3(), p.kernel.scale));
+  r.per_problem_why = bound.why;
+  r.per_problem_hint = check_limits_hint(bound.miss);
   r.per_problem_bounds = !r.per_problem_why.empty();
-  if (r.per_problem_bounds && p.bf16) {
-    bound = bf16_error_bounds(qs.view3(), kd.view3(), vd.view3(), dos_v, qt, all, p.kernel.mask,
-                              p.kernel.scale, kernel_path_bf16_dots(),
-                              /*loom_kernels=*/true);
-  } else if (r.per_problem_bounds) {
-    const Fp32Bounds f = fp32_error_bounds(qs.view3(), kd.view3(), vd.view3(), dos_v, qt, all,
-                                           p.kernel.mask, p.kernel.scale, /*loom_kernels=*/true);
-    bound = Bf16Bounds{f.out, f.out, f.dq, f.dk, f.dv, f.lse};
-  }
   compare("out", out, full_out, rows, w, bound.out, r);
   compare("lse", lse_t, full_lse_t, rows, p.H, bound.lse, r);
   if (backward) {
@@ -1061,9 +1038,9 @@ int run_attn(const AttnOptions& o) {
       for (const std::string& u : rep.check.unverifiable) names += (names.empty() ? "" : ", ") + u;
       std::fprintf(stderr,
                    "loom: error: check cannot tell: this problem's %s error bound for %s is 1 or "
-                   "more (a result of zeros would pass; %s): lower --scale or the inputs' "
-                   "magnitude to check it\n",
-                   rep.dtype.c_str(), names.c_str(), rep.check.per_problem_why.c_str());
+                   "more (a result of zeros would pass; %s): %s\n",
+                   rep.dtype.c_str(), names.c_str(), rep.check.per_problem_why.c_str(),
+                   rep.check.per_problem_hint.c_str());
     } else if (rep.check.non_finite) {
       std::fprintf(stderr,
                    "loom: error: check failed: %s holds NaN or Inf values where the fp64 "

@@ -181,9 +181,17 @@ void print_text(const AttnReport& r) {
     for (const std::string& u : r.check.below_normal)
       std::printf("  check     cannot tell %s: its exact values lie below float32's normal range\n",
                   u.c_str());
+    // Every tensor unverifiable: nothing was compared (it printed "max rel err 0 (; tolerance
+    // 0.00e+00 ...").
+    if (r.check.worst.empty() && !r.check.conclusive()) {
+      std::printf("  check     UNVERIFIABLE  no tensor could be compared%s\n", bounds.c_str());
+      return;
+    }
     // The fixed tolerances to their own digits (2^-7 printed "8e-03", above what it is: 0.0078125).
     char tol[32];
     std::snprintf(tol, sizeof tol, r.check.per_problem_bounds ? "%.2e" : "%g", r.check.tolerance);
+    if (!std::isfinite(r.check.tolerance))  // an exact result passes a bound not computable
+      std::snprintf(tol, sizeof tol, "not computable");
     std::printf("  check     %s  max abs err %.3g, max rel err %.3g (%s; tolerance %s%s, %s)\n",
                 !r.check.passed        ? "FAILED"
                 : r.check.conclusive() ? "passed"

@@ -43,14 +43,15 @@ std::string human_bytes(double bytes);
 
 struct CheckReport {
   bool done = false, passed = true, sampled = false;
-  // Outside the fixed tolerances' regime (loom/tolerance.h, fixed_tolerance_exclusion: scores
-  // past kFp32FixedTolMaxScore, fewer effective keys than kFp32FixedTolMinEffectiveKeys, for
-  // bf16 kBf16FixedTolMinEffectiveKeys, keys or values sharing a large component, or a head dim
-  // under kBf16FixedTolMinHeadDim): each
-  // tensor is held to the problem's own bound (fp32_error_bounds, bf16_error_bounds), not to the
-  // fixed tolerance. why: the reason, as the report prints it (fixed_tolerance_exclusion's text).
+  // Outside the fixed tolerances' regime (loom/tolerance.h, check_limits: scores past
+  // kFp32FixedTolMaxScore, fewer effective keys than kFp32FixedTolMinEffectiveKeys, for bf16
+  // kBf16FixedTolMinEffectiveKeys, keys or values sharing a large component, or a head dim under
+  // kBf16FixedTolMinHeadDim): each tensor is held to the problem's own bound (fp32_error_bounds,
+  // bf16_error_bounds), not to the fixed tolerance. why: the reason, as the report prints it
+  // (fixed_tolerance_exclusion's text); hint: what would let a check whose bound is 1 or more
+  // tell (check_limits_hint).
   bool per_problem_bounds = false;
-  std::string per_problem_why;
+  std::string per_problem_why, per_problem_hint;
   // worst: the first tensor that failed, else the one with the largest relative error; max_rel
   // and tolerance are that tensor's; non_finite: it holds NaN/Inf where the reference is finite.
   std::string worst;
