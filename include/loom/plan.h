@@ -14,8 +14,9 @@
 // strategy in src/plan/schedules.cc). A new strategy (for example ring2d after the structure
 // refactor) is one function and one register_schedule() call.
 //
-// Thread safety: every function here is reentrant; the registry is filled before main() and only
-// read afterwards (register_schedule() is not thread-safe).
+// Thread safety: every function here is reentrant; the built-in schedules are registered once, on
+// the registry's first use (std::call_once), and only read afterwards (register_schedule() is not
+// thread-safe).
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,53 @@
+# The install test (tests/install.cmake, ctest install_example), run as
+#   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DMAKE_PROGRAM=...
+#         -DC_COMPILER=... -DCXX_COMPILER=... -DBUILD_TYPE=... -P cmake/install_check.cmake
+# Installs BUILD_DIR into WORK_DIR/prefix, configures SOURCE_DIR/examples/cpp against it with a
+# fresh CMake (its own build folder, the same compilers and generator), builds it and runs it.
+# Any step that fails fails the test, with that step's output.
+foreach(var BUILD_DIR SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER)
+  if(NOT ${var})
+    message(FATAL_ERROR "install_check.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+if(NOT BUILD_TYPE)
+  set(BUILD_TYPE Release)
+endif()
+set(prefix ${WORK_DIR}/prefix)
+set(example ${WORK_DIR}/example)
+# Nothing from an earlier run: the prefix holds exactly what this install put there.
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+function(step name)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    list(JOIN ARGN " " command)
+    message(NOTICE "${command}\n${out}")
+    message(FATAL_ERROR "install_example: ${name} failed (${rc}), output above")
+  endif()
+  set(step_output "${out}" PARENT_SCOPE)
+endfunction()
+
+step("install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --config ${BUILD_TYPE})
+set(configure_args -S ${SOURCE_DIR}/examples/cpp -B ${example} -G ${GENERATOR}
+    -DCMAKE_BUILD_TYPE=${BUILD_TYPE} -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
+    -DCMAKE_PREFIX_PATH=${prefix})
+if(C_COMPILER)
+  list(APPEND configure_args -DCMAKE_C_COMPILER=${C_COMPILER})
+endif()
+if(MAKE_PROGRAM)
+  list(APPEND configure_args -DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM})
+endif()
+step("configure examples/cpp" ${CMAKE_COMMAND} ${configure_args})
+# The package came from this prefix, not from a loom installed elsewhere.
+file(STRINGS ${example}/CMakeCache.txt loom_dir REGEX "^loom_DIR:")
+if(NOT loom_dir MATCHES "^loom_DIR:PATH=${prefix}/")
+  message(FATAL_ERROR "install_example: examples/cpp found loom at '${loom_dir}', not in ${prefix}")
+endif()
+step("build examples/cpp" ${CMAKE_COMMAND} --build ${example} --config ${BUILD_TYPE})
+find_program(example_exe cp_attention PATHS ${example} ${example}/${BUILD_TYPE} NO_DEFAULT_PATH)
+if(NOT example_exe)
+  message(FATAL_ERROR "install_example: no cp_attention in ${example}")
+endif()
+step("run cp_attention" ${example_exe})
+message("${step_output}")
