@@ -87,7 +87,9 @@ inline constexpr double kFp32RelTol = 1e-5;
 // check against them catches gross errors, not a constant factor of the typical error.
 inline constexpr double kFp32Unit = 0x1p-24;
 
-// The regime of the fixed tolerances (fp32's kFp32RelTol; bf16's below), three conditions:
+// The regime of the fixed tolerances (fp32's kFp32RelTol; bf16's below), three conditions on the
+// weights and keys, and on the values (common_value_ratio, out_cancel_ratio) where the check has
+// them:
 //  * Scores. |scale| max_i ||q_i|| max_j ||k_j|| (no score |s| is larger; over every head) is at
 //    most kFp32FixedTolMaxScore: the errors above grow with the scores. Measured (Zen 5, avx512
 //    and sse4, N(0, 1) inputs, D 16 / 64 / 128, S 64 / 256 / 512, causal and full): errors within
@@ -179,6 +181,25 @@ inline constexpr double kFp32Unit = 0x1p-24;
 inline constexpr double kFp32FixedTolMaxScore = 128;
 inline constexpr double kFp32FixedTolMinEffectiveKeys = 2;  // effective_keys, fp32
 inline constexpr double kFp32FixedTolMaxCommonKey = 8;      // common_key_ratio, fp32
+// Values cancelling in out (out_cancel_ratio, the fourth condition): out_i = sum_j p_ij v_j is
+// small against its terms where the values a row weighs cancel (their mean over the keys removed,
+// weights near uniform), while the roundings of the sum and, on the bf16-dot paths, of p do not
+// shrink with it: out's relative error grows with the ratio (values drawn independently: about 1,
+// measured 0.93 to 1.02 over S 256 to 4096, D 16 to 128, causal and full, scale 0.01 to 4 times
+// the default). A probe's v with its mean over the keys removed and 1e-4 added (S = 256, D = 16,
+// q of 0.01 N(0, 1), full; ratio 97) put a correct fp32 out at 1.62e-5 (PyTorch 1.53e-5) and bf16
+// at 0.111 on the amx path, "check FAILED". Measured (Xeon with AMX, one rank, avx512 and avx2 for
+// fp32, amx, avx512 and avx2 for bf16; 192 problems: v ~ N(0, 1) less its mean over the keys plus
+// an offset 1e-4 to 1, S / D 64 / 16, 256 / 64, 1024 / 128, q of 0.01, 0.3 and 1 N(0, 1), causal
+// and full; 960 runs): out's error / fixed tolerance by the ratio
+//              [0, 2)  [2, 3)  [3, 4)  [4, 8)  [8, 16)  [16, 32)  [32, 64)  [64, 128)
+//   fp32        0.06    0.06    0.07    0.15    0.31     0.60      0.87      1.87
+//   bf16 amx    0.44    0.64    0.75    1.13    2.31     4.44      7.87      14.7
+//   bf16 widening paths 0.30 at most at any ratio (p is not rounded there)
+// (fp32 about 0.02 of kFp32RelTol per unit of the ratio, the bf16-dot paths 0.16 of 2u); the first
+// misses at 95 (fp32) and 6.8 (bf16). The thresholds 16 and 2 keep fp32 within 0.31 of kFp32RelTol
+// and bf16 within 0.44 of 2u; outside, the per-problem bounds (out's acc term sums p_ij |v_j|).
+inline constexpr double kFp32FixedTolMaxOutCancel = 16;  // out_cancel_ratio, fp32
 
 // |scale| max_i ||q_i|| max_j ||k_j|| over every row and head of q [Sq, H, D] and k [Sk, Hkv, D]
 // (0 for no rows): no score |scale q_i.k_j| is larger.
@@ -207,6 +228,15 @@ double common_key_ratio(View3<const double> q, View3<const double> k, Tokens qt,
 // common_key_ratio.
 double common_value_ratio(View3<const double> q, View3<const double> k, View3<const double> v,
                           Tokens qt, Tokens kt, const Mask& mask, double scale);
+// sqrt(sum_i sum_j p_ij^2 ||v_j||^2 / sum_i ||out_i||^2) over the rows that see a key (arguments
+// as common_value_ratio): out's size against the spread of its weighted values. Values drawn
+// independently give about 1 (out_i is then about sqrt(sum_j p_ij^2 ||v_j||^2) long); values whose
+// weighted sum cancels (their mean over the keys a row sees removed) make out small against the
+// roundings of p v, which do not cancel: out's relative error grows with the ratio (the fourth
+// condition, below). 0 where every weighted value is 0, +inf where out is 0 and they are not, NaN
+// as common_key_ratio.
+double out_cancel_ratio(View3<const double> q, View3<const double> k, View3<const double> v,
+                        Tokens qt, Tokens kt, const Mask& mask, double scale);
 
 // Why the fixed tolerances of a problem (fp32's, or bf16's where bf16) do not hold, as the
 // reports print it ("scores up to 1.3e+03 (|scale| max||q|| max||k|| above 128)", "head dim under
@@ -217,8 +247,10 @@ double common_value_ratio(View3<const double> q, View3<const double> k, View3<co
 // pass) only where the other conditions hold.
 std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k, Tokens qt,
                                       Tokens kt, const Mask& mask, double scale, bool bf16);
-// The same with the values' condition too (common_value_ratio at most the keys' threshold; "values
-// sharing a component 4.12 times their spread (...)"): the overload above does not see v. Neither
+// The same with the values' conditions too (common_value_ratio at most the keys' threshold, "values
+// sharing a component 4.12 times their spread (...)"; out_cancel_ratio at most
+// kFp32FixedTolMaxOutCancel or kBf16FixedTolMaxOutCancel, "values cancelling in out, 96.6 (...)"):
+// the overload above does not see v. Neither
 // sees dout: a check of a backward should use check_limits (below), which also weighs the rows by
 // their dout.
 std::string fixed_tolerance_exclusion(View3<const double> q, View3<const double> k,
@@ -312,6 +344,7 @@ inline constexpr double kBf16FixedTolMinEffectiveKeys = 6;  // effective_keys, b
 // bf16's tolerances are 2 u, and out's rounding alone moves delta by about u |out|: the ratio
 // allowed is 1, where fp32 allows 8 (measured above: bf16's first miss at 1.65, fp32's at 20.9).
 inline constexpr double kBf16FixedTolMaxCommonKey = 1;  // common_key_ratio, bf16
+inline constexpr double kBf16FixedTolMaxOutCancel = 2;  // out_cancel_ratio, bf16 (above)
 // ... and a head dim of at least kBf16FixedTolMinHeadDim: a norm over few elements per row is
 // ruled by its worst rows. Measured (Zen 5, avx512bf16, `loom attn --dtype bf16 --backward
 // --check`, S 64 / 185 / 500, causal and full, 6 seeds each, default scale): worst dq / 2u at
@@ -357,7 +390,15 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
 
 // Which condition of the fixed tolerances' regime a problem misses first
 // (fixed_tolerance_exclusion's order): kNone inside the regime.
-enum class RegimeMiss { kNone, kScores, kHeadDim, kEffectiveKeys, kCommonKey, kCommonValue };
+enum class RegimeMiss {
+  kNone,
+  kScores,
+  kHeadDim,
+  kEffectiveKeys,
+  kCommonKey,
+  kCommonValue,
+  kOutCancels
+};
 
 // Whose results a check compares with the fp64 reference: what sets its limits.
 struct CheckedResults {

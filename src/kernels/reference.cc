@@ -222,12 +222,13 @@ namespace {
 // the thresholds (1 and 8).
 // The same sums over v (with v given), whose weighted mean is the row's out_i: mean_val2, val2.
 struct RowSums {
-  double rows = 0;        // the rows' count (or total weight)
-  double collisions = 0;  // sum over rows of sum_j p_ij^2
-  double mean_key2 = 0;   // sum over rows of ||kbar_i||^2
-  double key2 = 0;        // sum over rows of sum_j p_ij ||k_j||^2
-  double mean_val2 = 0;   // sum over rows of ||out_i||^2 (out_i = sum_j p_ij v_j)
-  double val2 = 0;        // sum over rows of sum_j p_ij ||v_j||^2
+  double rows = 0;            // the rows' count (or total weight)
+  double collisions = 0;      // sum over rows of sum_j p_ij^2
+  double mean_key2 = 0;       // sum over rows of ||kbar_i||^2
+  double key2 = 0;            // sum over rows of sum_j p_ij ||k_j||^2
+  double mean_val2 = 0;       // sum over rows of ||out_i||^2 (out_i = sum_j p_ij v_j)
+  double val2 = 0;            // sum over rows of sum_j p_ij ||v_j||^2
+  double val_collisions = 0;  // sum over rows of sum_j p_ij^2 ||v_j||^2
 
   void add(double weight, const RowSums& row) {
     rows += weight;
@@ -236,6 +237,7 @@ struct RowSums {
     key2 += weight * row.key2;
     mean_val2 += weight * row.mean_val2;
     val2 += weight * row.val2;
+    val_collisions += weight * row.val_collisions;
   }
   double effective_keys() const { return rows > 0 ? rows / collisions : 0.0; }
   static double ratio(double mean2, double all2) {
@@ -246,6 +248,15 @@ struct RowSums {
   }
   double common_key_ratio() const { return ratio(mean_key2, key2); }
   double common_value_ratio() const { return ratio(mean_val2, val2); }
+  // sqrt(sum_i sum_j p_ij^2 ||v_j||^2 / sum_i ||out_i||^2): about 1 for values drawn
+  // independently, large where out cancels (+inf where out is 0 and the values are not).
+  double out_cancel_ratio() const {
+    if (std::isnan(val_collisions) || std::isnan(mean_val2))
+      return std::numeric_limits<double>::quiet_NaN();
+    if (!(val_collisions > 0)) return 0.0;  // every weighted value 0: out is exactly 0
+    return mean_val2 > 0 ? std::sqrt(val_collisions / mean_val2)
+                         : std::numeric_limits<double>::infinity();
+  }
 };
 
 // The sums with every row counted once, and, with dout given, weighted by ||dout_i||^2: a row's
@@ -312,6 +323,7 @@ WeightStats weight_stats(View3<const double> q, View3<const double> k, const Vie
         for (int64_t d = 0; d < D; ++d) kbar[d] += x * kj[d];
         if (!v) continue;
         row.val2 += x * vnorm2[j * k.h + g];
+        row.val_collisions += x * x * vnorm2[j * k.h + g];
         const double* vj = v->row(j, g);
         for (int64_t d = 0; d < Dv; ++d) vbar[d] += x * vj[d];
       }
@@ -339,6 +351,11 @@ double common_key_ratio(View3<const double> q, View3<const double> k, Tokens qt,
 double common_value_ratio(View3<const double> q, View3<const double> k, View3<const double> v,
                           Tokens qt, Tokens kt, const Mask& mask, double scale) {
   return weight_stats(q, k, &v, qt, kt, mask, scale).common_value_ratio();
+}
+
+double out_cancel_ratio(View3<const double> q, View3<const double> k, View3<const double> v,
+                        Tokens qt, Tokens kt, const Mask& mask, double scale) {
+  return weight_stats(q, k, &v, qt, kt, mask, scale).all.out_cancel_ratio();
 }
 
 namespace {
@@ -676,6 +693,14 @@ std::pair<RegimeMiss, std::string> exclusion(View3<const double> q, View3<const 
         << ")";
     return {RegimeMiss::kCommonValue, why.str()};
   }
+  const double cancel = v ? w.all.out_cancel_ratio() : 0.0;
+  const double most_cancel = bf16 ? kBf16FixedTolMaxOutCancel : kFp32FixedTolMaxOutCancel;
+  if (!(cancel <= most_cancel)) {
+    why << "values cancelling in out, " << cancel
+        << " (sqrt of the rows' sum sum_j p_j^2 ||v_j||^2 / sum ||out||^2; above " << most_cancel
+        << ")";
+    return {RegimeMiss::kOutCancels, why.str()};
+  }
   return {RegimeMiss::kNone, ""};
 }
 
@@ -859,6 +884,10 @@ std::string check_limits_hint(RegimeMiss miss) {
     case RegimeMiss::kCommonValue:
       return "the values share a component: subtracting the values' mean from every value leaves "
              "dq, dk and dv as they are (out shifts by it), and that problem's check can tell";
+    case RegimeMiss::kOutCancels:
+      return "out nearly cancels: adding one small vector to every value (about their norm over "
+             "the square root of the keys a row sees) moves out by it and leaves dq, dk and dv "
+             "as they are, and that problem's check can tell";
     case RegimeMiss::kNone:
       return "";
     case RegimeMiss::kScores:

@@ -132,6 +132,12 @@ inputs "$work/vbias" 1 "x()" "x()" "x() + 100" "x()"
 per_problem "fp32 --check with values sharing a component: per-problem bounds" \
   "this problem's fp32 bound, values sharing a component" --input "$work/vbias" --ranks 2 \
   --backward
+# Values cancelling in out: v less its mean over the keys plus 1e-4, near-uniform weights (q of
+# 0.01 N(0, 1), full): out is small against the roundings of p v, and a correct fp32 out missed
+# 1e-5 (1.6e-5, as PyTorch's): "check FAILED". Now the problem's own bounds, and passed.
+inputs "$work/vcancel" 2 "0.01 * x()" "x()" "(lambda a: a - a.mean(0) + 1e-4)(x())" "x()"
+per_problem "fp32 --check with values cancelling in out: per-problem bounds" \
+  "this problem's fp32 bound, values cancelling in out" --input "$work/vcancel" --no-causal
 # Keys sharing a component 800 times their spread (k = 8 + 0.01 N(0, 1)): dq's bound passes zeros,
 # the check cannot tell, and the hint is the one that helps (subtracting the keys' mean leaves
 # the exact out and gradients; that problem passes at 1e-5). It said "lower --scale or the inputs'

@@ -223,6 +223,39 @@ TEST(Reference, CommonValueRatioMeasuresTheComponentTheValuesShare) {
   EXPECT_TRUE(std::isnan(common_value_ratio(q.view3(), k.view3(), vn.view3(), t, t, causal, 0.25)));
 }
 
+// out_cancel_ratio: about 1 for independent values; large where the values a row weighs cancel
+// (their mean over the keys removed, near-uniform weights), and the fourth condition names it.
+TEST(Reference, OutCancelRatioGrowsAsOutCancels) {
+  const int64_t S = 64, D = 16;
+  Tensor<double> q = random_double({S, 1, D}, 21);
+  const Tensor<double> k = random_double({S, 1, D}, 22), v = random_double({S, 1, D}, 23);
+  const std::vector<int64_t> pos = iota_positions(S);
+  const Tokens t{pos.data(), nullptr, S};
+  const Mask full{false, 0};
+  const double base = out_cancel_ratio(q.view3(), k.view3(), v.view3(), t, t, full, 0.25);
+  EXPECT_GT(base, 0.5);
+  EXPECT_LT(base, 2.0);
+  for (double& x : q.vec()) x *= 0.01;  // near-uniform weights
+  Tensor<double> vc = v;                // less its mean over the keys, plus an offset
+  for (int64_t d = 0; d < D; ++d) {
+    double mean = 0;
+    for (int64_t j = 0; j < S; ++j) mean += v[j * D + d] / S;
+    for (int64_t j = 0; j < S; ++j) vc[j * D + d] = v[j * D + d] - mean + 1e-3;
+  }
+  const double cancel = out_cancel_ratio(q.view3(), k.view3(), vc.view3(), t, t, full, 0.25);
+  EXPECT_GT(cancel, 50.0);
+  EXPECT_EQ(fixed_tolerance_exclusion(q.view3(), k.view3(), v.view3(), t, t, full, 0.25, false),
+            "");
+  EXPECT_NE(fixed_tolerance_exclusion(q.view3(), k.view3(), vc.view3(), t, t, full, 0.25, false)
+                .find("values cancelling in out"),
+            std::string::npos);
+  Tensor<double> zero({S, 1, D});
+  zero.fill(0.0);
+  EXPECT_EQ(out_cancel_ratio(q.view3(), k.view3(), zero.view3(), t, t, full, 0.25), 0.0);
+  vc[5] = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(out_cancel_ratio(q.view3(), k.view3(), vc.view3(), t, t, full, 0.25)));
+}
+
 TEST(Reference, RejectsBadArguments) {
   const Tensor<double> q({2, 4, 8}), k({3, 3, 8}), v({3, 3, 8}), k2({3, 2, 8}), v2({3, 2, 8}),
       k_short_dim({3, 2, 7});
