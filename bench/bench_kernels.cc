@@ -469,10 +469,9 @@ Row run_shape(const Options& o, const std::string& dtype, int64_t sq, int64_t sk
 // thread count, tiles (--block-q x --block-k) and kernel path, run by the timed rows' own
 // Problem class on S = check_seq() tokens. The tolerances are loom/tolerance.h's, applied as
 // `loom attn --check` applies them (check_limits: the fixed ones where they hold for the problem,
-// else the problem's own bounds, with the path's bf16 dots). The check once ran fp32 alone, on 48 x
-// 40 tiles and the all-threads count: the bf16 rows (on an AMX CPU tile_ops_amx.cc, separate code)
-// and
-// --block-q / --block-k were timed and judged unchecked.
+// else the problem's own bounds, with the path's bf16 dots). The check once ran fp32 alone, on
+// 48 x 40 tiles and the all-threads count: the bf16 rows (on an AMX CPU tile_ops_amx.cc, separate
+// code) and --block-q / --block-k were timed and judged unchecked.
 
 // S of the check problems: along queries and keys a full tile and a ragged one where the blocks
 // allow (S a multiple of neither, below twice the larger), at most kCheckMaxSeq so that a large
