@@ -255,7 +255,8 @@ struct CpOp {
 enum class Phase : int64_t {
   kForward = 0x6c6f6f6d01,
   kBackward = 0x6c6f6f6d02,
-  kUnshard = 0x6c6f6f6d03
+  kUnshard = 0x6c6f6f6d03,
+  kWarning = 0x6c6f6f6d04
 };
 constexpr int kExchangeSlots = 24, kExchangeFields = kExchangeSlots - 1;
 // The forward's field that says this rank refused the call (Group::refuse_forward).
@@ -269,6 +270,8 @@ const char* phase_name(int64_t p) {
       return "the backward of cp_attention";
     case Phase::kUnshard:
       return "unshard";
+    case Phase::kWarning:
+      return "cp_attention (the forward's warning)";
   }
   return "an unknown call";
 }
@@ -556,7 +559,31 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
         << P << " parts of one sequence " << P
         << " times as long; if every rank holds the whole sequence, shard q, k and v first "
            "(loom.torch.shard with the same layout). Warned once per group.";
-    if (PyErr_WarnEx(PyExc_UserWarning, msg.str().c_str(), 2) != 0) throw py::error_already_set();
+    // A warnings filter can turn the warning into an exception on some ranks only (filters are
+    // per process): that rank raised here while the others went on into the engine, which met it
+    // in its next call instead ("rank 1 is in an unknown call", or a Timeout), and the group was
+    // dead. So the ranks tell one another whether it raised (one more exchange, once per group)
+    // and raise together; the counts stay equal, and the next call works.
+    py::object type, value, trace;
+    const bool raised = PyErr_WarnEx(PyExc_UserWarning, msg.str().c_str(), 2) != 0;
+    if (raised) {
+      PyObject *t = nullptr, *v = nullptr, *tb = nullptr;
+      PyErr_Fetch(&t, &v, &tb);  // held (and released on any error) while the ranks exchange
+      type = py::reinterpret_steal<py::object>(t);
+      value = py::reinterpret_steal<py::object>(v);
+      trace = py::reinterpret_steal<py::object>(tb);
+    }
+    const std::vector<int64_t> verdict = exchange(*comm_, Phase::kWarning, {raised ? 1 : 0});
+    if (raised) {
+      PyErr_Restore(type.release().ptr(), value.release().ptr(), trace.release().ptr());
+      throw py::error_already_set();
+    }
+    for (int r = 0; r < P; ++r)
+      LOOM_CHECK(verdict[static_cast<size_t>(r) * kStride] == 0, InvalidArgument,
+                 "cp_attention: rank "
+                     << r
+                     << " raised on the warning that every rank passed the same q (a warnings "
+                        "filter made it an error there); every rank of the group raises with it");
   }
 
   std::ostringstream key;

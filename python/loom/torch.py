@@ -217,8 +217,44 @@ def _doc_lengths(cu_seqlens, total=None, what="T"):
 
 _groups = {}  # id(ProcessGroup) -> (ProcessGroup, _loom.Group, registered in torch's group map)
 
+# Collective calls (cp_attention, unshard) that raised on this rank because `group` was not a
+# process group ("world", a list of ranks): such a call never met the other ranks, which may be
+# waiting in theirs, and this rank's next call over that group paired with their pending one (both
+# returned another call's result, shifted for every call after, without an error). Where this
+# process belongs to one group of more than one rank, the call was meant for it: this rank's next
+# cp_attention or unshard over it first makes the lost call's exchange, marked refused (the
+# others' pending call raises "rank r could not take its arguments"), then its own, in step.
+# _owed: id(ProcessGroup) -> (ProcessGroup, [the lost calls' kinds]). Where it belongs to several,
+# loom cannot tell which one's ranks wait, and no guess is safe (a wrong one shifts the calls of
+# another group): every later cp_attention or unshard of this process over a group of more than
+# one rank raises at once, without meeting the others (who end in loom.Timeout). _stuck: the
+# first such call, described.
+_owed = {}
+_stuck = None
 
-def _group(group, who="cp_attention"):
+
+def _known_groups():
+    """Every process group of more than one rank this process knows: torch.distributed's and the
+    ones loom holds (but those torch.distributed has destroyed)."""
+    live = dist.distributed_c10d._pg_map if dist.is_available() and dist.is_initialized() else {}
+    known = {id(pg): pg for pg, _, registered in _groups.values() if not registered or pg in live}
+    known.update((id(pg), pg) for pg in live)
+    return [pg for pg in known.values() if pg.size() > 1]
+
+
+def _short_repr(x):
+    try:
+        text = repr(x)
+    except Exception:  # noqa: BLE001 (any object may be passed)
+        text = f"<{type(x).__name__}>"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _process_group(group, who, collective=False):
+    """The ProcessGroup that `group` names (None: the default group), checked. `collective`: the
+    call meets the other ranks (cp_attention, unshard), so one that raises here for a `group`
+    that is not a process group leaves an exchange owed (_owed) or the process stuck (_stuck)."""
+    global _stuck
     if group is None:
         if not dist.is_available() or not dist.is_initialized():
             launcher = _loom.launcher_backend()  # loom's one launcher check: mpi, torch, local
@@ -232,8 +268,30 @@ def _group(group, who="cp_attention"):
         raise InvalidArgument(f"{who}: this rank is not a member of the group (torch.distributed "
                               "gives ranks outside a new_group NON_GROUP_MEMBER)")
     if not isinstance(group, dist.ProcessGroup):
-        raise InvalidArgument(
-            f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+        text = f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
+        known = _known_groups() if collective else []
+        if len(known) == 1:
+            entry = _owed.get(id(known[0]))
+            if entry is None or entry[0] is not known[0]:
+                entry = _owed[id(known[0])] = (known[0], [])
+            entry[1].append(who)
+            text += (f"; the other ranks of this process's group may be waiting in their {who}: "
+                     "this rank's next cp_attention or unshard over it makes this call's exchange "
+                     "first, marked refused, so that their call raises and the calls pair up "
+                     "again")
+        elif known:
+            _stuck = _stuck or f"{who} call with group={_short_repr(group)}"
+            text += (f"; this process belongs to {len(known)} groups, and loom cannot tell which "
+                     f"one's other ranks wait in their {who}: every later cp_attention or unshard "
+                     "of this process over a group of more than one rank raises (they end in "
+                     "loom.Timeout); end the process")
+        raise InvalidArgument(text)
+    return group
+
+
+def _loom_group(group, timeout_s=-1.0):
+    """loom's Group over the ProcessGroup `group`, made on first use with the timeout timeout_s
+    (-1: LOOM_TIMEOUT_S or 60 s)."""
     entry = _groups.get(id(group))
     if entry is None or entry[0] is not group:
         # Forget groups that torch.distributed has destroyed since: each entry holds its group,
@@ -243,9 +301,45 @@ def _group(group, who="cp_attention"):
         for key, (pg, _, registered) in list(_groups.items()):
             if registered and pg not in live:
                 del _groups[key]
-        entry = (group, _loom.Group(group), group in live)
+        for key, (pg, _) in list(_owed.items()):
+            if pg not in live and id(pg) not in _groups:
+                del _owed[key]  # a group destroyed before this rank's next call over it
+        entry = (group, _loom.Group(group, timeout_s), group in live)
         _groups[id(group)] = entry
     return entry[1]
+
+
+def _group(group, who="cp_attention"):
+    return _loom_group(_process_group(group, who))
+
+
+def _settle(group, g, who):
+    """Before a collective call over `group`: the exchanges this rank owes it (_owed), or an error
+    if the process is out of step for good (_stuck)."""
+    if g.size < 2:
+        return
+    if _stuck is not None:
+        raise InvalidArgument(
+            f"{who}: this process's earlier {_stuck}, not a process group, never met the other "
+            "ranks, and loom cannot tell which of its groups' ranks wait for it: its calls are "
+            "out of step with them for good, so no call over a group of more than one rank is "
+            "made (the others end in loom.Timeout); end the process")
+    entry = _owed.pop(id(group), None)
+    if entry is None or entry[0] is not group:
+        return
+    for kind in entry[1]:
+        try:
+            with _Naming(f"{who} (making the exchange of this rank's earlier {kind} call, which "
+                         "had no process group)"):
+                if kind == "cp_attention":
+                    g.begin_forward()  # counted, as the others counted theirs
+                    g.refuse_forward()
+                else:
+                    g.unshard_exchange([0, -1])
+        except CommError:
+            raise
+        except InvalidArgument:
+            pass  # the others were in another kind of call: they raised as well, in step now
 
 
 def _long_number_text(x):
@@ -262,7 +356,8 @@ def _long_number_text(x):
 def set_timeout(seconds, group=None):
     """Sets loom's timeout (seconds) for every wait over `group` (default: LOOM_TIMEOUT_S or 60):
     a number from 0.001 to 1e9, as LOOM_TIMEOUT_S takes; InvalidArgument for anything else (a
-    bool, NaN, inf, 0, a negative number, a non-number)."""
+    bool, NaN, inf, 0, a negative number, a non-number). Where LOOM_TIMEOUT_S holds a value loom
+    refuses, InvalidArgument says to unset or fix it (loom reads it for every group it makes)."""
     # The range is the communicators' (0.001 to 1e9 s, as LOOM_TIMEOUT_S), checked before the
     # group is looked for; a bool or a non-number is refused here (float() would take True, "3").
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
@@ -274,7 +369,19 @@ def set_timeout(seconds, group=None):
         raise InvalidArgument(f"timeout must be from 0.001 to 1e9 seconds, got "
                               f"{_long_number_text(seconds)}, beyond float's range") from None
     _loom.checked_timeout_s(seconds)
-    _group(group, "set_timeout").timeout_s = seconds
+    pg = _process_group(group, "set_timeout")
+    try:
+        g = _loom_group(pg, seconds)  # a group met here first is made with this timeout
+    except InvalidArgument as e:
+        # loom's communicators read LOOM_TIMEOUT_S whenever one is made, even with a timeout
+        # given: a value loom refuses ("abc") made a valid set_timeout(2.5) raise the variable's
+        # message alone, which never said that set_timeout cannot stand in for it.
+        if not str(e).startswith("LOOM_TIMEOUT_S"):
+            raise
+        raise InvalidArgument(
+            f"set_timeout: {e}; loom reads LOOM_TIMEOUT_S for every group it makes, "
+            "set_timeout's too: unset it or give it a valid value") from None
+    g.timeout_s = seconds
 
 
 class _Naming:
@@ -355,32 +462,51 @@ def _input_grads(q, k, v, grads):
             dv.to(v.dtype).view(v.shape))
 
 
-def _once_differentiable(backward):
-    """torch's once_differentiable, also where dout carries no graph: a backward under
-    create_graph=True (a gradient penalty) with a loss linear in out, whose dout does not require
-    grad, got its gradients back without a graph (torch's decorator looks only at dout), and the
-    second-order term was left out silently. Here every gradient made with grad mode on (that
-    is, with create_graph=True) raises on being differentiated again."""
-    plain = torch.autograd.function.once_differentiable(backward)
+class _SecondDerivative(torch.autograd.Function):
+    """The gradients that a backward made under create_graph=True, handed on with a graph whose
+    inputs are the op's real inputs (q, k, v as saved, and dout): differentiating them again
+    reaches this backward, which raises. torch's once_differentiable (and loom's wrapper before)
+    hung the raising node on fresh detached leaves instead, which no autograd.grad(..., inputs)
+    can reach: torch.autograd.functional.jvp, hvp and hessian, gradgradcheck and a gradient
+    penalty's autograd.grad pruned it, and returned zeros or a partial result without an error."""
 
-    @functools.wraps(backward)
-    def wrapper(ctx, *args):
-        grads = plain(ctx, *args)
-        if not torch.is_grad_enabled() or any(isinstance(a, torch.Tensor) and a.requires_grad
-                                              for a in args):
-            return grads  # no graph wanted, or torch's decorator has done the same
-        err = torch._C._functions.DelayedError(
-            b"trying to differentiate twice a function that was marked with "
-            b"@once_differentiable (loom.torch's backward is not differentiable)", len(grads))
+    @staticmethod
+    def forward(ctx, who, grads, *inputs):
+        ctx.who = who
+        # Tensors made under no_grad, never the inputs; detached, so that a view (dq.view(q.shape))
+        # is not handed to autograd as a view made inside a custom Function (no copy).
+        return tuple(g.detach() for g in grads)
 
-        def fake_requires_grad(g):
-            if g is None:
-                return None
-            g = g.detach()
-            g.requires_grad = True
-            return g
-        return err(*[fake_requires_grad(g) for g in grads])
-    return wrapper
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotSupported(
+            f"{ctx.who} is once differentiable: a second derivative through it (differentiating a "
+            "gradient made with create_graph=True: a gradient penalty, torch.autograd.functional."
+            "jvp, hvp or hessian, gradgradcheck) is not supported, and loom.torch raises rather "
+            "than leave that term out")
+
+
+def _once_differentiable(who):
+    """The backward of the op `who`, computed without a graph. Under create_graph=True (grad mode
+    on in the backward) its gradients come back through _SecondDerivative, connected to q, k, v
+    (saved first by every op) and dout: any second derivative through the op raises NotSupported
+    naming it, whichever route asks for it, and a create_graph backward that never differentiates
+    these gradients again (or whose second derivative does not pass through the op) is
+    unaffected. Plain backward (grad mode off) returns them as they are."""
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *args):
+            with torch.no_grad():
+                grads = backward(ctx, *args)
+            if not torch.is_grad_enabled():
+                return grads
+            inputs = [x for x in tuple(ctx.saved_tensors[:3]) + args
+                      if isinstance(x, torch.Tensor) and x.requires_grad]
+            made = [g for g in grads if isinstance(g, torch.Tensor)]
+            marked = iter(_SecondDerivative.apply(who, made, *inputs))
+            return tuple(next(marked) if isinstance(g, torch.Tensor) else g for g in grads)
+        return wrapper
+    return decorate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,7 +524,7 @@ class _Attention(torch.autograd.Function):
         return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
-    @_once_differentiable
+    @_once_differentiable("the backward of attention")
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, dout = _saved(ctx, dout, "attention")
         batch, seq, docs, heads, kv_heads, dim, causal, window, scale = ctx.meta
@@ -438,7 +564,7 @@ class _CpAttention(torch.autograd.Function):
         return _save_forward(ctx, q, k, v, out, lse, batch, seq)
 
     @staticmethod
-    @_once_differentiable
+    @_once_differentiable("the backward of cp_attention")
     def backward(ctx, dout, _dlse):
         # cp_backward first checks that every rank is in the backward of this same call (one
         # small all-gather): a rank that skipped a backward, ran an extra one or is in another
@@ -477,7 +603,9 @@ def cp_attention(q, k, v, group=None, strategy="ring", layout="zigzag", ulysses=
     (non-finite inputs: as attention()); so is its backward: every rank runs the backward of
     the same call, in the same order (a rank that skips one or runs an extra one gets
     InvalidArgument on every rank, naming both ranks' calls)."""
-    g = _group(group)
+    pg = _process_group(group, "cp_attention", collective=True)
+    g = _loom_group(pg)
+    _settle(pg, g, "cp_attention")
     g.begin_forward()  # counted on this rank, made or not: ranks out of step are found (_loom.cc)
     try:
         # A rank's shard may hold no tokens (a sequence shorter than 2P, short documents): the
@@ -547,7 +675,9 @@ def unshard(x, group=None, layout="zigzag", cu_seqlens=None, dim=None):
     must pass parts of one dtype and one shape but along `dim`, with the same layout and
     cu_seqlens: a rank that differs gets InvalidArgument on every rank; a rank that never calls
     it, loom.Timeout (set_timeout)."""
-    g = _group(group, "unshard")
+    pg = _process_group(group, "unshard", collective=True)
+    g = _loom_group(pg)
+    _settle(pg, g, "unshard")
     try:
         g, dim = _shard_args(x, group, layout, cu_seqlens, dim, "x", "unshard")
         if x.dim() > _UNSHARD_MAX_DIMS:
@@ -637,7 +767,7 @@ class _Reference(torch.autograd.Function):
         return out, lse_out  # made like q: not a view
 
     @staticmethod
-    @_once_differentiable
+    @_once_differentiable("the backward of reference_attention")
     def backward(ctx, dout, _dlse):
         q, k, v = ctx.saved_tensors
         _require_storage(dout, "dout", "the backward of reference_attention: ")

@@ -234,7 +234,7 @@ TEST(CpErrors, InvalidHeadsAndDegrees) {
   expect_error(4, c, "heads (6) must be divisible by the ulysses degree (4)");
   c.H = 12;
   c.HKV = 3;  // 3 and 4 divide neither way
-  expect_error(4, c, "kv-heads (3) and the ulysses degree (4) must divide one another");
+  expect_error(4, c, "kv heads (3) and the ulysses degree (4) must divide one another");
   c.strategy = Strategy::hybrid;
   c.ulysses = 3;
   c.H = 12;

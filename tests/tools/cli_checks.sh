@@ -195,7 +195,7 @@ expect_error "--input heads not a multiple" "q.npy's heads 3 must be a multiple 
   --input "$work/h3"
 expect_error "ulysses heads" "heads (6) must be divisible by the ulysses degree (4)" \
   --ranks 4 --strategy ulysses --seq 64 --heads 6 --kv-heads 6
-expect_error "ulysses kv heads" "kv-heads (3) and the ulysses degree (4) must divide one another" \
+expect_error "ulysses kv heads" "kv heads (3) and the ulysses degree (4) must divide one another" \
   --ranks 4 --strategy ulysses --seq 64 --heads 12 --kv-heads 3
 expect_error "hybrid needs --ulysses" "needs --ulysses" --ranks 4 --strategy hybrid --seq 64
 expect_error "hybrid degree" "--ulysses 3 must divide the number of ranks 4" \

@@ -100,3 +100,96 @@ def doc_ids_for(batch, seq, docs):
 def normal(shape, gen, dtype):
     """Seeded N(0, 1) values stored in dtype (bf16: rounded once)."""
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
+def check_second_derivatives(check, fn, who, q, k, v):
+    """Every route to a second derivative through fn(q, k, v) (an op returning out) must raise
+    loom.NotSupported naming `who` (torch's once_differentiable node hung on detached leaves,
+    which these routes pruned: jvp, hvp and hessian returned zeros, a penalty's autograd.grad a
+    partial result, without an error); first gradients under create_graph=True are the plain
+    ones, and a second derivative that bypasses the op, or a graph without it, is torch's.
+    q, k, v: plain tensors of one float dtype. Collective for cp_attention: every rank calls it
+    alike (each route's calls are the same on every rank)."""
+    import warnings
+
+    import loom
+
+    F = torch.autograd.functional
+    dtype, dim = q.dtype, q.shape[-1]
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(q.shape, generator=gen).to(dtype)
+    leaf = lambda x: x.detach().clone().requires_grad_()  # noqa: E731
+
+    def penalty_q():
+        a = leaf(q)
+        g, = torch.autograd.grad(fn(a, k, v).pow(2).sum(), a, create_graph=True)
+        return torch.autograd.grad(g.pow(2).sum(), a)
+
+    def penalty_upstream():
+        # A gradient penalty w.r.t. the input x of a Linear that makes q: its gradient w.r.t. the
+        # Linear's weight was the first-order part alone (0.091 where eager attention gives 0.146).
+        lin = torch.nn.Linear(dim, dim).to(dtype)
+        x = leaf(torch.randn(q.shape, generator=gen).to(dtype))
+        gx, = torch.autograd.grad(fn(lin(x), k, v).pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.pow(2).sum(), [lin.weight], allow_unused=True)
+
+    def backward_twice():
+        a = leaf(q)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: "backward() with create_graph=True ... cycle"
+            fn(a, k, v).pow(2).sum().backward(create_graph=True)
+        a.grad.pow(2).sum().backward()
+
+    def linear_loss():
+        # dout carries no graph: torch's own decorator looked only at dout.
+        a = leaf(q)
+        g, = torch.autograd.grad((fn(a, k, v) * t).sum(), a, create_graph=True)
+        check(g.requires_grad, f"{who}: a create_graph gradient of a linear loss has a graph")
+        (g * g).sum().backward()
+
+    def gradgradcheck():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "not of double precision" for fp32 inputs
+            return torch.autograd.gradgradcheck(lambda a, b, c: fn(a, b, c),
+                                                (leaf(q), leaf(k), leaf(v)))
+
+    routes = (("jvp", lambda: F.jvp(lambda a: fn(a, k, v), q, t)),
+              ("jvp strict", lambda: F.jvp(lambda a: fn(a, k, v), q, t, strict=True)),
+              ("hvp", lambda: F.hvp(lambda a: fn(a, k, v).pow(2).sum(), q, t)),
+              ("vhp", lambda: F.vhp(lambda a: fn(a, k, v).pow(2).sum(), q, t)),
+              ("hessian", lambda: F.hessian(lambda a: fn(a, k, v).pow(2).sum(), q)),
+              ("gradgradcheck", gradgradcheck),
+              ("autograd.grad(penalty, q)", penalty_q),
+              ("autograd.grad(penalty, [upstream weight])", penalty_upstream),
+              ("backward(create_graph=True), then backward()", backward_twice),
+              ("a loss linear in out", linear_loss))
+    text = f"{who} is once differentiable: a second derivative through it"
+    for name, route in routes:
+        try:
+            got = route()
+        except loom.NotSupported as e:
+            check(str(e).startswith(text) and "\n" not in str(e), f"{who}, {name}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001
+            check(False, f"{who}, {name}: wanted loom.NotSupported, got {type(e).__name__}: {e}")
+            continue
+        check(False, f"{who}, {name}: wanted loom.NotSupported, got a result without an error "
+                     f"({type(got).__name__})")
+
+    # First gradients under create_graph=True are the plain ones.
+    a, b = leaf(q), leaf(q)
+    plain, = torch.autograd.grad(fn(a, k, v).pow(2).sum(), a)
+    graphed, = torch.autograd.grad(fn(b, k, v).pow(2).sum(), b, create_graph=True)
+    check(torch.equal(plain, graphed.detach()) and graphed.requires_grad,
+          f"{who}: create_graph=True gives the plain first gradient, with a graph")
+    # A second derivative that does not pass through the op: d2/dw2 of sum(w^3) is 6 w.
+    w = torch.tensor([0.5, -1.0, 2.0], dtype=dtype, requires_grad=True)
+    a = leaf(q)
+    gq, gw = torch.autograd.grad(fn(a, k, v).pow(2).sum() + w.pow(3).sum(), [a, w],
+                                 create_graph=True)
+    hw, = torch.autograd.grad(gw.sum(), w)
+    check(torch.equal(gq.detach(), plain) and torch.allclose(hw, 6 * w.detach()),
+          f"{who}: a second derivative beside the op: {hw.tolist()}, wanted {(6 * w).tolist()}")
+    # A graph without the op (its inputs require no grad): hessian is torch's.
+    h = F.hessian(lambda x: x.pow(3).sum() + fn(q, k, v).sum(), w.detach())
+    check(torch.allclose(h, torch.diag(6 * w.detach())), f"{who}: hessian beside the op: {h}")

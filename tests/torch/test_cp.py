@@ -19,7 +19,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import loom  # noqa: E402
 import loom.torch as lt  # noqa: E402
-from common import TOL, Checks, doc_ids_for, normal, rel_error, torch_attention_fp64  # noqa: E402
+from common import (TOL, Checks, check_second_derivatives, doc_ids_for, normal, rel_error,  # noqa: E402
+                    torch_attention_fp64)
 
 dist.init_process_group("gloo")
 P = dist.get_world_size()
@@ -205,8 +206,13 @@ expect_error(loom.InvalidArgument, f"ring2d: inner={P + 1} must divide",
              lambda: lt.cp_attention(q, k, k, strategy="ring2d", inner=P + 1))
 expect_error(loom.InvalidArgument, "timeout must be from 0.001 to 1e9 seconds, got inf",
              lambda: lt.set_timeout(float("inf")))
-expect_error(loom.InvalidArgument, "must be a torch.distributed ProcessGroup",
-             lambda: lt.cp_attention(q, k, k, group="world"))
+# Not a process group: raised before any exchange. Where the process belongs to one group of more
+# than one rank, the rank's next call over it makes this call's exchange first (marked refused);
+# here every rank passed it, so every rank's next call makes that exchange and then its own.
+expect_error(loom.InvalidArgument, "must be a torch.distributed ProcessGroup, got str" + (
+             "; the other ranks of this process's group may be waiting in their cp_attention: "
+             "this rank's next cp_attention or unshard over it makes this call's exchange first"
+             if P > 1 else ""), lambda: lt.cp_attention(q, k, k, group="world"))
 if P > 1:
     # Ranks that disagree on an argument: a clear error on every rank, not a hang.
     expect_error(loom.InvalidArgument, "disagree on causal",
@@ -346,6 +352,34 @@ if P > 1:
                  "rank 1 could not take its arguments",
                  lambda: lt.cp_attention(q[0], k[0], k[0],
                                          cu_seqlens=[0, 4, 2**64] if RANK == 1 else [0, 4, 8 * P]))
+    # A `group` that is not a process group on one rank (rank 1's "world" for a call that the
+    # others make over the default group), caught, and that rank carries on: its next call paired
+    # with the others' pending one, and every call after it with the others' previous one (other
+    # calls' results, no error). Now its next call makes the lost call's exchange first, marked
+    # refused: the others' pending call raises, and every call after matches the fp64 reference.
+    # The same in unshard.
+    gen = torch.Generator().manual_seed(13)
+    full = [torch.randn(1, 4 * P, h, DIM, generator=gen) for h in (2 * P, P, P)]
+    lost = [lt.shard(torch.randn(x.shape, generator=gen)) for x in full]
+    if RANK == 1:
+        expect_error(loom.InvalidArgument, "got str; the other ranks of this process's group may be "
+                     "waiting in their cp_attention", lambda: lt.cp_attention(*lost, group="world"))
+    else:
+        expect_error(loom.InvalidArgument, "cp_attention: rank 1 could not take its arguments",
+                     lambda: lt.cp_attention(*lost))
+    for call in range(2):
+        got = lt.unshard(lt.cp_attention(*(lt.shard(x) for x in full)))
+        err = rel_error(got, lt.reference_attention(*full))
+        check(err <= 1e-5, f"call {call} after one rank's group='world': out rel error {err:.3g}")
+    xs = lt.shard(torch.arange(12.0 * P).view(1, 4 * P, 3))
+    if RANK == 0:
+        expect_error(loom.InvalidArgument, "got list; the other ranks of this process's group may be "
+                     "waiting in their unshard", lambda: lt.unshard(xs * 2, group=[0, 1]))
+    else:
+        expect_error(loom.InvalidArgument, "unshard: rank 0 could not take its arguments",
+                     lambda: lt.unshard(xs * 2))
+    check(torch.equal(lt.unshard(xs), torch.arange(12.0 * P).view(1, 4 * P, 3)),
+          "unshard after one rank's group=[0, 1]")
     # A call that raised on one rank before the ranks met (begin_forward alone stands for it):
     # every rank's next call is refused as out of step instead of pairing with another call;
     # the counts are then equal again and the call after works.
@@ -436,6 +470,16 @@ if P > 1:
     z = lt.unshard(lt.shard(torch.zeros(2, 4 * P + 1, 0)))
     check(z.shape == (2, 4 * P + 1, 0), f"unshard of empty rows: shape {list(z.shape)}")
 
+    # Every route to a second derivative through cp_attention raises NotSupported on every rank
+    # (jvp, hvp and hessian returned zeros, a gradient penalty the first-order part alone), from
+    # each rank's own second backward, which makes no exchange: the ranks stay in step.
+    gen = torch.Generator().manual_seed(17)
+    shards = [lt.shard(torch.randn(1, 2 * P, h, 2, generator=gen)) for h in (2, 1, 1)]
+    check_second_derivatives(check, lambda a, b, c: lt.cp_attention(a, b, c),
+                             "the backward of cp_attention", *shards)
+    out = lt.cp_attention(*shards)
+    check(torch.isfinite(out).all(), "a call after the second-derivative routes")
+
 # Groups that torch.distributed destroys are forgotten: each kept its sockets and its ops' buffers
 # (30 new_group / destroy_process_group rounds kept 60 more file descriptors open at P = 2).
 fds_before = len(os.listdir("/proc/self/fd"))
@@ -490,6 +534,23 @@ if P > 1:
           and f"every rank of the group passed the same q ({8 * P} rows each" in msgs[0][0]
           and "shard q, k and v first (loom.torch.shard" in msgs[0][0],
           f"unsharded inputs: one UserWarning at the caller, got {msgs}")
+    # A warnings filter that makes the warning an error on rank 0 alone (filters are per process):
+    # rank 0 raised while the others went on into the engine ("rank 1 is in an unknown call", or
+    # a Timeout, and the group was dead). Now every rank raises, and the calls after it work. The
+    # op is built first (a q of each rank's own), so that the warning's call finds it cached.
+    lt.set_timeout(5.0, pg0)
+    lt.cp_attention(qw + RANK, kw, vw, group=pg0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error" if RANK == 0 else "ignore")
+        expect_error(UserWarning if RANK == 0 else loom.InvalidArgument,
+                     "cp_attention: every rank of the group passed the same q" if RANK == 0 else
+                     "cp_attention: rank 0 raised on the warning that every rank passed the same q "
+                     "(a warnings filter made it an error there); every rank of the group raises",
+                     lambda: lt.cp_attention(qw, kw, vw, group=pg0))
+    for call in range(2):
+        got = lt.unshard(lt.cp_attention(*(lt.shard(x, pg0) for x in (qw, kw, vw)), group=pg0), pg0)
+        err = rel_error(got, lt.reference_attention(qw, kw, vw))
+        check(err <= 1e-5, f"call {call} after the warning raised on rank 0: out rel error {err:.3g}")
     dist.destroy_process_group(pg)
     dist.destroy_process_group(pg0)
 
@@ -512,6 +573,21 @@ if RANK == 0:
 status = 1 if bad.item() else 0
 if P > 1:
     lt.set_timeout(1.0)
+    # Not a process group, in a process of two groups: loom cannot tell which one's ranks wait for
+    # the call, so every later collective call of the process over a group of more than one rank
+    # raises at once, meeting no one (the others end in loom.Timeout, as below).
+    pg2 = dist.new_group(list(range(P)))
+    if RANK == 0:
+        before = len(check.failures)
+        expect_error(loom.InvalidArgument, "this process belongs to 2 groups, and loom cannot tell",
+                     lambda: lt.cp_attention(q, k, k, group="world"))
+        t0 = time.time()
+        for call in (lambda: lt.cp_attention(q, k, k), lambda: lt.unshard(q, pg2)):
+            expect_error(loom.InvalidArgument, "earlier cp_attention call with group='world', not a "
+                         "process group, never met the other ranks", call)
+        check(time.time() - t0 < 0.5, f"raised without waiting ({time.time() - t0:.2f} s)")
+        if len(check.failures) > before:
+            status = 1
     if RANK != 0:
         before = len(check.failures)
         t0 = time.time()

@@ -214,9 +214,9 @@ CpShape check_cp_config(const CpConfig& cfg, int ranks, int64_t heads, int64_t k
                e.id.name() << ": heads (" << heads << ") must be divisible by the ulysses degree ("
                            << U << ")");
     LOOM_CHECK(kv_heads % U == 0 || U % kv_heads == 0, InvalidArgument,
-               e.id.name() << ": kv-heads (" << kv_heads << ") and the ulysses degree (" << U
-                           << ") must divide one another (scatter KV heads when kv-heads % U == 0, "
-                              "replicate them when U % kv-heads == 0); heads = "
+               e.id.name() << ": kv heads (" << kv_heads << ") and the ulysses degree (" << U
+                           << ") must divide one another (scatter KV heads when kv heads % U == 0, "
+                              "replicate them when U % kv heads == 0); heads = "
                            << heads);
     shape.replicate_kv = kv_heads % U != 0;
   }
