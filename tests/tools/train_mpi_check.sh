@@ -35,13 +35,13 @@ PY
 # --memory-limit bounds one process: under mpirun one rank. It counted every rank of the node in
 # each process and refused a run whose processes fitted; the limit here refuses the local
 # backend's 4 ranks in one process and passes each mpirun rank.
-"$loom" train --ranks 4 --tp 2 --ring 2 "${args[@]}" --memory-limit 60M > /dev/null 2> "$work/err" &&
-  { echo "FAIL the local 4 ranks fit in 60M: the check below proves nothing"; exit 1; }
+"$loom" train --ranks 4 --tp 2 --ring 2 "${args[@]}" --memory-limit 32M > /dev/null 2> "$work/err" &&
+  { echo "FAIL the local 4 ranks fit in 32M: the check below proves nothing"; exit 1; }
 grep -q "loom train with 4 ranks in this process needs about" "$work/err" ||
   { cat "$work/err"; echo "FAIL local refusal"; exit 1; }
-"$mpiexec" -n 4 "$@" "$loom" train --tp 2 --ring 2 "${args[@]}" --memory-limit 60M > /dev/null 2> "$work/err" ||
+"$mpiexec" -n 4 "$@" "$loom" train --tp 2 --ring 2 "${args[@]}" --memory-limit 32M > /dev/null 2> "$work/err" ||
   { cat "$work/err"; echo "FAIL mpirun ranks refused under a per-process --memory-limit they fit"; exit 1; }
-echo "ok   --memory-limit 60M: 4 local ranks refused, 4 mpirun ranks run"
+echo "ok   --memory-limit 32M: 4 local ranks refused, 4 mpirun ranks run"
 # A tp peer that stops during a checkpoint save (LOOM_TEST_STOP_IN_CHECKPOINT=2: world rank 1
 # stops itself in the save of step 2, before it sends rank 0 anything): rank 0, waiting for its
 # pieces, times out after LOOM_TIMEOUT_S and ends the job. It waited max(LOOM_TIMEOUT_S, 600 s),

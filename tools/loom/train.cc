@@ -245,7 +245,8 @@ void prune_checkpoints(const std::string& dir, int64_t keep) {
 // sweeps away once their process is gone). The log and a checkpoint overwrote each other (--log
 // CK/latest: exit 0 and the log lost), as the corpus and the pointer did (--data CK/latest). Other
 // names in the directory are the user's to use (--log CK/train.jsonl).
-void check_outside_checkpoints(const std::string& option, const std::string& log,
+// `named` is how the message names the file ("--log x.jsonl").
+void check_outside_checkpoints(const std::string& named, const std::string& log,
                                const std::string& dir) {
   namespace fs = std::filesystem;
   if (log.empty() || log == "-" || dir.empty()) return;
@@ -257,9 +258,27 @@ void check_outside_checkpoints(const std::string& option, const std::string& log
   const bool checkpoint =
       name == "latest" || (name.rfind("step-", 0) == 0 && name.find(".ckpt") != std::string::npos);
   LOOM_CHECK(!checkpoint && name.find(".tmp.") == std::string::npos, InvalidArgument,
-             option << " " << log << " collides with the checkpoints in --checkpoint-dir " << dir
-                    << " (latest, step-*.ckpt and their .tmp. temporaries are theirs); give "
-                    << "it another name or directory");
+             named << " collides with the checkpoints in --checkpoint-dir " << dir
+                   << " (latest, step-*.ckpt and their .tmp. temporaries are theirs); give "
+                   << "it another name or directory");
+}
+
+// The file --data reads, as the checks against loom train's outputs see it: the path itself,
+// or for "-" the file standard input is redirected from, as /proc/self/fd/0 (which output_key
+// and check_distinct_outputs follow to that file, as they do --data /dev/stdin); "" when standard
+// input is not a regular file (a pipe or a terminal: no output can overwrite it). Unkeyed,
+// `--data - < corpus.txt --log corpus.txt` replaced the corpus with the log's lines, exit 0.
+std::string data_file(const std::string& data) {
+  if (data != "-") return data;
+  struct stat st;
+  return ::fstat(STDIN_FILENO, &st) == 0 && S_ISREG(st.st_mode) ? "/proc/self/fd/0" : "";
+}
+
+// How messages name --data: "--data corpus.txt", or "--data - (standard input, /x/corpus.txt)".
+std::string data_named(const std::string& data) {
+  if (data != "-") return "--data " + data;
+  const std::string file = data_file(data);
+  return "--data - (standard input" + (file.empty() ? "" : ", " + output_key(file)) + ")";
 }
 
 // Where the default corpus lives: ./data/kjv.txt, else <dir of the loom binary>/../data/kjv.txt.
@@ -520,9 +539,10 @@ int run_train(const TrainOptions& o) {
   LOOM_CHECK(o.eval_batches >= 1, InvalidArgument,
              "--eval-batches must be >= 1, got " << o.eval_batches);
   check_distinct_outputs({{"--log", o.log}, {"--checkpoint-dir", o.checkpoint_dir}});
-  check_outside_checkpoints("--log", o.log, o.checkpoint_dir);
-  // The corpus there too was replaced by a checkpoint (--data CK/latest).
-  check_outside_checkpoints("--data", o.data, o.checkpoint_dir);
+  check_outside_checkpoints("--log " + o.log, o.log, o.checkpoint_dir);
+  // The corpus there too was replaced by a checkpoint (--data CK/latest, or --data - <
+  // CK/latest).
+  check_outside_checkpoints(data_named(o.data), data_file(o.data), o.checkpoint_dir);
   // An unwritable --log fails here, before the corpus is read and any rank starts (nothing is
   // truncated yet), tried for real as loom attn's outputs are: access() says yes to root on
   // /proc, so --log /proc/version failed only once the ranks ran. An existing file must be
@@ -571,8 +591,11 @@ int run_train(const TrainOptions& o) {
   c.par.threads = threads;
   model::validate(c, world);
   const std::string data = o.data.empty() ? default_data() : o.data;
-  // The log is truncated when the run starts: naming the corpus there destroyed it.
-  if (data != "-") check_distinct_outputs({{"--data", data}, {"--log", o.log}});
+  // The log is truncated when the run starts: naming the corpus there destroyed it, as did
+  // `--data - < corpus.txt` (standard input's file was not compared).
+  check_distinct_outputs({{data == "-" ? data_named(data) : "--data", data_file(data)},
+                          {"--log", o.log},
+                          {"--checkpoint-dir", o.checkpoint_dir}});
   const int64_t data_limit = parse_size(o.data_limit, "--data-limit");
   std::string text;
   try {
@@ -762,31 +785,92 @@ void declare_train(CLI::App* c, TrainOptions& opts) {
 
 }  // namespace
 
-// Peak bytes of the run in this process (`ranks_here` ranks), from the configuration alone:
-// per rank the parameters, gradients and both AdamW moments of its tp piece (fp32, plus a bf16
-// copy), the activations one sequence keeps for backward (every layer's inputs, attention and
-// MLP intermediates of the rank's rows; one layer's with --checkpoint-activations), the logits,
-// and 8 MiB for the thread, its groups and BLAS buffers; once, the corpus (the text and its
-// splits) and 32 MiB for the process itself. (Default run, 4 ranks: estimate 151.5 MiB, measured
-// peak RSS 112 MiB.) With checkpoints, train_memory adds model::checkpoint_bytes.
+// Peak bytes of the run in this process (`ranks_here` ranks), from the configuration alone. Per
+// rank, at its peak (inside the attention backward of the last layer, the first one backward):
+//   state       the parameters, gradients and both AdamW moments of its tp piece (fp32, plus a
+//               bf16 copy), and from the first update on the gradient sums' scratch and
+//               message copies;
+//   kept        what every layer keeps for backward (model/gpt.cc's LayerActs: inputs, norms,
+//               q, k, v, o, lse, the MLP's u, g and silu(u) g, on the rank's rows; the big ones
+//               bf16 with --dtype bf16, but the layer in backward unpacked); with
+//               --checkpoint-activations every layer's input and the one layer recomputed;
+//   backward    the layer backward's own buffers (the gradients of its gathered rows, of the MLP
+//               and of q, k, v), the final norm's, the logits and their gradient, and with bf16
+//               the GEMMs' operand copies;
+//   attention   the strategy's working set for forward and backward (strategy_working_bytes: its
+//               buffers, kept from call to call, the kernels' workspace and, on the local
+//               backend, its message copies) and the plan's token lists, as loom attn counts
+//               them. It changes with --strategy; uncounted, a run estimated at 333 MiB peaked at
+//               587 MiB, and allgather's peaks were up to 1.76 times the estimate;
+//   churn       what the allocator keeps of freed buffers, 8% of the three above;
+//   batch       the global batch's token windows (every rank draws all of them);
+//   thread      the rank's thread, its groups and kernel threads;
+// and once, the corpus (the text and its splits) and the process itself. Measured peaks from
+// 100 MiB up are 0.77 to 0.97 times this, across the strategies, meshes, dtypes and activation
+// checkpointing (docs/train.md). With checkpoints, train_memory adds model::checkpoint_bytes.
 double estimate_train_bytes(const TrainConfig& c, int ranks_here, double data_bytes) {
   const model::ModelConfig& m = c.model;
   const MeshShape& s = c.par.mesh;
-  const double dim = double(m.dim), ffn = double(m.ffn_dim()), L = double(m.layers);
-  const double kv = double(m.kv_heads * m.head_dim()), vocab = double(m.vocab);
-  const double params =
-      2 * vocab * dim + L * (2 * dim * dim + 2 * dim * kv + 3 * dim * ffn + 2 * dim) + dim;
+  const double T = double(s.tp), C = double(m.dim), L = double(m.layers), V = double(m.vocab);
+  const double kv = double(m.kv_heads * m.head_dim());
+  const double ffn = double(m.ffn_dim()), Fl = ffn / T, qd = C / T, kvd = kv / T;
+  const double Hl = double(m.heads) / T;
+  const double params = 2 * V * C + L * (2 * C * C + 2 * C * kv + 3 * C * ffn + 2 * C) + C;
   const double local = params / s.tp;
-  const double state = local * 4 * 4 + (c.precision == model::Precision::bf16 ? local * 2 : 0);
-  const double rows = std::ceil(double(c.seq) / double(s.cp()));
-  const double per_layer = rows * (10 * dim + 4 * ffn / s.tp) * 4;
-  const double act = (c.checkpoint_activations ? L * rows * dim * 4 + per_layer : L * per_layer) +
-                     double(c.seq) * vocab * 4 * 2;
+  const bool bf16 = c.precision == model::Precision::bf16;
+  // The gradient sums (comm all_reduce) keep a scratch of the other ranks' blocks, and the local
+  // backend copies the blocks a rank sends before their receiver is ready (and keeps the copies
+  // for reuse): uncounted, a 4-rank run with checkpoints peaked above its estimate.
+  const double W = double(s.world());
+  const bool local_backend = !launched_by_mpirun();
+  const double sums = local * 4 * (W - 1) / W * (local_backend ? 2 : 1);
+  const double state = local * 4 * 4 + (bf16 ? local * 2 : 0) + sums;
+  // The rank's rows n, its sequence-parallel rows nsp and the gathered rows T * nsp.
+  const int64_t per_rank = c.seq / s.cp() + (c.seq % s.cp() != 0 ? 1 : 0);
+  const double n = double(per_rank), nsp = std::ceil(n / T), full = T * nsp;
+  const double layer32 = 4 * (nsp * (4 * C + 2) + n * (2 * qd + 2 * kvd + Hl + 3 * Fl));
+  const double layer16 =
+      4 * (nsp * (2 * C + 2) + n * Hl) + 2 * (2 * nsp * C + n * (2 * qd + 2 * kvd + 3 * Fl));
+  const double kept = c.checkpoint_activations ? L * 4 * nsp * C + layer32
+                      : bf16                   ? (L - 1) * layer16 + layer32
+                                               : L * layer32;
+  double backward = 4 * (3 * full * C + nsp * C + n * (3 * Fl + 2 * qd + 2 * kvd)) +
+                    4 * (nsp * (4 * C + 2) + 2 * nsp * V);
+  // bf16 GEMMs: the rounded operands the model keeps (scratch_a, scratch_b), and the fp32 copies
+  // of both operands a GEMM makes where OpenBLAS has no bf16 GEMM (the largest: the MLP's and
+  // the head's weight gradients).
+  if (bf16) {
+    const double wide = std::max(Fl, V);
+    backward += 4 * std::max(n * std::max(C, Fl), nsp * V) + 4 * (n * (C + wide) + C * wide);
+  }
+  CpProblem p;
+  p.seq = c.seq;
+  p.rows = per_rank + 2;
+  p.heads = m.heads / s.tp;
+  p.kv_heads = m.kv_heads / s.tp;
+  p.head_dim = m.head_dim();
+  p.ranks = s.cp();
+  p.backward = true;
+  p.dtype_bytes = 4;  // the model rounds q, k, v to bf16 values but stores them as fp32
+  p.threads = std::max(1, c.par.threads);
+  p.local_backend = local_backend;
+  const double attention =
+      strategy_working_bytes(model::cp_config(c.par, m.head_dim()), p) + 4 * double(c.seq) * 12;
   // Every rank draws the whole global batch each step (model::Sequence: input, target, rope
   // positions and document lengths, 24 bytes a token, about 200 more a sequence): --batch 2000000
   // passed a limit of 100 MB and grew past 790 MB.
   const double batch = double(c.batch) * (24.0 * double(c.seq) + 200);
-  return ranks_here * (state + act + batch + 8.0 * (1 << 20)) + 2 * data_bytes + 32.0 * (1 << 20);
+  // The allocator keeps pages of freed buffers that the next, differently sized ones do not
+  // reuse (a layer's forward buffers, bf16 copies, the sequences of a batch): 8% of what comes
+  // and goes (a bf16 run with --checkpoint-activations peaked 4% above the sum without it, and
+  // a batch of 4 sequences 4% above one of 1).
+  const double churn = 0.08 * (kept + backward + attention);
+  // The rank's thread, its groups and what OpenBLAS touches of its buffer, each further kernel
+  // thread's stack and OpenMP state (as loom attn counts them); the process itself (the binary,
+  // its libraries and OpenBLAS's threads: 12 MiB measured, about 19 MiB under mpirun).
+  const double thread = 4.0 * (1 << 20) + 256.0 * 1024 * (p.threads - 1);
+  return ranks_here * (state + kept + backward + attention + churn + batch + thread) +
+         2 * data_bytes + 20.0 * (1 << 20);
 }
 
 void add_train_command(CLI::App& app) {
