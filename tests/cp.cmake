@@ -1,5 +1,6 @@
 loom_test(test_layout SOURCES unit/test_layout.cc LIBS loom_cp TIMEOUT 60)
 loom_test(test_cp_local SOURCES dist/test_cp_local.cc dist/cp_bodies.cc LIBS loom_cp TIMEOUT 600)
+loom_test(test_cp_contracts SOURCES dist/test_cp_contracts.cc LIBS loom_cp loom_verify TIMEOUT 120)
 # A strategy registered from outside src/cp (docs/strategies.md, "How to add a strategy").
 loom_test(test_strategy_plugin SOURCES dist/test_strategy_plugin.cc dist/cp_bodies.cc LIBS loom_cp
           TIMEOUT 60)

@@ -101,7 +101,8 @@ struct ShardPlan {
   std::vector<std::vector<Segment>> segments;  // [rank] -> segments of local rows
 
   // InvalidArgument for a bad layout, seq < 1, ranks < 1 or document lengths that do not sum to
-  // seq; OutOfMemory naming the size when the plan's token lists do not fit.
+  // seq; OutOfMemory naming the size when the plan's lists (every token, three per rank) do not
+  // fit, before any is filled (ranks may exceed seq: the extra ranks hold no rows).
   static ShardPlan make(Layout layout, int64_t seq, int ranks,
                         const std::vector<int64_t>& doc_lengths = {});
   // The fields are public; a plan built by hand must hold what make() guarantees, and check()
@@ -254,8 +255,16 @@ struct CpMetrics {
 };
 
 // The groups a CpAttention runs on, from the mesh (build_mesh): the cp group, and optionally its
-// inner (mesh ulysses) and outer (mesh ring) axes. Groups whose sizes do not match the
-// strategy's CpShape are not used; the missing axes are then split from cp by build_mesh.
+// inner (mesh ulysses) and outer (mesh ring) axes. With I = CpShape::inner and cp rank
+// r = o I + i, the inner group of r holds cp ranks o I .. o I + I - 1 and r is its rank i; the
+// outer group holds cp ranks i, I + i, 2 I + i, ... and r is its rank o (build_mesh's ulysses and
+// ring groups, or splits of cp with color r / I, resp. r % I, and key r). An axis's given groups
+// are used when every rank gives one of the axis's size, and the constructor then checks that
+// they are the axis (above: each rank's place, and, one all-gather over each group, its members,
+// all of this cp group) and throws InvalidArgument on every rank naming the first wrong one;
+// when no rank gives one of that size (none, or other sizes) the axis is split from cp by
+// build_mesh; when some ranks do and others do not, InvalidArgument on every rank. An axis that
+// spans cp (ulysses, ring) runs on cp itself, whatever is given.
 struct CpGroups {
   Communicator* cp = nullptr;
   Communicator* inner = nullptr;  // consecutive cp ranks (Mesh::ulysses)
@@ -264,7 +273,8 @@ struct CpGroups {
 
 // Context-parallel attention over the ranks of `cp` (P = cp.size(); this rank is cp.rank() and
 // holds plan.tokens[cp.rank()]). Construction is collective over cp (a two-axis strategy, hybrid
-// or ring2d, gets its inner and outer groups from the mesh). Checks every constraint once
+// or ring2d, gets its inner and outer groups from the mesh; given ones are checked, CpGroups
+// above). Checks every constraint once
 // (check_cp_config, plan.ranks == P, and cfg.kernel: scale, window, threads in
 // [0, kMaxKernelThreads], block_q and block_k in [1, kMaxBlock]), naming the values; then checks
 // (one all-gather over cp) that every rank passed the same plan (layout, seq, document lengths,

@@ -67,14 +67,23 @@ struct Sharding {
   // (ascending) and belongs to rank chunk_rank[c]. A rank's KV block is the union of its chunks.
   std::vector<std::vector<int64_t>> chunks;
   std::vector<int> chunk_rank;
+
+  // The fields are public; a sharding built by hand must hold what make_sharding guarantees, and
+  // check() throws InvalidArgument naming the first field that breaks it: seq >= 1, ranks >= 1,
+  // tokens for `ranks` ranks listing every token of [0, seq) exactly once, and chunks (as many
+  // as chunk_rank, each owned by a rank in [0, ranks) that holds its tokens) listing every token
+  // once, ascending within a chunk. unshard_rows and unshard_cols call it (a token past seq or
+  // fewer token lists than ranks wrote out of bounds; a token listed twice left a row zero and
+  // made the comparison wrong).
+  void check() const;
 };
 
 // Names accepted by make_sharding, in the order listed above.
 std::vector<std::string> convention_names();
 // Builds a convention. InvalidArgument naming the convention and the violated rule (e.g.
 // "te-thd needs every document length divisible by 2 * ranks = 8; document 1 has 30 tokens");
-// OutOfMemory naming the size where the token lists (every token twice) do not fit in memory,
-// before they are filled.
+// OutOfMemory naming the size where the token lists (every token twice, lists per rank) do not
+// fit in memory, before they are filled.
 Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
                        const std::vector<int64_t>& doc_lengths = {});
 
@@ -82,11 +91,11 @@ Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
 // row_shape: the [A, B] every rank must have (q's [H, D] for out and dq, k's [Hkv, D] for dk
 // and dv); empty: rank 0's. InvalidArgument naming the first rank whose shape differs from
 // [n_r, A, B] and the shape the convention gives it (with packed documents and contiguous, also
-// that contiguous is per document).
+// that contiguous is per document), and sh.check()'s.
 Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>>& local,
                             const std::string& what, const std::vector<int64_t>& row_shape = {});
 // The same for lse ([A, n_r] per rank, tokens along the last axis) -> [A, S]; rows: the A every
-// rank must have (q's H), -1: rank 0's.
+// rank must have (q's H), -1: rank 0's. The same checks.
 Tensor<double> unshard_cols(const Sharding& sh, const std::vector<Tensor<double>>& local,
                             const std::string& what, int64_t rows = -1);
 // The reverse of unshard_rows for one rank (rows = sh.tokens[r]), or any rows: rows `rows` of a

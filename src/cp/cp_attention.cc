@@ -3,9 +3,11 @@
 // from the mesh, builds the engine and the registered strategy, and brackets every call with the
 // recorder (bytes, communication window).
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -17,6 +19,12 @@
 #include "strategies/strategy.h"
 
 namespace loom {
+
+namespace detail {
+// build_mesh without its agreement exchange (src/comm/mesh.cc): the constructor splits its mesh
+// from a shape every rank has agreed on already, so the exchange would only add a collective.
+Mesh build_agreed_mesh(Communicator& world, const MeshShape& shape);
+}  // namespace detail
 
 struct CpAttention::Impl {
   ShardPlan plan;
@@ -156,9 +164,17 @@ enum AgreeField : int {
   kWindow,
   kScale,
   kPlanHash,
-  kAgreeFields
+  kAgreeFields,
+  // Not compared: what each rank says of the groups it was given (check_given_groups), and a
+  // random word of each rank, from which the ranks of one cp group compute the same fingerprint.
+  kInnerSize = kAgreeFields,  // the caller's inner group: its size (0: none given) ...
+  kInnerRank,                 // ... and this rank's place in it (-1: none)
+  kOuterSize,
+  kOuterRank,
+  kNonce,
+  kSlotsUsed
 };
-static_assert(kAgreeFields <= kAgreeSlots);
+static_assert(kSlotsUsed <= kAgreeSlots);
 
 int64_t strategy_index(Strategy s) {
   const auto& all = strategies();
@@ -180,10 +196,30 @@ int64_t plan_hash(const ShardPlan& plan) {
   return static_cast<int64_t>(h);
 }
 
+// A word no other cp group draws (with overwhelming odds): the random device, the clock and
+// this call's stack address, mixed.
+int64_t random_word() {
+  uint64_t x = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  try {
+    std::random_device rd;
+    x ^= (uint64_t{rd()} << 32) ^ rd();
+  } catch (const std::exception&) {  // no random device: the clock and the address alone
+  }
+  int here = 0;
+  x ^= static_cast<uint64_t>(reinterpret_cast<uintptr_t>(&here));
+  return static_cast<int64_t>(fnv1a64(&x, sizeof x));
+}
+
 std::vector<int64_t> agreement_record(const ShardPlan& plan, const CpConfig& cfg,
                                       const CpShape& shape, const cp_detail::StrategyEntry& entry,
-                                      int64_t heads, int64_t kv_heads, int64_t head_dim) {
+                                      int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                      const CpGroups& groups) {
   std::vector<int64_t> rec(kAgreeSlots, 0);
+  rec[kInnerSize] = groups.inner ? groups.inner->size() : 0;
+  rec[kInnerRank] = groups.inner ? groups.inner->rank() : -1;
+  rec[kOuterSize] = groups.outer ? groups.outer->size() : 0;
+  rec[kOuterRank] = groups.outer ? groups.outer->rank() : -1;
+  rec[kNonce] = random_word();
   rec[kMagic] = kAgreeMagic;
   rec[kLayout] = static_cast<int64_t>(plan.layout);
   rec[kSeq] = plan.seq;
@@ -248,11 +284,12 @@ std::string agreement_value(int field, int64_t v, const CpConfig& cfg,
 }
 
 // Exchanges the records and throws InvalidArgument, the same on every rank, naming the first
-// field in which a rank differs from rank 0.
-void check_ranks_agree(Communicator& cp, const std::vector<int64_t>& mine, const CpConfig& cfg,
-                       const cp_detail::StrategyEntry& entry) {
+// field in which a rank differs from rank 0. Returns every rank's record (rank r's at
+// r * kAgreeSlots).
+std::vector<int64_t> check_ranks_agree(Communicator& cp, const std::vector<int64_t>& mine,
+                                       const CpConfig& cfg, const cp_detail::StrategyEntry& entry) {
   const int P = cp.size();
-  if (P == 1) return;
+  if (P == 1) return mine;
   std::vector<int64_t> all(static_cast<size_t>(kAgreeSlots) * P);
   cp.all_gather(mine.data(), kAgreeSlots * sizeof(int64_t), all.data());
   const auto at = [&](int r, int f) { return all[static_cast<size_t>(r) * kAgreeSlots + f]; };
@@ -290,6 +327,131 @@ void check_ranks_agree(Communicator& cp, const std::vector<int64_t>& mine, const
       throw InvalidArgument(os.str(), __FILE__, __LINE__);
     }
   }
+  return all;
+}
+
+// One axis of the strategy's shape as the caller may give it (CpGroups::inner or ::outer). Cp
+// rank r = o * I + i (I = shape.inner): the inner axis is the group of cp ranks o I .. o I + I - 1
+// and r must be rank i of it; the outer axis is the group of cp ranks i, I + i, 2 I + i, ... and
+// r must be rank o of it. The strategies rely on both: hybrid's all-to-all gives the rows of the
+// inner group's ranks in group order and its ring passes group o's block to o + 1; ring2d posts
+// to (o, i + 1) and (o + 1, i) by their group ranks.
+struct GivenAxis {
+  bool inner;     // else outer
+  int size;       // the ranks the axis needs
+  int size_slot;  // kInnerSize or kOuterSize (the rank slot follows)
+  Communicator* group;
+  // cp rank r's place in its group, and the cp rank at place j of r's group.
+  int place(int r, int I) const { return inner ? r % I : r / I; }
+  int member(int r, int j, int I) const { return inner ? (r / I) * I + j : j * I + r % I; }
+  const char* name() const { return inner ? "inner" : "outer"; }
+  // "cp ranks 2, 3" / "cp ranks 1, 3, 5", at most a few named.
+  std::string members_text(int r, int I) const {
+    std::ostringstream os;
+    os << "cp ranks ";
+    for (int j = 0; j < size && j < 4; ++j) os << (j ? ", " : "") << member(r, j, I);
+    if (size > 4) os << ", ... " << member(r, size - 1, I);
+    return os.str();
+  }
+};
+
+// The end of every group error: how to make groups that fit.
+std::string groups_hint(const CpShape& shape) {
+  std::ostringstream os;
+  os << "; give the groups of build_mesh(world, {dp, tp, " << shape.inner << ", " << shape.outer
+     << "}) (Mesh::ulysses as inner, Mesh::ring as outer), split them from cp (inner: color cp "
+        "rank / "
+     << shape.inner << ", key cp rank; outer: color cp rank % " << shape.inner
+     << ", key cp rank), or give none";
+  return os.str();
+}
+
+// Decides, the same on every rank (from the records every rank has), whether the caller's group
+// of each axis is used, and checks that a used group is the axis: every rank gives one of the
+// axis's size or none does (a mix made some ranks split a mesh from cp while the others did
+// not); each rank has the place the strategy gives it (table check); and (one all-gather over
+// each given group, then one of 32 bytes per rank over cp) each group holds the cp ranks of its
+// axis, in order, all of this cp group. Groups of the right sizes but other members gave hybrid
+// results off by 0.7 with no error and ring2d a timeout. Throws InvalidArgument on every rank
+// naming the first rank whose group is wrong. Returns, per axis, the group to use or nullptr
+// (split from cp).
+std::vector<Communicator*> check_given_groups(Communicator& cp, const std::vector<int64_t>& all,
+                                              const std::vector<GivenAxis>& axes,
+                                              const CpShape& shape) {
+  const int P = cp.size(), I = shape.inner, me = cp.rank();
+  const auto at = [&](int r, int f) { return all[static_cast<size_t>(r) * kAgreeSlots + f]; };
+  std::vector<Communicator*> used(axes.size(), nullptr);
+  bool any = false;
+  for (size_t a = 0; a < axes.size(); ++a) {
+    const GivenAxis& ax = axes[a];
+    const auto fits = [&](int r) { return at(r, ax.size_slot) == ax.size; };
+    const auto given = [&](int r) {
+      const int64_t n = at(r, ax.size_slot);
+      return n == 0 ? std::string("no ") + ax.name() + " group"
+                    : "an " + std::string(ax.name()) + " group of " + std::to_string(n) + " ranks";
+    };
+    for (int r = 1; r < P; ++r)
+      LOOM_CHECK(fits(r) == fits(0), InvalidArgument,
+                 "CpAttention: rank " << r << " gives " << given(r) << ", rank 0 " << given(0)
+                                      << "; the " << ax.name() << " axis needs " << ax.size
+                                      << " ranks, and every rank must give its group of it or "
+                                         "none"
+                                      << groups_hint(shape));
+    if (!fits(0)) continue;  // none fits: split from cp, as the contract says
+    for (int r = 0; r < P; ++r)
+      LOOM_CHECK(at(r, ax.size_slot + 1) == ax.place(r, I), InvalidArgument,
+                 "CpAttention: cp rank " << r << " is rank " << at(r, ax.size_slot + 1)
+                                         << " of the " << ax.name() << " group it gives, but the "
+                                         << ax.name() << " axis of " << I << " x " << shape.outer
+                                         << " holds " << ax.members_text(r, I)
+                                         << " in cp order, where it must be rank " << ax.place(r, I)
+                                         << groups_hint(shape));
+    used[a] = ax.group;
+    any = true;
+  }
+  if (!any) return used;
+  // The members: every rank's (fingerprint of its cp group, cp rank) over each used group.
+  uint64_t fp = fnv1a64(nullptr, 0);
+  for (int r = 0; r < P; ++r) {
+    const int64_t nonce = at(r, kNonce);
+    fp = fnv1a64(&nonce, sizeof nonce, fp);
+  }
+  // This rank's verdict: {axis + 1, place, the cp rank found there (-1: another cp group's),
+  // the one the axis needs}; zeros when its groups hold what they must.
+  int64_t verdict[4] = {0, 0, 0, 0};
+  for (size_t a = 0; a < axes.size(); ++a) {
+    if (!used[a]) continue;
+    const GivenAxis& ax = axes[a];
+    const int64_t mine[2] = {static_cast<int64_t>(fp), me};
+    std::vector<int64_t> got(2 * static_cast<size_t>(ax.size));
+    ax.group->all_gather(mine, sizeof mine, got.data());
+    for (int j = 0; j < ax.size && verdict[0] == 0; ++j) {
+      const bool ours = got[2 * j] == static_cast<int64_t>(fp);
+      if (ours && got[2 * j + 1] == ax.member(me, j, I)) continue;
+      verdict[0] = static_cast<int64_t>(a) + 1;
+      verdict[1] = j;
+      verdict[2] = ours ? got[2 * j + 1] : -1;
+      verdict[3] = ax.member(me, j, I);
+    }
+  }
+  std::vector<int64_t> verdicts(4 * static_cast<size_t>(P));
+  cp.all_gather(verdict, sizeof verdict, verdicts.data());
+  for (int r = 0; r < P; ++r) {
+    const int64_t* v = verdicts.data() + 4 * static_cast<size_t>(r);
+    if (v[0] == 0) continue;
+    const GivenAxis& ax = axes[static_cast<size_t>(v[0] - 1)];
+    std::ostringstream os;
+    os << "CpAttention: the " << ax.name() << " group cp rank " << r << " gives holds ";
+    if (v[2] < 0)
+      os << "a rank of another cp group";
+    else
+      os << "cp rank " << v[2];
+    os << " as its rank " << v[1] << ", but the " << ax.name() << " axis of " << I << " x "
+       << shape.outer << " holds " << ax.members_text(r, I) << " in cp order, so its rank " << v[1]
+       << " must be cp rank " << v[3] << groups_hint(shape);
+    throw InvalidArgument(os.str(), __FILE__, __LINE__);
+  }
+  return used;
 }
 
 }  // namespace
@@ -320,23 +482,28 @@ CpAttention::CpAttention(const CpGroups& groups, const ShardPlan& plan, const Cp
   const CpShape shape = check_cp_config(cfg, P, heads, kv_heads);
   const cp_detail::StrategyEntry& entry = cp_detail::entry(cfg.strategy);
   // Before anything else crosses ranks: a rank that differs would post other messages.
-  check_ranks_agree(cp, agreement_record(plan, cfg, shape, entry, heads, kv_heads, head_dim), cfg,
-                    entry);
+  const std::vector<int64_t> all = check_ranks_agree(
+      cp, agreement_record(plan, cfg, shape, entry, heads, kv_heads, head_dim, groups), cfg, entry);
 
   // The groups of the shape: the cp group itself for an axis that spans it, none for an axis of
-  // one rank that nothing talks over, the caller's mesh groups when their sizes fit, else a mesh
-  // built from cp (dp = tp = 1, ulysses = inner, ring = outer; collective over cp).
-  auto fits = [](Communicator* c, int size) { return c != nullptr && c->size() == size; };
+  // one rank that nothing talks over, the caller's mesh groups when every rank gave one of the
+  // axis's size (checked to be the axis), else a mesh built from cp (dp = tp = 1, ulysses =
+  // inner, ring = outer; collective over cp).
   Communicator* inner = nullptr;
   Communicator* outer = nullptr;
   const bool want_inner = shape.inner > 1 || (entry.splits_heads && P > 1);
   const bool want_outer = shape.outer > 1;
-  if (want_inner)
-    inner = shape.inner == P ? &cp : fits(groups.inner, shape.inner) ? groups.inner : nullptr;
-  if (want_outer)
-    outer = shape.outer == P ? &cp : fits(groups.outer, shape.outer) ? groups.outer : nullptr;
+  if (want_inner && shape.inner == P) inner = &cp;
+  if (want_outer && shape.outer == P) outer = &cp;
+  std::vector<GivenAxis> axes;
+  if (want_inner && !inner) axes.push_back(GivenAxis{true, shape.inner, kInnerSize, groups.inner});
+  if (want_outer && !outer) axes.push_back(GivenAxis{false, shape.outer, kOuterSize, groups.outer});
+  if (!axes.empty()) {
+    const std::vector<Communicator*> used = check_given_groups(cp, all, axes, shape);
+    for (size_t a = 0; a < axes.size(); ++a) (axes[a].inner ? inner : outer) = used[a];
+  }
   if ((want_inner && !inner) || (want_outer && !outer)) {
-    impl_->mesh = build_mesh(cp, MeshShape{1, 1, shape.inner, shape.outer});
+    impl_->mesh = detail::build_agreed_mesh(cp, MeshShape{1, 1, shape.inner, shape.outer});
     impl_->cp = &cp;
     if (want_inner && !inner) inner = impl_->mesh.ulysses.get();
     if (want_outer && !outer) outer = impl_->mesh.ring.get();

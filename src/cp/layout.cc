@@ -92,13 +92,32 @@ ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
   p.doc_lengths = doc_lengths;
   const std::vector<int64_t> docs = checked_doc_lengths(seq, doc_lengths);
   const bool with_docs = !doc_lengths.empty();
-  p.tokens.assign(ranks, {});
-  p.docs.assign(ranks, {});
-  p.segments.assign(ranks, {});
-  // The plan lists every token (8 bytes, 4 more with documents): each rank's rows counted and
-  // reserved up front, so that a sequence no memory holds is refused at once as OutOfMemory
-  // naming its size (2^40 tokens threw std::bad_alloc).
-  std::vector<int64_t> held(static_cast<size_t>(ranks), 0);
+  // The plan lists every token (8 bytes, 4 more with documents) and keeps three lists per rank
+  // (and, while it is made, a count per rank): the per-rank lists allocated and each rank's rows
+  // counted and reserved up front, so that a sequence or a rank count no memory holds is refused
+  // at once as OutOfMemory naming its size (2^40 tokens, and 2^31 - 1 ranks, threw
+  // std::bad_alloc).
+  const auto out_of_memory = [&] {
+    const double per_rank = 3.0 * sizeof(std::vector<int64_t>) + sizeof(int64_t);
+    const double tokens_bytes = static_cast<double>(seq) * (with_docs ? 12.0 : 8.0);
+    const double ranks_bytes = static_cast<double>(ranks) * per_rank;
+    std::ostringstream os;
+    os << "out of memory: a shard plan of " << seq << " tokens over " << ranks
+       << " ranks lists every token and keeps lists per rank, "
+       << (tokens_bytes + ranks_bytes) / (1 << 20) << " MiB: too "
+       << (ranks_bytes > tokens_bytes ? "many ranks" : "long a sequence")
+       << " for this machine's memory";
+    return OutOfMemory(os.str(), __FILE__, __LINE__);
+  };
+  std::vector<int64_t> held;
+  try {
+    p.tokens.assign(ranks, {});
+    p.docs.assign(ranks, {});
+    p.segments.assign(ranks, {});
+    held.assign(static_cast<size_t>(ranks), 0);
+  } catch (const std::exception&) {  // std::bad_alloc, or std::length_error past max_size()
+    throw out_of_memory();
+  }
   {
     int64_t begin = 0;
     const int64_t P = ranks;
@@ -122,12 +141,7 @@ ShardPlan ShardPlan::make(Layout layout, int64_t seq, int ranks,
       if (with_docs) p.docs[r].reserve(static_cast<size_t>(held[r]));
     }
   } catch (const std::exception&) {  // std::bad_alloc, or std::length_error past max_size()
-    std::ostringstream os;
-    os << "out of memory: a shard plan of " << seq << " tokens over " << ranks
-       << " ranks lists every token, "
-       << static_cast<double>(seq) * (with_docs ? 12.0 : 8.0) / (1 << 20)
-       << " MiB: too long a sequence for this machine's memory";
-    throw OutOfMemory(os.str(), __FILE__, __LINE__);
+    throw out_of_memory();
   }
   auto add_run = [&](int r, int64_t first, int64_t count, int32_t doc) {
     if (count <= 0) return;

@@ -428,6 +428,12 @@ AttnSim simulate_attention(const AttnCase& c, const Profile& p, const SimOptions
   LOOM_CHECK(c.heads % c.kv_heads == 0, InvalidArgument,
              "heads (" << c.heads << ") must be a multiple of kv-heads (" << c.kv_heads << ")");
   LOOM_CHECK(c.ranks >= 1, InvalidArgument, "ranks must be >= 1, got " << c.ranks);
+  // Before the work bounds below, which count a layout's chunks (an unknown one simulated no
+  // work at all).
+  LOOM_CHECK(
+      c.layout == Layout::contiguous || c.layout == Layout::zigzag || c.layout == Layout::stripe,
+      InvalidArgument,
+      "layout must be contiguous, zigzag or stripe, got the value " << static_cast<int>(c.layout));
   // World rank of cp rank r: r x cp_stride, an int (a negative stride indexed the node counters
   // out of bounds).
   LOOM_CHECK(c.cp_stride >= 1 && c.cp_stride <= std::numeric_limits<int>::max() / c.ranks,

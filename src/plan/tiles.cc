@@ -51,6 +51,12 @@ std::vector<std::vector<Chunk>> shard_chunks(Layout layout, int64_t seq, int ran
                                              const std::vector<int64_t>& doc_lengths) {
   LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
   LOOM_CHECK(ranks >= 1, InvalidArgument, "ranks must be >= 1, got " << ranks);
+  // As ShardPlan::make: a Layout outside the enumeration (a cast integer) matched no case below
+  // and gave every rank no chunks, which simulated zero work.
+  LOOM_CHECK(
+      layout == Layout::contiguous || layout == Layout::zigzag || layout == Layout::stripe,
+      InvalidArgument,
+      "layout must be contiguous, zigzag or stripe, got the value " << static_cast<int>(layout));
   const std::vector<int64_t> docs = checked_doc_lengths(seq, doc_lengths);
   std::vector<std::vector<Chunk>> out(ranks);
   auto add = [&](int r, int64_t first, int64_t stride, int64_t count, int32_t doc) {

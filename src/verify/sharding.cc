@@ -176,19 +176,85 @@ Sharding make_sharding(const std::string& convention, int64_t seq, int ranks,
                        const std::vector<int64_t>& doc_lengths) {
   LOOM_CHECK(seq >= 1, InvalidArgument, "sequence length must be >= 1, got " << seq);
   LOOM_CHECK(ranks >= 1, InvalidArgument, "--ranks must be >= 1, got " << ranks);
-  // Every token is listed twice (its rank's rows, its chunk), 16 bytes each: a sequence no memory
-  // holds is the library's OutOfMemory naming its size (2^62 tokens threw std::bad_alloc).
-  // loom's three conventions fail up front in ShardPlan::make; the others reserve first.
+  // Every token is listed twice (its rank's rows, its chunk), 16 bytes each, and every rank has
+  // a token list and up to two chunks: a sequence or a rank count no memory holds is the
+  // library's OutOfMemory naming its size (2^62 tokens threw std::bad_alloc; 2^31 - 1 ranks
+  // failed on 48 GiB of per-rank lists and the message named the 10 tokens' 0.001 MiB). loom's
+  // three conventions fail up front in ShardPlan::make; the others reserve first.
   try {
     return build_sharding(convention, seq, ranks, doc_lengths);
   } catch (const std::bad_alloc&) {
   } catch (const std::length_error&) {
   }
+  // Per rank: its token list, and up to two chunks (a list and an owner each).
+  const double per_rank = 3.0 * sizeof(std::vector<int64_t>) + 2.0 * sizeof(int);
+  const double bytes = static_cast<double>(seq) * 16.0 + static_cast<double>(ranks) * per_rank;
   std::ostringstream os;
   os << "out of memory: the " << convention << " sharding of " << seq << " tokens over " << ranks
-     << " ranks lists every token twice, " << static_cast<double>(seq) * 16.0 / (1 << 20)
-     << " MiB: too long a sequence for this machine's memory";
+     << " ranks lists every token twice and keeps lists per rank, " << bytes / (1 << 20)
+     << " MiB: too "
+     << (static_cast<double>(ranks) * per_rank > static_cast<double>(seq) * 16.0
+             ? "many ranks"
+             : "long a sequence")
+     << " for this machine's memory";
   throw OutOfMemory(os.str(), __FILE__, __LINE__);
+}
+
+void Sharding::check() const {
+  LOOM_CHECK(seq >= 1, InvalidArgument, "Sharding: seq must be >= 1, got " << seq);
+  LOOM_CHECK(ranks >= 1 && tokens.size() == static_cast<size_t>(ranks), InvalidArgument,
+             "Sharding: ranks is " << ranks << " but tokens holds the lists of " << tokens.size()
+                                   << " ranks (one per rank, ranks >= 1)");
+  // Counted first, so that a sharding claiming a huge seq is refused before the table below.
+  size_t total = 0;
+  for (const auto& t : tokens) total += t.size();
+  LOOM_CHECK(total == static_cast<uint64_t>(seq), InvalidArgument,
+             "Sharding: the ranks' tokens list " << total << " tokens but seq is " << seq
+                                                 << " (every token of [0, seq) on exactly one "
+                                                    "rank)");
+  std::vector<int> owner(static_cast<size_t>(seq), -1);
+  for (int r = 0; r < ranks; ++r) {
+    for (size_t i = 0; i < tokens[r].size(); ++i) {
+      const int64_t t = tokens[r][i];
+      LOOM_CHECK(
+          t >= 0 && t < seq, InvalidArgument,
+          "Sharding: tokens[" << r << "][" << i << "] = " << t << " is outside [0, " << seq << ")");
+      LOOM_CHECK(owner[t] < 0, InvalidArgument,
+                 "Sharding: token " << t << " is listed twice (by rank " << owner[t]
+                                    << " and as tokens[" << r << "][" << i
+                                    << "]): every token must be on exactly one rank");
+      owner[t] = r;
+    }
+  }
+  LOOM_CHECK(chunk_rank.size() == chunks.size(), InvalidArgument,
+             "Sharding: " << chunks.size() << " chunks but chunk_rank names the ranks of "
+                          << chunk_rank.size());
+  total = 0;
+  for (const auto& c : chunks) total += c.size();
+  LOOM_CHECK(total == static_cast<uint64_t>(seq), InvalidArgument,
+             "Sharding: the chunks list " << total << " tokens but seq is " << seq
+                                          << " (every token in exactly one chunk)");
+  std::vector<bool> seen(static_cast<size_t>(seq), false);
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const int r = chunk_rank[c];
+    LOOM_CHECK(r >= 0 && r < ranks, InvalidArgument,
+               "Sharding: chunk_rank[" << c << "] = " << r << " is outside [0, " << ranks << ")");
+    for (size_t i = 0; i < chunks[c].size(); ++i) {
+      const int64_t t = chunks[c][i];
+      LOOM_CHECK(
+          t >= 0 && t < seq, InvalidArgument,
+          "Sharding: chunks[" << c << "][" << i << "] = " << t << " is outside [0, " << seq << ")");
+      LOOM_CHECK(i == 0 || t > chunks[c][i - 1], InvalidArgument,
+                 "Sharding: chunks[" << c << "] is not ascending at " << i << " (" << t << " after "
+                                     << chunks[c][i - 1] << ")");
+      LOOM_CHECK(!seen[t], InvalidArgument,
+                 "Sharding: token " << t << " is in two chunks (again in chunks[" << c << "])");
+      LOOM_CHECK(owner[t] == r, InvalidArgument,
+                 "Sharding: chunks[" << c << "] belongs to rank " << r << " (chunk_rank) but its "
+                                     << "token " << t << " is on rank " << owner[t]);
+      seen[t] = true;
+    }
+  }
 }
 
 namespace {
@@ -232,6 +298,7 @@ Tensor<double> unshard_rows(const Sharding& sh, const std::vector<Tensor<double>
                             const std::string& what, const std::vector<int64_t>& row_shape) {
   LOOM_CHECK(row_shape.empty() || row_shape.size() == 2, InvalidArgument,
              "unshard_rows: row_shape must be empty or [A, B], got " << shape_str(row_shape));
+  sh.check();
   check_locals(sh, local, what, 3, "3 dims", !row_shape.empty());
   // The sizes every rank must have: the caller's (q's or k's), else rank 0's. Read from rank 0,
   // a wrong rank 0 was blamed on rank 1, with rank 0's wrong sizes as the expected ones.
@@ -255,6 +322,7 @@ Tensor<double> unshard_cols(const Sharding& sh, const std::vector<Tensor<double>
                             const std::string& what, int64_t rows) {
   LOOM_CHECK(rows >= -1, InvalidArgument,
              "unshard_cols: rows must be -1 (rank 0's) or a size, got " << rows);
+  sh.check();
   check_locals(sh, local, what, 2, "[H, n]", rows >= 0);
   const int64_t a = rows >= 0 ? rows : local[0].size(0);
   Tensor<double> g({a, sh.seq});

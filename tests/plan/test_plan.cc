@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -870,6 +871,33 @@ TEST(PlanSim, RefusesACpStrideOutsideTheWorld) {
     EXPECT_EQ(far_apart.forward_s, one_node_apart.forward_s);
     EXPECT_EQ(far_apart.backward_s, one_node_apart.backward_s);
   }
+}
+
+// A Layout outside the enumeration (a cast integer) is refused as ShardPlan::make refuses it:
+// shard_chunks gave every rank no chunks and simulate_attention simulated zero work.
+TEST(PlanSim, RefusesALayoutOutsideTheEnumeration) {
+  const Layout bad = static_cast<Layout>(7);
+  const auto expect_refused = [](const std::function<void()>& call, const char* what) {
+    try {
+      call();
+      ADD_FAILURE() << what << ": accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    "layout must be contiguous, zigzag or stripe, got the value 7"),
+                std::string::npos)
+          << e.what();
+    }
+  };
+  expect_refused([&] { shard_chunks(bad, 10, 2, {}); }, "shard_chunks");
+  AttnCase a;
+  a.seq = 1024;
+  a.ranks = 4;
+  a.heads = 8;
+  a.kv_heads = 2;
+  a.layout = bad;
+  expect_refused([&] { simulate_attention(a, valid_profile()); }, "simulate_attention");
+  a.ranks = 1;
+  expect_refused([&] { simulate_attention(a, valid_profile()); }, "simulate_attention, one rank");
 }
 
 // What would make every candidate of the search invalid is refused up front, naming it (before:
