@@ -56,6 +56,14 @@ if(LOOM_SYSTEM_PYTHON AND NOT LOOM_SANITIZE)
   set_tests_properties(loom_attn_memory PROPERTIES TIMEOUT 300 LABELS "tool")
 endif()
 
+# loom attn's outputs and limits that failed late, hung or aborted: a FIFO whose reader stops
+# reading (times out), kernel threads under ulimit -v (refused before the run), and, as root, a
+# mount point as --output or a report, a read-only --output directory of its owner, and an old set
+# of another user's files (named when it cannot be removed).
+add_test(NAME loom_output_guards
+         COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/output_guard_check.sh $<TARGET_FILE:loom>)
+set_tests_properties(loom_output_guards PROPERTIES TIMEOUT 120 LABELS "tool")
+
 # Reliability (issue 11): a bounded random-fault soak on the local backend (about 50 s), and the
 # MPI path once more with Open MPI forced onto TCP (pml ob1, btl tcp,self), including a rank
 # killed and a rank stopped mid-run.

@@ -5,13 +5,15 @@
 //     (own_stream_fd: /dev/stdout, /dev/stderr, /dev/fd/N, and symlinks that lead to them);
 //   * a symlink is followed (to its final target), and the target is written as below;
 //   * an existing device, FIFO or socket is opened and written directly, never replaced (a FIFO
-//     without a reader is refused at once instead of blocking);
+//     without a reader is refused at once instead of blocking, and a reader that stops reading
+//     fails the write after LOOM_TIMEOUT_S: write_nonblocking);
 //   * a regular file or a missing path is written atomically: the bytes go to
 //     "<target>.tmp.<pid>-<n>" in the same directory, are flushed to disk, and the temporary
 //     file is renamed over the target only when complete, the directory then synced (so the
 //     rename survives a crash). A failed write removes it. A replaced file's permission bits
 //     are kept (a new one gets 0666 & ~umask).
-//   * a directory is refused.
+//   * a directory is refused, as is a mount point (a file system or a bind mount on the target),
+//     which no rename can replace.
 // Every write is checked (a full disk is an IoError naming the path, never a silent loss).
 // clean_stale_temps removes the temporaries a killed run left next to a path (those whose pid
 // is no longer running), so they do not pile up.
@@ -19,9 +21,10 @@
 // OutputSet writes a set of files as a unit (`loom attn --output DIR`): the files go into a
 // fresh sibling directory "<DIR>.tmp.<pid>-<n>", and commit() swaps it in with one atomic
 // renameat2(RENAME_EXCHANGE) (or a rename when DIR does not exist yet); the old set is then
-// removed. A run that fails or is killed never changes DIR, and two concurrent runs leave one
-// complete set. DIR may hold only files the set may write (loom's own names): anything else in
-// it is refused with an IoError before anything is written, so loom never deletes a user's file.
+// removed (where it cannot be, commit() says where it is left). A run that fails or is killed never
+// changes DIR, and two concurrent runs leave one complete set. DIR may hold only files the set may
+// write (loom's own names): anything else in it is refused with an IoError before anything is
+// written, so loom never deletes a user's file.
 //
 // Input. InputFile opens a file for reading without blocking: directories, FIFOs, devices and
 // sockets are refused with one line naming the path (only "-", standard input, is read as a
@@ -99,6 +102,18 @@ class AtomicFileWriter {
   std::string shown_, target_, tmp_;
   int fd_ = -1;
 };
+// Seconds a write to a FIFO, pipe, socket or device may wait for its reader without progress:
+// LOOM_TIMEOUT_S (as the communicators' waits: a decimal number of seconds from 0.001 to 1e9, else
+// InvalidArgument naming it), or 60 when unset.
+double output_timeout_s();
+// Writes all `bytes` at data to fd, a FIFO, pipe, socket or device that the caller opened (it is
+// made non-blocking: never pass a descriptor shared with others, such as standard output), waiting
+// in poll() while it is full: when its reader takes nothing for timeout_s seconds (< 0:
+// output_timeout_s()), an IoError "<shown>: write timed out: its reader took nothing for 60 s
+// (LOOM_TIMEOUT_S); ..." (a reader that opened a FIFO and never read held loom for ever). Other
+// failures are "<shown>: write failed (...)".
+void write_nonblocking(int fd, const void* data, size_t bytes, const std::string& shown,
+                       double timeout_s = -1);
 // Refuses (InvalidArgument) two outputs that resolve to the same file, e.g.
 //   {{"--json", "r.json"}, {"--trace", "r.json"}}, or to one existing regular file under two
 // names (hard links: same device and inode). Empty paths are ignored. The first `inputs` entries
@@ -129,12 +144,15 @@ void check_output_outside(const std::string& option, const std::string& path,
 // "." or ".." (given or reached through a link) are refused (InvalidArgument): no directory can be
 // renamed onto them. With `replaced` (the output is renamed over an existing target, as
 // write_output and OutputSet do), an existing target that belongs to another user in a sticky
-// directory (/tmp, mode 1777) is refused as well: only its owner may replace it there. A file
-// written in place (loom train's --log) passes replaced = false.
+// directory (/tmp, mode 1777) is refused as well: only its owner may replace it there; and so is
+// an existing target that is a mount point (a tmpfs mounted on the directory, a file bind-mounted
+// over the file: the kernel refuses a rename onto it), with what to name instead. A file written
+// in place (loom train's --log) passes replaced = false.
 void check_output_writable(const std::string& path, const std::string& option,
                            bool directory = false, bool replaced = true);
 // Refuses (IoError), before any work, what the OutputSet(dir, names) constructor refuses: dir
-// exists and is not a directory, or holds a name the set does not write; and (InvalidArgument)
+// exists and is not a directory, is a mount point, or holds a name the set does not write (or a
+// file of its names that is mounted over); and (InvalidArgument)
 // a dir no directory can be renamed onto, as check_output_writable does.
 void check_output_set(const std::string& dir, const std::vector<std::string>& names);
 
@@ -142,9 +160,11 @@ class OutputSet {
  public:
   // dir: the directory the set replaces (a trailing '/' dropped, symlinks followed); names: every
   // file name the set may hold, each a plain name (InvalidArgument for '/', '.' or '..'). Throws
-  // IoError when dir exists and is not a directory, holds other files, or the staging
-  // directory cannot be made. `option` names the set in the messages of the files written to
-  // path(name): "--output set/out.npy: write failed (...)", not the staging directory.
+  // IoError when dir exists and is not a directory, is a mount point, holds other files, or the
+  // staging directory cannot be made. DIR's permission bits go onto the set in commit(), so a
+  // read-only DIR (0555) of this user is replaced too, as a read-only file is. `option` names the
+  // set in the messages of the files written to path(name): "--output set/out.npy: write failed
+  // (...)", not the staging directory.
   OutputSet(const std::string& dir, std::vector<std::string> names,
             const std::string& option = "--output");
   ~OutputSet();  // removes the staging directory unless committed
@@ -153,11 +173,16 @@ class OutputSet {
 
   // Where to write file `name` (one of the names) before commit().
   std::string path(const std::string& name) const;
-  // Swaps the staged files in as the new contents of dir. Throws IoError.
-  void commit();
+  // Swaps the staged files in as the new contents of dir (with dir's permission bits), then
+  // removes the old set. Throws IoError when the new set cannot be swapped in. Returns "" or,
+  // when the new set is in place but the old one could not be removed (its files belong to
+  // another user, who alone may delete them), one line for the caller to print: "--output out:
+  // the new set is in place, but the old one could not be removed (Permission denied) and is left
+  // in out.tmp.4242-1; remove it yourself".
+  std::string commit();
 
  private:
-  std::string dir_, staging_;
+  std::string dir_, staging_, shown_;
   std::vector<std::string> names_;
   bool committed_ = false;
 };
@@ -230,6 +255,13 @@ int64_t address_space_room(std::string* limit = nullptr);
 // thread first needs it (its own threads: as the library loads) and, where an address-space
 // limit leaves no room, retries for ever.
 constexpr int64_t kOpenBlasBufferBytes = (int64_t{128} << 20) + 4096;
+// The OpenBLAS buffers this process has mapped so far: whole 128 MiB blocks (adjacent buffers of
+// kOpenBlasBufferBytes show as one region) of anonymous private read-write memory in
+// /proc/self/maps, where nothing else maps that much before a run allocates; -1 when the maps
+// cannot be read. OpenBLAS's own threads map theirs as they start, some only after main has begun:
+// a check of the room left under an address-space limit counts those still to come (loom attn let a
+// run through when one was not mapped yet, and libgomp could then not start its threads).
+int64_t openblas_buffers_mapped();
 // "1.50 GiB", "12.0 MiB", "512 B".
 std::string human_bytes(double bytes);
 // Parses a size: a number of bytes in decimal digits (no sign, fraction or exponent) with an
@@ -244,10 +276,13 @@ int64_t parse_size(const std::string& text, const std::string& option);
 // headroom (no check when neither is known). Whatever the limit, the estimate plus
 // `mapped_bytes` (address space the run maps beyond what it uses, e.g. kOpenBlasBufferBytes for
 // each thread that will call OpenBLAS) must fit address_space_room(), or it is refused naming
-// that limit ("... but the address-space limit (ulimit -v) of 586 MiB, of which 214 MiB is
-// mapped already, leaves 372 MiB"). An estimate that is NaN, negative or infinite (its byte
-// counts overflowed) is refused whatever the limit.
+// that limit ("... needs about 900 MiB of address space (estimate) but the address-space limit
+// (ulimit -v) of 586 MiB, of which 214 MiB is mapped already, leaves 372 MiB (the estimate counts
+// 256 MiB of OpenBLAS buffers); ..."), `mapped_what` saying what mapped_bytes is (loom attn: "for
+// the stacks and malloc arenas of its 512 threads"). An estimate that is NaN, negative or
+// infinite (its byte counts overflowed) is refused whatever the limit.
 void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string& what,
-                  const std::string& option, double mapped_bytes = 0);
+                  const std::string& option, double mapped_bytes = 0,
+                  const std::string& mapped_what = "of OpenBLAS buffers");
 
 }  // namespace loom

@@ -3,6 +3,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/resource.h>
@@ -13,6 +14,8 @@
 #include <atomic>
 #include <cctype>
 #include <cerrno>
+#include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +29,10 @@
 
 #include "loom/error.h"
 #include "loom/rng.h"
+
+#ifndef STATX_ATTR_MOUNT_ROOT
+#define STATX_ATTR_MOUNT_ROOT 0x00002000  // Linux 5.8; older headers lack it
+#endif
 
 namespace loom {
 
@@ -103,6 +110,63 @@ long temporary_pid(const std::string& entry, const std::string& filename) {
   return temp_pid(entry, temp_stem(filename) + ".tmp.");
 }
 
+double output_timeout_s() {
+  // As the communicator's LOOM_TIMEOUT_S (env_seconds, in loom_comm, which loom_core cannot
+  // use): decimal only, from a millisecond to 1e9 seconds.
+  const char* text = std::getenv("LOOM_TIMEOUT_S");
+  if (!text || !*text) return 60;
+  bool decimal = true;
+  for (const char* c = text; *c; ++c)
+    decimal = decimal && (std::isdigit(static_cast<unsigned char>(*c)) || *c == '.' || *c == 'e' ||
+                          *c == 'E' || *c == '+' || *c == '-');
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(text, &end);
+  LOOM_CHECK(
+      decimal && errno == 0 && end != text && *end == '\0' && v >= 1e-3 && v <= 1e9,
+      InvalidArgument,
+      "LOOM_TIMEOUT_S must be a decimal number of seconds from 0.001 to 1e9, got '" << text << "'");
+  return v;
+}
+
+void write_nonblocking(int fd, const void* data, size_t bytes, const std::string& shown,
+                       double timeout_s) {
+  if (timeout_s < 0) timeout_s = output_timeout_s();
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0 && !(flags & O_NONBLOCK)) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  using clock = std::chrono::steady_clock;
+  const char* p = static_cast<const char*>(data);
+  size_t done = 0;
+  clock::time_point progress = clock::now();  // when the reader last took something
+  while (done < bytes) {
+    const ssize_t w = ::write(fd, p + done, bytes - done);
+    if (w > 0) {
+      done += static_cast<size_t>(w);
+      progress = clock::now();
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w == 0) throw IoError(shown + ": write failed (no progress)");
+    if (errno != EAGAIN && errno != EWOULDBLOCK)
+      throw IoError(shown + ": write failed (" + errno_text(errno) + ")");
+    // Full: wait for the reader to take something, at most timeout_s since it last did.
+    const double left = timeout_s - std::chrono::duration<double>(clock::now() - progress).count();
+    if (left <= 0) {
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", timeout_s);
+      throw IoError(shown + ": write timed out: its reader took nothing for " + secs +
+                    " s (LOOM_TIMEOUT_S); " + std::to_string(done) + " of " +
+                    std::to_string(bytes) + " bytes written. Read it as loom writes, or write " +
+                    "to a regular file");
+    }
+    struct pollfd pfd = {fd, POLLOUT, 0};
+    const int ms = static_cast<int>(std::min(std::ceil(left * 1e3), double(INT_MAX)));
+    if (::poll(&pfd, 1, std::max(1, ms)) < 0 && errno != EINTR)
+      throw IoError(shown + ": write failed (" + errno_text(errno) + ")");
+    // Ready, timed out or an error (POLLERR, POLLHUP): the next write says which.
+  }
+}
+
 namespace {
 
 void write_all_fd(int fd, const std::string& bytes, const std::string& path) {
@@ -121,6 +185,76 @@ void write_all_fd(int fd, const std::string& bytes, const std::string& path) {
 std::string dir_of(const std::string& p) {
   const fs::path parent = fs::path(p).parent_path();
   return parent.empty() ? std::string(".") : parent.string();
+}
+
+void strip_trailing_slashes(std::string& p) {
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+}
+
+// The mount points in /proc/self/mountinfo (its fifth field, with the kernel's octal escapes of
+// space, tab, newline and backslash undone).
+std::vector<std::string> mount_points() {
+  std::vector<std::string> points;
+  std::ifstream f("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, devno, root, point;
+    if (!(fields >> id >> parent >> devno >> root >> point)) continue;
+    std::string p;
+    for (size_t i = 0; i < point.size(); ++i) {
+      const auto digit = [&](size_t k) {
+        return k < point.size() && point[k] >= '0' && point[k] <= '7';
+      };
+      if (point[i] == '\\' && digit(i + 1) && digit(i + 2) && digit(i + 3)) {
+        p += static_cast<char>((point[i + 1] - '0') * 64 + (point[i + 2] - '0') * 8 +
+                               (point[i + 3] - '0'));
+        i += 3;
+      } else {
+        p += point[i];
+      }
+    }
+    points.push_back(std::move(p));
+  }
+  return points;
+}
+
+// Whether `path` (its last component not followed: callers pass resolved targets) is a mount
+// point, something mounted on it: a file system on a directory, a bind mount on a directory or a
+// file. The kernel refuses to rename onto one (EBUSY). statx's STATX_ATTR_MOUNT_ROOT where the
+// kernel reports it (Linux 5.8); else a device that differs from its directory's, or the path
+// among /proc/self/mountinfo's mount points (a bind mount within one file system).
+bool is_mount_point(const std::string& path) {
+  struct statx sx;
+  if (::statx(AT_FDCWD, path.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &sx) == 0 &&
+      (sx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT))
+    return (sx.stx_attributes & STATX_ATTR_MOUNT_ROOT) != 0;
+  struct stat st, parent;
+  if (::lstat(path.c_str(), &st) != 0) return false;
+  if (::stat(dir_of(path).c_str(), &parent) == 0 && st.st_dev != parent.st_dev) return true;
+  char* real = ::realpath(path.c_str(), nullptr);
+  if (!real) return false;
+  const std::string abs = real;
+  std::free(real);
+  const std::vector<std::string> points = mount_points();
+  return std::find(points.begin(), points.end(), abs) != points.end();
+}
+
+// Refuses an existing output target that is a mount point: the output is renamed onto it, which
+// the kernel refuses, and that was found only after the whole run, once the other outputs had
+// been replaced (--output onto a mounted tmpfs: "cannot move the new files in (Device or resource
+// busy)"; --trace onto a bind-mounted file: "write failed (Device or resource busy)", with --json
+// already written). `given` is the path as the user gave it, `shown` names it in the message.
+void refuse_mount_point(const std::string& target, const std::string& given,
+                        const std::string& shown, bool directory) {
+  if (!is_mount_point(target)) return;
+  std::string inside = given;
+  strip_trailing_slashes(inside);
+  throw IoError(shown + ": is a mount point (something is mounted on it), which loom cannot " +
+                "replace: it renames " + (directory ? "the new set" : "the new file") +
+                " onto it; " +
+                (directory ? "name a directory inside it, e.g. " + inside + "/set"
+                           : std::string("unmount it, or name another file")));
 }
 
 // Creates write_atomic's temporary `tmp` beside `target` (exclusively), with the permission bits
@@ -196,10 +330,10 @@ void write_direct(const std::string& target, const std::string& bytes, const std
       throw IoError(shown + ": is a FIFO that nobody reads; start the reader first");
     throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
   }
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  // Kept non-blocking: a reader that opened the FIFO and then stopped reading held a blocking
+  // write for ever (LOOM_TIMEOUT_S did not apply); write_nonblocking waits for it with a timeout.
   try {
-    write_all_fd(fd, bytes, shown);
+    write_nonblocking(fd, bytes.data(), bytes.size(), shown);
   } catch (...) {
     ::close(fd);
     throw;
@@ -215,10 +349,6 @@ bool pid_alive(long pid) {
 }  // namespace
 
 namespace {
-
-void strip_trailing_slashes(std::string& p) {
-  while (p.size() > 1 && p.back() == '/') p.pop_back();
-}
 
 // resolve_output_path; with `directory` the path and every link target lose their trailing '/'
 // first. lstat("link/") follows the link, so "link/" was taken for a plain directory, and once
@@ -361,6 +491,7 @@ void write_output(const std::string& path, const std::string& bytes) {
       write_direct(target, bytes, shown, S_ISFIFO(st.st_mode));
       return;
     }
+    refuse_mount_point(target, path, shown, false);
   } else if (errno != ENOENT) {
     throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
   }
@@ -370,6 +501,7 @@ void write_output(const std::string& path, const std::string& bytes) {
 std::string stage_output(const std::string& path, const std::string& bytes) {
   LOOM_CHECK(!path.empty(), InvalidArgument, "an output path is empty");
   const std::string target = resolve_output_path(path);
+  refuse_mount_point(target, path, path, false);
   const std::string tmp = temp_name(target);
   const int fd = open_temp(target, tmp, path);
   try {
@@ -409,6 +541,7 @@ AtomicFileWriter::AtomicFileWriter(const std::string& path) : shown_(path) {
     if (!S_ISREG(st.st_mode))
       throw IoError(path + ": is not a regular file (a FIFO, device or socket); loom writes " +
                     "this file only as a regular file, never into one of those");
+    refuse_mount_point(target_, path, path, false);
   } else if (errno != ENOENT) {
     throw IoError(path + ": cannot write (" + errno_text(errno) + ")");
   }
@@ -454,8 +587,21 @@ bool is_file_or_its_temp(const std::string& entry, const std::string& name) {
 // output set's staging directory, or the old set swapped out of it; a kill while a file of the
 // set was being written left that file's temporary there, and the directory was then kept for
 // ever): those files, then the directory. Anything else (a subdirectory, a link, a FIFO,
-// another name: not loom's) leaves dir and all of it in place. Never throws.
-void remove_set_directory(const std::string& dir, const std::vector<std::string>& names) {
+// another name: not loom's) leaves dir and all of it in place. Returns "" once dir is gone, else
+// why it is not (OutputSet::commit reports it). Never throws.
+std::string remove_set_directory(const std::string& dir, const std::vector<std::string>& names) {
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0) return errno_text(errno);
+  if (!S_ISDIR(st.st_mode)) return "not a directory";
+  // The old set of a read-only DIR (0555, whose bits the new set keeps) is this user's own: it
+  // is made writable (and listable) to empty it, and given its bits back if it stays.
+  const mode_t mode = st.st_mode & 07777;
+  const bool relaxed = st.st_uid == ::geteuid() && (mode & S_IRWXU) != S_IRWXU &&
+                       ::chmod(dir.c_str(), mode | S_IRWXU) == 0;
+  const auto kept = [&](const std::string& why) {
+    if (relaxed) ::chmod(dir.c_str(), mode);
+    return why;
+  };
   std::error_code ec;
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
@@ -463,12 +609,15 @@ void remove_set_directory(const std::string& dir, const std::vector<std::string>
     const bool ours = std::any_of(names.begin(), names.end(), [&](const std::string& n) {
       return is_file_or_its_temp(entry, n);
     });
-    if (!ours || e.symlink_status(ec).type() != fs::file_type::regular) return;
+    if (!ours || e.symlink_status(ec).type() != fs::file_type::regular)
+      return kept("it holds '" + entry + "', which is not a file loom wrote there");
     files.push_back(e.path());
   }
-  if (ec) return;
-  for (const fs::path& f : files) fs::remove(f, ec);
-  ::rmdir(dir.c_str());
+  if (ec) return kept(ec.message());
+  for (const fs::path& f : files)
+    if (!fs::remove(f, ec) && ec) return kept(ec.message());
+  if (::rmdir(dir.c_str()) != 0) return kept(errno_text(errno));
+  return "";
 }
 
 }  // namespace
@@ -603,6 +752,7 @@ void check_output_writable(const std::string& path, const std::string& option, b
     if (!directory && S_ISDIR(st.st_mode))
       throw IoError(shown + ": is a directory (a file was expected)");
     if (!directory && !S_ISREG(st.st_mode)) return;  // a device or FIFO: written directly
+    if (replaced) refuse_mount_point(target, path, shown, directory);
   } else if (errno != ENOENT) {
     throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
   }
@@ -644,6 +794,7 @@ void check_output_set(const std::string& dir, const std::vector<std::string>& na
     throw IoError(dir + ": cannot use as an output directory (" + errno_text(errno) + ")");
   }
   if (!S_ISDIR(st.st_mode)) throw IoError(dir + ": exists and is not a directory");
+  refuse_mount_point(target, dir, dir, true);
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(target, ec)) {
     const std::string name = e.path().filename().string();
@@ -658,6 +809,11 @@ void check_output_set(const std::string& dir, const std::vector<std::string>& na
       throw IoError(dir + " holds '" + name +
                     "', which is not a regular file (loom writes only regular files there); "
                     "loom replaces the directory as a whole, so give a new or empty directory");
+    // A file mounted over (a bind mount) cannot be removed with the old set.
+    if (is_mount_point(e.path().string()))
+      throw IoError(dir + " holds '" + name +
+                    "', which is a mount point (a file is mounted over it), so the old set "
+                    "cannot be removed; unmount it, or give a new or empty directory");
   }
   if (ec) throw IoError(dir + ": cannot list (" + ec.message() + ")");
 }
@@ -682,14 +838,14 @@ OutputSet::OutputSet(const std::string& dir, std::vector<std::string> names,
   if (::mkdir(staging_.c_str(), 0777) != 0)
     throw IoError(dir + ": cannot create the staging directory " + staging_ + " (" +
                   errno_text(errno) + ")");
-  // The set replaces DIR: it keeps DIR's permission bits (a private 0700 directory became 0755).
-  struct stat st;
-  if (::stat(dir_.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
-    ::chmod(staging_.c_str(), st.st_mode & 07777);
+  // DIR's permission bits go onto the set in commit(), once its files are written: given to the
+  // staging directory here, a read-only DIR (0555) made it read-only too, and a run as its owner
+  // failed after all its work ("--output s/out.npy: cannot write (Permission denied)").
   std::string shown = dir;
   strip_trailing_slashes(shown);
+  shown_ = option.empty() ? shown : option + " " + shown;
   std::lock_guard<std::mutex> lock(g_staging_mutex);
-  g_staging.emplace_back(staging_, option.empty() ? shown : option + " " + shown);
+  g_staging.emplace_back(staging_, shown_);
 }
 
 OutputSet::~OutputSet() {
@@ -712,9 +868,21 @@ std::string OutputSet::path(const std::string& name) const {
   return (fs::path(staging_) / name).string();
 }
 
-void OutputSet::commit() {
+namespace {
+
+// What OutputSet::commit returns when the old set, swapped out to `old`, could not be removed.
+std::string leftover(const std::string& shown, const std::string& old,
+                     const std::vector<std::string>& names) {
+  const std::string why = remove_set_directory(old, names);
+  if (why.empty()) return "";
+  return shown + ": the new set is in place, but the old one could not be removed (" + why +
+         ") and is left in " + old + "; remove it yourself";
+}
+
+}  // namespace
+
+std::string OutputSet::commit() {
   LOOM_CHECK(!committed_, InvalidArgument, "OutputSet::commit called twice");
-  std::error_code ec;
   // Each file keeps the permission bits of the file of its name in the set it replaces, as
   // write_output keeps a replaced file's (a 0600 out.npy became 0644).
   for (const std::string& name : names_) {
@@ -724,17 +892,22 @@ void OutputSet::commit() {
         ::stat(now.c_str(), &new_st) == 0 && S_ISREG(new_st.st_mode))
       ::chmod(now.c_str(), old_st.st_mode & 07777);
   }
+  // The set replaces DIR: it keeps DIR's permission bits (a private 0700 directory became 0755),
+  // given now that its files are written. A rename within one directory needs no write
+  // permission on the directory renamed, so a read-only set is still swapped in.
+  struct stat dir_st;
+  if (::stat(dir_.c_str(), &dir_st) == 0 && S_ISDIR(dir_st.st_mode))
+    ::chmod(staging_.c_str(), dir_st.st_mode & 07777);
   if (::rename(staging_.c_str(), dir_.c_str()) == 0) {  // dir did not exist (or was empty)
     committed_ = true;
-    return;
+    return "";
   }
   if (errno != EEXIST && errno != ENOTEMPTY)
     throw IoError(dir_ + ": cannot move the new files in (" + errno_text(errno) + ")");
   // dir exists and holds files: exchange it with the staging directory in one step.
   if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, dir_.c_str(), RENAME_EXCHANGE) == 0) {
     committed_ = true;
-    remove_set_directory(staging_, names_);  // now the old set
-    return;
+    return leftover(shown_, staging_, names_);  // staging_ now holds the old set
   }
   if (errno != EINVAL && errno != ENOSYS)
     throw IoError(dir_ + ": cannot swap the new files in (" + errno_text(errno) + ")");
@@ -743,7 +916,7 @@ void OutputSet::commit() {
   if (::rename(dir_.c_str(), old.c_str()) != 0 || ::rename(staging_.c_str(), dir_.c_str()) != 0)
     throw IoError(dir_ + ": cannot swap the new files in (" + errno_text(errno) + ")");
   committed_ = true;
-  remove_set_directory(old, names_);
+  return leftover(shown_, old, names_);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -931,6 +1104,26 @@ int64_t address_space_room(std::string* limit) {
   return room;
 }
 
+int64_t openblas_buffers_mapped() {
+  std::FILE* f = std::fopen("/proc/self/maps", "re");
+  if (!f) return -1;
+  int64_t buffers = 0;
+  char line[4096];
+  while (std::fgets(line, sizeof line, f)) {
+    unsigned long long start = 0, end = 0, inode = 0;
+    char perms[8] = {};
+    int path_at = 0;
+    if (std::sscanf(line, "%llx-%llx %7s %*s %*s %llu %n", &start, &end, perms, &inode, &path_at) <
+        4)
+      continue;
+    const bool anonymous = inode == 0 && (line[path_at] == '\0' || line[path_at] == '\n');
+    if (anonymous && std::strcmp(perms, "rw-p") == 0)
+      buffers += static_cast<int64_t>((end - start) >> 27);  // 128 MiB blocks
+  }
+  std::fclose(f);
+  return buffers;
+}
+
 int64_t available_memory_bytes() {
   const int64_t avail = machine_memory_bytes();
   const int64_t room = address_space_room();
@@ -994,7 +1187,7 @@ int64_t parse_size(const std::string& text, const std::string& option) {
 }
 
 void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string& what,
-                  const std::string& option, double mapped_bytes) {
+                  const std::string& option, double mapped_bytes, const std::string& mapped_what) {
   // An estimate whose byte counts overflowed (NaN, negative, infinite) is refused whatever the
   // limit, known or not: a negative one passed every limit and the run allocated.
   LOOM_CHECK(std::isfinite(estimate_bytes) && estimate_bytes >= 0, InvalidArgument,
@@ -1008,9 +1201,11 @@ void check_memory(double estimate_bytes, int64_t limit_bytes, const std::string&
   const double mapped = estimate_bytes + std::max(0.0, mapped_bytes);
   if (room >= 0 && mapped > double(room)) {
     std::ostringstream os;
-    os << what << " needs about " << human_bytes(mapped) << " of address space (estimate"
-       << (mapped_bytes > 0 ? ", with " + human_bytes(mapped_bytes) + " of OpenBLAS buffers" : "")
-       << ") but " << which << ", leaves " << human_bytes(double(room))
+    os << what << " needs about " << human_bytes(mapped) << " of address space (estimate) but "
+       << which << ", leaves " << human_bytes(double(room))
+       << (mapped_bytes > 0
+               ? " (the estimate counts " + human_bytes(mapped_bytes) + " " + mapped_what + ")"
+               : "")
        << "; make the problem smaller or raise the limit";
     throw InvalidArgument(os.str(), __FILE__, __LINE__);
   }

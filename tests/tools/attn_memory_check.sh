@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # `loom attn`'s memory estimate against the peak resident memory of the run it estimates, for
-# every strategy forward and backward on the local backend, bf16, GQA, two kernel threads and
-# --check: the peak must stay within the estimate (--memory-limit let through runs that
-# exceeded it: ring --backward peaked at 1.5x its estimate), and the estimate within 1.6x the
-# peak (so that it refuses only what would not fit). The estimate is the one the --memory-limit
+# every strategy forward and backward on the local backend, bf16, GQA, two kernel threads,
+# --check, and --trace with --timeline: the peak must stay within the estimate (--memory-limit
+# let through runs that exceeded it: ring --backward peaked at 1.5x its estimate), and the
+# estimate within 1.6x the peak (so that it refuses only what would not fit). The estimate is the one the --memory-limit
 # refusal prints; the peak is the child's maximum resident set (wait4).
 # Usage: attn_memory_check.sh LOOM_BINARY
 set -uo pipefail
@@ -37,9 +37,14 @@ cases=(
 # and engine) dominates; counted as 1 MiB a rank, 128 ranks of 1024 tokens were estimated at
 # 183.7 MiB for a 75 MiB peak (2.4x).
 many=("--ranks 128 --seq 1024")
+# --trace and --timeline with every rank at its 65,536 spans: the spans, their gather to rank 0
+# and the two texts. They were counted nowhere, and rendered through a JSON document at about
+# 1.5 KB a span: this run peaked at over 500 MB against an estimate of 14 MiB.
+traced=("--ranks 4 --seq 256 --heads 1 --head-dim 16 --iters 4200 --warmup 0 --trace $work/t.json --timeline $work/t.svg")
 runs=()
 for c in "${cases[@]}"; do runs+=("${base[*]} $c"); done
 for c in "${many[@]}"; do runs+=("attn $c --iters 1 --warmup 1 --quiet"); done
+for c in "${traced[@]}"; do runs+=("attn $c --quiet"); done
 for c in "${runs[@]}"; do
   # shellcheck disable=SC2206
   args=($c)

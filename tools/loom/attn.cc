@@ -5,6 +5,10 @@
 // Every rank builds the same shard plan and generates (or reads and slices) its own rows; the
 // Philox generator makes a rank's rows identical to a one-rank run's. Rank 0 gathers the results
 // to check them and to write files.
+#include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -31,6 +35,8 @@
 #include "loom/timer.h"
 #include "loom/tolerance.h"
 #include "report.h"
+
+extern "C" int openblas_get_num_threads(void);
 
 namespace loom::tools {
 
@@ -820,9 +826,27 @@ double attn_run_bytes(const AttnOptions& o, const Problem& p, int world, int ran
   // further kernel thread's stack and OpenMP state (about 200 KiB, measured), and the token lists
   // of the whole plan (int64 positions, int32 documents), which attn_rank, CpAttention, its
   // engine and hybrid's groups each hold.
-  const double rank =
-      shard + working + 256.0 * 1024 + 1024.0 * P + 256.0 * 1024 * (threads - 1) + 4 * S * 12;
-  const double report = P * P * 8 + P * 128;
+  // --trace and --timeline: each rank keeps the spans of its timed iterations, at most
+  // CpMetrics::span_limit; an iteration makes at most 5P + 2 of them forward and 16P + 8 with
+  // the backward (measured for every strategy, layout and degree at 1 to 16 ranks: ring's and
+  // ring2d's forward 5P - 4, ulysses' 6; ring2d's backward 16P - 8, ulysses' 16). A rank holds them
+  // (a vector that may have doubled past them) and its row of gather_spans (32 bytes a span); rank
+  // 0 every rank's, for the report, and then the text of the trace and the timeline, reserved at
+  // their bounds (report.h). They were counted nowhere: 16 ranks of 65,536 spans peaked at 2 GB
+  // against an estimate of 17.3 MiB.
+  double spans = 0, render = 0;
+  if (!o.trace.empty() || !o.timeline.empty()) {
+    const double per_iter = bw ? 16.0 * P + 8 : 5.0 * P + 2;
+    spans = std::min(double(CpMetrics{}.span_limit), double(std::max(0, o.iters)) * per_iter);
+    if (!o.trace.empty())
+      render += kReportFixedBytes + P * (kTraceBytesPerRank + spans * kTraceBytesPerSpan);
+    if (!o.timeline.empty())
+      render += kReportFixedBytes + P * (kTimelineBytesPerRank + spans * kTimelineBytesPerSpan);
+  }
+  const double span_bytes = double(sizeof(CpMetrics::Span));
+  const double rank = shard + working + 256.0 * 1024 + 1024.0 * P + 256.0 * 1024 * (threads - 1) +
+                      4 * S * 12 + spans * (2 * span_bytes + 32);
+  const double report = P * P * 8 + P * 128 + P * spans * span_bytes + spans * 32;
   double peak = rank * here + report;
   const bool need = o.check || !o.output.empty();
   double gathered = 0;  // on every rank after the gathers: out, lse (and dq, dk, dv)
@@ -853,6 +877,8 @@ double attn_run_bytes(const AttnOptions& o, const Problem& p, int world, int ran
   }
   const double files = o.input.empty() ? 0 : S * (2 * H + 2 * HKV) * D * (4 + 8);  // f32 + f64
   peak += files;
+  // The reports are made once the ranks have ended: the inputs, rank 0's report and their text.
+  peak = std::max(peak, files + report + render);
   if (o.baseline) {
     // Then, on rank 0, after the P ranks have ended and freed theirs (their local backend's pool
     // with them): what their run leaves (the global results for --output or --check, the files
@@ -863,8 +889,8 @@ double attn_run_bytes(const AttnOptions& o, const Problem& p, int world, int ran
     one.input.clear();
     Problem base = p;  // shapes only: the --input bodies are read after the estimate
     base.cp = baseline_config(p);
-    peak = std::max(peak,
-                    (need ? gathered * 2 : 0) + files + attn_run_bytes(one, base, 1, 1, threads));
+    peak = std::max(peak, (need ? gathered * 2 : 0) + files + report +
+                              attn_run_bytes(one, base, 1, 1, threads));
   }
   return peak;
 }
@@ -880,6 +906,79 @@ double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, in
   const double mib = 1024.0 * 1024.0;
   const double process = std::max(12 * mib, std::ceil(double(current_rss_bytes()) / mib) * mib);
   return process + attn_run_bytes(o, p, world, ranks_here, threads);
+}
+
+// The address space the run's threads map beyond what attn_run_bytes counts, for check_memory's
+// mapped_bytes: a stack for each of the `rank_threads` threads the local backend starts (one a
+// rank; none under mpirun, where the rank is the main thread) and for each kernel thread past
+// the first of each of the `ranks_here` ranks (OpenMP's workers), and a malloc arena for each
+// thread that allocates, as many as glibc makes. A stack is the stack limit (ulimit -s; 8 MiB
+// where it is unlimited, as blas_mapped_bytes takes it) and a page of guard, a worker's
+// OMP_STACKSIZE where that is set; an arena reserves 64 MiB (glibc's HEAP_MAX_SIZE), at most
+// MALLOC_ARENA_MAX or 8 a core beyond the main thread's. The rank threads allocate, the workers
+// only with bf16 storage (`workers_allocate`; measured: a bf16 run of 16 threads maps 15 arenas
+// more than one of 1 thread, an fp32 run none). Counted nowhere, loom attn under `ulimit -v`
+// passed its check and ended in libgomp's abort ("libgomp: Thread creation failed", --threads
+// 256) or in "could not start the thread of rank 48" (--ranks 64); loom train counts them
+// (blas_mapped_bytes).
+double attn_mapped_bytes(int rank_threads, int ranks_here, int threads, bool workers_allocate,
+                         std::string* what) {
+  const double page = double(::sysconf(_SC_PAGESIZE) > 0 ? ::sysconf(_SC_PAGESIZE) : 4096);
+  struct rlimit stack;
+  const double stack_bytes =
+      (::getrlimit(RLIMIT_STACK, &stack) == 0 && stack.rlim_cur != RLIM_INFINITY
+           ? double(stack.rlim_cur)
+           : double(8 << 20)) +
+      page;
+  // OMP_STACKSIZE (GOMP_STACKSIZE first, as libgomp reads them): a number with an optional B, K,
+  // M or G (K when none).
+  double worker_stack = stack_bytes;
+  for (const char* name : {"GOMP_STACKSIZE", "OMP_STACKSIZE"}) {
+    const char* text = std::getenv(name);
+    if (!text || !*text) continue;
+    char* end = nullptr;
+    const double v = std::strtod(text, &end);
+    if (end == text || !(v > 0)) continue;
+    while (*end == ' ') ++end;
+    const char unit = static_cast<char>(std::toupper(static_cast<unsigned char>(*end)));
+    const double scale = unit == 'B' ? 1 : unit == 'M' ? 1 << 20 : unit == 'G' ? 1 << 30 : 1024;
+    worker_stack = v * scale + page;
+    break;
+  }
+  // glibc's arenas: MALLOC_ARENA_MAX, else 8 a core (of those this process may run on, or of
+  // those online, the larger), and at least 9 (it makes 8 before it counts the cores).
+  double arenas = 0;
+  if (const char* text = std::getenv("MALLOC_ARENA_MAX"); text && *text) {
+    char* end = nullptr;
+    const long v = std::strtol(text, &end, 10);
+    if (end != text && *end == '\0' && v > 0) arenas = double(v);
+  }
+  if (arenas == 0) {
+    cpu_set_t set;
+    const int affine = ::sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+    const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
+    arenas = std::max(9.0, 8.0 * double(std::max<long>(affine, online)));
+  }
+  const double workers = double(ranks_here) * double(std::max(0, threads - 1));
+  const double allocating =
+      std::min(double(rank_threads) + (workers_allocate ? workers : 0.0), arenas - 1);
+  // OpenBLAS's own threads (loom attn calls no GEMM, but the library starts them as it loads) map
+  // their buffers as they start, some after main has begun: a check that ran before one of them
+  // had mapped its 128 MiB let the run through, and the run's threads then found no room.
+  const int64_t blas_threads = std::max(0, openblas_get_num_threads() - 1);
+  const int64_t blas_missing =
+      std::max<int64_t>(0, blas_threads - std::max<int64_t>(0, openblas_buffers_mapped()));
+  const double bytes = rank_threads * stack_bytes + workers * worker_stack +
+                       allocating * double(64 << 20) +
+                       double(blas_missing) * double(kOpenBlasBufferBytes);
+  if (what) {
+    const long long n = static_cast<long long>(rank_threads + workers);
+    *what = "for the stacks and malloc arenas of its " + std::to_string(n) + " thread" +
+            (n == 1 ? "" : "s") +
+            (blas_missing > 0 ? " and OpenBLAS's buffers still to be mapped" : "") +
+            "; fewer --ranks or --threads map less";
+  }
+  return bytes;
 }
 
 int run_attn(const AttnOptions& o) {
@@ -954,10 +1053,14 @@ int run_attn(const AttnOptions& o) {
     const double one = estimate_attn_bytes(o, p, mpi->size(), 1, threads);
     const std::string node = "loom attn with " + std::to_string(here) + " rank" +
                              (here > 1 ? "s" : "") + " on this node";
+    // The address-space limit is this process's: its one rank's threads (the rank is the main
+    // thread).
+    std::string mapped_what;
+    const double mapped = attn_mapped_bytes(0, 1, threads, p.bf16, &mapped_what);
     if (memory_limit >= 0)
-      check_memory(one, memory_limit, "this rank", "--memory-limit");
+      check_memory(one, memory_limit, "this rank", "--memory-limit", mapped, mapped_what);
     else
-      check_memory(here * one, memory_limit, node, "--memory-limit");
+      check_memory(here * one, memory_limit, node, "--memory-limit", mapped, mapped_what);
     load_inputs(o, p);
     {  // every rank the same command line and the same --input bytes (commands.h)
       uint64_t h = 0;
@@ -981,9 +1084,14 @@ int run_attn(const AttnOptions& o) {
     check_cp_config(p.cp, o.ranks, p.H, p.HKV);  // the strategy's rules, before any rank starts
     if (o.baseline) baseline_cp = baseline_config(p);
     threads = o.threads ? o.threads : default_threads(o.ranks);
-    check_memory(estimate_attn_bytes(o, p, o.ranks, o.ranks, threads), memory_limit,
+    // The threads' address space last, just before check_memory reads what is mapped: an
+    // OpenBLAS buffer mapped in between is counted twice (a refusal near the limit), never not.
+    const double estimate = estimate_attn_bytes(o, p, o.ranks, o.ranks, threads);
+    std::string mapped_what;
+    const double mapped = attn_mapped_bytes(o.ranks, o.ranks, threads, p.bf16, &mapped_what);
+    check_memory(estimate, memory_limit,
                  "loom attn with " + std::to_string(o.ranks) + " rank" + (o.ranks > 1 ? "s" : ""),
-                 "--memory-limit");
+                 "--memory-limit", mapped, mapped_what);
     load_inputs(o, p);
     run_local(
         o.ranks, [&](Communicator& world) { attn_rank(world, o, p, threads, rep, true, &staged); },
@@ -1054,7 +1162,11 @@ int run_attn(const AttnOptions& o) {
     }
     return 1;
   }
-  if (staged) staged->commit();
+  // The new set is in place; an old one that could not be removed (another user's files) is
+  // named, not left silently as DIR.tmp.PID-N.
+  if (staged)
+    if (const std::string left = staged->commit(); !left.empty())
+      std::fprintf(stderr, "loom attn: warning: %s\n", left.c_str());
   return 0;
 }
 

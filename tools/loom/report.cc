@@ -2,9 +2,9 @@
 #include "report.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <sstream>
 
 #include "loom/timer.h"
 
@@ -55,26 +55,45 @@ RankCounters RankCounters::of(const CpMetrics& m, int iters, int64_t peak_rss_by
 
 std::vector<std::vector<CpMetrics::Span>> gather_spans(Communicator& world,
                                                        const std::vector<CpMetrics::Span>& mine) {
-  // Counts first, then a padded gather of (kind, step, t0, t1) as doubles; kind -1 pads.
-  const int P = world.size();
+  // Rank 0 alone receives them: the longest count first, then each rank's spans in turn as
+  // (kind, step, t0, t1) doubles padded to it (kind -1 pads), into one row that rank 0 posts
+  // before it tells that rank to send (a one-byte message), so the local backend never copies a
+  // message that has no receive yet. An all-gather gave every rank every rank's spans: on the
+  // local backend's one process P^2 copies (16 ranks of 65,536 spans: 0.5 GiB), none of them in
+  // the memory estimate.
+  const int P = world.size(), me = world.rank();
   int64_t most = static_cast<int64_t>(mine.size());
   world.all_reduce(&most, 1, DType::i64, ReduceOp::max);
+  std::vector<std::vector<CpMetrics::Span>> out(me == 0 ? static_cast<size_t>(P) : 0);
+  if (most == 0) return out;
+  constexpr int kGoTag = 7110, kRowTag = 7111;
   std::vector<double> row(static_cast<size_t>(4 * most), -1.0);
-  for (size_t i = 0; i < mine.size(); ++i) {
-    row[4 * i] = static_cast<double>(mine[i].kind);
-    row[4 * i + 1] = mine[i].step;
-    row[4 * i + 2] = mine[i].t0;
-    row[4 * i + 3] = mine[i].t1;
+  const size_t bytes = row.size() * sizeof(double);
+  if (me != 0) {
+    for (size_t i = 0; i < mine.size(); ++i) {
+      row[4 * i] = static_cast<double>(mine[i].kind);
+      row[4 * i + 1] = mine[i].step;
+      row[4 * i + 2] = mine[i].t0;
+      row[4 * i + 3] = mine[i].t1;
+    }
+    char go = 0;
+    world.irecv(&go, 1, 0, kGoTag)->wait();
+    world.isend(row.data(), bytes, 0, kRowTag)->wait();
+    return out;
   }
-  std::vector<double> all(static_cast<size_t>(P) * row.size());
-  world.all_gather(row.data(), row.size() * sizeof(double), all.data());
-  std::vector<std::vector<CpMetrics::Span>> out(static_cast<size_t>(P));
-  for (int r = 0; r < P; ++r) {
-    const double* sp = all.data() + r * row.size();
-    for (int64_t i = 0; i < most && sp[4 * i] >= 0; ++i)
-      out[r].push_back(CpMetrics::Span{static_cast<SpanKind>(static_cast<int>(sp[4 * i])),
-                                       static_cast<int>(sp[4 * i + 1]), sp[4 * i + 2],
-                                       sp[4 * i + 3]});
+  out[0] = mine;
+  for (int r = 1; r < P; ++r) {
+    WorkPtr recv = world.irecv(row.data(), bytes, r, kRowTag);
+    const char go = 1;
+    world.isend(&go, 1, r, kGoTag)->wait();
+    recv->wait();
+    int64_t n = 0;
+    while (n < most && row[4 * n] >= 0) ++n;
+    out[r].reserve(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+      out[r].push_back(CpMetrics::Span{static_cast<SpanKind>(static_cast<int>(row[4 * i])),
+                                       static_cast<int>(row[4 * i + 1]), row[4 * i + 2],
+                                       row[4 * i + 3]});
   }
   return out;
 }
@@ -261,47 +280,90 @@ nlohmann::json to_json(const AttnReport& r) {
   return j;
 }
 
-std::string chrome_trace(const AttnReport& r) {
-  using nlohmann::json;
-  const double t0 = origin(r);
-  json events = json::array();
-  for (const RankReport& k : r.ranks) {
-    events.push_back({{"name", "process_name"},
-                      {"ph", "M"},
-                      {"pid", k.rank},
-                      {"args", {{"name", "rank " + std::to_string(k.rank)}}}});
-    events.push_back({{"name", "thread_name"},
-                      {"ph", "M"},
-                      {"pid", k.rank},
-                      {"tid", 0},
-                      {"args", {{"name", "compute"}}}});
-    events.push_back({{"name", "thread_name"},
-                      {"ph", "M"},
-                      {"pid", k.rank},
-                      {"tid", 1},
-                      {"args", {{"name", "communication"}}}});
-    events.push_back({{"name", "thread_name"},
-                      {"ph", "M"},
-                      {"pid", k.rank},
-                      {"tid", 2},
-                      {"args", {{"name", "waiting"}}}});
-    for (const auto& s : k.spans) {
-      const int tid = s.kind == SpanKind::compute ? 0 : s.kind == SpanKind::wait ? 2 : 1;
-      std::string name = to_string(s.kind);
-      if (s.step >= 0) name += " step " + std::to_string(s.step);
-      events.push_back({{"name", name},
-                        {"cat", to_string(s.kind)},
-                        {"ph", "X"},
-                        {"pid", k.rank},
-                        {"tid", tid},
-                        {"ts", (s.t0 - t0) * 1e6},
-                        {"dur", std::max(0.0, s.t1 - s.t0) * 1e6}});
-    }
-  }
-  json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
-  return doc.dump();
+namespace {
+
+size_t span_count(const AttnReport& r) {
+  size_t n = 0;
+  for (const RankReport& k : r.ranks) n += k.spans.size();
+  return n;
 }
 
+// x as JSON: the shortest text that reads back as x (as the JSON library printed it).
+void append_number(std::string& s, double x) {
+  char buf[32];
+  const auto res = std::to_chars(buf, buf + sizeof buf, x);
+  s.append(buf, res.ptr);
+}
+
+}  // namespace
+
+// Written as text into one string reserved at its bound (kTraceBytesPerSpan a span): built as a
+// JSON document first, the trace took about 1.5 KB a span (16 ranks of 65,536 spans: 2 GB for a
+// run estimated at 17 MiB). The keys are in the order the JSON library wrote them (sorted).
+std::string chrome_trace(const AttnReport& r) {
+  const double t0 = origin(r);
+  std::string s;
+  s.reserve(static_cast<size_t>(kReportFixedBytes + kTraceBytesPerRank * double(r.ranks.size()) +
+                                kTraceBytesPerSpan * double(span_count(r))));
+  s += "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
+  bool first = true;
+  const auto next = [&]() {
+    if (!first) s += ',';
+    first = false;
+  };
+  static const char* const tracks[3] = {"compute", "communication", "waiting"};
+  for (const RankReport& k : r.ranks) {
+    const std::string pid = std::to_string(k.rank);
+    next();
+    s += "{\"args\":{\"name\":\"rank " + pid +
+         "\"},\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" + pid + "}";
+    for (int tid = 0; tid < 3; ++tid) {
+      next();
+      s += "{\"args\":{\"name\":\"" + std::string(tracks[tid]) +
+           "\"},\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + pid +
+           ",\"tid\":" + std::to_string(tid) + "}";
+    }
+    for (const auto& sp : k.spans) {
+      const int tid = sp.kind == SpanKind::compute ? 0 : sp.kind == SpanKind::wait ? 2 : 1;
+      next();
+      s += "{\"cat\":\"";
+      s += to_string(sp.kind);
+      s += "\",\"dur\":";
+      append_number(s, std::max(0.0, sp.t1 - sp.t0) * 1e6);
+      s += ",\"name\":\"";
+      s += to_string(sp.kind);
+      if (sp.step >= 0) s += " step " + std::to_string(sp.step);
+      s += "\",\"ph\":\"X\",\"pid\":" + pid + ",\"tid\":" + std::to_string(tid) + ",\"ts\":";
+      append_number(s, (sp.t0 - t0) * 1e6);
+      s += '}';
+    }
+  }
+  s += "]}";
+  return s;
+}
+
+namespace {
+
+// Appends printf-style text to s (numbers as the stream with fixed and precision 2 wrote them:
+// "%.2f" for doubles).
+template <class... A>
+void appendf(std::string& s, const char* format, A... args) {
+  char buf[512];
+  const int n = std::snprintf(buf, sizeof buf, format, args...);
+  if (n < 0) return;
+  if (static_cast<size_t>(n) < sizeof buf) {
+    s.append(buf, static_cast<size_t>(n));
+    return;
+  }
+  std::string big(static_cast<size_t>(n) + 1, '\0');
+  std::snprintf(big.data(), big.size(), format, args...);
+  s.append(big.data(), static_cast<size_t>(n));
+}
+
+}  // namespace
+
+// Written into one string reserved at its bound (kTimelineBytesPerSpan a span), as the trace is:
+// through a string stream, it was copied whole at the end.
 std::string timeline_svg(const AttnReport& r) {
   const double t0 = origin(r);
   double t1 = t0;
@@ -312,65 +374,76 @@ std::string timeline_svg(const AttnReport& r) {
   const int plot_w = width - left - right;
   const int height = top + row_h * static_cast<int>(r.ranks.size()) + 70;
   auto x = [&](double t) { return left + (t - t0) / span * plot_w; };
-  std::ostringstream o;
-  o.setf(std::ios::fixed);
-  o.precision(2);
-  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
-    << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    << "<text x=\"" << left << "\" y=\"20\" font-size=\"14\">loom attn: " << r.strategy << " / "
-    << r.layout << ", " << r.world << " ranks, S=" << r.S << " (timed iterations)</text>\n";
+  std::string o;
+  o.reserve(static_cast<size_t>(kReportFixedBytes + kTimelineBytesPerRank * double(r.ranks.size()) +
+                                kTimelineBytesPerSpan * double(span_count(r))));
+  appendf(o,
+          "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+          "font-family=\"sans-serif\" font-size=\"12\">\n"
+          "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+          width, height);
+  o += "<text x=\"" + std::to_string(left) +
+       "\" y=\"20\" font-size=\"14\">loom attn: " + r.strategy + " / " + r.layout + ", " +
+       std::to_string(r.world) + " ranks, S=" + std::to_string(r.S) +
+       " (timed iterations)</text>\n";
   // Colours: compute blue, communication in flight orange (thin, upper half), waiting red.
   for (size_t i = 0; i < r.ranks.size(); ++i) {
     const RankReport& k = r.ranks[i];
     const int y = top + row_h * static_cast<int>(i);
-    o << "<text x=\"8\" y=\"" << y + row_h / 2 + 4 << "\">rank " << k.rank << "</text>\n";
-    o << "<rect x=\"" << left << "\" y=\"" << y + 2 << "\" width=\"" << plot_w << "\" height=\""
-      << row_h - 4 << "\" fill=\"#f4f4f4\"/>\n";
+    appendf(o, "<text x=\"8\" y=\"%d\">rank %d</text>\n", y + row_h / 2 + 4, k.rank);
+    appendf(o, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"#f4f4f4\"/>\n", left,
+            y + 2, plot_w, row_h - 4);
     for (const auto& s : k.spans) {
-      const double a = x(s.t0), w = std::max(0.5, x(s.t1) - x(s.t0));
+      const double a = x(s.t0), w = std::max(0.5, x(s.t1) - x(s.t0)), ms = (s.t1 - s.t0) * 1e3;
       if (s.kind == SpanKind::compute) {
-        o << "<rect x=\"" << a << "\" y=\"" << y + 14 << "\" width=\"" << w
-          << "\" height=\"18\" fill=\"#3b73b9\"><title>compute step " << s.step << ": "
-          << (s.t1 - s.t0) * 1e3 << " ms</title></rect>\n";
+        appendf(o,
+                "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"18\" fill=\"#3b73b9\"><title>"
+                "compute step %d: %.2f ms</title></rect>\n",
+                a, y + 14, w, s.step, ms);
       } else if (s.kind == SpanKind::wait) {
-        o << "<rect x=\"" << a << "\" y=\"" << y + 14 << "\" width=\"" << w
-          << "\" height=\"18\" fill=\"#d62728\"><title>wait: " << (s.t1 - s.t0) * 1e3
-          << " ms</title></rect>\n";
+        appendf(o,
+                "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"18\" fill=\"#d62728\"><title>"
+                "wait: %.2f ms</title></rect>\n",
+                a, y + 14, w, ms);
       } else {
-        o << "<rect x=\"" << a << "\" y=\"" << y + 4 << "\" width=\"" << w
-          << "\" height=\"8\" fill=\"#ff9f1c\" fill-opacity=\"0.8\"><title>" << to_string(s.kind)
-          << ": " << (s.t1 - s.t0) * 1e3 << " ms</title></rect>\n";
+        appendf(o,
+                "<rect x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"8\" fill=\"#ff9f1c\" "
+                "fill-opacity=\"0.8\"><title>%s: %.2f ms</title></rect>\n",
+                a, y + 4, w, to_string(s.kind), ms);
       }
     }
   }
   // Axis with ticks in milliseconds.
   const int ay = top + row_h * static_cast<int>(r.ranks.size()) + 6;
-  o << "<line x1=\"" << left << "\" y1=\"" << ay << "\" x2=\"" << left + plot_w << "\" y2=\"" << ay
-    << "\" stroke=\"black\"/>\n";
+  appendf(o, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"black\"/>\n", left, ay,
+          left + plot_w, ay);
   const double ms = span * 1e3;
   const double raw = ms / 8, mag = std::pow(10.0, std::floor(std::log10(raw)));
   const double step = raw / mag < 2 ? 2 * mag : raw / mag < 5 ? 5 * mag : 10 * mag;
   for (double t = 0; t <= ms + 1e-9; t += step) {
     const double px = left + t / ms * plot_w;
-    o << "<line x1=\"" << px << "\" y1=\"" << ay << "\" x2=\"" << px << "\" y2=\"" << ay + 5
-      << "\" stroke=\"black\"/><text x=\"" << px << "\" y=\"" << ay + 18
-      << "\" text-anchor=\"middle\">" << t << "</text>\n";
+    appendf(o,
+            "<line x1=\"%.2f\" y1=\"%d\" x2=\"%.2f\" y2=\"%d\" stroke=\"black\"/><text x=\"%.2f\" "
+            "y=\"%d\" text-anchor=\"middle\">%.2f</text>\n",
+            px, ay, px, ay + 5, px, ay + 18, t);
   }
-  o << "<text x=\"" << left + plot_w << "\" y=\"" << ay + 32
-    << "\" text-anchor=\"end\">ms</text>\n";
+  appendf(o, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">ms</text>\n", left + plot_w, ay + 32);
   // Legend.
   const int ly = height - 18;
-  o << "<rect x=\"" << left << "\" y=\"" << ly - 10 << "\" width=\"14\" height=\"10\" "
-    << "fill=\"#3b73b9\"/><text x=\"" << left + 18 << "\" y=\"" << ly << "\">compute</text>\n"
-    << "<rect x=\"" << left + 100 << "\" y=\"" << ly - 10 << "\" width=\"14\" height=\"10\" "
-    << "fill=\"#ff9f1c\"/><text x=\"" << left + 118 << "\" y=\"" << ly
-    << "\">communication in flight</text>\n"
-    << "<rect x=\"" << left + 300 << "\" y=\"" << ly - 10 << "\" width=\"14\" height=\"10\" "
-    << "fill=\"#d62728\"/><text x=\"" << left + 318 << "\" y=\"" << ly
-    << "\">waiting (exposed communication)</text>\n";
-  o << "</svg>\n";
-  return o.str();
+  appendf(o,
+          "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"10\" fill=\"#3b73b9\"/><text x=\"%d\" "
+          "y=\"%d\">compute</text>\n",
+          left, ly - 10, left + 18, ly);
+  appendf(o,
+          "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"10\" fill=\"#ff9f1c\"/><text x=\"%d\" "
+          "y=\"%d\">communication in flight</text>\n",
+          left + 100, ly - 10, left + 118, ly);
+  appendf(o,
+          "<rect x=\"%d\" y=\"%d\" width=\"14\" height=\"10\" fill=\"#d62728\"/><text x=\"%d\" "
+          "y=\"%d\">waiting (exposed communication)</text>\n",
+          left + 300, ly - 10, left + 318, ly);
+  o += "</svg>\n";
+  return o;
 }
 
 }  // namespace loom::tools

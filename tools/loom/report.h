@@ -31,9 +31,19 @@ struct RankReport : RankCounters {
   std::vector<CpMetrics::Span> spans;  // timed iterations only, with a trace or timeline
 };
 
-// Every rank's spans on every rank (collective over world).
+// Every rank's spans, on rank 0 (collective over world; the other ranks get an empty vector).
+// Each rank holds a row of 32 bytes a span (the longest rank's count) while it sends; rank 0 one
+// such row and all the spans (sizeof(CpMetrics::Span) each).
 std::vector<std::vector<CpMetrics::Span>> gather_spans(Communicator& world,
                                                        const std::vector<CpMetrics::Span>& mine);
+
+// What chrome_trace and timeline_svg reserve for their text, at most, for each span, each rank and
+// once: the bounds of what they write (a span's trace event is at most 162 bytes, its SVG rect
+// 142 below a million ranks and spans of 10^7 ms; about 110 each in practice), which loom attn's
+// memory estimate counts (attn_run_bytes). Text past them is still written (the string grows).
+constexpr double kTraceBytesPerSpan = 168, kTraceBytesPerRank = 512;
+constexpr double kTimelineBytesPerSpan = 160, kTimelineBytesPerRank = 320;
+constexpr double kReportFixedBytes = 4096;
 
 // The registry, as the command line shows it: the --strategy help (names and what each is for).
 std::string strategy_help();
