@@ -138,6 +138,13 @@ per_problem "fp32 --check with values sharing a component: per-problem bounds" \
 inputs "$work/vcancel" 2 "0.01 * x()" "x()" "(lambda a: a - a.mean(0) + 1e-4)(x())" "x()"
 per_problem "fp32 --check with values cancelling in out: per-problem bounds" \
   "this problem's fp32 bound, values cancelling in out" --input "$work/vcancel" --no-causal
+# Values all equal (x 1e4): the exact dq and dk are 0 (dp - delta = dout . (v_j - out) = 0), their
+# bounds absolute (990, 971) and the results within them (|dq| 0.06): passed. It said "cannot tell
+# dq (bound 990): a bound of 1 or more passes zeros", where zeros are the exact answer.
+inputs "$work/vequal" 3 "x()" "x()" "(lambda a: np.broadcast_to(a[:1], a.shape) * 1e4)(x())" "x()"
+per_problem "fp32 --check where the exact dq and dk are 0: their absolute bounds" \
+  "this problem's fp32 bound, values sharing a component inf times" --input "$work/vequal" \
+  --ranks 2 --backward
 # Keys sharing a component 800 times their spread (k = 8 + 0.01 N(0, 1)): dq's bound passes zeros,
 # the check cannot tell, and the hint is the one that helps (subtracting the keys' mean leaves
 # the exact out and gradients; that problem passes at 1e-5). It said "lower --scale or the inputs'
