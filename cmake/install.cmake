@@ -5,6 +5,8 @@
 #   lib/cmake/loom/loomConfig.cmake        find_package(loom CONFIG): imported targets loom::core
 #                                          ... loom::verify, and loom::loom linking all of them
 #   bin/loom                               the command
+#   share/loom/profiles/*.json             the hardware profiles of plan/profiles/, which
+#                                          `loom plan --profile NAME` finds by name
 # Tests, benchmarks, the torch backend and the Python extension are not installed. Included from
 # the top-level CMakeLists.txt in the full build only (not with LOOM_KERNELS_ONLY).
 include(GNUInstallDirs)
@@ -24,6 +26,22 @@ install(TARGETS ${loom_installed_libraries} EXPORT loomTargets
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/loom DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
         FILES_MATCHING PATTERN "*.h")
 install(TARGETS loom RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+
+# The shipped hardware profiles, and where `loom plan --profile NAME` looks for NAME.json
+# (tools/loom/plan.cc): the installed folder, relative to the running executable (a prefix can
+# move: `cmake --install --prefix` picks it after the build), then this source tree's
+# plan/profiles/ (for the build tree's loom).
+set(loom_profiles_dir ${CMAKE_INSTALL_DATADIR}/loom/profiles)
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/plan/profiles/ DESTINATION ${loom_profiles_dir}
+        FILES_MATCHING PATTERN "*.json")
+if(IS_ABSOLUTE "${CMAKE_INSTALL_DATADIR}")
+  set(loom_profiles_from_bin "${loom_profiles_dir}")
+else()
+  file(RELATIVE_PATH loom_profiles_from_bin "${CMAKE_INSTALL_FULL_BINDIR}"
+       "${CMAKE_INSTALL_PREFIX}/${loom_profiles_dir}")
+endif()
+target_compile_definitions(loom PRIVATE LOOM_PROFILES_FROM_BIN="${loom_profiles_from_bin}"
+                                        LOOM_SOURCE_PROFILES="${PROJECT_SOURCE_DIR}/plan/profiles")
 
 set(loom_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/loom)
 install(EXPORT loomTargets NAMESPACE loom:: DESTINATION ${loom_cmake_dir})

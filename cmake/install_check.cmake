@@ -2,7 +2,8 @@
 #   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DMAKE_PROGRAM=...
 #         -DC_COMPILER=... -DCXX_COMPILER=... -DBUILD_TYPE=... -P cmake/install_check.cmake
 # Installs BUILD_DIR into WORK_DIR/prefix, configures SOURCE_DIR/examples/cpp against it with a
-# fresh CMake (its own build folder, the same compilers and generator), builds it and runs it.
+# fresh CMake (its own build folder, the same compilers and generator), builds it and runs it;
+# then runs the installed loom's `plan --profile NAME` on the installed hardware profiles.
 # Any step that fails fails the test, with that step's output.
 foreach(var BUILD_DIR SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER)
   if(NOT ${var})
@@ -51,3 +52,29 @@ if(NOT example_exe)
 endif()
 step("run cp_attention" ${example_exe})
 message("${step_output}")
+
+# The hardware profiles are installed (share/loom/profiles/), and the installed loom finds one by
+# its name: they were not installed, and `loom plan --help` pointed to plan/profiles/, which an
+# installed loom does not have (`--profile h100_sxm`: "cannot open"). A copy under a name the
+# source tree does not have proves the lookup goes through the prefix, not through the source
+# tree this build also knows.
+set(profiles ${prefix}/share/loom/profiles)
+foreach(name h100_sxm h200 a100_80gb cpu_epyc7763_node)
+  if(NOT EXISTS ${profiles}/${name}.json)
+    message(FATAL_ERROR "install_example: ${profiles}/${name}.json was not installed")
+  endif()
+endforeach()
+file(COPY_FILE ${profiles}/h100_sxm.json ${profiles}/install_check_copy.json)
+foreach(name h100_sxm install_check_copy.json)
+  step("loom plan --profile ${name}" ${prefix}/bin/loom plan --simulate --ranks 2 --strategy ring
+       --seq 4096 --heads 2 --profile ${name})
+  if(NOT step_output MATCHES "predicted forward")
+    message(FATAL_ERROR "install_example: loom plan --profile ${name} said:\n${step_output}")
+  endif()
+endforeach()
+step("loom plan --help" ${prefix}/bin/loom plan --help)
+if(NOT step_output MATCHES "share/loom/profiles")
+  message(FATAL_ERROR "install_example: loom plan --help does not say where the profiles are:\n"
+                      "${step_output}")
+endif()
+message("installed loom plan --profile NAME: found in ${profiles}")

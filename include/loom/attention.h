@@ -27,6 +27,15 @@
 // finite (0 x NaN in a product, as in a materialised softmax); other heads are untouched. A score
 // of exactly -inf drops its key, as exp(-inf) = 0 does.
 //
+// Huge finite inputs (a precondition, not checked). The kernels form q.k in float32 and apply the
+// scale after, so a pair whose unscaled q.k is past float32's range (|q.k| > FLT_MAX =
+// 3.4028235e38, as with |q| and |k| near 1e19) scores +-inf even where scale q.k is finite: -inf
+// drops the key (one key with q.k = -4e38 at scale 1e-3 gave out = 0, lse = -inf), +inf gives
+// NaN. Keep |q_i.k_j| within FLT_MAX for the pairs the mask lets through: for such inputs multiply
+// q by the scale and pass scale 1. (A check at the kernels' entry, one pass over q and k per call,
+// cost 1.5-4 % of a 512 x 512 ring step's forward and was not kept; `loom attn` reports the +inf
+// side as a non-finite result.)
+//
 // Precision. Storage fp32 (or bf16: the overloads at the end); every accumulation (scores, m, l,
 // acc, lse, dq/dk/dv) is fp32.
 //

@@ -22,12 +22,26 @@
 // are used by the thread that created them. Different Communicators (ranks, or groups made by
 // split) may be used concurrently from different threads.
 //
-// Collectives must be called by every rank of the group in the same order (as MPI requires),
-// with the same sizes (all_gather's bytes, all_to_all's matching send and receive sizes, the
-// count and dtype of a reduction). That is the caller's contract: the local backend checks it
-// and throws on every rank (a debugging aid: run the code on it), the MPI backend does not (a
-// mismatch fails the call on the rank that receives too much, MPI_ERR_TRUNCATE, and the others
-// may return with bytes unfilled and no error; checking would cost a collective per call).
+// Collectives (barrier and split included) must be called by every rank of the group in the
+// same order (as MPI requires): the same collective, with all_gather's bytes and the count, dtype
+// and op of a reduction equal on every rank, and all_to_all's send_bytes[p] on rank r equal to
+// recv_bytes[r] on rank p. Buffers: all_gather's send may overlap its receive only as this rank's
+// own block (send = recv + rank * bytes, in place); reduce_scatter's send and receive must not
+// overlap; all_to_all's receive parts must overlap neither each other nor a send part (all_reduce
+// is in place). That is the caller's contract. What each backend checks of it:
+//   local  all of it, before anything is posted: every rank of the call throws the same
+//          InvalidArgument naming the ranks and what differs (or the rank whose buffers
+//          overlap), and the communicator stays usable. A debugging aid: run the code on it.
+//          A rank that never makes the call is waited for as any peer (Timeout; CommError at
+//          once when it failed or returned).
+//   mpi    none of it (checking would cost a collective per call): a size mismatch fails the
+//          call on the rank that receives too much (MPI_ERR_TRUNCATE) and the others may return
+//          with bytes unfilled and no error; another collective, dtype or op is erroneous in MPI
+//          (a wrong answer, or a wait until Timeout). all_gather in place is passed as
+//          MPI_IN_PLACE; other overlaps are MPI's erroneous aliasing.
+//   torch  the local backend's algorithms over c10d, without its check: a size mismatch fails
+//          where c10d notices it (CommError on a receiving rank) or ends in Timeout; another
+//          dtype or op, or overlapping buffers, give a wrong answer without an error.
 // Buffers handed to isend/irecv must stay valid until the Work completes (wait/test true) or the
 // Work is destroyed; destroying an unfinished Work cancels it where the backend can and otherwise
 // waits for it (bounded by the timeout).
@@ -92,7 +106,9 @@ class Communicator {
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 
   // Point to point. Messages between one (sender, receiver, tag) arrive in posting order.
-  // A receive whose message is longer than `bytes` fails with CommError.
+  // A receive whose message is longer than `bytes` fails with CommError. More than PTRDIFF_MAX
+  // bytes (a negative size cast to size_t) is InvalidArgument. The local backend's isend copies
+  // a message whose receive is not posted yet: OutOfMemory naming the size when it cannot.
   virtual WorkPtr isend(const void* buf, size_t bytes, int peer, int tag = 0) = 0;
   virtual WorkPtr irecv(void* buf, size_t bytes, int peer, int tag = 0) = 0;
 
@@ -170,7 +186,9 @@ FaultPlan parse_fault(const std::string& text);
 // Runs fn(comm) on `ranks` threads, one local Communicator each. When any rank throws, the world
 // is poisoned: every other rank's pending and future waits fail at once with CommError naming the
 // failed rank, so nothing waits forever. Returns when all threads have ended; rethrows the first
-// error (the failed rank's own, not the follow-on errors). timeout_s < 0: default.
+// error (the failed rank's own, not the follow-on errors). timeout_s < 0: default. ranks in
+// [1, 2^22] (Linux runs no more threads; InvalidArgument otherwise); OutOfMemory when the ranks'
+// state cannot be allocated, CommError naming the rank when its thread cannot start.
 void run_local(int ranks, const std::function<void(Communicator&)>& fn,
                const FaultPlan& faults = {}, double timeout_s = -1);
 
@@ -254,8 +272,11 @@ struct Mesh {
   int cp_rank() const { return ring_rank * shape.ulysses + uly_rank; }
 };
 
-// Collective over world. Throws InvalidArgument when shape.world() != world.size() or any
-// size < 1, naming all five numbers.
+// Collective over world. First checks (one all-gather of 40 bytes per rank over world) that
+// every rank passed the same shape, and throws InvalidArgument on every rank naming the first
+// difference ("rank 1 has dp=1 x tp=1 x ulysses=2 x ring=2, rank 0 dp=1 x tp=1 x ulysses=4 x
+// ring=1"); then InvalidArgument when shape.world() != world.size() or any size < 1, naming all
+// five numbers.
 Mesh build_mesh(Communicator& world, const MeshShape& shape);
 
 }  // namespace loom

@@ -45,6 +45,9 @@ Tensor<double> parse_npy(const uint8_t* bytes, size_t size, const std::string& w
 std::vector<int64_t> read_npy_role_shape(const std::string& path, const std::string& role,
                                          int expect_rank);
 
+// Writes x as '<f4' / '<f8' with its shape. A tensor whose element count is not its shape's
+// (a default-constructed Tensor: shape [] but no element; a vec() resized by hand) is refused
+// with InvalidArgument before anything is written: its file would be unreadable.
 void write_npy(const std::string& path, const Tensor<float>& x);
 void write_npy(const std::string& path, const Tensor<double>& x);
 

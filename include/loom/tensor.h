@@ -58,6 +58,9 @@ View3<T> contiguous_view(T* p, int64_t s, int64_t h, int64_t d) {
 template <class T>
 class Tensor {
  public:
+  // An empty placeholder: shape [] and no element. Not the 0-d tensor Tensor(std::vector<
+  // int64_t>{}), whose shape [] holds one element: write_npy refuses it (give it a shape, such as
+  // {0} for an empty array).
   Tensor() = default;
   // Throws InvalidArgument for more than 4 dimensions, a negative dimension or an element count
   // beyond int64, and OutOfMemory (naming the shape and size) when the allocation fails.

@@ -19,7 +19,11 @@
 #include "collectives.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <sstream>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/error.h"
@@ -82,7 +86,120 @@ char* as_bytes(void* p, size_t offset) {
   return static_cast<char*>(p) + offset;
 }
 
+// a * b, or false when it passes size_t.
+bool product(size_t a, size_t b, size_t& out) {
+  return !__builtin_mul_overflow(a, b, &out);
+}
+
+// Whether [a, a + an) and [b, b + bn) share a byte (empty ranges share none).
+bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
+  if (an == 0 || bn == 0) return false;
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y ? y - x < an : x - y < bn;
+}
+
+std::string too_large(const char* what, size_t a, size_t b, size_t c = 1) {
+  std::ostringstream os;
+  os << what << " of " << a << " x " << b;
+  if (c != 1) os << " x " << c;
+  os << " bytes is more than size_t holds: no buffer is that large";
+  return os.str();
+}
+
 }  // namespace
+
+void throw_scratch_alloc(const char* op, size_t bytes) {
+  std::ostringstream os;
+  os << op << ": could not allocate " << bytes << " bytes for the blocks received from the other "
+     << "ranks (out of memory); reduce fewer elements per call";
+  throw OutOfMemory(os.str(), __FILE__, __LINE__);
+}
+
+std::string all_gather_overlap(int size, int rank, const void* send, size_t bytes,
+                               const void* recv) {
+  size_t total = 0;
+  if (!product(bytes, static_cast<size_t>(size), total))
+    return too_large("all_gather's receive buffer (bytes x ranks)", bytes,
+                     static_cast<size_t>(size));
+  if (send == as_bytes(recv, static_cast<size_t>(rank) * bytes)) return "";  // in place
+  if (!overlaps(send, bytes, recv, total)) return "";
+  std::ostringstream os;
+  os << "all_gather's send buffer (" << bytes << " bytes) overlaps its receive buffer (" << total
+     << " bytes) other than as this rank's own block (in place: send = recv + rank x bytes), so "
+     << "blocks from other ranks would overwrite it before it is sent; use separate buffers";
+  return os.str();
+}
+
+std::string reduce_scatter_overlap(int size, const void* send, const void* recv, size_t count,
+                                   DType dtype) {
+  size_t block = 0, total = 0;
+  if (!product(count, dtype_size(dtype), block) ||
+      !product(block, static_cast<size_t>(size), total))
+    return too_large("reduce_scatter's send buffer (count x element size x ranks)", count,
+                     dtype_size(dtype), static_cast<size_t>(size));
+  if (!overlaps(send, total, recv, block)) return "";
+  std::ostringstream os;
+  os << "reduce_scatter's receive buffer (" << block << " bytes) overlaps its send buffer ("
+     << total << " bytes); use separate buffers";
+  return os.str();
+}
+
+std::string all_reduce_size_problem(size_t count, DType dtype) {
+  size_t bytes = 0;
+  if (!product(count, dtype_size(dtype), bytes))
+    return too_large("all_reduce's buffer (count x element size)", count, dtype_size(dtype));
+  return "";
+}
+
+std::string all_to_all_overlap(int size, const void* send, const size_t* send_bytes,
+                               const size_t* send_offsets, const void* recv,
+                               const size_t* recv_bytes, const size_t* recv_offsets) {
+  struct Part {
+    uintptr_t begin;
+    size_t bytes;
+    bool recv;
+    int peer;
+  };
+  std::vector<Part> parts;
+  for (int p = 0; p < size; ++p) {
+    for (const bool r : {false, true}) {
+      const size_t bytes = r ? recv_bytes[p] : send_bytes[p];
+      const size_t offset = r ? recv_offsets[p] : send_offsets[p];
+      const uintptr_t base = reinterpret_cast<uintptr_t>(r ? recv : send);
+      if (bytes == 0) continue;
+      if (offset > UINTPTR_MAX - base || bytes > UINTPTR_MAX - base - offset) {
+        std::ostringstream os;
+        os << "all_to_all's " << (r ? "receive" : "send") << " part for rank " << p << " (offset "
+           << offset << ", " << bytes << " bytes) runs past the end of memory";
+        return os.str();
+      }
+      parts.push_back({base + offset, bytes, r, p});
+    }
+  }
+  // By address: a part overlaps an earlier one iff it starts before the furthest end so far (of
+  // the kind it must not meet: receives meet nothing, sends no receive).
+  std::sort(parts.begin(), parts.end(),
+            [](const Part& a, const Part& b) { return a.begin < b.begin; });
+  const Part* far_send = nullptr;
+  const Part* far_recv = nullptr;
+  const auto end = [](const Part* x) { return x->begin + x->bytes; };
+  for (const Part& x : parts) {
+    const Part* hit = nullptr;
+    if (far_recv && x.begin < end(far_recv)) hit = far_recv;
+    if (!hit && x.recv && far_send && x.begin < end(far_send)) hit = far_send;
+    if (hit) {
+      std::ostringstream os;
+      os << "all_to_all's " << (hit->recv ? "receive" : "send") << " part for rank " << hit->peer
+         << " overlaps its " << (x.recv ? "receive" : "send") << " part for rank " << x.peer
+         << " (receive parts may overlap nothing, send parts may overlap each other); use "
+         << "separate buffers";
+      return os.str();
+    }
+    const Part*& far = x.recv ? far_recv : far_send;
+    if (!far || end(&x) > end(far)) far = &x;
+  }
+  return "";
+}
 
 size_t block_begin(size_t count, int parts, int p) {
   const size_t base = count / parts, extra = count % parts;
@@ -134,6 +251,9 @@ void all_to_all(Transport& t, const void* send, const size_t* send_bytes,
 
 void all_gather(Transport& t, const void* send, size_t bytes, void* recv, double deadline) {
   const int size = t.transport_size(), rank = t.transport_rank();
+  size_t total = 0;
+  LOOM_CHECK(product(bytes, static_cast<size_t>(size), total), InvalidArgument,
+             too_large("all_gather's receive buffer (bytes x ranks)", bytes, size));
   std::vector<WorkPtr> recvs, sends;
   for (int step = 1; step < size; ++step) {
     const int from = (rank - step + size) % size;
@@ -151,9 +271,14 @@ void all_gather(Transport& t, const void* send, size_t bytes, void* recv, double
 void reduce_scatter(Transport& t, const void* send, void* recv, size_t count, DType dtype,
                     ReduceOp op, double deadline) {
   const int size = t.transport_size(), rank = t.transport_rank();
-  const size_t block_bytes = count * dtype_size(dtype);
+  size_t block_bytes = 0, total = 0;
+  LOOM_CHECK(product(count, dtype_size(dtype), block_bytes) &&
+                 product(block_bytes, static_cast<size_t>(size), total),
+             InvalidArgument,
+             too_large("reduce_scatter's send buffer (count x element size x ranks)", count,
+                       dtype_size(dtype), size));
   // incoming[p]: rank p's copy of block `rank` (p != rank).
-  char* incoming = t.scratch(block_bytes * size);
+  char* incoming = t.scratch(block_bytes * size, "reduce_scatter");
   std::vector<WorkPtr> recvs, sends;
   for (int step = 1; step < size; ++step) {
     const int from = (rank - step + size) % size;
@@ -176,6 +301,9 @@ void reduce_scatter(Transport& t, const void* send, void* recv, size_t count, DT
 
 void all_reduce(Transport& t, void* buf, size_t count, DType dtype, ReduceOp op, double deadline) {
   const int size = t.transport_size(), rank = t.transport_rank();
+  size_t bytes = 0;
+  LOOM_CHECK(product(count, dtype_size(dtype), bytes), InvalidArgument,
+             too_large("all_reduce's buffer (count x element size)", count, dtype_size(dtype)));
   if (size == 1) return;
   const size_t elem = dtype_size(dtype);
   auto begin = [&](int p) { return block_begin(count, size, p) * elem; };
@@ -183,7 +311,7 @@ void all_reduce(Transport& t, void* buf, size_t count, DType dtype, ReduceOp op,
   const size_t own_bytes = length(rank);
 
   // Phase 1 (reduce_scatter): block p goes to rank p; rank p's copies of our block come back.
-  char* incoming = t.scratch(own_bytes * size);
+  char* incoming = t.scratch(own_bytes * size, "all_reduce");
   {
     std::vector<WorkPtr> recvs, sends;
     for (int step = 1; step < size; ++step) {

@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
+#include <string>
 
 #include "loom/comm.h"
 
@@ -18,6 +20,9 @@ constexpr int kTagReduceScatter = -3;
 constexpr int kTagAllReduceScatter = -4;
 constexpr int kTagAllReduceGather = -5;
 constexpr int kTagBarrier = -6;
+
+// OutOfMemory: "<op>: could not allocate <bytes> bytes ..." (Transport::scratch).
+[[noreturn]] void throw_scratch_alloc(const char* op, size_t bytes);
 
 // What a collective posts through: a communicator's point-to-point layer without the user-tag
 // check or fault-injection op counting. `op` names the collective in error messages.
@@ -32,10 +37,17 @@ class Transport {
                             bool exact) = 0;
 
   // At least `bytes` of uninitialised memory for one collective's temporaries, kept for the
-  // next call (a transport runs one collective at a time).
-  char* scratch(size_t bytes) {
+  // next call (a transport runs one collective at a time). OutOfMemory naming `op` and the size
+  // when it cannot be had (it was std::bad_alloc).
+  char* scratch(size_t bytes, const char* op) {
     if (bytes > scratch_bytes_) {
-      scratch_.reset(new char[bytes]);
+      scratch_.reset();
+      scratch_bytes_ = 0;
+      try {
+        scratch_.reset(new char[bytes]);
+      } catch (const std::bad_alloc&) {
+        throw_scratch_alloc(op, bytes);
+      }
       scratch_bytes_ = bytes;
     }
     return scratch_.get();
@@ -45,6 +57,23 @@ class Transport {
   std::unique_ptr<char[]> scratch_;
   size_t scratch_bytes_ = 0;
 };
+
+// The faults of one rank's own collective arguments that the local backend finds before it
+// posts anything (its agreement then fails the call on every rank): "" when there are none,
+// else what is wrong and what to do. Sizes past size_t (a count times the dtype's size times the
+// ranks), and overlapping buffers: all_gather's send may overlap its receive only as this rank's
+// own block (send = recv + rank * bytes, "in place", as MPI_IN_PLACE); reduce_scatter's send
+// (size * count elements) and receive must not overlap at all; all_to_all's receive parts must
+// overlap neither each other nor a send part. Any other overlap made a rank send blocks its
+// peers had already written (all_gather with send = recv gave 100, 100, 100 for 100, 101, 102).
+std::string all_gather_overlap(int size, int rank, const void* send, size_t bytes,
+                               const void* recv);
+std::string reduce_scatter_overlap(int size, const void* send, const void* recv, size_t count,
+                                   DType dtype);
+std::string all_reduce_size_problem(size_t count, DType dtype);
+std::string all_to_all_overlap(int size, const void* send, const size_t* send_bytes,
+                               const size_t* send_offsets, const void* recv,
+                               const size_t* recv_bytes, const size_t* recv_offsets);
 
 // Blocks are [count] elements of dtype; block p of all_reduce's buffer starts at
 // block_begin(count, P, p) elements and holds block_begin(.., p + 1) - block_begin(.., p).

@@ -4,6 +4,7 @@
 // (with or without the MPI and torch backends).
 #include <cctype>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -140,6 +141,11 @@ void check_p2p(const char* op, const std::string& who, int size, const void* buf
       op << " on " << who << ": tag " << tag << " is over this backend's largest tag " << max_tag);
   LOOM_CHECK(bytes == 0 || buf, InvalidArgument,
              op << " on " << who << ": null buffer for " << bytes << " bytes");
+  // No object is larger than PTRDIFF_MAX bytes: a larger count is a wrapped size (a negative
+  // number cast to size_t), which the local backend tried to allocate (std::bad_alloc).
+  LOOM_CHECK(bytes <= static_cast<size_t>(PTRDIFF_MAX), InvalidArgument,
+             op << " on " << who << ": " << bytes << " bytes is more than any buffer holds (at "
+                << "most PTRDIFF_MAX = " << PTRDIFF_MAX << "); a negative size cast to size_t?");
 }
 
 void check_all_to_all(int rank, const size_t* send_bytes, const size_t* send_offsets,

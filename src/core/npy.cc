@@ -296,6 +296,19 @@ std::string header_for(const std::vector<int64_t>& shape, const char* descr) {
 
 template <class T>
 void write_npy_impl(const std::string& path, const Tensor<T>& x, const char* descr) {
+  // The header's shape must describe the body, or neither loom nor numpy reads the file back: a
+  // default-constructed Tensor has shape [] (a scalar, one element) but no data, and was written
+  // as a header alone, with no error.
+  int64_t want = 1;
+  for (int64_t d : x.shape()) want *= d;  // the Tensor's constructor checked it fits int64
+  LOOM_CHECK(want == x.numel(), InvalidArgument,
+             "write_npy " << path << ": the tensor has shape " << shape_str(x.shape()) << " ("
+                          << want << " elements) but holds " << x.numel()
+                          << (x.shape().empty() && x.numel() == 0
+                                  ? " (a default-constructed Tensor has no shape: give it one, "
+                                    "e.g. Tensor<float>({0}) for an empty array)"
+                                  : "")
+                          << "; nothing was written");
   std::string bytes = header_for(x.shape(), descr);
   if (x.numel() > 0)
     bytes.append(reinterpret_cast<const char*>(x.data()),

@@ -594,6 +594,191 @@ TEST(LocalMemory, ChannelsLastOnlyWhileInUse) {
   EXPECT_EQ(detail::local_channels_alive(), before);
 }
 
+// --- the agreement: what the ranks pass to a collective ------------------------------------------
+
+// Runs body on `ranks` ranks; each must throw InvalidArgument saying `needle`, at once, and the
+// communicator stays usable: an all_reduce after it gives every rank the right sum.
+void expect_refused_on_every_rank(int ranks, const std::string& needle,
+                                  const std::function<void(Communicator&)>& body) {
+  SCOPED_TRACE(needle);
+  std::vector<std::string> seen(ranks);
+  const double start = now_s();
+  run_local(
+      ranks,
+      [&](Communicator& c) {
+        try {
+          body(c);
+          seen[c.rank()] = "returned";
+        } catch (const InvalidArgument& e) {
+          seen[c.rank()] = e.what();
+        } catch (const std::exception& e) {
+          seen[c.rank()] = std::string("not InvalidArgument: ") + e.what();
+        }
+        int64_t sum = c.rank();
+        c.all_reduce(&sum, 1, DType::i64, ReduceOp::sum);
+        EXPECT_EQ(sum, int64_t{ranks} * (ranks - 1) / 2);
+      },
+      {}, kTestTimeout);
+  EXPECT_LT(now_s() - start, kTestTimeout / 4);
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_TRUE(contains(seen[r], needle)) << "rank " << r << ": " << seen[r];
+    EXPECT_TRUE(contains(seen[r], "rank " + std::to_string(r) + ": ")) << seen[r];
+  }
+}
+
+// comm.h promised that the local backend checks the ranks' sizes and throws on every rank, but
+// the same bytes under another dtype went through (f32 x 8 against f64 x 4: both got 256), as did
+// f64 against i64 (rank 1 got inf) and sum against max (different answers); a one-sided
+// all_to_all size mismatch threw on the receiving rank only, and barrier against all_gather ended
+// in a Timeout. Each is now one InvalidArgument on every rank, before anything is posted.
+TEST(CollectiveAgreement, DifferentCallsAreRefusedOnEveryRank) {
+  expect_refused_on_every_rank(
+      2, "rank 0 called all_reduce of 8 f32 elements (sum) but rank 1 all_reduce of 4 f64",
+      [](Communicator& c) {
+        std::vector<int64_t> b(4, 1);
+        c.all_reduce(b.data(), c.rank() == 0 ? 8 : 4, c.rank() == 0 ? DType::f32 : DType::f64,
+                     ReduceOp::sum);
+      });
+  expect_refused_on_every_rank(
+      2,
+      "rank 0 called reduce_scatter of 2 f64 elements per rank (sum) but rank 1 "
+      "reduce_scatter of 2 i64 elements per rank (sum)",
+      [](Communicator& c) {
+        std::vector<int64_t> send(4, 1), recv(2);
+        c.reduce_scatter(send.data(), recv.data(), 2, c.rank() == 0 ? DType::f64 : DType::i64,
+                         ReduceOp::sum);
+      });
+  expect_refused_on_every_rank(
+      3, "(sum) but rank 2 reduce_scatter of 2 f32 elements per rank (max)", [](Communicator& c) {
+        std::vector<float> send(6, 1.0f + c.rank()), recv(2);
+        c.reduce_scatter(send.data(), recv.data(), 2, DType::f32,
+                         c.rank() == 2 ? ReduceOp::max : ReduceOp::sum);
+      });
+  expect_refused_on_every_rank(3, "but rank 2 all_reduce of 8 f32", [](Communicator& c) {
+    std::vector<float> b(8, 1.0f);
+    c.all_reduce(b.data(), c.rank() == 2 ? 8 : 6, DType::f32, ReduceOp::sum);
+  });
+  expect_refused_on_every_rank(3, "rank 0 called all_gather of 4 bytes but rank 1 all_gather of 8",
+                               [](Communicator& c) {
+                                 double x = 0;
+                                 std::vector<char> all(24);
+                                 c.all_gather(&x, c.rank() == 1 ? 8 : 4, all.data());
+                               });
+  expect_refused_on_every_rank(2, "rank 0 called barrier but rank 1 all_gather of 4 bytes",
+                               [](Communicator& c) {
+                                 if (c.rank() == 0) return c.barrier();
+                                 int x = 0, all[2];
+                                 c.all_gather(&x, sizeof x, all);
+                               });
+  expect_refused_on_every_rank(3, "rank 0 called split but rank 1 barrier", [](Communicator& c) {
+    if (c.rank() == 1) return c.barrier();
+    c.split(0, 0);
+  });
+  // all_to_all: rank 0 sends 8 bytes to rank 1, which expects 4; ranks 0 and 2 throw too.
+  expect_refused_on_every_rank(
+      3, "all_to_all: rank 0 sends 8 bytes to rank 1, which expects 4 from it",
+      [](Communicator& c) {
+        size_t sb[3] = {4, 4, 4}, so[3] = {0, 8, 16}, rb[3] = {4, 4, 4}, ro[3] = {0, 8, 16};
+        if (c.rank() == 0) sb[1] = 8;
+        char send[24] = {}, recv[24] = {};
+        c.all_to_all(send, sb, so, recv, rb, ro);
+      });
+  // In a split: named with the world ranks.
+  run_local(
+      4,
+      [](Communicator& world) {
+        auto pair = world.split(world.rank() % 2, 0);  // {0, 2} and {1, 3}
+        int64_t x = 1;
+        try {
+          pair->all_reduce(&x, 1, pair->rank() == 0 ? DType::i64 : DType::f64, ReduceOp::sum);
+          ADD_FAILURE() << "rank " << world.rank() << ": no error";
+        } catch (const InvalidArgument& e) {
+          EXPECT_TRUE(contains(e.what(), "rank 0 (world rank " + std::to_string(world.rank() % 2) +
+                                             ") called all_reduce of 1 i64 elements"))
+              << e.what();
+        }
+      },
+      {}, kTestTimeout);
+}
+
+// all_gather with send = recv gave 100, 100, 100 for 100, 101, 102 (rank 0's block arrived before
+// ranks 1 and 2 sent theirs). Only the in-place form (send = recv + rank x bytes) may overlap;
+// overlapping buffers are refused on every rank, naming the rank whose buffers they are.
+TEST(CollectiveAgreement, OverlappingBuffersAreRefusedOnEveryRank) {
+  expect_refused_on_every_rank(3, "on rank 1, all_gather's send buffer (4 bytes) overlaps",
+                               [](Communicator& c) {
+                                 std::vector<int> buf(3, -1);
+                                 buf[0] = 100 + c.rank();
+                                 c.all_gather(buf.data(), 4, buf.data());
+                               });
+  run_local(3, [](Communicator& c) {  // in place: correct
+    std::vector<int> buf(3, -1);
+    buf[c.rank()] = 100 + c.rank();
+    c.all_gather(buf.data() + c.rank(), 4, buf.data());
+    EXPECT_EQ(buf, (std::vector<int>{100, 101, 102}));
+  });
+  expect_refused_on_every_rank(
+      2, "reduce_scatter's receive buffer (8 bytes) overlaps its send", [](Communicator& c) {
+        std::vector<double> buf(2, 1.0);
+        c.reduce_scatter(buf.data(), buf.data() + c.rank(), 1, DType::f64, ReduceOp::sum);
+      });
+  expect_refused_on_every_rank(2, "all_to_all's send part for rank 0 overlaps its receive part",
+                               [](Communicator& c) {
+                                 std::vector<char> buf(8);
+                                 c.all_to_all(buf.data(), buf.data(), 4);
+                               });
+  expect_refused_on_every_rank(2, "all_to_all's receive part for rank 0 overlaps its receive part",
+                               [](Communicator& c) {
+                                 std::vector<char> send(8), recv(8);
+                                 const size_t sb[2] = {4, 4}, so[2] = {0, 4}, ro[2] = {0, 2};
+                                 c.all_to_all(send.data(), sb, so, recv.data(), sb, ro);
+                               });
+  run_local(2, [](Communicator& c) {  // sends may share bytes: the same block to both ranks
+    const char send[4] = {'a', 'b', 'c', static_cast<char>('0' + c.rank())};
+    char recv[8] = {};
+    const size_t sb[2] = {4, 4}, so[2] = {0, 0}, ro[2] = {0, 4};
+    c.all_to_all(send, sb, so, recv, sb, ro);
+    EXPECT_EQ(std::string(recv, 8), "abc0abc1");
+  });
+}
+
+// Sizes no memory holds: a local isend of SIZE_MAX bytes, and run_local(INT_MAX), threw
+// std::bad_alloc (not a loom error); a message that cannot be copied is OutOfMemory naming it.
+TEST(CollectiveAgreement, ImpossibleSizesAreLoomErrors) {
+  run_local(2, [](Communicator& c) {
+    int x = 0;
+    try {
+      c.isend(&x, SIZE_MAX, 1 - c.rank());
+      ADD_FAILURE() << "sent SIZE_MAX bytes";
+    } catch (const InvalidArgument& e) {
+      EXPECT_TRUE(contains(e.what(), "18446744073709551615 bytes is more than any buffer holds"))
+          << e.what();
+    }
+    EXPECT_THROW(c.irecv(&x, size_t{1} << 63, 1 - c.rank()), InvalidArgument);
+    std::vector<char> all(2);
+    EXPECT_THROW(c.all_gather(&x, SIZE_MAX / 2 + 1, all.data()), InvalidArgument);
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+    // Sanitizers abort on an allocation this large instead of failing it.
+    if (c.rank() == 0) {
+      try {
+        c.isend(&x, size_t{1} << 62, 1);  // no receive posted: a copy of 4 EiB
+        ADD_FAILURE() << "copied 4 EiB";
+      } catch (const OutOfMemory& e) {
+        EXPECT_TRUE(contains(e.what(), "could not allocate 4611686018427387904 bytes")) << e.what();
+      }
+    }
+#endif
+  });
+  for (const int ranks : {(1 << 22) + 1, std::numeric_limits<int>::max()}) {
+    try {
+      run_local(ranks, [](Communicator&) { ADD_FAILURE() << "a rank ran"; });
+      ADD_FAILURE() << ranks << " ranks ran";
+    } catch (const InvalidArgument& e) {
+      EXPECT_TRUE(contains(e.what(), "run_local: " + std::to_string(ranks) + " ranks")) << e.what();
+    }
+  }
+}
+
 // --- helpers ------------------------------------------------------------------------------------
 
 TEST(CommHelpers, DtypeSize) {

@@ -32,6 +32,25 @@ expect_error "--profile -" "cannot read profile -: is not a regular file ('-' is
   --profile - < "$h100"
 expect_error "directory as --profile" "is a directory" --profile "$work"
 expect_error "missing --profile" "cannot read profile $work/none.json" --profile "$work/none.json"
+# A shipped profile by its name (the installed loom finds it in share/loom/profiles/, this build's
+# in the source tree: cmake/install_check.cmake tests the former); a file of that name in the
+# working directory still wins, and an unknown name lists the shipped ones.
+for name in h100_sxm h200.json; do
+  (cd "$work" && "$loom" plan --simulate --profile "$name" --strategy ring --ranks 2 --seq 4096 \
+    --heads 2 > "$work/named.txt" 2>&1) && grep -q "predicted forward" "$work/named.txt" &&
+    ok "--profile $name: the shipped profile" || { cat "$work/named.txt"; bad "--profile $name"; }
+done
+printf '{}' > "$work/h100_sxm"
+(cd "$work" && "$loom" plan --profile h100_sxm > "$work/named.txt" 2>&1)
+grep -qF "loom: error: h100_sxm: missing field 'device.flops_bf16'" "$work/named.txt" &&
+  ok "a file named h100_sxm in the working directory is read first" ||
+  { cat "$work/named.txt"; bad "--profile h100_sxm with such a file here"; }
+rm -f "$work/h100_sxm"
+expect_error "unknown profile name" \
+  "cannot read profile no_such_gpu: no such file, and no shipped profile no_such_gpu.json in " \
+  --profile no_such_gpu
+expect_error "unknown profile name lists the shipped ones" \
+  "(the shipped profiles: a100_80gb, cpu_epyc7763_node, h100_sxm, h200)" --profile no_such_gpu
 
 # One mode per run: the others' options were silently ignored.
 expect_error "--simulate with --train-step" "separate modes" --simulate --train-step \

@@ -1,6 +1,7 @@
 // core: bf16 rounding, Philox RNG shard invariance, .npy round trips and every malformed case,
 // error macros.
 #include <fcntl.h>
+#include <grp.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <memory>
@@ -199,6 +201,43 @@ TEST_F(Npy, RoundTripF32AndF64) {
   Tensor<float> e({0, 4});
   write_npy(p, e);
   EXPECT_EQ(read_npy_f32(p).shape(), e.shape());
+  std::remove(p.c_str());
+}
+
+// A default-constructed Tensor (shape [] but no element, unlike the 0-d Tensor({}) with one) was
+// written as a header "shape ()" with no body, without an error; neither loom nor numpy could read
+// the file. It is refused before anything is written; 0-d and empty tensors round-trip.
+TEST_F(Npy, TensorsWhoseDataIsNotTheirShapeAreRefusedAndNothingIsWritten) {
+  const std::string p = path("empty.npy");
+  std::remove(p.c_str());
+  for (int dtype = 0; dtype < 2; ++dtype) {
+    try {
+      if (dtype == 0) write_npy(p, Tensor<float>{});
+      if (dtype == 1) write_npy(p, Tensor<double>{});
+      ADD_FAILURE() << "a default-constructed Tensor was written";
+    } catch (const InvalidArgument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(p), std::string::npos) << what;
+      EXPECT_NE(what.find("shape [] (1 elements) but holds 0"), std::string::npos) << what;
+      EXPECT_NE(what.find("default-constructed"), std::string::npos) << what;
+    }
+    EXPECT_FALSE(std::ifstream(p).good()) << "a file was left at " << p;
+  }
+  Tensor<float> resized({2, 3});
+  resized.vec().resize(5);  // by hand: the shape no longer describes the data
+  EXPECT_THROW(write_npy(p, resized), InvalidArgument);
+  EXPECT_FALSE(std::ifstream(p).good());
+  // What is described round-trips: a 0-d tensor (one element) and an empty one.
+  Tensor<float> scalar(std::vector<int64_t>{}, 2.5f);
+  write_npy(p, scalar);
+  Tensor<float> back = read_npy_f32(p);
+  EXPECT_EQ(back.shape(), std::vector<int64_t>{});
+  ASSERT_EQ(back.numel(), 1);
+  EXPECT_EQ(back[0], 2.5f);
+  write_npy(p, Tensor<float>({0}));
+  back = read_npy_f32(p);
+  EXPECT_EQ(back.shape(), std::vector<int64_t>{0});
+  EXPECT_EQ(back.numel(), 0);
   std::remove(p.c_str());
 }
 
@@ -955,6 +994,177 @@ TEST_F(Io, OutputSetKeepsThePermissionBitsItReplaces) {
   EXPECT_EQ(mode(at("priv")), 0700);
   EXPECT_EQ(mode(at("priv/a.npy")), 0600);
   EXPECT_NE(mode(at("priv/b.npy")), -1);  // new: the default mode
+}
+
+// Runs body as an unprivileged user and returns what it returns ("" for success): as root, who
+// may write anywhere, in a child that became nobody (uid and gid 65534) in the test's directory,
+// handed to it; as anyone else, here.
+std::string as_unprivileged(const std::string& dir, const std::function<std::string()>& body) {
+  if (::geteuid() != 0) return body();
+  if (::chown(dir.c_str(), 65534, 65534) != 0) return "cannot hand the directory to nobody";
+  int fds[2];
+  if (::pipe(fds) != 0) return "no pipe";
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(fds[0]);
+    std::string r = ::setgroups(0, nullptr) == 0 && ::setgid(65534) == 0 && ::setuid(65534) == 0
+                        ? body()
+                        : "cannot become nobody";
+    if (r.empty()) r = "ok";
+    const ssize_t w = ::write(fds[1], r.data(), r.size());
+    ::_exit(w == static_cast<ssize_t>(r.size()) ? 0 : 1);
+  }
+  ::close(fds[1]);
+  std::string r;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) r.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return r == "ok" ? "" : r.empty() ? "the child failed" : r;
+}
+
+// A read-only DIR (0555) of the user who runs loom is replaced as a read-only file is: DIR's bits
+// went onto the staging directory before its files were written, and the run failed after all
+// its work ("--output s/out.npy: cannot write (Permission denied)"). The bits now go on at
+// commit(), and the old set, read-only too, is made writable to be removed.
+TEST_F(Io, ReadOnlyOutputSetOfItsOwnerIsReplaced) {
+  const std::vector<std::string> names = {"a.npy"};
+  const std::string failed = as_unprivileged(dir_, [&]() -> std::string {
+    try {
+      {
+        OutputSet s(at("ro"), names);
+        write_output(s.path("a.npy"), "a1");
+        s.commit();
+      }
+      if (::chmod(at("ro").c_str(), 0555) != 0) return "chmod";
+      std::string left;
+      {
+        OutputSet s(at("ro"), names);
+        write_output(s.path("a.npy"), "a2");
+        left = s.commit();
+      }
+      struct stat st;
+      if (!left.empty()) return "commit said: " + left;
+      if (slurp(at("ro/a.npy")) != "a2") return "the set was not replaced";
+      if (::stat(at("ro").c_str(), &st) != 0 || (st.st_mode & 07777) != 0555)
+        return "DIR's bits were not kept";
+      if (!others({"ro"}).empty()) return "left " + others({"ro"}).front();
+      return "";
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+  });
+  ::chmod(at("ro").c_str(), 0755);  // for TearDown
+  EXPECT_EQ(failed, "");
+}
+
+// The old set could not be removed (another user's files: only that user may delete them) and
+// stayed as DIR.tmp.PID-N without a word; commit() now says so in one line naming it.
+TEST_F(Io, AnOldSetThatCannotBeRemovedIsNamed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs another user's files: run as root";
+  const std::vector<std::string> names = {"a.npy"};
+  {
+    OutputSet s(at("set"), names);  // root's set
+    write_output(s.path("a.npy"), "root's");
+    s.commit();
+  }
+  const std::string failed = as_unprivileged(dir_, [&]() -> std::string {
+    try {
+      OutputSet s(at("set"), names);
+      write_output(s.path("a.npy"), "mine");
+      const std::string left = s.commit();
+      if (slurp(at("set/a.npy")) != "mine") return "the new set is not in place";
+      const std::vector<std::string> rest = others({"set"});
+      if (rest.size() != 1) return "expected the old set beside the new one";
+      const std::string want = "--output " + at("set") +
+                               ": the new set is in place, but the old one could not be removed "
+                               "(Permission denied) and is left in " +
+                               at(rest[0]) + "; remove it yourself";
+      if (left != want) return "commit said: '" + left + "', not '" + want + "'";
+      return "";
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+  });
+  EXPECT_EQ(failed, "");
+}
+
+// A mount point cannot be renamed onto (EBUSY): --output onto a mounted file system (or --trace
+// onto a bind-mounted file) was refused only after the whole run, once the other outputs had
+// been replaced. /proc is a mount point on every Linux.
+TEST_F(Io, MountPointsAreRefusedBeforeTheRun) {
+  if (!fs::exists("/proc/self")) GTEST_SKIP() << "no /proc";
+  for (const auto& check : std::vector<std::function<void()>>{
+           [] { check_output_writable("/proc", "--output", true); },
+           [] { check_output_writable("/proc/", "--output", true); },
+           [] { check_output_set("/proc", {"a.npy"}); }, [] { OutputSet("/proc", {"a.npy"}); }}) {
+    try {
+      check();
+      ADD_FAILURE() << "/proc was taken as an output directory";
+    } catch (const IoError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(": is a mount point (something is mounted on it)"), std::string::npos) << m;
+      EXPECT_NE(m.find("name a directory inside it, e.g. /proc/set"), std::string::npos) << m;
+    }
+  }
+  EXPECT_NO_THROW(check_output_writable(at("set"), "--output", true));
+}
+
+// A FIFO whose reader opened it and then stopped reading held the write for ever (LOOM_TIMEOUT_S
+// did not apply): `loom attn --trace ff` and `loom train --log ff` never ended.
+TEST_F(Io, WritesToAReaderThatStopsReadingTimeOut) {
+  const char* saved = std::getenv("LOOM_TIMEOUT_S");
+  const std::string restore = saved ? saved : "";
+  ASSERT_EQ(::mkfifo(at("ff").c_str(), 0600), 0);
+  const int reader = ::open(at("ff").c_str(), O_RDONLY | O_NONBLOCK);  // open, never read
+  ASSERT_GE(reader, 0);
+  ::setenv("LOOM_TIMEOUT_S", "0.3", 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    write_output(at("ff"), std::string(size_t{1} << 20, 'x'));
+    ADD_FAILURE() << "1 MiB went into a FIFO nobody reads";
+  } catch (const IoError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.find(at("ff") + ": write timed out: its reader took nothing for 0.3 s " +
+                     "(LOOM_TIMEOUT_S)"),
+              0u)
+        << m;
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(took, 0.3);
+  EXPECT_LT(took, 10.0);
+  ::close(reader);
+  ::setenv("LOOM_TIMEOUT_S", "garbage", 1);
+  EXPECT_THROW(output_timeout_s(), InvalidArgument);
+  if (saved)
+    ::setenv("LOOM_TIMEOUT_S", restore.c_str(), 1);
+  else
+    ::unsetenv("LOOM_TIMEOUT_S");
+  // A pipe, written directly: the timeout counts from the last byte the reader took, so a reader
+  // that keeps reading (slowly) gets everything.
+  int p[2];
+  ASSERT_EQ(::pipe(p), 0);
+  EXPECT_THROW(write_nonblocking(p[1], std::string(size_t{1} << 20, 'x').data(), size_t{1} << 20,
+                                 "pipe", 0.2),
+               IoError);
+  ::close(p[0]);
+  ::close(p[1]);
+  ASSERT_EQ(::pipe(p), 0);
+  std::string got;
+  std::thread slow([&] {
+    char buf[4096];
+    for (ssize_t n; (n = ::read(p[0], buf, sizeof buf)) > 0;) {
+      got.append(buf, static_cast<size_t>(n));
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  const std::string bytes(size_t{1} << 20, 'y');
+  EXPECT_NO_THROW(write_nonblocking(p[1], bytes.data(), bytes.size(), "pipe", 0.2));
+  ::close(p[1]);
+  slow.join();
+  ::close(p[0]);
+  EXPECT_EQ(got, bytes);
 }
 
 // "link/" (a symlink to a directory, trailing '/') was resolved as given, lstat followed the link,

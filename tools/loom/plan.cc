@@ -8,6 +8,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -337,13 +338,56 @@ MeshShape parse_mesh(const std::string& s) {
   return m;
 }
 
+// --profile: a file, as given; else, for a bare name ("h100_sxm" or "h100_sxm.json") no file
+// has, the shipped profile of that name: installed in share/loom/profiles/ (found from the
+// running executable, so an installed loom needs no source tree), then this build's source tree's
+// plan/profiles/ (cmake/install.cmake defines both). IoError naming where it looked and the
+// names found there when neither has it.
+std::string profile_path(const std::string& given) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (given.empty() || given == "-" || given == "." || given == ".." ||
+      given.find('/') != std::string::npos || fs::exists(given, ec))
+    return given;  // read as given (load_profile says what is wrong with it)
+  std::vector<fs::path> dirs;
+#ifdef LOOM_PROFILES_FROM_BIN
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) dirs.push_back(exe.parent_path() / LOOM_PROFILES_FROM_BIN);
+#endif
+#ifdef LOOM_SOURCE_PROFILES
+  dirs.emplace_back(LOOM_SOURCE_PROFILES);
+#endif
+  const std::string file = given.size() > 5 && given.compare(given.size() - 5, 5, ".json") == 0
+                               ? given
+                               : given + ".json";
+  std::string looked, names;
+  for (const fs::path& dir : dirs) {
+    const fs::path candidate = (dir / file).lexically_normal();
+    if (fs::is_regular_file(candidate, ec)) return candidate.string();
+    if (!fs::is_directory(dir, ec)) continue;  // not installed, or no source tree here
+    looked += (looked.empty() ? "" : ", ") + dir.lexically_normal().string();
+    if (!names.empty()) continue;
+    std::vector<std::string> found;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      if (entry.path().extension() == ".json") found.push_back(entry.path().stem().string());
+    }
+    std::sort(found.begin(), found.end());
+    for (const std::string& n : found) names += (names.empty() ? "" : ", ") + n;
+  }
+  throw IoError("cannot read profile " + given + ": no such file, and no shipped profile " + file +
+                    (looked.empty() ? " (none installed)" : " in " + looked) +
+                    (names.empty() ? "" : " (the shipped profiles: " + names + ")") +
+                    "; give a profile file's path or a shipped profile's name",
+                __FILE__, __LINE__);
+}
+
 int run_train_step(const CLI::App* app, const PlanOptions& o) {
   const bool show = text_report(o);
   LOOM_CHECK(!o.profile.empty(), InvalidArgument,
              "--train-step needs --profile FILE (one written by loom plan --calibrate)");
   LOOM_CHECK(!o.meshes.empty(), InvalidArgument,
              "--train-step needs at least one --mesh dp,tp,ulysses,ring");
-  const plan::Profile prof = plan::load_profile(o.profile);
+  const plan::Profile prof = plan::load_profile(profile_path(o.profile));
   // loom train's defaults where the plan defaults (a cluster-sized model) do not apply.
   plan::ModelShape shape{4, 128, 4, 2, 512, 256};
   if (app->count("--model")) shape = parse_model(o.model);
@@ -702,8 +746,9 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
     return 0;
   }
   LOOM_CHECK(!o.profile.empty(), InvalidArgument,
-             "--profile FILE is required (plan/profiles/*.json, or one written by --calibrate)");
-  const plan::Profile prof = plan::load_profile(o.profile);
+             "--profile FILE is required (a shipped profile's name, h100_sxm, h200, a100_80gb or "
+             "cpu_epyc7763_node, or one written by --calibrate)");
+  const plan::Profile prof = plan::load_profile(profile_path(o.profile));
   if (o.simulate) return run_simulate(app, o, prof);
   // The search: what would make every candidate invalid is refused here, naming it (a negative
   // --window or --docs not summing to --seq rejected every candidate, explained nowhere).
@@ -856,7 +901,9 @@ void declare_plan(CLI::App* c, PlanOptions& opts) {
   c->add_option("--docs", o->docs, "packed documents: lengths L1,L2,... summing to S");
   c->add_option("--window", o->window, "sliding window W (0: none)")->capture_default_str();
   c->add_option("--devices", o->devices, "devices in the job")->capture_default_str();
-  c->add_option("--profile", o->profile, "hardware profile JSON (plan/profiles/)");
+  c->add_option("--profile", o->profile,
+                "hardware profile: a JSON file, or a shipped profile's name (h100_sxm, h200, "
+                "a100_80gb, cpu_epyc7763_node; installed in share/loom/profiles/)");
   c->add_option("--mode", o->mode, "train or prefill")->capture_default_str();
   c->add_option("--memory-limit", o->memory_limit_gb,
                 "GB per device (default: the profile's memory)");

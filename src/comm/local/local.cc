@@ -19,6 +19,18 @@
 // communicators failed (detail::Health, shared by the rank's world communicator and its splits):
 // every later operation throws CommError at once, so no receive takes a stale message.
 //
+// Agreement. Every collective (barrier and split included) starts with an agreement over the
+// world's shared memory, before it posts anything: each rank leaves what it called (the kind, the
+// count, dtype and op of a reduction, all_gather's bytes, all_to_all's sizes per peer, and any
+// fault of its own arguments, such as overlapping buffers) in the world's entry for its n-th
+// collective, and waits until every rank has; the last to arrive compares them once, and every
+// rank throws the same InvalidArgument when they differ (a reduction with another dtype of the
+// same bytes, or sum against max, used to return different answers on different ranks without an
+// error; barrier against all_gather, a timeout). Nothing has been posted then, so the
+// communicator stays usable. The wait is bounded like any other (Timeout, or CommError at once
+// when a rank failed or returned without calling it); collectives wait for every rank anyway.
+// It sends no message: CommStats and fault injection's message counts are as before.
+//
 // Fault injection (FaultPlan): ops are counted per world rank over all its communicators (every
 // isend, irecv, collective, barrier and split call is one op); sends are counted per world rank
 // over all messages, those inside collectives included.
@@ -27,6 +39,7 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -34,6 +47,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -140,6 +154,29 @@ struct Inbox {
 
 class World;
 
+// What one rank called, for the agreement at the start of a collective.
+struct CallSig {
+  const char* op = "";  // "all_gather", "barrier", ...
+  int dtype = -1;       // reductions: DType
+  int reduce = -1;      // reductions: ReduceOp
+  uint64_t count = 0;   // all_gather: bytes; reduce_scatter, all_reduce: elements
+  std::vector<size_t> send_bytes, recv_bytes;  // all_to_all: this rank's sizes per peer
+  std::string problem;  // this rank's own arguments are wrong (overlapping buffers, ...)
+};
+
+// The calls of one collective (by its number on the communicator), until every rank has taken
+// the verdict.
+struct Agreement {
+  // Under World::agree_mu_ until decided:
+  std::vector<CallSig> calls;  // by group rank
+  std::vector<char> arrived;
+  int count = 0;  // ranks arrived
+  // Written once, before `decided`; read without the lock after it.
+  std::string verdict;  // empty: the calls agree
+  std::atomic<bool> decided{false};
+  std::atomic<int> left{0};  // ranks that have not taken the verdict yet
+};
+
 class Universe {
  public:
   Universe(int size, const FaultPlan& faults)
@@ -218,6 +255,12 @@ class World {
     }
   }
 
+  // Leaves `call`, this rank's collective number `seq`, and waits until every rank of this world
+  // has left its own (or the deadline: Timeout; a failed or returned rank: CommError). Returns
+  // "" when the calls agree, else what differs: the same text on every rank. `timeout` is for
+  // the message.
+  std::string agree(int rank, int64_t seq, CallSig call, double deadline, double timeout);
+
   // The sub-world of split number `seq` and `color`: the first member to arrive creates it,
   // the last one to take it removes the entry.
   std::shared_ptr<World> join_split(int64_t seq, int color, const std::vector<int>& members) {
@@ -241,13 +284,144 @@ class World {
     std::shared_ptr<World> world;
     int remaining = 0;
   };
+  // What differs among the calls (every rank's); "" when they agree.
+  std::string disagreement(const std::vector<CallSig>& calls) const;
+  std::string describe(const CallSig& c) const;
+
   std::shared_ptr<Universe> universe_;
   std::vector<int> members_;  // world rank of each group rank
   std::vector<std::unique_ptr<Inbox>> inboxes_;
   bool is_root_ = false;
   std::mutex split_mu_;
   std::map<std::pair<int64_t, int>, SplitEntry> splits_;
+  // Guards agreements_ and an undecided entry; taken alone or after an inbox's lock, never
+  // before one. A rank waits for the verdict on its own inbox's lock and condition variable,
+  // which the deciding rank, poisoning and a rank's return notify.
+  std::mutex agree_mu_;
+  std::map<int64_t, Agreement> agreements_;  // by collective number; nodes never move
 };
+
+std::string World::describe(const CallSig& c) const {
+  static const char* const kDtypes[] = {"f32", "f64", "i64"};
+  std::ostringstream os;
+  os << c.op;
+  if (c.dtype >= 0) {
+    os << " of " << c.count << " " << kDtypes[c.dtype] << " elements"
+       << (std::strcmp(c.op, "reduce_scatter") == 0 ? " per rank" : "") << " ("
+       << (c.reduce == static_cast<int>(ReduceOp::sum) ? "sum" : "max") << ")";
+  } else if (std::strcmp(c.op, "all_gather") == 0) {
+    os << " of " << c.count << " bytes";
+  }
+  return os.str();
+}
+
+std::string World::disagreement(const std::vector<CallSig>& calls) const {
+  const int n = size();
+  for (int p = 0; p < n; ++p) {
+    if (!calls[p].problem.empty()) return "on " + who(p) + ", " + calls[p].problem;
+  }
+  const CallSig& first = calls[0];
+  for (int p = 1; p < n; ++p) {
+    const CallSig& c = calls[p];
+    if (std::strcmp(c.op, first.op) != 0 || c.dtype != first.dtype || c.reduce != first.reduce ||
+        c.count != first.count) {
+      return who(0) + " called " + describe(first) + " but " + who(p) + " " + describe(c) +
+             "; every rank of a communicator must make the same collective calls in the same "
+             "order, with the same count, dtype and op (loom/comm.h)";
+    }
+  }
+  if (std::strcmp(first.op, "all_to_all") == 0) {
+    for (int r = 0; r < n; ++r) {
+      for (int p = 0; p < n; ++p) {
+        const size_t sent = calls[r].send_bytes[p], expected = calls[p].recv_bytes[r];
+        if (sent == expected) continue;
+        std::ostringstream os;
+        os << who(r) << " sends " << sent << " bytes to " << who(p) << ", which expects "
+           << expected << " from it; send_bytes[p] on rank r must equal "
+           << "recv_bytes[r] on rank p (loom/comm.h)";
+        return os.str();
+      }
+    }
+  }
+  return "";
+}
+
+std::string World::agree(int rank, int64_t seq, CallSig call, double deadline, double timeout) {
+  const char* op = call.op;
+  Agreement* a = nullptr;
+  bool last = false;
+  {
+    std::lock_guard<std::mutex> lock(agree_mu_);
+    a = &agreements_[seq];
+    if (a->calls.empty() && a->count == 0) {
+      a->calls.resize(members_.size());
+      a->arrived.assign(members_.size(), 0);
+      a->left.store(size());
+    }
+    a->calls[rank] = std::move(call);
+    a->arrived[rank] = 1;
+    if (++a->count == size()) {
+      a->verdict = disagreement(a->calls);
+      a->calls = {};  // the sizes per peer of all_to_all: P^2 of them
+      a->decided.store(true, std::memory_order_release);
+      last = true;
+    }
+  }
+  if (last) {
+    // Each rank waits on its own inbox (one lock per rank: 3000 ranks woken through one lock
+    // took twice as long as their barrier).
+    for (auto& box : inboxes_) {
+      std::lock_guard<std::mutex> lock(box->mu);
+      box->cv.notify_all();
+    }
+  } else {
+    Inbox& box = inbox(rank);
+    std::unique_lock<std::mutex> lock(box.mu);
+    while (!a->decided.load(std::memory_order_acquire)) {
+      // Every exit below leaves this rank's call behind and the entry stays: the communicator
+      // fails with the Timeout or CommError (detail::Health), so no later call meets it.
+      if (universe_->poisoned()) {
+        throw CommError(who(rank) + ": " + op + " aborted: rank " +
+                            std::to_string(universe_->failed_rank()) +
+                            " failed: " + universe_->reason(),
+                        __FILE__, __LINE__);
+      }
+      std::string missing;
+      int missing_count = 0, returned = -1;
+      {
+        std::lock_guard<std::mutex> agree_lock(agree_mu_);  // after box.mu, as nowhere else
+        for (int p = 0; p < size() && returned < 0; ++p) {
+          if (a->arrived[p]) continue;
+          if (universe_->finished(members_[p])) returned = p;
+          if (++missing_count <= 8) missing += (missing.empty() ? "" : ", ") + who(p);
+        }
+      }
+      // A message lost by fault injection shows up here too (its receiver never gets to this
+      // collective): named as the receives name it.
+      const std::string dropped = universe_->dropped();
+      const std::string note = dropped.empty() ? "" : " (" + dropped + ")";
+      if (returned >= 0) {
+        throw CommError(who(rank) + ": " + op + " can never complete: " + who(returned) +
+                            " has returned without calling it" + note,
+                        __FILE__, __LINE__);
+      }
+      const double now = now_s();
+      if (now >= deadline) {
+        std::ostringstream os;
+        os << who(rank) << ": " << op << " timed out after " << timeout << " s waiting for "
+           << missing << (missing_count > 8 ? " and others" : "") << " to call it" << note;
+        throw Timeout(os.str(), __FILE__, __LINE__);
+      }
+      box.cv.wait_for(lock, std::chrono::duration<double>(deadline - now));
+    }
+  }
+  std::string verdict = a->verdict;
+  if (a->left.fetch_sub(1) == 1) {
+    std::lock_guard<std::mutex> lock(agree_mu_);
+    agreements_.erase(seq);
+  }
+  return verdict;
+}
 
 void Universe::poison(int world_rank, const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -358,9 +532,13 @@ class LocalComm final : public Communicator, public detail::Transport {
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     alive("split");
+    const double until = deadline(-1);
     return health_->guard([&]() -> std::unique_ptr<Communicator> {
       tick("split");
-      const detail::SplitGroup g = detail::split_group(*this, color, key, deadline(-1));
+      CallSig call;
+      call.op = "split";
+      agree(std::move(call), until, -1);
+      const detail::SplitGroup g = detail::split_group(*this, color, key, until);
       const int64_t seq = split_seq_++;
       if (color < 0) return nullptr;
       std::vector<int> members;  // world ranks
@@ -402,7 +580,7 @@ class LocalComm final : public Communicator, public detail::Transport {
     return works;
   }
 
-  WorkPtr post_send(const void* buf, size_t bytes, int peer, int tag, const char*) override {
+  WorkPtr post_send(const void* buf, size_t bytes, int peer, int tag, const char* op) override {
     Universe& u = world_->universe();
     const int me = world_->world_rank(rank_);
     const FaultPlan& f = u.faults();
@@ -435,7 +613,15 @@ class LocalComm final : public Communicator, public detail::Transport {
     Message m;
     m.bytes = bytes;
     m.deliver_at = deliver_at;
-    m.data = u.pool().acquire(bytes, m.capacity);
+    try {
+      m.data = u.pool().acquire(bytes, m.capacity);
+    } catch (const std::bad_alloc&) {  // std::bad_array_new_length included
+      std::ostringstream os;
+      os << world_->who(rank_) << ": " << (op ? op : "isend") << ": send to " << world_->who(peer)
+         << ": could not allocate " << bytes << " bytes to hold the message until its receive is "
+         << "posted (out of memory); post the receive first or send less";
+      throw OutOfMemory(os.str(), __FILE__, __LINE__);
+    }
     if (bytes > 0) std::memcpy(m.data.get(), data, bytes);
     {
       std::lock_guard<std::mutex> lock(box.mu);
@@ -477,6 +663,13 @@ class LocalComm final : public Communicator, public detail::Transport {
     const double until = deadline(timeout_s);
     health_->guard([&] {
       tick("all_to_all");
+      CallSig call;
+      call.op = "all_to_all";
+      call.send_bytes.assign(send_bytes, send_bytes + size());
+      call.recv_bytes.assign(recv_bytes, recv_bytes + size());
+      call.problem = detail::all_to_all_overlap(size(), send, send_bytes, send_offsets, recv,
+                                                recv_bytes, recv_offsets);
+      agree(std::move(call), until, timeout_s);
       detail::all_to_all(*this, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
                          until);
     });
@@ -488,6 +681,11 @@ class LocalComm final : public Communicator, public detail::Transport {
     const double until = deadline(timeout_s);
     health_->guard([&] {
       tick("all_gather");
+      CallSig call;
+      call.op = "all_gather";
+      call.count = bytes;
+      call.problem = detail::all_gather_overlap(size(), rank_, send, bytes, recv);
+      agree(std::move(call), until, timeout_s);
       detail::all_gather(*this, send, bytes, recv, until);
     });
   }
@@ -500,6 +698,9 @@ class LocalComm final : public Communicator, public detail::Transport {
     const double until = deadline(timeout_s);
     health_->guard([&] {
       tick("reduce_scatter");
+      agree(reduction("reduce_scatter", count, dtype, op,
+                      detail::reduce_scatter_overlap(size(), send, recv, count, dtype)),
+            until, timeout_s);
       detail::reduce_scatter(*this, send, recv, count, dtype, op, until);
     });
   }
@@ -511,6 +712,9 @@ class LocalComm final : public Communicator, public detail::Transport {
     const double until = deadline(timeout_s);
     health_->guard([&] {
       tick("all_reduce");
+      agree(
+          reduction("all_reduce", count, dtype, op, detail::all_reduce_size_problem(count, dtype)),
+          until, timeout_s);
       detail::all_reduce(*this, buf, count, dtype, op, until);
     });
   }
@@ -520,6 +724,9 @@ class LocalComm final : public Communicator, public detail::Transport {
     const double until = deadline(timeout_s);
     health_->guard([&] {
       tick("barrier");
+      CallSig call;
+      call.op = "barrier";
+      agree(std::move(call), until, timeout_s);
       detail::barrier(*this, until);
     });
   }
@@ -533,6 +740,34 @@ class LocalComm final : public Communicator, public detail::Transport {
 
  private:
   double deadline(double timeout_s) const { return now_s() + resolve_timeout(timeout_s); }
+
+  static CallSig reduction(const char* op, size_t count, DType dtype, ReduceOp reduce,
+                           std::string problem) {
+    CallSig call;
+    call.op = op;
+    call.count = count;
+    call.dtype = static_cast<int>(dtype);
+    call.reduce = static_cast<int>(reduce);
+    call.problem = std::move(problem);
+    return call;
+  }
+
+  // The agreement every collective starts with (World::agree): InvalidArgument on every rank
+  // when the ranks' calls differ or one rank's arguments are wrong. Its wait counts in wait_s.
+  void agree(CallSig call, double until, double timeout_s) {
+    const int64_t seq = coll_seq_++;
+    const char* op = call.op;
+    std::string verdict;
+    if (size() == 1) {
+      verdict = call.problem.empty() ? "" : "on " + world_->who(0) + ", " + call.problem;
+    } else {
+      ScopedTimer timer(stats_.wait_s);
+      verdict = world_->agree(rank_, seq, std::move(call), until, resolve_timeout(timeout_s));
+    }
+    if (!verdict.empty()) {
+      throw InvalidArgument(world_->who(rank_) + ": " + op + ": " + verdict, __FILE__, __LINE__);
+    }
+  }
 
   void check_p2p(const char* what, const void* buf, size_t bytes, int peer, int tag) const {
     detail::check_p2p(what, world_->who(rank_), size(), buf, bytes, peer, tag, INT_MAX);
@@ -557,6 +792,7 @@ class LocalComm final : public Communicator, public detail::Transport {
   int rank_;
   std::shared_ptr<detail::Health> health_;  // shared with the splits of this communicator
   int64_t split_seq_ = 0;
+  int64_t coll_seq_ = 0;  // collectives called, split included: the agreement's number
 };
 
 LocalRecvWork::LocalRecvWork(LocalComm& comm, std::shared_ptr<World> world,
@@ -770,14 +1006,32 @@ void run_local(int ranks, const std::function<void(Communicator&)>& fn, const Fa
              "fault delay must be non-negative, got " << faults.delay_ms << " ms");
   const double timeout = timeout_s < 0 ? Communicator::default_timeout_s()
                                        : Communicator::checked_timeout_s(timeout_s);
+  // Each rank is a thread, and Linux numbers threads below PID_MAX_LIMIT (2^22) system-wide: a
+  // larger world can never start. run_local(INT_MAX) allocated its per-rank state first and
+  // threw std::bad_alloc (or exhausted the memory).
+  constexpr int kMaxRanks = 1 << 22;
+  LOOM_CHECK(ranks <= kMaxRanks, InvalidArgument,
+             "run_local: " << ranks << " ranks, but each rank is a thread and Linux runs at most "
+                           << kMaxRanks << " threads (PID_MAX_LIMIT); run fewer ranks");
 
-  auto universe = std::make_shared<Universe>(ranks, faults);
-  std::vector<int> members(ranks);
-  for (int r = 0; r < ranks; ++r) members[r] = r;
-  auto world = std::make_shared<World>(universe, members);
-  universe->add_world(world);
-
-  std::vector<std::exception_ptr> errors(ranks);
+  std::shared_ptr<Universe> universe;
+  std::shared_ptr<World> world;
+  std::vector<std::exception_ptr> errors;
+  std::vector<std::thread> threads;
+  try {
+    universe = std::make_shared<Universe>(ranks, faults);
+    std::vector<int> members(ranks);
+    for (int r = 0; r < ranks; ++r) members[r] = r;
+    world = std::make_shared<World>(universe, members);
+    universe->add_world(world);
+    errors.resize(ranks);
+    threads.reserve(ranks);
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemory("run_local: could not allocate the state of " + std::to_string(ranks) +
+                          " ranks (their inboxes and bookkeeping, a few hundred bytes each, out "
+                          "of memory); run fewer ranks",
+                      __FILE__, __LINE__);
+  }
   auto body = [&](int r) {
     try {
       LocalComm comm(world, r, timeout);
@@ -789,8 +1043,6 @@ void run_local(int ranks, const std::function<void(Communicator&)>& fn, const Fa
     universe->mark_finished(r);
   };
 
-  std::vector<std::thread> threads;
-  threads.reserve(ranks);
   std::string start_error;  // why a rank's thread could not start
   for (int r = 0; r < ranks && start_error.empty(); ++r) {
     try {
