@@ -54,6 +54,8 @@
 #include <string>
 #include <vector>
 
+#include "loom/io.h"
+
 namespace loom {
 
 enum class DType { f32, f64, i64 };
@@ -158,9 +160,7 @@ class Communicator {
   static double default_timeout_s();
 };
 
-// The environment variable `name` as seconds: `fallback` when unset or empty; otherwise a decimal
-// number (no spaces, no hex) in [lo, hi], or InvalidArgument naming the variable and the range.
-double env_seconds(const char* name, double fallback, double lo, double hi);
+// env_seconds (LOOM_TIMEOUT_S and the other variables of seconds): loom/io.h.
 
 // ---------------------------------------------------------------------------------------------
 // local backend: ranks are threads of one process sharing mailboxes.

@@ -262,6 +262,14 @@ constexpr int64_t kOpenBlasBufferBytes = (int64_t{128} << 20) + 4096;
 // a check of the room left under an address-space limit counts those still to come (loom attn let a
 // run through when one was not mapped yet, and libgomp could then not start its threads).
 int64_t openblas_buffers_mapped();
+
+// The environment variable `name` as seconds: `fallback` when unset or empty; otherwise a decimal
+// number (no spaces, no hex) in [lo, hi], or InvalidArgument naming the variable and the range
+// (LOOM_TIMEOUT_S, LOOM_FINALIZE_TIMEOUT_S, ...; the communicators' timeout and output_timeout_s).
+double env_seconds(const char* name, double fallback, double lo, double hi);
+// v in the fewest digits that read back as v, exponents without "+" and leading zeros (0.001, 60,
+// 1e9 where a stream writes 1e+09): limits of seconds in messages.
+std::string seconds_text(double v);
 // "1.50 GiB", "12.0 MiB", "512 B".
 std::string human_bytes(double bytes);
 // Parses a size: a number of bytes in decimal digits (no sign, fraction or exponent) with an

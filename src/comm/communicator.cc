@@ -29,44 +29,9 @@ size_t dtype_size(DType t) {
                         __FILE__, __LINE__);
 }
 
-namespace {
-// 0.001, 60, 1e9 (ostream writes 1e+09).
-// exact_text(v) with "e+09" written "e9": 1e9, 0.001, 1000000000.000001, 5e-324, nan, -inf.
-std::string short_number(double v) {
-  std::string t = exact_text(v);
-  const size_t e = t.find('e');
-  if (e == std::string::npos) return t;
-  size_t digits = e + 1;
-  const bool negative = t[digits] == '-';
-  if (t[digits] == '+' || negative) ++digits;
-  while (digits + 1 < t.size() && t[digits] == '0') ++digits;
-  return t.substr(0, e + 1) + (negative ? "-" : "") + t.substr(digits);
-}
-}  // namespace
-
-double env_seconds(const char* name, double fallback, double lo, double hi) {
-  const char* text = std::getenv(name);
-  if (!text || !*text) return fallback;
-  // Decimal only, as the command line's numbers (strtod also took " 5" and hex "0x10"), and at
-  // least a millisecond for LOOM_TIMEOUT_S (1e-9 was taken, and every wait then "timed out after
-  // 0 s").
-  bool decimal = true;
-  for (const char* c = text; *c; ++c)
-    decimal = decimal && (std::isdigit(static_cast<unsigned char>(*c)) || *c == '.' || *c == 'e' ||
-                          *c == 'E' || *c == '+' || *c == '-');
-  char* end = nullptr;
-  errno = 0;
-  const double v = std::strtod(text, &end);
-  LOOM_CHECK(decimal && errno == 0 && end != text && *end == '\0' && v >= lo && v <= hi,
-             InvalidArgument,
-             name << " must be a decimal number of seconds from " << short_number(lo) << " to "
-                  << short_number(hi) << ", got '" << text << "'");
-  return v;
-}
-
 double Communicator::checked_timeout_s(double t) {
   LOOM_CHECK(t >= 1e-3 && t <= 1e9, InvalidArgument,
-             "timeout must be from 0.001 to 1e9 seconds, got " << short_number(t));
+             "timeout must be from 0.001 to 1e9 seconds, got " << seconds_text(t));
   return t;
 }
 
@@ -74,7 +39,7 @@ double Communicator::resolve_timeout(double t) const {
   if (t < 0) return timeout_s_;
   LOOM_CHECK(t <= 1e9, InvalidArgument,
              "a wait's timeout must be at most 1e9 seconds (or < 0: the communicator's), got "
-                 << short_number(t));
+                 << seconds_text(t));
   return t;
 }
 

@@ -110,11 +110,23 @@ long temporary_pid(const std::string& entry, const std::string& filename) {
   return temp_pid(entry, temp_stem(filename) + ".tmp.");
 }
 
-double output_timeout_s() {
-  // As the communicator's LOOM_TIMEOUT_S (env_seconds, in loom_comm, which loom_core cannot
-  // use): decimal only, from a millisecond to 1e9 seconds.
-  const char* text = std::getenv("LOOM_TIMEOUT_S");
-  if (!text || !*text) return 60;
+std::string seconds_text(double v) {
+  std::string t = exact_text(v);
+  const size_t e = t.find('e');
+  if (e == std::string::npos) return t;
+  size_t digits = e + 1;
+  const bool negative = t[digits] == '-';
+  if (t[digits] == '+' || negative) ++digits;
+  while (digits + 1 < t.size() && t[digits] == '0') ++digits;
+  return t.substr(0, e + 1) + (negative ? "-" : "") + t.substr(digits);
+}
+
+double env_seconds(const char* name, double fallback, double lo, double hi) {
+  const char* text = std::getenv(name);
+  if (!text || !*text) return fallback;
+  // Decimal only, as the command line's numbers (strtod also took " 5" and hex "0x10"), and at
+  // least a millisecond for LOOM_TIMEOUT_S (1e-9 was taken, and every wait then "timed out after
+  // 0 s").
   bool decimal = true;
   for (const char* c = text; *c; ++c)
     decimal = decimal && (std::isdigit(static_cast<unsigned char>(*c)) || *c == '.' || *c == 'e' ||
@@ -122,11 +134,15 @@ double output_timeout_s() {
   char* end = nullptr;
   errno = 0;
   const double v = std::strtod(text, &end);
-  LOOM_CHECK(
-      decimal && errno == 0 && end != text && *end == '\0' && v >= 1e-3 && v <= 1e9,
-      InvalidArgument,
-      "LOOM_TIMEOUT_S must be a decimal number of seconds from 0.001 to 1e9, got '" << text << "'");
+  LOOM_CHECK(decimal && errno == 0 && end != text && *end == '\0' && v >= lo && v <= hi,
+             InvalidArgument,
+             name << " must be a decimal number of seconds from " << seconds_text(lo) << " to "
+                  << seconds_text(hi) << ", got '" << text << "'");
   return v;
+}
+
+double output_timeout_s() {
+  return env_seconds("LOOM_TIMEOUT_S", 60, 1e-3, 1e9);  // as the communicators' timeout
 }
 
 void write_nonblocking(int fd, const void* data, size_t bytes, const std::string& shown,

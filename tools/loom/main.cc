@@ -24,29 +24,6 @@ extern "C" int openblas_get_num_threads(void);
 
 namespace {
 
-// The OpenBLAS buffers mapped so far: whole 128 MiB blocks of anonymous private read-write
-// memory in /proc/self/maps (at the start of main nothing else maps that much; adjacent buffers
-// show as one region). -1 when the maps cannot be read.
-int64_t blas_buffers_mapped() {
-  std::FILE* f = std::fopen("/proc/self/maps", "r");
-  if (!f) return -1;
-  int64_t buffers = 0;
-  char line[4096];
-  while (std::fgets(line, sizeof line, f)) {
-    unsigned long long start = 0, end = 0, inode = 0;
-    char perms[8] = {};
-    int path_at = 0;
-    if (std::sscanf(line, "%llx-%llx %7s %*s %*s %llu %n", &start, &end, perms, &inode, &path_at) <
-        4)
-      continue;
-    const bool anonymous = inode == 0 && (line[path_at] == '\0' || line[path_at] == '\n');
-    if (anonymous && std::strcmp(perms, "rw-p") == 0)
-      buffers += static_cast<int64_t>((end - start) >> 27);  // 128 MiB blocks
-  }
-  std::fclose(f);
-  return buffers;
-}
-
 // OpenBLAS starts its threads as the library loads, before main, and each maps a buffer of
 // loom::kOpenBlasBufferBytes (128 MiB), retrying for ever where an address-space limit (ulimit -v
 // or -d) leaves no room for it; at exit its handler waits for that thread. Every command under
@@ -59,7 +36,7 @@ void refuse_blas_without_room() {
   std::string which;
   const int64_t room = loom::address_space_room(&which);
   if (room < 0) return;
-  const int64_t mapped = blas_buffers_mapped();
+  const int64_t mapped = loom::openblas_buffers_mapped();
   const int64_t missing = std::max<int64_t>(0, (threads - 1) - std::max<int64_t>(0, mapped));
   if (room >= missing * loom::kOpenBlasBufferBytes) return;
   std::fprintf(
