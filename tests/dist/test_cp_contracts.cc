@@ -77,6 +77,27 @@ void expect_same(const Outputs& a, const Outputs& b, const std::string& what) {
   EXPECT_EQ(a.dv, b.dv) << what;
 }
 
+// Runs body on n local ranks; what each rank's body ended in: its InvalidArgument's message, or
+// "(accepted)".
+std::vector<std::string> outcomes(int n, const std::function<void(Communicator&)>& body) {
+  std::mutex mu;
+  std::vector<std::string> messages;
+  run_local(
+      n,
+      [&](Communicator& world) {
+        std::string said = "(accepted)";
+        try {
+          body(world);
+        } catch (const InvalidArgument& e) {
+          said = e.what();
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        messages.push_back(said);
+      },
+      {}, kTestTimeout);
+  return messages;
+}
+
 // The groups a rank gives: inner and outer, made by `make` from the world (nullptr: none).
 using MakeGroups = std::function<void(Communicator& world, std::unique_ptr<Communicator>& inner,
                                       std::unique_ptr<Communicator>& outer)>;
@@ -85,23 +106,11 @@ using MakeGroups = std::function<void(Communicator& world, std::unique_ptr<Commu
 // InvalidArgument, the same message on every rank, containing every part.
 void expect_refused(Strategy strategy, const MakeGroups& make,
                     const std::vector<std::string>& parts) {
-  std::mutex mu;
-  std::vector<std::string> messages;
-  run_local(
-      4,
-      [&](Communicator& world) {
-        std::unique_ptr<Communicator> inner, outer;
-        make(world, inner, outer);
-        try {
-          run(CpGroups{&world, inner.get(), outer.get()}, strategy);
-          std::lock_guard<std::mutex> lock(mu);
-          messages.push_back("(accepted)");
-        } catch (const InvalidArgument& e) {
-          std::lock_guard<std::mutex> lock(mu);
-          messages.push_back(e.what());
-        }
-      },
-      {}, kTestTimeout);
+  const std::vector<std::string> messages = outcomes(4, [&](Communicator& world) {
+    std::unique_ptr<Communicator> inner, outer;
+    make(world, inner, outer);
+    run(CpGroups{&world, inner.get(), outer.get()}, strategy);
+  });
   ASSERT_EQ(messages.size(), 4u);
   for (const std::string& m : messages) {
     EXPECT_EQ(m, messages[0]) << "every rank must throw the same error";
@@ -158,26 +167,14 @@ TEST(CpGroupsCheck, GroupsThatAreNotTheAxesAreRefused) {
 // Two cp groups of 4 (world of 8): inner groups that pair cp rank 0 of one with cp rank 1 of the
 // other have the right places and cp ranks, but hold a rank of another cp group.
 TEST(CpGroupsCheck, GroupsAcrossCpGroupsAreRefused) {
-  std::mutex mu;
-  std::vector<std::string> messages;
-  run_local(
-      8,
-      [&](Communicator& world) {
-        const int w = world.rank(), d = w / 4, c = w % 4;
-        auto cp = world.split(d, c);
-        const int mixed = c % 2 == 1 ? 1 - d : d;
-        auto inner = world.split(mixed * 2 + c / 2, c);
-        auto outer = cp->split(c % 2, c);
-        try {
-          run(CpGroups{cp.get(), inner.get(), outer.get()}, Strategy::hybrid);
-          std::lock_guard<std::mutex> lock(mu);
-          messages.push_back("(accepted)");
-        } catch (const InvalidArgument& e) {
-          std::lock_guard<std::mutex> lock(mu);
-          messages.push_back(e.what());
-        }
-      },
-      {}, kTestTimeout);
+  const std::vector<std::string> messages = outcomes(8, [&](Communicator& world) {
+    const int w = world.rank(), d = w / 4, c = w % 4;
+    auto cp = world.split(d, c);
+    const int mixed = c % 2 == 1 ? 1 - d : d;
+    auto inner = world.split(mixed * 2 + c / 2, c);
+    auto outer = cp->split(c % 2, c);
+    run(CpGroups{cp.get(), inner.get(), outer.get()}, Strategy::hybrid);
+  });
   ASSERT_EQ(messages.size(), 8u);
   for (const std::string& m : messages)
     EXPECT_TRUE(contains(m, "the inner group cp rank 0 gives holds a rank of another cp group"))
@@ -209,22 +206,9 @@ TEST(CpGroupsCheck, TheAxesGiveTheSameResultsAsNoGroups) {
 // build_mesh with another shape on one rank: rank 0 held a ulysses group of 2 while its shape
 // said 4, with no error. Now InvalidArgument on every rank naming both shapes.
 TEST(MeshCheck, RanksWithOtherShapesAreRefused) {
-  std::mutex mu;
-  std::vector<std::string> messages;
-  run_local(
-      4,
-      [&](Communicator& world) {
-        const MeshShape shape = world.rank() == 0 ? MeshShape{1, 1, 4, 1} : MeshShape{1, 1, 2, 2};
-        try {
-          build_mesh(world, shape);
-          std::lock_guard<std::mutex> lock(mu);
-          messages.push_back("(accepted)");
-        } catch (const InvalidArgument& e) {
-          std::lock_guard<std::mutex> lock(mu);
-          messages.push_back(e.what());
-        }
-      },
-      {}, kTestTimeout);
+  const std::vector<std::string> messages = outcomes(4, [](Communicator& world) {
+    build_mesh(world, world.rank() == 0 ? MeshShape{1, 1, 4, 1} : MeshShape{1, 1, 2, 2});
+  });
   ASSERT_EQ(messages.size(), 4u);
   for (const std::string& m : messages)
     EXPECT_TRUE(contains(m,
