@@ -93,6 +93,13 @@ if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
                    $<TARGET_FILE:loom> --oversubscribe --allow-run-as-root)
   set_tests_properties(loom_mpi_tcp_faults PROPERTIES LABELS "mpi;tool;tcp" TIMEOUT 240
                        PROCESSORS 4 ENVIRONMENT "${loom_tcp_env}")
+  # A rank stopped (SIGSTOP) mid-run, during rank 0's --check or before MPI_Init: one error
+  # line, naming the rank at fault; a --check longer than LOOM_FINALIZE_TIMEOUT_S passes.
+  add_test(NAME loom_mpi_error_line
+           COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/mpi_error_line_check.sh ${MPIEXEC_EXECUTABLE}
+                   $<TARGET_FILE:loom> --oversubscribe --allow-run-as-root)
+  set_tests_properties(loom_mpi_error_line PROPERTIES LABELS "mpi;tool" TIMEOUT 240 PROCESSORS 4
+                       ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
   # Ranks started with other arguments, reading other --input bytes or checkpoints, or failing
   # alone: the job ends at once with one line naming the rank (tools/mpi_agree_check.sh).
   add_test(NAME loom_mpi_agree

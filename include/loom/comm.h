@@ -223,6 +223,27 @@ std::unique_ptr<Communicator> mpi_world();
 int mpi_ranks_on_this_node();
 // Ends the whole MPI job at once after a fatal error on this rank (MPI_Abort); no-op without MPI.
 void mpi_abort(int code);
+// For a tool about to print its error line and end the job (mpi_abort), so that the job prints
+// one line, naming the rank at fault: call it on the failing rank in place of a wait of wait_s
+// seconds before the line. It tells the other ranks which rank this one waited on when its MPI
+// communication timed out, hears theirs, and watches for another rank's line, all on loom's own
+// communicator and without waiting for anyone (a stopped rank never answers). Returns false when
+// another rank has printed its line first (this rank's error follows from the same fault: print
+// nothing, the job is ending). Else tells the others that this rank prints, and returns true with
+// *hint set to the clause to add to this rank's line when its error is an MPI timeout: the ranks
+// that its wait leads to (through the waits the others reported) that reported no timeout of
+// their own ("; rank 4 stopped or is slow: it reported no timeout of its own, and rank 1 waited
+// on rank 2, ..."), or "; rank 1, or a rank it waits on, stopped or is slow". Before mpi_world(),
+// and in builds without MPI, it only waits. hint may be null.
+bool mpi_report_error(double wait_s, std::string* hint);
+// Under mpirun, for work that world rank 0 does alone after the job's last collective (checking
+// results, writing files), which the other ranks wait out at exit for up to
+// LOOM_FINALIZE_TIMEOUT_S: while the returned handle lives, rank 0 tells them every 5 s (a
+// quarter of LOOM_FINALIZE_TIMEOUT_S, if less) that it is still working, and their limit counts
+// from its latest word. A check longer than the limit ended a healthy job as if rank 0 had
+// stopped; a stopped rank 0 still ends it after the limit. Null (nothing to do) on other ranks,
+// before mpi_world(), and in builds without MPI.
+std::shared_ptr<void> mpi_rank0_alone();
 
 // ---------------------------------------------------------------------------------------------
 // torch backend: a torch.distributed ProcessGroup through c10d (src/comm/torch/). Its

@@ -62,6 +62,25 @@ double header_allowance(const ModelConfig& m) {
   return 64.0 * 1024 + 1024.0 * static_cast<double>(4 + 9 * m.layers);
 }
 
+// Runs f(), adding where in the run a communication error (CommError, Timeout: kept as such)
+// happened to its message: " (in step N, <phase>)", or " (<phase>)" for step < 0. A timeout read
+// "rank 0: barrier over the group of 4 ranks timed out after 3 s", naming neither the step nor
+// whether the ranks were in a checkpoint save or the gradient reduction.
+template <class F>
+auto in_phase(int64_t step, const char* phase, F&& f) -> decltype(f()) {
+  const auto where = [&](const char* what) {
+    return std::string(what) + " (" +
+           (step >= 0 ? "in step " + std::to_string(step) + ", " : std::string()) + phase + ")";
+  };
+  try {
+    return f();
+  } catch (const Timeout& e) {
+    throw Timeout(where(e.what()), e.file(), e.line());
+  } catch (const CommError& e) {
+    throw CommError(where(e.what()), e.file(), e.line());
+  }
+}
+
 }  // namespace
 
 double learning_rate(const TrainConfig& c, int64_t step) {
@@ -111,7 +130,7 @@ Trainer::Trainer(Communicator& world, const TrainConfig& cfg, const Corpus& corp
              "the training split of " << corpus.source << " has " << corpus.train.size()
                                       << " bytes; --seq " << cfg.seq << " needs at least "
                                       << cfg.seq + 1);
-  mesh_ = build_mesh(world, s);
+  mesh_ = in_phase(-1, "building the mesh", [&] { return build_mesh(world, s); });
   model_ = std::make_unique<Gpt>(cfg.model, cfg.par, mesh_, cfg.precision,
                                  cfg.checkpoint_activations, cfg.seed);
   adam_m_.assign(model_->params().size(), 0.0f);
@@ -140,8 +159,11 @@ StepResult Trainer::train_step() {
   const double scale = predicted > 0 ? 1.0 / static_cast<double>(predicted) : 0.0;
   const int64_t per_dp = cfg_.batch / mesh_.shape.dp;
   double loss = 0;
-  for (int64_t b = mesh_.dp_rank * per_dp; b < (mesh_.dp_rank + 1) * per_dp; ++b)
-    loss += m.forward_backward(seqs[b], scale, true);
+  const int64_t step = step_ + 1;
+  in_phase(step, "forward and backward", [&] {
+    for (int64_t b = mesh_.dp_rank * per_dp; b < (mesh_.dp_rank + 1) * per_dp; ++b)
+      loss += m.forward_backward(seqs[b], scale, true);
+  });
   ScopedTimer update_timer(update_s_);
 
   // Sums: replicated parameters over the world, tp-split ones over the same-tp-piece group.
@@ -154,22 +176,26 @@ StepResult Trainer::train_step() {
   // Which rank's own loss or gradient went non-finite first (read only when the sums are).
   const bool local_bad = !std::isfinite(loss) || first_non_finite(g) >= 0;
   const size_t rep = static_cast<size_t>(m.replicated_size());
-  world_.all_reduce(g.data(), rep, DType::f32, ReduceOp::sum);
-  mesh_.dp_cp->all_reduce(g.data() + rep, g.size() - rep, DType::f32, ReduceOp::sum);
   double sums[2] = {loss, 0};
-  world_.all_reduce(sums, 1, DType::f64, ReduceOp::sum);
+  in_phase(step, "gradient reduction", [&] {
+    world_.all_reduce(g.data(), rep, DType::f32, ReduceOp::sum);
+    mesh_.dp_cp->all_reduce(g.data() + rep, g.size() - rep, DType::f32, ReduceOp::sum);
+    world_.all_reduce(sums, 1, DType::f64, ReduceOp::sum);
+  });
   // Global gradient norm: split pieces are distinct per tp rank; replicated ones count once.
   double sq = 0;
   for (size_t i = rep; i < g.size(); ++i) sq += static_cast<double>(g[i]) * g[i];
   if (mesh_.tp_rank == 0)
     for (size_t i = 0; i < rep; ++i) sq += static_cast<double>(g[i]) * g[i];
-  mesh_.tp->all_reduce(&sq, 1, DType::f64, ReduceOp::sum);
+  in_phase(step, "optimizer (gradient norm)",
+           [&] { mesh_.tp->all_reduce(&sq, 1, DType::f64, ReduceOp::sum); });
   const double norm = std::sqrt(sq);
   // Every rank holds the same loss and norm: all stop together, before the update, so no
   // checkpoint is ever written from these values.
   if (!std::isfinite(sums[0]) || !std::isfinite(norm)) {
     double key = local_bad ? world_.size() - world_.rank() : 0;  // max: the first bad rank
-    world_.all_reduce(&key, 1, DType::f64, ReduceOp::max);
+    in_phase(step, "optimizer (non-finite check)",
+             [&] { world_.all_reduce(&key, 1, DType::f64, ReduceOp::max); });
     LOOM_CHECK(false, Error,
                "non-finite training at step "
                    << step_ + 1 << ": loss " << value_text(sums[0] * scale) << ", gradient norm "
@@ -232,12 +258,14 @@ double Trainer::evaluate() {
     }
   } keep{model_->stats()};
   const size_t dp = static_cast<size_t>(mesh_.shape.dp), mine = static_cast<size_t>(mesh_.dp_rank);
-  for (size_t i = 0; i < offs.size(); ++i) {
-    const Sequence s = make_sequence(corpus_.val, offs[i], cfg_.seq, cfg_.pack_documents);
-    predicted += s.predicted();
-    if (i % dp == mine) loss += model_->forward_backward(s, 0.0, false);
-  }
-  world_.all_reduce(&loss, 1, DType::f64, ReduceOp::sum);
+  in_phase(step_, "evaluation", [&] {
+    for (size_t i = 0; i < offs.size(); ++i) {
+      const Sequence s = make_sequence(corpus_.val, offs[i], cfg_.seq, cfg_.pack_documents);
+      predicted += s.predicted();
+      if (i % dp == mine) loss += model_->forward_backward(s, 0.0, false);
+    }
+    world_.all_reduce(&loss, 1, DType::f64, ReduceOp::sum);
+  });
   if (predicted == 0) return std::nan("");
   // Every rank holds the same sum: all stop together. An Inf was logged as "val_loss": null.
   const double mean = loss / static_cast<double>(predicted);
@@ -411,7 +439,7 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   // Collective: a non-finite weight or moment on any rank means no checkpoint at all.
   double bad[3] = {double(first_non_finite(model_->params()) >= 0),
                    double(first_non_finite(adam_m_) >= 0), double(first_non_finite(adam_v_) >= 0)};
-  world_.all_reduce(bad, 3, DType::f64, ReduceOp::max);
+  in_phase(step_, "checkpoint save", [&] { world_.all_reduce(bad, 3, DType::f64, ReduceOp::max); });
   LOOM_CHECK(bad[0] == 0 && bad[1] == 0 && bad[2] == 0, Error,
              "step " << step_ << ": the " << (bad[0] ? "weights" : "AdamW moments")
                      << " hold NaN or Inf; no checkpoint written (lower --lr or raise --warmup)");
@@ -454,8 +482,10 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   // timeout is waited for, as the barrier below waits).
   const double wait_s = std::max(world_.timeout_s(), kCheckpointWriteS);
   const auto emit = [&](const float* v, size_t n) { out->put(v, n * sizeof(float)); };
-  for (const std::vector<float>* v : {&model_->params(), &adam_m_, &adam_v_})
-    stream_full(*v, emit, wait_s);
+  in_phase(step_, "checkpoint save", [&] {
+    for (const std::vector<float>* v : {&model_->params(), &adam_m_, &adam_v_})
+      stream_full(*v, emit, wait_s);
+  });
   if (out) {
     out->commit();
     out.reset();
@@ -466,7 +496,7 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   // slow disk failed the run after it was written (192 MB took 1.4 s here: a timeout of 1 s).
   // Rank 0 arrives last, to ranks that are already waiting: the communication timeout (it
   // waited 10 minutes too, for a rank that had stopped).
-  world_.barrier(world_.rank() == 0 ? -1 : wait_s);
+  in_phase(step_, "checkpoint save", [&] { world_.barrier(world_.rank() == 0 ? -1 : wait_s); });
   return path;
 }
 
@@ -639,7 +669,8 @@ void Trainer::load_checkpoint(const std::string& where) {
   // wrote wrong checkpoints and marked the run finished.
   const uint64_t mine[2] = {static_cast<uint64_t>(saved_step), sum};
   std::vector<uint64_t> all(2 * static_cast<size_t>(world_.size()));
-  world_.all_gather(mine, sizeof mine, all.data());
+  in_phase(-1, "--resume: comparing the checkpoints the ranks read",
+           [&] { world_.all_gather(mine, sizeof mine, all.data()); });
   for (int r = 1; r < world_.size(); ++r)
     LOOM_CHECK(all[2 * r] == all[0] && all[2 * r + 1] == all[1], InvalidArgument,
                "--resume: rank " << r << " read a checkpoint of step " << all[2 * r]
@@ -660,7 +691,8 @@ std::vector<RankReport> Trainer::reports() {
                      (cfg_.precision == Precision::bf16 ? params * sizeof(bf16) : 0.0);
   mine.peak_rss = static_cast<double>(peak_rss_bytes());
   std::vector<RankReport> all(static_cast<size_t>(world_.size()));
-  world_.all_gather(&mine, sizeof mine, all.data());
+  in_phase(-1, "gathering the summary after the last step",
+           [&] { world_.all_gather(&mine, sizeof mine, all.data()); });
   return all;
 }
 

@@ -45,7 +45,9 @@ echo "ok   --memory-limit 32M: 4 local ranks refused, 4 mpirun ranks run"
 # A tp peer that stops during a checkpoint save (LOOM_TEST_STOP_IN_CHECKPOINT=2: world rank 1
 # stops itself in the save of step 2, before it sends rank 0 anything): rank 0, waiting for its
 # pieces, times out after LOOM_TIMEOUT_S and ends the job. It waited max(LOOM_TIMEOUT_S, 600 s),
-# the allowance meant for the ranks that wait on rank 0's disk, and the job hung 10 minutes.
+# the allowance meant for the ranks that wait on rank 0's disk, and the job hung 10 minutes. The
+# one line says where in the run (it named neither the step nor the checkpoint save) and which
+# rank went silent.
 mkdir -p "$work/stop"
 t0=$SECONDS
 (cd "$work/stop" && LOOM_TIMEOUT_S=2 LOOM_TEST_STOP_IN_CHECKPOINT=2 timeout 100 "$mpiexec" -n 2 "$@" \
@@ -53,7 +55,9 @@ t0=$SECONDS
   --checkpoint-dir ck --checkpoint-every 1 > /dev/null 2> err)
 rc=$? took=$((SECONDS - t0))
 if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -le 20 ] &&
-  grep -q "rank 0: .*timed out after 2 s" "$work/stop/err"; then
+  [ "$(grep -c "loom: error" "$work/stop/err")" -eq 1 ] &&
+  grep -q "rank 0: .*timed out after 2 s (in step 2, checkpoint save); rank 1 stopped or is slow" \
+    "$work/stop/err"; then
   echo "ok   a tp peer stopped during a checkpoint save ends the job in $took s (LOOM_TIMEOUT_S=2)"
 else
   cat "$work/stop/err"

@@ -650,6 +650,11 @@ void attn_rank(Communicator& world, const AttnOptions& o, const Problem& p, int 
     }
   }
   if (me != 0) return;
+  // Rank 0 goes on alone (its fp64 --check took 85 to 107 s at --seq 4096, far longer with more
+  // heads; then the --output files): under mpirun it tells the others, which wait for it at exit,
+  // that it is still working, so their LOOM_FINALIZE_TIMEOUT_S counts from its latest word (a
+  // check longer than that ended the healthy job with no report).
+  const std::shared_ptr<void> alone = mpi_rank0_alone();
 
   rep.fwd_times = fwd;
   rep.bwd_times = bwd;

@@ -160,6 +160,21 @@ int main(int argc, char** argv) {
     if (mpi) loom::mpi_abort(1);  // ends the other ranks now (a no-op before MPI started)
     return 1;
   };
+  // An error found after the ranks started working together (below): under mpirun every rank
+  // that fails gets here, usually several for one fault (a rank's error or stop makes the others
+  // time out), and each printed its line. The ranks wait before printing, in turn (the times
+  // below), while mpi_report_error tells each which ranks the others waited on and whether
+  // another has printed already: then this one prints nothing and waits for the job to end.
+  auto report = [&](const std::string& what, double wait_s, bool timeout) {
+    if (!mpi) return fail(what.c_str());
+    std::string hint;
+    if (!loom::mpi_report_error(wait_s, &hint)) {
+      std::this_thread::sleep_for(std::chrono::seconds(10));  // the printing rank ends the job
+      loom::mpi_abort(1);
+      return 1;
+    }
+    return fail((what + (timeout ? hint : std::string())).c_str());
+  };
   // The text report goes to standard output through stdio: a failed write (a full disk, a
   // closed stdout) is an error like any other write's, not exit 0 with the report lost. Exit
   // status 1 (2 for loom verify, whose 1 means "a tensor failed": docs/verify.md).
@@ -197,22 +212,26 @@ int main(int argc, char** argv) {
     // every rank's, or several ranks': each printed it, then Open MPI its banner. So the first
     // line printed ends the job (fail: MPI_Abort), and the ranks wait before printing, in turn:
     //   rank 0's own error   at once;
-    //   another rank's own   after 2 s (rank 0 usually has the same one and prints it first);
+    //   another rank's own   after 2 s (rank 0 usually has the same one and prints it first),
+    //                        rank r's 0.03 s after rank r - 1's (up to rank 16);
     //   a communication error (CommError, Timeout: usually the consequence of another rank's
-    //   error or stop)       rank 0's after 2.5 s, another rank's after 3.5 s.
+    //   error or stop)       rank 0's after 2.5 s, another rank's after 3.5 s, rank r's 0.1 s
+    //                        after rank r - 1's (up to rank 16: at most 5 s).
     // A rank's own error thus comes before the timeouts it causes: it waited 2 s behind them, and
-    // with LOOM_TIMEOUT_S under 2 s rank 0's timeout ended the job first and hid it.
-    if (mpi) {
-      const bool comm = dynamic_cast<const loom::CommError*>(&e) != nullptr;
-      const double wait_s = comm ? (rank > 0 ? 3.5 : 2.5) : (rank > 0 ? 2 : 0);
-      std::this_thread::sleep_for(std::chrono::duration<double>(wait_s));
-    }
-    return fail(e.what());
+    // with LOOM_TIMEOUT_S under 2 s rank 0's timeout ended the job first and hid it. Ranks whose
+    // waits end together print in rank order; the others hear of the line printed and print none
+    // (every rank that timed out together printed its own: 3 to 5 lines).
+    const bool comm = dynamic_cast<const loom::CommError*>(&e) != nullptr;
+    const double turn = static_cast<double>(std::clamp(rank - 1, 0L, 15L));
+    const double wait_s =
+        comm ? (rank > 0 ? 3.5 + 0.1 * turn : 2.5) : (rank > 0 ? 2 + 0.03 * turn : 0);
+    return report(e.what(), wait_s, dynamic_cast<const loom::Timeout*>(&e) != nullptr);
   } catch (const std::bad_alloc&) {
-    return fail(
+    return report(
         "out of memory (an allocation outside loom's tensors failed); make the problem smaller "
-        "or lower --ranks");
+        "or lower --ranks",
+        rank > 0 ? 2 : 0, false);
   } catch (const std::exception& e) {
-    return fail(e.what());
+    return report(e.what(), rank > 0 ? 2 : 0, false);
   }
 }

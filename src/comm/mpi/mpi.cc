@@ -22,6 +22,13 @@
 // communicator and its splits refuse every later operation with CommError (detail::Health): a
 // late peer's message would otherwise meet the next receive.
 //
+// loom's own messages about the job go over a private duplicate of MPI_COMM_WORLD made by the
+// first mpi_world() (the control communicator), never waited for beyond a deadline: rank 0's word
+// that it is still working alone or has finished (mpi_rank0_alone, finalize_at_exit), and the
+// reports with which failing ranks agree on one error line that names the rank at fault
+// (mpi_report_error). They are small (eager) sends, started and let go: a stopped or dead peer
+// never holds the sender.
+//
 // Traffic (CommStats) of collectives is booked as the local backend's algorithms would cause it
 // (collectives.h), so the counters compare across backends.
 #include <mpi.h>
@@ -34,10 +41,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -65,6 +74,89 @@ std::mutex& mpi_mutex() {
 }
 using Lock = std::lock_guard<std::mutex>;
 
+// The control communicator (above); MPI_COMM_NULL until the first mpi_world() has made it.
+// Guarded by mpi_mutex.
+MPI_Comm g_ctl = MPI_COMM_NULL;
+// Its tags: rank 0's word to the others (kStillWorking, kDone), a failing rank's report of what
+// it waited on, and the word of the rank that has printed the job's error line.
+constexpr int kFinalTag = 1, kReportTag = 2, kPrintedTag = 3;
+constexpr int kStillWorking = 1, kDone = 2;
+
+// What this process waited on when its first MPI wait timed out (note_timeout), for its report:
+// a peer's world rank, or (peer -1) every other rank of a group, `members` in world ranks (empty:
+// the whole world). world: the wait was on a communicator numbered as the world.
+struct Waited {
+  bool timed_out = false;
+  bool world = true;
+  int peer = -1;
+  std::vector<int> members;
+};
+std::mutex g_waited_mu;
+Waited g_waited;
+
+void note_timeout(int peer, const std::vector<int>& members, bool world) {
+  std::lock_guard<std::mutex> lock(g_waited_mu);
+  if (g_waited.timed_out) return;  // the first one: the later ones follow from it
+  g_waited.timed_out = true;
+  g_waited.world = world;
+  g_waited.peer = peer;
+  g_waited.members = members;
+}
+
+// This process's world rank and the world's size on the control communicator; false before it
+// exists and after MPI_Finalize. Call with mpi_mutex held.
+bool control_rank(int* rank, int* size) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int finalized = 1;
+  if (initialized) MPI_Finalized(&finalized);
+  if (!initialized || finalized || g_ctl == MPI_COMM_NULL) return false;
+  MPI_Comm_rank(g_ctl, rank);
+  MPI_Comm_size(g_ctl, size);
+  return true;
+}
+
+// Sends `words` (which must outlive the sends: static, or never freed) to every other rank on the
+// control communicator and lets the requests go: a small send completes on its own, and a peer
+// that stopped or died must not hold this rank. Errors are ignored (the peer is gone). Call with
+// mpi_mutex held.
+void tell_others(const int* words, int count, int tag, int rank, int size) {
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (MPI_Isend(words, count, MPI_INT, p, tag, g_ctl, &request) == MPI_SUCCESS &&
+        request != MPI_REQUEST_NULL)
+      MPI_Request_free(&request);
+  }
+}
+
+// Waits until `deadline` (now_s) for a word that another rank has printed the job's error line,
+// calling poll() (with mpi_mutex held) between looks. True when one came: this rank then prints
+// nothing. Else tells the others that this rank prints (claims the line) and returns false.
+// Without the control communicator it only waits.
+bool another_rank_printed(double deadline, const std::function<void()>& poll = {}) {
+  for (;;) {
+    {
+      Lock lock(mpi_mutex());
+      int rank = 0, size = 0;
+      if (control_rank(&rank, &size)) {
+        if (poll) poll();
+        int flag = 0;
+        MPI_Iprobe(MPI_ANY_SOURCE, kPrintedTag, g_ctl, &flag, MPI_STATUS_IGNORE);
+        if (flag) return true;
+        if (now_s() >= deadline) {
+          static const int kPrinted = 1;
+          tell_others(&kPrinted, 1, kPrintedTag, rank, size);
+          return false;
+        }
+      } else if (now_s() >= deadline) {
+        return false;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 std::string mpi_error_text(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
@@ -88,21 +180,30 @@ bool mpi_finalized() {
 // an initialised MPI, so _Exit is the only way out.
 constexpr double kInitFloorS = 10;
 
-// Runs call() (an MPI call with no timeout of its own) under a watchdog: past limit_s it prints
-// "loom: error: [rank N: ]<why>" on stderr and ends the process with status 1 (_Exit: nothing
-// can be thrown into the blocked call, and MPI_Abort may not be usable), which ends the job
-// under mpirun.
+// Open MPI's mpirun ends the other ranks about 1 s after one exits with a non-zero status
+// (0.95 to 1.0 s measured at -np 4 and 8, whatever the exit: _exit, SIGKILL, SIGTERM), against a
+// few milliseconds after MPI_Abort. A watchdog, which cannot call MPI, therefore waits this much
+// longer on each rank above 0 (up to rank 3): the ranks reach such a deadline together (the
+// split's watchdog fired on all 4 ranks at once and printed 4 lines), and the first exit now ends
+// the others before they print. Rank 0 goes first, or rank 1 when rank 0 is the one stopped.
+constexpr double kWatchdogStaggerS = 2;
+
+// Runs call() (an MPI call with no timeout of its own) under a watchdog: past limit_s (plus
+// kWatchdogStaggerS per rank above 0, up to rank 3) it prints "loom: error: [rank N: ]<why>" on
+// stderr and ends the process with status 1 (_Exit: nothing can be thrown into the blocked call,
+// and MPI_Abort may not be usable), which ends the job under mpirun.
 int within_deadline(double limit_s, const std::string& why, const std::function<int()>& call) {
+  const long rank = launcher_rank();
   // At most 1e9 s: wait_for's nanoseconds overflow past 9.2e9 s, and the wait returned at once
   // (10 x LOOM_TIMEOUT_S=1e9 would have ended every rank in MPI_Finalize).
-  limit_s = std::min(limit_s, 1e9);
+  limit_s =
+      std::min(limit_s, 1e9) + kWatchdogStaggerS * static_cast<double>(std::clamp(rank, 0L, 3L));
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   std::thread watchdog([&] {
     std::unique_lock<std::mutex> lock(mu);
     if (cv.wait_for(lock, std::chrono::duration<double>(limit_s), [&] { return done; })) return;
-    const long rank = launcher_rank();
     const std::string text =
         "loom: error: " + (rank >= 0 ? "rank " + std::to_string(rank) + ": " : std::string()) +
         why + "\n";
@@ -132,20 +233,99 @@ int init_within_deadline(int* provided) {
   });
 }
 
-// MPI_Finalize waits for every rank of the job to reach it, with no timeout: a rank that stopped
-// after the last collective (during rank 0's --check, its writes) held the others there for
-// ever. They wait LOOM_FINALIZE_TIMEOUT_S seconds, by default 10 communication timeouts but at
-// least 10 minutes (rank 0 may still be checking or writing files for a long time, whatever
-// LOOM_TIMEOUT_S says), then end the job with one line.
-void finalize_at_exit() {
-  Lock lock(mpi_mutex());
-  if (mpi_finalized()) return;
-  double limit_s = 600;
+// LOOM_FINALIZE_TIMEOUT_S: by default 10 communication timeouts but at least 10 minutes (rank 0
+// may still be checking or writing files for a long time, whatever LOOM_TIMEOUT_S says).
+double finalize_limit_s() {
   try {
     const double fallback = std::max(10 * Communicator::default_timeout_s(), 600.0);
-    limit_s = env_seconds("LOOM_FINALIZE_TIMEOUT_S", fallback, 1e-3, 1e9);
+    return env_seconds("LOOM_FINALIZE_TIMEOUT_S", fallback, 1e-3, 1e9);
   } catch (const Error&) {  // checked at start-up (mpi_world); here only the default is left
+    return 600;
   }
+}
+
+// Prints "loom: error: rank N: <why>" and ends the job (MPI_Abort) unless another rank has
+// printed its line first (another_rank_printed, waiting until `deadline`); then this rank waits
+// to be ended with the job, and after 10 s ends the job itself, silently. Never returns.
+[[noreturn]] void print_once_and_abort(double deadline, const std::string& why) {
+  const bool quiet = another_rank_printed(deadline);
+  if (quiet) std::this_thread::sleep_for(std::chrono::seconds(10));
+  const long rank = launcher_rank();
+  if (!quiet) {
+    const std::string text =
+        "loom: error: " + (rank >= 0 ? "rank " + std::to_string(rank) + ": " : std::string()) +
+        why + "\n";
+    std::fputs(text.c_str(), stderr);
+    std::fflush(stderr);
+  }
+  {
+    Lock lock(mpi_mutex());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  std::_Exit(1);
+}
+
+// Before MPI_Finalize: rank 0 tells the others that it is done; the others wait for that word
+// (polled, so that they can still end the job with one line), limit_s from their own exit or
+// from rank 0's latest word that it is still working alone (mpi_rank0_alone). Past it: one line
+// and the job ends. A healthy --check longer than LOOM_FINALIZE_TIMEOUT_S ended the job as if
+// rank 0 had stopped, with no report.
+void wait_for_rank0(double limit_s) {
+  int rank = 0, size = 0;
+  {
+    Lock lock(mpi_mutex());
+    if (!control_rank(&rank, &size) || size < 2) return;
+    if (rank == 0) {
+      tell_others(&kDone, 1, kFinalTag, rank, size);
+      return;
+    }
+  }
+  const double start = now_s();
+  double deadline = start + limit_s, heard = -1;  // heard: when rank 0 last said it was working
+  int word = 0;
+  MPI_Request request = MPI_REQUEST_NULL;
+  for (;;) {
+    int flag = 0, rc = MPI_SUCCESS;
+    {
+      Lock lock(mpi_mutex());
+      if (request == MPI_REQUEST_NULL)
+        rc = MPI_Irecv(&word, 1, MPI_INT, 0, kFinalTag, g_ctl, &request);
+      if (rc == MPI_SUCCESS) rc = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+    }
+    if (rc != MPI_SUCCESS) return;  // MPI_Finalize's own watchdog is left
+    const double now = now_s();
+    if (flag) {
+      request = MPI_REQUEST_NULL;
+      if (word == kDone) return;
+      heard = now;
+      deadline = now + limit_s;
+      continue;
+    }
+    if (now >= deadline) break;
+    // Rarely awake once rank 0 is evidently busy: these ranks share its cores.
+    std::this_thread::sleep_for(std::chrono::milliseconds(now - start < 0.1 ? 1 : 20));
+  }
+  std::ostringstream why;
+  why << "the other ranks did not finish within " << limit_s
+      << " s after this one (LOOM_FINALIZE_TIMEOUT_S)";
+  if (heard >= 0)
+    why << ", nor within " << limit_s << " s of rank 0's latest word that it was still working "
+        << "alone (which came " << static_cast<int64_t>(heard - start)
+        << " s after this one finished)";
+  why << ": rank 0 stopped or is still busy (the other ranks wait for it before MPI_Finalize)";
+  // The ranks above 0 reach this deadline together: one prints, in rank order 0.1 s apart.
+  print_once_and_abort(now_s() + 0.1 * std::min(rank - 1, 15), why.str());
+}
+
+// MPI_Finalize waits for every rank of the job to reach it, with no timeout: a rank that stopped
+// after the last collective (during rank 0's --check, its writes) held the others there for
+// ever. They wait for rank 0 first (wait_for_rank0), then LOOM_FINALIZE_TIMEOUT_S seconds in
+// MPI_Finalize, then end the job with one line.
+void finalize_at_exit() {
+  const double limit_s = finalize_limit_s();
+  wait_for_rank0(limit_s);
+  Lock lock(mpi_mutex());
+  if (mpi_finalized()) return;
   std::ostringstream why;
   why << "the other ranks did not finish within " << limit_s
       << " s after this one (LOOM_FINALIZE_TIMEOUT_S): one of them stopped or is still busy "
@@ -422,6 +602,8 @@ class MpiComm final : public Communicator {
   }
 
   double timeout_for(double t) const { return resolve_timeout(t); }
+  int world_rank(int p) const { return world_ranks_[p]; }
+  bool is_world() const { return is_world_; }
   detail::Health& health() { return *health_; }
   // CommError at once when this communicator's tree failed earlier (detail::Health).
   void alive(const char* op) const {
@@ -465,7 +647,12 @@ class MpiComm final : public Communicator {
         check(start(&request), op);
       }
       MPI_Status status;
-      poll(request, status, timeout, [&] { return who(rank_) + ": " + op + " over " + group(); });
+      try {
+        poll(request, status, timeout, [&] { return who(rank_) + ": " + op + " over " + group(); });
+      } catch (const Timeout&) {
+        note_timeout(-1, world_ranks_, is_world_);
+        throw;
+      }
     });
   }
 
@@ -521,6 +708,7 @@ void MpiP2PWork::wait(double timeout_s) {
   try {
     comm_.poll(request_, status, comm_.timeout_for(timeout_s), [&] { return describe(); });
   } catch (const Timeout& e) {
+    note_timeout(comm_.world_rank(peer_), {}, comm_.is_world());
     comm_.health().fail(e.what());
     throw;
   } catch (const CommError& e) {
@@ -596,6 +784,7 @@ MPI_Comm dup_world(double limit_s) {
     });
   } catch (const Timeout&) {
     comm.release();  // left allocated: MPI may still write it
+    note_timeout(-1, {}, true);
     throw;
   }
   return *comm;
@@ -629,6 +818,7 @@ int count_node_ranks(MPI_Comm comm, double limit_s) {
   } catch (const Timeout&) {
     mine.release();  // left allocated: MPI may still use them
     all.release();
+    note_timeout(-1, {}, true);
     throw;
   }
   const std::string me(mine->data());
@@ -656,6 +846,14 @@ std::unique_ptr<Communicator> mpi_world() {
   static std::once_flag counted;
   try {
     std::call_once(counted, [&] {
+      // The control communicator (loom's own messages about the job), once. A Timeout here
+      // leaves comm allocated, as below.
+      if (g_ctl == MPI_COMM_NULL) {
+        const MPI_Comm ctl = dup_world(limit_s);
+        Lock lock(mpi_mutex());
+        MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
+        g_ctl = ctl;
+      }
       // Whether this node runs more ranks than it has cores (for back_off).
       const int here = count_node_ranks(comm, limit_s);
       const unsigned cores = std::thread::hardware_concurrency();
@@ -678,6 +876,205 @@ void mpi_abort(int code) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (initialized && !mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, code);
+}
+
+namespace {
+
+// A failing rank's report (mpi_report_error), as sent: {timed out (0/1), peer, world (0/1),
+// members...} (Waited).
+std::vector<int> encode(const Waited& w) {
+  std::vector<int> words = {w.timed_out ? 1 : 0, w.peer, w.world ? 1 : 0};
+  words.insert(words.end(), w.members.begin(), w.members.end());
+  return words;
+}
+Waited decode(const std::vector<int>& words) {
+  Waited w;
+  if (words.size() < 3) return w;
+  w.timed_out = words[0] == 1;
+  w.peer = words[1];
+  w.world = words[2] == 1;
+  w.members.assign(words.begin() + 3, words.end());
+  return w;
+}
+
+// The ranks that rank `who`'s wait w waited on: its peer, or the other members of its group.
+std::vector<int> waited_on(int who, const Waited& w, int size) {
+  if (w.peer >= 0) return {w.peer};
+  std::vector<int> out;
+  if (w.members.empty()) {
+    for (int p = 0; p < size; ++p)
+      if (p != who) out.push_back(p);
+  } else {
+    for (int p : w.members)
+      if (p != who) out.push_back(p);
+  }
+  return out;
+}
+
+std::string rank_list(const std::string& rank, const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? rank : rank + "s";
+  const size_t shown = std::min<size_t>(ranks.size(), 8);
+  for (size_t i = 0; i < shown; ++i)
+    s += (i == 0 ? " " : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
+  if (shown < ranks.size()) s += " and " + std::to_string(ranks.size() - shown) + " more";
+  return s;
+}
+
+// The clause for a timed-out wait when no rank it leads to is known: its peer may itself be
+// waiting on another ("rank 0: send to rank 1 ... timed out" when rank 4 had stopped).
+std::string waited_hint(const Waited& mine) {
+  if (!mine.timed_out) return "";
+  if (mine.peer >= 0)
+    return std::string("; ") + (mine.world ? "rank " : "world rank ") + std::to_string(mine.peer) +
+           ", or a rank it waits on, stopped or is slow";
+  return "; a rank of the group stopped or is slow";
+}
+
+// The clause that mpi_report_error adds to this rank's line: the ranks that this rank's timed-out
+// wait leads to, following the waits that the other ranks reported (`reports`, by world rank),
+// which reported no timeout of their own.
+std::string silent_hint(int me, int size, const Waited& mine,
+                        const std::map<int, Waited>& reports) {
+  if (!mine.timed_out) return "";
+  const std::string rank = mine.world ? "rank" : "world rank";
+  std::vector<int> silent, parent(size, -1);
+  std::vector<bool> seen(size, false);
+  std::vector<int> queue = {me};
+  seen[me] = true;
+  bool by_peers = true;  // every wait followed was a point-to-point one
+  for (size_t i = 0; i < queue.size(); ++i) {
+    const int r = queue[i];
+    const Waited& w = r == me ? mine : reports.at(r);
+    by_peers = by_peers && w.peer >= 0;
+    for (int t : waited_on(r, w, size)) {
+      if (t < 0 || t >= size || seen[t]) continue;
+      seen[t] = true;
+      parent[t] = r;
+      const auto it = reports.find(t);
+      if (it == reports.end()) {
+        silent.push_back(t);
+      } else if (it->second.timed_out) {
+        queue.push_back(t);
+      }  // else it failed with its own error, and reported it: not the one that went silent
+    }
+  }
+  if (silent.empty()) return waited_hint(mine);
+  std::sort(silent.begin(), silent.end());
+  std::string hint = "; " + rank_list(rank, silent) +
+                     (silent.size() == 1 ? " stopped or is slow: it reported no timeout of its own"
+                                         : " stopped or are slow: they reported no timeout of "
+                                           "their own");
+  // A chain of point-to-point waits to one silent rank: name its links.
+  if (silent.size() == 1 && by_peers && parent[silent[0]] != me) {
+    std::vector<int> chain;
+    for (int r = silent[0]; r != me; r = parent[r]) chain.push_back(r);
+    std::reverse(chain.begin(), chain.end());  // my peer ... the silent rank
+    hint += ", and " + rank + " " + std::to_string(chain[0]) + " waited on " + rank + " " +
+            std::to_string(chain[1]);
+    for (size_t i = 1; i + 1 < chain.size(); ++i) {
+      if (chain.size() > 6 && i == 2) {
+        hint += ", ...";
+        i = chain.size() - 3;
+        continue;
+      }
+      hint += (i + 2 == chain.size() ? " and " : ", ") + rank + " " + std::to_string(chain[i]) +
+              " on " + rank + " " + std::to_string(chain[i + 1]);
+    }
+  }
+  return hint;
+}
+
+// The work of mpi_rank0_alone's handle: a thread that tells the other ranks every `period`
+// seconds that rank 0 is still working, until the handle goes.
+class StillWorking {
+ public:
+  explicit StillWorking(double period)
+      : thread_([this, period] {
+          std::unique_lock<std::mutex> lock(mu_);
+          do {
+            Lock mpi(mpi_mutex());
+            int rank = 0, n = 0;
+            if (!control_rank(&rank, &n)) return;
+            tell_others(&kStillWorking, 1, kFinalTag, rank, n);
+          } while (
+              !cv_.wait_for(lock, std::chrono::duration<double>(period), [&] { return stop_; }));
+        }) {}
+  ~StillWorking() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;  // last: started once the members it uses exist
+};
+
+}  // namespace
+
+bool mpi_report_error(double wait_s, std::string* hint) {
+  if (hint) hint->clear();
+  const double deadline = now_s() + std::max(0.0, std::min(wait_s, 1e9));
+  int me = 0, size = 0;
+  bool running = false;
+  Waited mine;
+  {
+    std::lock_guard<std::mutex> lock(g_waited_mu);
+    mine = g_waited;
+  }
+  {
+    Lock lock(mpi_mutex());
+    running = control_rank(&me, &size) && size > 1;
+    if (running) {
+      // Kept until the process ends (the job is ending): the sends may still read it.
+      const std::vector<int>* words = new std::vector<int>(encode(mine));
+      tell_others(words->data(), static_cast<int>(words->size()), kReportTag, me, size);
+    }
+  }
+  if (!running) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::max(0.0, deadline - now_s())));
+    if (hint) *hint = waited_hint(mine);
+    return true;
+  }
+  std::map<int, Waited> reports;
+  const auto read_reports = [&] {
+    for (;;) {
+      int flag = 0, count = 0;
+      MPI_Message message;
+      MPI_Status status;
+      if (MPI_Improbe(MPI_ANY_SOURCE, kReportTag, g_ctl, &flag, &message, &status) != MPI_SUCCESS ||
+          !flag)
+        return;
+      MPI_Get_count(&status, MPI_INT, &count);
+      std::vector<int> words(static_cast<size_t>(std::max(count, 0)));
+      if (MPI_Mrecv(words.data(), count, MPI_INT, &message, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
+          status.MPI_SOURCE >= 0 && status.MPI_SOURCE < size)
+        reports[status.MPI_SOURCE] = decode(words);
+    }
+  };
+  if (another_rank_printed(deadline, read_reports)) return false;
+  if (hint) *hint = silent_hint(me, size, mine, reports);
+  return true;
+}
+
+std::shared_ptr<void> mpi_rank0_alone() {
+  int rank = 0, size = 0;
+  {
+    Lock lock(mpi_mutex());
+    if (!control_rank(&rank, &size) || rank != 0 || size < 2) return nullptr;
+  }
+  // Four words within each LOOM_FINALIZE_TIMEOUT_S, at most 5 s apart, at most 100 a second.
+  const double period = std::clamp(finalize_limit_s() / 4, 0.01, 5.0);
+  try {
+    return std::make_shared<StillWorking>(period);
+  } catch (const std::system_error&) {  // no thread: the others wait LOOM_FINALIZE_TIMEOUT_S
+    return nullptr;
+  }
 }
 
 }  // namespace loom
