@@ -1,5 +1,5 @@
-# Sourced by the tool check scripts (cli_checks.sh, train_check.sh): the pass/fail counters and
-# the one-clear-error-line check, written once. The sourcing script sets $loom (the binary) and
+# Sourced by the tool check scripts (cli_checks.sh, train_check.sh, the mpirun fault checks): the
+# pass/fail counters, the one-clear-error-line check and kill_job, written once. The sourcing script sets $loom (the binary) and
 # $work (a scratch folder) first, and ends with `summary`.
 pass=0
 fail=0
@@ -19,6 +19,17 @@ expect_error_of() {
   else
     echo "  rc=$rc stderr lines=$lines:"; cat "$work/stderr"; bad "$name"
   fi
+}
+
+# kill_job PID: ends a background mpirun job the script started (PID: mpirun's parent, as
+# timeout(1)) and its ranks, stopped ones too, by pid: only the processes the script started.
+kill_job() {
+  local m c
+  for m in $(pgrep -P "$1" 2> /dev/null); do
+    for c in $(pgrep -P "$m" 2> /dev/null); do kill -CONT "$c"; kill -9 "$c"; done 2> /dev/null
+    kill -9 "$m" 2> /dev/null
+  done
+  kill -9 "$1" 2> /dev/null
 }
 
 # The counts, and the exit status: 0 when nothing failed.

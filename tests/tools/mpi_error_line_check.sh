@@ -9,21 +9,12 @@ loom="$2"
 shift 2
 work="$(mktemp -d)"
 pid=""
+source "$(dirname "$0")/checks.sh"  # ok, bad, kill_job
 cleanup() {
-  # Only the processes this script started: mpirun's own children, by pid.
-  if [ -n "$pid" ]; then
-    for m in $(pgrep -P "$pid" 2> /dev/null); do
-      for c in $(pgrep -P "$m" 2> /dev/null); do kill -CONT "$c"; kill -9 "$c"; done 2> /dev/null
-      kill -9 "$m" 2> /dev/null
-    done
-    kill -9 "$pid" 2> /dev/null
-  fi
+  [ -n "$pid" ] && kill_job "$pid"
   rm -rf "$work"
 }
 trap cleanup EXIT
-pass=0 fail=0
-ok() { echo "ok   $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; fail=$((fail + 1)); }
 lines() { grep -c "loom: error" "$work/err"; }
 
 # Starts `mpiexec -np NP ... loom ARGS` in the background (pid: timeout(1), mpirun's parent) and
@@ -139,5 +130,4 @@ else
   bad "a --check longer than LOOM_FINALIZE_TIMEOUT_S=1 failed"
 fi
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+summary

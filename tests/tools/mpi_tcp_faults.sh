@@ -10,21 +10,12 @@ shift 2
 flags=("$@" --mca pml ob1 --mca btl tcp,self)
 work="$(mktemp -d)"
 pid=""
+source "$(dirname "$0")/checks.sh"  # ok, bad, kill_job
 cleanup() {
-  # Only the processes this script started: mpirun's own children, by pid.
-  if [ -n "$pid" ]; then
-    for m in $(pgrep -P "$pid" 2> /dev/null); do
-      for c in $(pgrep -P "$m" 2> /dev/null); do kill -CONT "$c"; kill -9 "$c"; done 2> /dev/null
-      kill -9 "$m" 2> /dev/null
-    done
-    kill -9 "$pid" 2> /dev/null
-  fi
+  [ -n "$pid" ] && kill_job "$pid"
   rm -rf "$work"
 }
 trap cleanup EXIT
-pass=0 fail=0
-ok() { echo "ok   $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1"; fail=$((fail + 1)); }
 
 # 1. Exact over TCP. The control run with btl self alone must fail, which shows the btl setting
 #    is what carries the messages.
@@ -99,5 +90,4 @@ fault_run STOP 5 20
 # the job ended 2 to 4 timeouts after the stop (24.0 s at LOOM_TIMEOUT_S=6), now after one (6.1 s).
 fault_run STOP 5 11.5 2 --seq 16384 --heads 4 --head-dim 32
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+summary
