@@ -52,7 +52,7 @@ std::string Report::to_json() const {
     x["passed"] = t.passed;
     x["rel_err"] = num(t.rel_err);
     x["max_abs_err"] = num(t.max_abs_err);
-    x["tolerance"] = t.tolerance;
+    x["tolerance"] = num(t.tolerance);  // null: not computable
     x["sampled"] = t.sampled;
     x["non_finite"] = t.non_finite;
     x["inf_mismatch"] = t.inf_mismatch;
@@ -101,7 +101,10 @@ std::string Report::summary() const {
       continue;
     }
     os << (t.passed ? "pass" : "FAIL") << "  rel " << fmt(t.rel_err) << "  max abs "
-       << fmt(t.max_abs_err) << "  tol " << fmt(t.tolerance);
+       << fmt(t.max_abs_err) << "  tol "
+       << (std::isfinite(t.tolerance) ? fmt(t.tolerance) : std::string("not computable"));
+    // A bound that passes zeros passes only the exact values (verify.cc).
+    if (!(t.tolerance < 1) && t.passed && t.rel_err == 0) os << "  (the exact values)";
     if (t.sampled) os << "  (sampled rows)";
     if (t.non_finite) os << "  " << t.non_finite << " non-finite";
     if (t.inf_mismatch) os << "  " << t.inf_mismatch << " -inf mismatches";

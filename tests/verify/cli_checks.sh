@@ -176,6 +176,28 @@ expect 1 "dq   FAIL" -- "$LOOM" verify --input "$T/big32" --candidate "$T/attn_b
 # At scale 1000 dq's bound passes zeros: refused as unverifiable (exit 2), not passed.
 expect 2 "dq cannot be verified: this problem's fp32 error bound for it is" -- "$LOOM" verify \
   --input "$T/big32" --candidate "$T/attn_big" --scale 1000
+# At scale 1e8 each row's weight sits on one key: out is that key's value, bitwise, and is passed
+# as exact although its bound passes zeros (it was "out cannot be verified", as `loom attn
+# --check` passes it); one value changed makes it unverifiable again, not passed.
+"$LOOM" attn --input "$T/big32" --output "$T/attn_onehot" --scale 1e8 --iters 1 --warmup 0 \
+  --quiet >/dev/null || fail "loom attn --scale 1e8"
+rm -f "$T/attn_onehot/lse.npy"
+expect 0 "out  pass  rel 0  max abs 0  tol not computable  (the exact values)" -- "$LOOM" verify \
+  --input "$T/big32" --candidate "$T/attn_onehot" --scale 1e8
+/usr/bin/python3 -c "import numpy as np, sys; f = sys.argv[1]; a = np.load(f); a[3, 1, 5] += 1e-3
+np.save(f, a)" "$T/attn_onehot/out.npy" || fail "changing out"
+expect 2 "out cannot be verified: this problem's fp32 error bound for it is" -- "$LOOM" verify \
+  --input "$T/big32" --candidate "$T/attn_onehot" --scale 1e8
+# Values all equal make the exact dq and dk zeros: held to their bounds as absolute ones (8.28 and
+# 12 here, which pass zeros), and passed, where they were "cannot be verified".
+mkdir -p "$T/equal_v"
+cp "$T/big32/q.npy" "$T/big32/k.npy" "$T/big32/dout.npy" "$T/equal_v/"
+/usr/bin/python3 -c "import numpy as np, sys; np.save(sys.argv[1], np.full((256, 2, 64), 0.5,
+np.float32))" "$T/equal_v/v.npy" || fail "writing equal v"
+"$LOOM" attn --input "$T/equal_v" --output "$T/attn_equal_v" --backward --scale 1000 --iters 1 \
+  --warmup 0 --quiet >/dev/null || fail "loom attn, equal v"
+expect 0 "dk   pass  rel 0  max abs 0  tol " -- "$LOOM" verify --input "$T/equal_v" \
+  --candidate "$T/attn_equal_v" --scale 1000
 # At scale 3e38 the bound's own arithmetic overflows: said so (it printed "-nan").
 expect 2 "error bound for it is not computable (the inputs' magnitude overflows it)" -- \
   "$LOOM" verify --input "$T/big32" --candidate "$T/attn_big" --scale 3e38
