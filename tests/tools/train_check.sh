@@ -501,6 +501,20 @@ expect_error "--data - < CK/latest" \
 mkfifo "$work/nobody.fifo"
 expect_error "--log FIFO without a reader" "a FIFO that nobody reads; start the reader first" \
   "${tiny[@]}" --steps 2 --log "$work/nobody.fifo"
+# A FIFO --log whose reader opened it and never reads: the writes time out after LOOM_TIMEOUT_S
+# with one line (the run hung for ever: `timeout` ended it, exit 124).
+mkfifo "$work/stalled.fifo"
+(exec 3< "$work/stalled.fifo"; exec sleep 60) &
+reader=$!
+sleep 0.2
+LOOM_TIMEOUT_S=1 timeout 40 "$loom" train "${tiny[@]}" --steps 100000 \
+  --log "$work/stalled.fifo" > /dev/null 2> "$work/stderr"
+rc=$?
+kill "$reader" 2> /dev/null; wait "$reader" 2> /dev/null
+[ $rc -eq 1 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] &&
+  grep -qF -- "--log $work/stalled.fifo: write timed out: its reader took nothing for 1 s" \
+    "$work/stderr" && ok "--log into a FIFO nobody reads: $(cat "$work/stderr")" ||
+  { cat "$work/stderr"; bad "--log into a FIFO nobody reads (rc=$rc)"; }
 # A --log that is a hard link to --data truncated the corpus, exit 0.
 ln "$work/corpus.txt" "$work/corpus-link.txt"
 expect_error "--log a hard link to --data" "hard links to one file" "${tiny0[@]}" --steps 2 \

@@ -66,7 +66,9 @@ struct TrainOptions {
 // The --log file: one JSON line per step, every write checked. A regular file (or a symlink to
 // one) is locked for the run (lock_or_refuse), truncated on a fresh run and, on --resume, cut
 // back to the checkpoint's step, so a resumed run never repeats a step's line; a device or FIFO
-// is written directly; "-" is standard output (it opened, and appended to, a file named "-").
+// is written directly, without blocking: a reader that stops reading fails the run after
+// LOOM_TIMEOUT_S (write_nonblocking; it hung for ever); "-" is standard output (it opened, and
+// appended to, a file named "-").
 class StepLog {
  public:
   StepLog(const std::string& path, bool resume, int64_t resumed_step) : path_(path) {
@@ -97,7 +99,7 @@ class StepLog {
                                                         : std::strerror(errno))
                                      << ")");
     if (!regular) {
-      ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
+      stream_ = true;
       return;
     }
     // Locked before anything is cut: a second run naming the same log (two runs interleaved
@@ -127,6 +129,10 @@ class StepLog {
                         << "); stopping rather than writing a checkpoint past the log");
   }
   void write(const std::string& line) {
+    if (stream_) {
+      write_nonblocking(fd_, line.data(), line.size(), "--log " + path_);
+      return;
+    }
     size_t done = 0;
     while (done < line.size()) {
       const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
@@ -177,7 +183,8 @@ class StepLog {
   }
   std::string path_;
   int fd_ = -1;
-  bool own_ = true;  // false for standard output
+  bool own_ = true;      // false for standard output
+  bool stream_ = false;  // a device or FIFO loom opened: written by write_nonblocking
 };
 
 // Whether `name` is a checkpoint as save_checkpoint names it: "step-" and at least 8 digits (the
