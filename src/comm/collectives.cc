@@ -27,16 +27,24 @@
 #include <vector>
 
 #include "loom/error.h"
+#include "loom/io.h"
 #include "loom/timer.h"
 
 namespace loom::detail {
 namespace {
 
-void wait_by(Work& work, double deadline) {
-  work.wait(std::max(0.0, deadline - now_s()));
+void wait_by(Work& work, Deadline deadline) {
+  try {
+    work.wait(std::max(0.0, deadline.at - now_s()));
+  } catch (const Timeout& e) {
+    std::ostringstream os;
+    os << e.what() << ", the rest of the collective's limit of " << seconds_text(deadline.limit_s)
+       << " s";
+    throw Timeout(os.str());
+  }
 }
 
-void wait_all(std::vector<WorkPtr>& works, double deadline) {
+void wait_all(std::vector<WorkPtr>& works, Deadline deadline) {
   for (auto& w : works) wait_by(*w, deadline);
 }
 
@@ -223,7 +231,7 @@ void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp
 
 void all_to_all(Transport& t, const void* send, const size_t* send_bytes,
                 const size_t* send_offsets, void* recv, const size_t* recv_bytes,
-                const size_t* recv_offsets, double deadline) {
+                const size_t* recv_offsets, Deadline deadline) {
   const int size = t.transport_size(), rank = t.transport_rank();
   LOOM_CHECK_EQ(send_bytes[rank], recv_bytes[rank], InvalidArgument,
                 "all_to_all on rank " << rank << ": the part a rank sends to itself must equal "
@@ -249,7 +257,7 @@ void all_to_all(Transport& t, const void* send, const size_t* send_bytes,
   wait_all(recvs, deadline);
 }
 
-void all_gather(Transport& t, const void* send, size_t bytes, void* recv, double deadline) {
+void all_gather(Transport& t, const void* send, size_t bytes, void* recv, Deadline deadline) {
   const int size = t.transport_size(), rank = t.transport_rank();
   size_t total = 0;
   LOOM_CHECK(product(bytes, static_cast<size_t>(size), total), InvalidArgument,
@@ -269,7 +277,7 @@ void all_gather(Transport& t, const void* send, size_t bytes, void* recv, double
 }
 
 void reduce_scatter(Transport& t, const void* send, void* recv, size_t count, DType dtype,
-                    ReduceOp op, double deadline) {
+                    ReduceOp op, Deadline deadline) {
   const int size = t.transport_size(), rank = t.transport_rank();
   size_t block_bytes = 0, total = 0;
   LOOM_CHECK(product(count, dtype_size(dtype), block_bytes) &&
@@ -299,7 +307,8 @@ void reduce_scatter(Transport& t, const void* send, void* recv, size_t count, DT
   reduce_blocks(recv, blocks, count, dtype, op);
 }
 
-void all_reduce(Transport& t, void* buf, size_t count, DType dtype, ReduceOp op, double deadline) {
+void all_reduce(Transport& t, void* buf, size_t count, DType dtype, ReduceOp op,
+                Deadline deadline) {
   const int size = t.transport_size(), rank = t.transport_rank();
   size_t bytes = 0;
   LOOM_CHECK(product(count, dtype_size(dtype), bytes), InvalidArgument,
@@ -347,7 +356,7 @@ void all_reduce(Transport& t, void* buf, size_t count, DType dtype, ReduceOp op,
   wait_all(recvs, deadline);
 }
 
-void barrier(Transport& t, double deadline) {
+void barrier(Transport& t, Deadline deadline) {
   const int size = t.transport_size(), rank = t.transport_rank();
   for (int k = 1; k < size; k *= 2) {
     WorkPtr r = t.post_recv(nullptr, 0, (rank - k + size) % size, kTagBarrier, "barrier", true);

@@ -82,15 +82,23 @@ size_t block_begin(size_t count, int parts, int p);
 // dst[i] = op(dst[i], src[i]) for i < count.
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
 
-// The algorithms. `deadline` is an absolute now_s() time; every wait is bounded by it.
+// A collective's deadline: `at`, an absolute now_s() time, which every wait of the collective
+// is bounded by, and the limit it was set from (seconds), which a Timeout names: a wait that ran
+// out said "timed out after" what was left of the limit (0.4998 s under LOOM_TIMEOUT_S=2).
+struct Deadline {
+  double at = 0;
+  double limit_s = 0;
+};
+
+// The algorithms; every wait is bounded by `deadline`.
 void all_to_all(Transport& t, const void* send, const size_t* send_bytes,
                 const size_t* send_offsets, void* recv, const size_t* recv_bytes,
-                const size_t* recv_offsets, double deadline);
-void all_gather(Transport& t, const void* send, size_t bytes, void* recv, double deadline);
+                const size_t* recv_offsets, Deadline deadline);
+void all_gather(Transport& t, const void* send, size_t bytes, void* recv, Deadline deadline);
 void reduce_scatter(Transport& t, const void* send, void* recv, size_t count, DType dtype,
-                    ReduceOp op, double deadline);
-void all_reduce(Transport& t, void* buf, size_t count, DType dtype, ReduceOp op, double deadline);
-void barrier(Transport& t, double deadline);
+                    ReduceOp op, Deadline deadline);
+void all_reduce(Transport& t, void* buf, size_t count, DType dtype, ReduceOp op, Deadline deadline);
+void barrier(Transport& t, Deadline deadline);
 
 // Traffic of one rank in the algorithms above (messages to other ranks only; the own block is a
 // local copy). The MPI backend adds these to CommStats.

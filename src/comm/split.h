@@ -18,7 +18,7 @@ struct SplitGroup {
 
 // Exchanges every rank's (color, key) over t's all_gather (bounded by deadline) and returns the
 // group of this rank's color. Every rank of the group calls it, those with color < 0 included.
-inline SplitGroup split_group(Transport& t, int color, int key, double deadline) {
+inline SplitGroup split_group(Transport& t, int color, int key, Deadline deadline) {
   const int n = t.transport_size();
   const int64_t mine[2] = {color, key};
   std::vector<int64_t> all(2 * static_cast<size_t>(n));

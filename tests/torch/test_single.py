@@ -477,9 +477,10 @@ def both(fn):
 
 def expect_timeout(call, fn):
     """fn raises loom.Timeout: `call: ` + the engine's text (rank 0: all_gather: send to rank 1
-    timed out after 0.3 s (the torch group of 2 ranks)) + the setting."""
-    knob = ("(the torch group of 2 ranks); loom's timeout is LOOM_TIMEOUT_S or "
-            "loom.torch.set_timeout")
+    timed out after 0.2998 s (the torch group of 2 ranks), the rest of the collective's limit of
+    0.3 s) + the setting."""
+    knob = ("(the torch group of 2 ranks), the rest of the collective's limit of 0.3 s; loom's "
+            "timeout is LOOM_TIMEOUT_S or loom.torch.set_timeout")
     try:
         fn()
     except loom.Timeout as e:

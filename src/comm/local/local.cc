@@ -532,12 +532,12 @@ class LocalComm final : public Communicator, public detail::Transport {
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     alive("split");
-    const double until = deadline(-1);
+    const detail::Deadline until = deadline(-1);
     return health_->guard([&]() -> std::unique_ptr<Communicator> {
       tick("split");
       CallSig call;
       call.op = "split";
-      agree(std::move(call), until, -1);
+      agree(std::move(call), until.at, -1);
       const detail::SplitGroup g = detail::split_group(*this, color, key, until);
       const int64_t seq = split_seq_++;
       if (color < 0) return nullptr;
@@ -660,7 +660,7 @@ class LocalComm final : public Communicator, public detail::Transport {
                   double timeout_s) override {
     alive("all_to_all");
     detail::check_all_to_all(rank_, send_bytes, send_offsets, recv_bytes, recv_offsets);
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     health_->guard([&] {
       tick("all_to_all");
       CallSig call;
@@ -669,7 +669,7 @@ class LocalComm final : public Communicator, public detail::Transport {
       call.recv_bytes.assign(recv_bytes, recv_bytes + size());
       call.problem = detail::all_to_all_overlap(size(), send, send_bytes, send_offsets, recv,
                                                 recv_bytes, recv_offsets);
-      agree(std::move(call), until, timeout_s);
+      agree(std::move(call), until.at, timeout_s);
       detail::all_to_all(*this, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
                          until);
     });
@@ -678,14 +678,14 @@ class LocalComm final : public Communicator, public detail::Transport {
   void all_gather(const void* send, size_t bytes, void* recv, double timeout_s) override {
     alive("all_gather");
     detail::check_buffers("all_gather", send, recv, bytes, "bytes");
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     health_->guard([&] {
       tick("all_gather");
       CallSig call;
       call.op = "all_gather";
       call.count = bytes;
       call.problem = detail::all_gather_overlap(size(), rank_, send, bytes, recv);
-      agree(std::move(call), until, timeout_s);
+      agree(std::move(call), until.at, timeout_s);
       detail::all_gather(*this, send, bytes, recv, until);
     });
   }
@@ -695,12 +695,12 @@ class LocalComm final : public Communicator, public detail::Transport {
     alive("reduce_scatter");
     detail::check_buffers("reduce_scatter", send, recv, count, "elements");
     detail::check_reduction("reduce_scatter", dtype, op);
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     health_->guard([&] {
       tick("reduce_scatter");
       agree(reduction("reduce_scatter", count, dtype, op,
                       detail::reduce_scatter_overlap(size(), send, recv, count, dtype)),
-            until, timeout_s);
+            until.at, timeout_s);
       detail::reduce_scatter(*this, send, recv, count, dtype, op, until);
     });
   }
@@ -709,24 +709,24 @@ class LocalComm final : public Communicator, public detail::Transport {
     alive("all_reduce");
     detail::check_buffers("all_reduce", buf, buf, count, "elements");
     detail::check_reduction("all_reduce", dtype, op);
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     health_->guard([&] {
       tick("all_reduce");
       agree(
           reduction("all_reduce", count, dtype, op, detail::all_reduce_size_problem(count, dtype)),
-          until, timeout_s);
+          until.at, timeout_s);
       detail::all_reduce(*this, buf, count, dtype, op, until);
     });
   }
 
   void barrier(double timeout_s) override {
     alive("barrier");
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     health_->guard([&] {
       tick("barrier");
       CallSig call;
       call.op = "barrier";
-      agree(std::move(call), until, timeout_s);
+      agree(std::move(call), until.at, timeout_s);
       detail::barrier(*this, until);
     });
   }
@@ -739,7 +739,10 @@ class LocalComm final : public Communicator, public detail::Transport {
   }
 
  private:
-  double deadline(double timeout_s) const { return now_s() + resolve_timeout(timeout_s); }
+  detail::Deadline deadline(double timeout_s) const {
+    const double limit = resolve_timeout(timeout_s);
+    return {now_s() + limit, limit};
+  }
 
   static CallSig reduction(const char* op, size_t count, DType dtype, ReduceOp reduce,
                            std::string problem) {

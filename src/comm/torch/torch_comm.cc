@@ -124,7 +124,7 @@ class TorchComm final : public Communicator, public detail::Transport {
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     alive("split");
-    const double until = deadline(-1);
+    const detail::Deadline until = deadline(-1);
     const detail::SplitGroup g =
         health_->guard([&] { return detail::split_group(*this, color, key, until); });
     const int64_t seq = split_seq_++;
@@ -166,7 +166,7 @@ class TorchComm final : public Communicator, public detail::Transport {
                   double timeout_s) override {
     alive("all_to_all");
     detail::check_all_to_all(rank_, send_bytes, send_offsets, recv_bytes, recv_offsets);
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
     health_->guard([&] {
       detail::all_to_all(*this, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets,
@@ -177,7 +177,7 @@ class TorchComm final : public Communicator, public detail::Transport {
   void all_gather(const void* send, size_t bytes, void* recv, double timeout_s) override {
     alive("all_gather");
     detail::check_buffers("all_gather", send, recv, bytes, "bytes");
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
     health_->guard([&] { detail::all_gather(*this, send, bytes, recv, until); });
   }
@@ -187,7 +187,7 @@ class TorchComm final : public Communicator, public detail::Transport {
     alive("reduce_scatter");
     detail::check_buffers("reduce_scatter", send, recv, count, "elements");
     detail::check_reduction("reduce_scatter", dtype, op);
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
     health_->guard([&] { detail::reduce_scatter(*this, send, recv, count, dtype, op, until); });
   }
@@ -196,14 +196,14 @@ class TorchComm final : public Communicator, public detail::Transport {
     alive("all_reduce");
     detail::check_buffers("all_reduce", buf, buf, count, "elements");
     detail::check_reduction("all_reduce", dtype, op);
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
     health_->guard([&] { detail::all_reduce(*this, buf, count, dtype, op, until); });
   }
 
   void barrier(double timeout_s) override {
     alive("barrier");
-    const double until = deadline(timeout_s);
+    const detail::Deadline until = deadline(timeout_s);
     ScopedTimer timer(stats_.wait_s);
     health_->guard([&] { detail::barrier(*this, until); });
   }
@@ -219,7 +219,10 @@ class TorchComm final : public Communicator, public detail::Transport {
   }
 
  private:
-  double deadline(double timeout_s) const { return now_s() + resolve_timeout(timeout_s); }
+  detail::Deadline deadline(double timeout_s) const {
+    const double limit = resolve_timeout(timeout_s);
+    return {now_s() + limit, limit};
+  }
   int wire_tag(int tag) const { return (group_id_ << kTagBits) + tag + kTagShift; }
 
   // Posts one send (or recv) of buf on the ProcessGroup: CommError naming both ranks when torch
