@@ -1,7 +1,8 @@
 # bench_kernels: forward/backward GFLOP/s of the blockwise kernels next to a measured sgemm rate.
 # See docs/performance.md, "Kernels: first numbers (issue 2)".
 add_executable(bench_kernels ${CMAKE_CURRENT_LIST_DIR}/bench_kernels.cc)
-target_link_libraries(bench_kernels PRIVATE loom_kernels CLI11::CLI11 nlohmann_json::nlohmann_json)
+target_link_libraries(bench_kernels PRIVATE loom_kernels OpenMP::OpenMP_CXX CLI11::CLI11
+                                            nlohmann_json::nlohmann_json)
 # --torch runs this script (PyTorch eager on the same shapes) from the source tree.
 target_compile_definitions(bench_kernels
                            PRIVATE LOOM_TORCH_COMPARE="${CMAKE_CURRENT_LIST_DIR}/torch_compare.py")

@@ -47,10 +47,11 @@ set(loom_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/loom)
 install(EXPORT loomTargets NAMESPACE loom:: DESTINATION ${loom_cmake_dir})
 
 # What loomConfig.cmake must find again for the libraries' link interface (src/*/CMakeLists.txt):
-# Threads and OpenMP (core, kernels, verify), Highway (kernels: $<LINK_ONLY:hwy::hwy>), MPI's C
-# library where the build has the MPI backend (comm), and OpenBLAS (model: loom::openblas, made
-# by the config file from the library this build linked). nlohmann_json is a build-time header
-# only ($<BUILD_INTERFACE:...>), CLI11 the command's alone.
+# Threads (core), OpenMP and Highway (kernels and verify link them privately, $<LINK_ONLY:...>:
+# a user's sources are not compiled with -fopenmp), MPI's C library where the build has the MPI
+# backend (comm), and OpenBLAS (model: loom::openblas, made by the config file from the library
+# this build linked). nlohmann_json is a build-time header only ($<BUILD_INTERFACE:...>), CLI11
+# the command's alone.
 get_filename_component(LOOM_OPENBLAS_DIR "${LOOM_OPENBLAS_LIB}" DIRECTORY)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/loomConfig.cmake.in
                               ${PROJECT_BINARY_DIR}/cmake/loomConfig.cmake

@@ -32,7 +32,7 @@ endfunction()
 step("install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --config ${BUILD_TYPE})
 set(configure_args -S ${SOURCE_DIR}/examples/cpp -B ${example} -G ${GENERATOR}
     -DCMAKE_BUILD_TYPE=${BUILD_TYPE} -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
-    -DCMAKE_PREFIX_PATH=${prefix})
+    -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
 if(C_COMPILER)
   list(APPEND configure_args -DCMAKE_C_COMPILER=${C_COMPILER})
 endif()
@@ -46,6 +46,13 @@ if(NOT loom_dir MATCHES "^loom_DIR:PATH=${prefix}/")
   message(FATAL_ERROR "install_example: examples/cpp found loom at '${loom_dir}', not in ${prefix}")
 endif()
 step("build examples/cpp" ${CMAKE_COMMAND} --build ${example} --config ${BUILD_TYPE})
+# loom's OpenMP stays inside its libraries: a user's sources are not compiled with -fopenmp
+# (loom::kernels linked OpenMP PUBLIC, which turned on every `#pragma omp` of the user's code).
+file(READ ${example}/compile_commands.json commands)
+if(commands MATCHES "openmp")
+  message(FATAL_ERROR "install_example: loom::loom compiles its users' sources with OpenMP:\n"
+                      "${commands}")
+endif()
 find_program(example_exe cp_attention PATHS ${example} ${example}/${BUILD_TYPE} NO_DEFAULT_PATH)
 if(NOT example_exe)
   message(FATAL_ERROR "install_example: no cp_attention in ${example}")
