@@ -351,6 +351,20 @@ expect_error "--resume with a damaged log line" "line 2 is not a step line" "${t
   --checkpoint-dir "$work/lt" --resume --log "$work/damaged.jsonl"
 cmp -s "$work/damaged.jsonl" "$work/damaged.before" && ok "the damaged log kept" ||
   bad "the damaged log was cut"
+# A log with a gap (step 2 missing) or one that ends before the checkpoint's step (at 2 of 3):
+# the resumed run went on from step 4 as if the log were whole, exit 0. Refused, the log kept.
+sed '2d' "$work/lt.jsonl" > "$work/gap.jsonl"
+head -n 2 "$work/lt.jsonl" > "$work/short.jsonl"
+cp "$work/gap.jsonl" "$work/gap.before"
+cp "$work/short.jsonl" "$work/short.before"
+expect_error "--resume with a gap in the log" "line 2 is step 3 after step 1 (the log is not one \
+line per step, in order)" "${tiny[@]}" --steps 6 --checkpoint-dir "$work/lt" --resume \
+  --log "$work/gap.jsonl"
+expect_error "--resume with a log behind the checkpoint" "ends at step 2, before the checkpoint's \
+step 3 (that step's line is missing)" "${tiny[@]}" --steps 6 --checkpoint-dir "$work/lt" --resume \
+  --log "$work/short.jsonl"
+cmp -s "$work/gap.jsonl" "$work/gap.before" && cmp -s "$work/short.jsonl" "$work/short.before" &&
+  ok "the logs with missing steps kept" || bad "a log with missing steps was cut"
 
 
 # Audit: --log among the checkpoint files (--log CK/latest, CK/step-00000002.ckpt) exited 0 with

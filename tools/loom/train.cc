@@ -145,7 +145,8 @@ class StepLog {
   }
 
  private:
-  // The leading lines of an existing log whose "step" is <= step (a torn last line is dropped).
+  // The leading lines of an existing log whose "step" is <= step (a torn last line is dropped),
+  // which must be one per step, in order, up to `step` itself.
   // A file whose first line is not a step line (nor the start of one, torn by a kill) is not a
   // loom train log: refused, not cut back to nothing (a file of notes was replaced, exit 0).
   static std::string lines_up_to(const std::string& path, int64_t step) {
@@ -162,6 +163,7 @@ class StepLog {
     std::istringstream in(text);
     std::string line, keep;
     bool first = true;
+    int64_t last = -1;  // the step of the last line kept
     while (std::getline(in, line)) {
       if (in.eof()) break;  // no newline: a line torn by a kill
       nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
@@ -176,9 +178,27 @@ class StepLog {
                                     << (std::count(keep.begin(), keep.end(), '\n') + 1)
                                     << " is not a step line (the log is damaged); repair or "
                                        "remove that line, or give a new --log");
-      if (j["step"].get<int64_t>() > step) break;
+      const int64_t at = j["step"].get<int64_t>();
+      if (at > step) break;
+      // One line per step, in order: a log with a gap went on from the checkpoint's step as if
+      // it were whole (lines 4 to 6 of a run checkpointed at 6 missing, exit 0).
+      LOOM_CHECK(last < 0 || at == last + 1, InvalidArgument,
+                 "--resume: --log " << path << " line "
+                                    << (std::count(keep.begin(), keep.end(), '\n') + 1)
+                                    << " is step " << at << " after step " << last
+                                    << " (the log is not one line per step, in order); give the "
+                                       "run's own log, or a new --log");
+      last = at;
       keep += line + "\n";
     }
+    LOOM_CHECK(
+        last < 0 || last == step, InvalidArgument,
+        "--resume: --log " << path << " ends at step " << last << ", before the checkpoint's step "
+                           << step << " ("
+                           << (last + 1 == step ? "that step's line is"
+                                                : "the lines of steps " + std::to_string(last + 1) +
+                                                      " to " + std::to_string(step) + " are")
+                           << " missing); give the run's own log, or a new --log");
     return keep;
   }
   std::string path_;
