@@ -95,11 +95,7 @@ Result run(const Problem& p, loom::Strategy strategy, int degree, loom::Layout l
     plan.unshard(d.dq, r, res.dq);
     plan.unshard(d.dk, r, res.dk);
     plan.unshard(d.dv, r, res.dv);
-    const std::vector<int64_t>& tokens = plan.tokens[static_cast<size_t>(r)];
-    const int64_t n = plan.rows(r);
-    for (int64_t h = 0; h < kHeads; ++h)
-      for (int64_t i = 0; i < n; ++i)
-        res.lse[h * kSeq + tokens[static_cast<size_t>(i)]] = d.lse[h * n + i];
+    plan.unshard_lse(d.lse, r, res.lse);
     res.bytes_sent += d.bytes_sent;
   }
   return res;

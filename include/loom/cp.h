@@ -113,8 +113,9 @@ struct ShardPlan {
   // constructor and gather_rows call it (a token past seq overflowed the heap; tokens out of
   // order gave wrong attention; a plan without segments gave zeros).
   void check() const;
-  // rows, token_info, shard and unshard take a rank r in [0, ranks) and throw InvalidArgument
-  // naming r and ranks otherwise (rows: one comparison; no accessor is on a per-element path).
+  // rows, token_info, shard, unshard and their lse forms take a rank r in [0, ranks) and throw
+  // InvalidArgument naming r and ranks otherwise (rows: one comparison; no accessor is on a
+  // per-element path).
   int64_t rows(int r) const {
     check_rank(r, "rows");
     return static_cast<int64_t>(tokens[static_cast<size_t>(r)].size());
@@ -127,6 +128,10 @@ struct ShardPlan {
   Tensor<float> shard(const Tensor<float>& global, int r) const;
   // Writes rank r's rows of `local` into their places in `global` (the same check).
   void unshard(const Tensor<float>& local, int r, Tensor<float>& global) const;
+  // The same for lse, whose layout is [H, n] (head stride n, CpAttention::forward), against a
+  // global [H, seq]: shard_lse copies rank r's columns out, unshard_lse writes them back.
+  Tensor<float> shard_lse(const Tensor<float>& global, int r) const;
+  void unshard_lse(const Tensor<float>& local, int r, Tensor<float>& global) const;
 
  private:
   // r in [0, ranks) (and within tokens), else rank_error.

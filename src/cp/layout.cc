@@ -311,4 +311,32 @@ void ShardPlan::unshard(const Tensor<float>& local, int r, Tensor<float>& global
   }
 }
 
+Tensor<float> ShardPlan::shard_lse(const Tensor<float>& global, int r) const {
+  check_rank(r, "shard_lse");
+  LOOM_CHECK(global.dim() == 2 && global.size(1) == seq, InvalidArgument,
+             "shard_lse: expected an [H, " << seq << "] tensor, got " << shape_str(global.shape()));
+  const int64_t H = global.size(0), n = rows(r);
+  Tensor<float> out({H, n});
+  for (int64_t i = 0; i < n; ++i) {
+    check_token(r, i);
+    for (int64_t h = 0; h < H; ++h) out[h * n + i] = global[h * seq + tokens[r][i]];
+  }
+  return out;
+}
+
+void ShardPlan::unshard_lse(const Tensor<float>& local, int r, Tensor<float>& global) const {
+  check_rank(r, "unshard_lse");
+  LOOM_CHECK(local.dim() == 2 && local.size(1) == rows(r) && global.dim() == 2 &&
+                 global.size(1) == seq && global.size(0) == local.size(0),
+             InvalidArgument,
+             "unshard_lse: local " << shape_str(local.shape()) << " does not fit global "
+                                   << shape_str(global.shape()) << " for rank " << r
+                                   << " (lse is [H, rows], [H, seq])");
+  const int64_t H = local.size(0), n = rows(r);
+  for (int64_t i = 0; i < n; ++i) {
+    check_token(r, i);
+    for (int64_t h = 0; h < H; ++h) global[h * seq + tokens[r][i]] = local[h * n + i];
+  }
+}
+
 }  // namespace loom

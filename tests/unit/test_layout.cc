@@ -81,6 +81,31 @@ TEST(Layout, ShardUnshardRoundTrip) {
   }
 }
 
+// lse is [H, n] per rank, [H, seq] globally: rank r's column i is token tokens[r][i] of every
+// head, and the columns of all ranks cover the sequence once.
+TEST(Layout, ShardUnshardLse) {
+  Tensor<float> g({2, 13});
+  std::iota(g.vec().begin(), g.vec().end(), 0.0f);
+  for (Layout l : {Layout::contiguous, Layout::zigzag, Layout::stripe}) {
+    const ShardPlan p = ShardPlan::make(l, 13, 3, {4, 9});
+    Tensor<float> back({2, 13}, -1.0f);
+    for (int r = 0; r < 3; ++r) {
+      const Tensor<float> local = p.shard_lse(g, r);
+      ASSERT_EQ(local.shape(), (std::vector<int64_t>{2, p.rows(r)}));
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t i = 0; i < p.rows(r); ++i)
+          EXPECT_EQ(local[h * p.rows(r) + i], g[h * 13 + p.tokens[r][i]]) << to_string(l);
+      p.unshard_lse(local, r, back);
+    }
+    EXPECT_EQ(back.vec(), g.vec()) << to_string(l);
+  }
+  const ShardPlan p = ShardPlan::make(Layout::zigzag, 13, 3);
+  Tensor<float> global({2, 13});
+  EXPECT_THROW(p.shard_lse(Tensor<float>({13, 2}), 0), InvalidArgument);
+  EXPECT_THROW(p.unshard_lse(Tensor<float>({2, p.rows(0) + 1}), 0, global), InvalidArgument);
+  EXPECT_THROW(p.unshard_lse(Tensor<float>({3, p.rows(0)}), 0, global), InvalidArgument);
+}
+
 TEST(Layout, Errors) {
   EXPECT_THROW(ShardPlan::make(Layout::zigzag, 10, 2, {4, 5}), InvalidArgument);
   EXPECT_THROW(ShardPlan::make(Layout::zigzag, 0, 2), InvalidArgument);
@@ -93,8 +118,8 @@ TEST(Layout, Errors) {
     EXPECT_THROW(parse_doc_lengths(bad), InvalidArgument) << bad;
 }
 
-// rows, token_info, shard and unshard take a rank of the plan; any other is refused, naming it
-// and the plan's ranks (r == ranks read past the plan's vectors).
+// rows, token_info, shard, unshard and their lse forms take a rank of the plan; any other is
+// refused, naming it and the plan's ranks (r == ranks read past the plan's vectors).
 TEST(Layout, RanksOutsideThePlanAreRefused) {
   const ShardPlan p = ShardPlan::make(Layout::zigzag, 10, 2);
   Tensor<float> global({10, 1, 1});
@@ -113,6 +138,9 @@ TEST(Layout, RanksOutsideThePlanAreRefused) {
     expect_refused([&] { p.token_info(r); }, "token_info");
     expect_refused([&] { p.shard(global, r); }, "shard");
     expect_refused([&] { p.unshard(local, r, global); }, "unshard");
+    expect_refused([&] { p.shard_lse(Tensor<float>({1, 10}), r); }, "shard_lse");
+    Tensor<float> lse({1, 10});
+    expect_refused([&] { p.unshard_lse(Tensor<float>({1, 5}), r, lse); }, "unshard_lse");
   }
   EXPECT_EQ(p.rows(1), 5);
   EXPECT_EQ(p.token_info(1).n, 5);
