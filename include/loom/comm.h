@@ -149,6 +149,12 @@ class Communicator {
   const CommStats& stats() const { return stats_; }
 
  protected:
+  // The default timeout: LOOM_TIMEOUT_S, read (and checked) here.
+  Communicator() = default;
+  // A given timeout (checked_timeout_s): LOOM_TIMEOUT_S is not read, so a communicator made with
+  // a timeout of its own works whatever the variable holds (an invalid one made every
+  // communicator's construction throw, set_timeout's too).
+  explicit Communicator(double timeout_s) : timeout_s_(checked_timeout_s(timeout_s)) {}
   // A wait's timeout: < 0 the communicator's; else at most 1e9 s (InvalidArgument for NaN, inf or
   // more: NaN waited with no timeout at all, inf for ever).
   double resolve_timeout(double t) const;

@@ -356,8 +356,8 @@ def _long_number_text(x):
 def set_timeout(seconds, group=None):
     """Sets loom's timeout (seconds) for every wait over `group` (default: LOOM_TIMEOUT_S or 60):
     a number from 0.001 to 1e9, as LOOM_TIMEOUT_S takes; InvalidArgument for anything else (a
-    bool, NaN, inf, 0, a negative number, a non-number). Where LOOM_TIMEOUT_S holds a value loom
-    refuses, InvalidArgument says to unset or fix it (loom reads it for every group it makes)."""
+    bool, NaN, inf, 0, a negative number, a non-number). It works whatever LOOM_TIMEOUT_S holds:
+    a group given its timeout here does not read the variable."""
     # The range is the communicators' (0.001 to 1e9 s, as LOOM_TIMEOUT_S), checked before the
     # group is looked for; a bool or a non-number is refused here (float() would take True, "3").
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
@@ -370,17 +370,9 @@ def set_timeout(seconds, group=None):
                               f"{_long_number_text(seconds)}, beyond float's range") from None
     _loom.checked_timeout_s(seconds)
     pg = _process_group(group, "set_timeout")
-    try:
-        g = _loom_group(pg, seconds)  # a group met here first is made with this timeout
-    except InvalidArgument as e:
-        # loom's communicators read LOOM_TIMEOUT_S whenever one is made, even with a timeout
-        # given: a value loom refuses ("abc") made a valid set_timeout(2.5) raise the variable's
-        # message alone, which never said that set_timeout cannot stand in for it.
-        if not str(e).startswith("LOOM_TIMEOUT_S"):
-            raise
-        raise InvalidArgument(
-            f"set_timeout: {e}; loom reads LOOM_TIMEOUT_S for every group it makes, "
-            "set_timeout's too: unset it or give it a valid value") from None
+    # A group met here first is made with this timeout, without reading LOOM_TIMEOUT_S: a value
+    # loom refuses there ("abc") made a valid set_timeout(2.5) raise the variable's message.
+    g = _loom_group(pg, seconds)
     g.timeout_s = seconds
 
 

@@ -839,6 +839,21 @@ TEST(CommHelpers, DefaultTimeoutFromEnvironment) {
     EnvVar e("LOOM_TIMEOUT_S", bad);
     EXPECT_THROW(Communicator::default_timeout_s(), InvalidArgument) << "'" << bad << "'";
   }
+  // A timeout given stands in for the variable, whatever it holds (an invalid one made every
+  // communicator's construction throw, a timeout given or not); the default still refuses it.
+  {
+    EnvVar e("LOOM_TIMEOUT_S", "abc");
+    run_local(
+        2,
+        [](Communicator& c) {
+          EXPECT_EQ(c.timeout_s(), 0.75);
+          c.barrier();
+          auto sub = c.split(0, c.rank());
+          EXPECT_EQ(sub->timeout_s(), 0.75);
+        },
+        {}, 0.75);
+    EXPECT_THROW(run_local(2, [](Communicator&) {}), InvalidArgument);
+  }
 }
 
 TEST(CommHelpers, LaunchedByMpirun) {

@@ -409,13 +409,15 @@ expect_error(E, "got 1e-12", lambda: lt.set_timeout(1e-12, one_rank))
 expect_error(E, "got 1e-12", lambda: setattr(lt._group(one_rank), "timeout_s", 1e-12))
 check(lt._group(one_rank).timeout_s == 1e9, "a refused timeout leaves the group's timeout as it was")
 # LOOM_TIMEOUT_S holding a value loom refuses: a valid set_timeout on a group loom meets first
-# raised the variable's message alone (loom reads it for every group it makes): it says what to do.
+# raised the variable's message (loom read it for every group it made, a timeout given or not):
+# the group now takes the timeout given; a group made without one still refuses the variable.
 timeout_env = os.environ.get("LOOM_TIMEOUT_S")
 os.environ["LOOM_TIMEOUT_S"] = "abc"
-expect_error(E, "set_timeout: LOOM_TIMEOUT_S must be a decimal number of seconds from 0.001 to 1e9, "
-             "got 'abc'; loom reads LOOM_TIMEOUT_S for every group it makes, set_timeout's too: "
-             "unset it or give it a valid value",
-             lambda: lt.set_timeout(2.5, torch.distributed.ProcessGroupGloo(
+fresh = torch.distributed.ProcessGroupGloo(torch.distributed.HashStore(), 0, 1)
+lt.set_timeout(2.5, fresh)
+check(lt._group(fresh).timeout_s == 2.5, "set_timeout on a new group, LOOM_TIMEOUT_S=abc")
+expect_error(E, "LOOM_TIMEOUT_S must be a decimal number of seconds from 0.001 to 1e9, got 'abc'",
+             lambda: lt._group(torch.distributed.ProcessGroupGloo(
                  torch.distributed.HashStore(), 0, 1)))
 lt.set_timeout(2.5, one_rank)  # a group loom has made already takes it
 check(lt._group(one_rank).timeout_s == 2.5, "set_timeout on a group loom holds, LOOM_TIMEOUT_S=abc")

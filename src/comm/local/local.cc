@@ -518,11 +518,10 @@ class LocalComm final : public Communicator, public detail::Transport {
   // health: the tree's, for a split; none: a new tree (a world communicator).
   LocalComm(std::shared_ptr<World> world, int rank, double timeout_s,
             std::shared_ptr<detail::Health> health = nullptr)
-      : world_(std::move(world)),
+      : Communicator(timeout_s),
+        world_(std::move(world)),
         rank_(rank),
-        health_(health ? std::move(health) : std::make_shared<detail::Health>("a new run_local")) {
-    timeout_s_ = checked_timeout_s(timeout_s);
-  }
+        health_(health ? std::move(health) : std::make_shared<detail::Health>("a new run_local")) {}
 
   int rank() const override { return rank_; }
   int size() const override { return world_->size(); }

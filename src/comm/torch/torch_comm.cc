@@ -99,13 +99,13 @@ class TorchComm final : public Communicator, public detail::Transport {
   // health: the tree's, for a split; none: a new tree (torch_communicator).
   TorchComm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::vector<int> members, int rank,
             int group_id, double timeout_s, std::shared_ptr<detail::Health> health = nullptr)
-      : pg_(std::move(pg)),
+      : Communicator(timeout_s),
+        pg_(std::move(pg)),
         members_(std::move(members)),
         rank_(rank),
         group_id_(group_id),
         health_(health ? std::move(health)
                        : std::make_shared<detail::Health>("a new process group")) {
-    timeout_s_ = checked_timeout_s(timeout_s);
     root_ = group_id_ == kRootGroup;
   }
 
