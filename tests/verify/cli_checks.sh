@@ -516,6 +516,71 @@ expect 1 "diagnosis no known defect explains the out error" -- \
 expect2 "--scale 1e-44 is subnormal in float32" -- SV --candidate "$T/samp_ref" --scale 1e-44
 expect2 "--scale 5e-324 rounds to 0 in float32" -- SV --candidate "$T/samp_ref" --scale 5e-324
 
+# Memory is estimated from the .npy headers and refused before any body is read, in one line
+# naming the estimate and the limit (docs/verify.md, "Memory"): a long-context candidate (40 GiB
+# in double) was read piece by piece until the process was killed or ran out of memory.
+expect2 "^loom: error: loom verify needs about [0-9.]* MiB (estimate) but the memory limit is 1.0 MiB (--memory-limit); make the problem smaller or raise --memory-limit$" \
+  -- V --candidate "$T/lib/correct" --memory-limit 1M
+expect 0 "verify    PASSED" -- V --candidate "$T/lib/correct" --memory-limit 64G
+# --memory-limit is read as loom attn reads it.
+expect2 "^loom: error: --memory-limit must be a positive size below 8 EiB, got '0'$" -- \
+  V --candidate "$T/lib/correct" --memory-limit 0
+expect2 "^loom: error: --memory-limit '-1' is not a size (expected bytes" -- \
+  V --candidate "$T/lib/correct" --memory-limit -1
+expect2 "^loom: error: --memory-limit 'abc' is not a size (expected bytes" -- \
+  V --candidate "$T/lib/correct" --memory-limit abc
+# An address-space limit that loom starts under but the inputs cannot fit: refused from the
+# headers (sparse files of 128 MiB, 1 GiB in double), not "out of memory" half way through them.
+/usr/bin/python3 - "$T/sparse" <<'PY'
+import os, struct, sys
+d = sys.argv[1]
+for sub, names in (("in", ("q", "k", "v", "dout")), ("cand", ("out",))):
+    os.makedirs(f"{d}/{sub}")
+    shape = (65536, 8, 64)
+    h = ("{'descr': '<f4', 'fortran_order': False, 'shape': %s, }" % (shape,)).encode()
+    h += b" " * ((64 - (11 + len(h)) % 64) % 64) + b"\n"
+    head = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h
+    for n in names:
+        with open(f"{d}/{sub}/{n}.npy", "wb") as f:
+            f.write(head)
+            f.truncate(len(head) + 4 * shape[0] * shape[1] * shape[2])
+PY
+expect2 "^loom: error: loom verify needs about [0-9.]* GiB of address space (estimate) but the address-space limit (ulimit -v) of 390.6 MiB, of which [0-9.]* MiB is mapped already, leaves" \
+  -- env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 bash -c \
+  'ulimit -v 400000; exec "$0" verify --input "$1/in" --candidate "$1/cand"' "$LOOM" "$T/sparse"
+rm -rf "$T/sparse"
+# The estimate bounds the peak resident set, and is not far above it: a pass, and a failure whose
+# localisation copies the whole problem (GQA: 1 < Hkv < H), on 256 sampled rows.
+/usr/bin/python3 - "$LOOM" "$T/mem" <<'PY' || fail "the memory estimate against the peak resident set"
+import os, re, subprocess, sys
+import numpy as np
+loom, d = sys.argv[1], sys.argv[2]
+r = np.random.default_rng(5)
+os.makedirs(f"{d}/in")
+for n, h in (("q", 4), ("k", 2), ("v", 2), ("dout", 4)):
+    np.save(f"{d}/in/{n}.npy", r.standard_normal((4096, h, 32)).astype(np.float32))
+subprocess.run([loom, "attn", "--input", f"{d}/in", "--backward", "--output", f"{d}/pass",
+                "--iters", "1", "--warmup", "0", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+os.makedirs(f"{d}/fail")
+for n in ("out", "lse", "dq", "dk", "dv"):
+    x = np.load(f"{d}/pass/{n}.npy")
+    np.save(f"{d}/fail/{n}.npy", x * np.float32(1.01) if n == "out" else x)
+ok = True
+for cand, want in (("pass", 0), ("fail", 1)):
+    args = [loom, "verify", "--input", f"{d}/in", "--candidate", f"{d}/{cand}",
+            "--full-check-max", "1024", "--quiet"]
+    e = subprocess.run(args + ["--memory-limit", "1"], capture_output=True, text=True)
+    m = re.search(r"needs about ([0-9.]+) MiB \(estimate\)", e.stderr)
+    p = subprocess.Popen(args)
+    _, status, usage = os.wait4(p.pid, 0)
+    peak = usage.ru_maxrss / 1024  # MiB
+    est = float(m.group(1)) if m else float("nan")
+    print(f"{cand}: exit {os.waitstatus_to_exitcode(status)}, peak {peak:.1f} MiB, "
+          f"estimate {est:.1f} MiB")
+    ok = ok and os.waitstatus_to_exitcode(status) == want and peak <= est <= 2 * peak
+sys.exit(0 if ok else 1)
+PY
+
 if [ $fails -ne 0 ]; then
   echo "$fails check(s) failed"
   exit 1

@@ -917,73 +917,25 @@ double estimate_attn_bytes(const AttnOptions& o, const Problem& p, int world, in
 }
 
 // The address space the run's threads map beyond what attn_run_bytes counts, for check_memory's
-// mapped_bytes: a stack for each of the `rank_threads` threads the local backend starts (one a
-// rank; none under mpirun, where the rank is the main thread) and for each kernel thread past
-// the first of each of the `ranks_here` ranks (OpenMP's workers), and a malloc arena for each
-// thread that allocates, as many as glibc makes. A stack is the stack limit (ulimit -s; 8 MiB
-// where it is unlimited, as blas_mapped_bytes takes it) and a page of guard, a worker's
-// OMP_STACKSIZE where that is set; an arena reserves 64 MiB (glibc's HEAP_MAX_SIZE), at most
-// MALLOC_ARENA_MAX or 8 a core beyond the main thread's. The rank threads allocate, the workers
-// only with bf16 storage (`workers_allocate`; measured: a bf16 run of 16 threads maps 15 arenas
-// more than one of 1 thread, an fp32 run none). Counted nowhere, loom attn under `ulimit -v`
-// passed its check and ended in libgomp's abort ("libgomp: Thread creation failed", --threads
-// 256) or in "could not start the thread of rank 48" (--ranks 64); loom train counts them
-// (blas_mapped_bytes).
+// mapped_bytes (threads_mapped_bytes, commands.h): a stack for each of the `rank_threads` threads
+// the local backend starts (one a rank; none under mpirun, where the rank is the main thread) and
+// for each kernel thread past the first of each of the `ranks_here` ranks (OpenMP's workers),
+// with their malloc arenas: the rank threads allocate, the workers only with bf16 storage
+// (`workers_allocate`; measured: a bf16 run of 16 threads maps 15 arenas more than one of 1
+// thread, an fp32 run none). Counted nowhere, loom attn under `ulimit -v` passed its check and
+// ended in libgomp's abort ("libgomp: Thread creation failed", --threads 256) or in "could not
+// start the thread of rank 48" (--ranks 64).
 double attn_mapped_bytes(int rank_threads, int ranks_here, int threads, bool workers_allocate,
                          std::string* what) {
-  const double page = double(::sysconf(_SC_PAGESIZE) > 0 ? ::sysconf(_SC_PAGESIZE) : 4096);
-  struct rlimit stack;
-  const double stack_bytes =
-      (::getrlimit(RLIMIT_STACK, &stack) == 0 && stack.rlim_cur != RLIM_INFINITY
-           ? double(stack.rlim_cur)
-           : double(8 << 20)) +
-      page;
-  // OMP_STACKSIZE (GOMP_STACKSIZE first, as libgomp reads them): a number with an optional B, K,
-  // M or G (K when none).
-  double worker_stack = stack_bytes;
-  for (const char* name : {"GOMP_STACKSIZE", "OMP_STACKSIZE"}) {
-    const char* text = std::getenv(name);
-    if (!text || !*text) continue;
-    char* end = nullptr;
-    const double v = std::strtod(text, &end);
-    if (end == text || !(v > 0)) continue;
-    while (*end == ' ') ++end;
-    const char unit = static_cast<char>(std::toupper(static_cast<unsigned char>(*end)));
-    const double scale = unit == 'B' ? 1 : unit == 'M' ? 1 << 20 : unit == 'G' ? 1 << 30 : 1024;
-    worker_stack = v * scale + page;
-    break;
-  }
-  // glibc's arenas: MALLOC_ARENA_MAX, else 8 a core (of those this process may run on, or of
-  // those online, the larger), and at least 9 (it makes 8 before it counts the cores).
-  double arenas = 0;
-  if (const char* text = std::getenv("MALLOC_ARENA_MAX"); text && *text) {
-    char* end = nullptr;
-    const long v = std::strtol(text, &end, 10);
-    if (end != text && *end == '\0' && v > 0) arenas = double(v);
-  }
-  if (arenas == 0) {
-    cpu_set_t set;
-    const int affine = ::sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
-    const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
-    arenas = std::max(9.0, 8.0 * double(std::max<long>(affine, online)));
-  }
-  const double workers = double(ranks_here) * double(std::max(0, threads - 1));
-  const double allocating =
-      std::min(double(rank_threads) + (workers_allocate ? workers : 0.0), arenas - 1);
-  // OpenBLAS's own threads (loom attn calls no GEMM, but the library starts them as it loads) map
-  // their buffers as they start, some after main has begun: a check that ran before one of them
-  // had mapped its 128 MiB let the run through, and the run's threads then found no room.
-  const int64_t blas_threads = std::max(0, openblas_get_num_threads() - 1);
-  const int64_t blas_missing =
-      std::max<int64_t>(0, blas_threads - std::max<int64_t>(0, openblas_buffers_mapped()));
-  const double bytes = rank_threads * stack_bytes + workers * worker_stack +
-                       allocating * double(64 << 20) +
-                       double(blas_missing) * double(kOpenBlasBufferBytes);
+  bool blas_missing = false;
+  const double bytes =
+      threads_mapped_bytes(rank_threads, ranks_here, threads, workers_allocate, &blas_missing);
   if (what) {
-    const long long n = static_cast<long long>(rank_threads + workers);
+    const long long n = static_cast<long long>(rank_threads) +
+                        ranks_here * static_cast<long long>(std::max(0, threads - 1));
     *what = "for the stacks and malloc arenas of its " + std::to_string(n) + " thread" +
             (n == 1 ? "" : "s") +
-            (blas_missing > 0 ? " and OpenBLAS's buffers still to be mapped" : "") +
+            (blas_missing ? " and OpenBLAS's buffers still to be mapped" : "") +
             "; fewer --ranks or --threads map less";
   }
   return bytes;

@@ -72,7 +72,7 @@ void add_command(CLI::App& app, const std::string& name, const std::string& help
 // --docs L1,L2,... Returns the --docs option (to see whether it was given).
 CLI::Option* add_mask_options(CLI::App* command, bool& causal, int64_t& window, std::string& docs);
 
-// --memory-limit SIZE (loom attn, loom train): refuse runs estimated above it.
+// --memory-limit SIZE (loom attn, loom train, loom verify): refuse runs estimated above it.
 void add_memory_limit_option(CLI::App* command, std::string& limit);
 
 // Peak bytes of `loom train` in one process holding `ranks_here` ranks of configuration c, with
@@ -86,6 +86,17 @@ double estimate_train_bytes(const model::TrainConfig& c, int ranks_here, double 
 // `ulimit -v` a rank that could not map its buffer waited in OpenBLAS for ever (loom train --ranks
 // 4 under ulimit -v 600000 hung).
 double blas_mapped_bytes(int callers, int threads);
+// The address space threads map beyond a run's estimate, for check_memory's `mapped_bytes`: a
+// stack for each of `rank_threads` threads (the local backend's, one a rank) and for each thread
+// past the first of `threads` in each of `ranks_here` ranks (OpenMP's workers), and a malloc
+// arena for each thread that allocates (the rank threads; the workers with `workers_allocate`),
+// as many as glibc makes; and OpenBLAS's buffers that its threads have still to map as the
+// library starts them (*blas_missing: whether there are such). A stack is the stack limit (ulimit
+// -s; 8 MiB where it is unlimited) and a page of guard, a worker's OMP_STACKSIZE where that is
+// set; an arena reserves 64 MiB (glibc's HEAP_MAX_SIZE), at most MALLOC_ARENA_MAX or 8 a core
+// beyond the main thread's. loom attn and loom verify count their threads with it.
+double threads_mapped_bytes(int rank_threads, int ranks_here, int threads, bool workers_allocate,
+                            bool* blas_missing = nullptr);
 
 // Flushes standard output: "" when everything written to it so far arrived, else the error line
 // ("standard output: write failed (No space left on device)"). main.cc checks it at the end of

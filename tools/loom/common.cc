@@ -1,6 +1,7 @@
 // Command-line code the subcommands share: the registry's degree options, the options several
 // subcommands declare alike.
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +10,7 @@
 #include <sstream>
 #include <vector>
 
+#include <sched.h>
 #include <stdio_ext.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -150,6 +152,61 @@ double blas_mapped_bytes(int callers, int threads) {
   const int more = std::max(0, threads - openblas_get_num_threads());
   return std::max(0, callers) * (double(kOpenBlasBufferBytes) + stack_bytes + arena_bytes) +
          more * (double(kOpenBlasBufferBytes) + stack_bytes);
+}
+
+double threads_mapped_bytes(int rank_threads, int ranks_here, int threads, bool workers_allocate,
+                            bool* blas_missing_out) {
+  const double page = double(::sysconf(_SC_PAGESIZE) > 0 ? ::sysconf(_SC_PAGESIZE) : 4096);
+  struct rlimit stack;
+  const double stack_bytes =
+      (::getrlimit(RLIMIT_STACK, &stack) == 0 && stack.rlim_cur != RLIM_INFINITY
+           ? double(stack.rlim_cur)
+           : double(8 << 20)) +
+      page;
+  // OMP_STACKSIZE (GOMP_STACKSIZE first, as libgomp reads them): a number with an optional B, K,
+  // M or G (K when none).
+  double worker_stack = stack_bytes;
+  for (const char* name : {"GOMP_STACKSIZE", "OMP_STACKSIZE"}) {
+    const char* text = std::getenv(name);
+    if (!text || !*text) continue;
+    char* end = nullptr;
+    const double v = std::strtod(text, &end);
+    if (end == text || !(v > 0)) continue;
+    while (*end == ' ') ++end;
+    const char unit = static_cast<char>(std::toupper(static_cast<unsigned char>(*end)));
+    const double scale = unit == 'B' ? 1 : unit == 'M' ? 1 << 20 : unit == 'G' ? 1 << 30 : 1024;
+    worker_stack = v * scale + page;
+    break;
+  }
+  // glibc's arenas: MALLOC_ARENA_MAX, else 8 a core (of those this process may run on, or of
+  // those online, the larger), and at least 9 (it makes 8 before it counts the cores).
+  double arenas = 0;
+  if (const char* text = std::getenv("MALLOC_ARENA_MAX"); text && *text) {
+    char* end = nullptr;
+    const long v = std::strtol(text, &end, 10);
+    if (end != text && *end == '\0' && v > 0) arenas = double(v);
+  }
+  if (arenas == 0) {
+    cpu_set_t set;
+    const int affine = ::sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+    const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
+    arenas = std::max(9.0, 8.0 * double(std::max<long>(affine, online)));
+  }
+  const double workers = double(ranks_here) * double(std::max(0, threads - 1));
+  const double allocating =
+      std::min(double(rank_threads) + (workers_allocate ? workers : 0.0), arenas - 1);
+  // OpenBLAS's own threads (loom attn and verify call no GEMM, but the library starts them as it
+  // loads) map their buffers as they start, some after main has begun: a check that ran before
+  // one of them had mapped its 128 MiB let the run through, and the run's threads then found no
+  // room.
+  const int64_t blas_threads = std::max(0, openblas_get_num_threads() - 1);
+  const int64_t blas_missing =
+      std::max<int64_t>(0, blas_threads - std::max<int64_t>(0, openblas_buffers_mapped()));
+  const double bytes = rank_threads * stack_bytes + workers * worker_stack +
+                       allocating * double(64 << 20) +
+                       double(blas_missing) * double(kOpenBlasBufferBytes);
+  if (blas_missing_out) *blas_missing_out = blas_missing > 0;
+  return bytes;
 }
 
 void DegreeOptions::add_to(CLI::App* command, const std::set<std::string>& skip) {

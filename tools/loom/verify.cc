@@ -2,6 +2,8 @@
 // per rank in a named sharding convention) against loom's fp64 reference, and localise what is
 // wrong. Exit status: 0 pass, 1 fail, 2 unusable input. The library does the work
 // (loom/verify.h); this file reads files, reorders layouts and prints.
+
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -20,7 +22,10 @@
 #include "loom/cp.h"
 #include "loom/io.h"
 #include "loom/npy.h"
+#include "loom/timer.h"
 #include "loom/verify.h"
+
+extern "C" int omp_get_max_threads(void);
 
 namespace loom::tools {
 
@@ -39,6 +44,7 @@ struct VerifyOptions {
   std::string json, heatmap;
   bool quiet = false;
   int64_t full_check_max = verify::Options{}.full_check_max;
+  std::string memory_limit;  // --memory-limit (empty: the machine's available memory)
 };
 
 // Layout of the tensors on disk: [S, H, D] (lse [H, S]), [B, S, H, D] (lse [B, H, S]) or
@@ -63,15 +69,19 @@ void check_batches(const Tensor<double>& x, int64_t batches, const std::string& 
 // Refuses a row tensor whose number of dimensions is not the layout's: q.npy of shape [] or [8]
 // was indexed as [S, H, D] and ended in a raw std::out_of_range (exit status 1, "a tensor
 // failed").
-void check_row_dims(const Tensor<double>& x, Dims dims, const std::string& what) {
-  const int want = dims == Dims::bshd ? 4 : 3;
+// A shape from a .npy header is checked before the file's body is read.
+void check_row_dims(const std::vector<int64_t>& x, Dims dims, const std::string& what) {
+  const size_t want = dims == Dims::bshd ? 4 : 3;
   const char* layout = dims == Dims::shd ? "SHD" : dims == Dims::bshd ? "BSHD" : "HSD";
   const char* shape = dims == Dims::shd    ? "[S, H, D]"
                       : dims == Dims::bshd ? "[B, S, H, D]"
                                            : "[H, S, D]";
-  LOOM_CHECK(x.dim() == want, InvalidArgument,
-             what << " has shape " << shape_str(x.shape()) << " but --layout-dims " << layout
-                  << " needs " << shape);
+  LOOM_CHECK(x.size() == want, InvalidArgument,
+             what << " has shape " << shape_str(x) << " but --layout-dims " << layout << " needs "
+                  << shape);
+}
+void check_row_dims(const Tensor<double>& x, Dims dims, const std::string& what) {
+  check_row_dims(x.shape(), dims, what);
 }
 
 // Batch element b (of `batches`, q's B) of a row tensor on disk as [S, H, D].
@@ -112,10 +122,6 @@ Tensor<double> lse_to_hs(const Tensor<double>& x, Dims dims, int64_t b, int64_t 
   return x;
 }
 
-int64_t batch_of(const Tensor<double>& q, Dims dims) {
-  return dims == Dims::bshd && q.dim() == 4 ? q.size(0) : 1;
-}
-
 void require_finite(const Tensor<double>& t, const std::string& name) {
   for (int64_t i = 0; i < t.numel(); ++i)
     LOOM_CHECK(
@@ -131,9 +137,38 @@ bool entry_present(const std::string& path) {
   return fs::symlink_status(path, ec).type() != fs::file_type::not_found && !ec;
 }
 
-// A candidate tensor as files: global `name.npy` or per rank `name.rank{r}.npy`.
+// A .npy file to read, and the shape its header gives (read_npy_shape: the body is read only once
+// the memory estimate has passed).
+struct NpyFile {
+  std::string path;
+  std::vector<int64_t> shape;
+};
+
+NpyFile npy_header(const std::string& path) {
+  return NpyFile{path, read_npy_shape(path)};
+}
+
+double numel_of(const std::vector<int64_t>& shape) {
+  double n = 1;
+  for (int64_t d : shape) n *= static_cast<double>(d);
+  return n;
+}
+
+// The body of f, as the header said: a file that changed shape since (rewritten while loom read
+// it) is refused, not checked with sizes the memory estimate did not count.
+Tensor<double> read_body(const NpyFile& f) {
+  Tensor<double> t = read_npy_f64(f.path);
+  LOOM_CHECK(t.shape() == f.shape, IoError,
+             f.path << " has shape " << shape_str(t.shape()) << ", its header said "
+                    << shape_str(f.shape) << " (it changed while loom read it)");
+  return t;
+}
+
+// A candidate tensor as files: global `name.npy` or per rank `name.rank{r}.npy`. locate_candidate
+// finds them and reads their headers; read_candidate then reads their bodies.
 struct Files {
   bool present = false, per_rank = false;
+  std::vector<NpyFile> files;  // the global file, or one per rank
   Tensor<double> global;
   std::vector<Tensor<double>> ranks;
 };
@@ -159,8 +194,8 @@ int64_t rank_of(const std::string& entry, const std::string& name) {
 // `entries`: the names in the candidate directory. Per-rank files must be a whole set,
 // name.rank0.npy ... name.rank{ranks-1}.npy: a partial set (out.rank1.npy without out.rank0.npy
 // was reported "absent: out") or a rank past --ranks is refused.
-Files read_candidate(const std::string& dir, const std::string& name, int ranks,
-                     const std::vector<std::string>& entries) {
+Files locate_candidate(const std::string& dir, const std::string& name, int ranks,
+                       const std::vector<std::string>& entries) {
   Files f;
   const std::string g = dir + "/" + name + ".npy";
   const bool has_g = entry_present(g);
@@ -177,7 +212,7 @@ Files read_candidate(const std::string& dir, const std::string& name, int ranks,
                                        << ".rank{r}.npy files; keep one of them");
   if (has_g) {
     f.present = true;
-    f.global = read_npy_f64(g);
+    f.files.push_back(npy_header(g));
   } else if (!present.empty()) {
     for (int r = 0; r < ranks; ++r)
       LOOM_CHECK(present.count(r), IoError,
@@ -188,9 +223,18 @@ Files read_candidate(const std::string& dir, const std::string& name, int ranks,
     f.present = true;
     f.per_rank = true;
     for (int r = 0; r < ranks; ++r)
-      f.ranks.push_back(read_npy_f64(dir + "/" + name + ".rank" + std::to_string(r) + ".npy"));
+      f.files.push_back(npy_header(dir + "/" + name + ".rank" + std::to_string(r) + ".npy"));
   }
   return f;
+}
+
+void read_candidate(Files& f) {
+  if (!f.present) return;
+  if (!f.per_rank) {
+    f.global = read_body(f.files[0]);
+    return;
+  }
+  for (const NpyFile& file : f.files) f.ranks.push_back(read_body(file));
 }
 
 // Batch element b of a candidate tensor, in global order: rows [S, A, B] or lse [H, S]. want:
@@ -211,6 +255,135 @@ std::optional<Tensor<double>> assemble(const Files& f, const verify::Sharding& s
   }
   return lse ? verify::unshard_cols(sh, local, name, want[0])
              : verify::unshard_rows(sh, local, name, want);
+}
+
+// The candidate's tensors, in the order run_verify reads them and the estimate counts them.
+const std::vector<std::string> kCandidateNames = {"out", "lse", "dq", "dk", "dv"};
+
+// As src/verify/verify.cc picks its rows: 256 sampled check rows above --full-check-max, and at
+// most 1024 localisation rows and 512 MiB of their pair partials (kSampleRows, kLocRows,
+// kLocBytes there).
+constexpr double kSampleRows = 256;
+constexpr double kLocRows = 1024;
+constexpr double kLocBytes = 512.0 * 1024 * 1024;
+
+// The problem's sizes, from the headers: per batch element, S tokens of H query and Hkv key
+// heads of D; chunks: the convention's chunks (localisation's pairs grow with them).
+struct VerifySizes {
+  int64_t B = 1, S = 0, H = 0, Hkv = 0, D = 0;
+  int chunks = 1;
+  int64_t full_check_max = 0;
+};
+
+// Peak bytes of a loom verify run, from the headers alone (nothing is read before it passes).
+// Every tensor is held in double. In the order the run allocates them (run_verify, then
+// verify::verify in src/verify/verify.cc):
+//  1. the bodies: q, k, v, dout and every candidate file (all batch elements), held to the end;
+//     each is read through its raw body (at most 8 bytes an element), freed once decoded;
+//  2. per batch element, while it is checked: problem_of's copies of q, k, v and dout as
+//     [S, H, D], and candidate_of's assembled candidate (a global file copied; per-rank files
+//     copied rank by rank, then unsharded into a global tensor and the copies freed);
+//  3. inside verify(): its context (every token's position, document, chunk and rank, and the
+//     sharding: about 64 bytes a token), then the largest of
+//     a. the reference on the check rows (n: every row up to --full-check-max, else 256): q's
+//        rows, out and lse, and with gradients dout's rows, dq and dk, dv of every key
+//        ([S, Hkv, D], allocated even when only sampled rows are compared);
+//     b. the reference's results, q's and dout's rows gathered again for the tolerances
+//        (check_limits), and for a problem outside the fixed tolerances' regime (which the
+//        headers cannot tell) the bounds' own rows of keys and, with gradients, four
+//        [S, Hkv, D] accumulators;
+//     c. on a failure, localisation: the pair partials of the localisation rows and their lse,
+//        the candidate and the reference on those rows, the heat map's directions, and with GQA
+//        (1 < Hkv < H) gqa_model's whole copy of the problem and its reference on those rows;
+//  4. the reports kept, a heat map of chunks^2 per batch element.
+// The process as it stands is added, as loom attn adds it: its resident set in whole MiB, at
+// least 12 MiB; and a margin for the allocator (below). Measured against the peak resident set in
+// docs/verify.md ("Memory").
+double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vector<Files>& files,
+                             const VerifySizes& z) {
+  const double e = 8;  // bytes of a double
+  const double B = static_cast<double>(std::max<int64_t>(1, z.B)), S = static_cast<double>(z.S),
+               H = static_cast<double>(z.H), Hkv = static_cast<double>(z.Hkv),
+               D = static_cast<double>(z.D), nc = std::max(1, z.chunks);
+  // 1. The bodies; 2. one batch element's copies of them.
+  double held = 0, largest = 0, batch_inputs = 0, batch_candidate = 0, unshard = 0;
+  for (const NpyFile& f : inputs) {
+    held += e * numel_of(f.shape);
+    largest = std::max(largest, e * numel_of(f.shape));
+    batch_inputs += e * numel_of(f.shape) / B;
+  }
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (!files[i].present) continue;
+    double pieces = 0;
+    for (const NpyFile& f : files[i].files) {
+      held += e * numel_of(f.shape);
+      largest = std::max(largest, e * numel_of(f.shape));
+      pieces += e * numel_of(f.shape) / B;
+    }
+    if (files[i].per_rank) {
+      const std::string& name = kCandidateNames[i];
+      const bool kv = name == "dk" || name == "dv";
+      batch_candidate += e * (name == "lse" ? H * S : kv ? S * Hkv * D : S * H * D);
+      unshard = std::max(unshard, pieces);
+    } else {
+      batch_candidate += pieces;
+    }
+  }
+  const bool out = files[0].present, dq = files[2].present;
+  const bool grad = dq || files[3].present || files[4].present;
+  // 3. Inside verify().
+  const bool sampled = z.S > z.full_check_max;
+  const double n = sampled ? std::min(kSampleRows, S) : S;
+  const double rows = e * n * H * D, rows_lse = e * n * H, keys = e * S * Hkv * D;
+  const double context = 64 * S + 64 * nc + e * n;
+  const double a = 2 * rows + rows_lse + e * S + (grad ? 2 * rows + 2 * keys + 3 * e * S : 0);
+  const double ref = rows + rows_lse + (grad ? rows + (sampled ? 0 : 2 * keys) : 0);
+  const double b = ref + rows + 16 * e * S + (grad ? rows + 4 * keys + e * S * Hkv : 0);
+  const double per_row = e * H * D * (2 * nc + 6);
+  const double cap = std::max(16.0, std::min(kLocRows, std::floor(kLocBytes / per_row)));
+  const double nl = std::ceil(n / std::ceil(n / cap));
+  const double loc_rows = e * nl * H * D;
+  double loc = 0;
+  if (out) {  // pairs (nc + 7 rows of partials), their lse, observe, heat map, scale and GQA models
+    loc = loc_rows * (nc + 7) + e * nl * H * (nc + 7) + 2 * loc_rows + e * S +
+          e * (2 * nc + 1) * nl * D + 2 * e * std::min(64.0, nl) * H * D;
+    if (z.Hkv > 1 && z.Hkv < z.H) loc += batch_inputs + 12 * S + 3 * loc_rows + e * nl * H;
+  }
+  if (dq)  // pairs and dq shares (2 nc + 2 rows), their lse, observe, heat map
+    loc = std::max(loc, loc_rows * (2 * nc + 2) + e * nl * H * (nc + 1) + 2 * loc_rows + e * S +
+                            e * (nc + 1) * nl * D);
+  // compute_pairs' threads (OpenMP's, localisation's only parallel loop) each score a chunk's
+  // keys in a row of their own.
+  if (out || dq) loc += std::max(1, omp_get_max_threads()) * e * S;
+  const double inside = context + std::max({a, b, ref + loc});
+  // 4. The reports.
+  const double reports = 2 * e * B * nc * nc;
+  const double run =
+      std::max(largest, batch_inputs + batch_candidate + std::max(unshard, inside)) + reports;
+  // The allocator's margin, 1/16 of the rest and at most 32 MiB: glibc serves blocks below its
+  // mmap threshold (which it raises up to 32 MiB as larger blocks are freed) from its heap, whose
+  // freed space stays resident while larger blocks are mapped beside it. (Without it the estimate
+  // was within 1% of the peak in the GQA failure cases, all of the above live at once.)
+  const double mib = 1024.0 * 1024.0;
+  const double margin = std::min((held + run) / 16, 32 * mib);
+  const double process = std::max(12 * mib, std::ceil(double(current_rss_bytes()) / mib) * mib);
+  return process + held + run + margin;
+}
+
+// The address space a verify run maps beyond its estimate, for check_memory's mapped_bytes
+// (threads_mapped_bytes, as loom attn counts its threads'): localisation's OpenMP workers
+// (compute_pairs, in a failing run: omp_get_max_threads() - 1 of them), each a stack and a
+// malloc arena, and the buffers OpenBLAS's own threads have still to map.
+double verify_mapped_bytes(std::string* what) {
+  const int threads = std::max(1, omp_get_max_threads());
+  bool blas_missing = false;
+  const double bytes = threads_mapped_bytes(0, 1, threads, true, &blas_missing);
+  if (what)
+    *what = "for the stacks and malloc arenas of its " + std::to_string(threads - 1) +
+            " localisation thread" + (threads == 2 ? "" : "s") +
+            (blas_missing ? " and OpenBLAS's buffers still to be mapped" : "") +
+            "; a smaller OMP_NUM_THREADS maps less";
+  return bytes;
 }
 
 int run_verify(const VerifyOptions& o) {
@@ -267,23 +440,28 @@ int run_verify(const VerifyOptions& o) {
   check_output_writable(o.heatmap, "--heatmap");
   const Dims dims = parse_dims(o.layout_dims);
   (void)verify::tolerance("out", o.dtype);
-  const Tensor<double> q = read_npy_f64(o.input + "/q.npy");
-  const Tensor<double> k = read_npy_f64(o.input + "/k.npy");
-  const Tensor<double> v = read_npy_f64(o.input + "/v.npy");
-  Tensor<double> dout;
-  if (entry_present(o.input + "/dout.npy")) dout = read_npy_f64(o.input + "/dout.npy");
+  const int64_t memory_limit =
+      o.memory_limit.empty() ? -1 : parse_size(o.memory_limit, "--memory-limit");
+  // The headers only: the bodies are read once the memory estimate has passed (a candidate of
+  // 40 GiB in double was read piece by piece until the process was killed or ran out of memory).
+  std::vector<NpyFile> inputs = {npy_header(o.input + "/q.npy"), npy_header(o.input + "/k.npy"),
+                                 npy_header(o.input + "/v.npy")};
   // Shapes before any size is read (q.size(1) of a 0-d q threw std::out_of_range).
-  check_row_dims(q, dims, "q.npy");
-  check_row_dims(k, dims, "k.npy");
-  check_row_dims(v, dims, "v.npy");
-  if (dout.numel()) check_row_dims(dout, dims, "dout.npy");
-  require_finite(q, "q.npy");
-  require_finite(k, "k.npy");
-  require_finite(v, "v.npy");
-  require_finite(dout, "dout.npy");
-  const int64_t B = batch_of(q, dims);
+  check_row_dims(inputs[0].shape, dims, "q.npy");
+  check_row_dims(inputs[1].shape, dims, "k.npy");
+  check_row_dims(inputs[2].shape, dims, "v.npy");
+  // A dout.npy of no elements counts as none.
+  if (entry_present(o.input + "/dout.npy")) {
+    NpyFile d = npy_header(o.input + "/dout.npy");
+    if (numel_of(d.shape) > 0) {
+      check_row_dims(d.shape, dims, "dout.npy");
+      inputs.push_back(std::move(d));
+    }
+  }
+  const std::vector<int64_t>& q_shape = inputs[0].shape;
+  const int64_t B = dims == Dims::bshd ? q_shape[0] : 1;
   LOOM_CHECK(B >= 1, InvalidArgument,
-             "q.npy has shape " << shape_str(q.shape()) << ": no batch elements to check");
+             "q.npy has shape " << shape_str(q_shape) << ": no batch elements to check");
   std::vector<int64_t> docs;
   if (!o.docs.empty()) docs = parse_doc_lengths(o.docs);
   const std::string cu = o.input + "/cu_seqlens.npy";
@@ -300,22 +478,49 @@ int run_verify(const VerifyOptions& o) {
   }
 
   // The convention must be able to split this sequence before any candidate file is read.
-  const int64_t S = dims == Dims::hsd ? q.size(1) : (dims == Dims::bshd ? q.size(1) : q.size(0));
+  const int64_t S = dims == Dims::shd ? q_shape[0] : q_shape[1];
   // A q of no tokens was refused as "--ranks must be in [1, 0] ..., got 1".
-  LOOM_CHECK(
-      S >= 1, InvalidArgument,
-      "q.npy has shape " << shape_str(q.shape()) << ": no tokens (S = 0), nothing to verify");
+  LOOM_CHECK(S >= 1, InvalidArgument,
+             "q.npy has shape " << shape_str(q_shape) << ": no tokens (S = 0), nothing to verify");
   // Every rank holds at least one token: --ranks 2147483647 ran out of memory building the
   // sharding ("an allocation outside loom's tensors failed", exit 1).
   LOOM_CHECK(o.ranks >= 1 && o.ranks <= S, InvalidArgument,
              "--ranks must be in [1, " << S << "] (at most the sequence length: every rank "
                                        << "holds at least one token), got " << o.ranks);
-  (void)verify::make_sharding(o.convention, S, o.ranks, docs);
+  VerifySizes sizes;
+  sizes.chunks =
+      static_cast<int>(verify::make_sharding(o.convention, S, o.ranks, docs).chunks.size());
 
-  // Candidate files, read once.
-  const std::vector<std::string> names = {"out", "lse", "dq", "dk", "dv"};
+  // The candidate's files, found and their headers read.
   std::vector<Files> files;
-  for (const auto& n : names) files.push_back(read_candidate(o.candidate, n, o.ranks, entries));
+  for (const auto& n : kCandidateNames)
+    files.push_back(locate_candidate(o.candidate, n, o.ranks, entries));
+
+  // Memory: the whole run's peak, refused before any body is read.
+  {
+    const std::vector<int64_t>& k_shape = inputs[1].shape;
+    sizes.B = B;
+    sizes.S = S;
+    sizes.H = dims == Dims::hsd ? q_shape[0] : q_shape[dims == Dims::bshd ? 2 : 1];
+    sizes.D = q_shape.back();
+    sizes.Hkv = dims == Dims::hsd ? k_shape[0] : k_shape[dims == Dims::bshd ? 2 : 1];
+    sizes.full_check_max = o.full_check_max;
+    const double estimate = estimate_verify_bytes(inputs, files, sizes);
+    std::string mapped_what;
+    const double mapped = verify_mapped_bytes(&mapped_what);
+    check_memory(estimate, memory_limit, "loom verify", "--memory-limit", mapped, mapped_what);
+  }
+
+  // The bodies.
+  const Tensor<double> q = read_body(inputs[0]);
+  const Tensor<double> k = read_body(inputs[1]);
+  const Tensor<double> v = read_body(inputs[2]);
+  const Tensor<double> dout = inputs.size() > 3 ? read_body(inputs[3]) : Tensor<double>();
+  require_finite(q, "q.npy");
+  require_finite(k, "k.npy");
+  require_finite(v, "v.npy");
+  require_finite(dout, "dout.npy");
+  for (Files& f : files) read_candidate(f);
 
   // Batch row b as a problem, and the candidate for it assembled from the files in convention
   // conv (throws when conv cannot split the sequence or the files).
@@ -451,6 +656,7 @@ void declare_verify(CLI::App* c, VerifyOptions& opts) {
                 "sampled rows, and dk, dv only scanned for NaN and Inf (they need every row)")
       ->capture_default_str();
   c->add_flag("--quiet", o->quiet, "print nothing; only the exit status");
+  add_memory_limit_option(c, o->memory_limit);
 }
 
 }  // namespace
