@@ -120,6 +120,13 @@ struct Candidate {
   std::optional<Tensor<double>> out, lse, dq, dk, dv;
 };
 
+// Rows compared above Options::full_check_max, and localisation's bounds: at most kLocRows of
+// the compared rows, fewer when their pair partials would pass kLocBytes (loom verify's memory
+// estimate counts them).
+constexpr int64_t kSampleRows = 256;
+constexpr int64_t kLocRows = 1024;
+constexpr double kLocBytes = 512.0 * 1024 * 1024;
+
 struct Options {
   // Which convention and world size the candidate used: the chunks and ring steps that
   // localisation speaks of. With ranks == 1 the sequence is cut into up to 8 contiguous chunks
@@ -134,7 +141,7 @@ struct Options {
   // still scanned for NaN and Inf (a failure: the exact values are finite), and a candidate of
   // which nothing can be compared is an InvalidArgument, not a pass. Localisation uses at most
   // 1024 of the compared rows (fewer when the pair partials would pass 512 MiB).
-  int64_t full_check_max = 4096;
+  int64_t full_check_max = 4096;  // kSampleRows, kLocRows, kLocBytes: below
   // How errors name full_check_max: "--full-check-max" (loom verify) or "full_check_max="
   // (loom.torch.verify's keyword), as CpConfig::option_spelling.
   OptionSpelling option_spelling = OptionSpelling::flag;

@@ -38,9 +38,6 @@ namespace loom::verify {
 namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-constexpr int64_t kSampleRows = 256;
-constexpr int64_t kLocRows = 1024;
-constexpr double kLocBytes = 512.0 * 1024 * 1024;
 // Localisation's work, in row-element visits (about 1e10 a second here): the forward models
 // visit 2 P (P + 1) times the rows, heads, chunks and head dims, the heat map 4 nc^2 times the
 // rows, heads and head dims (the forward stale-KV and one-token mask models add about a fifth to

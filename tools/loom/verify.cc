@@ -260,12 +260,11 @@ std::optional<Tensor<double>> assemble(const Files& f, const verify::Sharding& s
 // The candidate's tensors, in the order run_verify reads them and the estimate counts them.
 const std::vector<std::string> kCandidateNames = {"out", "lse", "dq", "dk", "dv"};
 
-// As src/verify/verify.cc picks its rows: 256 sampled check rows above --full-check-max, and at
-// most 1024 localisation rows and 512 MiB of their pair partials (kSampleRows, kLocRows,
-// kLocBytes there).
-constexpr double kSampleRows = 256;
-constexpr double kLocRows = 1024;
-constexpr double kLocBytes = 512.0 * 1024 * 1024;
+// As src/verify/verify.cc picks its rows (loom/verify.h): sampled check rows above
+// --full-check-max, and at most kLocRows localisation rows and kLocBytes of their pair partials.
+constexpr double kSampleRows = double(verify::kSampleRows);
+constexpr double kLocRows = double(verify::kLocRows);
+constexpr double kLocBytes = verify::kLocBytes;
 
 // The problem's sizes, from the headers: per batch element, S tokens of H query and Hkv key
 // heads of D; chunks: the convention's chunks (localisation's pairs grow with them).
