@@ -379,9 +379,10 @@ def set_timeout(seconds, group=None):
 class _Naming:
     """`with _Naming(what):` around a collective call of the op `what`: a CommError or Timeout
     raised there names the op. The engine's text names this rank, the message and the peer
-    (`rank 0: all_gather: send to rank 1 timed out after 3 s (the torch group of 2 ranks)`), the
-    same in a forward and a backward, and not the setting that bounds the wait; it is kept whole,
-    after `what: `, and a Timeout adds the setting after it. The same exception (class, traceback)
+    (`rank 0: all_gather: send to rank 1 timed out after 2.9998 s (the torch group of 2 ranks), the
+    rest of the collective's limit of 3 s`), the same in a forward and a backward, and not the
+    setting that bounds the wait; it is kept whole, after `what: `, and a Timeout adds the setting
+    after it. The same exception (class, traceback)
     goes on. A with block, not a wrapper function: a wrapper's frame would come between the caller
     and Group.op's warning (stacklevel=2 names the caller's line)."""
 
