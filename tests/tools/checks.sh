@@ -1,6 +1,7 @@
 # Sourced by the tool check scripts (cli_checks.sh, train_check.sh, the mpirun fault checks): the
-# pass/fail counters, the one-clear-error-line check and kill_job, written once. The sourcing script sets $loom (the binary) and
-# $work (a scratch folder) first, and ends with `summary`.
+# pass/fail counters, the one-clear-error-line check, kill_job and mpi_job_scratch, written once.
+# The sourcing script sets $loom (the binary) and $work (a scratch folder; mpi_job_scratch makes
+# one) first, and ends with `summary`.
 pass=0
 fail=0
 ok() { echo "ok   $1"; pass=$((pass + 1)); }
@@ -30,6 +31,14 @@ kill_job() {
     kill -9 "$m" 2> /dev/null
   done
   kill -9 "$1" 2> /dev/null
+}
+
+# mpi_job_scratch: for the mpirun fault checks, a fresh $work and an empty $pid (the background
+# job a check starts, as for kill_job), both cleaned up when the script exits.
+mpi_job_scratch() {
+  work="$(mktemp -d)"
+  pid=""
+  trap '[ -n "$pid" ] && kill_job "$pid"; rm -rf "$work"' EXIT
 }
 
 # The counts, and the exit status: 0 when nothing failed.

@@ -7,14 +7,8 @@ set -uo pipefail
 mpiexec="$1"
 loom="$2"
 shift 2
-work="$(mktemp -d)"
-pid=""
-source "$(dirname "$0")/checks.sh"  # ok, bad, kill_job
-cleanup() {
-  [ -n "$pid" ] && kill_job "$pid"
-  rm -rf "$work"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/checks.sh"  # ok, bad, kill_job, mpi_job_scratch
+mpi_job_scratch
 lines() { grep -c "loom: error" "$work/err"; }
 
 # Starts `mpiexec -np NP ... loom ARGS` in the background (pid: timeout(1), mpirun's parent) and

@@ -8,14 +8,8 @@ mpiexec="$1"
 loom="$2"
 shift 2
 flags=("$@" --mca pml ob1 --mca btl tcp,self)
-work="$(mktemp -d)"
-pid=""
-source "$(dirname "$0")/checks.sh"  # ok, bad, kill_job
-cleanup() {
-  [ -n "$pid" ] && kill_job "$pid"
-  rm -rf "$work"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/checks.sh"  # ok, bad, kill_job, mpi_job_scratch
+mpi_job_scratch
 
 # 1. Exact over TCP. The control run with btl self alone must fail, which shows the btl setting
 #    is what carries the messages.
