@@ -144,6 +144,22 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
                         View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                         double scale, View3<double> dq, View3<double> dk, View3<double> dv);
 
+// reference_forward's out and reference_backward's gradients as float32 arithmetic gets them
+// where values fall below float32's normal range (2^-126): the same loops, with every weight p_ij,
+// partial sum of out_i, of dp_ij = dout_i . v_j, of delta_i = dout_i . out_i, every ds_ij and
+// partial sum of dq, dk and dv that lies under 2^-126 in magnitude rounded to float32 (a multiple
+// of 2^-149), as a float32 fused multiply-add chain rounds it. Values in the normal range are
+// kept exact, so where nothing falls below it the results are reference_forward's and
+// reference_backward's, bitwise. Their distance from the exact ones is what subnormal arithmetic
+// alone errs, which no float32 implementation avoids (Float32Floor, loom/tolerance.h): v of 1e-39
+// makes dp and ds subnormal and a correct dq err 4e-5, while dq itself rounds to float32 within
+// 3e-6. Arguments as reference_backward, out as reference_forward's (without lse); dout.data ==
+// nullptr: out only (dq, dk, dv not touched).
+void subnormal_reference(View3<const double> q, View3<const double> k, View3<const double> v,
+                         View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
+                         double scale, View3<double> out, View3<double> dq, View3<double> dk,
+                         View3<double> dv);
+
 // Number of (query, key, head) triples the mask allows: useful-FLOP accounting
 // (forward = 4 * D * pairs, backward = 2.5x that).
 int64_t count_visible_pairs(Tokens qt, Tokens kt, const Mask& mask, int64_t heads);

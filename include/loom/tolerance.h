@@ -443,12 +443,17 @@ std::string check_limits_hint(RegimeMiss miss);
 // values left out), and no float32 result can do better. Where that floor exceeds a quarter of
 // a tolerance (float32_floor_blocks), a float32 result that misses the tolerance cannot be judged
 // wrong: `loom attn --check` says "cannot tell" and `loom verify` "cannot be verified" (q of 1e-42
-// made a correct dk "FAIL" at 0.006 against 1e-5).
+// made a correct dk "FAIL" at 0.006 against 1e-5). Where the intermediates are what falls below
+// (v of 1e-39: dp and ds subnormal, dq not), the floor takes subnormal_reference's values
+// (loom/attention.h) in place of the exact ones: add(exact, modelled).
 class Float32Floor {
  public:
-  void add(double exact) {
-    if (!(exact - exact == 0)) return;  // NaN or infinite
-    const double e = static_cast<double>(static_cast<float>(exact)) - exact;
+  void add(double exact) { add(exact, exact); }
+  // An exact value and what float32 arithmetic below the normal range makes of it
+  // (subnormal_reference), rounded to float32 as stored.
+  void add(double exact, double modelled) {
+    if (!(exact - exact == 0) || !(modelled - modelled == 0)) return;  // NaN or infinite
+    const double e = static_cast<double>(static_cast<float>(modelled)) - exact;
     num_ += e * e;
     den_ += exact * exact;
   }

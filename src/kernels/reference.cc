@@ -190,6 +190,91 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
   }
 }
 
+namespace {
+
+// x rounded to float32 where it lies below float32's normal range (a multiple of 2^-149 there,
+// 0 under 2^-150), x itself elsewhere: subnormal_reference's one rounding.
+double round_subnormal(double x) {
+  return std::fabs(x) < static_cast<double>(std::numeric_limits<float>::min())
+             ? static_cast<double>(static_cast<float>(x))
+             : x;
+}
+
+// a . b as a float32 fused multiply-add chain rounds it below the normal range (in order).
+double dot_subnormal(const double* a, const double* b, int64_t n) {
+  double s = 0.0;
+  for (int64_t d = 0; d < n; ++d) s = round_subnormal(s + a[d] * b[d]);
+  return s;
+}
+
+}  // namespace
+
+void subnormal_reference(View3<const double> q, View3<const double> k, View3<const double> v,
+                         View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
+                         double scale, View3<double> out, View3<double> dq, View3<double> dk,
+                         View3<double> dv) {
+  kernels::check_qkv(q, k, v, qt, kt);
+  kernels::check_mask(mask);
+  kernels::check_scale(scale);
+  kernels::check_view(out, "out");
+  kernels::check_same_shape(View3<const double>(out), q, "out and q");
+  const bool backward = dout.data != nullptr;
+  if (backward) {
+    kernels::check_view(dout, "dout");
+    kernels::check_view(dq, "dq");
+    kernels::check_view(dk, "dk");
+    kernels::check_view(dv, "dv");
+    kernels::check_same_shape(dout, q, "dout and q");
+    kernels::check_same_shape(View3<const double>(dq), q, "dq and q");
+    kernels::check_same_shape(View3<const double>(dk), k, "dk and k");
+    kernels::check_same_shape(View3<const double>(dv), v, "dv and v");
+    for (int64_t i = 0; i < q.s; ++i)
+      for (int64_t h = 0; h < q.h; ++h)
+        for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) = 0.0;
+    for (int64_t j = 0; j < k.s; ++j)
+      for (int64_t g = 0; g < k.h; ++g)
+        for (int64_t d = 0; d < k.d; ++d) dk(j, g, d) = dv(j, g, d) = 0.0;
+  }
+  const auto r = round_subnormal;
+  std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
+  std::vector<double> exact(static_cast<size_t>(q.d));
+  std::vector<int64_t> keys;
+  for (int64_t h = 0; h < q.h; ++h) {
+    const int64_t g = h / (q.h / k.h);
+    for (int64_t i = 0; i < q.s; ++i) {
+      double* o = out.row(i, h);
+      std::fill(o, o + q.d, 0.0);
+      std::fill(exact.begin(), exact.end(), 0.0);
+      double lse = 0.0;
+      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
+      const int64_t t = weighted_keys(p, keys);
+      for (int64_t j : keys) {  // out as reference_forward sums it, and as float32 does
+        const double* vj = v.row(j, g);
+        for (int64_t d = 0; d < q.d; ++d) {
+          exact[d] += p[j] * vj[d];
+          o[d] = r(o[d] + r(p[j]) * vj[d]);
+        }
+      }
+      if (!backward) continue;
+      const double* doi = dout.row(i, h);
+      const double shift = dp_and_shift(doi, v, g, p, keys, t, dp);  // delta - dp_t
+      // What rounding below the normal range moves delta = dout_i . out_i by: 0 where it rounds
+      // nothing (both sums alike), so that ds keeps reference_backward's cancellation-free form.
+      const double delta_moved = dot_subnormal(doi, o, q.d) - dot(doi, exact.data(), q.d);
+      for (int64_t j : keys) {
+        const double dp_moved = dot_subnormal(doi, v.row(j, g), q.d) - dp[j];
+        const double pj = r(p[j]);
+        const double ds = r(pj * (((dp[j] - dp[t]) - shift) + (dp_moved - delta_moved)));
+        for (int64_t d = 0; d < q.d; ++d) {
+          dv(j, g, d) = r(dv(j, g, d) + pj * doi[d]);
+          dq(i, h, d) = r(dq(i, h, d) + scale * ds * k(j, g, d));
+          dk(j, g, d) = r(dk(j, g, d) + scale * ds * q(i, h, d));
+        }
+      }
+    }
+  }
+}
+
 int64_t count_visible_pairs(Tokens qt, Tokens kt, const Mask& mask, int64_t heads) {
   LOOM_CHECK(qt.n >= 0 && kt.n >= 0, InvalidArgument, "token counts must be >= 0");
   LOOM_CHECK(qt.n == 0 || qt.pos, InvalidArgument, "query positions are required");

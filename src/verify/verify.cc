@@ -164,7 +164,9 @@ struct RowTokens {
   }
 };
 
-Reference run_reference(const Ctx& c, double scale, bool backward) {
+// The reference on the check rows; subnormal: subnormal_reference's values instead (loom/
+// attention.h: float32's roundings below its normal range; lse not filled).
+Reference run_reference(const Ctx& c, double scale, bool backward, bool subnormal = false) {
   Reference ref;
   const int64_t n = static_cast<int64_t>(c.rows.size());
   Tensor<double> q = gather_rows(c.p.q, c.rows);
@@ -172,18 +174,30 @@ Reference run_reference(const Ctx& c, double scale, bool backward) {
   const Tokens qt = rt.tokens();
   ref.out = Tensor<double>({n, c.H, c.D});
   ref.lse = Tensor<double>({c.H, n});
-  reference_forward(q.view3(), c.p.k.view3(), c.p.v.view3(), qt, c.all_tokens(), c.p.mask, scale,
-                    ref.out.view3(), ref.lse.data());
+  Tensor<double> dout, dk, dv;
   if (backward) {
-    Tensor<double> dout = gather_rows(c.p.dout, c.rows);
+    dout = gather_rows(c.p.dout, c.rows);
     ref.dq = Tensor<double>({n, c.H, c.D});
-    Tensor<double> dk({c.S, c.Hkv, c.D}), dv({c.S, c.Hkv, c.D});
-    reference_backward(q.view3(), c.p.k.view3(), c.p.v.view3(), dout.view3(), qt, c.all_tokens(),
-                       c.p.mask, scale, ref.dq.view3(), dk.view3(), dv.view3());
-    if (!c.sampled) {
-      ref.dk = std::move(dk);
-      ref.dv = std::move(dv);
-    }
+    dk = Tensor<double>({c.S, c.Hkv, c.D});
+    dv = Tensor<double>({c.S, c.Hkv, c.D});
+  }
+  if (subnormal) {
+    if (backward)
+      subnormal_reference(q.view3(), c.p.k.view3(), c.p.v.view3(), dout.view3(), qt, c.all_tokens(),
+                          c.p.mask, scale, ref.out.view3(), ref.dq.view3(), dk.view3(), dv.view3());
+    else
+      subnormal_reference(q.view3(), c.p.k.view3(), c.p.v.view3(), {}, qt, c.all_tokens(), c.p.mask,
+                          scale, ref.out.view3(), {}, {}, {});
+  } else {
+    reference_forward(q.view3(), c.p.k.view3(), c.p.v.view3(), qt, c.all_tokens(), c.p.mask, scale,
+                      ref.out.view3(), ref.lse.data());
+    if (backward)
+      reference_backward(q.view3(), c.p.k.view3(), c.p.v.view3(), dout.view3(), qt, c.all_tokens(),
+                         c.p.mask, scale, ref.dq.view3(), dk.view3(), dv.view3());
+  }
+  if (backward && !c.sampled) {
+    ref.dk = std::move(dk);
+    ref.dv = std::move(dv);
   }
   return ref;
 }
@@ -1481,18 +1495,30 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   }
   // A tensor that failed where its exact values lie below float32's normal range, so far that
   // rounding them to float32 alone errs over a quarter of the tolerance, cannot be verified
-  // (Float32Floor, loom/tolerance.h).
-  for (const auto& t : rep.tensors) {
-    if (!t.compared || t.passed || t.non_finite > 0 || t.inf_mismatch > 0) continue;
-    const Tensor<double>& r = reference_of(ref, t.name);
-    Float32Floor f32;
-    for (int64_t i = 0; i < r.numel(); ++i) f32.add(r[i]);
-    const double floor = f32.rel();
-    LOOM_CHECK(!float32_floor_blocks(floor, t.tolerance), InvalidArgument,
-               t.name << " cannot be verified: its exact values lie below float32's normal range "
-                         "(rounding them to float32 alone errs "
-                      << std::setprecision(3) << floor << ", over a quarter of the tolerance "
-                      << t.tolerance << "): scale the inputs up to verify it");
+  // (Float32Floor, loom/tolerance.h). Where rounding the exact values does not explain the miss,
+  // the roundings of the terms that sum to them may (v of 1e-39: dp and ds subnormal, dq not):
+  // subnormal_reference models them, run only here and freed before the localisation.
+  {
+    std::optional<Reference> modelled;
+    for (const auto& t : rep.tensors) {
+      if (!t.compared || t.passed || t.non_finite > 0 || t.inf_mismatch > 0) continue;
+      const Tensor<double>& r = reference_of(ref, t.name);
+      Float32Floor f32;
+      for (int64_t i = 0; i < r.numel(); ++i) f32.add(r[i]);
+      double floor = f32.rel();
+      if (!float32_floor_blocks(floor, t.tolerance) && t.name != "lse") {
+        if (!modelled) modelled = run_reference(c, c.scale, any_grad, /*subnormal=*/true);
+        const Tensor<double>& m = reference_of(*modelled, t.name);
+        Float32Floor f;
+        for (int64_t i = 0; i < r.numel(); ++i) f.add(r[i], m[i]);
+        floor = std::max(floor, f.rel());
+      }
+      LOOM_CHECK(!float32_floor_blocks(floor, t.tolerance), InvalidArgument,
+                 t.name << " cannot be verified: its exact values or the terms that sum to them "
+                           "lie below float32's normal range (float32 alone errs "
+                        << std::setprecision(3) << floor << ", over a quarter of the tolerance "
+                        << t.tolerance << "): scale the inputs up to verify it");
+    }
   }
   // Nothing compared is no verdict: dk and dv alone above full_check_max passed, exit 0.
   bool any_compared = false;

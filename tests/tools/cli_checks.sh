@@ -653,6 +653,24 @@ expect_error "q = 1e-42: the check cannot tell below float32's normal range" \
   "check cannot tell dk (float32 alone errs" --input "$work/tiny1e-42" --backward --check
 "$loom" attn --input "$work/tiny1e-30" --backward --check --quiet > "$work/tiny.out" 2>&1 &&
   ok "q = 1e-30: the check passes" || { cat "$work/tiny.out"; bad "q = 1e-30: the check passes"; }
+# v of 1e-39: dp = dout . v and ds are subnormal in float32 while dq is not as far down (rounding
+# the exact dq alone errs 2e-6), and loom's correct dq erred 2.1e-5: "check failed: dq differs
+# from the fp64 reference (relative error 2.08e-05 > 1e-05)". The floor now models the terms'
+# roundings too (subnormal_reference); at 1e-30 the same inputs pass.
+for sc in 1e-39 1e-30; do
+  /usr/bin/python3 - "$work/subv$sc" "$sc" <<'PY'
+import numpy as np, os, sys
+d = sys.argv[1]
+os.makedirs(d)
+r = np.random.default_rng(0)
+for n, f in (("q", 1), ("k", 1), ("v", float(sys.argv[2])), ("dout", 1)):
+    np.save(f"{d}/{n}.npy", (r.standard_normal((128, 2, 16)) * f).astype(np.float32))
+PY
+done
+expect_error "v = 1e-39: the check cannot tell where the terms of dq lie below the normal range" \
+  "check cannot tell dq (float32 alone errs" --input "$work/subv1e-39" --backward --check
+"$loom" attn --input "$work/subv1e-30" --backward --check --quiet > "$work/subv.out" 2>&1 &&
+  ok "v = 1e-30: the check passes" || { cat "$work/subv.out"; bad "v = 1e-30: the check passes"; }
 # 7. Sizes that overflow are refused.
 expect_error "--seq beyond int64" "out of range" --seq 99999999999999999999
 # Integers are decimal: a leading zero was octal to CLI11 (--seq 064 ran S = 52, exit 0).

@@ -3,6 +3,7 @@
 // differences of the reference's own forward.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -349,6 +350,101 @@ INSTANTIATE_TEST_SUITE_P(Masks, ReferenceGradient,
                                            FdCase{"documents", Mask{true, 0}, true},
                                            FdCase{"documents_full", Mask{false, 0}, true}),
                          [](const auto& info) { return info.param.name; });
+
+// subnormal_reference where nothing falls below float32's normal range: the references
+// themselves, bitwise (so that Float32Floor's model never moves a check in the normal range).
+TEST(SubnormalReference, IsTheReferenceBitwiseInTheNormalRange) {
+  for (const bool documents : {false, true}) {
+    for (const Mask mask : {Mask{false, 0}, Mask{true, 0}, Mask{true, 5}}) {
+      const int64_t s = 24, h = 4, hkv = 2, d = 8;
+      const Tensor<double> q = random_double({s, h, d}, 21), k = random_double({s, hkv, d}, 22),
+                           v = random_double({s, hkv, d}, 23), dout = random_double({s, h, d}, 24);
+      const std::vector<int64_t> pos = iota_positions(s);
+      std::vector<int32_t> doc(static_cast<size_t>(s));
+      for (int64_t i = 0; i < s; ++i) doc[i] = static_cast<int32_t>(i / 10);
+      const Tokens t{pos.data(), documents ? doc.data() : nullptr, s};
+      Tensor<double> out({s, h, d}), dq({s, h, d}), dk({s, hkv, d}), dv({s, hkv, d});
+      std::vector<double> lse(static_cast<size_t>(h * s));
+      reference_forward(q.view3(), k.view3(), v.view3(), t, t, mask, 0.4, out.view3(), lse.data());
+      reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), t, t, mask, 0.4, dq.view3(),
+                         dk.view3(), dv.view3());
+      Tensor<double> mout({s, h, d}), mdq({s, h, d}), mdk({s, hkv, d}), mdv({s, hkv, d});
+      subnormal_reference(q.view3(), k.view3(), v.view3(), dout.view3(), t, t, mask, 0.4,
+                          mout.view3(), mdq.view3(), mdk.view3(), mdv.view3());
+      EXPECT_EQ(mout.vec(), out.vec());
+      EXPECT_EQ(mdq.vec(), dq.vec());
+      EXPECT_EQ(mdk.vec(), dk.vec());
+      EXPECT_EQ(mdv.vec(), dv.vec());
+      Tensor<double> fout({s, h, d});  // the forward alone
+      subnormal_reference(q.view3(), k.view3(), v.view3(), {}, t, t, mask, 0.4, fout.view3(), {},
+                          {}, {});
+      EXPECT_EQ(fout.vec(), out.vec());
+    }
+  }
+}
+
+// Values of 1e-39 (subnormal in float32) make dp = dout . v, delta and ds subnormal, while
+// dq = scale sum_j ds_ij k_j, a sum of many of them, is not as far down: rounding the exact dq
+// to float32 errs 1.7e-6, under a quarter of kFp32RelTol, but float32 arithmetic errs more (the
+// plain float32 loops below 2.1e-5; loom's kernels alike, and `loom attn --check` said FAILED of
+// a correct result). subnormal_reference's floor (1.5e-5) is within a factor of 4 of what the
+// plain loops err, and blocks the comparison.
+TEST(SubnormalReference, ModelsWhatFloat32ErrsBelowTheNormalRange) {
+  const int64_t s = 128, d = 16;
+  const double scale = 0.25;
+  Tensor<float> qf = test::random_normal({s, 1, d}, 31), kf = test::random_normal({s, 1, d}, 32),
+                vf = test::random_normal({s, 1, d}, 33), dof = test::random_normal({s, 1, d}, 34);
+  for (float& x : vf.vec()) x = static_cast<float>(x * 1e-39);
+  const Tensor<double> q = convert<double>(qf), k = convert<double>(kf), v = convert<double>(vf),
+                       dout = convert<double>(dof);
+  const std::vector<int64_t> pos = iota_positions(s);
+  const Tokens t{pos.data(), nullptr, s};
+  const Mask causal{true, 0};
+  Tensor<double> dq({s, 1, d}), dk({s, 1, d}), dv({s, 1, d});
+  reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), t, t, causal, scale, dq.view3(),
+                     dk.view3(), dv.view3());
+  Tensor<double> mout({s, 1, d}), mdq({s, 1, d}), mdk({s, 1, d}), mdv({s, 1, d});
+  subnormal_reference(q.view3(), k.view3(), v.view3(), dout.view3(), t, t, causal, scale,
+                      mout.view3(), mdq.view3(), mdk.view3(), mdv.view3());
+  // The plain float32 loops: p, out, dp, delta from the stored out, ds, dq.
+  std::vector<float> f32dq(static_cast<size_t>(s * d), 0.0f);
+  for (int64_t i = 0; i < s; ++i) {
+    std::vector<float> sc(static_cast<size_t>(i + 1)), o(static_cast<size_t>(d), 0.0f);
+    float m = -std::numeric_limits<float>::infinity(), l = 0;
+    for (int64_t j = 0; j <= i; ++j) {
+      float x = 0;
+      for (int64_t c = 0; c < d; ++c) x += qf[i * d + c] * kf[j * d + c];
+      sc[j] = static_cast<float>(scale) * x;
+      m = std::max(m, sc[j]);
+    }
+    for (int64_t j = 0; j <= i; ++j) l += std::exp(sc[j] - m);
+    const float lse = m + std::log(l);
+    for (int64_t j = 0; j <= i; ++j) {
+      sc[j] = std::exp(sc[j] - lse);  // p
+      for (int64_t c = 0; c < d; ++c) o[c] += sc[j] * vf[j * d + c];
+    }
+    float delta = 0;
+    for (int64_t c = 0; c < d; ++c) delta += dof[i * d + c] * o[c];
+    for (int64_t j = 0; j <= i; ++j) {
+      float dp = 0;
+      for (int64_t c = 0; c < d; ++c) dp += dof[i * d + c] * vf[j * d + c];
+      const float ds = sc[j] * (dp - delta);
+      for (int64_t c = 0; c < d; ++c)
+        f32dq[i * d + c] += static_cast<float>(scale) * ds * kf[j * d + c];
+    }
+  }
+  Float32Floor result_only, with_terms;
+  for (int64_t i = 0; i < dq.numel(); ++i) {
+    result_only.add(dq[i]);
+    with_terms.add(dq[i], mdq[i]);
+  }
+  const double plain = test::rel_error(f32dq, dq.vec());
+  EXPECT_FALSE(float32_floor_blocks(result_only.rel(), kFp32RelTol)) << result_only.rel();
+  EXPECT_TRUE(float32_floor_blocks(with_terms.rel(), kFp32RelTol)) << with_terms.rel();
+  EXPECT_GT(plain, kFp32RelTol) << "the plain float32 loops meet the tolerance: no case";
+  EXPECT_GT(with_terms.rel(), plain / 4);
+  EXPECT_LT(with_terms.rel(), plain * 4);
+}
 
 }  // namespace
 }  // namespace loom

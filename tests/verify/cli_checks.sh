@@ -457,8 +457,23 @@ for n, h in (("k", 1), ("v", 1), ("dout", 2)):
 PY
 "$LOOM" attn --input "$T/sub42" --backward --iters 1 --warmup 0 --quiet --output "$T/sub42_c" >/dev/null ||
   fail "loom attn on the inputs of 1e-42"
-expect2 "dk cannot be verified: its exact values lie below float32's normal range" -- \
+expect2 "dk cannot be verified: its exact values or the terms that sum to them lie below float32's normal range" -- \
   "$LOOM" verify --input "$T/sub42" --candidate "$T/sub42_c"
+# v of 1e-39: the terms of dq (dp = dout . v, ds) are subnormal, dq is not as far down, and loom's
+# correct dq "FAILED" at 2.1e-5 (exit 1): rounding the exact dq alone errs only 2e-6, the terms'
+# roundings (subnormal_reference) 1.6e-5.
+/usr/bin/python3 - "$T/subv" <<'PY'
+import numpy as np, os, sys
+d = sys.argv[1]
+os.makedirs(d)
+r = np.random.default_rng(0)
+for n, f in (("q", 1), ("k", 1), ("v", 1e-39), ("dout", 1)):
+    np.save(f"{d}/{n}.npy", (r.standard_normal((128, 2, 16)) * f).astype(np.float32))
+PY
+"$LOOM" attn --input "$T/subv" --backward --iters 1 --warmup 0 --quiet --output "$T/subv_c" >/dev/null ||
+  fail "loom attn on values of 1e-39"
+expect2 "dq cannot be verified: its exact values or the terms that sum to them lie below float32's normal range" -- \
+  "$LOOM" verify --input "$T/subv" --candidate "$T/subv_c"
 
 # Above --full-check-max only sampled rows are compared, and dk, dv not at all: a NaN in an
 # unsampled row of out, and a dk and dv of NaN, PASSED (exit 0), as did dk and dv alone (nothing

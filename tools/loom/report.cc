@@ -198,8 +198,10 @@ void print_text(const AttnReport& r) {
     for (const std::string& u : r.check.unverifiable)
       std::printf("  check     cannot tell %s: a bound of 1 or more passes zeros\n", u.c_str());
     for (const std::string& u : r.check.below_normal)
-      std::printf("  check     cannot tell %s: its exact values lie below float32's normal range\n",
-                  u.c_str());
+      std::printf(
+          "  check     cannot tell %s: its exact values or the terms that sum to them lie below "
+          "float32's normal range\n",
+          u.c_str());
     // Every tensor unverifiable: nothing was compared (it printed "max rel err 0 (; tolerance
     // 0.00e+00 ...").
     if (r.check.worst.empty() && !r.check.conclusive()) {

@@ -294,6 +294,8 @@ struct VerifySizes {
 //     c. on a failure, localisation: the pair partials of the localisation rows and their lse,
 //        the candidate and the reference on those rows, the heat map's directions, and with GQA
 //        (1 < Hkv < H) gqa_model's whole copy of the problem and its reference on those rows;
+//     d. on a miss that rounding the exact values to float32 does not explain, before the
+//        localisation: the reference's results and subnormal_reference's beside them (as a.);
 //  4. the reports kept, a heat map of chunks^2 per batch element.
 // The process as it stands is added, as loom attn adds it: its resident set in whole MiB, at
 // least 12 MiB; and a margin for the allocator (below). Measured against the peak resident set in
@@ -354,7 +356,9 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
   // compute_pairs' threads (OpenMP's, localisation's only parallel loop) each score a chunk's
   // keys in a row of their own.
   if (out || dq) loc += std::max(1, omp_get_max_threads()) * e * S;
-  const double inside = context + std::max({a, b, ref + loc});
+  // d.: q's and dout's rows, out, dq, dk and dv of every key, a row of weights and of dp.
+  const double model = 2 * rows + (grad ? 2 * rows + 2 * keys : 0) + 2 * e * S;
+  const double inside = context + std::max({a, b, ref + loc, ref + model});
   // 4. The reports.
   const double reports = 2 * e * B * nc * nc;
   const double run =
