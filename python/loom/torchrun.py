@@ -27,11 +27,19 @@ given script.
    kills its healthy workers ("RendezvousConnectionError ... Broken pipe"). The wrapper gives
    each `--standalone` job its own store, on a free port outside the ephemeral range (as in 2),
    with a fresh rendezvous id: what --standalone means, one job on one node.
+
+4. Without `--log_dir`, the agent makes a directory `torchelastic_*` in the temporary directory
+   (TMPDIR, else /tmp) for the workers' redirected output and never removes it: every job left
+   one, empty unless `--redirects` or `--tee` wrote there. The wrapper makes that directory itself
+   and, when the job ends (whatever its outcome), removes the directories in it that hold no file;
+   where workers' logs remain, it says where on stderr. No file is ever deleted.
 """
+import os
 import random
 import re
 import socket
 import sys
+import tempfile
 import uuid
 
 from torch.distributed.elastic.agent.server import api as _agent_api
@@ -146,12 +154,30 @@ def standalone_args(args):
     return args
 
 
+def remove_empty_dirs(top):
+    """Removes the directories under top, and top, that hold no file (fix 4); returns whether top
+    is gone. A directory with a file in it anywhere below is kept, with the file."""
+    for root, _, _ in os.walk(top, topdown=False):
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass  # not empty: a file somewhere below, or not ours to remove
+    return not os.path.exists(top)
+
+
 @_record
 def main(argv=None):
     _patch()
     args = _run.parse_args(argv if argv is not None else sys.argv[1:])
     check_std_args(args)
-    _run.run(standalone_args(args))
+    own_log_dir = None
+    if not getattr(args, "log_dir", None):
+        own_log_dir = args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+    try:
+        _run.run(standalone_args(args))
+    finally:
+        if own_log_dir and not remove_empty_dirs(own_log_dir):
+            print(f"loom.torchrun: the workers' logs are in {own_log_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -175,5 +175,40 @@ with tempfile.TemporaryDirectory() as d:
         "loom.torchrun: --redirects: '4' is not 0 (none), 1 (stdout), 2 (stderr), 3 (both)")
         and "out of" not in run.stdout, f"--redirects 4: exit {run.returncode}, {run.stderr!r}")
 
+# Without --log_dir the agent made a torchelastic_* directory in TMPDIR for every job and left it
+# (57 after a day of test runs here). The empty ones are now removed when the job ends; one
+# holding redirected logs stays, and the launcher says where.
+with tempfile.TemporaryDirectory() as d:
+    worker = os.path.join(d, "w.py")
+    with open(worker, "w") as f:
+        f.write("print('out')\n")
+    tmp = os.path.join(d, "tmp")
+    os.mkdir(tmp)
+    env = dict(os.environ, TMPDIR=tmp)
+    launch = [sys.executable, "-m", "loom.torchrun", "--standalone", "--nproc_per_node", "2"]
+    run = subprocess.run(launch + [worker], capture_output=True, text=True, timeout=50, env=env)
+    left = os.listdir(tmp)
+    check(run.returncode == 0 and left == [],
+          f"no --log_dir: exit {run.returncode}, left in TMPDIR {left}: {run.stderr[-300:]}")
+    run = subprocess.run(launch + ["--redirects", "1", worker], capture_output=True, text=True,
+                         timeout=50, env=env)
+    left = os.listdir(tmp)
+    logs = [os.path.join(r, n) for r, _, names in os.walk(tmp) for n in names]
+    check(run.returncode == 0 and len(left) == 1 and left[0].startswith("torchelastic_")
+          and len(logs) == 2 and all(open(p).read() == "out\n" for p in logs)
+          and f"loom.torchrun: the workers' logs are in {os.path.join(tmp, left[0])}" in run.stderr,
+          f"--redirects 1, no --log_dir: exit {run.returncode}, left {left}, logs {logs}, "
+          f"stderr {run.stderr[-300:]!r}")
+    # The removal itself: empty directories go, a file and the directories above it stay.
+    top = os.path.join(d, "t")
+    os.makedirs(os.path.join(top, "a", "b"))
+    os.makedirs(os.path.join(top, "c"))
+    with open(os.path.join(top, "c", "keep"), "w") as f:
+        f.write("x")
+    check(not lr.remove_empty_dirs(top) and os.path.isfile(os.path.join(top, "c", "keep"))
+          and not os.path.exists(os.path.join(top, "a")), "remove_empty_dirs keeps files")
+    os.remove(os.path.join(top, "c", "keep"))
+    check(lr.remove_empty_dirs(top) and not os.path.exists(top), "remove_empty_dirs removes all")
+
 print(f"test_torchrun: {check.count} checks, {len(check.failures)} failed")
 sys.exit(1 if check.failures else 0)
