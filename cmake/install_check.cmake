@@ -30,8 +30,31 @@ function(step name)
 endfunction()
 
 step("install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --config ${BUILD_TYPE})
+
+# The installed headers as docs/library.md promises them: each compiles alone (it includes what
+# it uses) as C++17, and all of them together as C++20, warning-free under -Wall -Wextra
+# -Wpedantic -Wconversion. (cp.h's consteval constructor made every header that includes it
+# C++20-only.)
+file(GLOB_RECURSE headers RELATIVE ${prefix}/include ${prefix}/include/loom/*.h)
+list(SORT headers)
+set(all_includes "")
+foreach(header ${headers})
+  string(MAKE_C_IDENTIFIER ${header} stem)
+  file(WRITE ${WORK_DIR}/headers/${stem}.cc "#include <${header}>\n")
+  string(APPEND all_includes "#include <${header}>\n")
+  step("${header} alone as C++17" ${CXX_COMPILER} -std=c++17 -fsyntax-only -Wall -Wextra
+       -Wpedantic -Wconversion -Werror -I${prefix}/include ${WORK_DIR}/headers/${stem}.cc)
+endforeach()
+file(WRITE ${WORK_DIR}/headers/all.cc "${all_includes}")
+step("the headers as C++20" ${CXX_COMPILER} -std=c++20 -fsyntax-only -Wall -Wextra -Wpedantic
+     -Wconversion -Werror -I${prefix}/include ${WORK_DIR}/headers/all.cc)
+list(LENGTH headers n_headers)
+message("installed headers: ${n_headers}, each alone as C++17 and together as C++20, no warning")
+# As C++17, the oldest standard the headers support (a PyTorch 1.13 extension is built as C++17):
+# -std=c++17 in the flags, and no newer standard asked for by loom's targets (checked below).
 set(configure_args -S ${SOURCE_DIR}/examples/cpp -B ${example} -G ${GENERATOR}
     -DCMAKE_BUILD_TYPE=${BUILD_TYPE} -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
+    -DCMAKE_CXX_FLAGS=-std=c++17
     -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
 if(C_COMPILER)
   list(APPEND configure_args -DCMAKE_C_COMPILER=${C_COMPILER})
@@ -51,6 +74,10 @@ step("build examples/cpp" ${CMAKE_COMMAND} --build ${example} --config ${BUILD_T
 file(READ ${example}/compile_commands.json commands)
 if(commands MATCHES "openmp")
   message(FATAL_ERROR "install_example: loom::loom compiles its users' sources with OpenMP:\n"
+                      "${commands}")
+endif()
+if(NOT commands MATCHES "-std=c\\+\\+17" OR commands MATCHES "-std=(c|gnu)\\+\\+(2|1z|2a)")
+  message(FATAL_ERROR "install_example: examples/cpp was not compiled as C++17 alone:\n"
                       "${commands}")
 endif()
 find_program(example_exe cp_attention PATHS ${example} ${example}/${BUILD_TYPE} NO_DEFAULT_PATH)

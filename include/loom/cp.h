@@ -30,14 +30,25 @@ enum class Layout { contiguous, zigzag, stripe };
 // the built-ins; register_strategy in the internal strategies/strategy.h adds more). A new
 // strategy needs no edit here: Strategy{"name"} names it. Compared by name; a value type to copy
 // freely. Strategy::ring, ulysses, hybrid, allgather and ring2d name the built-ins.
+//
+// The headers need C++17; loom itself is built as C++20. Under C++20 the constructor is
+// consteval, so a name that is not a constant (a char buffer) does not compile; under C++17 it is
+// constexpr, and the rule is the caller's: the name must be a string literal, which outlives
+// every copy.
+#if defined(__cpp_consteval) && __cpp_consteval >= 201811L
+#define LOOM_STRATEGY_CTOR consteval
+#else
+#define LOOM_STRATEGY_CTOR constexpr
+#endif
 class Strategy {
  public:
   constexpr Strategy() : name_("ring") {}
-  // The name must be a string literal (consteval: it outlives every copy).
+  // The name must be a string literal (it outlives every copy).
   template <size_t N>
-  explicit consteval Strategy(const char (&name)[N]) : name_(name, N - 1) {}
+  explicit LOOM_STRATEGY_CTOR Strategy(const char (&name)[N]) : name_(name, N - 1) {}
   constexpr std::string_view name() const { return name_; }
   friend constexpr bool operator==(Strategy a, Strategy b) { return a.name_ == b.name_; }
+  friend constexpr bool operator!=(Strategy a, Strategy b) { return !(a == b); }
 
   static const Strategy ring, ulysses, hybrid, allgather, ring2d;
 
@@ -49,6 +60,7 @@ inline constexpr Strategy Strategy::ulysses{"ulysses"};
 inline constexpr Strategy Strategy::hybrid{"hybrid"};
 inline constexpr Strategy Strategy::allgather{"allgather"};
 inline constexpr Strategy Strategy::ring2d{"ring2d"};
+#undef LOOM_STRATEGY_CTOR
 
 Layout parse_layout(const std::string& name);      // InvalidArgument listing the choices
 Strategy parse_strategy(const std::string& name);  // InvalidArgument listing the choices
