@@ -139,7 +139,9 @@ void reference_forward(View3<const double> q, View3<const double> k, View3<const
                        double* lse);
 
 // Gradients of sum(out * dout) with respect to q, k, v. dq [Sq,H,D], dk, dv [Sk,Hkv,D] are
-// overwritten (not accumulated).
+// overwritten (not accumulated). dk or dv may be an empty view, View3<double>{} (data nullptr and
+// every size 0): that gradient is not computed (loom verify checks dq alone on sampled query rows
+// and needs no [Sk,Hkv,D] buffer for them); dq and the other gradient are the same, bitwise.
 void reference_backward(View3<const double> q, View3<const double> k, View3<const double> v,
                         View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                         double scale, View3<double> dq, View3<double> dk, View3<double> dv);
@@ -153,8 +155,8 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
 // reference_backward's, bitwise. Their distance from the exact ones is what subnormal arithmetic
 // alone errs, which no float32 implementation avoids (Float32Floor, loom/tolerance.h): v of 1e-39
 // makes dp and ds subnormal and a correct dq err 4e-5, while dq itself rounds to float32 within
-// 3e-6. Arguments as reference_backward, out as reference_forward's (without lse); dout.data ==
-// nullptr: out only (dq, dk, dv not touched).
+// 3e-6. Arguments as reference_backward (dk or dv empty: not computed), out as
+// reference_forward's (without lse); dout.data == nullptr: out only (dq, dk, dv not touched).
 void subnormal_reference(View3<const double> q, View3<const double> k, View3<const double> v,
                          View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
                          double scale, View3<double> out, View3<double> dq, View3<double> dk,

@@ -117,6 +117,26 @@ bool row_probabilities(View3<const double> q, View3<const double> k, const Token
   return true;
 }
 
+// A key gradient the caller does not want: an empty view, View3{} (loom/attention.h).
+bool skipped(const View3<double>& g) {
+  return g.data == nullptr && g.s == 0 && g.h == 0 && g.d == 0;
+}
+
+// dk or dv against k or v where wanted; an unwanted one is not looked at.
+void check_key_gradient(const View3<double>& g, const View3<const double>& kv, bool wanted,
+                        const char* name, const char* pair) {
+  if (!wanted) return;
+  kernels::check_view(g, name);
+  kernels::check_same_shape(View3<const double>(g), kv, pair);
+}
+
+void zero_key_gradient(const View3<double>& g, bool wanted) {
+  if (!wanted) return;
+  for (int64_t j = 0; j < g.s; ++j)
+    for (int64_t h = 0; h < g.h; ++h)
+      for (int64_t d = 0; d < g.d; ++d) g(j, h, d) = 0.0;
+}
+
 }  // namespace
 
 void reference_forward(View3<const double> q, View3<const double> k, View3<const double> v,
@@ -153,19 +173,17 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
   kernels::check_scale(scale);
   kernels::check_view(dout, "dout");
   kernels::check_view(dq, "dq");
-  kernels::check_view(dk, "dk");
-  kernels::check_view(dv, "dv");
   kernels::check_same_shape(dout, q, "dout and q");
   kernels::check_same_shape(View3<const double>(dq), q, "dq and q");
-  kernels::check_same_shape(View3<const double>(dk), k, "dk and k");
-  kernels::check_same_shape(View3<const double>(dv), v, "dv and v");
+  const bool want_dk = !skipped(dk), want_dv = !skipped(dv);
+  check_key_gradient(dk, k, want_dk, "dk", "dk and k");
+  check_key_gradient(dv, v, want_dv, "dv", "dv and v");
 
   for (int64_t i = 0; i < q.s; ++i)
     for (int64_t h = 0; h < q.h; ++h)
       for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) = 0.0;
-  for (int64_t j = 0; j < k.s; ++j)
-    for (int64_t g = 0; g < k.h; ++g)
-      for (int64_t d = 0; d < k.d; ++d) dk(j, g, d) = dv(j, g, d) = 0.0;
+  zero_key_gradient(dk, want_dk);
+  zero_key_gradient(dv, want_dv);
 
   std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
   std::vector<int64_t> keys;
@@ -180,11 +198,11 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
       const double shift = dp_and_shift(doi, v, g, p, keys, t, dp);  // delta - dp_t
       for (int64_t j : keys) {
         const double ds = p[j] * ((dp[j] - dp[t]) - shift);
-        for (int64_t d = 0; d < q.d; ++d) {
-          dv(j, g, d) += p[j] * doi[d];
-          dq(i, h, d) += scale * ds * k(j, g, d);
-          dk(j, g, d) += scale * ds * q(i, h, d);
-        }
+        for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) += scale * ds * k(j, g, d);
+        if (want_dv)
+          for (int64_t d = 0; d < q.d; ++d) dv(j, g, d) += p[j] * doi[d];
+        if (want_dk)
+          for (int64_t d = 0; d < q.d; ++d) dk(j, g, d) += scale * ds * q(i, h, d);
       }
     }
   }
@@ -219,21 +237,19 @@ void subnormal_reference(View3<const double> q, View3<const double> k, View3<con
   kernels::check_view(out, "out");
   kernels::check_same_shape(View3<const double>(out), q, "out and q");
   const bool backward = dout.data != nullptr;
+  const bool want_dk = backward && !skipped(dk), want_dv = backward && !skipped(dv);
   if (backward) {
     kernels::check_view(dout, "dout");
     kernels::check_view(dq, "dq");
-    kernels::check_view(dk, "dk");
-    kernels::check_view(dv, "dv");
     kernels::check_same_shape(dout, q, "dout and q");
     kernels::check_same_shape(View3<const double>(dq), q, "dq and q");
-    kernels::check_same_shape(View3<const double>(dk), k, "dk and k");
-    kernels::check_same_shape(View3<const double>(dv), v, "dv and v");
+    check_key_gradient(dk, k, want_dk, "dk", "dk and k");
+    check_key_gradient(dv, v, want_dv, "dv", "dv and v");
     for (int64_t i = 0; i < q.s; ++i)
       for (int64_t h = 0; h < q.h; ++h)
         for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) = 0.0;
-    for (int64_t j = 0; j < k.s; ++j)
-      for (int64_t g = 0; g < k.h; ++g)
-        for (int64_t d = 0; d < k.d; ++d) dk(j, g, d) = dv(j, g, d) = 0.0;
+    zero_key_gradient(dk, want_dk);
+    zero_key_gradient(dv, want_dv);
   }
   const auto r = round_subnormal;
   std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
@@ -265,11 +281,11 @@ void subnormal_reference(View3<const double> q, View3<const double> k, View3<con
         const double dp_moved = dot_subnormal(doi, v.row(j, g), q.d) - dp[j];
         const double pj = r(p[j]);
         const double ds = r(pj * (((dp[j] - dp[t]) - shift) + (dp_moved - delta_moved)));
-        for (int64_t d = 0; d < q.d; ++d) {
-          dv(j, g, d) = r(dv(j, g, d) + pj * doi[d]);
-          dq(i, h, d) = r(dq(i, h, d) + scale * ds * k(j, g, d));
-          dk(j, g, d) = r(dk(j, g, d) + scale * ds * q(i, h, d));
-        }
+        for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) = r(dq(i, h, d) + scale * ds * k(j, g, d));
+        if (want_dv)
+          for (int64_t d = 0; d < q.d; ++d) dv(j, g, d) = r(dv(j, g, d) + pj * doi[d]);
+        if (want_dk)
+          for (int64_t d = 0; d < q.d; ++d) dk(j, g, d) = r(dk(j, g, d) + scale * ds * q(i, h, d));
       }
     }
   }

@@ -164,40 +164,59 @@ struct RowTokens {
   }
 };
 
+// Whether the check rows of c are every row (ascending and distinct, so then 0, 1, ..., S - 1).
+bool every_row(const Ctx& c) {
+  return static_cast<int64_t>(c.rows.size()) == c.S;
+}
+
+// Rows c.rows of x ([S, A, B]): x itself where they are every row, else a copy gathered into
+// `rows` (a gathered copy of every row was a whole tensor more, for nothing).
+View3<const double> check_rows(const Ctx& c, const Tensor<double>& x, Tensor<double>& rows) {
+  if (every_row(c)) return x.view3();
+  rows = gather_rows(x, c.rows);
+  return rows.view3();
+}
+
 // The reference on the check rows; subnormal: subnormal_reference's values instead (loom/
-// attention.h: float32's roundings below its normal range; lse not filled).
-Reference run_reference(const Ctx& c, double scale, bool backward, bool subnormal = false) {
+// attention.h: float32's roundings below its normal range; lse not filled). q_rows: q's check
+// rows already given (gqa_model's permuted heads), else read from the problem. dk and dv are
+// computed only where every row is checked: on sampled rows they are not compared, and their
+// [S, Hkv, D] buffers were allocated and thrown away.
+Reference run_reference(const Ctx& c, double scale, bool backward, bool subnormal = false,
+                        const Tensor<double>* q_rows = nullptr) {
   Reference ref;
   const int64_t n = static_cast<int64_t>(c.rows.size());
-  Tensor<double> q = gather_rows(c.p.q, c.rows);
+  Tensor<double> q_copy, dout_copy;
+  const View3<const double> q = q_rows ? q_rows->view3() : check_rows(c, c.p.q, q_copy);
   const RowTokens rt(c);
   const Tokens qt = rt.tokens();
   ref.out = Tensor<double>({n, c.H, c.D});
   ref.lse = Tensor<double>({c.H, n});
-  Tensor<double> dout, dk, dv;
+  View3<const double> dout;
+  const bool keys = backward && !c.sampled;
   if (backward) {
-    dout = gather_rows(c.p.dout, c.rows);
+    dout = check_rows(c, c.p.dout, dout_copy);
     ref.dq = Tensor<double>({n, c.H, c.D});
-    dk = Tensor<double>({c.S, c.Hkv, c.D});
-    dv = Tensor<double>({c.S, c.Hkv, c.D});
   }
+  if (keys) {
+    ref.dk = Tensor<double>({c.S, c.Hkv, c.D});
+    ref.dv = Tensor<double>({c.S, c.Hkv, c.D});
+  }
+  const View3<double> dk = keys ? ref.dk.view3() : View3<double>{},
+                      dv = keys ? ref.dv.view3() : View3<double>{};
   if (subnormal) {
     if (backward)
-      subnormal_reference(q.view3(), c.p.k.view3(), c.p.v.view3(), dout.view3(), qt, c.all_tokens(),
-                          c.p.mask, scale, ref.out.view3(), ref.dq.view3(), dk.view3(), dv.view3());
+      subnormal_reference(q, c.p.k.view3(), c.p.v.view3(), dout, qt, c.all_tokens(), c.p.mask,
+                          scale, ref.out.view3(), ref.dq.view3(), dk, dv);
     else
-      subnormal_reference(q.view3(), c.p.k.view3(), c.p.v.view3(), {}, qt, c.all_tokens(), c.p.mask,
-                          scale, ref.out.view3(), {}, {}, {});
+      subnormal_reference(q, c.p.k.view3(), c.p.v.view3(), {}, qt, c.all_tokens(), c.p.mask, scale,
+                          ref.out.view3(), {}, {}, {});
   } else {
-    reference_forward(q.view3(), c.p.k.view3(), c.p.v.view3(), qt, c.all_tokens(), c.p.mask, scale,
+    reference_forward(q, c.p.k.view3(), c.p.v.view3(), qt, c.all_tokens(), c.p.mask, scale,
                       ref.out.view3(), ref.lse.data());
     if (backward)
-      reference_backward(q.view3(), c.p.k.view3(), c.p.v.view3(), dout.view3(), qt, c.all_tokens(),
-                         c.p.mask, scale, ref.dq.view3(), dk.view3(), dv.view3());
-  }
-  if (backward && !c.sampled) {
-    ref.dk = std::move(dk);
-    ref.dv = std::move(dv);
+      reference_backward(q, c.p.k.view3(), c.p.v.view3(), dout, qt, c.all_tokens(), c.p.mask, scale,
+                         ref.dq.view3(), dk, dv);
   }
   return ref;
 }
@@ -984,13 +1003,16 @@ void gqa_model(const Ctx& c, const Observed& ob, std::vector<Diagnosis>& all) {
   std::vector<int64_t> pi(c.H);
   for (int64_t kv = 0; kv < c.Hkv; ++kv)
     for (int64_t j = 0; j < c.group; ++j) pi[kv * c.group + j] = j * c.Hkv + kv;
-  Problem pq = c.p;
-  for (int64_t i = 0; i < c.S; ++i)
+  // q's localisation rows with heads permuted (a copy of the whole problem, q, k, v and dout,
+  // was made for them).
+  const int64_t nl = static_cast<int64_t>(c.lrows.size());
+  Tensor<double> q({nl, c.H, c.D});
+  for (int64_t ri = 0; ri < nl; ++ri)
     for (int64_t h = 0; h < c.H; ++h)
-      for (int64_t d = 0; d < c.D; ++d)
-        pq.q[(i * c.H + h) * c.D + d] = c.p.q[(i * c.H + pi[h]) * c.D + d];
-  const Ctx sub(pq, c, c.lrows);
-  const Reference r = run_reference(sub, c.scale, false);
+      std::copy_n(c.p.q.data() + (c.lrows[ri] * c.H + pi[h]) * c.D, c.D,
+                  q.data() + (ri * c.H + h) * c.D);
+  const Ctx sub(c.p, c, c.lrows);
+  const Reference r = run_reference(sub, c.scale, false, false, &q);
   std::vector<double> pred(r.out.numel());
   for (size_t ri = 0; ri < c.lrows.size(); ++ri)
     for (int64_t h = 0; h < c.H; ++h)
@@ -1398,13 +1420,13 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   {
     const RowTokens rt(c);
     // The score condition over every query row, the others over the rows compared.
-    const Tensor<double> q = gather_rows(p.q, c.rows);
-    const Tensor<double> dout = any_grad ? gather_rows(p.dout, c.rows) : Tensor<double>();
+    Tensor<double> q_copy, dout_copy;
+    const View3<const double> q = check_rows(c, p.q, q_copy);
     const View3<const double> dv =
-        any_grad ? View3<const double>(dout.view3()) : View3<const double>{};
+        any_grad ? check_rows(c, p.dout, dout_copy) : View3<const double>{};
     CheckLimits limits =
-        check_limits(q.view3(), p.k.view3(), p.v.view3(), dv, rt.tokens(), c.all_tokens(), p.mask,
-                     c.scale, CheckedResults{o.dtype == "bf16", true, false},
+        check_limits(q, p.k.view3(), p.v.view3(), dv, rt.tokens(), c.all_tokens(), p.mask, c.scale,
+                     CheckedResults{o.dtype == "bf16", true, false},
                      fp32_score_bound(p.q.view3(), p.k.view3(), c.scale));
     if (!limits.why.empty()) {
       rep.per_problem_why = (o.dtype == "bf16" ? "bf16 with " : "") + limits.why;

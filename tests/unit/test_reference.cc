@@ -383,6 +383,67 @@ TEST(SubnormalReference, IsTheReferenceBitwiseInTheNormalRange) {
   }
 }
 
+// dk or dv given as an empty view (View3<double>{}) is not computed, and the gradients that are
+// computed stay the same, bitwise: loom verify checks dq alone on sampled rows and allocates no
+// [Sk, Hkv, D] buffer for dk and dv there. A view with null data but a shape is still refused.
+TEST(Reference, EmptyKeyGradientViewsAreNotComputed) {
+  const int64_t sq = 7, sk = 24, h = 4, hkv = 2, d = 8;
+  const Tensor<double> q = random_double({sq, h, d}, 41), k = random_double({sk, hkv, d}, 42),
+                       v = random_double({sk, hkv, d}, 43), dout = random_double({sq, h, d}, 44);
+  const std::vector<int64_t> qpos = {0, 3, 7, 11, 15, 19, 23}, kpos = iota_positions(sk);
+  const Tokens qt{qpos.data(), nullptr, sq}, kt{kpos.data(), nullptr, sk};
+  const Mask mask{true, 0};
+  Tensor<double> dq({sq, h, d}), dk({sk, hkv, d}), dv({sk, hkv, d});
+  reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3, dq.view3(),
+                     dk.view3(), dv.view3());
+  Tensor<double> mout({sq, h, d}), mdq({sq, h, d}), mdk({sk, hkv, d}), mdv({sk, hkv, d});
+  subnormal_reference(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3,
+                      mout.view3(), mdq.view3(), mdk.view3(), mdv.view3());
+  for (const bool want_dk : {false, true}) {
+    for (const bool want_dv : {false, true}) {
+      SCOPED_TRACE(std::string("dk ") + (want_dk ? "wanted" : "empty") + ", dv " +
+                   (want_dv ? "wanted" : "empty"));
+      Tensor<double> dq2({sq, h, d}, 7.0), dk2({sk, hkv, d}, 7.0), dv2({sk, hkv, d}, 7.0);
+      reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3,
+                         dq2.view3(), want_dk ? dk2.view3() : View3<double>{},
+                         want_dv ? dv2.view3() : View3<double>{});
+      EXPECT_EQ(dq2.vec(), dq.vec());
+      if (want_dk) {
+        EXPECT_EQ(dk2.vec(), dk.vec());
+      }
+      if (want_dv) {
+        EXPECT_EQ(dv2.vec(), dv.vec());
+      }
+      Tensor<double> out3({sq, h, d}), dq3({sq, h, d}, 7.0), dk3({sk, hkv, d}, 7.0),
+          dv3({sk, hkv, d}, 7.0);
+      subnormal_reference(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3,
+                          out3.view3(), dq3.view3(), want_dk ? dk3.view3() : View3<double>{},
+                          want_dv ? dv3.view3() : View3<double>{});
+      EXPECT_EQ(out3.vec(), mout.vec());
+      EXPECT_EQ(dq3.vec(), mdq.vec());
+      if (want_dk) {
+        EXPECT_EQ(dk3.vec(), mdk.vec());
+      }
+      if (want_dv) {
+        EXPECT_EQ(dv3.vec(), mdv.vec());
+      }
+    }
+  }
+  // Null data with a shape is a mistake, not "skip": refused as before.
+  const View3<double> null_shaped{nullptr, sk, hkv, d, hkv * d, d};
+  EXPECT_THROW(reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3,
+                                  dq.view3(), null_shaped, dv.view3()),
+               InvalidArgument);
+  EXPECT_THROW(subnormal_reference(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3,
+                                   mout.view3(), dq.view3(), dk.view3(), null_shaped),
+               InvalidArgument);
+  // A dk of the wrong shape still is.
+  Tensor<double> short_dk({sk - 1, hkv, d});
+  EXPECT_THROW(reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3,
+                                  dq.view3(), short_dk.view3(), View3<double>{}),
+               InvalidArgument);
+}
+
 // Values of 1e-39 (subnormal in float32) make dp = dout . v, delta and ds subnormal, while
 // dq = scale sum_j ds_ij k_j, a sum of many of them, is not as far down: rounding the exact dq
 // to float32 errs 1.7e-6, under a quarter of kFp32RelTol, but float32 arithmetic errs more (the

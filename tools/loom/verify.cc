@@ -104,22 +104,45 @@ Tensor<double> rows_to_shd(const Tensor<double>& x, Dims dims, int64_t b, int64_
   return y;
 }
 
-// Batch element b (of `batches`) of an lse tensor on disk as [H, S].
-Tensor<double> lse_to_hs(const Tensor<double>& x, Dims dims, int64_t b, int64_t batches,
-                         const std::string& what) {
+// Refuses an lse tensor whose number of dimensions is not the layout's.
+void check_lse_dims(const Tensor<double>& x, Dims dims, const std::string& what) {
   if (dims == Dims::bshd) {
     LOOM_CHECK(x.dim() == 3, InvalidArgument,
                what << " has shape " << shape_str(x.shape()) << " but --layout-dims BSHD needs "
                     << "lse [B, H, S]");
+    return;
+  }
+  LOOM_CHECK(x.dim() == 2, InvalidArgument,
+             what << " has shape " << shape_str(x.shape()) << " but lse must be [H, S]");
+}
+
+// Batch element b (of `batches`) of an lse tensor on disk as [H, S].
+Tensor<double> lse_to_hs(const Tensor<double>& x, Dims dims, int64_t b, int64_t batches,
+                         const std::string& what) {
+  check_lse_dims(x, dims, what);
+  if (dims == Dims::bshd) {
     check_batches(x, batches, what);
     const int64_t H = x.size(1), S = x.size(2);
     Tensor<double> y({H, S});
     std::copy(x.data() + b * H * S, x.data() + (b + 1) * H * S, y.data());
     return y;
   }
-  LOOM_CHECK(x.dim() == 2, InvalidArgument,
-             what << " has shape " << shape_str(x.shape()) << " but lse must be [H, S]");
   return x;
+}
+
+// rows_to_shd and lse_to_hs of the only batch element (B = 1), taking x: a body already [S, H, D]
+// (lse [H, S]) is moved, not copied; one in another layout is reordered and then freed.
+Tensor<double> take_rows(Tensor<double>&& x, Dims dims, const std::string& what) {
+  Tensor<double> body = std::move(x);
+  check_row_dims(body, dims, what);
+  if (dims == Dims::shd) return body;
+  return rows_to_shd(body, dims, 0, 1, what);
+}
+Tensor<double> take_lse(Tensor<double>&& x, Dims dims, const std::string& what) {
+  Tensor<double> body = std::move(x);
+  if (dims == Dims::bshd) return lse_to_hs(body, dims, 0, 1, what);
+  check_lse_dims(body, dims, what);
+  return body;
 }
 
 void require_finite(const Tensor<double>& t, const std::string& name) {
@@ -247,6 +270,17 @@ std::optional<Tensor<double>> assemble(const Files& f, const verify::Sharding& s
   if (!f.per_rank)
     return lse ? lse_to_hs(f.global, dims, b, batches, name + ".npy")
                : rows_to_shd(f.global, dims, b, batches, name + ".npy");
+  if (dims == Dims::shd) {  // the ranks' bodies are their [n_r, A, B] (lse [H, n_r]): no copies
+    for (int r = 0; r < sh.ranks; ++r) {
+      const std::string what = name + ".rank" + std::to_string(r) + ".npy";
+      if (lse)
+        check_lse_dims(f.ranks[r], dims, what);
+      else
+        check_row_dims(f.ranks[r], dims, what);
+    }
+    return lse ? verify::unshard_cols(sh, f.ranks, name, want[0])
+               : verify::unshard_rows(sh, f.ranks, name, want);
+  }
   std::vector<Tensor<double>> local;
   for (int r = 0; r < sh.ranks; ++r) {
     const std::string what = name + ".rank" + std::to_string(r) + ".npy";
@@ -272,6 +306,7 @@ struct VerifySizes {
   int64_t B = 1, S = 0, H = 0, Hkv = 0, D = 0;
   int chunks = 1;
   int64_t full_check_max = 0;
+  bool shd = true;  // --layout-dims SHD: the bodies are [S, H, D] (lse [H, S]) already
 };
 
 // Peak bytes of a loom verify run, from the headers alone (nothing is read before it passes).
@@ -279,21 +314,25 @@ struct VerifySizes {
 // verify::verify in src/verify/verify.cc):
 //  1. the bodies: q, k, v, dout and every candidate file (all batch elements), held to the end;
 //     each is read through its raw body (at most 8 bytes an element), freed once decoded;
-//  2. per batch element, while it is checked: problem_of's copies of q, k, v and dout as
-//     [S, H, D], and candidate_of's assembled candidate (a global file copied; per-rank files
-//     copied rank by rank, then unsharded into a global tensor and the copies freed);
+//  2. the problem and the candidate in global [S, H, D] order. With one batch element (B = 1)
+//     they are the bodies themselves (take_rows; a body in another layout is copied and then
+//     freed, one at a time), and per-rank files are unsharded into a global tensor (SHD: from
+//     the bodies; else copied rank by rank first, the copies freed after). With B > 1, per batch
+//     element while it is checked: problem_of's copies of q, k, v and dout, and the candidate (a
+//     global file's batch element copied; per-rank files as above);
 //  3. inside verify(): its context (every token's position, document, chunk and rank, and the
 //     sharding: about 64 bytes a token), then the largest of
-//     a. the reference on the check rows (n: every row up to --full-check-max, else 256): q's
-//        rows, out and lse, and with gradients dout's rows, dq and dk, dv of every key
-//        ([S, Hkv, D], allocated even when only sampled rows are compared);
-//     b. the reference's results, q's and dout's rows gathered again for the tolerances
+//     a. the reference on the check rows (n: every row up to --full-check-max, else 256): out
+//        and lse, with gradients dq and, where every row is checked, dk, dv of every key
+//        ([S, Hkv, D]); sampled rows of q and dout are gathered (every row is read in place);
+//     b. the reference's results, q's and dout's sampled rows gathered again for the tolerances
 //        (check_limits), and for a problem outside the fixed tolerances' regime (which the
 //        headers cannot tell) the bounds' own rows of keys and, with gradients, four
 //        [S, Hkv, D] accumulators;
 //     c. on a failure, localisation: the pair partials of the localisation rows and their lse,
 //        the candidate and the reference on those rows, the heat map's directions, and with GQA
-//        (1 < Hkv < H) gqa_model's whole copy of the problem and its reference on those rows;
+//        (1 < Hkv < H) gqa_model's q rows with permuted heads, its copy of the context and its
+//        reference on those rows;
 //     d. on a miss that rounding the exact values to float32 does not explain, before the
 //        localisation: the reference's results and subnormal_reference's beside them (as a.);
 //  4. the reports kept, a heat map of chunks^2 per batch element.
@@ -306,12 +345,15 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
   const double B = static_cast<double>(std::max<int64_t>(1, z.B)), S = static_cast<double>(z.S),
                H = static_cast<double>(z.H), Hkv = static_cast<double>(z.Hkv),
                D = static_cast<double>(z.D), nc = std::max(1, z.chunks);
-  // 1. The bodies; 2. one batch element's copies of them.
+  // 1. The bodies; 2. the problem and the candidate beside them (B = 1: the bodies, but for a
+  // per-rank file's global tensor; B > 1: one batch element's copies). A body converted from
+  // another layout with B = 1 is copied one at a time, at most `largest` beside the bodies.
+  const bool single = z.B <= 1;
   double held = 0, largest = 0, batch_inputs = 0, batch_candidate = 0, unshard = 0;
   for (const NpyFile& f : inputs) {
     held += e * numel_of(f.shape);
     largest = std::max(largest, e * numel_of(f.shape));
-    batch_inputs += e * numel_of(f.shape) / B;
+    if (!single) batch_inputs += e * numel_of(f.shape) / B;
   }
   for (size_t i = 0; i < files.size(); ++i) {
     if (!files[i].present) continue;
@@ -325,8 +367,8 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
       const std::string& name = kCandidateNames[i];
       const bool kv = name == "dk" || name == "dv";
       batch_candidate += e * (name == "lse" ? H * S : kv ? S * Hkv * D : S * H * D);
-      unshard = std::max(unshard, pieces);
-    } else {
+      if (!z.shd) unshard = std::max(unshard, pieces);
+    } else if (!single) {
       batch_candidate += pieces;
     }
   }
@@ -336,10 +378,13 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
   const bool sampled = z.S > z.full_check_max;
   const double n = sampled ? std::min(kSampleRows, S) : S;
   const double rows = e * n * H * D, rows_lse = e * n * H, keys = e * S * Hkv * D;
+  // Sampled rows of q and dout are gathered; every row is read in place.
+  const double gathered = sampled ? rows : 0, grad_keys = sampled ? 0 : 2 * keys;
   const double context = 64 * S + 64 * nc + e * n;
-  const double a = 2 * rows + rows_lse + e * S + (grad ? 2 * rows + 2 * keys + 3 * e * S : 0);
-  const double ref = rows + rows_lse + (grad ? rows + (sampled ? 0 : 2 * keys) : 0);
-  const double b = ref + rows + 16 * e * S + (grad ? rows + 4 * keys + e * S * Hkv : 0);
+  const double a =
+      gathered + rows + rows_lse + e * S + (grad ? gathered + rows + grad_keys + 3 * e * S : 0);
+  const double ref = rows + rows_lse + (grad ? rows + grad_keys : 0);
+  const double b = ref + gathered + 16 * e * S + (grad ? gathered + 4 * keys + e * S * Hkv : 0);
   const double per_row = e * H * D * (2 * nc + 6);
   const double cap = std::max(16.0, std::min(kLocRows, std::floor(kLocBytes / per_row)));
   const double nl = std::ceil(n / std::ceil(n / cap));
@@ -348,7 +393,9 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
   if (out) {  // pairs (nc + 7 rows of partials), their lse, observe, heat map, scale and GQA models
     loc = loc_rows * (nc + 7) + e * nl * H * (nc + 7) + 2 * loc_rows + e * S +
           e * (2 * nc + 1) * nl * D + 2 * e * std::min(64.0, nl) * H * D;
-    if (z.Hkv > 1 && z.Hkv < z.H) loc += batch_inputs + 12 * S + 3 * loc_rows + e * nl * H;
+    // GQA: q's rows with permuted heads, the context's copy (positions, documents, sharding),
+    // the reference's out and lse on them, the prediction.
+    if (z.Hkv > 1 && z.Hkv < z.H) loc += 28 * S + 64 * nc + e * S + 3 * loc_rows + e * nl * H;
   }
   if (dq)  // pairs and dq shares (2 nc + 2 rows), their lse, observe, heat map
     loc = std::max(loc, loc_rows * (2 * nc + 2) + e * nl * H * (nc + 1) + 2 * loc_rows + e * S +
@@ -356,8 +403,9 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
   // compute_pairs' threads (OpenMP's, localisation's only parallel loop) each score a chunk's
   // keys in a row of their own.
   if (out || dq) loc += std::max(1, omp_get_max_threads()) * e * S;
-  // d.: q's and dout's rows, out, dq, dk and dv of every key, a row of weights and of dp.
-  const double model = 2 * rows + (grad ? 2 * rows + 2 * keys : 0) + 2 * e * S;
+  // d.: q's and dout's sampled rows, out, dq (and dk, dv of every key where every row is
+  // checked), a row of weights and of dp.
+  const double model = gathered + rows + (grad ? gathered + rows + grad_keys : 0) + 2 * e * S;
   const double inside = context + std::max({a, b, ref + loc, ref + model});
   // 4. The reports.
   const double reports = 2 * e * B * nc * nc;
@@ -508,6 +556,7 @@ int run_verify(const VerifyOptions& o) {
     sizes.D = q_shape.back();
     sizes.Hkv = dims == Dims::hsd ? k_shape[0] : k_shape[dims == Dims::bshd ? 2 : 1];
     sizes.full_check_max = o.full_check_max;
+    sizes.shd = dims == Dims::shd;
     const double estimate = estimate_verify_bytes(inputs, files, sizes);
     std::string mapped_what;
     const double mapped = verify_mapped_bytes(&mapped_what);
@@ -515,40 +564,80 @@ int run_verify(const VerifyOptions& o) {
   }
 
   // The bodies.
-  const Tensor<double> q = read_body(inputs[0]);
-  const Tensor<double> k = read_body(inputs[1]);
-  const Tensor<double> v = read_body(inputs[2]);
-  const Tensor<double> dout = inputs.size() > 3 ? read_body(inputs[3]) : Tensor<double>();
+  Tensor<double> q = read_body(inputs[0]);
+  Tensor<double> k = read_body(inputs[1]);
+  Tensor<double> v = read_body(inputs[2]);
+  Tensor<double> dout = inputs.size() > 3 ? read_body(inputs[3]) : Tensor<double>();
   require_finite(q, "q.npy");
   require_finite(k, "k.npy");
   require_finite(v, "v.npy");
   require_finite(dout, "dout.npy");
   for (Files& f : files) read_candidate(f);
 
-  // Batch row b as a problem, and the candidate for it assembled from the files in convention
-  // conv (throws when conv cannot split the sequence or the files).
-  auto problem_of = [&](int64_t b) {
+  // Batch element b as a problem, and the candidate for it assembled from the files in
+  // convention conv (throws when conv cannot split the sequence or the files). With one batch
+  // element (B = 1) both are built once from the bodies themselves (take_rows: an [S, H, D] body
+  // is moved, not copied), and the convention retry below reassembles only the per-rank tensors;
+  // with B > 1 each batch element's are copied out of the bodies while it is checked.
+  auto bare_problem = [&] {
     verify::Problem p;
-    p.q = rows_to_shd(q, dims, b, B, "q.npy");
-    p.k = rows_to_shd(k, dims, b, B, "k.npy");
-    p.v = rows_to_shd(v, dims, b, B, "v.npy");
-    if (dout.numel()) p.dout = rows_to_shd(dout, dims, b, B, "dout.npy");
     p.mask.causal = o.causal;
     p.mask.window = o.window;
     p.scale = o.scale_given ? o.scale : 0;  // 0: the library's default, 1/sqrt(D)
     p.doc_lengths = docs;
     return p;
   };
-  auto candidate_of = [&](const verify::Problem& p, int64_t b, const std::string& conv) {
+  auto problem_of = [&](int64_t b) {
+    verify::Problem p = bare_problem();
+    p.q = rows_to_shd(q, dims, b, B, "q.npy");
+    p.k = rows_to_shd(k, dims, b, B, "k.npy");
+    p.v = rows_to_shd(v, dims, b, B, "v.npy");
+    if (dout.numel()) p.dout = rows_to_shd(dout, dims, b, B, "dout.npy");
+    return p;
+  };
+  verify::Problem single;  // B = 1: the problem, holding the bodies
+  if (B == 1) {
+    single = bare_problem();
+    single.q = take_rows(std::move(q), dims, "q.npy");
+    single.k = take_rows(std::move(k), dims, "k.npy");
+    single.v = take_rows(std::move(v), dims, "v.npy");
+    if (dout.numel()) single.dout = take_rows(std::move(dout), dims, "dout.npy");
+  }
+  // The candidate's tensors into c, in convention conv. A global file of the only batch element
+  // is taken once (it does not depend on the convention); per-rank files are assembled again,
+  // the previous assembly freed first.
+  auto fill_candidate = [&](verify::Candidate& c, const verify::Problem& p, int64_t b,
+                            const std::string& conv) {
     const verify::Sharding sh = verify::make_sharding(conv, p.q.size(0), o.ranks, docs);
-    verify::Candidate c;
     const std::vector<int64_t> hd = {p.q.size(1), p.q.size(2)}, kd = {p.k.size(1), p.k.size(2)};
-    c.out = assemble(files[0], sh, dims, b, B, "out", false, hd);
-    c.lse = assemble(files[1], sh, dims, b, B, "lse", true, {p.q.size(1)});
-    c.dq = assemble(files[2], sh, dims, b, B, "dq", false, hd);
-    c.dk = assemble(files[3], sh, dims, b, B, "dk", false, kd);
-    c.dv = assemble(files[4], sh, dims, b, B, "dv", false, kd);
-    return c;
+    std::optional<Tensor<double>>* fields[] = {&c.out, &c.lse, &c.dq, &c.dk, &c.dv};
+    for (size_t i = 0; i < kCandidateNames.size(); ++i) {
+      const std::string& name = kCandidateNames[i];
+      const bool lse = name == "lse";
+      const std::vector<int64_t> want =
+          lse ? std::vector<int64_t>{p.q.size(1)} : (name == "dk" || name == "dv" ? kd : hd);
+      Files& f = files[i];
+      if (B == 1 && f.present && !f.per_rank) {
+        if (!*fields[i])
+          *fields[i] = lse ? take_lse(std::move(f.global), dims, name + ".npy")
+                           : take_rows(std::move(f.global), dims, name + ".npy");
+        continue;
+      }
+      fields[i]->reset();
+      *fields[i] = assemble(f, sh, dims, b, B, name, lse, want);
+    }
+  };
+  verify::Candidate single_candidate;  // B = 1: the candidate, holding the global bodies
+  // Batch element b checked with options vo (convention vo.convention).
+  auto check = [&](int64_t b, const verify::Options& vo) {
+    if (B == 1) {
+      fill_candidate(single_candidate, single, 0, vo.convention);
+      return verify::verify(single, single_candidate, vo);
+    }
+    const verify::Problem p = problem_of(b);
+    verify::Candidate c;
+    fill_candidate(c, p, b, vo.convention);
+    return verify::verify(p, c, vo);
   };
 
   verify::Options vo;
@@ -559,8 +648,7 @@ int run_verify(const VerifyOptions& o) {
   bool passed = true;
   std::vector<verify::Report> reports;
   for (int64_t b = 0; b < B; ++b) {
-    const verify::Problem p = problem_of(b);
-    reports.push_back(verify::verify(p, candidate_of(p, b, o.convention), vo));
+    reports.push_back(check(b, vo));
     passed = passed && reports.back().passed;
   }
 
@@ -576,10 +664,7 @@ int run_verify(const VerifyOptions& o) {
         verify::Options alt = vo;
         alt.convention = conv;
         alt.localise = false;
-        for (int64_t b = 0; b < B && all_pass; ++b) {
-          const verify::Problem p = problem_of(b);
-          all_pass = verify::verify(p, candidate_of(p, b, conv), alt).passed;
-        }
+        for (int64_t b = 0; b < B && all_pass; ++b) all_pass = check(b, alt).passed;
       } catch (const Error&) {
         all_pass = false;  // this convention cannot split the sequence or the files
       }
