@@ -162,6 +162,20 @@ void subnormal_reference(View3<const double> q, View3<const double> k, View3<con
                          double scale, View3<double> out, View3<double> dq, View3<double> dk,
                          View3<double> dv);
 
+// The most subnormal_reference can move one element of each result from the exact one's
+// arithmetic (reference_forward's, reference_backward's), whatever the mask: each of its roundings
+// errs at most 2^-150, carried through the sums by the inputs' largest magnitudes (the derivation
+// is in src/kernels/reference.cc). It costs one pass over the inputs, where the model costs a
+// reference, so a check runs the model only where this bound says it can matter
+// (subnormal_model_may_block, loom/tolerance.h): without the screen a dq that missed at S = 4096
+// took `loom verify` 53 s instead of 30. dout.data == nullptr: out only (dq, dk, dv 0).
+struct SubnormalShift {
+  double out = 0, dq = 0, dk = 0, dv = 0;
+};
+SubnormalShift subnormal_reference_shift(View3<const double> q, View3<const double> k,
+                                         View3<const double> v, View3<const double> dout,
+                                         double scale);
+
 // Number of (query, key, head) triples the mask allows: useful-FLOP accounting
 // (forward = 4 * D * pairs, backward = 2.5x that).
 int64_t count_visible_pairs(Tokens qt, Tokens kt, const Mask& mask, int64_t heads);

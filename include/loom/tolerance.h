@@ -466,6 +466,19 @@ inline bool float32_floor_blocks(double floor, double tolerance) {
   return floor > tolerance / 4;
 }
 
+// Whether subnormal_reference's values could lift a comparison's Float32Floor to block it, so
+// that the model must run: shift bounds |model - exact| per element (subnormal_reference_shift,
+// loom/attention.h), over n compared elements whose exact values have L2 norm `norm` (0: the
+// floor is absolute). Per element |float32(model) - exact| <= 2^-24 |exact| + (1 + 2^-24) shift +
+// 2^-150; the model's double sums round apart from the reference's only where it moved a value,
+// by far less than 2^-30 of the norm (allowed). NaN: may block.
+inline bool subnormal_model_may_block(double shift, double n, double norm, double tolerance) {
+  const double spread = ((1 + std::ldexp(1.0, -24)) * shift + std::ldexp(1.0, -150)) * std::sqrt(n);
+  const double floor =
+      norm > 0 ? std::ldexp(1.0, -24) + std::ldexp(1.0, -30) + spread / norm : spread;
+  return !(floor <= tolerance / 4);  // !float32_floor_blocks's test, NaN included
+}
+
 // A bound as the error messages print it: three significant digits, or, when the inputs' size
 // overflowed the bound's own arithmetic (a NaN bound was printed as "-nan", an infinite one as
 // "inf"), a phrase saying so.

@@ -291,6 +291,52 @@ void subnormal_reference(View3<const double> q, View3<const double> k, View3<con
   }
 }
 
+namespace {
+
+double max_abs(View3<const double> x) {
+  double m = 0;
+  for (int64_t i = 0; i < x.s; ++i)
+    for (int64_t h = 0; h < x.h; ++h)
+      for (int64_t d = 0; d < x.d; ++d) m = std::max(m, std::fabs(x(i, h, d)));
+  return m;
+}
+
+}  // namespace
+
+// Each round_subnormal errs at most u = 2^-150; the sums add their terms' errors. With K keys,
+// R = Sq H / Hkv query rows per KV head, head dim D and the largest magnitudes Q, Kx, V, O of q,
+// k, v, dout (every p_ij <= 1):
+//   out:    K steps of o = r(o + r(p) v), each off by at most u + u V:   K u (1 + V);
+//   dp_ij:  D steps of a rounded sum:                                    D u;
+//   delta:  D steps, and out's shift through dout:                       D u + D O K u (1 + V);
+//   ds_ij = r(r(p) (X + moved)), |X| = |dp_ij - delta_i| <= 2 D O V, |moved| <= M, the two
+//           lines above added:                                 A = u + u (2 D O V + M) + M;
+//   dq:     K steps, each off by u + |scale| Kx A;
+//   dk:     R steps, each off by u + |scale| Q A;
+//   dv:     R steps of dv = r(dv + r(p) dout), each off by u + u O.
+SubnormalShift subnormal_reference_shift(View3<const double> q, View3<const double> k,
+                                         View3<const double> v, View3<const double> dout,
+                                         double scale) {
+  kernels::check_view(q, "q");
+  kernels::check_view(k, "k");
+  kernels::check_view(v, "v");
+  const double u = std::ldexp(1.0, -150);
+  const double K = static_cast<double>(k.s), D = static_cast<double>(q.d);
+  const double V = max_abs(v);
+  SubnormalShift s;
+  s.out = K * u * (1 + V);
+  if (dout.data == nullptr) return s;
+  kernels::check_view(dout, "dout");
+  const double R = static_cast<double>(q.s) * static_cast<double>(q.h / std::max<int64_t>(1, k.h));
+  const double Q = max_abs(q), Kx = max_abs(k), O = max_abs(dout), sc = std::fabs(scale);
+  const double M = 2 * D * u + D * O * K * u * (1 + V);
+  const double A = u + u * (2 * D * O * V + M) + M;
+  s.dq = K * (u + sc * Kx * A);
+  s.dk = R * (u + sc * Q * A);
+  s.dv = R * (u + u * O);
+  return s;
+}
+
 int64_t count_visible_pairs(Tokens qt, Tokens kt, const Mask& mask, int64_t heads) {
   LOOM_CHECK(qt.n >= 0 && kt.n >= 0, InvalidArgument, "token counts must be >= 0");
   LOOM_CHECK(qt.n == 0 || qt.pos, InvalidArgument, "query positions are required");

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "loom/attention.h"
@@ -505,6 +507,88 @@ TEST(SubnormalReference, ModelsWhatFloat32ErrsBelowTheNormalRange) {
   EXPECT_GT(plain, kFp32RelTol) << "the plain float32 loops meet the tolerance: no case";
   EXPECT_GT(with_terms.rel(), plain / 4);
   EXPECT_LT(with_terms.rel(), plain * 4);
+}
+
+// subnormal_reference_shift bounds |subnormal_reference - the exact arithmetic| per element, on
+// inputs of ordinary size (where it is far below anything a check sees, and the model is skipped)
+// and on inputs whose terms fall below float32's normal range (where it must not be: the model
+// runs). GQA, causal; q, k, v or dout scaled, and a scale that puts most weights p below 2^-126.
+TEST(SubnormalReference, ShiftBoundsWhatTheModelMoves) {
+  struct Scaled {
+    const char* name;
+    double q, k, v, dout, scale;
+    const char* tiny;  // a result the model can affect at kFp32RelTol ("": none may)
+    bool moves;        // the model moves some value (subnormal weights alone do)
+  };
+  const Scaled cases[] = {{"ordinary", 1, 1, 1, 1, 0.3, "", false},
+                          {"v 1e-39", 1, 1, 1e-39, 1, 0.3, "dq", true},
+                          {"dout 1e-39", 1, 1, 1, 1e-39, 0.3, "dq", true},
+                          {"q 1e-42", 1e-42, 1, 1, 1, 0.3, "dk", true},
+                          {"weights below 2^-126", 1, 1, 1, 1, 60, "", true}};
+  for (const Scaled& x : cases) {
+    SCOPED_TRACE(x.name);
+    const int64_t s = 40, h = 4, hkv = 2, d = 8;
+    const auto scaled = [](Tensor<double> t, double f) {
+      for (double& e : t.vec()) e = static_cast<double>(static_cast<float>(e * f));
+      return t;
+    };
+    const Tensor<double> q = scaled(random_double({s, h, d}, 41), x.q),
+                         k = scaled(random_double({s, hkv, d}, 42), x.k),
+                         v = scaled(random_double({s, hkv, d}, 43), x.v),
+                         dout = scaled(random_double({s, h, d}, 44), x.dout);
+    const std::vector<int64_t> pos = iota_positions(s);
+    const Tokens t{pos.data(), nullptr, s};
+    const Mask causal{true, 0};
+    Tensor<double> out({s, h, d}), dq({s, h, d}), dk({s, hkv, d}), dv({s, hkv, d});
+    std::vector<double> lse(static_cast<size_t>(h * s));
+    reference_forward(q.view3(), k.view3(), v.view3(), t, t, causal, x.scale, out.view3(),
+                      lse.data());
+    reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), t, t, causal, x.scale,
+                       dq.view3(), dk.view3(), dv.view3());
+    Tensor<double> mout({s, h, d}), mdq({s, h, d}), mdk({s, hkv, d}), mdv({s, hkv, d});
+    subnormal_reference(q.view3(), k.view3(), v.view3(), dout.view3(), t, t, causal, x.scale,
+                        mout.view3(), mdq.view3(), mdk.view3(), mdv.view3());
+    const SubnormalShift shift =
+        subnormal_reference_shift(q.view3(), k.view3(), v.view3(), dout.view3(), x.scale);
+    const std::pair<const char*, std::tuple<const Tensor<double>*, const Tensor<double>*, double>>
+        tensors[] = {{"out", {&out, &mout, shift.out}},
+                     {"dq", {&dq, &mdq, shift.dq}},
+                     {"dk", {&dk, &mdk, shift.dk}},
+                     {"dv", {&dv, &mdv, shift.dv}}};
+    bool moved = false;
+    for (const auto& [name, tm] : tensors) {
+      const auto& [exact, model, bound] = tm;
+      double norm2 = 0;
+      for (int64_t i = 0; i < exact->numel(); ++i) {
+        const double e = std::fabs((*model)[i] - (*exact)[i]);
+        moved = moved || e > 0;
+        norm2 += (*exact)[i] * (*exact)[i];
+        // The model's double sums round apart from the reference's where it moved a value.
+        ASSERT_LE(e, bound + 1e-12 * std::fabs((*exact)[i])) << name << " element " << i;
+      }
+      Float32Floor plain, modelled;
+      for (int64_t i = 0; i < exact->numel(); ++i) {
+        plain.add((*exact)[i]);
+        modelled.add((*exact)[i], (*model)[i]);
+      }
+      const bool may_block = subnormal_model_may_block(bound, static_cast<double>(exact->numel()),
+                                                       std::sqrt(norm2), kFp32RelTol);
+      // Sound: where the model's floor blocks and the plain one does not, the screen says so.
+      if (float32_floor_blocks(modelled.rel(), kFp32RelTol) &&
+          !float32_floor_blocks(plain.rel(), kFp32RelTol)) {
+        EXPECT_TRUE(may_block) << name << ": the model blocks (" << modelled.rel()
+                               << ") where the screen skips it (shift " << bound << ")";
+      }
+      // Useful: inputs of ordinary size (the weights' own underflow included) skip the model.
+      if (!*x.tiny) {
+        EXPECT_FALSE(may_block) << name << ": shift " << bound << ", norm " << std::sqrt(norm2);
+      }
+      if (std::string(name) == x.tiny) {
+        EXPECT_TRUE(may_block) << name << ": shift " << bound << ", norm " << std::sqrt(norm2);
+      }
+    }
+    EXPECT_EQ(moved, x.moves);
+  }
 }
 
 }  // namespace

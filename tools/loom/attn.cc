@@ -224,14 +224,22 @@ Problem make_problem(const AttnOptions& o) {
   return p;
 }
 
+// A result's subnormal_reference counterpart for compare(): shift bounds how far it lies from the
+// exact values (subnormal_reference_shift), and values() computes it (ref's shape) only where
+// that bound says it can matter.
+struct Modelled {
+  double shift = 0;
+  std::function<const Tensor<double>&()> values;
+};
+
 // Relative norm error of x against ref over the given rows of [S, H, D] tensors (all rows when
 // rows is empty). lse may hold -inf in both: such entries must agree exactly. modelled, where
-// given, returns ref's subnormal_reference counterpart (same shape), asked for only when x misses
-// tol and rounding ref alone to float32 does not explain it.
+// given, is asked for its values only when x misses tol, rounding ref alone to float32 does not
+// explain it, and the model could (subnormal_model_may_block).
 void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref,
              const std::vector<int64_t>& rows, int64_t row_width, double tol, CheckReport& r,
-             const std::function<const Tensor<double>&()>& modelled = {}) {
-  double num = 0, den = 0, max_abs = 0;
+             const Modelled* modelled = nullptr) {
+  double num = 0, den = 0, max_abs = 0, compared = 0;
   Float32Floor floor;  // what rounding the exact values to float32 alone errs (subnormals)
   bool inf_mismatch = false, non_finite = false;
   auto visit = [&](int64_t i) {
@@ -249,6 +257,7 @@ void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref
     num += e * e;
     floor.add(b);
     den += b * b;
+    compared += 1;
     max_abs = std::max(max_abs, std::fabs(e));
     if (!std::isfinite(a)) inf_mismatch = true;
   };
@@ -273,8 +282,9 @@ void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref
   }
   const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   double rel_f32 = floor.rel();
-  if (!inf_mismatch && !(rel <= tol) && !float32_floor_blocks(rel_f32, tol) && modelled) {
-    const Tensor<double>& m = modelled();  // the intermediates' roundings below normal too
+  if (!inf_mismatch && !(rel <= tol) && !float32_floor_blocks(rel_f32, tol) && modelled &&
+      subnormal_model_may_block(modelled->shift, compared, std::sqrt(den), tol)) {
+    const Tensor<double>& m = modelled->values();  // the terms' roundings below normal too
     Float32Floor f;
     if (rows.empty()) {
       for (int64_t i = 0; i < x.numel(); ++i) f.add(ref[i], m[i]);
@@ -387,11 +397,11 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
     return full;
   };
   // subnormal_reference's out and gradients, computed once and only for a tensor that misses.
-  struct Modelled {
+  struct ModelRun {
     Tensor<double> out, dq, dk, dv;
     bool done = false;
   } m;
-  const auto modelled = [&]() -> Modelled& {
+  const auto modelled = [&]() -> ModelRun& {
     if (m.done) return m;
     Tensor<double> out_n({n, p.H, p.D}), dq_n;
     if (backward) {
@@ -408,20 +418,22 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
     m.done = true;
     return m;
   };
-  compare("out", out, full_out, rows, w, bound.out, r,
-          [&]() -> const Tensor<double>& { return modelled().out; });
+  const SubnormalShift shift =
+      subnormal_reference_shift(qd.view3(), kd.view3(), vd.view3(), dos_v, p.kernel.scale);
+  const Modelled m_out{shift.out, [&]() -> const Tensor<double>& { return modelled().out; }};
+  compare("out", out, full_out, rows, w, bound.out, r, &m_out);
   compare("lse", lse_t, full_lse_t, rows, p.H, bound.lse, r);
   if (backward) {
     Tensor<double> rdq({n, p.H, p.D}), rdk(kd.shape()), rdv(vd.shape());
     reference_backward(qs.view3(), kd.view3(), vd.view3(), dos.view3(), qt, all, p.kernel.mask,
                        p.kernel.scale, rdq.view3(), rdk.view3(), rdv.view3());
-    compare("dq", dq, scatter(rdq), rows, w, bound.dq, r,
-            [&]() -> const Tensor<double>& { return modelled().dq; });
+    const Modelled m_dq{shift.dq, [&]() -> const Tensor<double>& { return modelled().dq; }};
+    compare("dq", dq, scatter(rdq), rows, w, bound.dq, r, &m_dq);
     if (!r.sampled) {  // dk, dv need every query row: checked in full only
-      compare("dk", dk, rdk, {}, 0, bound.dk, r,
-              [&]() -> const Tensor<double>& { return modelled().dk; });
-      compare("dv", dv, rdv, {}, 0, bound.dv, r,
-              [&]() -> const Tensor<double>& { return modelled().dv; });
+      const Modelled m_dk{shift.dk, [&]() -> const Tensor<double>& { return modelled().dk; }};
+      const Modelled m_dv{shift.dv, [&]() -> const Tensor<double>& { return modelled().dv; }};
+      compare("dk", dk, rdk, {}, 0, bound.dk, r, &m_dk);
+      compare("dv", dv, rdv, {}, 0, bound.dv, r, &m_dv);
     }
   }
   return r;
