@@ -137,6 +137,26 @@ void zero_key_gradient(const View3<double>& g, bool wanted) {
       for (int64_t d = 0; d < g.d; ++d) g(j, h, d) = 0.0;
 }
 
+// The backward's arguments checked (q, k, v already) and its outputs zeroed: dq, and dk and dv
+// where wanted (not empty views). Returns {want_dk, want_dv}.
+std::pair<bool, bool> start_backward(View3<const double> q, View3<const double> k,
+                                     View3<const double> v, View3<const double> dout,
+                                     View3<double> dq, View3<double> dk, View3<double> dv) {
+  kernels::check_view(dout, "dout");
+  kernels::check_view(dq, "dq");
+  kernels::check_same_shape(dout, q, "dout and q");
+  kernels::check_same_shape(View3<const double>(dq), q, "dq and q");
+  const bool want_dk = !skipped(dk), want_dv = !skipped(dv);
+  check_key_gradient(dk, k, want_dk, "dk", "dk and k");
+  check_key_gradient(dv, v, want_dv, "dv", "dv and v");
+  for (int64_t i = 0; i < q.s; ++i)
+    for (int64_t h = 0; h < q.h; ++h)
+      for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) = 0.0;
+  zero_key_gradient(dk, want_dk);
+  zero_key_gradient(dv, want_dv);
+  return {want_dk, want_dv};
+}
+
 }  // namespace
 
 void reference_forward(View3<const double> q, View3<const double> k, View3<const double> v,
@@ -171,19 +191,7 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
   kernels::check_qkv(q, k, v, qt, kt);
   kernels::check_mask(mask);
   kernels::check_scale(scale);
-  kernels::check_view(dout, "dout");
-  kernels::check_view(dq, "dq");
-  kernels::check_same_shape(dout, q, "dout and q");
-  kernels::check_same_shape(View3<const double>(dq), q, "dq and q");
-  const bool want_dk = !skipped(dk), want_dv = !skipped(dv);
-  check_key_gradient(dk, k, want_dk, "dk", "dk and k");
-  check_key_gradient(dv, v, want_dv, "dv", "dv and v");
-
-  for (int64_t i = 0; i < q.s; ++i)
-    for (int64_t h = 0; h < q.h; ++h)
-      for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) = 0.0;
-  zero_key_gradient(dk, want_dk);
-  zero_key_gradient(dv, want_dv);
+  const auto [want_dk, want_dv] = start_backward(q, k, v, dout, dq, dk, dv);
 
   std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
   std::vector<int64_t> keys;
@@ -237,20 +245,8 @@ void subnormal_reference(View3<const double> q, View3<const double> k, View3<con
   kernels::check_view(out, "out");
   kernels::check_same_shape(View3<const double>(out), q, "out and q");
   const bool backward = dout.data != nullptr;
-  const bool want_dk = backward && !skipped(dk), want_dv = backward && !skipped(dv);
-  if (backward) {
-    kernels::check_view(dout, "dout");
-    kernels::check_view(dq, "dq");
-    kernels::check_same_shape(dout, q, "dout and q");
-    kernels::check_same_shape(View3<const double>(dq), q, "dq and q");
-    check_key_gradient(dk, k, want_dk, "dk", "dk and k");
-    check_key_gradient(dv, v, want_dv, "dv", "dv and v");
-    for (int64_t i = 0; i < q.s; ++i)
-      for (int64_t h = 0; h < q.h; ++h)
-        for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) = 0.0;
-    zero_key_gradient(dk, want_dk);
-    zero_key_gradient(dv, want_dv);
-  }
+  bool want_dk = false, want_dv = false;
+  if (backward) std::tie(want_dk, want_dv) = start_backward(q, k, v, dout, dq, dk, dv);
   const auto r = round_subnormal;
   std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
   std::vector<double> exact(static_cast<size_t>(q.d));
