@@ -456,11 +456,14 @@ class Float32Floor {
     const double e = static_cast<double>(static_cast<float>(modelled)) - exact;
     num_ += e * e;
     den_ += exact * exact;
+    count_ += 1;
   }
   double rel() const { return den_ > 0 ? std::sqrt(num_ / den_) : std::sqrt(num_); }
+  double exact_norm() const { return std::sqrt(den_); }  // L2 norm of the exact values added
+  double count() const { return count_; }                // how many were added
 
  private:
-  double num_ = 0, den_ = 0;
+  double num_ = 0, den_ = 0, count_ = 0;
 };
 inline bool float32_floor_blocks(double floor, double tolerance) {
   return floor > tolerance / 4;
@@ -468,15 +471,17 @@ inline bool float32_floor_blocks(double floor, double tolerance) {
 
 // Whether subnormal_reference's values could lift a comparison's Float32Floor to block it, so
 // that the model must run: shift bounds |model - exact| per element (subnormal_reference_shift,
-// loom/attention.h), over n compared elements whose exact values have L2 norm `norm` (0: the
-// floor is absolute). Per element |float32(model) - exact| <= 2^-24 |exact| + (1 + 2^-24) shift +
-// 2^-150; the model's double sums round apart from the reference's only where it moved a value,
-// by far less than 2^-30 of the norm (allowed). NaN: may block.
-inline bool subnormal_model_may_block(double shift, double n, double norm, double tolerance) {
-  const double spread = ((1 + std::ldexp(1.0, -24)) * shift + std::ldexp(1.0, -150)) * std::sqrt(n);
+// loom/attention.h), over the compared exact values added to `exact` (its count and norm; a norm
+// of 0 makes the floor absolute). Per element |float32(model) - exact| <= 2^-24 |exact| +
+// (1 + 2^-24) shift + 2^-150; the model's double sums round apart from the reference's only where
+// it moved a value, by far less than 2^-30 of the norm (allowed). NaN: may block.
+inline bool subnormal_model_may_block(double shift, const Float32Floor& exact, double tolerance) {
+  const double spread =
+      ((1 + std::ldexp(1.0, -24)) * shift + std::ldexp(1.0, -150)) * std::sqrt(exact.count());
+  const double norm = exact.exact_norm();
   const double floor =
       norm > 0 ? std::ldexp(1.0, -24) + std::ldexp(1.0, -30) + spread / norm : spread;
-  return !(floor <= tolerance / 4);  // !float32_floor_blocks's test, NaN included
+  return std::isnan(floor) || float32_floor_blocks(floor, tolerance);
 }
 
 // A bound as the error messages print it: three significant digits, or, when the inputs' size

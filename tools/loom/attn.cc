@@ -239,9 +239,18 @@ struct Modelled {
 void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref,
              const std::vector<int64_t>& rows, int64_t row_width, double tol, CheckReport& r,
              const Modelled* modelled = nullptr) {
-  double num = 0, den = 0, max_abs = 0, compared = 0;
+  double num = 0, den = 0, max_abs = 0;
   Float32Floor floor;  // what rounding the exact values to float32 alone errs (subnormals)
   bool inf_mismatch = false, non_finite = false;
+  // fn(i) for every compared element i of x and ref.
+  const auto each_compared = [&](const auto& fn) {
+    if (rows.empty()) {
+      for (int64_t i = 0; i < x.numel(); ++i) fn(i);
+    } else {
+      for (int64_t row : rows)
+        for (int64_t c = 0; c < row_width; ++c) fn(row * row_width + c);
+    }
+  };
   auto visit = [&](int64_t i) {
     const double a = x[i], b = ref[i];
     if (!std::isfinite(a) && a != b) non_finite = true;
@@ -257,16 +266,10 @@ void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref
     num += e * e;
     floor.add(b);
     den += b * b;
-    compared += 1;
     max_abs = std::max(max_abs, std::fabs(e));
     if (!std::isfinite(a)) inf_mismatch = true;
   };
-  if (rows.empty()) {
-    for (int64_t i = 0; i < x.numel(); ++i) visit(i);
-  } else {
-    for (int64_t row : rows)
-      for (int64_t c = 0; c < row_width; ++c) visit(row * row_width + c);
-  }
+  each_compared(visit);
   // A bound of 1 or more passes zeros: nothing a check can tell, unless the result is the exact
   // answer itself (scores so large that every row's weight sits on one key: out is that key's
   // value, bitwise), or the exact answer is zeros (den 0: the bound is then absolute, and a
@@ -283,16 +286,10 @@ void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref
   const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   double rel_f32 = floor.rel();
   if (!inf_mismatch && !(rel <= tol) && !float32_floor_blocks(rel_f32, tol) && modelled &&
-      subnormal_model_may_block(modelled->shift, compared, std::sqrt(den), tol)) {
+      subnormal_model_may_block(modelled->shift, floor, tol)) {
     const Tensor<double>& m = modelled->values();  // the terms' roundings below normal too
     Float32Floor f;
-    if (rows.empty()) {
-      for (int64_t i = 0; i < x.numel(); ++i) f.add(ref[i], m[i]);
-    } else {
-      for (int64_t row : rows)
-        for (int64_t c = 0; c < row_width; ++c)
-          f.add(ref[row * row_width + c], m[row * row_width + c]);
-    }
+    each_compared([&](int64_t i) { f.add(ref[i], m[i]); });
     rel_f32 = std::max(rel_f32, f.rel());
   }
   if (!inf_mismatch && !(rel <= tol) && float32_floor_blocks(rel_f32, tol)) {
