@@ -173,6 +173,13 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
              "the model's head dim (dim " << M.dim << " / " << M.heads
                                           << " heads = " << M.head_dim() << ") must be at most "
                                           << kMaxHeadDim << " (the attention kernels' limit)");
+  // loom train's rotary embeddings rotate pairs of channels (model::validate): a training plan of
+  // head dim 15 was ranked, which loom train refuses. Prefill plans any head dim.
+  LOOM_CHECK(!req.train || M.head_dim() % 2 == 0, InvalidArgument,
+             "the model's head dim (dim " << M.dim << " / " << M.heads
+                                          << " heads = " << M.head_dim()
+                                          << ") must be even to plan training (loom train's "
+                                             "rotary embeddings); --mode prefill plans it");
   LOOM_CHECK(req.devices >= 1, InvalidArgument, "--devices must be >= 1, got " << req.devices);
   LOOM_CHECK(req.seq >= 1, InvalidArgument, "--seq must be >= 1, got " << req.seq);
   // loom train's shortest sequence (model::validate: seq >= 2 x cp; the search's cp > 1 has at

@@ -925,6 +925,13 @@ TEST(PlanSearch, RefusesUpFrontWhatNoCandidateCouldRun) {
   r = req;
   r.model = ModelShape{2, 4096, 8, 8, 1024, 256};  // head dim 512
   refused(r, "head dim (dim 4096 / 8 heads = 512) must be at most 256");
+  // An odd head dim: loom train's rotary embeddings refuse it (model::validate), so a training
+  // plan does too (head dim 15 was ranked); prefill plans it.
+  r = req;
+  r.model = ModelShape{2, 30, 2, 2, 120, 256};
+  refused(r, "head dim (dim 30 / 2 heads = 15) must be even to plan training");
+  r.train = false;
+  EXPECT_FALSE(plan(r, p).ranked.empty());
   r = req;
   r.memory_limit = -1;
   refused(r, "memory limit");

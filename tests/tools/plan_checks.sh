@@ -66,6 +66,9 @@ expect_error "--memory-limit -5" "--memory-limit must be a positive number of GB
   --profile "$h100" --memory-limit -5
 expect_error "--memory-limit nan" "--memory-limit must be a positive number of GB" \
   --profile "$h100" --memory-limit nan
+# The refused value as given (6 digits printed 1.0000001e6 as "1e+06", the limit itself).
+expect_error "--memory-limit just above the largest" "at most 1e+06 (a profile's largest memory), got 1000000.1" \
+  --profile "$h100" --memory-limit 1.0000001e6
 
 # Outputs never replace the profile read, nor each other.
 cp "$h100" "$work/mine.json"

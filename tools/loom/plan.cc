@@ -676,7 +676,7 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
              InvalidArgument,
              "--memory-limit must be a positive number of GB per device, at most 1e+06 (a "
              "profile's largest memory), got "
-                 << o.memory_limit_gb);
+                 << exact_text(o.memory_limit_gb));
   // --calibrate's and --train-step's threads and ranks, before any banner or measurement
   // (--threads 2147483647 ended in libgomp's fatal error, --ranks-per-node 100000 grew past 4 GB).
   LOOM_CHECK(o.threads >= 1 && o.threads <= kMaxThreads, InvalidArgument,
