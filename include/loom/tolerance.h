@@ -276,11 +276,13 @@ struct Fp32Bounds {
 // Arguments as bf16_error_bounds (q, k, v, dout hold the fp32 input values). dout.data == nullptr:
 // the forward's bounds only. loom_kernels: the results are loom's kernels' (the refinements
 // above: the top key's exact weight, the backward's scores bitwise the forward's, delta summed as
-// dp); false: any implementation whose roundings are each within the bounds above. Costs about
-// three times reference_forward plus reference_backward.
+// dp); false: any implementation whose roundings are each within the bounds above. key_grads
+// false: dk and dv are not wanted (q holds a sample of the query rows, which their bounds would
+// not cover) and stay kNotComputed, and their four [Sk, Hkv, D] float64 accumulators are not
+// allocated. Costs about three times reference_forward plus reference_backward.
 Fp32Bounds fp32_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
-                             double scale, bool loom_kernels);
+                             double scale, bool loom_kernels, bool key_grads = true);
 
 // bf16 storage (q, k, v, dout, out in bf16; state, lse, delta and gradients fp32). The fp64
 // reference runs on exactly the bf16 input values, so only the kernels' own roundings count.
@@ -382,11 +384,13 @@ struct Bf16Bounds {
 // (avx512bf16, amx: kernel_path_bf16_dots()); otherwise those of the widening paths. loom_kernels:
 // as fp32_error_bounds (false: the fp32 terms of any implementation). dout.data == nullptr: the
 // forward's bounds only. The dk and dv bounds count the given query rows only, so they hold for dk
-// and dv where q holds every query row. Costs about four times reference_forward plus
-// reference_backward.
+// and dv where q holds every query row; key_grads false: dk and dv stay kNotComputed and nothing
+// of [Sk, Hkv, D] is allocated (as fp32_error_bounds). Costs about four times reference_forward
+// plus reference_backward.
 Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
-                             double scale, bool dots, bool loom_kernels = false);
+                             double scale, bool dots, bool loom_kernels = false,
+                             bool key_grads = true);
 
 // Which condition of the fixed tolerances' regime a problem misses first
 // (fixed_tolerance_exclusion's order): kNone inside the regime.
@@ -410,6 +414,10 @@ struct CheckedResults {
   // The results are loom's kernels' (fp32_error_bounds' refinements); false: any implementation
   // whose roundings are each within the bounds above.
   bool loom_kernels = false;
+  // dk and dv are compared. false where q holds a sample of the query rows (loom verify above
+  // --full-check-max): outside the fixed tolerances' regime their limits are then +inf, and the
+  // per-problem bounds allocate nothing of [Sk, Hkv, D].
+  bool key_grads = true;
 };
 
 // The limits of one comparison, as normwise relative errors (absolute where the reference tensor

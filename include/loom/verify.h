@@ -171,6 +171,8 @@ struct TensorCheck {
   bool present = false;
   bool compared = false;  // present and comparable (dk/dv above full_check_max: false)
   bool passed = false;
+  // tolerance: +inf where not computable, and for dk, dv above full_check_max under per-problem
+  // bounds (their bounds, like their exact values, need every query row and are not computed).
   double rel_err = 0, max_abs_err = 0, tolerance = 0;
   bool sampled = false;      // compared on sampled query rows
   int64_t non_finite = 0;    // NaN / Inf entries in the candidate

@@ -520,7 +520,8 @@ double chain_error(const double* a, const double* b, int64_t n) {
 constexpr double kExp2Cut = 125 * 0.69314718055994531;
 
 // The absolute error bounds of loom/tolerance.h's fp32 derivation (norms over every row and
-// head, without the first-order factor and kFp32RelTol), with the reference's norms.
+// head, without the first-order factor and kFp32RelTol), with the reference's norms; dk and dv
+// (and their [Sk, Hkv, D] accumulators) only where key_grads.
 struct Fp32Errors {
   double out = 0, lse = 0, dq = 0, dk = 0, dv = 0;                      // ||error bound||
   double out_ref = 0, lse_ref = 0, dq_ref = 0, dk_ref = 0, dv_ref = 0;  // ||reference||
@@ -528,7 +529,7 @@ struct Fp32Errors {
 
 Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const double> v,
                        View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
-                       double scale, bool loom_kernels) {
+                       double scale, bool loom_kernels, bool key_grads) {
   const bool backward = dout.data != nullptr;
   const double u = kFp32Unit;
   const double as = std::fabs(scale);
@@ -541,7 +542,7 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
   std::vector<double> s(n_k), p(n_k), e(n_k), rs(n_k), w(n_k), rank(n_k), dp(n_k), dmd(n_k);
   std::vector<double> out(n_d), a(n_d), oerr(n_d), werr(n_d), dq(n_d), dq_err(n_d);
   const size_t kv_size = static_cast<size_t>(k.s * k.h * D);
-  std::vector<double> dk(backward ? kv_size : 0), dv(dk.size()), dk_err(dk.size()),
+  std::vector<double> dk(backward && key_grads ? kv_size : 0), dv(dk.size()), dk_err(dk.size()),
       dv_err(dk.size());
   double out_e2 = 0, out_r2 = 0, lse_e2 = 0, lse_r2 = 0, dq_e2 = 0, dq_r2 = 0;
   for (int64_t h = 0; h < q.h; ++h) {
@@ -712,6 +713,11 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
             exact_row && j == top
                 ? std::fabs(ds)  // computed as 0
                 : p[j] * (bj * std::fabs(dmd[j]) + (1 + bj) * (dp_err + delta_err));
+        for (int64_t d = 0; d < D; ++d) {
+          dq[d] += scale * ds * k(j, g, d);
+          dq_err[d] += as * ds_err * std::fabs(k(j, g, d));
+        }
+        if (!key_grads) continue;
         const size_t jg = static_cast<size_t>(j * k.h + g) * n_d;
         for (int64_t d = 0; d < D; ++d) {
           const size_t x = jg + static_cast<size_t>(d);
@@ -719,8 +725,6 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
           dv_err[x] += bj * p[j] * std::fabs(doi[d]);
           dk[x] += scale * ds * qi[d];
           dk_err[x] += as * ds_err * std::fabs(qi[d]);
-          dq[d] += scale * ds * k(j, g, d);
-          dq_err[d] += as * ds_err * std::fabs(k(j, g, d));
         }
       }
       for (int64_t d = 0; d < D; ++d) {
@@ -872,15 +876,16 @@ bool bf16_fixed_tolerances_hold(View3<const double> q, View3<const double> k, Vi
 
 Fp32Bounds fp32_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
-                             double scale, bool loom_kernels) {
+                             double scale, bool loom_kernels, bool key_grads) {
   const bool backward = check_bounds_args(q, k, v, dout, qt, kt, mask, scale);
-  const Fp32Errors e = fp32_errors(q, k, v, dout, qt, kt, mask, scale, loom_kernels);
+  const Fp32Errors e = fp32_errors(q, k, v, dout, qt, kt, mask, scale, loom_kernels, key_grads);
   const double c = kFirstOrderSlack;
   Fp32Bounds b;
   b.out = rel(c * e.out, e.out_ref) + kFp32RelTol;
   b.lse = rel(c * e.lse, e.lse_ref) + kFp32RelTol;
   if (!backward) return b;
   b.dq = rel(c * e.dq, e.dq_ref) + kFp32RelTol;
+  if (!key_grads) return b;
   b.dk = rel(c * e.dk, e.dk_ref) + kFp32RelTol;
   b.dv = rel(c * e.dv, e.dv_ref) + kFp32RelTol;
   return b;
@@ -888,8 +893,18 @@ Fp32Bounds fp32_error_bounds(View3<const double> q, View3<const double> k, View3
 
 Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3<const double> v,
                              View3<const double> dout, Tokens qt, Tokens kt, const Mask& mask,
-                             double scale, bool dots, bool loom_kernels) {
+                             double scale, bool dots, bool loom_kernels, bool key_grads) {
   const bool backward = check_bounds_args(q, k, v, dout, qt, kt, mask, scale);
+  // The fp32 arithmetic's bounds, added to the bf16 roundings' below by the triangle inequality:
+  // kFp32RelTol within fp32's regime (scores and spread weights), fp32_error_bounds (the terms
+  // that grow with the scores or with concentrated rows) outside. First, so that its [Sk, Hkv, D]
+  // accumulators are freed before this function's own are allocated.
+  const bool fp32_fixed =
+      exclusion(q, k, &v, qt, kt, mask, scale, false, -1, backward ? &dout : nullptr).first ==
+      RegimeMiss::kNone;
+  const Fp32Bounds f =
+      fp32_fixed ? Fp32Bounds{kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol}
+                 : fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, loom_kernels, key_grads);
   const double u = kBf16Unit;
   const int64_t D = q.d;
   // The reference quantities, row by row: out_i = sum_j p_ij v_j, a_i = sum_j p_ij |v_j|
@@ -899,8 +914,9 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   std::vector<double> out(static_cast<size_t>(D)), a(static_cast<size_t>(D)),
       pk(static_cast<size_t>(D)), dq(static_cast<size_t>(D)), dq_round(static_cast<size_t>(D));
   const size_t kv_size = static_cast<size_t>(k.s * k.h * D);
-  std::vector<double> dk(backward ? kv_size : 0), dv(dk.size()), dk_round(dk.size()),
-      dv_round(dk.size()), dk_delta(backward ? static_cast<size_t>(k.s * k.h) : 0);
+  const bool keys = backward && key_grads;
+  std::vector<double> dk(keys ? kv_size : 0), dv(dk.size()), dk_round(dk.size()),
+      dv_round(dk.size()), dk_delta(keys ? static_cast<size_t>(k.s * k.h) : 0);
   double out_n2 = 0, a_n2 = 0, dq_n2 = 0, dq_delta2 = 0, dq_round2 = 0;
   for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
@@ -941,18 +957,21 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
       const double shift = dp_and_shift(doi, v, g, p, wkeys, top, dp);
       for (int64_t j : wkeys) {
         const double ds = p[j] * ((dp[j] - dp[top]) - shift);
+        for (int64_t e = 0; e < D; ++e) {
+          dq[e] += scale * ds * k(j, g, e);
+          // The bf16-dot path rounds p (for dv) and ds (for dk, dq) to bf16 too.
+          if (dots) dq_round[e] += std::fabs(scale * ds) * std::fabs(k(j, g, e));
+        }
+        if (!keys) continue;
         const size_t jg = static_cast<size_t>(j * k.h + g);
         dk_delta[jg] += p[j] * c * qn;  // dk_j moves by scale sum_i p_ij (delta error) q_i
         for (int64_t e = 0; e < D; ++e) {
           const size_t x = jg * static_cast<size_t>(D) + static_cast<size_t>(e);
           dv[x] += p[j] * doi[e];
           dk[x] += scale * ds * q(i, h, e);
-          dq[e] += scale * ds * k(j, g, e);
           if (!dots) continue;
-          // The bf16-dot path rounds p (for dv) and ds (for dk, dq) to bf16 too.
           dv_round[x] += p[j] * std::fabs(doi[e]);
           dk_round[x] += std::fabs(scale * ds) * std::fabs(q(i, h, e));
-          dq_round[e] += std::fabs(scale * ds) * std::fabs(k(j, g, e));
         }
       }
       for (int64_t e = 0; e < D; ++e) {
@@ -961,15 +980,7 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
       }
     }
   }
-  // The bf16 roundings' bounds plus the fp32 arithmetic's, by the triangle inequality:
-  // kFp32RelTol within fp32's regime (scores and spread weights), fp32_error_bounds (the terms
-  // that grow with the scores or with concentrated rows) outside.
-  const bool fp32_fixed =
-      exclusion(q, k, &v, qt, kt, mask, scale, false, -1, backward ? &dout : nullptr).first ==
-      RegimeMiss::kNone;
-  const Fp32Bounds f =
-      fp32_fixed ? Fp32Bounds{kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol, kFp32RelTol}
-                 : fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, loom_kernels);
+  // The bf16 roundings' bounds plus the fp32 arithmetic's (f).
   const double slack = kFirstOrderSlack;
   Bf16Bounds b;
   b.out = rel(slack * u * (std::sqrt(out_n2) + std::sqrt(a_n2)), std::sqrt(out_n2)) + f.out;
@@ -979,6 +990,7 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   b.dq = rel(slack * u * (std::fabs(scale) * std::sqrt(dq_delta2) + std::sqrt(dq_round2)),
              std::sqrt(dq_n2)) +
          f.dq;
+  if (!keys) return b;
   b.dk = rel(slack * u * (std::fabs(scale) * l2_norm(dk_delta) + l2_norm(dk_round)), l2_norm(dk)) +
          f.dk;
   b.dv = rel(slack * u * l2_norm(dv_round), l2_norm(dv)) + f.dv;
@@ -1001,15 +1013,15 @@ CheckLimits check_limits(View3<const double> q, View3<const double> k, View3<con
     l.out = l.lse = l.dq = l.dk = l.dv = kFp32RelTol;
   } else if (results.bf16) {
     const Bf16Bounds b = bf16_error_bounds(q, k, v, dout, qt, kt, mask, scale, results.bf16_dots,
-                                           results.loom_kernels);
+                                           results.loom_kernels, results.key_grads);
     l.out = b.out;
     l.lse = b.lse;
     l.dq = b.dq;
     l.dk = b.dk;
     l.dv = b.dv;
   } else {
-    const Fp32Bounds b =
-        fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, results.loom_kernels);
+    const Fp32Bounds b = fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, results.loom_kernels,
+                                           results.key_grads);
     l.out = b.out;
     l.lse = b.lse;
     l.dq = b.dq;

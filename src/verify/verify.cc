@@ -1422,7 +1422,7 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
         any_grad ? check_rows(c, p.dout, dout_copy) : View3<const double>{};
     CheckLimits limits =
         check_limits(q, p.k.view3(), p.v.view3(), dv, rt.tokens(), c.all_tokens(), p.mask, c.scale,
-                     CheckedResults{o.dtype == "bf16", true, false},
+                     CheckedResults{o.dtype == "bf16", true, false, !c.sampled},
                      fp32_score_bound(p.q.view3(), p.k.view3(), c.scale));
     if (!limits.why.empty()) {
       rep.per_problem_why = (o.dtype == "bf16" ? "bf16 with " : "") + limits.why;
@@ -1496,8 +1496,11 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   // so large that each row's weight sits on one key: out is that key's value, bitwise), and a
   // tensor whose exact values are all zero (values all equal make dq and dk 0), which is then
   // held to the bound as an absolute one.
+  // Sampled rows compare no dk, dv (scanned for NaN and Inf only: their bounds, like their exact
+  // values, need every query row, and are not computed).
   for (auto& t : rep.tensors) {
     if (!t.present || t.tolerance < 1) continue;
+    if (c.sampled && (t.name == "dk" || t.name == "dv")) continue;
     const Tensor<double>& r = reference_of(ref, t.name);
     bool zeros = true;
     for (int64_t i = 0; i < r.numel() && zeros; ++i) zeros = r[i] == 0;

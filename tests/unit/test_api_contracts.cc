@@ -439,6 +439,60 @@ TEST(CheckLimits, FixedInsideTheRegimeOwnBoundsOutside) {
   EXPECT_EQ(check_limits_hint(RegimeMiss::kNone), "");
 }
 
+// Where q holds a sample of the query rows (loom verify above --full-check-max), dk and dv are not
+// compared: key_grads false leaves their bounds +inf (and allocates none of their [Sk, Hkv, D]
+// accumulators), and the other bounds are bitwise those computed with them. Scale 4 puts the
+// scores past 128, so the bf16 bounds take fp32_error_bounds' terms too.
+TEST(CheckLimits, SampledRowsBoundNoKeyGradients) {
+  const int64_t S = 48, H = 4, Hkv = 2, D = 32;
+  const auto f64 = [](const Tensor<float>& x) { return convert<double>(x); };
+  const Tensor<double> q = f64(normal_tensor({S, H, D}, 11, "q")),
+                       k = f64(normal_tensor({S, Hkv, D}, 11, "k")),
+                       v = f64(normal_tensor({S, Hkv, D}, 11, "v")),
+                       dout = f64(normal_tensor({S, H, D}, 11, "dout"));
+  std::vector<int64_t> pos(S);
+  for (int64_t i = 0; i < S; ++i) pos[i] = i;
+  const Tokens t{pos.data(), nullptr, S};
+  const Mask causal{true, 0};
+  const double scale = 4;
+  const Fp32Bounds all = fp32_error_bounds(q.view3(), k.view3(), v.view3(), dout.view3(), t, t,
+                                           causal, scale, true),
+                   some = fp32_error_bounds(q.view3(), k.view3(), v.view3(), dout.view3(), t, t,
+                                            causal, scale, true, /*key_grads=*/false);
+  EXPECT_EQ(some.out, all.out);
+  EXPECT_EQ(some.lse, all.lse);
+  EXPECT_EQ(some.dq, all.dq);
+  EXPECT_TRUE(std::isfinite(all.dk) && std::isfinite(all.dv));
+  EXPECT_EQ(some.dk, Fp32Bounds::kNotComputed);
+  EXPECT_EQ(some.dv, Fp32Bounds::kNotComputed);
+  for (const bool dots : {false, true}) {
+    const Bf16Bounds ball = bf16_error_bounds(q.view3(), k.view3(), v.view3(), dout.view3(), t, t,
+                                              causal, scale, dots, false),
+                     bsome = bf16_error_bounds(q.view3(), k.view3(), v.view3(), dout.view3(), t, t,
+                                               causal, scale, dots, false, false);
+    EXPECT_EQ(bsome.out, ball.out);
+    EXPECT_EQ(bsome.out_fp32, ball.out_fp32);
+    EXPECT_EQ(bsome.lse, ball.lse);
+    EXPECT_EQ(bsome.dq, ball.dq);
+    EXPECT_TRUE(std::isfinite(ball.dk) && std::isfinite(ball.dv));
+    EXPECT_EQ(bsome.dk, Bf16Bounds::kNotComputed);
+    EXPECT_EQ(bsome.dv, Bf16Bounds::kNotComputed);
+  }
+  for (const bool bf16 : {false, true}) {
+    const auto limits = [&](bool key_grads) {
+      return check_limits(q.view3(), k.view3(), v.view3(), dout.view3(), t, t, causal, scale,
+                          CheckedResults{bf16, true, false, key_grads});
+    };
+    const CheckLimits a = limits(true), b = limits(false);
+    EXPECT_EQ(b.miss, RegimeMiss::kScores);
+    EXPECT_EQ(b.out, a.out);
+    EXPECT_EQ(b.lse, a.lse);
+    EXPECT_EQ(b.dq, a.dq);
+    EXPECT_TRUE(std::isfinite(a.dk) && std::isfinite(a.dv));
+    EXPECT_TRUE(std::isinf(b.dk) && std::isinf(b.dv));
+  }
+}
+
 // effective_keys: n where every row has n equal weights, 1 where every row's weight sits on one
 // key, and pulled toward 1 by concentrated rows; the conditions in their order, common_key_ratio
 // last.

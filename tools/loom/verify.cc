@@ -327,8 +327,8 @@ struct VerifySizes {
 //        ([S, Hkv, D]); sampled rows of q and dout are gathered (every row is read in place);
 //     b. the reference's results, q's and dout's sampled rows gathered again for the tolerances
 //        (check_limits), and for a problem outside the fixed tolerances' regime (which the
-//        headers cannot tell) the bounds' own rows of keys and, with gradients, four
-//        [S, Hkv, D] accumulators;
+//        headers cannot tell) the bounds' own rows of keys and, with gradients where every row
+//        is checked, four [S, Hkv, D] accumulators (sampled rows compare no dk, dv);
 //     c. on a failure, localisation: the pair partials of the localisation rows and their lse,
 //        the candidate and the reference on those rows, the heat map's directions, and with GQA
 //        (1 < Hkv < H) gqa_model's q rows with permuted heads, its copy of the context and its
@@ -384,7 +384,8 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
   const double a =
       gathered + rows + rows_lse + e * S + (grad ? gathered + rows + grad_keys + 3 * e * S : 0);
   const double ref = rows + rows_lse + (grad ? rows + grad_keys : 0);
-  const double b = ref + gathered + 16 * e * S + (grad ? gathered + 4 * keys + e * S * Hkv : 0);
+  const double b =
+      ref + gathered + 16 * e * S + (grad ? gathered + (sampled ? 0 : 4 * keys + e * S * Hkv) : 0);
   const double per_row = e * H * D * (2 * nc + 6);
   const double cap = std::max(16.0, std::min(kLocRows, std::floor(kLocBytes / per_row)));
   const double nl = std::ceil(n / std::ceil(n / cap));
