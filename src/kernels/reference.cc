@@ -11,12 +11,13 @@
 //   ds_ij = p_ij (dp_ij - delta_i),  dq_i = scale sum_j ds_ij k_j,  dk_j += scale ds_ij q_i,
 // with dp_ij - delta_i formed relative to the row's top key t as (dp_ij - dp_it) -
 // sum_(k != t) p_ik (dp_ik - dp_it), so that no cancellation loses the weights far below t's.
-// Nothing here is optimised: these loops are what the fast kernels are tested against. Large
-// calls share their rows among OpenMP's threads (for_each_row; the reference at S = 32768 ran for
-// most of `loom verify`'s 44 s), each row computed as on one thread, so the results are the same
-// bits on any thread count (dk and dv sum their rows in the one-thread order, a kv head per
-// thread; sums over rows are added in order). fp32_error_bounds and bf16_error_bounds
-// (loom/tolerance.h) bound the kernels' errors per problem, on the same rows.
+// Nothing here is optimised: these loops are what the fast kernels are tested against. The rows
+// are shared among OpenMP's threads (the reference at S = 32768 ran for most of `loom verify`'s
+// 44 s), each computed as on one thread: the results are the same bits for any thread count
+// (reference_backward's dk and dv sum their rows in the one-thread order, a kv head per thread;
+// weight_stats adds its rows' sums in order).
+// fp32_error_bounds and bf16_error_bounds (loom/tolerance.h) bound the kernels' errors per
+// problem.
 #include <algorithm>
 #include <cmath>
 #include <iomanip>
@@ -30,19 +31,8 @@
 #include "checks.h"
 #include "loom/attention.h"
 #include "loom/tolerance.h"
-#include "reference_threads.h"
 
 namespace loom {
-namespace kernels {
-// Below this many multiply-adds in all (about a second on one thread) a call runs on one thread.
-// Mid-sized problems gained little wall time on two threads and cost CPU time: test_blockwise
-// (S up to 1000) took 13 s instead of 15 but 22 CPU seconds instead of 17, which two tests side
-// by side (ctest -j2) pay; the 2^22 and 2^26 thresholds tried left it at 22 and 19. loom verify's
-// references (256 sampled rows of S = 32768: 4.3e9) are far above. Tests lower it
-// (reference_threads.h).
-std::atomic<double> reference_parallel_work{2147483648.0};  // 2^31
-}  // namespace kernels
-
 namespace {
 
 int32_t doc_of(const Tokens& t, int64_t i) {
@@ -171,37 +161,6 @@ std::pair<bool, bool> start_backward(View3<const double> q, View3<const double> 
   return {want_dk, want_dv};
 }
 
-bool parallel_work(double work) {
-  return work >= kernels::reference_parallel_work.load(std::memory_order_relaxed);
-}
-
-// Calls row(h, i, scratch) for every query row i < rows of every head h < heads, on OpenMP's
-// threads where the rows' work (row_work multiply-adds each) reaches
-// kernels::reference_parallel_work, each thread with its own scratch (make()). key_scatter: the
-// rows add into per-key accumulators (dk, dv: [Sk, Hkv, ...]), so a thread takes a kv head's
-// query heads and rows in the one-thread order (h, then i), and each accumulator element sums its
-// terms in that order (one thread where kv_heads is 1); otherwise every row is on its own. Either
-// way the results are the same bits on any thread count.
-template <class Make, class Row>
-void for_each_row(int64_t heads, int64_t rows, int64_t kv_heads, double row_work, bool key_scatter,
-                  Make make, Row row) {
-  const int64_t units = key_scatter ? kv_heads : heads * rows, group = heads / kv_heads;
-  const bool parallel = units > 1 && parallel_work(double(heads) * double(rows) * row_work);
-#pragma omp parallel if (parallel)
-  {
-    auto scratch = make();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
-      if (!key_scatter) {
-        row(u / rows, u % rows, scratch);
-        continue;
-      }
-      for (int64_t h = u * group; h < (u + 1) * group; ++h)
-        for (int64_t i = 0; i < rows; ++i) row(h, i, scratch);
-    }
-  }
-}
-
 }  // namespace
 
 void reference_forward(View3<const double> q, View3<const double> k, View3<const double> v,
@@ -214,20 +173,23 @@ void reference_forward(View3<const double> q, View3<const double> k, View3<const
   kernels::check_same_shape(View3<const double>(out), q, "out and q");
   LOOM_CHECK(q.s == 0 || lse != nullptr, InvalidArgument, "lse must not be null");
 
-  for_each_row(
-      q.h, q.s, k.h, double(k.s) * double(q.d), false,
-      [&] { return std::vector<double>(static_cast<size_t>(k.s)); },
-      [&](int64_t h, int64_t i, std::vector<double>& p) {
-        const int64_t g = h / (q.h / k.h);
-        double* o = out.row(i, h);
-        for (int64_t d = 0; d < q.d; ++d) o[d] = 0.0;
-        row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse[h * q.s + i]);
-        for (int64_t j = 0; j < k.s; ++j) {
-          if (p[j] == 0.0) continue;
-          const double* vj = v.row(j, g);
-          for (int64_t d = 0; d < q.d; ++d) o[d] += p[j] * vj[d];
-        }
-      });
+  const int64_t rows = q.h * q.s;
+#pragma omp parallel if (rows > 1)
+  {
+    std::vector<double> p(static_cast<size_t>(k.s));
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = r / q.s, i = r % q.s, g = h / (q.h / k.h);
+      double* o = out.row(i, h);
+      for (int64_t d = 0; d < q.d; ++d) o[d] = 0.0;
+      row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse[h * q.s + i]);
+      for (int64_t j = 0; j < k.s; ++j) {
+        if (p[j] == 0.0) continue;
+        const double* vj = v.row(j, g);
+        for (int64_t d = 0; d < q.d; ++d) o[d] += p[j] * vj[d];
+      }
+    }
+  }
 }
 
 void reference_backward(View3<const double> q, View3<const double> k, View3<const double> v,
@@ -238,18 +200,9 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
   kernels::check_scale(scale);
   const auto [want_dk, want_dv] = start_backward(q, k, v, dout, dq, dk, dv);
 
-  struct Scratch {
-    std::vector<double> p, dp;
-    std::vector<int64_t> keys;
-  };
-  const auto make = [&] {
-    return Scratch{std::vector<double>(static_cast<size_t>(k.s)),
-                   std::vector<double>(static_cast<size_t>(k.s)),
-                   {}};
-  };
   // Row (h, i): dq's row, and its terms of dk and dv (kv head h / (H / Hkv)).
-  const auto row = [&](int64_t h, int64_t i, Scratch& sc) {
-    auto& [p, dp, keys] = sc;
+  const auto row = [&](int64_t h, int64_t i, std::vector<double>& p, std::vector<double>& dp,
+                       std::vector<int64_t>& keys) {
     const int64_t g = h / (q.h / k.h);
     double lse = 0.0;
     if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) return;
@@ -266,7 +219,25 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
         for (int64_t d = 0; d < q.d; ++d) dk(j, g, d) += scale * ds * q(i, h, d);
     }
   };
-  for_each_row(q.h, q.s, k.h, double(k.s) * double(q.d), want_dk || want_dv, make, row);
+  // Without dk and dv every row is on its own; with them, a thread takes a kv head's query heads
+  // and rows in the one-thread order (h, then i), so each element of dk and dv sums its terms in
+  // that order.
+  const bool keys_wanted = want_dk || want_dv;
+  const int64_t units = keys_wanted ? k.h : q.h * q.s, group = q.h / k.h;
+#pragma omp parallel if (units > 1)
+  {
+    std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
+    std::vector<int64_t> keys;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      if (!keys_wanted) {
+        row(u / q.s, u % q.s, p, dp, keys);
+        continue;
+      }
+      for (int64_t h = u * group; h < (u + 1) * group; ++h)
+        for (int64_t i = 0; i < q.s; ++i) row(h, i, p, dp, keys);
+    }
+  }
 }
 
 namespace {
@@ -507,7 +478,7 @@ WeightStats weight_stats(View3<const double> q, View3<const double> k, const Vie
   std::vector<char> seen(sums.size());
   for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
     const int64_t n = std::min(chunk, rows - r0);
-#pragma omp parallel if (n > 1 && parallel_work(double(rows) * double(k.s) * double(D)))
+#pragma omp parallel if (n > 1)
     {
       std::vector<double> p(static_cast<size_t>(k.s)), kbar(static_cast<size_t>(D)),
           vbar(static_cast<size_t>(Dv));
@@ -607,30 +578,16 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
   // Per row: the visible keys by decreasing score, their scores s, weights p, score error
   // bounds E, the forward softmax's log-weight roundings R (F = E + R), the normalised weights'
   // bounds w, the ranks r.
-  // (one set per thread: for_each_row)
-  struct Scratch {
-    std::vector<int64_t> keys;
-    std::vector<double> s, p, e, rs, w, rank, dp, dmd, out, a, oerr, werr, dq, dq_err;
-  };
-  const auto make = [&] {
-    const std::vector<double> row_k(n_k), row_d(n_d);
-    return Scratch{{},    row_k, row_k, row_k, row_k, row_k, row_k, row_k,
-                   row_k, row_d, row_d, row_d, row_d, row_d, row_d};
-  };
+  std::vector<int64_t> keys;
+  std::vector<double> s(n_k), p(n_k), e(n_k), rs(n_k), w(n_k), rank(n_k), dp(n_k), dmd(n_k);
+  std::vector<double> out(n_d), a(n_d), oerr(n_d), werr(n_d), dq(n_d), dq_err(n_d);
   const size_t kv_size = static_cast<size_t>(k.s * k.h * D);
-  const bool scatter = backward && key_grads;
-  std::vector<double> dk(scatter ? kv_size : 0), dv(dk.size()), dk_err(dk.size()),
+  std::vector<double> dk(backward && key_grads ? kv_size : 0), dv(dk.size()), dk_err(dk.size()),
       dv_err(dk.size());
-  // Each row's sums of squares, added in the one-thread order below.
-  struct RowSquares {
-    double out_e2 = 0, out_r2 = 0, lse_e2 = 0, lse_r2 = 0, dq_e2 = 0, dq_r2 = 0;
-  };
-  std::vector<RowSquares> squares(static_cast<size_t>(q.h * q.s));
-  const auto row = [&](int64_t h, int64_t i, Scratch& sc) {
-    auto& [keys, s, p, e, rs, w, rank, dp, dmd, out, a, oerr, werr, dq, dq_err] = sc;
-    auto& [out_e2, out_r2, lse_e2, lse_r2, dq_e2, dq_r2] = squares[h * q.s + i];
+  double out_e2 = 0, out_r2 = 0, lse_e2 = 0, lse_r2 = 0, dq_e2 = 0, dq_r2 = 0;
+  for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
-    {
+    for (int64_t i = 0; i < q.s; ++i) {
       const double* qi = q.row(i, h);
       keys.clear();
       bool nan = false;
@@ -641,11 +598,11 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
         nan = nan || std::isnan(s[j]);
       }
       // No key: out 0, lse -inf exactly. A NaN score: NaN in the reference, nothing to bound.
-      if (keys.empty() || nan) return;
+      if (keys.empty() || nan) continue;
       std::sort(keys.begin(), keys.end(), [&](int64_t x, int64_t y) { return s[x] > s[y]; });
       const int64_t top = keys.front();
       const double m = s[top];
-      if (!std::isfinite(m)) return;
+      if (!std::isfinite(m)) continue;
       for (size_t t = 0; t < keys.size(); ++t) {  // ties share the rank of the first of them
         const int64_t j = keys[t];
         rank[j] = t > 0 && s[keys[t - 1]] == s[j] ? rank[keys[t - 1]] : static_cast<double>(t);
@@ -729,7 +686,7 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
         out_e2 += (oerr[d] + werr[d]) * (oerr[d] + werr[d]);
         out_r2 += out[d] * out[d];
       }
-      if (!backward) return;
+      if (!backward) continue;
       // delta: compute_delta's chain, out's roundings, and the weights' error through
       // dout.(out^ - out) = sum_j (p^_j - p_j) (dp_j - delta) (sum_j p^_j - p_j = 0).
       const double* doi = dout.row(i, h);
@@ -815,16 +772,6 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
         dq_r2 += dq[d] * dq[d];
       }
     }
-  };
-  for_each_row(q.h, q.s, k.h, double(k.s) * double(D), scatter, make, row);
-  double out_e2 = 0, out_r2 = 0, lse_e2 = 0, lse_r2 = 0, dq_e2 = 0, dq_r2 = 0;
-  for (const RowSquares& x : squares) {
-    out_e2 += x.out_e2;
-    out_r2 += x.out_r2;
-    lse_e2 += x.lse_e2;
-    lse_r2 += x.lse_r2;
-    dq_e2 += x.dq_e2;
-    dq_r2 += x.dq_r2;
   }
   Fp32Errors r;
   r.out = std::sqrt(out_e2);
@@ -1002,32 +949,20 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   const int64_t D = q.d;
   // The reference quantities, row by row: out_i = sum_j p_ij v_j, a_i = sum_j p_ij |v_j|
   // (W |v|), pk_i = sum_j p_ij k_j (W k); the gradients, as reference_backward computes them.
-  // (one set per thread: for_each_row; wkeys: the keys with weight of a row)
-  struct Scratch {
-    std::vector<double> p, dp;
-    std::vector<int64_t> wkeys;
-    std::vector<double> out, a, pk, dq, dq_round;
-  };
-  const auto make = [&] {
-    const std::vector<double> row_k(static_cast<size_t>(k.s)), row_d(static_cast<size_t>(D));
-    return Scratch{row_k, row_k, {}, row_d, row_d, row_d, row_d, row_d};
-  };
+  std::vector<double> p(static_cast<size_t>(k.s)), dp(p.size());
+  std::vector<int64_t> wkeys;  // the keys with weight of a row
+  std::vector<double> out(static_cast<size_t>(D)), a(static_cast<size_t>(D)),
+      pk(static_cast<size_t>(D)), dq(static_cast<size_t>(D)), dq_round(static_cast<size_t>(D));
   const size_t kv_size = static_cast<size_t>(k.s * k.h * D);
   const bool keys = backward && key_grads;
   std::vector<double> dk(keys ? kv_size : 0), dv(dk.size()), dk_round(dk.size()),
       dv_round(dk.size()), dk_delta(keys ? static_cast<size_t>(k.s * k.h) : 0);
-  // Each row's sums of squares, added in the one-thread order below.
-  struct RowSquares {
-    double out_n2 = 0, a_n2 = 0, dq_n2 = 0, dq_delta2 = 0, dq_round2 = 0;
-  };
-  std::vector<RowSquares> squares(static_cast<size_t>(q.h * q.s));
-  const auto row = [&](int64_t h, int64_t i, Scratch& sc) {
-    auto& [p, dp, wkeys, out, a, pk, dq, dq_round] = sc;
-    auto& [out_n2, a_n2, dq_n2, dq_delta2, dq_round2] = squares[h * q.s + i];
+  double out_n2 = 0, a_n2 = 0, dq_n2 = 0, dq_delta2 = 0, dq_round2 = 0;
+  for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
-    {
+    for (int64_t i = 0; i < q.s; ++i) {
       double lse = 0;
-      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) return;
+      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
       std::fill(out.begin(), out.end(), 0.0);
       std::fill(a.begin(), a.end(), 0.0);
       std::fill(pk.begin(), pk.end(), 0.0);
@@ -1043,7 +978,7 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
         out_n2 += out[e] * out[e];
         a_n2 += a[e] * a[e];
       }
-      if (!backward) return;
+      if (!backward) continue;
       // |delta error of row (i, h)| <= u c: out rounded to bf16 (u |out|) and, on the bf16-dot
       // path, the rounding of the weights in p v (u a).
       const double* doi = dout.row(i, h);
@@ -1084,15 +1019,6 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
         dq_round2 += dq_round[e] * dq_round[e];
       }
     }
-  };
-  for_each_row(q.h, q.s, k.h, double(k.s) * double(D), keys, make, row);
-  double out_n2 = 0, a_n2 = 0, dq_n2 = 0, dq_delta2 = 0, dq_round2 = 0;
-  for (const RowSquares& x : squares) {
-    out_n2 += x.out_n2;
-    a_n2 += x.a_n2;
-    dq_n2 += x.dq_n2;
-    dq_delta2 += x.dq_delta2;
-    dq_round2 += x.dq_round2;
   }
   // The bf16 roundings' bounds plus the fp32 arithmetic's (f).
   const double slack = kFirstOrderSlack;
