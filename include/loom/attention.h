@@ -131,10 +131,7 @@ struct KernelStats {
 };
 
 // ---------------------------------------------------------------------------------------------
-// fp64 reference: plain loops, any mask, GQA. Small and obviously right; never optimised, but its
-// rows are shared among OpenMP's threads (omp_get_max_threads(); each thread holds a row of
-// weights and of dp, Sk doubles each), and the results are the same bits on any thread count.
-// With dk or dv, the backward takes one kv head per thread (Hkv = 1 runs on one).
+// fp64 reference: plain loops, any mask, GQA. Small and obviously right; never optimised.
 
 // out [Sq,H,D], lse [H,Sq] (lse[h*Sq + i]).
 void reference_forward(View3<const double> q, View3<const double> k, View3<const double> v,

@@ -11,11 +11,7 @@
 //   ds_ij = p_ij (dp_ij - delta_i),  dq_i = scale sum_j ds_ij k_j,  dk_j += scale ds_ij q_i,
 // with dp_ij - delta_i formed relative to the row's top key t as (dp_ij - dp_it) -
 // sum_(k != t) p_ik (dp_ik - dp_it), so that no cancellation loses the weights far below t's.
-// Nothing here is optimised: these loops are what the fast kernels are tested against. The rows
-// are shared among OpenMP's threads (the reference at S = 32768 ran for most of `loom verify`'s
-// 44 s), each computed as on one thread: the results are the same bits for any thread count
-// (reference_backward's dk and dv sum their rows in the one-thread order, a kv head per thread;
-// weight_stats adds its rows' sums in order).
+// Nothing here is optimised: these loops are what the fast kernels are tested against.
 // fp32_error_bounds and bf16_error_bounds (loom/tolerance.h) bound the kernels' errors per
 // problem.
 #include <algorithm>
@@ -173,13 +169,10 @@ void reference_forward(View3<const double> q, View3<const double> k, View3<const
   kernels::check_same_shape(View3<const double>(out), q, "out and q");
   LOOM_CHECK(q.s == 0 || lse != nullptr, InvalidArgument, "lse must not be null");
 
-  const int64_t rows = q.h * q.s;
-#pragma omp parallel if (rows > 1)
-  {
-    std::vector<double> p(static_cast<size_t>(k.s));
-#pragma omp for schedule(dynamic, 8)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = r / q.s, i = r % q.s, g = h / (q.h / k.h);
+  std::vector<double> p(static_cast<size_t>(k.s));
+  for (int64_t h = 0; h < q.h; ++h) {
+    const int64_t g = h / (q.h / k.h);
+    for (int64_t i = 0; i < q.s; ++i) {
       double* o = out.row(i, h);
       for (int64_t d = 0; d < q.d; ++d) o[d] = 0.0;
       row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse[h * q.s + i]);
@@ -200,42 +193,25 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
   kernels::check_scale(scale);
   const auto [want_dk, want_dv] = start_backward(q, k, v, dout, dq, dk, dv);
 
-  // Row (h, i): dq's row, and its terms of dk and dv (kv head h / (H / Hkv)).
-  const auto row = [&](int64_t h, int64_t i, std::vector<double>& p, std::vector<double>& dp,
-                       std::vector<int64_t>& keys) {
+  std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
+  std::vector<int64_t> keys;
+  for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
-    double lse = 0.0;
-    if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) return;
-    const double* doi = dout.row(i, h);
-    // delta = sum_j p_j dp_j, taken relative to the top key t (the largest p): dp_and_shift.
-    const int64_t t = weighted_keys(p, keys);
-    const double shift = dp_and_shift(doi, v, g, p, keys, t, dp);  // delta - dp_t
-    for (int64_t j : keys) {
-      const double ds = p[j] * ((dp[j] - dp[t]) - shift);
-      for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) += scale * ds * k(j, g, d);
-      if (want_dv)
-        for (int64_t d = 0; d < q.d; ++d) dv(j, g, d) += p[j] * doi[d];
-      if (want_dk)
-        for (int64_t d = 0; d < q.d; ++d) dk(j, g, d) += scale * ds * q(i, h, d);
-    }
-  };
-  // Without dk and dv every row is on its own; with them, a thread takes a kv head's query heads
-  // and rows in the one-thread order (h, then i), so each element of dk and dv sums its terms in
-  // that order.
-  const bool keys_wanted = want_dk || want_dv;
-  const int64_t units = keys_wanted ? k.h : q.h * q.s, group = q.h / k.h;
-#pragma omp parallel if (units > 1)
-  {
-    std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
-    std::vector<int64_t> keys;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
-      if (!keys_wanted) {
-        row(u / q.s, u % q.s, p, dp, keys);
-        continue;
+    for (int64_t i = 0; i < q.s; ++i) {
+      double lse = 0.0;
+      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
+      const double* doi = dout.row(i, h);
+      // delta = sum_j p_j dp_j, taken relative to the top key t (the largest p): dp_and_shift.
+      const int64_t t = weighted_keys(p, keys);
+      const double shift = dp_and_shift(doi, v, g, p, keys, t, dp);  // delta - dp_t
+      for (int64_t j : keys) {
+        const double ds = p[j] * ((dp[j] - dp[t]) - shift);
+        for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) += scale * ds * k(j, g, d);
+        if (want_dv)
+          for (int64_t d = 0; d < q.d; ++d) dv(j, g, d) += p[j] * doi[d];
+        if (want_dk)
+          for (int64_t d = 0; d < q.d; ++d) dk(j, g, d) += scale * ds * q(i, h, d);
       }
-      for (int64_t h = u * group; h < (u + 1) * group; ++h)
-        for (int64_t i = 0; i < q.s; ++i) row(h, i, p, dp, keys);
     }
   }
 }
@@ -464,56 +440,40 @@ WeightStats weight_stats(View3<const double> q, View3<const double> k, const Vie
   kernels::check_scale(scale);
   if (dout) kernels::check_same_shape(*dout, q, "dout and q");
   const int64_t D = q.d, Dv = v ? v->d : 0;
+  std::vector<double> p(static_cast<size_t>(k.s)), kbar(static_cast<size_t>(D)),
+      vbar(static_cast<size_t>(Dv));
   std::vector<double> knorm2(static_cast<size_t>(k.s * k.h)), vnorm2(v ? knorm2.size() : 0);
   for (int64_t j = 0; j < k.s; ++j)
     for (int64_t g = 0; g < k.h; ++g) {
       knorm2[j * k.h + g] = dot(k.row(j, g), k.row(j, g), D);
       if (v) vnorm2[j * k.h + g] = dot(v->row(j, g), v->row(j, g), Dv);
     }
-  // The rows' sums are computed on OpenMP's threads a chunk of rows at a time, and added in the
-  // one-thread order (h, then i).
   WeightStats w;
-  const int64_t rows = q.h * q.s, chunk = std::min<int64_t>(rows, 4096);
-  std::vector<RowSums> sums(static_cast<size_t>(chunk));
-  std::vector<char> seen(sums.size());
-  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-    const int64_t n = std::min(chunk, rows - r0);
-#pragma omp parallel if (n > 1)
-    {
-      std::vector<double> p(static_cast<size_t>(k.s)), kbar(static_cast<size_t>(D)),
-          vbar(static_cast<size_t>(Dv));
-#pragma omp for schedule(dynamic, 8)
-      for (int64_t r = r0; r < r0 + n; ++r) {
-        const int64_t h = r / q.s, i = r % q.s, g = h / (q.h / k.h);
-        double lse = 0;
-        seen[r - r0] = row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse);
-        if (!seen[r - r0]) continue;
-        std::fill(kbar.begin(), kbar.end(), 0.0);
-        std::fill(vbar.begin(), vbar.end(), 0.0);
-        RowSums row;
-        for (int64_t j = 0; j < k.s; ++j) {
-          const double x = p[j];
-          row.collisions += x * x;  // >= 1 / n^2 > 0 over the row (NaN passes through)
-          if (x == 0.0) continue;
-          row.key2 += x * knorm2[j * k.h + g];
-          const double* kj = k.row(j, g);
-          for (int64_t d = 0; d < D; ++d) kbar[d] += x * kj[d];
-          if (!v) continue;
-          row.val2 += x * vnorm2[j * k.h + g];
-          row.val_collisions += x * x * vnorm2[j * k.h + g];
-          const double* vj = v->row(j, g);
-          for (int64_t d = 0; d < Dv; ++d) vbar[d] += x * vj[d];
-        }
-        row.mean_key2 = dot(kbar.data(), kbar.data(), D);
-        if (v) row.mean_val2 = dot(vbar.data(), vbar.data(), Dv);
-        sums[r - r0] = row;
+  for (int64_t h = 0; h < q.h; ++h) {
+    const int64_t g = h / (q.h / k.h);
+    for (int64_t i = 0; i < q.s; ++i) {
+      double lse = 0;
+      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
+      std::fill(kbar.begin(), kbar.end(), 0.0);
+      std::fill(vbar.begin(), vbar.end(), 0.0);
+      RowSums row;
+      for (int64_t j = 0; j < k.s; ++j) {
+        const double x = p[j];
+        row.collisions += x * x;  // >= 1 / n^2 > 0 over the row (NaN passes through)
+        if (x == 0.0) continue;
+        row.key2 += x * knorm2[j * k.h + g];
+        const double* kj = k.row(j, g);
+        for (int64_t d = 0; d < D; ++d) kbar[d] += x * kj[d];
+        if (!v) continue;
+        row.val2 += x * vnorm2[j * k.h + g];
+        row.val_collisions += x * x * vnorm2[j * k.h + g];
+        const double* vj = v->row(j, g);
+        for (int64_t d = 0; d < Dv; ++d) vbar[d] += x * vj[d];
       }
-    }
-    for (int64_t r = r0; r < r0 + n; ++r) {
-      if (!seen[r - r0]) continue;
-      w.all.add(1.0, sums[r - r0]);
-      const int64_t h = r / q.s, i = r % q.s;
-      if (dout) w.grad.add(dot(dout->row(i, h), dout->row(i, h), dout->d), sums[r - r0]);
+      row.mean_key2 = dot(kbar.data(), kbar.data(), D);
+      if (v) row.mean_val2 = dot(vbar.data(), vbar.data(), Dv);
+      w.all.add(1.0, row);
+      if (dout) w.grad.add(dot(dout->row(i, h), dout->row(i, h), dout->d), row);
     }
   }
   return w;

@@ -17,9 +17,6 @@
 #include "loom/tolerance.h"
 #include "unit/tolerance.h"
 
-extern "C" void omp_set_num_threads(int);
-extern "C" int omp_get_max_threads(void);
-
 namespace loom {
 namespace {
 
@@ -447,66 +444,6 @@ TEST(Reference, EmptyKeyGradientViewsAreNotComputed) {
   EXPECT_THROW(reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3,
                                   dq.view3(), short_dk.view3(), View3<double>{}),
                InvalidArgument);
-}
-
-// The reference shares its rows among OpenMP's threads: its results, and the regime's statistics
-// (weight_stats, over chunks of 4096 rows: 4400 here), are the same bits on any thread count (dk
-// and dv sum each element's terms in the one-thread order, a kv head per thread).
-TEST(Reference, SameBitsOnAnyThreadCount) {
-  const int64_t sq = 1100, sk = 40, h = 4, hkv = 2, d = 8;
-  const Tensor<double> q = random_double({sq, h, d}, 51), k = random_double({sk, hkv, d}, 52),
-                       v = random_double({sk, hkv, d}, 53), dout = random_double({sq, h, d}, 54);
-  std::vector<int64_t> qpos(static_cast<size_t>(sq));
-  for (int64_t i = 0; i < sq; ++i) qpos[i] = i % sk;
-  const std::vector<int64_t> kpos = iota_positions(sk);
-  const Tokens qt{qpos.data(), nullptr, sq}, kt{kpos.data(), nullptr, sk};
-  const Mask mask{true, 0};
-  struct Results {
-    std::vector<double> out, lse, dq, dk, dv, dq_alone, stats;
-  };
-  const auto run = [&](int threads) {
-    omp_set_num_threads(threads);
-    Results r;
-    Tensor<double> out({sq, h, d}), dq({sq, h, d}), dk({sk, hkv, d}), dv({sk, hkv, d}),
-        dq_alone({sq, h, d});
-    r.lse.resize(static_cast<size_t>(h * sq));
-    reference_forward(q.view3(), k.view3(), v.view3(), qt, kt, mask, 0.3, out.view3(),
-                      r.lse.data());
-    reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3, dq.view3(),
-                       dk.view3(), dv.view3());
-    reference_backward(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask, 0.3,
-                       dq_alone.view3(), View3<double>{}, View3<double>{});
-    r.out = out.vec();
-    r.dq = dq.vec();
-    r.dk = dk.vec();
-    r.dv = dv.vec();
-    r.dq_alone = dq_alone.vec();
-    const CheckLimits l = check_limits(q.view3(), k.view3(), v.view3(), dout.view3(), qt, kt, mask,
-                                       0.3, CheckedResults{});
-    r.stats = {effective_keys(q.view3(), k.view3(), qt, kt, mask, 0.3),
-               common_key_ratio(q.view3(), k.view3(), qt, kt, mask, 0.3),
-               common_value_ratio(q.view3(), k.view3(), v.view3(), qt, kt, mask, 0.3),
-               out_cancel_ratio(q.view3(), k.view3(), v.view3(), qt, kt, mask, 0.3),
-               l.out,
-               l.dq,
-               static_cast<double>(l.miss)};
-    return r;
-  };
-  const int before = omp_get_max_threads();
-  const Results one = run(1);
-  EXPECT_EQ(one.dq_alone, one.dq);
-  for (const int threads : {2, 3, 8}) {
-    SCOPED_TRACE(std::to_string(threads) + " threads");
-    const Results many = run(threads);
-    EXPECT_EQ(many.out, one.out);
-    EXPECT_EQ(many.lse, one.lse);
-    EXPECT_EQ(many.dq, one.dq);
-    EXPECT_EQ(many.dk, one.dk);
-    EXPECT_EQ(many.dv, one.dv);
-    EXPECT_EQ(many.dq_alone, one.dq_alone);
-    EXPECT_EQ(many.stats, one.stats);
-  }
-  omp_set_num_threads(before);
 }
 
 // Values of 1e-39 (subnormal in float32) make dp = dout . v, delta and ds subnormal, while

@@ -928,12 +928,11 @@ double attn_run_bytes(const AttnOptions& o, const Problem& p, int world, int ran
       // Rank 0: its shard and strategy, the others' pool, the gathered results; the regenerated
       // fp32 inputs; run_check's fp64 q, k, v (and q again when every row is compared), the
       // reference out, the scattered out, lse (fp32 and fp64), and in backward dout (and its
-      // sampled rows), the reference dq, dk, dv and the scattered dq; the reference's rows of
-      // weights, dp and key indices, one set per thread.
+      // sampled rows), the reference dq, dk, dv and the scattered dq.
       const double rows_compared = p.S > kCheckFullMax ? double(kCheckSampleRows) : S;
       const double inputs = S * (2 * H + 2 * HKV) * D * 4;
-      double ref = S * (H + 2 * HKV) * D * 8 + rows_compared * H * D * 8 * 2 + S * H * D * 8 +
-                   S * H * 20 + std::max(1, threads) * S * 24.0;
+      double ref =
+          S * (H + 2 * HKV) * D * 8 + rows_compared * H * D * 8 * 2 + S * H * D * 8 + S * H * 20;
       if (bw)
         ref += S * H * D * 8 + rows_compared * H * D * 8 * 2 + S * 2 * HKV * D * 8 + S * H * D * 8;
       peak = std::max(peak, rank + pool * (here - 1) + copies + gathered + inputs + ref + report);

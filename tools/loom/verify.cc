@@ -381,14 +381,11 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
   // Sampled rows of q and dout are gathered; every row is read in place.
   const double gathered = sampled ? rows : 0, grad_keys = sampled ? 0 : 2 * keys;
   const double context = 64 * S + 64 * nc + e * n;
-  // The reference's rows of weights (and dp, and the keys' indices) are per OpenMP thread, as are
-  // the tolerances' (weight_stats), which keep a chunk of up to 4096 rows' sums besides.
-  const double threads = std::max(1, omp_get_max_threads());
-  const double a = gathered + rows + rows_lse + threads * e * S +
-                   (grad ? gathered + rows + grad_keys + threads * 3 * e * S : 0);
+  const double a =
+      gathered + rows + rows_lse + e * S + (grad ? gathered + rows + grad_keys + 3 * e * S : 0);
   const double ref = rows + rows_lse + (grad ? rows + grad_keys : 0);
-  const double b = ref + gathered + (16 + threads) * e * S + 4096 * 64 +
-                   (grad ? gathered + (sampled ? 0 : 4 * keys + e * S * Hkv) : 0);
+  const double b =
+      ref + gathered + 16 * e * S + (grad ? gathered + (sampled ? 0 : 4 * keys + e * S * Hkv) : 0);
   const double per_row = e * H * D * (2 * nc + 6);
   const double cap = std::max(16.0, std::min(kLocRows, std::floor(kLocBytes / per_row)));
   const double nl = std::ceil(n / std::ceil(n / cap));
@@ -406,7 +403,7 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
                             e * (nc + 1) * nl * D);
   // compute_pairs' threads (OpenMP's, localisation's only parallel loop) each score a chunk's
   // keys in a row of their own.
-  if (out || dq) loc += threads * e * S;
+  if (out || dq) loc += std::max(1, omp_get_max_threads()) * e * S;
   // d.: q's and dout's sampled rows, out, dq (and dk, dv of every key where every row is
   // checked), a row of weights and of dp.
   const double model = gathered + rows + (grad ? gathered + rows + grad_keys : 0) + 2 * e * S;
