@@ -567,8 +567,9 @@ rm -rf "$T/sparse"
 # The estimate bounds the peak resident set, and is not far above it: a pass (global and per-rank
 # files), a failure whose localisation models GQA (1 < Hkv < H), on 256 sampled rows with
 # gradients, and both with every row checked; and a pass outside the fixed tolerances' regime (q
-# of 40 N(0, 1): scores past 128), on sampled rows, held to the problem's own bounds. The peak is what /usr/bin/time reports: a child of
-# Python counts Python's own resident set from before its exec.
+# of 40 N(0, 1): scores past 128), on sampled rows, held to the problem's own bounds. The peak is
+# what /usr/bin/time reports: a child of Python counts Python's own resident set from before its
+# exec.
 # Nor does a run hold copies of what it read (docs/verify.md, "Memory"): beyond a tiny run's peak
 # (the process itself), a pass holds the files' data in float64, the per-rank files' assembled
 # tensors, and with every row checked the reference's out, lse, dq, dk, dv (the candidate's
