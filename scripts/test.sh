@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's second command: set up, build, and run the whole test suite:
 #   1. build/ (Release): unit, local multi-rank, mpirun (label mpi: shared memory, and again over
-#      TCP, label tcp, with a rank killed and a rank stopped), end-to-end tool tests, a ~50 s
+#      TCP, label tcp, with a rank killed and a rank stopped), end-to-end tool tests, a ~35 s
 #      random-fault soak (label soak) and bounded libFuzzer runs (label fuzz);
 #   2. build-asan/: the unit and local multi-rank tests again under AddressSanitizer and
 #      UndefinedBehaviorSanitizer;

@@ -64,11 +64,11 @@ add_test(NAME loom_output_guards
          COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/output_guard_check.sh $<TARGET_FILE:loom>)
 set_tests_properties(loom_output_guards PROPERTIES TIMEOUT 120 LABELS "tool")
 
-# Reliability (issue 11): a bounded random-fault soak on the local backend (about 50 s), and the
+# Reliability (issue 11): a bounded random-fault soak on the local backend (about 35 s), and the
 # MPI path once more with Open MPI forced onto TCP (pml ob1, btl tcp,self), including a rank
 # killed and a rank stopped mid-run.
 add_test(NAME loom_fault_soak
-         COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/fault_soak.sh $<TARGET_FILE:loom> 50)
+         COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/fault_soak.sh $<TARGET_FILE:loom> 35)
 set_tests_properties(loom_fault_soak PROPERTIES TIMEOUT 150 LABELS "tool;soak")
 if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
   set(loom_tcp_flags --oversubscribe --allow-run-as-root --mca pml ob1 --mca btl tcp,self)
