@@ -91,20 +91,28 @@ if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
   add_test(NAME loom_mpi_tcp_faults
            COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/mpi_tcp_faults.sh ${MPIEXEC_EXECUTABLE}
                    $<TARGET_FILE:loom> --oversubscribe --allow-run-as-root)
+  # The three fault scripts (this one, loom_mpi_error_line, loom_mpi_agree) mostly wait out
+  # timeouts: 25, 41 and 48 s of wall time for 4, 10 and 15 CPU-seconds. Held to PROCESSORS 4
+  # (both cores), ctest ran them alone at the end of the pass, 117 s of one idle core (clean-clone
+  # CI of 44020d0). They take one slot each instead, one at a time (RESOURCE_LOCK: their timing
+  # bounds stay clear of each other), started first (COST) beside the other tests; they passed
+  # with their usual timings beside two busy-looping processes.
   set_tests_properties(loom_mpi_tcp_faults PROPERTIES LABELS "mpi;tool;tcp" TIMEOUT 240
-                       PROCESSORS 4 ENVIRONMENT "${loom_tcp_env}")
+                       RESOURCE_LOCK loom_mpi_faults COST 80 ENVIRONMENT "${loom_tcp_env}")
   # A rank stopped (SIGSTOP) mid-run, during rank 0's --check or before MPI_Init: one error
   # line, naming the rank at fault; a --check longer than LOOM_FINALIZE_TIMEOUT_S passes.
   add_test(NAME loom_mpi_error_line
            COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/mpi_error_line_check.sh ${MPIEXEC_EXECUTABLE}
                    $<TARGET_FILE:loom> --oversubscribe --allow-run-as-root)
-  set_tests_properties(loom_mpi_error_line PROPERTIES LABELS "mpi;tool" TIMEOUT 240 PROCESSORS 4
+  set_tests_properties(loom_mpi_error_line PROPERTIES LABELS "mpi;tool" TIMEOUT 240
+                       RESOURCE_LOCK loom_mpi_faults COST 90
                        ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
   # Ranks started with other arguments, reading other --input bytes or checkpoints, or failing
   # alone: the job ends at once with one line naming the rank (tools/mpi_agree_check.sh).
   add_test(NAME loom_mpi_agree
            COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/tools/mpi_agree_check.sh ${MPIEXEC_EXECUTABLE}
                    $<TARGET_FILE:loom> --oversubscribe --allow-run-as-root)
-  set_tests_properties(loom_mpi_agree PROPERTIES LABELS "mpi;tool" TIMEOUT 240 PROCESSORS 2
+  set_tests_properties(loom_mpi_agree PROPERTIES LABELS "mpi;tool" TIMEOUT 240
+                       RESOURCE_LOCK loom_mpi_faults COST 100
                        ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
 endif()
