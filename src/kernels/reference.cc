@@ -51,6 +51,39 @@ double l2_norm(const std::vector<double>& x) {
   return std::sqrt(n);
 }
 
+// Kv head g of k and v, copied into contiguous [S, D] rows and seen through views of k's and v's
+// shapes whose every head reads the copy (head stride 0), so that the loops below read
+// kh.row(j, g) where they read k.row(j, g). In an [S, Hkv, D] tensor a head's rows lie Hkv * D
+// doubles apart, each key on a page of its own for Hkv * D >= 512: a row's pass over 32768 keys
+// missed the TLB at every key, and loom verify (S = 32768, Hkv = 8, D = 64) spent 41 s in these
+// loops on one core. The values are the same doubles, so every result keeps its bits. Without a
+// copy to make (one kv head, or a head's rows already adjacent), the views are k and v.
+class KvHead {
+ public:
+  // v may be empty (View3{}): weight_stats without values.
+  KvHead(View3<const double> k, View3<const double> v)
+      : kh(k), vh(v), k_(k), v_(v), copy_(k.h > 1 && k.ss != k.d) {}
+  // Makes kh and vh read kv head g (a no-op when it is already selected or nothing is copied).
+  void select(int64_t g) {
+    if (!copy_ || g == g_) return;
+    g_ = g;
+    kh = gather(k_, g, kbuf_);
+    if (v_.data) vh = gather(v_, g, vbuf_);
+  }
+  View3<const double> kh, vh;
+
+ private:
+  static View3<const double> gather(View3<const double> x, int64_t g, std::vector<double>& buf) {
+    buf.resize(static_cast<size_t>(x.s * x.d));
+    for (int64_t j = 0; j < x.s; ++j) std::copy_n(x.row(j, g), x.d, buf.data() + j * x.d);
+    return View3<const double>{buf.data(), x.s, x.h, x.d, x.d, 0};
+  }
+  View3<const double> k_, v_;
+  bool copy_;
+  int64_t g_ = -1;
+  std::vector<double> kbuf_, vbuf_;
+};
+
 // The keys of a row that carry weight (p_j != 0), in order, into keys; returns the one with the
 // largest p (the first of equals), -1 for none.
 int64_t weighted_keys(const std::vector<double>& p, std::vector<int64_t>& keys) {
@@ -170,15 +203,17 @@ void reference_forward(View3<const double> q, View3<const double> k, View3<const
   LOOM_CHECK(q.s == 0 || lse != nullptr, InvalidArgument, "lse must not be null");
 
   std::vector<double> p(static_cast<size_t>(k.s));
+  KvHead kv(k, v);
   for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
+    kv.select(g);
     for (int64_t i = 0; i < q.s; ++i) {
       double* o = out.row(i, h);
       for (int64_t d = 0; d < q.d; ++d) o[d] = 0.0;
-      row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse[h * q.s + i]);
+      row_probabilities(q, kv.kh, qt, kt, mask, scale, i, h, p, lse[h * q.s + i]);
       for (int64_t j = 0; j < k.s; ++j) {
         if (p[j] == 0.0) continue;
-        const double* vj = v.row(j, g);
+        const double* vj = kv.vh.row(j, g);
         for (int64_t d = 0; d < q.d; ++d) o[d] += p[j] * vj[d];
       }
     }
@@ -195,18 +230,20 @@ void reference_backward(View3<const double> q, View3<const double> k, View3<cons
 
   std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
   std::vector<int64_t> keys;
+  KvHead kv(k, v);
   for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
+    kv.select(g);
     for (int64_t i = 0; i < q.s; ++i) {
       double lse = 0.0;
-      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
+      if (!row_probabilities(q, kv.kh, qt, kt, mask, scale, i, h, p, lse)) continue;
       const double* doi = dout.row(i, h);
       // delta = sum_j p_j dp_j, taken relative to the top key t (the largest p): dp_and_shift.
       const int64_t t = weighted_keys(p, keys);
-      const double shift = dp_and_shift(doi, v, g, p, keys, t, dp);  // delta - dp_t
+      const double shift = dp_and_shift(doi, kv.vh, g, p, keys, t, dp);  // delta - dp_t
       for (int64_t j : keys) {
         const double ds = p[j] * ((dp[j] - dp[t]) - shift);
-        for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) += scale * ds * k(j, g, d);
+        for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) += scale * ds * kv.kh(j, g, d);
         if (want_dv)
           for (int64_t d = 0; d < q.d; ++d) dv(j, g, d) += p[j] * doi[d];
         if (want_dk)
@@ -251,17 +288,19 @@ void subnormal_reference(View3<const double> q, View3<const double> k, View3<con
   std::vector<double> p(static_cast<size_t>(k.s)), dp(static_cast<size_t>(k.s));
   std::vector<double> exact(static_cast<size_t>(q.d));
   std::vector<int64_t> keys;
+  KvHead kv(k, v);
   for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
+    kv.select(g);
     for (int64_t i = 0; i < q.s; ++i) {
       double* o = out.row(i, h);
       std::fill(o, o + q.d, 0.0);
       std::fill(exact.begin(), exact.end(), 0.0);
       double lse = 0.0;
-      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
+      if (!row_probabilities(q, kv.kh, qt, kt, mask, scale, i, h, p, lse)) continue;
       const int64_t t = weighted_keys(p, keys);
       for (int64_t j : keys) {  // out as reference_forward sums it, and as float32 does
-        const double* vj = v.row(j, g);
+        const double* vj = kv.vh.row(j, g);
         for (int64_t d = 0; d < q.d; ++d) {
           exact[d] += p[j] * vj[d];
           o[d] = r(o[d] + r(p[j]) * vj[d]);
@@ -269,15 +308,16 @@ void subnormal_reference(View3<const double> q, View3<const double> k, View3<con
       }
       if (!backward) continue;
       const double* doi = dout.row(i, h);
-      const double shift = dp_and_shift(doi, v, g, p, keys, t, dp);  // delta - dp_t
+      const double shift = dp_and_shift(doi, kv.vh, g, p, keys, t, dp);  // delta - dp_t
       // What rounding below the normal range moves delta = dout_i . out_i by: 0 where it rounds
       // nothing (both sums alike), so that ds keeps reference_backward's cancellation-free form.
       const double delta_moved = dot_subnormal(doi, o, q.d) - dot(doi, exact.data(), q.d);
       for (int64_t j : keys) {
-        const double dp_moved = dot_subnormal(doi, v.row(j, g), q.d) - dp[j];
+        const double dp_moved = dot_subnormal(doi, kv.vh.row(j, g), q.d) - dp[j];
         const double pj = r(p[j]);
         const double ds = r(pj * (((dp[j] - dp[t]) - shift) + (dp_moved - delta_moved)));
-        for (int64_t d = 0; d < q.d; ++d) dq(i, h, d) = r(dq(i, h, d) + scale * ds * k(j, g, d));
+        for (int64_t d = 0; d < q.d; ++d)
+          dq(i, h, d) = r(dq(i, h, d) + scale * ds * kv.kh(j, g, d));
         if (want_dv)
           for (int64_t d = 0; d < q.d; ++d) dv(j, g, d) = r(dv(j, g, d) + pj * doi[d]);
         if (want_dk)
@@ -449,11 +489,13 @@ WeightStats weight_stats(View3<const double> q, View3<const double> k, const Vie
       if (v) vnorm2[j * k.h + g] = dot(v->row(j, g), v->row(j, g), Dv);
     }
   WeightStats w;
+  KvHead kv(k, v ? *v : View3<const double>{});
   for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
+    kv.select(g);
     for (int64_t i = 0; i < q.s; ++i) {
       double lse = 0;
-      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
+      if (!row_probabilities(q, kv.kh, qt, kt, mask, scale, i, h, p, lse)) continue;
       std::fill(kbar.begin(), kbar.end(), 0.0);
       std::fill(vbar.begin(), vbar.end(), 0.0);
       RowSums row;
@@ -462,12 +504,12 @@ WeightStats weight_stats(View3<const double> q, View3<const double> k, const Vie
         row.collisions += x * x;  // >= 1 / n^2 > 0 over the row (NaN passes through)
         if (x == 0.0) continue;
         row.key2 += x * knorm2[j * k.h + g];
-        const double* kj = k.row(j, g);
+        const double* kj = kv.kh.row(j, g);
         for (int64_t d = 0; d < D; ++d) kbar[d] += x * kj[d];
         if (!v) continue;
         row.val2 += x * vnorm2[j * k.h + g];
         row.val_collisions += x * x * vnorm2[j * k.h + g];
-        const double* vj = v->row(j, g);
+        const double* vj = kv.vh.row(j, g);
         for (int64_t d = 0; d < Dv; ++d) vbar[d] += x * vj[d];
       }
       row.mean_key2 = dot(kbar.data(), kbar.data(), D);
@@ -545,8 +587,10 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
   std::vector<double> dk(backward && key_grads ? kv_size : 0), dv(dk.size()), dk_err(dk.size()),
       dv_err(dk.size());
   double out_e2 = 0, out_r2 = 0, lse_e2 = 0, lse_r2 = 0, dq_e2 = 0, dq_r2 = 0;
+  KvHead kv(k, v);
   for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
+    kv.select(g);
     for (int64_t i = 0; i < q.s; ++i) {
       const double* qi = q.row(i, h);
       keys.clear();
@@ -554,7 +598,7 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
       for (int64_t j = 0; j < k.s; ++j) {
         if (!pair_visible(mask, qt, i, kt, j)) continue;
         keys.push_back(j);
-        s[j] = scale * dot(qi, k.row(j, g), D);
+        s[j] = scale * dot(qi, kv.kh.row(j, g), D);
         nan = nan || std::isnan(s[j]);
       }
       // No key: out 0, lse -inf exactly. A NaN score: NaN in the reference, nothing to bound.
@@ -572,7 +616,7 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
       const double lse = m + std::log(l);
       for (int64_t j : keys) {
         p[j] = std::exp(s[j] - lse);
-        e[j] = u * (as * chain_error(qi, k.row(j, g), D) + 2 * std::fabs(s[j]));
+        e[j] = u * (as * chain_error(qi, kv.kh.row(j, g), D) + 2 * std::fabs(s[j]));
         rs[j] = u * (m - s[j] + 8);
       }
       // Loom's kernels with a top key whose computed score is surely the largest: its weight is
@@ -620,7 +664,7 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
       std::fill(out.begin(), out.end(), 0.0);
       std::fill(a.begin(), a.end(), 0.0);
       for (int64_t j : keys) {
-        const double* vj = v.row(j, g);
+        const double* vj = kv.vh.row(j, g);
         for (int64_t d = 0; d < D; ++d) {
           out[d] += p[j] * vj[d];
           a[d] += p[j] * std::fabs(vj[d]);
@@ -635,7 +679,7 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
       const double c_acc = top_exact ? 4 : 2;
       for (int64_t j : keys) {
         if (p[j] == 0) continue;
-        const double* vj = v.row(j, g);
+        const double* vj = kv.vh.row(j, g);
         for (int64_t d = 0; d < D; ++d) {
           const double t = p[j] * std::fabs(vj[d]);
           werr[d] += w[j] * p[j] * std::fabs(vj[d] - out[d]);
@@ -653,7 +697,7 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
       double delta_err = u * chain_error(doi, out.data(), D);
       for (int64_t d = 0; d < D; ++d) delta_err += std::fabs(doi[d]) * oerr[d];
       // dp_j - delta without cancellation (as reference_backward): (dp_j - dp_t) - shift.
-      const double shift = dp_and_shift(doi, v, g, p, keys, top, dp);
+      const double shift = dp_and_shift(doi, kv.vh, g, p, keys, top, dp);
       for (int64_t j : keys) {
         if (p[j] == 0) continue;
         dmd[j] = (dp[j] - dp[top]) - shift;
@@ -666,19 +710,19 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
       const double margin = 1.01 + 10 * u * static_cast<double>(keys.size());
       bool exact_row = top_exact && others * margin < u;
       if (exact_row) {
-        const double* vt = v.row(top, g);
+        const double* vt = kv.vh.row(top, g);
         for (int64_t d = 0; d < D && exact_row; ++d) {
           double moved = 0;
           for (size_t t = 1; t < keys.size(); ++t) {
             const int64_t j = keys[t];
-            moved +=
-                p[j] / p[top] * std::exp(e[j] + rs[j] + e[top] + rs[top]) * std::fabs(v(j, g, d));
+            moved += p[j] / p[top] * std::exp(e[j] + rs[j] + e[top] + rs[top]) *
+                     std::fabs(kv.vh(j, g, d));
           }
           exact_row = moved * margin < u * std::fabs(vt[d]) / 2;
         }
       }
       if (exact_row)  // delta^ = dp^_top
-        delta_err = u * chain_error(doi, v.row(top, g), D) + std::fabs(shift);
+        delta_err = u * chain_error(doi, kv.vh.row(top, g), D) + std::fabs(shift);
       // The backward's weights: |log p^ - log p| <= B. Independent scores: E_j + the lse's
       // error. Loom's (the forward's scores, bitwise): -log sum_k p_k e^(y_k) with |y_k| <=
       // E_j + E_k (k != j) + R_k, bounded through Z+-_j = sum_k p_k e^(+-(E_j + E_k + R_k)).
@@ -706,7 +750,7 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
         const double b_log = log_err + u * std::fabs(s[j] - lse) + 8 * u;
         double bj = std::expm1(b_log);
         if (lse - s[j] + b_log > kExp2Cut) bj = std::max(bj, 1.0);  // may be flushed to 0
-        const double* vj = v.row(j, g);
+        const double* vj = kv.vh.row(j, g);
         const double dp_err = u * chain_error(doi, vj, D);
         const double ds = p[j] * dmd[j];
         const double ds_err =
@@ -714,8 +758,8 @@ Fp32Errors fp32_errors(View3<const double> q, View3<const double> k, View3<const
                 ? std::fabs(ds)  // computed as 0
                 : p[j] * (bj * std::fabs(dmd[j]) + (1 + bj) * (dp_err + delta_err));
         for (int64_t d = 0; d < D; ++d) {
-          dq[d] += scale * ds * k(j, g, d);
-          dq_err[d] += as * ds_err * std::fabs(k(j, g, d));
+          dq[d] += scale * ds * kv.kh(j, g, d);
+          dq_err[d] += as * ds_err * std::fabs(kv.kh(j, g, d));
         }
         if (!key_grads) continue;
         const size_t jg = static_cast<size_t>(j * k.h + g) * n_d;
@@ -918,20 +962,22 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
   std::vector<double> dk(keys ? kv_size : 0), dv(dk.size()), dk_round(dk.size()),
       dv_round(dk.size()), dk_delta(keys ? static_cast<size_t>(k.s * k.h) : 0);
   double out_n2 = 0, a_n2 = 0, dq_n2 = 0, dq_delta2 = 0, dq_round2 = 0;
+  KvHead kv(k, v);
   for (int64_t h = 0; h < q.h; ++h) {
     const int64_t g = h / (q.h / k.h);
+    kv.select(g);
     for (int64_t i = 0; i < q.s; ++i) {
       double lse = 0;
-      if (!row_probabilities(q, k, qt, kt, mask, scale, i, h, p, lse)) continue;
+      if (!row_probabilities(q, kv.kh, qt, kt, mask, scale, i, h, p, lse)) continue;
       std::fill(out.begin(), out.end(), 0.0);
       std::fill(a.begin(), a.end(), 0.0);
       std::fill(pk.begin(), pk.end(), 0.0);
       for (int64_t j = 0; j < k.s; ++j) {
         if (p[j] == 0.0) continue;
         for (int64_t e = 0; e < D; ++e) {
-          out[e] += p[j] * v(j, g, e);
-          a[e] += p[j] * std::fabs(v(j, g, e));
-          pk[e] += p[j] * k(j, g, e);
+          out[e] += p[j] * kv.vh(j, g, e);
+          a[e] += p[j] * std::fabs(kv.vh(j, g, e));
+          pk[e] += p[j] * kv.kh(j, g, e);
         }
       }
       for (int64_t e = 0; e < D; ++e) {
@@ -954,13 +1000,13 @@ Bf16Bounds bf16_error_bounds(View3<const double> q, View3<const double> k, View3
       std::fill(dq_round.begin(), dq_round.end(), 0.0);
       // dp_j - delta as reference_backward forms it (relative to the top key, no cancellation)
       const int64_t top = weighted_keys(p, wkeys);
-      const double shift = dp_and_shift(doi, v, g, p, wkeys, top, dp);
+      const double shift = dp_and_shift(doi, kv.vh, g, p, wkeys, top, dp);
       for (int64_t j : wkeys) {
         const double ds = p[j] * ((dp[j] - dp[top]) - shift);
         for (int64_t e = 0; e < D; ++e) {
-          dq[e] += scale * ds * k(j, g, e);
+          dq[e] += scale * ds * kv.kh(j, g, e);
           // The bf16-dot path rounds p (for dv) and ds (for dk, dq) to bf16 too.
-          if (dots) dq_round[e] += std::fabs(scale * ds) * std::fabs(k(j, g, e));
+          if (dots) dq_round[e] += std::fabs(scale * ds) * std::fabs(kv.kh(j, g, e));
         }
         if (!keys) continue;
         const size_t jg = static_cast<size_t>(j * k.h + g);

@@ -935,6 +935,7 @@ double attn_run_bytes(const AttnOptions& o, const Problem& p, int world, int ran
           S * (H + 2 * HKV) * D * 8 + rows_compared * H * D * 8 * 2 + S * H * D * 8 + S * H * 20;
       if (bw)
         ref += S * H * D * 8 + rows_compared * H * D * 8 * 2 + S * 2 * HKV * D * 8 + S * H * D * 8;
+      if (HKV > 1) ref += 2 * S * D * 8;  // the reference's copy of one kv head's k and v rows
       peak = std::max(peak, rank + pool * (here - 1) + copies + gathered + inputs + ref + report);
     }
   }

@@ -407,7 +407,10 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
   // d.: q's and dout's sampled rows, out, dq (and dk, dv of every key where every row is
   // checked), a row of weights and of dp.
   const double model = gathered + rows + (grad ? gathered + rows + grad_keys : 0) + 2 * e * S;
-  const double inside = context + std::max({a, b, ref + loc, ref + model});
+  // The fp64 reference and the bounds read one kv head at a time from a contiguous copy of its k
+  // and v rows (src/kernels/reference.cc, KvHead).
+  const double kv_head = Hkv > 1 ? 2 * e * S * D : 0;
+  const double inside = context + kv_head + std::max({a, b, ref + loc, ref + model});
   // 4. The reports.
   const double reports = 2 * e * B * nc * nc;
   const double run =
