@@ -1348,6 +1348,12 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
   c.chunk_of.assign(c.S, 0);
   for (int b = 0; b < c.nc; ++b)
     for (int64_t t : c.sh.chunks[b]) c.chunk_of[t] = b;
+  // 0 or less made every sequence sampled: dk and dv went uncompared and a wrong dk passed
+  // (loom verify and loom.torch.verify refused it; this is their check, for library callers).
+  LOOM_CHECK(o.full_check_max >= 1, InvalidArgument,
+             (o.option_spelling == OptionSpelling::keyword ? "full_check_max" : "--full-check-max")
+                 << " must be >= 1 (the longest sequence whose every row is compared), got "
+                 << o.full_check_max);
   c.sampled = c.S > o.full_check_max;
   if (c.sampled) {
     for (int64_t i = 0; i < kSampleRows; ++i) c.rows.push_back(i * (c.S - 1) / (kSampleRows - 1));

@@ -549,6 +549,29 @@ TEST(Verify, ShapeMismatchIsUnusable) {
   EXPECT_THROW(verify::verify(to_problem(in), none, opt), InvalidArgument);
 }
 
+TEST(Verify, FullCheckMaxBelowOneIsRefused) {
+  // 0 or -1 made every sequence "sampled": dk and dv went uncompared and a dk of 123s passed.
+  const RingInputs in = inputs(32, 2, 1, 8, true, 38);
+  verify::Candidate c = to_candidate(ring(in, "zigzag", 2, {}, true), true);
+  for (double& x : c.dk->vec()) x = 123.0;
+  verify::Options opt = options("zigzag", 2);
+  EXPECT_FALSE(verify::verify(to_problem(in), c, opt).passed);
+  for (const int64_t bad : {int64_t{0}, int64_t{-1}}) {
+    opt.full_check_max = bad;
+    for (const OptionSpelling spelling : {OptionSpelling::flag, OptionSpelling::keyword}) {
+      opt.option_spelling = spelling;
+      try {
+        verify::verify(to_problem(in), c, opt);
+        ADD_FAILURE() << "full_check_max " << bad << " was accepted";
+      } catch (const InvalidArgument& e) {
+        const std::string want = spelling == OptionSpelling::flag ? "--full-check-max must be >= 1"
+                                                                  : "full_check_max must be >= 1";
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
 TEST(Verify, NonFiniteInputsAreUnusable) {
   // A NaN input reached the reference and was reported as scores that overflow float64.
   const RingInputs in = inputs(32, 2, 1, 8, true, 37);
