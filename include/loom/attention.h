@@ -33,8 +33,8 @@
 // drops the key (one key with q.k = -4e38 at scale 1e-3 gave out = 0, lse = -inf), +inf gives
 // NaN. Keep |q_i.k_j| within FLT_MAX for the pairs the mask lets through: for such inputs multiply
 // q by the scale and pass scale 1. (A check at the kernels' entry, one pass over q and k per call,
-// cost 1.5-4 % of a 512 x 512 ring step's forward and was not kept; `loom attn` reports the +inf
-// side as a non-finite result.)
+// cost 1.5-4 % of a 512 x 512 ring step's forward and was not kept; `loom attn --input` refuses
+// files whose max ||q|| max ||k|| passes FLT_MAX before the run.)
 //
 // Precision. Storage fp32 (or bf16: the overloads at the end); every accumulation (scores, m, l,
 // acc, lse, dq/dk/dv) is fp32.

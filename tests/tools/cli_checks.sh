@@ -624,7 +624,22 @@ d = sys.argv[1]
 q = np.full((16, 2, 8), 1e19, np.float32)
 for n in ("q", "k", "v"): np.save(f"{d}/{n}.npy", q)
 PY
-expect_error "q = k = 1e19: NaN is an error" "non-finite result" --input "$work/big" --check
+expect_error "q = k = 1e19: refused before the run" \
+  "the largest ||q_i|| x ||k_j|| is 8e+38, past float32's range" --input "$work/big" --check
+# One key's unscaled q.k past FLT_MAX (-4e38) and the other's within it (-3e38), at a scale that
+# makes both scores ordinary (-8 and -6): the first key was dropped (out = v_1, lse -6 against the
+# exact -5.873) and loom attn exited 0.
+/usr/bin/python3 - "$work/qk_drop" <<'PY'
+import numpy as np, os, sys
+d = sys.argv[1]
+os.makedirs(d)
+q = np.zeros((2, 1, 4), np.float32); q[:, 0, 0] = 2e19
+k = np.zeros((2, 1, 4), np.float32); k[0, 0, 0] = -2e19; k[1, 0, 0] = -1.5e19
+v = np.zeros((2, 1, 4), np.float32); v[0, 0, 0] = 1; v[1, 0, 1] = 1
+for n, a in (("q", q), ("k", k), ("v", v)): np.save(f"{d}/{n}.npy", a)
+PY
+expect_error "one pair's q.k past FLT_MAX: refused, not a dropped key" \
+  "multiply q by the scale and pass --scale 1" --input "$work/qk_drop" --scale 2e-38 --no-causal
 /usr/bin/python3 - "$work/bigv" <<'PY'
 import numpy as np, os, sys
 d = sys.argv[1]

@@ -89,6 +89,18 @@ struct Problem {
   Tensor<float> q, k, v, dout;
 };
 
+// The largest Euclidean norm of a row (token, head) of an [S, H, D] tensor, in double.
+double max_row_norm(const Tensor<float>& t) {
+  const int64_t d = t.size(2);
+  double most = 0;
+  for (int64_t r = 0; r < t.size(0) * t.size(1); ++r) {
+    double n2 = 0;
+    for (int64_t e = 0; e < d; ++e) n2 += double(t[r * d + e]) * double(t[r * d + e]);
+    most = std::max(most, n2);
+  }
+  return std::sqrt(most);
+}
+
 void require_finite(const Tensor<float>& t, const std::string& name) {
   for (int64_t i = 0; i < t.numel(); ++i)
     LOOM_CHECK(std::isfinite(t[i]), InvalidArgument,
@@ -127,6 +139,17 @@ void load_inputs(const AttnOptions& o, Problem& p) {
   };
   load(p.q, "q.npy", q_shape);
   load(p.k, "k.npy", kv_shape);
+  // The kernels form q.k in float32 before the scale (loom/attention.h, a precondition they do
+  // not check): a pair past FLT_MAX scored -inf and its key was dropped, a wrong answer with exit
+  // 0, even where scale q.k was small. |q_i.k_j| <= ||q_i|| ||k_j||, so within that product
+  // every pair is safe (a pair a mask hides is counted too).
+  const double qn = max_row_norm(p.q), kn = max_row_norm(p.k);
+  LOOM_CHECK(qn * kn <= std::numeric_limits<float>::max(), InvalidArgument,
+             "q.npy and k.npy: the largest ||q_i|| x ||k_j|| is "
+                 << qn * kn
+                 << ", past float32's range (3.4e38): the kernels form q.k in float32 before the "
+                    "scale, and such a pair's score would overflow (its key dropped, or NaN); "
+                    "multiply q by the scale and pass --scale 1");
   load(p.v, "v.npy", kv_shape);
   if (o.backward) load(p.dout, "dout.npy", q_shape);
 }
