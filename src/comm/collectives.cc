@@ -19,10 +19,12 @@
 #include "collectives.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -48,12 +50,22 @@ void wait_all(std::vector<WorkPtr>& works, Deadline deadline) {
   for (auto& w : works) wait_by(*w, deadline);
 }
 
+// max, with a NaN on any rank the result on every rank (std::max(acc, NaN) kept acc, so the
+// answer hung on which rank held the NaN), as a sum carries it.
+template <typename T>
+T max_of(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) {
+    if (std::isnan(b)) return b;
+  }
+  return std::max(a, b);
+}
+
 template <typename T>
 void reduce_typed(T* dst, const T* src, size_t count, ReduceOp op) {
   if (op == ReduceOp::sum) {
     for (size_t i = 0; i < count; ++i) dst[i] += src[i];
   } else {
-    for (size_t i = 0; i < count; ++i) dst[i] = std::max(dst[i], src[i]);
+    for (size_t i = 0; i < count; ++i) dst[i] = max_of(dst[i], src[i]);
   }
 }
 
@@ -66,7 +78,7 @@ void reduce_blocks_typed(T* out, const std::vector<const void*>& blocks, size_t 
     T acc = static_cast<const T*>(blocks[0])[i];
     for (size_t p = 1; p < blocks.size(); ++p) {
       const T v = static_cast<const T*>(blocks[p])[i];
-      acc = op == ReduceOp::sum ? acc + v : std::max(acc, v);
+      acc = op == ReduceOp::sum ? acc + v : max_of(acc, v);
     }
     out[i] = acc;
   }

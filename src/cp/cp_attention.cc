@@ -52,9 +52,10 @@ void check_view(const char* name, View3<const T> x, int64_t rows, int64_t heads,
                   << "] on this rank");
   LOOM_CHECK(x.h <= 1 || x.hs >= x.d, InvalidArgument,
              name << ": head stride " << x.hs << " is smaller than the head dim " << x.d);
-  LOOM_CHECK(x.s <= 1 || x.ss >= x.h * x.d, InvalidArgument,
+  // As h <= ss / d: h * d can overflow int64.
+  LOOM_CHECK(x.s <= 1 || x.d == 0 || (x.ss >= 0 && x.h <= x.ss / x.d), InvalidArgument,
              name << ": row stride " << x.ss << " is smaller than heads x head dim " << x.h << " x "
-                  << x.d << " = " << x.h * x.d);
+                  << x.d);
 }
 
 // An output's rows and heads must not share memory: with head stride 2D and row stride H x D,

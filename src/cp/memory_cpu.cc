@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <cassert>
 #include <cstring>
+#include <new>
+#include <sstream>
 
 #include "loom/bf16.h"
+#include "loom/error.h"
+#include "loom/io.h"
 #include "loom/timer.h"
 #include "memory.h"
 
@@ -14,7 +18,16 @@ void* Memory::raw(size_t slot, size_t bytes) {
   assert(slot < kSlots);
   Buf& b = bufs_[slot];
   if (bytes > b.bytes) {
-    b.p.reset(new std::byte[bytes]);
+    b.p.reset();  // the old buffer is not needed beside the new one
+    b.bytes = 0;
+    try {
+      b.p.reset(new std::byte[bytes]);
+    } catch (const std::bad_alloc&) {  // OutOfMemory, as error.h promises, not std::bad_alloc
+      std::ostringstream os;
+      os << "out of memory for a strategy buffer of " << human_bytes(static_cast<double>(bytes))
+         << " (slot " << slot << ")";
+      throw OutOfMemory(os.str(), __FILE__, __LINE__);
+    }
     b.bytes = bytes;
   }
   return b.p.get();

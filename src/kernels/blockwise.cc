@@ -77,6 +77,7 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -1963,14 +1964,33 @@ int64_t attend_workspace_bytes(int64_t sq, int64_t sk, int64_t heads, int64_t kv
   return peak >= most ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(peak);
 }
 
+namespace {
+
+// The public calls' allocations (workspaces, packed tiles: outside their OpenMP regions) failing:
+// OutOfMemory, as error.h promises, not std::bad_alloc (which a caller catching loom::Error did
+// not catch).
+template <class Call>
+KernelStats out_of_memory_named(const char* what, const Call& call) {
+  try {
+    return call();
+  } catch (const std::bad_alloc&) {
+    std::ostringstream os;
+    os << what << ": out of memory for the kernels' workspace (attend_workspace_bytes gives what "
+       << "a call needs)";
+    throw OutOfMemory(os.str(), __FILE__, __LINE__);
+  }
+}
+
+}  // namespace
+
 KernelStats attend(StateView st, View3<const float> q, View3<const float> k, View3<const float> v,
                    Tokens qt, Tokens kt, const KernelConfig& cfg) {
-  return attend_impl(st, q, k, v, qt, kt, cfg);
+  return out_of_memory_named("attend", [&] { return attend_impl(st, q, k, v, qt, kt, cfg); });
 }
 
 KernelStats attend(StateView st, View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
                    Tokens qt, Tokens kt, const KernelConfig& cfg) {
-  return attend_impl(st, q, k, v, qt, kt, cfg);
+  return out_of_memory_named("attend", [&] { return attend_impl(st, q, k, v, qt, kt, cfg); });
 }
 
 void finish(StateView st, View3<float> out, float* lse, int64_t lse_stride) {
@@ -1993,14 +2013,18 @@ KernelStats attend_backward(View3<const float> q, View3<const float> k, View3<co
                             View3<const float> dout, const float* lse, const float* delta,
                             int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
                             View3<float> dq, View3<float> dk, View3<float> dv) {
-  return attend_backward_impl(q, k, v, dout, lse, delta, ml_stride, qt, kt, cfg, dq, dk, dv);
+  return out_of_memory_named("attend_backward", [&] {
+    return attend_backward_impl(q, k, v, dout, lse, delta, ml_stride, qt, kt, cfg, dq, dk, dv);
+  });
 }
 
 KernelStats attend_backward(View3<const bf16> q, View3<const bf16> k, View3<const bf16> v,
                             View3<const bf16> dout, const float* lse, const float* delta,
                             int64_t ml_stride, Tokens qt, Tokens kt, const KernelConfig& cfg,
                             View3<float> dq, View3<float> dk, View3<float> dv) {
-  return attend_backward_impl(q, k, v, dout, lse, delta, ml_stride, qt, kt, cfg, dq, dk, dv);
+  return out_of_memory_named("attend_backward", [&] {
+    return attend_backward_impl(q, k, v, dout, lse, delta, ml_stride, qt, kt, cfg, dq, dk, dv);
+  });
 }
 
 int64_t work_tile_side(int64_t block, int64_t n, int64_t want) {

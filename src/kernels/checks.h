@@ -28,7 +28,11 @@ void check_view(const View3<T>& x, const char* name) {
   LOOM_CHECK(x.s == 0 || x.h == 0 || x.d == 0 || x.data != nullptr, InvalidArgument,
              name << ": null data for a non-empty view");
   if (x.h > 1) LOOM_CHECK_GE(x.hs, x.d, InvalidArgument, name << ": head stride too small");
-  if (x.s > 1) LOOM_CHECK_GE(x.ss, x.h * x.d, InvalidArgument, name << ": row stride too small");
+  // h * d can overflow int64 (h = 2^60, d = 16 wrapped to 0 and passed): compared as h <= ss / d.
+  if (x.s > 1 && x.d > 0)
+    LOOM_CHECK(
+        x.ss >= 0 && x.h <= x.ss / x.d, InvalidArgument,
+        name << ": row stride too small (" << x.ss << " for " << x.h << " heads of " << x.d << ")");
   if constexpr (!std::is_const_v<T>) {
     // (h - 1) hs <= ss - d, in a form that cannot overflow (ss >= h d >= d here).
     LOOM_CHECK(x.s <= 1 || x.h <= 1 || x.d == 0 || (x.ss - x.d) / (x.h - 1) >= x.hs,

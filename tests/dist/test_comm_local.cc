@@ -322,6 +322,8 @@ TEST(RunLocal, RejectsBadArguments) {
   EXPECT_THROW(run_local(
                    4, [](Communicator&) {}, plan),
                InvalidArgument);
+  // An empty function threw std::bad_function_call from the rank threads.
+  EXPECT_THROW(run_local(2, std::function<void(Communicator&)>{}), InvalidArgument);
   int calls = 0;
   run_local(1, [&](Communicator& c) {
     ++calls;
@@ -329,6 +331,37 @@ TEST(RunLocal, RejectsBadArguments) {
     EXPECT_EQ(c.split(-1, 0), nullptr);
   });
   EXPECT_EQ(calls, 1);
+}
+
+TEST(RunLocal, BatchP2pRefusesAnOpThatIsNeitherSendNorRecv) {
+  // Its slot was left null and the caller's wait crashed on it; nothing is posted now.
+  run_local(2, [](Communicator& c) {
+    char a = 0, b = 0;
+    const int peer = 1 - c.rank();
+    std::vector<P2POp> ops = {{P2POp::send, &a, 1, peer}, {P2POp::recv, &b, 1, peer}};
+    ops[c.rank()].kind = static_cast<P2POp::Kind>(5);
+    EXPECT_THROW(c.batch_p2p(ops), InvalidArgument);
+    // Nothing was posted: a good batch still pairs up.
+    ops[c.rank()].kind = c.rank() == 0 ? P2POp::send : P2POp::recv;
+    a = static_cast<char>(10 + c.rank());
+    for (auto& w : c.batch_p2p(ops)) w->wait();
+    EXPECT_EQ(b, static_cast<char>(10 + peer));
+  });
+}
+
+TEST(RunLocal, AllReduceMaxCarriesANaNFromAnyRank) {
+  // std::max(acc, NaN) kept acc: a NaN on rank 1 was lost, on rank 0 kept.
+  for (int holder = 0; holder < 3; ++holder)
+    run_local(3, [&](Communicator& c) {
+      for (const DType t : {DType::f32, DType::f64}) {
+        double d[2] = {1.0 + c.rank(), c.rank() == holder ? std::nan("") : 1.0};
+        float f[2] = {static_cast<float>(d[0]), static_cast<float>(d[1])};
+        c.all_reduce(t == DType::f32 ? static_cast<void*>(f) : static_cast<void*>(d), 2, t,
+                     ReduceOp::max);
+        EXPECT_EQ(t == DType::f32 ? f[0] : d[0], 3.0) << "holder " << holder;
+        EXPECT_TRUE(std::isnan(t == DType::f32 ? f[1] : d[1])) << "holder " << holder;
+      }
+    });
 }
 
 // --- fault injection ----------------------------------------------------------------------------

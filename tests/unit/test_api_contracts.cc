@@ -621,6 +621,25 @@ TEST(KernelViews, OverlappingOutputsAreRefusedNamingTheStrides) {
   EXPECT_EQ(a.acc.vec(), b.acc.vec());
 }
 
+// A view whose heads x head dim overflows int64 (2^60 x 16 wrapped to 0): the row stride check
+// passed it and the kernels read far outside the buffer (SIGSEGV).
+TEST(KernelViews, HeadsTimesHeadDimPastInt64IsRefused) {
+  std::vector<double> buf(64), out(64), lse(64);
+  const int64_t huge = int64_t{1} << 60;
+  const View3<const double> x{buf.data(), 2, huge, 16, 0, 16};
+  std::vector<int64_t> pos = {0, 1};
+  const Tokens t{pos.data(), nullptr, 2};
+  try {
+    reference_forward(x, x, x, t, t, Mask{}, 0.25, View3<double>{out.data(), 2, huge, 16, 0, 16},
+                      lse.data());
+    ADD_FAILURE() << "accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("row stride too small (0 for 1152921504606846976 heads"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sizes, counts and pointers.
 

@@ -58,7 +58,12 @@ void tracked_delete(void* ptr, size_t align) {
   std::free(p - header_for(align));
 }
 
+// Allocations larger than this fail as the system's would (std::bad_alloc): the kernels' answer
+// to a failed allocation is tested with it.
+std::atomic<size_t> g_refuse_above{SIZE_MAX};
+
 void* throwing_new(size_t size, size_t align) {
+  if (size > g_refuse_above.load()) throw std::bad_alloc();
   void* p = tracked_new(size, align);
   if (p == nullptr) throw std::bad_alloc();
   return p;
@@ -310,6 +315,53 @@ TEST(KernelMemory, BadSizesAreRefused) {
   EXPECT_GE(attend_workspace_bytes(0, 0, 2, 1, 16, false, true, cfg), 0);
   EXPECT_LT(attend_workspace_bytes(100, 100, 2, 1, 16, false, true, cfg),
             attend_workspace_bytes(1000, 1000, 2, 1, 16, false, true, cfg));
+}
+
+// A workspace allocation that fails is OutOfMemory (error.h), not std::bad_alloc, which a caller
+// catching loom::Error did not catch. On a fresh thread: a thread keeps its last buffer.
+template <class T>
+void expect_out_of_memory() {
+  const int64_t S = 512, H = 2, D = 64;
+  KernelConfig cfg;
+  cfg.scale = 0.125f;
+  cfg.threads = 1;
+  const Tensor<T> q = random_rows<T>(S, H, D, 1), k = random_rows<T>(S, H, D, 2),
+                  v = random_rows<T>(S, H, D, 3);
+  std::vector<int64_t> pos(static_cast<size_t>(S));
+  for (int64_t i = 0; i < S; ++i) pos[i] = i;
+  const Tokens t{pos.data(), nullptr, S};
+  SoftmaxState st(S, H, D);
+  std::vector<float> lse(static_cast<size_t>(H * S)), delta(lse.size());
+  Tensor<float> dq({S, H, D}), dk({S, H, D}), dv({S, H, D});
+  const auto expect_named = [](const std::function<void()>& call, const char* what) {
+    std::string error;
+    std::thread([&] {
+      g_refuse_above.store(64 << 10);
+      try {
+        call();
+      } catch (const OutOfMemory& e) {
+        error = e.what();
+      } catch (const std::bad_alloc&) {
+        error = "std::bad_alloc";
+      }
+      g_refuse_above.store(SIZE_MAX);
+    }).join();
+    EXPECT_NE(error.find(std::string(what) + ": out of memory for the kernels' workspace"),
+              std::string::npos)
+        << (error.empty() ? "no error" : error);
+  };
+  expect_named([&] { attend(st.view(), q.view3(), k.view3(), v.view3(), t, t, cfg); }, "attend");
+  expect_named(
+      [&] {
+        attend_backward(q.view3(), k.view3(), v.view3(), q.view3(), lse.data(), delta.data(), S, t,
+                        t, cfg, dq.view3(), dk.view3(), dv.view3());
+      },
+      "attend_backward");
+}
+
+TEST(KernelMemory, AFailedAllocationIsOutOfMemory) {
+  expect_out_of_memory<float>();
+  expect_out_of_memory<bf16>();
 }
 
 }  // namespace

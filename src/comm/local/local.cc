@@ -567,6 +567,12 @@ class LocalComm final : public Communicator, public detail::Transport {
 
   // Receives first: a send that finds its receive posted copies once, straight into it.
   std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops) override {
+    // Every kind checked before anything is posted: another value left its slot null, and the
+    // caller's wait crashed on it.
+    for (size_t i = 0; i < ops.size(); ++i)
+      LOOM_CHECK(ops[i].kind == P2POp::send || ops[i].kind == P2POp::recv, InvalidArgument,
+                 "batch_p2p: op " << i << " is neither a send nor a recv (kind "
+                                  << static_cast<int>(ops[i].kind) << ")");
     std::vector<WorkPtr> works(ops.size());
     for (P2POp::Kind pass : {P2POp::recv, P2POp::send}) {
       for (size_t i = 0; i < ops.size(); ++i) {
@@ -1011,6 +1017,7 @@ void run_local(int ranks, const std::function<void(Communicator&)>& fn, const Fa
   // Each rank is a thread, and Linux numbers threads below PID_MAX_LIMIT (2^22) system-wide: a
   // larger world can never start. run_local(INT_MAX) allocated its per-rank state first and
   // threw std::bad_alloc (or exhausted the memory).
+  LOOM_CHECK(static_cast<bool>(fn), InvalidArgument, "run_local: the rank function is empty");
   constexpr int kMaxRanks = 1 << 22;
   LOOM_CHECK(ranks <= kMaxRanks, InvalidArgument,
              "run_local: " << ranks << " ranks, but each rank is a thread and Linux runs at most "
