@@ -3,9 +3,11 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/fs.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -261,6 +263,22 @@ bool is_mount_point(const std::string& path) {
 // been replaced (--output onto a mounted tmpfs: "cannot move the new files in (Device or resource
 // busy)"; --trace onto a bind-mounted file: "write failed (Device or resource busy)", with --json
 // already written). `given` is the path as the user gave it, `shown` names it in the message.
+// An existing output marked immutable or append-only (chattr +i, +a; root too is refused): the
+// rename over it (or the exchange with the new set) failed with EPERM at the end of the run,
+// after the other outputs had been replaced. Where the file system keeps no such flags
+// (ENOTTY), or the file cannot be opened to ask, there is nothing to refuse.
+void refuse_immutable(const std::string& target, const std::string& shown) {
+  const int fd = ::open(target.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return;
+  int flags = 0;
+  const bool got = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
+  ::close(fd);
+  if (!got || !(flags & (FS_IMMUTABLE_FL | FS_APPEND_FL))) return;
+  throw IoError(shown + ": is " +
+                ((flags & FS_IMMUTABLE_FL) ? "immutable (chattr +i)" : "append-only (chattr +a)") +
+                ", so loom cannot replace it; clear the flag (chattr -i -a) or write elsewhere");
+}
+
 void refuse_mount_point(const std::string& target, const std::string& given,
                         const std::string& shown, bool directory) {
   if (!is_mount_point(target)) return;
@@ -768,7 +786,10 @@ void check_output_writable(const std::string& path, const std::string& option, b
     if (!directory && S_ISDIR(st.st_mode))
       throw IoError(shown + ": is a directory (a file was expected)");
     if (!directory && !S_ISREG(st.st_mode)) return;  // a device or FIFO: written directly
-    if (replaced) refuse_mount_point(target, path, shown, directory);
+    if (replaced) {
+      refuse_mount_point(target, path, shown, directory);
+      refuse_immutable(target, shown);
+    }
   } else if (errno != ENOENT) {
     throw IoError(shown + ": cannot write (" + errno_text(errno) + ")");
   }
@@ -811,6 +832,7 @@ void check_output_set(const std::string& dir, const std::vector<std::string>& na
   }
   if (!S_ISDIR(st.st_mode)) throw IoError(dir + ": exists and is not a directory");
   refuse_mount_point(target, dir, dir, true);
+  refuse_immutable(target, dir);
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(target, ec)) {
     const std::string name = e.path().filename().string();

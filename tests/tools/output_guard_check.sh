@@ -57,6 +57,33 @@ limited attn --seq 1024 --ranks 2 --threads 4 --iters 1 --warmup 0 --quiet > /de
   2> "$work/stderr" && ok "4 threads a rank under the same limit run" ||
   { cat "$work/stderr"; bad "4 threads a rank under ulimit -v"; }
 
+# 3. An output marked immutable or append-only (chattr +i, +a): the rename over it failed with
+#    EPERM after the whole run (and after --json was written beside an --output that then failed).
+#    Refused before the run now, the other outputs untouched. Needs root and a file system that
+#    keeps the flags (ext4, xfs, btrfs).
+echo old > "$work/imm.json"
+"$loom" "${small[@]}" --output "$work/iset" > /dev/null 2>&1
+if [ "$(id -u)" -eq 0 ] && chattr +i "$work/imm.json" 2> /dev/null; then
+  for c in "imm.json:+i:immutable (chattr +i)" "imm.json:+a:append-only (chattr +a)" \
+           "iset:+i:immutable (chattr +i)"; do
+    IFS=: read -r name flag what <<< "$c"
+    chattr -i -a "$work/imm.json" "$work/iset"
+    chattr "$flag" "$work/$name"
+    echo before > "$work/side.json"
+    if [ "$name" = iset ]; then out=(--output "$work/iset" --json "$work/side.json"); shown="--output $work/iset"
+    else out=(--json "$work/imm.json" --trace "$work/side.json"); shown="--json $work/imm.json"; fi
+    "$loom" "${small[@]}" --seed 3 "${out[@]}" > /dev/null 2> "$work/stderr"
+    rc=$?
+    [ $rc -ne 0 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && [ "$(cat "$work/side.json")" = before ] &&
+      grep -qF "loom: error: $shown: is $what, so loom cannot replace it" "$work/stderr" &&
+      ok "$name $flag refused before the run: $(cat "$work/stderr")" ||
+      { cat "$work/stderr"; bad "$name $flag (rc=$rc)"; }
+  done
+  chattr -i -a "$work/imm.json" "$work/iset"
+else
+  echo "skip: chattr +i needs root and a file system with the flags; the immutable-output checks did not run"
+fi
+
 nobody=(setpriv --reuid=65534 --regid=65534 --clear-groups)
 if [ "$(id -u)" -ne 0 ] || ! command -v setpriv > /dev/null ||
    ! "${nobody[@]}" test -x "$loom" || ! mkdir "$work/mp" ||
@@ -67,7 +94,7 @@ if [ "$(id -u)" -ne 0 ] || ! command -v setpriv > /dev/null ||
 fi
 mounted+=("$work/mp")
 
-# 3. Mount points: a rename onto one fails (EBUSY). --output onto a mounted tmpfs ran the whole
+# 4. Mount points: a rename onto one fails (EBUSY). --output onto a mounted tmpfs ran the whole
 #    job, replaced --json's old.json, then failed; --trace onto a bind-mounted file wrote --json
 #    first. Both are refused before the run now, nothing written; a directory inside the mount
 #    is fine.
@@ -96,7 +123,7 @@ rc=$?
   ok "--trace onto a bind-mounted file refused before the run, --json not written" ||
   { cat "$work/stderr"; bad "--trace onto a bind-mounted file (rc=$rc)"; }
 
-# 4. A read-only --output directory (0555) of the user who runs loom: its bits went onto the
+# 5. A read-only --output directory (0555) of the user who runs loom: its bits went onto the
 #    staging directory before the files were written, and the run failed at its end ("cannot
 #    write (Permission denied)"). Replaced now, keeping 0555.
 chmod 777 "$work"
@@ -111,7 +138,7 @@ rc=$?
   ok "a read-only --output directory of its owner is replaced, still 0555" ||
   { cat "$work/stderr"; ls -la "$work/u"; bad "read-only --output directory (rc=$rc)"; }
 
-# 5. The old set holds another user's files, which only that user may delete: the new set is
+# 6. The old set holds another user's files, which only that user may delete: the new set is
 #    swapped in (exit 0) and the old one stays as DIR.tmp.PID-N, now named on stderr (it stayed
 #    without a word).
 rm -rf "$work/u/other"
