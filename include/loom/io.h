@@ -155,6 +155,10 @@ void check_output_writable(const std::string& path, const std::string& option,
 // file of its names that is mounted over); and (InvalidArgument)
 // a dir no directory can be renamed onto, as check_output_writable does.
 void check_output_set(const std::string& dir, const std::vector<std::string>& names);
+// Refuses (IoError) an input directory that is missing, unreadable or not a directory, naming
+// the option and the reason: "--input in: No such file or directory", "... Too many levels of
+// symbolic links" (std::filesystem's own text, or "is not a directory" for a missing one, before).
+void require_directory(const std::string& path, const std::string& option);
 
 class OutputSet {
  public:

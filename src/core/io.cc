@@ -821,6 +821,12 @@ void check_output_writable(const std::string& path, const std::string& option, b
   }
 }
 
+void require_directory(const std::string& path, const std::string& option) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) throw IoError(option + " " + path + ": " + errno_text(errno));
+  if (!S_ISDIR(st.st_mode)) throw IoError(option + " " + path + " is not a directory");
+}
+
 void check_output_set(const std::string& dir, const std::vector<std::string>& names) {
   if (dir.empty()) return;
   const std::string target = resolve(dir, true);

@@ -208,7 +208,12 @@ expect_error "hybrid needs --ulysses" "needs --ulysses" --ranks 4 --strategy hyb
 expect_error "hybrid degree" "--ulysses 3 must divide the number of ranks 4" \
   --ranks 4 --strategy hybrid --ulysses 3 --seq 64 --heads 12 --kv-heads 12
 expect_error "--ulysses without hybrid" "--ulysses is only for --strategy hybrid" --ulysses 2
-expect_error "missing input dir" "is not a directory" --input "$work/nope"
+expect_error "missing input dir" "--input $work/nope: No such file or directory" --input "$work/nope"
+ln -s loop "$work/loop"  # std::filesystem's own text, naming no option, before
+expect_error "a symlink loop as --input" "--input $work/loop: Too many levels of symbolic links" \
+  --input "$work/loop"
+touch "$work/afile"
+expect_error "a file as --input" "--input $work/afile is not a directory" --input "$work/afile"
 mkdir -p "$work/in"
 expect_error "missing q.npy" "q.npy: cannot open" --input "$work/in"
 printf 'garbage' > "$work/in/q.npy"

@@ -228,7 +228,11 @@ for dims in BSHD HSD; do
 done
 
 # Unusable input: exit status 2 with one line.
-expect 2 "is not a directory" -- "$LOOM" verify --input "$T/nope" --candidate "$T/lib/correct"
+expect 2 "--input $T/nope: No such file or directory" -- "$LOOM" verify --input "$T/nope" \
+  --candidate "$T/lib/correct"
+ln -s cloop "$T/cloop"  # std::filesystem's own text, naming no option, before
+expect 2 "--candidate $T/cloop: Too many levels of symbolic links" -- "$LOOM" verify \
+  --input "$T/lib/input" --candidate "$T/cloop"
 # contiguous with documents is per document (rank r holds piece r of each), and the error says so.
 expect 2 "gives rank 0 25 rows of \[2, 16\] (with 2 documents, contiguous cuts each document into 4 pieces" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention contiguous --ranks 4 --docs 90,6
 expect 2 "but --ranks is 3" -- "$LOOM" verify --input "$T/lib/input" --candidate "$T/lib/correct" --convention zigzag --ranks 3

@@ -160,8 +160,7 @@ Problem make_problem(const AttnOptions& o) {
     LOOM_CHECK(!o.shape_given, InvalidArgument,
                "--input takes S, H, HKV and D from the files; do not also give --seq, --heads, "
                "--kv-heads or --head-dim");
-    namespace fs = std::filesystem;
-    LOOM_CHECK(fs::is_directory(o.input), IoError, "--input " << o.input << " is not a directory");
+    require_directory(o.input, "--input");
     // The headers only: the bodies are read by load_inputs once the memory estimate has passed
     // (files near the available memory were read whole, 2 GB resident before the refusal).
     const auto qs = read_npy_role_shape(o.input + "/q.npy", "q", 3);

@@ -442,9 +442,8 @@ double verify_mapped_bytes(std::string* what) {
 }
 
 int run_verify(const VerifyOptions& o) {
-  LOOM_CHECK(fs::is_directory(o.input), IoError, "--input " << o.input << " is not a directory");
-  LOOM_CHECK(fs::is_directory(o.candidate), IoError,
-             "--candidate " << o.candidate << " is not a directory");
+  require_directory(o.input, "--input");
+  require_directory(o.candidate, "--candidate");
   LOOM_CHECK(o.window >= 0, InvalidArgument, "--window must be >= 0, got " << o.window);
   // Given, a scale is a positive finite number (0 meant "the default" and could pass).
   LOOM_CHECK(!o.scale_given || (std::isfinite(o.scale) && o.scale > 0), InvalidArgument,
