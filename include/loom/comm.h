@@ -82,8 +82,10 @@ class Work {
 using WorkPtr = std::unique_ptr<Work>;
 
 // One side of a point-to-point exchange for batch_p2p.
+// kind must be send or recv: batch_p2p refuses any other value (InvalidArgument) before it posts
+// anything (int is the underlying type, so that such a value is one a caller can hold).
 struct P2POp {
-  enum Kind { send, recv } kind;
+  enum Kind : int { send, recv } kind;
   void* buf;  // const for sends
   size_t bytes;
   int peer;

@@ -48,6 +48,7 @@ double Communicator::default_timeout_s() {
 }
 
 std::vector<WorkPtr> Communicator::batch_p2p(const std::vector<P2POp>& ops) {
+  detail::check_p2p_kinds(ops);
   std::vector<WorkPtr> works;
   works.reserve(ops.size());
   for (const P2POp& op : ops) {
@@ -92,6 +93,13 @@ std::string launcher_backend() {
 }
 
 namespace detail {
+
+void check_p2p_kinds(const std::vector<P2POp>& ops) {
+  for (size_t i = 0; i < ops.size(); ++i)
+    LOOM_CHECK(ops[i].kind == P2POp::send || ops[i].kind == P2POp::recv, InvalidArgument,
+               "batch_p2p: op " << i << " is neither a send nor a recv (kind "
+                                << static_cast<int>(ops[i].kind) << ")");
+}
 
 void check_p2p(const char* op, const std::string& who, int size, const void* buf, size_t bytes,
                int peer, int tag, int max_tag) {

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "loom/comm.h"
 #include "loom/error.h"
@@ -23,6 +24,9 @@ namespace loom::detail {
 // for collectives), a buffer for any non-zero byte count. Throws InvalidArgument.
 void check_p2p(const char* op, const std::string& who, int size, const void* buf, size_t bytes,
                int peer, int tag, int max_tag);
+
+// batch_p2p: every op a send or a recv (another kind was taken as recv, or left a null work).
+void check_p2p_kinds(const std::vector<P2POp>& ops);
 
 // all_to_all: the four size/offset arrays present, and what this rank sends to itself equal to
 // what it receives from itself.

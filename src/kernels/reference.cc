@@ -11,7 +11,9 @@
 //   ds_ij = p_ij (dp_ij - delta_i),  dq_i = scale sum_j ds_ij k_j,  dk_j += scale ds_ij q_i,
 // with dp_ij - delta_i formed relative to the row's top key t as (dp_ij - dp_it) -
 // sum_(k != t) p_ik (dp_ik - dp_it), so that no cancellation loses the weights far below t's.
-// Nothing here is optimised: these loops are what the fast kernels are tested against.
+// Nothing here is optimised but where the loops read k and v from (KvHead: one kv head's rows,
+// copied together), which changes no result: these loops are what the fast kernels are tested
+// against.
 // fp32_error_bounds and bf16_error_bounds (loom/tolerance.h) bound the kernels' errors per
 // problem.
 #include <algorithm>

@@ -569,10 +569,7 @@ class LocalComm final : public Communicator, public detail::Transport {
   std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops) override {
     // Every kind checked before anything is posted: another value left its slot null, and the
     // caller's wait crashed on it.
-    for (size_t i = 0; i < ops.size(); ++i)
-      LOOM_CHECK(ops[i].kind == P2POp::send || ops[i].kind == P2POp::recv, InvalidArgument,
-                 "batch_p2p: op " << i << " is neither a send nor a recv (kind "
-                                  << static_cast<int>(ops[i].kind) << ")");
+    detail::check_p2p_kinds(ops);
     std::vector<WorkPtr> works(ops.size());
     for (P2POp::Kind pass : {P2POp::recv, P2POp::send}) {
       for (size_t i = 0; i < ops.size(); ++i) {
