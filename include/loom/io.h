@@ -156,8 +156,8 @@ void check_output_writable(const std::string& path, const std::string& option,
 // a dir no directory can be renamed onto, as check_output_writable does.
 void check_output_set(const std::string& dir, const std::vector<std::string>& names);
 // Refuses (IoError) an input directory that is missing, unreadable or not a directory, naming
-// the option and the reason: "--input in: No such file or directory", "... Too many levels of
-// symbolic links" (std::filesystem's own text, or "is not a directory" for a missing one, before).
+// the option and the reason: "--input in: No such file or directory", "--input in: Too many
+// levels of symbolic links", "--input in is not a directory".
 void require_directory(const std::string& path, const std::string& option);
 
 class OutputSet {

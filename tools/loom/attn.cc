@@ -89,16 +89,20 @@ struct Problem {
   Tensor<float> q, k, v, dout;
 };
 
-// The largest Euclidean norm of a row (token, head) of an [S, H, D] tensor, in double.
-double max_row_norm(const Tensor<float>& t) {
-  const int64_t d = t.size(2);
-  double most = 0;
-  for (int64_t r = 0; r < t.size(0) * t.size(1); ++r) {
-    double n2 = 0;
-    for (int64_t e = 0; e < d; ++e) n2 += double(t[r * d + e]) * double(t[r * d + e]);
-    most = std::max(most, n2);
+// The largest L2 norm of a row [.., D] of x [n, heads, D] (0 for none), and the largest |x|.
+std::pair<double, double> row_norm_and_max(const Tensor<float>& x) {
+  double norm = 0, big = 0;
+  const int64_t D = x.numel() ? x.size(2) : 1;
+  for (int64_t r = 0; r < x.numel(); r += D) {
+    double ss = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const double e = x[r + d];
+      ss += e * e;
+      big = std::max(big, std::abs(e));
+    }
+    norm = std::max(norm, std::sqrt(ss));
   }
-  return std::sqrt(most);
+  return {norm, big};
 }
 
 void require_finite(const Tensor<float>& t, const std::string& name) {
@@ -143,7 +147,7 @@ void load_inputs(const AttnOptions& o, Problem& p) {
   // not check): a pair past FLT_MAX scored -inf and its key was dropped, a wrong answer with exit
   // 0, even where scale q.k was small. |q_i.k_j| <= ||q_i|| ||k_j||, so within that product
   // every pair is safe (a pair a mask hides is counted too).
-  const double qn = max_row_norm(p.q), kn = max_row_norm(p.k);
+  const double qn = row_norm_and_max(p.q).first, kn = row_norm_and_max(p.k).first;
   LOOM_CHECK(qn * kn <= std::numeric_limits<float>::max(), InvalidArgument,
              "q.npy and k.npy: the largest ||q_i|| x ||k_j|| is "
                  << qn * kn
@@ -501,22 +505,6 @@ void gather_to_root(Communicator& world, const void* send, size_t bytes, void* r
   std::copy_n(static_cast<const char*>(send), bytes, static_cast<char*>(recv));
   for (int r = 1; r < P; ++r)
     world.irecv(static_cast<char*>(recv) + static_cast<size_t>(r) * bytes, bytes, r, kTag)->wait();
-}
-
-// The largest L2 norm of a row [.., D] of x [n, heads, D] (0 for none), and the largest |x|.
-std::pair<double, double> row_norm_and_max(const Tensor<float>& x) {
-  double norm = 0, big = 0;
-  const int64_t D = x.numel() ? x.size(2) : 1;
-  for (int64_t r = 0; r < x.numel(); r += D) {
-    double ss = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      const double e = x[r + d];
-      ss += e * e;
-      big = std::max(big, std::abs(e));
-    }
-    norm = std::max(norm, std::sqrt(ss));
-  }
-  return {norm, big};
 }
 
 // Why finite inputs gave a non-finite result, from the ranks' inputs (collective): the scores
