@@ -33,7 +33,7 @@ if(LOOM_HAVE_MPI AND MPIEXEC_EXECUTABLE)
     all_to_all "Bodies/CommMpi.Body/all_to_all_*"
     all_gather "Bodies/CommMpi.Body/all_gather"
     reduce_scatter "Bodies/CommMpi.Body/reduce_scatter"
-    all_reduce "Bodies/CommMpi.Body/all_reduce"
+    all_reduce "Bodies/CommMpi.Body/all_reduce:Bodies/CommMpi.Body/max_carries_nan"
     barrier "Bodies/CommMpi.Body/barrier:CommMpiEnv.*"
     split "Bodies/CommMpi.Body/split"
     timeout "Bodies/CommMpi.Body/timeout"

@@ -59,6 +59,8 @@
 namespace loom {
 
 enum class DType { f32, f64, i64 };
+// max on f32/f64: a NaN on any rank gives NaN on every rank (as sum carries it), on every
+// backend; +inf and -inf compare as usual.
 enum class ReduceOp { sum, max };
 size_t dtype_size(DType t);
 

@@ -340,6 +340,42 @@ void all_reduce_typed(Communicator& c, ReduceOp op) {
   }
 }
 
+// A NaN on any one rank makes a max NaN on every rank, as a sum carries it: std::max(acc, NaN)
+// kept acc on the local backend, and MPI_MAX leaves NaN unspecified, so the answer hung on which
+// rank held the NaN. Each rank in turn holds it, in all_reduce and in reduce_scatter's blocks.
+template <typename T>
+void max_carries_nan_typed(Communicator& c) {
+  const int n = c.size(), r = c.rank();
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  for (int holder = 0; holder < n; ++holder) {
+    // Element 0 has no NaN (its max is n); element 1 is NaN on `holder`; element 2 is NaN on
+    // `holder` and +inf on another rank.
+    T buf[3] = {
+        T(1 + r), r == holder ? nan : T(1),
+        r == holder ? nan : (r == (holder + 1) % n ? std::numeric_limits<T>::infinity() : T(-1))};
+    c.all_reduce(buf, 3, dtype_of<T>(), ReduceOp::max);
+    EXPECT_EQ(buf[0], T(n)) << where(c) << ": holder " << holder;
+    EXPECT_TRUE(std::isnan(buf[1]))
+        << where(c) << ": all_reduce max lost rank " << holder << "'s NaN (got " << buf[1] << ")";
+    EXPECT_TRUE(std::isnan(buf[2])) << where(c) << ": all_reduce max lost rank " << holder
+                                    << "'s NaN beside an inf (got " << buf[2] << ")";
+    std::vector<T> send(static_cast<size_t>(n) * 2), recv(2);
+    for (int p = 0; p < n; ++p) {
+      send[2 * p] = T(r);
+      send[2 * p + 1] = r == holder ? nan : T(r);
+    }
+    c.reduce_scatter(send.data(), recv.data(), 2, dtype_of<T>(), ReduceOp::max);
+    EXPECT_EQ(recv[0], T(n - 1)) << where(c) << ": holder " << holder;
+    EXPECT_TRUE(std::isnan(recv[1])) << where(c) << ": reduce_scatter max lost rank " << holder
+                                     << "'s NaN (got " << recv[1] << ")";
+  }
+}
+
+void max_carries_nan(Communicator& c) {
+  max_carries_nan_typed<float>(c);
+  max_carries_nan_typed<double>(c);
+}
+
 // Inexact sums must still come out bitwise equal on every rank.
 template <typename T>
 void all_reduce_identical(Communicator& c) {
@@ -601,6 +637,7 @@ const std::vector<CommBody>& comm_bodies() {
       {"all_gather", all_gather},
       {"reduce_scatter", reduce_scatter},
       {"all_reduce", all_reduce},
+      {"max_carries_nan", max_carries_nan},
       {"barrier", barrier},
       {"split", split},
       {"timeout", timeout},

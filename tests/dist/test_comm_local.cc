@@ -349,21 +349,6 @@ TEST(RunLocal, BatchP2pRefusesAnOpThatIsNeitherSendNorRecv) {
   });
 }
 
-TEST(RunLocal, AllReduceMaxCarriesANaNFromAnyRank) {
-  // std::max(acc, NaN) kept acc: a NaN on rank 1 was lost, on rank 0 kept.
-  for (int holder = 0; holder < 3; ++holder)
-    run_local(3, [&](Communicator& c) {
-      for (const DType t : {DType::f32, DType::f64}) {
-        double d[2] = {1.0 + c.rank(), c.rank() == holder ? std::nan("") : 1.0};
-        float f[2] = {static_cast<float>(d[0]), static_cast<float>(d[1])};
-        c.all_reduce(t == DType::f32 ? static_cast<void*>(f) : static_cast<void*>(d), 2, t,
-                     ReduceOp::max);
-        EXPECT_EQ(t == DType::f32 ? f[0] : d[0], 3.0) << "holder " << holder;
-        EXPECT_TRUE(std::isnan(t == DType::f32 ? f[1] : d[1])) << "holder " << holder;
-      }
-    });
-}
-
 // --- fault injection ----------------------------------------------------------------------------
 
 // A training-like loop: a ring step and an all_reduce per iteration.

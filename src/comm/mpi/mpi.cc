@@ -333,6 +333,30 @@ void finalize_at_exit() {
   within_deadline(limit_s, why.str(), [] { return MPI_Finalize(); });
 }
 
+// ReduceOp::max for float and double as the other backends compute it (collectives.cc): a NaN on
+// any rank makes the result NaN on every rank. MPI_MAX leaves NaN unspecified (Open MPI's keeps
+// whichever operand its order compares last), so a NaN a rank > 0 held could vanish. Integers
+// use MPI_MAX. Created once, after MPI_Init (ensure_initialized).
+MPI_Op g_max_nan = MPI_OP_NULL;
+
+template <typename T>
+void max_carrying_nan(const T* in, T* inout, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (in[i] != in[i] || inout[i] != inout[i]) {
+      if (inout[i] == inout[i]) inout[i] = in[i];  // in[i] is the NaN
+    } else if (in[i] > inout[i]) {
+      inout[i] = in[i];
+    }
+  }
+}
+
+void max_nan_op(void* in, void* inout, int* len, MPI_Datatype* type) {
+  if (*type == MPI_FLOAT)
+    max_carrying_nan(static_cast<const float*>(in), static_cast<float*>(inout), *len);
+  else
+    max_carrying_nan(static_cast<const double*>(in), static_cast<double*>(inout), *len);
+}
+
 void ensure_initialized() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -348,6 +372,9 @@ void ensure_initialized() {
       std::atexit(finalize_at_exit);
     }
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    const int rc = MPI_Op_create(max_nan_op, 1, &g_max_nan);
+    if (rc != MPI_SUCCESS)
+      throw CommError("MPI_Op_create failed: " + mpi_error_text(rc), __FILE__, __LINE__);
   });
   LOOM_CHECK(!mpi_finalized(), CommError, "mpi_world: MPI has already been finalised");
   // A bad LOOM_FINALIZE_TIMEOUT_S is refused here, while an error can still be reported.
@@ -580,7 +607,7 @@ class MpiComm final : public Communicator {
     const int n = as_int(count, "reduce_scatter count");
     as_int(count * size_, "reduce_scatter send count");
     collective("reduce_scatter", resolve_timeout(timeout_s), [&](MPI_Request* r) {
-      return MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype), mpi_op(op), comm_, r);
+      return MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype), mpi_op(op, dtype), comm_, r);
     });
     detail::add_traffic(stats_, detail::traffic_reduce_scatter(size_, count, dtype));
   }
@@ -590,7 +617,7 @@ class MpiComm final : public Communicator {
     detail::check_reduction("all_reduce", dtype, op);
     const int n = as_int(count, "all_reduce count");
     collective("all_reduce", resolve_timeout(timeout_s), [&](MPI_Request* r) {
-      return MPI_Iallreduce(MPI_IN_PLACE, buf, n, mpi_type(dtype), mpi_op(op), comm_, r);
+      return MPI_Iallreduce(MPI_IN_PLACE, buf, n, mpi_type(dtype), mpi_op(op, dtype), comm_, r);
     });
     detail::add_traffic(stats_, detail::traffic_all_reduce(rank_, size_, count, dtype));
   }
@@ -622,7 +649,10 @@ class MpiComm final : public Communicator {
     }
     return MPI_DATATYPE_NULL;
   }
-  static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::sum ? MPI_SUM : MPI_MAX; }
+  static MPI_Op mpi_op(ReduceOp op, DType t) {
+    if (op == ReduceOp::sum) return MPI_SUM;
+    return t == DType::i64 ? MPI_MAX : g_max_nan;  // a NaN on any rank carried (g_max_nan)
+  }
 
   int as_int(size_t v, const char* what) const {
     LOOM_CHECK(v <= static_cast<size_t>(INT_MAX), NotSupported,
