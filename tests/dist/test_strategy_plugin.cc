@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -311,6 +312,37 @@ TEST(StrategyPlugin, GroupedDegreeRuns) {
                  "rank " << w.rank() << " element " << i << ": " << outs[0].data()[i]
                          << " != " << outs[1].data()[i]);
   });
+}
+
+// A strategy's buffers come from the memory seam (Engine::mem): a buffer the machine cannot give
+// is OutOfMemory naming its size and slot, as error.h promises (it was std::bad_alloc), and the
+// slot stays usable for a size that fits.
+TEST(StrategyPlugin, AFailedStrategyBufferIsOutOfMemoryNamingItsSize) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers abort on an allocation of 2^62 bytes instead of failing it";
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+  GTEST_SKIP() << "the sanitizers abort on an allocation of 2^62 bytes instead of failing it";
+#endif
+#endif
+  cp_detail::Memory mem;
+  float* small = mem.buffer<float>(3, 16);
+  ASSERT_NE(small, nullptr);
+  std::string error;
+  try {
+    mem.buffer<float>(3, size_t{1} << 60);  // 2^62 bytes: past any address space
+  } catch (const OutOfMemory& e) {
+    error = e.what();
+  } catch (const std::bad_alloc&) {
+    error = "std::bad_alloc";
+  }
+  EXPECT_NE(error.find("out of memory for a strategy buffer of 4194304.00 TiB (slot 3)"),
+            std::string::npos)
+      << (error.empty() ? "no error" : error);
+  float* again = mem.buffer<float>(3, 1024);
+  ASSERT_NE(again, nullptr);
+  again[1023] = 1.0f;
+  EXPECT_EQ(mem.held_bytes(), 1024 * sizeof(float));
 }
 
 }  // namespace
