@@ -174,7 +174,10 @@ struct TensorCheck {
   // tolerance: +inf where not computable, and for dk, dv above full_check_max under per-problem
   // bounds (their bounds, like their exact values, need every query row and are not computed).
   double rel_err = 0, max_abs_err = 0, tolerance = 0;
-  bool sampled = false;      // compared on sampled query rows
+  bool sampled = false;  // compared on sampled query rows
+  // dk, dv above full_check_max: only scanned for NaN / Inf (compared, and failed, only when
+  // that found some; rel_err is then +inf and max_abs_err means nothing).
+  bool scanned_only = false;
   int64_t non_finite = 0;    // NaN / Inf entries in the candidate
   int64_t inf_mismatch = 0;  // lse: -inf where the reference is finite, or the reverse
   // Normwise relative error per rank, per chunk and per head (empty when not compared).

@@ -54,6 +54,7 @@ std::string Report::to_json() const {
     x["max_abs_err"] = num(t.max_abs_err);
     x["tolerance"] = num(t.tolerance);  // null: not computable
     x["sampled"] = t.sampled;
+    x["scanned_only"] = t.scanned_only;
     x["non_finite"] = t.non_finite;
     x["inf_mismatch"] = t.inf_mismatch;
     x["per_rank"] = nums(t.per_rank);
@@ -98,6 +99,11 @@ std::string Report::summary() const {
     if (!t.compared) {
       os << "not compared (dk and dv need every query row; the sequence is above the full-check "
             "limit, --full-check-max); no NaN or Inf in it\n";
+      continue;
+    }
+    if (t.scanned_only) {  // compared only in that the scan found NaN or Inf: a failure
+      os << "FAIL  " << t.non_finite << " non-finite (its values are not compared: dk and dv need "
+         << "every query row; the sequence is above the full-check limit, --full-check-max)\n";
       continue;
     }
     os << (t.passed ? "pass" : "FAIL") << "  rel " << fmt(t.rel_err) << "  max abs "
