@@ -1059,22 +1059,20 @@ CheckLimits check_limits(View3<const double> q, View3<const double> k, View3<con
     l.dv = results.bf16_dots ? kBf16GradRelTol : kFp32RelTol;
   } else if (l.miss == RegimeMiss::kNone) {
     l.out = l.lse = l.dq = l.dk = l.dv = kFp32RelTol;
-  } else if (results.bf16) {
-    const Bf16Bounds b = bf16_error_bounds(q, k, v, dout, qt, kt, mask, scale, results.bf16_dots,
-                                           results.loom_kernels, results.key_grads);
-    l.out = b.out;
-    l.lse = b.lse;
-    l.dq = b.dq;
-    l.dk = b.dk;
-    l.dv = b.dv;
   } else {
-    const Fp32Bounds b = fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, results.loom_kernels,
-                                           results.key_grads);
-    l.out = b.out;
-    l.lse = b.lse;
-    l.dq = b.dq;
-    l.dk = b.dk;
-    l.dv = b.dv;
+    const auto take = [&l](const auto& b) {  // Bf16Bounds or Fp32Bounds
+      l.out = b.out;
+      l.lse = b.lse;
+      l.dq = b.dq;
+      l.dk = b.dk;
+      l.dv = b.dv;
+    };
+    if (results.bf16)
+      take(bf16_error_bounds(q, k, v, dout, qt, kt, mask, scale, results.bf16_dots,
+                             results.loom_kernels, results.key_grads));
+    else
+      take(fp32_error_bounds(q, k, v, dout, qt, kt, mask, scale, results.loom_kernels,
+                             results.key_grads));
   }
   return l;
 }
