@@ -127,6 +127,13 @@ constexpr int64_t kSampleRows = 256;
 constexpr int64_t kLocRows = 1024;
 constexpr double kLocBytes = 512.0 * 1024 * 1024;
 
+// Whether a sequence of S tokens is checked on kSampleRows sampled rows (out, lse, dq; dk and dv
+// then only scanned for NaN and Inf) rather than on every row: S above full_check_max and above
+// kSampleRows (a "sample" of every row is every row, and then dk and dv are compared too).
+inline bool checks_sampled_rows(int64_t S, int64_t full_check_max) {
+  return S > full_check_max && S > kSampleRows;
+}
+
 struct Options {
   // Which convention and world size the candidate used: the chunks and ring steps that
   // localisation speaks of. With ranks == 1 the sequence is cut into up to 8 contiguous chunks

@@ -801,7 +801,8 @@ def verify(out, q, k, v, dout=None, lse=None, dq=None, dk=None, dv=None, causal=
     "bf16" (the tolerances); default "bf16" where any of out, dq, dk, dv is bfloat16, else
     "fp32" (lse is held to 1e-5 in both). full_check_max: above this many tokens
     out, lse and dq are compared on 256 evenly spaced rows and dk, dv not at all (they need every
-    query row), as loom verify's --full-check-max."""
+    query row), as loom verify's --full-check-max; a sequence of at most 256 tokens is compared
+    whole."""
     import json
 
     def flat(x, name, batched_dims=4, candidate=True):

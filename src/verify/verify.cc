@@ -1354,7 +1354,7 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
              (o.option_spelling == OptionSpelling::keyword ? "full_check_max" : "--full-check-max")
                  << " must be >= 1 (the longest sequence whose every row is compared), got "
                  << o.full_check_max);
-  c.sampled = c.S > o.full_check_max;
+  c.sampled = checks_sampled_rows(c.S, o.full_check_max);
   if (c.sampled) {
     for (int64_t i = 0; i < kSampleRows; ++i) c.rows.push_back(i * (c.S - 1) / (kSampleRows - 1));
     c.rows.erase(std::unique(c.rows.begin(), c.rows.end()), c.rows.end());

@@ -511,6 +511,24 @@ expect 1 "dk   FAIL  2400 non-finite (its values are not compared: dk and dv nee
 expect2 "nothing could be compared: dk and dv need every query row, and S = 300 is above the full-check limit of 64" \
   -- SV --candidate "$T/samp_dkdv"
 expect 0 "dk   pass" -- "$LOOM" verify --input "$T/samp" --candidate "$T/samp_dkdv" --full-check-max 300
+# A "sample" of 256 rows of a sequence of at most 256 tokens is every row: dk and dv are compared
+# there whatever --full-check-max says (a dk of zeros at S = 200, --full-check-max 16, PASSED).
+/usr/bin/python3 - "$T" <<'PY'
+import numpy as np, os, sys
+t = sys.argv[1]
+os.makedirs(f"{t}/s200")
+r = np.random.default_rng(4)
+for n in ("q", "k", "v", "dout"):
+    np.save(f"{t}/s200/{n}.npy", r.standard_normal((200, 1, 8)).astype(np.float32))
+PY
+"$LOOM" attn --input "$T/s200" --backward --iters 1 --warmup 0 --quiet --output "$T/s200_ref" >/dev/null ||
+  fail "loom attn on the 200-token problem"
+mkdir -p "$T/s200_zdk"
+cp "$T/s200_ref/out.npy" "$T/s200_ref/dv.npy" "$T/s200_zdk/"
+/usr/bin/python3 -c "import numpy as np, sys; np.save(sys.argv[1], np.zeros((200, 1, 8), np.float32))" \
+  "$T/s200_zdk/dk.npy"
+expect 1 "dk   FAIL  rel 1" -- "$LOOM" verify --input "$T/s200" --candidate "$T/s200_zdk" --full-check-max 16
+expect 0 "dv   pass  rel .*e-0[6-9]  max abs" -- "$LOOM" verify --input "$T/s200" --candidate "$T/s200_ref" --full-check-max 16
 # Localisation's work grows as ranks^2 x chunks: 128 ranks took 94 s, 2048 ran for minutes. Past
 # its budget it is skipped, and said so; the verdict stands.
 /usr/bin/python3 - "$T/wide" <<'PY'

@@ -375,7 +375,7 @@ double estimate_verify_bytes(const std::vector<NpyFile>& inputs, const std::vect
   const bool out = files[0].present, dq = files[2].present;
   const bool grad = dq || files[3].present || files[4].present;
   // 3. Inside verify().
-  const bool sampled = z.S > z.full_check_max;
+  const bool sampled = verify::checks_sampled_rows(z.S, z.full_check_max);
   const double n = sampled ? std::min(kSampleRows, S) : S;
   const double rows = e * n * H * D, rows_lse = e * n * H, keys = e * S * Hkv * D;
   // Sampled rows of q and dout are gathered; every row is read in place.
@@ -744,7 +744,8 @@ void declare_verify(CLI::App* c, VerifyOptions& opts) {
   c->add_option("--heatmap", o->heatmap, "write the (query chunk x KV chunk) heat map SVG to FILE");
   c->add_option("--full-check-max", o->full_check_max,
                 "compare every row up to this many tokens; above it out, lse and dq on 256 "
-                "sampled rows, and dk, dv only scanned for NaN and Inf (they need every row)")
+                "sampled rows, and dk, dv only scanned for NaN and Inf (they need every row); "
+                "at most 256 tokens are always compared whole")
       ->capture_default_str();
   c->add_flag("--quiet", o->quiet, "print nothing; only the exit status");
   add_memory_limit_option(c, o->memory_limit);
