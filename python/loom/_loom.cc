@@ -547,10 +547,16 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
   LOOM_CHECK(len >= 1, InvalidArgument, "cp_attention: the global sequence is empty");
   // Every rank holding the same q is, in practice, the whole sequence passed unsharded: a valid
   // call (P copies of it read as one sequence P times as long), so a warning, once per group,
-  // and the same decision on every rank (it depends only on what they all exchanged).
-  bool same_q = P > 1 && all[kPrint] != 0;
-  for (int r = 1; r < P && same_q; ++r) same_q = all[r * kStride + kPrint] == all[kPrint];
-  if (same_q && !warned_same_q_) {
+  // and the same decision on every rank (it depends only on what they all exchanged). The same
+  // q means the same row count too: a zigzag shard's first and last rows are the sequence's, so
+  // one rank's shard beside another's whole sequence matched, and the false warning used up the
+  // group's one. Given only for a call whose row counts the layout accepts (after the check
+  // below), so a refused call does not use it up either.
+  const auto warn_if_same_q = [&] {
+    bool same_q = P > 1 && all[kPrint] != 0;
+    for (int r = 1; r < P && same_q; ++r)
+      same_q = all[r * kStride + kPrint] == all[kPrint] && all[r * kStride] == all[0];
+    if (!same_q || warned_same_q_) return;
     warned_same_q_ = true;
     std::ostringstream msg;
     msg << "cp_attention: every rank of the group passed the same q (" << rows
@@ -584,13 +590,16 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                      << r
                      << " raised on the warning that every rank passed the same q (a warnings "
                         "filter made it an error there); every rank of the group raises with it");
-  }
+  };
 
   std::ostringstream key;
   for (int r = 0; r < P; ++r) key << all[r * kStride] << ',';
   for (int i = 1; i < kAnomaly; ++i) key << mine[i] << ',';  // either way, the same op
   auto it = cache_.find(key.str());
-  if (it != cache_.end()) return it->second;
+  if (it != cache_.end()) {
+    warn_if_same_q();
+    return it->second;
+  }
 
   auto op = std::make_shared<CpOp>();
   op->comm = comm_;
@@ -603,6 +612,7 @@ std::shared_ptr<CpOp> Group::op(const std::string& strategy, const std::string& 
                                      << " tokens over " << P << " ranks puts " << expect
                                      << " there (shard the input with loom.torch.shard)");
   }
+  warn_if_same_q();
   loom::CpConfig cfg;
   cfg.strategy = strat;
   cfg.ulysses = ulysses;

@@ -534,6 +534,23 @@ if P > 1:
           and f"every rank of the group passed the same q ({8 * P} rows each" in msgs[0][0]
           and "shard q, k and v first (loom.torch.shard" in msgs[0][0],
           f"unsharded inputs: one UserWarning at the caller, got {msgs}")
+    # Rank 0's shard beside the other ranks' whole sequence is refused (the rows do not fit the
+    # layout) with no warning: a zigzag shard's first and last rows are the sequence's, so the
+    # fingerprints matched, the false warning used up the group's one, and the next call, the
+    # whole sequence on every rank, went unwarned.
+    pg1 = dist.new_group(list(range(P)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixed = [lt.shard(x, pg1) if RANK == 0 else x for x in (qw, kw, vw)]
+        expect_error(loom.InvalidArgument, "rows but layout 'zigzag'",
+                     lambda: lt.cp_attention(*mixed, group=pg1))
+        check(not caught, f"a shard beside whole sequences: no warning, got "
+                          f"{[str(w.message) for w in caught]}")
+        lt.cp_attention(qw, kw, vw, group=pg1)
+    check(len(caught) == 1 and "every rank of the group passed the same q" in str(caught[0].message),
+          f"the whole sequence on every rank after a refused call: one warning, got "
+          f"{[str(w.message) for w in caught]}")
+    dist.destroy_process_group(pg1)
     # A warnings filter that makes the warning an error on rank 0 alone (filters are per process):
     # rank 0 raised while the others went on into the engine ("rank 1 is in an unknown call", or
     # a Timeout, and the group was dead). Now every rank raises, and the calls after it work. The
