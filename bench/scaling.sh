@@ -21,8 +21,10 @@
 # balance (max/mean compute) and overlap (docs/cli.md), and writes JSON reports to $OUT_DIR
 # (default: a temporary directory).
 # Exit status: 0 when every row ran or says why it was not run; 2, with one line, for a bad
-# argument (before anything runs); 1 when a loom run fails (its own error line above; the sweep
-# stops there).
+# argument (the script's before anything runs; one loom attn refuses, with loom's own line, at
+# the first run, before the table's header); 1 when a loom run fails (its own error line above;
+# the sweep stops there) or exits 0 without writing its report (--help passed through printed
+# the previous run's numbers as this one's).
 set -euo pipefail
 loom="${1:-build/loom}"
 P="${2:-2}"
@@ -66,6 +68,7 @@ while (($# > 0)); do
     --ranks | --seq) die "$name is set by the script (give P and S as its arguments)" ;;
     --strategy | --layout | --backward | --baseline | --quiet | --json)
       die "$name is set by the script (it runs every strategy and layout, see its header)" ;;
+    -h | --help | --version) die "$name is not for a sweep (loom attn $name runs nothing)" ;;
     --ulysses | --inner)
       if [[ "$arg" == *=* ]]; then
         value="${arg#*=}"
@@ -116,7 +119,15 @@ fixed=()
 for name in "${!defaults[@]}"; do fixed+=("$name" "${defaults[$name]}"); done
 out="${OUT_DIR:-$(mktemp -d)}"
 mkdir -p "$out"
-printf "%-10s %-11s %10s %10s %8s %8s %8s\n" strategy layout fwd_ms bwd_ms effic balance overlap
+# The table's header, printed before the first row (a loom attn that refuses the options at the
+# first run then prints its line alone).
+header=1
+print_header() {
+  if ((header)); then
+    printf "%-10s %-11s %10s %10s %8s %8s %8s\n" strategy layout fwd_ms bwd_ms effic balance overlap
+    header=0
+  fi
+}
 run() {
   local strategy="$1" layout="$2" label="$1"; shift 2
   local why=""
@@ -130,12 +141,23 @@ run() {
     ring2d) label="ring2d/I$inner"; set -- --inner "$inner" "$@" ;;
   esac
   if [ -n "$why" ]; then
+    print_header
     printf "%-10s %-11s not run: %s\n" "$label" "$layout" "$why"
     return 0
   fi
-  local json="$out/${strategy}_${layout}.json"
+  local json="$out/${strategy}_${layout}.json" rc=0
+  rm -f "$json"  # a report left by an earlier sweep in $OUT_DIR is never read as this run's
   "$loom" attn --ranks "$P" --strategy "$strategy" --layout "$layout" --seq "$S" \
-    ${fixed[@]+"${fixed[@]}"} --backward --baseline --quiet --json "$json" "$@" > /dev/null
+    ${fixed[@]+"${fixed[@]}"} --backward --baseline --quiet --json "$json" "$@" > /dev/null || rc=$?
+  if ((rc != 0)); then
+    ((rc == 2 && header)) && exit 2  # loom refused the options (its line above), before any row
+    exit 1
+  fi
+  [ -s "$json" ] || {
+    echo "scaling.sh: loom attn ($label, $layout) exited 0 without writing its report $json" >&2
+    exit 1
+  }
+  print_header
   /usr/bin/python3 - "$json" "$label" "$layout" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -156,6 +178,7 @@ if [ -n "$degree" ]; then
     run ring2d "$layout" "$@"
   done
 else
+  print_header
   echo "hybrid, ring2d: not run (P = $P has no divisor strictly between 1 and P for their degree)"
 fi
 echo "reports: $out"

@@ -34,7 +34,12 @@
     "set by the script", which set neither), a degree that does not divide P refused; ulysses
     and hybrid where their degree does not split the heads read "not run: <why>" and the sweep
     goes on (at P = 3 it stopped at ulysses, exit 1, allgather never ran); a stand-in loom
-    records what it was given;
+    records what it was given; --help and -h are refused, a loom that exits 0 without writing
+    its report is one line, exit 1 (the previous sweep's report was printed as the row), and one
+    that refuses the options at the first run gives its line alone (no table header), exit 2;
+  - scripts/check_sweep.py: a run counts as refused only for a refusal of its configuration (any
+    exit 1 did: a loom that timed out on every run passed the sweep), a sweep where no run passed
+    is exit 1, and a bad command line is one line, exit 2 (tracebacks);
   - bench_comm: --ops with an unknown name, and a --max-bytes whose buffers cannot fit in memory,
     are one line and exit 1 before any op runs (--ops ring_step,foo ran the ring_step sweep
     first; --max-bytes 4T ended in a bare std::bad_alloc).
@@ -475,7 +480,9 @@ def check_scaling(work):
                             ("4", ["--inner", "4"], "--inner '4' must divide P = 4"),
                             ("4", ["--inner", "1"], "--inner '1' must divide P = 4"),
                             ("6", ["--inner=4"], "--inner '4' must divide P = 6"),
-                            ("4", ["--inner"], "--inner needs a value")):
+                            ("4", ["--inner"], "--inner needs a value"),
+                            ("2", ["--help"], "--help is not for a sweep"),
+                            ("2", ["-h"], "-h is not for a sweep")):
         why = refused(["bash", sh, loom, P, "512"] + args, needle, env=env)
         if why:
             bad.append("scaling.sh: " + why)
@@ -483,6 +490,55 @@ def check_scaling(work):
         why = refused(["bash", sh, loom] + pos, needle, env=env)
         if why:
             bad.append("scaling.sh: " + why)
+    # A loom that exits 0 without writing its report (loom attn --help, passed through, did): the
+    # previous sweep's report in OUT_DIR was printed as this run's row, exit 0. And one that
+    # refuses the options (exit 2) at the first run: its line alone, exit 2, no table header.
+    for rc, want_rc, needle in ((0, 1, "exited 0 without writing its report"), (2, 2, None)):
+        silent = os.path.join(work, f"silent-loom-{rc}")
+        with open(silent, "w") as f:
+            f.write(f"#!/bin/sh\n[ {rc} = 2 ] && echo 'loom: error: bad option' >&2\nexit {rc}\n")
+        os.chmod(silent, 0o755)
+        r = subprocess.run(["bash", sh, silent, "2", "512"], capture_output=True, text=True,
+                           timeout=120, env=env)  # env's OUT_DIR holds the first sweep's reports
+        if (r.returncode != want_rc or r.stdout or (needle and needle not in r.stderr)
+                or len(r.stderr.splitlines()) != 1):
+            bad.append(f"scaling.sh with a loom that exits {rc} writing nothing: exit "
+                       f"{r.returncode} (want {want_rc}), stdout {r.stdout!r} (want none), "
+                       f"stderr {r.stderr!r} (want one line{', ' + repr(needle) if needle else ''})")
+    return bad
+
+
+def check_sweep(work):
+    """scripts/check_sweep.py on stand-in loom commands: only a refusal of the configuration
+    counts as one (any exit 1 did: a loom that timed out on every run passed), a run that passes
+    nothing is exit 1, and a bad command line one line, exit 2 (tracebacks)."""
+    bad = []
+    sweep = os.path.normpath(os.path.join(BENCH, "..", "scripts", "check_sweep.py"))
+    stand_ins = {
+        "timeout": ("echo 'loom: error: ring step 3: timed out after 60 s waiting for rank 1' >&2",
+                    1, 1),
+        "oom": ("echo 'loom: error: out of memory for the kernels workspace' >&2", 1, 1),
+        "refuses": ("echo 'loom: error: hybrid: heads (2) must be divisible by the ulysses "
+                    "degree (4)' >&2", 1, 1),
+        "passes": ("echo '  check     passed  max abs err 1e-07'", 0, 0)}
+    for name, (line, code, want) in stand_ins.items():
+        fake = os.path.join(work, f"sweep-loom-{name}")
+        with open(fake, "w") as f:
+            f.write(f"#!/bin/sh\n{line}\nexit {code}\n")
+        os.chmod(fake, 0o755)
+        r = subprocess.run([sys.executable, sweep, "1", "0.5", fake], capture_output=True,
+                           text=True, timeout=60)
+        tail = r.stdout.strip().splitlines()[-1:] or [""]
+        counts = dict(zip(tail[0].split()[0::2], tail[0].split()[1::2]))
+        kind = {"timeout": "bad", "oom": "bad", "refuses": "refused", "passes": "passed"}[name]
+        if r.returncode != want or counts.get(kind) != counts.get("runs") or counts.get("runs") in (None, "0"):
+            bad.append(f"check_sweep.py on a loom that {name}: exit {r.returncode} (want {want}), "
+                       f"last line {tail[0]!r} (want every run counted {kind})")
+    for args, needle in (([], "usage:"), (["x", "1"], "SEED must be an integer"),
+                         (["1", "1", os.path.join(work, "no-such-loom")], "not an executable file")):
+        why = refused([sys.executable, sweep] + args, needle)
+        if why:
+            bad.append("check_sweep.py: " + why)
     return bad
 
 
@@ -519,7 +575,7 @@ def main():
     comm, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
     bad = (check_python_scripts(work) + check_json_outputs(work) + check_loom_scripts(work) +
-           check_scaling(work) + check_comm(comm))
+           check_scaling(work) + check_sweep(work) + check_comm(comm))
     if bad:
         print("\n".join(bad))
         return 1
