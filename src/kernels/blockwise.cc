@@ -1930,7 +1930,9 @@ int64_t attend_workspace_bytes(int64_t sq, int64_t sk, int64_t heads, int64_t kv
     // (padded to whole q-tiles) of a chunk's query heads; q's and dout's parts are each rounded
     // up to 64 bytes.
     const auto per_head = [&](double rows, double thr) {
-      const int64_t n = static_cast<int64_t>(rows);  // the q-tiles of a call on n rows
+      // the q-tiles of a call on n rows (rows near 2^63 round up to 2^63 as a double, whose
+      // conversion overflowed: sq = 2^63 - 1 was an internal error, "n must be >= 0")
+      const int64_t n = rows >= 0x1p63 ? INT64_MAX : static_cast<int64_t>(rows);
       const KernelConfig wn = work_config(cfg, ops, n, sk);
       const double sp = double(tile_count(n, wn.block_q)) * double(tile_dims(wn, dim, n, sk).bq);
       const double transposed = dots ? 2.0 * double(t.dp) * (sp + TransposedRows::kSkew) : 0;

@@ -161,6 +161,10 @@ start=$(date +%s)
 expect_error "--batch 2^63 - 1" "tokens do not fit 64 bits" --seq 64 --layers 1 --dim 32 \
   --heads 2 --kv-heads 1 --eval-every 0 --quiet "${data[@]}" --steps 2 --batch 9223372036854775807
 [ $(( $(date +%s) - start )) -le 30 ] && ok "refused at once" || bad "--batch 2^63 - 1 ran on"
+# --seq near 2^63: a rank's rows + 2 overflowed, and then the kernels' estimate: an internal
+# error ("strategy_working_bytes: sizes must be >= 0", then "work_tile_side: n must be >= 0").
+expect_error "--seq 2^63 - 2" "needs about" --seq 9223372036854775806 --layers 1 --dim 32 \
+  --heads 2 --kv-heads 1 --eval-every 0 --quiet "${data[@]}" --steps 1 --batch 1
 expect_error "memory estimate before allocating" "needs about" --quiet --steps 1 \
   --seq 20000000 --dim 4096 --heads 32 --kv-heads 8 --layers 2 "${data[@]}"
 expect_error "--memory-limit" "(--memory-limit); make the problem smaller" "${tiny[@]}" \

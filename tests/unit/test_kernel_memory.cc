@@ -310,8 +310,14 @@ TEST(KernelMemory, BadSizesAreRefused) {
   cfg.threads = 1;
   cfg.block_q = 0;
   EXPECT_THROW(attend_workspace_bytes(8, 8, 2, 1, 16, false, true, cfg), InvalidArgument);
-  // Empty calls allocate little, and the bound grows with the sizes.
+  // Rows near 2^63 are a bound, not an error: the backward's per-head rows went through a double
+  // that rounded to 2^63, and converted back overflowed ("work_tile_side: n must be >= 0").
   cfg.block_q = 64;
+  for (const int64_t n : {INT64_MAX, INT64_MAX - 1, int64_t{1} << 62})
+    for (const bool backward : {false, true})
+      EXPECT_GT(attend_workspace_bytes(n, n, 2, 1, 16, false, backward, cfg), int64_t{1} << 40)
+          << "rows " << n << (backward ? ", backward" : "");
+  // Empty calls allocate little, and the bound grows with the sizes.
   EXPECT_GE(attend_workspace_bytes(0, 0, 2, 1, 16, false, true, cfg), 0);
   EXPECT_LT(attend_workspace_bytes(100, 100, 2, 1, 16, false, true, cfg),
             attend_workspace_bytes(1000, 1000, 2, 1, 16, false, true, cfg));

@@ -864,13 +864,9 @@ nlohmann::json config_json(const AttnOptions& o, const Problem& p) {
 double attn_run_bytes(const AttnOptions& o, const Problem& p, int world, int ranks_here,
                       int threads) {
   const double S = double(p.S), H = double(p.H), HKV = double(p.HKV), D = double(p.D);
-  // A rank's rows, ceil(S / P) + 2, in integers: as a double it rounded S = 2^63 - 1 up to 2^63,
-  // whose conversion back to int64 overflowed (the estimate went negative and the run went on).
-  // Saturated at INT64_MAX: such a problem's estimate is far above any memory limit anyway.
-  const int64_t per_rank = p.S / world + (p.S % world != 0 ? 1 : 0);
-  const int64_t rows = per_rank > std::numeric_limits<int64_t>::max() - 2
-                           ? std::numeric_limits<int64_t>::max()
-                           : per_rank + 2;
+  // A rank's rows, in integers: as a double it rounded S = 2^63 - 1 up to 2^63, whose
+  // conversion back to int64 overflowed (the estimate went negative and the run went on).
+  const int64_t rows = rank_rows_bound(p.S, world);
   const double P = double(world), n = double(rows), here = double(ranks_here);
   const bool bw = o.backward, local = !launched_by_mpirun();
   const double q_rows = n * H * D * 4, kv_rows = n * HKV * D * 4;

@@ -72,6 +72,14 @@ void add_command(CLI::App& app, const std::string& name, const std::string& help
 // --docs L1,L2,... Returns the --docs option (to see whether it was given).
 CLI::Option* add_mask_options(CLI::App* command, bool& causal, int64_t& window, std::string& docs);
 
+// The most rows a rank of `ranks` can hold of S tokens in any layout, ceil(S / ranks) + 2, for
+// the memory estimates: saturated at INT64_MAX (S near 2^63 overflowed to a negative count, and
+// the estimate went wrong or threw an internal error; such a problem is far above any limit).
+inline int64_t rank_rows_bound(int64_t S, int64_t ranks) {
+  const int64_t per_rank = S / ranks + (S % ranks != 0 ? 1 : 0);
+  return per_rank > INT64_MAX - 2 ? INT64_MAX : per_rank + 2;
+}
+
 // --memory-limit SIZE (loom attn, loom train, loom verify): refuse runs estimated above it.
 void add_memory_limit_option(CLI::App* command, std::string& limit);
 

@@ -872,7 +872,7 @@ double estimate_train_bytes(const TrainConfig& c, int ranks_here, double data_by
   }
   CpProblem p;
   p.seq = c.seq;
-  p.rows = per_rank + 2;
+  p.rows = rank_rows_bound(c.seq, s.cp());
   p.heads = m.heads / s.tp;
   p.kv_heads = m.kv_heads / s.tp;
   p.head_dim = m.head_dim();
