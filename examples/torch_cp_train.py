@@ -26,6 +26,7 @@ context-parallel run to check then).
 import argparse
 import math
 import os
+import stat
 import sys
 import time
 
@@ -158,14 +159,28 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+DATA_LIMIT = 1 << 30  # bytes of --data read, at most (loom train's default --data-limit)
+
+
 def load_data(args):
     """The training bytes as a 1-D int64 tensor; one clear line (SystemExit) when there are not
-    seq + 1 of them (a window is seq input bytes and the seq labels one byte later)."""
+    seq + 1 of them (a window is seq input bytes and the seq labels one byte later), or when
+    --data is not a regular file of at most DATA_LIMIT bytes (a FIFO blocked in open() for ever,
+    and /dev/zero grew without bound)."""
     try:
+        st = os.stat(args.data)
+        if not stat.S_ISREG(st.st_mode):
+            fail(f"cannot read --data {args.data}: not a regular file (a directory, FIFO or "
+                 "device; scripts/setup.sh writes data/kjv.txt)")
+        if st.st_size > DATA_LIMIT:
+            fail(f"--data {args.data} holds {st.st_size} bytes, more than this example reads "
+                 f"({DATA_LIMIT})")
         with open(args.data, "rb") as f:
-            raw = f.read()
+            raw = f.read(DATA_LIMIT + 1)
     except OSError as e:
         fail(f"cannot read --data {args.data}: {e.strerror} (scripts/setup.sh writes data/kjv.txt)")
+    if len(raw) > DATA_LIMIT:
+        fail(f"--data {args.data} grew past {DATA_LIMIT} bytes while it was read")
     if len(raw) < args.seq + 1:
         fail(f"--seq {args.seq} needs at least {args.seq + 1} bytes of --data; {args.data} has "
              f"{len(raw)}")

@@ -80,8 +80,14 @@ with tempfile.TemporaryDirectory() as tmp:
     check(r.returncode == 0 and "every check matches" in r.stdout,
           f"torch_cp_train --lr 3e-3: exit {r.returncode} (want 0), stdout {r.stdout[-400:]!r}, "
           f"stderr {r.stderr[-400:]!r}")
+    # --data that is not a regular file: a FIFO blocked in open() for ever, /dev/zero grew
+    # without bound (3.5 GB in 6 s).
+    fifo = os.path.join(tmp, "fifo")
+    os.mkfifo(fifo)
     for args, needle in ((["--steps", "abc"], "--steps: invalid int value: 'abc'"),
-                         (["--dim", "1024", "--heads", "2"], "head dim of 512")):
+                         (["--dim", "1024", "--heads", "2"], "head dim of 512"),
+                         (["--data", fifo], f"cannot read --data {fifo}: not a regular file"),
+                         (["--data", "/dev/zero"], "cannot read --data /dev/zero: not a regular")):
         r = run(example + args)
         check(one_line(r, 2, needle) and not r.stdout,
               f"torch_cp_train {' '.join(args)}: exit {r.returncode} (want 2), stderr "
