@@ -245,7 +245,20 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
   };
   std::vector<Shape> shapes;
   for (int tp : divisors(N)) {
-    if (tp > prof.devices_per_node) continue;
+    // Tensor parallelism stays inside a node (its all-reduces run every layer on the node's
+    // links), so a tp above the node's devices is rejected, and said so: it was skipped without
+    // a word, and a profile of one device per node ranked nothing and blamed the memory.
+    if (tp > prof.devices_per_node) {
+      Candidate c;
+      c.tp = tp;
+      c.strategy = "-";
+      c.fits = false;
+      c.why_not = "tp " + std::to_string(tp) + " spans more than a node's " +
+                  std::to_string(prof.devices_per_node) +
+                  " devices (tp stays inside a node: the profile's devices_per_node)";
+      shapes.push_back({tp, 1, 1, "", c});
+      continue;
+    }
     // loom train's rule (model::validate): tp divides the heads and the kv heads, so that every
     // ranked plan is one loom's own trainer runs. A tp above the kv heads (each tp rank holding
     // a replicated kv head, as some frameworks do) was ranked: `--model 2,256,8,2,0,256

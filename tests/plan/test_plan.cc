@@ -1051,6 +1051,29 @@ TEST(PlanSearch, TpDividesTheFfnAsLoomTrainRequires) {
   EXPECT_EQ(refused, 1);
 }
 
+// tp stays inside a node: a tp above devices_per_node is rejected with its reason (it was dropped
+// without a word: a profile of one device per node ranked nothing and blamed the memory).
+TEST(PlanSearch, TpAboveTheNodeIsRejectedWithItsReason) {
+  Profile p = shipped("h100_sxm.json");
+  p.devices_per_node = 2;
+  PlanRequest req;
+  req.seq = 8192;
+  req.devices = 8;
+  req.model = ModelShape{2, 256, 8, 8, 1024, 256};  // tp 1, 2, 4, 8 all divide heads and FFN
+  const PlanResult r = plan(req, p);
+  ASSERT_FALSE(r.ranked.empty());
+  for (const Candidate& c : r.ranked) EXPECT_LE(c.tp, 2) << c.name();
+  std::vector<int> refused;
+  for (const Candidate& c : r.rejected)
+    if (c.tp > 2) {
+      refused.push_back(c.tp);
+      EXPECT_EQ(c.why_not, "tp " + std::to_string(c.tp) +
+                               " spans more than a node's 2 devices (tp stays inside a node: the "
+                               "profile's devices_per_node)");
+    }
+  EXPECT_EQ(refused, (std::vector<int>{4, 8}));
+}
+
 // A mesh without a cp group runs one rank over the whole sequence: contiguous, every document in
 // one piece (the search tried zigzag alone there, which cut each document in two: three kernel
 // calls per document instead of one). loom train runs it (--layout contiguous with cp 1).

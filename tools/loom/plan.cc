@@ -834,13 +834,20 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
   if (!r.rejected.empty()) {
     text(show, "  rejected: %d do not fit in memory, %zu are invalid; for example:\n", mem,
          r.rejected.size() - mem);
+    // Up to four examples, an invalid one among them where there is one (they came last, and
+    // with many memory rejections no example said why the others were invalid).
     int shown = 0;
     std::string last;
-    for (const plan::Candidate& c : r.rejected) {
-      if (c.why_not == last || shown >= 4) continue;
-      last = c.why_not;
-      text(show, "    %s: %s\n", c.name().c_str(), c.why_not.c_str());
-      ++shown;
+    const bool memory_first = mem == 0 || mem == static_cast<int>(r.rejected.size());
+    for (const bool memory_pass : {true, false}) {
+      const int room = memory_pass && !memory_first ? 3 : 4;
+      for (const plan::Candidate& c : r.rejected) {
+        const bool is_mem = c.why_not.find("GB per device") != std::string::npos;
+        if (is_mem != memory_pass || c.why_not == last || shown >= room) continue;
+        last = c.why_not;
+        text(show, "    %s: %s\n", c.name().c_str(), c.why_not.c_str());
+        ++shown;
+      }
     }
   }
   const size_t invalid = r.rejected.size() - static_cast<size_t>(mem);
