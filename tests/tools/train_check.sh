@@ -147,6 +147,16 @@ done
 tiny0=(--seq 64 --layers 1 --dim 32 --heads 2 --kv-heads 1 --batch 2 --eval-every 0 --quiet)
 tiny=("${tiny0[@]}" "${data[@]}")
 expect_error "--lr 1e30" "--lr must be in (0, 10]" "${tiny[@]}" --lr 1e30
+# A fresh run's --log inside its new --checkpoint-dir (docs/train.md: "CK/train.jsonl is fine")
+# was refused: "cannot write into CK (No such file or directory)".
+"$loom" train "${tiny[@]}" --steps 2 --checkpoint-dir "$work/fresh_ck" \
+  --log "$work/fresh_ck/train.jsonl" > "$work/stdout" 2> "$work/stderr" &&
+  [ -s "$work/fresh_ck/train.jsonl" ] && [ -f "$work/fresh_ck/latest" ] &&
+  ok "--log inside a new --checkpoint-dir" ||
+  { cat "$work/stderr"; bad "--log inside a new --checkpoint-dir"; }
+: > "$work/plain_file"
+expect_error "--checkpoint-dir a file" "cannot create --checkpoint-dir $work/plain_file (" \
+  "${tiny[@]}" --steps 1 --checkpoint-dir "$work/plain_file"
 expect_error "--weight-decay nan" "--weight-decay must be a finite number" "${tiny[@]}" \
   --weight-decay nan
 expect_error "--clip -1" "--clip must be a finite number >= 0" "${tiny[@]}" --clip -1

@@ -570,6 +570,22 @@ int run_train(const TrainOptions& o) {
   // The corpus there too was replaced by a checkpoint (--data CK/latest, or --data - <
   // CK/latest).
   check_outside_checkpoints(data_named(o.data), data_file(o.data), o.checkpoint_dir);
+  // A fresh run's checkpoint directory is made before --log is checked, so that a log inside it
+  // (CK/train.jsonl, which docs/train.md allows) is checked in the directory it will be written
+  // to ("cannot write into CK (No such file or directory)" refused it).
+  if (!o.checkpoint_dir.empty() && !o.resume) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.checkpoint_dir, ec);
+    std::error_code is_dir_ec;
+    const bool made = std::filesystem::is_directory(o.checkpoint_dir, is_dir_ec);
+    LOOM_CHECK(made, IoError,
+               "cannot create --checkpoint-dir "
+                   << o.checkpoint_dir << " ("
+                   << (ec ? ec.message()
+                          : std::string("it exists and is not a directory, or a path above it is "
+                                        "not one"))
+                   << ")");
+  }
   // An unwritable --log fails here, before the corpus is read and any rank starts (nothing is
   // truncated yet), tried for real as loom attn's outputs are: access() says yes to root on
   // /proc, so --log /proc/version failed only once the ranks ran. An existing file must be
@@ -667,12 +683,6 @@ int run_train(const TrainOptions& o) {
                                << " predict no byte under --pack-documents (the documents' "
                                   "validation tails in them are single bytes); give longer "
                                   "documents, drop --pack-documents, or give --eval-every 0");
-  }
-  if (!o.checkpoint_dir.empty() && !o.resume) {
-    std::error_code ec;
-    std::filesystem::create_directories(o.checkpoint_dir, ec);
-    LOOM_CHECK(std::filesystem::is_directory(o.checkpoint_dir), IoError,
-               "cannot create --checkpoint-dir " << o.checkpoint_dir);
   }
   // One run at a time writes a checkpoint directory: two runs sharing one both exited 0, each
   // overwriting the other's `latest` and step files. The process that writes them (world rank 0)
