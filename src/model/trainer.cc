@@ -500,6 +500,15 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   return path;
 }
 
+namespace {
+// Text as a message may show it: a NUL as \0 (it ended the line in a terminal, or cut it).
+std::string printable(const std::string& text) {
+  std::string out;
+  for (const char c : text) out += c == '\0' ? std::string("\\0") : std::string(1, c);
+  return out;
+}
+}  // namespace
+
 void Trainer::load_checkpoint(const std::string& where) {
   namespace fs = std::filesystem;
   std::string path = where;
@@ -517,10 +526,13 @@ void Trainer::load_checkpoint(const std::string& where) {
                "--resume: " << where << " has no readable 'latest' checkpoint pointer");
     // The pointer names one file of this directory, as save_checkpoint writes it: a path (it
     // was called unreadable) or text after the name (it was taken) is not such a pointer.
-    LOOM_CHECK(name.find('/') == std::string::npos && rest.empty(), IoError,
-               "--resume: " << where << "/latest must name one checkpoint file in " << where
-                            << " (as loom train writes it), not '" << name
-                            << (rest.empty() ? "" : " " + rest) << "'");
+    // A NUL is no separator to >>, so "name\0text" was one name, opened as "name" (c_str).
+    LOOM_CHECK(
+        name.find('/') == std::string::npos && name.find('\0') == std::string::npos && rest.empty(),
+        IoError,
+        "--resume: " << where << "/latest must name one checkpoint file in " << where
+                     << " (as loom train writes it), not '" << printable(name)
+                     << (rest.empty() ? "" : " " + printable(rest)) << "'");
     path = (fs::path(where) / name).string();
   }
   size_t expect = 0, largest = 0;

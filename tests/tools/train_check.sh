@@ -519,6 +519,10 @@ for pointer in "../kc/step-00000006.ckpt" "step-00000006.ckpt extra"; do
   expect_error "latest: '$pointer'" "latest must name one checkpoint file in" "${tiny[@]}" \
     --steps 6 --checkpoint-dir "$work/lp" --resume
 done
+# A NUL after the name: one word to >>, opened up to the NUL (resumed, exit 0).
+printf 'step-00000006.ckpt\0x\n' > "$work/lp/latest"
+expect_error "latest: name, NUL, text" "not 'step-00000006.ckpt\\0x'" "${tiny[@]}" \
+  --steps 6 --checkpoint-dir "$work/lp" --resume
 # --data among the checkpoints: the corpus was replaced by the pointer.
 expect_error "--data CK/latest" "--data $work/lp/latest collides with the checkpoints" \
   "${tiny0[@]}" --steps 2 --data "$work/lp/latest" --checkpoint-dir "$work/lp" --resume
