@@ -4,7 +4,9 @@
 // (doubling from --min-bytes to --max-bytes) every rank runs --warmup untimed and --iters timed
 // calls between two barriers; the time of a size is the slowest rank's mean per call. Then, with
 // the check on (the default, as nccl-tests' -c 1), one more call on fresh data is compared
-// with the expected result and the wrong elements are counted over all ranks.
+// with the expected result and the wrong elements are counted over all ranks (any: exit 1).
+// A bad command line (an option or value, --ops, the sizes) is one line and exit 2 before
+// anything runs; buffers the machine cannot hold are one line and exit 1.
 //
 // Sizes and bandwidths follow nccl-tests (doc/PERFORMANCE.md there), in GB/s = 1e9 bytes/s:
 //   ring_step   size = bytes each rank sends to its successor     busbw = algbw
@@ -439,7 +441,7 @@ int run(const Options& o, bool use_mpi) {
   for (const Result& r : results) wrong += std::max<int64_t>(r.wrong, 0);
   failed = wrong > 0;
   if (failed) std::fprintf(stderr, "bench_comm: %lld wrong elements\n", (long long)wrong);
-  return failed ? 2 : 0;
+  return failed ? 1 : 0;  // a failed check (2 is for a bad command line)
 }
 
 }  // namespace
@@ -503,7 +505,7 @@ int main(int argc, char** argv) {
   try {
     loom::check_options(o);
   } catch (const loom::Error& e) {
-    return refuse(1, e.what());
+    return refuse(2, e.what());  // a bad command line (bench_cli.h), as CLI11's own
   }
   try {
     // This node's memory, which may differ between ranks: a rank above 0 says its own after two

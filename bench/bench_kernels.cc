@@ -1886,15 +1886,21 @@ int main(int argc, char** argv) {
   }
   if (o.heads % o.kv_heads != 0) {  // both >= 1: their ranges
     std::fprintf(stderr,
-                 "bench_kernels: --heads %lld must be a positive multiple of --kv-heads %lld\n",
+                 "bench_kernels: --heads %lld must be a positive multiple of --kv-heads %lld (see "
+                 "--help)\n",
                  static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads));
-    return 1;
+    return 2;  // a bad command line, as bench_cli.h's (it was 1, a failed check's status)
+  }
+  try {  // the output naming the input: a bad command line too
+    loom::check_distinct_outputs({{"--torch-json", o.torch_json}, {"--json", o.json}}, 1);
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "bench_kernels: %s\n", e.what());
+    return 2;
   }
   if (!o.keep_openblas_core) loom::match_openblas_core(argv);
   try {
     // Before the sweep: the output can be written and is not the input it would replace, and
     // PyTorch's rows can be had (--torch-json read and checked, --torch's Python imports torch).
-    loom::check_distinct_outputs({{"--torch-json", o.torch_json}, {"--json", o.json}}, 1);
     if (!o.json.empty()) loom::check_output_writable(o.json, "--json");
     // --json -: the JSON alone on standard output (it was mixed into the table there, which
     // then goes to standard error): written to a copy of descriptor 1, not inherited by children.

@@ -534,7 +534,7 @@ def check_torch_json(bench, work):
     before = open(fake).read()
     r = subprocess.run(base + ["--torch-json", fake, "--json", fake], capture_output=True,
                        text=True, timeout=60)
-    if r.returncode == 0 or "name the same file" not in r.stderr or open(fake).read() != before:
+    if r.returncode != 2 or "name the same file" not in r.stderr or open(fake).read() != before:
         bad.append(f"--torch-json F --json F: exit {r.returncode}, stderr {r.stderr!r}, the input "
                    f"{'kept' if open(fake).read() == before else 'replaced'}")
     return bad
@@ -717,11 +717,12 @@ def main():
         p2, bad2 = check_run(bench, work, "avx2")
         paths.append(p2)
         bad += bad2
-    # Heads that do not divide: one error line naming both options, a non-zero exit, no rows.
+    # Heads that do not divide: one error line naming both options, exit 2 (a bad command line;
+    # it was 1, a failed check's status), no rows.
     r = subprocess.run([bench, "--heads", "6", "--kv-heads", "4", "--no-torch"],
                        capture_output=True, text=True, timeout=60)
     err = r.stderr.strip().splitlines()
-    if (r.returncode == 0 or len(err) != 1 or "--heads 6" not in err[0]
+    if (r.returncode != 2 or len(err) != 1 or "--heads 6" not in err[0]
             or "--kv-heads 4" not in err[0] or r.stdout):
         bad.append(f"--heads 6 --kv-heads 4: exit {r.returncode}, stdout {r.stdout!r}, "
                    f"stderr {r.stderr!r}")

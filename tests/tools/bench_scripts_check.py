@@ -546,13 +546,17 @@ def check_comm(comm):
     bad = []
     # The unknown op after a known one whose sizes cannot be allocated: refused before the known
     # op's sweep starts (it ran first, and here ended in std::bad_alloc).
-    for args, needle in ((["--ops", "ring_step,foo"], "--ops: unknown op 'foo'"),
-                         (["--ops", "ring_step,foo", "--min-bytes", "4T", "--max-bytes", "4T"],
-                          "--ops: unknown op 'foo'"),
-                         (["--min-bytes", "4T", "--max-bytes", "4T"], "--max-bytes 4T"),
-                         (["--min-bytes", "2M", "--max-bytes", "1M"], "--min-bytes")):
+    # A bad value is a bad command line, exit 2 (--ops foo and --min-bytes -1 were 1, a failed
+    # run's status); buffers that do not fit the machine, exit 1.
+    for args, needle, rc in ((["--ops", "ring_step,foo"], "--ops: unknown op 'foo'", 2),
+                             (["--ops", "ring_step,foo", "--min-bytes", "4T", "--max-bytes", "4T"],
+                              "--ops: unknown op 'foo'", 2),
+                             (["--min-bytes", "4T", "--max-bytes", "4T"], "--max-bytes 4T", 1),
+                             (["--min-bytes", "2M", "--max-bytes", "1M"], "--min-bytes", 2),
+                             (["--min-bytes", "-1"], "--min-bytes", 2),
+                             (["--max-bytes", "16Z"], "--max-bytes", 2)):
         why = refused([comm, "--ranks", "2", "--iters", "1", "--warmup", "0"] + args, needle,
-                      rc=1)
+                      rc=rc)
         if why:
             bad.append("bench_comm: " + why)
     # --json -: the JSON alone on standard output, the table on standard error (both went to
