@@ -1283,8 +1283,17 @@ int run(const Options& o, const TorchPlan& tp) {
       for (bool causal : {false, true})
         for (const std::string& dtype : o.dtypes)
           for (int threads : thread_counts) measure(dtype, s, s, d, causal, threads);
-  // Ring-step size: one shard's queries against one KV block (a later, unmasked ring step).
-  if (o.ring > 0)
+  // Ring-step size: one shard's queries against one KV block (a later, unmasked ring step). A
+  // --ring equal to a --seq is that sequence's full one-thread rows, timed above: timed again,
+  // its rows printed twice and every loom / torch target line of the shape twice, with two
+  // values under one name.
+  const bool ring_timed = std::find(o.seqs.begin(), o.seqs.end(), o.ring) != o.seqs.end();
+  if (o.ring > 0 && ring_timed)
+    std::printf(
+        "# --ring %lld: the full-mask one-thread rows of --seq %lld above (not timed "
+        "twice)\n",
+        static_cast<long long>(o.ring), static_cast<long long>(o.ring));
+  else if (o.ring > 0)
     for (int64_t d : o.dims)
       for (const std::string& dtype : o.dtypes) measure(dtype, o.ring, o.ring, d, false, 1);
 

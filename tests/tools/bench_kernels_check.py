@@ -465,6 +465,21 @@ def check_torch_json(bench, work):
         bad.append("the PyTorch row of rate 0 is not said to measure nothing")
     bad += check_printed(r.stdout, doc, doc["kernel_path"])
 
+    # --ring equal to the --seq: its rows are the full one-thread rows, timed once (they were
+    # timed again, and every loom / torch line of the shape printed twice with two values).
+    ring_out = os.path.join(work, "bench-ring-is-seq.json")
+    r = subprocess.run([x if x != "0" or base[i - 1] != "--ring" else "128"
+                        for i, x in enumerate(base)] + ["--torch-json", fake, "--json", ring_out],
+                       capture_output=True, text=True, timeout=300)
+    whats = [t["what"] for t in json.load(open(ring_out))["targets"]] if r.returncode == 0 else []
+    shapes = [(x["dtype"], x["seq_q"], x["seq_k"], x["dim"], x["causal"], x["threads"])
+              for x in json.load(open(ring_out))["results"]] if r.returncode == 0 else []
+    if (r.returncode != 0 or len(set(whats)) != len(whats) or len(set(shapes)) != len(shapes)
+            or "# --ring 128: the full-mask one-thread rows of --seq 128 above" not in r.stdout):
+        bad.append(f"--ring 128 --seq 128: exit {r.returncode}, target names {whats}, rows "
+                   f"{shapes} (want each once, and the line saying the ring rows are the full "
+                   f"rows), stderr {r.stderr[-300:]!r}")
+
     # A file that repeats a row: the first of the shape is compared, the repeat said to be one
     # (it was "no loom row of this shape" beside loom's row of that shape).
     dup = os.path.join(work, "torch-dup.json")
