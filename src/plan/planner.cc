@@ -384,7 +384,9 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         }
         const AttnSim& sim = last_sim;
         double comm = 0, idle = 0, compute = 0;
+        const RankSim* most_comm = nullptr;  // the rank whose exposed communication is `comm`
         for (const RankSim& r : sim.ranks) {
+          if (most_comm == nullptr || r.comm_s > comm) most_comm = &r;
           comm = std::max(comm, r.comm_s);
           idle = std::max(idle, r.idle_s);
           compute = std::max(compute, r.compute_s);
@@ -412,11 +414,12 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
           c.dp_comm_s = std::max(ar / L, ar - bwd_time);
         }
         // With checkpointing the forward runs twice: its exposed communication too, in the
-        // total and in each kind (the kinds summed to less than the total).
+        // total and in each kind (the kinds summed to less than the total). The kinds are those
+        // of the rank the total is of, so that they sum to it (each kind's maximum over the
+        // ranks, from different ranks, summed to more: hybrid with a ring of 3 or 6).
         const double again = ckpt ? (fwd + bwd + fwd) / std::max(1e-30, fwd + bwd) : 1.0;
-        for (const RankSim& r : sim.ranks)
-          for (const auto& [k, v] : r.comm_by_kind)
-            c.exposed_by_kind[k] = std::max(c.exposed_by_kind[k], L * v * again);
+        if (most_comm != nullptr)
+          for (const auto& [k, v] : most_comm->comm_by_kind) c.exposed_by_kind[k] = L * v * again;
         c.exposed_cp_s = L * comm * again;
         c.cp_idle_s = L * idle;
         c.step_s = c.attn_s + c.recompute_s + c.gemm_s + c.tp_comm_s + c.dp_comm_s;

@@ -185,7 +185,9 @@ expect_error "a NUL byte" "nul.json: a NUL byte at offset" --profile "$work/nul.
 # The search: a failed one writes nothing (--json was replaced by the failed ranking, --svg kept);
 # --strategies named twice counts once (every row was listed twice); a mesh without a cp group is
 # a candidate whatever --strategies names (--strategies ulysses on 1 device: "nothing to rank");
-# with checkpointing the exposed communication by kind adds up to the total.
+# with checkpointing the exposed communication by kind adds up to the total; and the kinds are
+# the rank's that gives the total, so they sum to it (each kind's maximum over the ranks summed
+# to more: hybrid with a ring of 3 or 6, 12 devices).
 echo '{"old": 1}' > "$work/keep.json"; echo '<svg old/>' > "$work/keep.svg"
 expect_error "a failed search" "no configuration" --profile "$h100" --devices 1 \
   --json "$work/keep.json" --svg "$work/keep.svg"
@@ -199,6 +201,8 @@ expect_error "a failed search" "no configuration" --profile "$h100" --devices 1 
   --strategies ulysses --json "$work/u8.json" > /dev/null 2>&1
 "$loom" plan --profile "$h100" --devices 8 --model 2,1024,8,8,0,1000 --seq 4096 \
   --json "$work/all8.json" > /dev/null 2>&1
+"$loom" plan --profile "$h100" --devices 12 --model 2,1024,8,8,0,1000 --seq 4096 --top 1000 \
+  --json "$work/all12.json" > /dev/null 2>&1
 if /usr/bin/python3 - "$work" <<'PY'
 import json, sys
 w = sys.argv[1]
@@ -214,6 +218,11 @@ for c in once["ranked"]:
     kinds = c["exposed_by_kind"]
     if c["checkpoint"] and kinds and c["exposed_cp_comm_s"] > 0:
         assert abs(max(kinds.values()) - c["exposed_cp_comm_s"]) <= 1e-9 * c["exposed_cp_comm_s"], c
+all12 = json.load(open(f"{w}/all12.json"))
+assert any(c["strategy"] == "hybrid" for c in all12["ranked"]), "12 devices ranked no hybrid"
+for c in all12["ranked"]:
+    kinds, total = c["exposed_by_kind"], c["exposed_cp_comm_s"]
+    assert abs(sum(kinds.values()) - total) <= 1e-9 * max(total, 1e-30), (c["name"], kinds, total)
 PY
 then ok "--strategies deduplicated, meshes without cp always candidates, kinds add up"
 else bad "--strategies and the exposed communication by kind"; fi
