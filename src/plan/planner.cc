@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iomanip>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -134,6 +135,15 @@ std::string fmt(double x, int prec = 2) {
   o.setf(std::ios::fixed);
   o.precision(prec);
   o << x;
+  return o.str();
+}
+
+// Bytes as GB: one decimal, or three significant digits below 0.1 GB (a profile's memory of 1
+// byte read "limit 0.0 GB").
+std::string gb_text(double bytes) {
+  if (bytes >= 0.1e9) return fmt(bytes / 1e9, 1);
+  std::ostringstream o;
+  o << std::setprecision(3) << bytes / 1e9;
   return o.str();
 }
 
@@ -363,8 +373,8 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         const double mem_base = mem + tokens * static_cast<double>(M.vocab) / tp * 4.0;
         if (mem_base > mem_limit) {
           c.fits = false;
-          c.why_not = "needs more than " + fmt(mem_base / 1e9, 1) + " GB per device, limit " +
-                      fmt(mem_limit / 1e9, 1) + " GB";
+          c.why_not = "needs more than " + gb_text(mem_base) + " GB per device, limit " +
+                      gb_text(mem_limit) + " GB";
           res.rejected.push_back(c);
           continue;
         }
@@ -445,8 +455,8 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
                                << " bytes per device; check its figures");
         if (mem > mem_limit) {
           c.fits = false;
-          c.why_not = "needs " + fmt(mem / 1e9, 1) + " GB per device, limit " +
-                      fmt(mem_limit / 1e9, 1) + " GB";
+          c.why_not =
+              "needs " + gb_text(mem) + " GB per device, limit " + gb_text(mem_limit) + " GB";
           res.rejected.push_back(c);
         } else {
           res.ranked.push_back(c);
@@ -472,7 +482,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
     e << "The winner is " << w.name() << ": " << fmt(w.tokens_per_s, 0) << " tokens/s (" << w.dp
       << " sequence" << (w.dp > 1 ? "s" : "") << " of " << req.seq << " tokens per step), "
       << duration(w.step_s) << " per step, MFU " << fmt(100 * w.mfu, 1) << " %, "
-      << fmt(w.memory_bytes / 1e9, 1) << " GB per device.\n";
+      << gb_text(w.memory_bytes) << " GB per device.\n";
     e << "  Its step: attention " << duration(w.attn_s) << ", GEMMs " << duration(w.gemm_s)
       << ", recompute " << duration(w.recompute_s) << ", TP/SP collectives "
       << duration(w.tp_comm_s) << ", exposed DP all-reduce " << duration(w.dp_comm_s)

@@ -4,6 +4,8 @@
 // default), the other missing fields keep their defaults.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <iomanip>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -106,6 +108,18 @@ std::vector<Rule> rules(const Profile& p) {
   return r;
 }
 
+// v with as few significant digits as name it exactly (a2a_eff 1.0000001 was "got 1", a value
+// that reads as in range).
+std::string exact_text(double v) {
+  std::ostringstream o;
+  for (int digits = 6; digits <= 17; ++digits) {
+    o.str("");
+    o << std::setprecision(digits) << v;
+    if (std::strtod(o.str().c_str(), nullptr) == v) break;
+  }
+  return o.str();
+}
+
 // "must be a number in [1000, 1e+15] (bytes/s), got 0", or empty when the value is in range (NaN
 // never is).
 std::string violation(const Rule& r) {
@@ -113,7 +127,7 @@ std::string violation(const Rule& r) {
   if (above_lo && r.value <= r.hi) return "";
   std::ostringstream o;
   o << "must be " << (r.integer ? "an integer" : "a number") << " in " << (r.lo_open ? "(" : "[")
-    << r.lo << ", " << r.hi << "] (" << r.unit << "), got " << r.value;
+    << r.lo << ", " << r.hi << "] (" << r.unit << "), got " << exact_text(r.value);
   return o.str();
 }
 

@@ -709,6 +709,10 @@ TEST(PlanProfiles, EveryFigureIsCheckedAtLoad) {
       {"/devices_per_node", 2.5, "field 'devices_per_node' must be an integer"},
       {"/collectives/a2a_eff", 0, "field 'collectives.a2a_eff' must be"},
       {"/collectives/allreduce_eff", 1.2, "field 'collectives.allreduce_eff' must be"},
+      // the value as given, not rounded to six digits ("got 1" read as in range)
+      {"/collectives/a2a_eff", 1.0000001,
+       "field 'collectives.a2a_eff' must be a number in [0.001, 1] (a fraction of the link), got "
+       "1.0000001"},
       {"/links/inter/bandwidth", true, "field 'links.inter.bandwidth' must be a number"},
   };
   for (const auto& [pointer, value, needle] : cases) {

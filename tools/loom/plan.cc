@@ -78,9 +78,11 @@ plan::ModelShape parse_model(const std::string& s) {
   return {v[0], v[1], v[2], v[3], v[4] > 0 ? v[4] : 4 * v[1], v[5]};
 }
 
+// Bytes as GB: one decimal, or three significant digits below 0.1 GB ("0.0 GB" for a memory of
+// 1 byte).
 std::string gb(double b) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f", b / 1e9);
+  std::snprintf(buf, sizeof buf, b >= 0.1e9 ? "%.1f" : "%.3g", b / 1e9);
   return buf;
 }
 
