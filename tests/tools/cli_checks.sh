@@ -729,6 +729,14 @@ mkdir -p "$nonutf"
     "$nonutf/r.json" && ok "a non-UTF-8 --json path: the report written, valid JSON" ||
   bad "a non-UTF-8 --json path"
 expect_error "--seq 0x40 refused" "is not an integer: '0x40'" --seq 0x40
+# Past a 32-bit option's range, and a float option given no number: CLI11 said "Could not
+# convert: --ranks = 99999999999", with no range, and the same for --scale abc.
+expect_error "--ranks past 32 bits" \
+  "--ranks: 99999999999 is out of range (past a 32-bit integer's -2147483648 to 2147483647)" \
+  --ranks 99999999999
+expect_error_of plan "plan --devices 10^18" "--devices: 1000000000000000000 is out of range" \
+  --devices 1000000000000000000
+expect_error "--scale abc" "--scale: 'abc' is not a number" --scale abc
 # An empty value is refused, not read as "not given" (--input "" ran on generated inputs and
 # --check passed, --json "" wrote nothing, train --data "" trained on the default corpus) or 0.
 for opt in --input --json --output --scale --memory-limit; do

@@ -95,6 +95,22 @@ std::string usage_text(const CLI::Error& e) {
   if (at != std::string::npos && what.compare(0, 1, "-") == 0)
     return what.substr(0, at) + " was given " + what.substr(at + mark.size()) +
            " times; give it once";
+  // CLI11's "Could not convert: --devices = 1000000000000000000" named no range: a whole number
+  // there is past a 32-bit option's range (strict_integers lets through what fits 64 bits), and
+  // anything else was no number at all (--scale abc).
+  const std::string convert = "Could not convert: ";
+  const size_t eq = what.find(" = ");
+  if (what.compare(0, convert.size(), convert) == 0 && eq != std::string::npos &&
+      what.compare(convert.size(), 1, "-") == 0) {
+    const std::string option = what.substr(convert.size(), eq - convert.size());
+    const std::string value = what.substr(eq + 3);
+    const size_t sign = value.size() > 1 && (value[0] == '-' || value[0] == '+') ? 1 : 0;
+    const bool whole =
+        value.size() > sign && value.find_first_not_of("0123456789", sign) == std::string::npos;
+    return whole ? option + ": " + value +
+                       " is out of range (past a 32-bit integer's -2147483648 to 2147483647)"
+                 : option + ": '" + value + "' is not a number";
+  }
   return what;
 }
 
