@@ -373,6 +373,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         const double mem_base = mem + tokens * static_cast<double>(M.vocab) / tp * 4.0;
         if (mem_base > mem_limit) {
           c.fits = false;
+          c.memory_bytes = mem_base;  // at least this (JSON memory_bytes read 0)
           c.why_not = "needs more than " + gb_text(mem_base) + " GB per device, limit " +
                       gb_text(mem_limit) + " GB";
           res.rejected.push_back(c);

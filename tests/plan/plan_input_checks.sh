@@ -218,6 +218,10 @@ for c in once["ranked"]:
     kinds = c["exposed_by_kind"]
     if c["checkpoint"] and kinds and c["exposed_cp_comm_s"] > 0:
         assert abs(max(kinds.values()) - c["exposed_cp_comm_s"]) <= 1e-9 * c["exposed_cp_comm_s"], c
+# A candidate rejected before simulating names its lower bound (memory_bytes was 0).
+for c in json.load(open(f"{w}/all8.json"))["rejected"] + json.load(open(f"{w}/once.json"))["rejected"]:
+    if "GB per device" in c["why_not"]:
+        assert c["memory_bytes"] > 0, c
 all12 = json.load(open(f"{w}/all12.json"))
 assert any(c["strategy"] == "hybrid" for c in all12["ranked"]), "12 devices ranked no hybrid"
 for c in all12["ranked"]:
