@@ -318,6 +318,12 @@ expect 2 "is inside --candidate" -- V --candidate "$T/cand/" --quiet --json "$T/
 expect 2 "is inside --candidate" -- V --candidate "$T/cand" --quiet --heatmap "$T/cand/h.svg"
 ln -s "$T/cand/out.rank0.npy" "$T/alias.npy"
 expect 2 "is inside --candidate" -- V --candidate "$T/cand" --quiet --json "$T/alias.npy"
+# A hard link to a candidate file was accepted (and replaced by the report) where one to an input
+# was refused.
+ln "$T/cand/out.rank0.npy" "$T/hard_alias.npy"
+expect 2 "the candidate's out.rank0.npy name the same file (hard links to one file)" -- \
+  V --candidate "$T/cand" --quiet --json "$T/hard_alias.npy"
+cmp -s "$T/cand/out.rank0.npy" "$T/hard_alias.npy" || fail "--json replaced a hard link's file"
 [ "$(cd "$T/cand" && md5sum ./* | md5sum)" = "$sum_before" ] ||
   fail "an output was written into the candidate directory"
 # Per-rank files that are not a whole set: out.rank1.npy without out.rank0.npy was "PASSED ...

@@ -461,16 +461,10 @@ int run_verify(const VerifyOptions& o) {
   if (o.scale_given) check_scale_in_float32(o.scale);  // 5e-324 was refused as "got 0"
   LOOM_CHECK(o.full_check_max >= 1, InvalidArgument,
              "--full-check-max must be >= 1, got " << o.full_check_max);
-  // Two outputs on one path, or an output onto an input file, are refused before any work.
-  std::vector<std::pair<std::string, std::string>> paths;
-  for (const char* name : {"q.npy", "k.npy", "v.npy", "dout.npy", "cu_seqlens.npy"})
-    paths.emplace_back("--input's " + std::string(name), o.input + "/" + name);
-  paths.emplace_back("--json", o.json);
-  paths.emplace_back("--heatmap", o.heatmap);
-  check_distinct_outputs(paths, 5);  // q.npy may be a link to k.npy: inputs are not compared
   // Nor into the candidate directory, whose names are read (--json CAND/out.npy replaced the
   // candidate's out with the report, --json CAND/dq.rank0.npy planted a file), nor onto a
-  // candidate file elsewhere through a symlink.
+  // candidate file elsewhere through a symlink or a hard link (a hard link to an input was
+  // refused, one to a candidate file was not).
   std::vector<std::string> entries;  // the candidate directory's names, listed once
   {
     std::error_code ec;
@@ -484,12 +478,19 @@ int run_verify(const VerifyOptions& o) {
     if (path->empty() || *path == "-") continue;
     check_output_outside(option, *path, "--candidate", o.candidate,
                          "whose files loom verify reads");
-    const std::string key = output_key(*path);
-    for (const std::string& e : entries)
-      LOOM_CHECK(output_key(o.candidate + "/" + e) != key, InvalidArgument,
-                 option << " " << *path << " and the candidate's " << e
-                        << " name the same file; give each output its own path");
   }
+  // Two outputs on one path, or an output onto an input or candidate file (a name, a symlink or
+  // a hard link), are refused before any work; the files read are not compared among themselves
+  // (q.npy may be a link to k.npy).
+  std::vector<std::pair<std::string, std::string>> paths;
+  for (const char* name : {"q.npy", "k.npy", "v.npy", "dout.npy", "cu_seqlens.npy"})
+    paths.emplace_back("--input's " + std::string(name), o.input + "/" + name);
+  for (const std::string& e : entries)
+    paths.emplace_back("the candidate's " + e, o.candidate + "/" + e);
+  const size_t read = paths.size();
+  paths.emplace_back("--json", o.json);
+  paths.emplace_back("--heatmap", o.heatmap);
+  check_distinct_outputs(paths, read);
   check_output_writable(o.json, "--json");
   check_output_writable(o.heatmap, "--heatmap");
   const Dims dims = parse_dims(o.layout_dims);
