@@ -87,9 +87,15 @@ std::string Report::to_json() const {
 
 std::string Report::summary() const {
   std::ostringstream os;
+  // A pass that left a present tensor uncompared says so on its first line (dk and dv above the
+  // full-check limit): "PASSED" alone read as every tensor checked.
+  std::string unchecked;
+  for (const auto& t : tensors)
+    if (t.present && !t.compared) unchecked += (unchecked.empty() ? "" : " and ") + t.name;
   os << "verify    " << (passed ? "PASSED" : "FAILED") << "  (" << convention << ", " << ranks
      << (ranks == 1 ? " rank" : " ranks") << ", S=" << seq << " H=" << heads << " Hkv=" << kv_heads
-     << " D=" << head_dim << ")\n";
+     << " D=" << head_dim << ")"
+     << (unchecked.empty() ? "" : ", " + unchecked + " not compared (--full-check-max)") << "\n";
   if (per_problem_bounds)
     os << "  " << per_problem_why
        << ": each tensor is held to this problem's own bound (loom/tolerance.h)\n";
