@@ -331,6 +331,15 @@ def main():
     args = parse_args()
     data = load_data(args)
     distributed = "WORLD_SIZE" in os.environ
+    # The context-parallel options shape the cp run alone: without a launcher there is none, and
+    # they were ignored without a word (--ulysses 2 ran the one-process model, exit 0).
+    given = [f"--{n}" for n, default in (("strategy", "ring"), ("layout", "zigzag"),
+                                         ("ulysses", None), ("inner", None))
+             if getattr(args, n) != default]
+    if given and not distributed:
+        fail(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} the context-parallel run, "
+             "which needs a launcher (/usr/bin/python3 -m loom.torchrun --nproc_per_node N ...); "
+             "without one the script runs one process")
     rank, ok = 0, True
     if distributed:
         dist.init_process_group("gloo")

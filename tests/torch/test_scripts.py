@@ -87,7 +87,11 @@ with tempfile.TemporaryDirectory() as tmp:
     for args, needle in ((["--steps", "abc"], "--steps: invalid int value: 'abc'"),
                          (["--dim", "1024", "--heads", "2"], "head dim of 512"),
                          (["--data", fifo], f"cannot read --data {fifo}: not a regular file"),
-                         (["--data", "/dev/zero"], "cannot read --data /dev/zero: not a regular")):
+                         (["--data", "/dev/zero"], "cannot read --data /dev/zero: not a regular"),
+                         # without a launcher the cp options were ignored, exit 0
+                         (["--ulysses", "2", "--strategy", "hybrid"],
+                          "--strategy, --ulysses shape the context-parallel run, which needs a "
+                          "launcher")):
         r = run(example + args)
         check(one_line(r, 2, needle) and not r.stdout,
               f"torch_cp_train {' '.join(args)}: exit {r.returncode} (want 2), stderr "
