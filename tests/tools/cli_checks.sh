@@ -762,6 +762,18 @@ expect_error "40 GiB without the magic" "not a .npy file (bad magic)" --input "$
 rc=$?
 [ $rc -eq 2 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && ok "unknown option: exit 2, one line" ||
   { cat "$work/stderr"; bad "unknown option exit $rc"; }
+# The command line's own errors are exit 2, as docs/cli.md says (expect_error takes any non-zero
+# status, so a change to 1 passed): values that do not parse, fit or are empty.
+for args in "--seq 99999999999999999999" "--scale 1e309" "--seed -1" "--seq 0x40" "--ranks 99999999999" \
+  "--scale abc"; do
+  "$loom" attn $args > /dev/null 2> "$work/stderr"
+  rc=$?
+  [ $rc -eq 2 ] && [ "$(wc -l < "$work/stderr")" -eq 1 ] && ok "attn $args: exit 2, one line" ||
+    { cat "$work/stderr"; bad "attn $args: exit $rc (want 2)"; }
+done
+"$loom" attn --input "" > /dev/null 2> "$work/stderr"
+rc=$?
+[ $rc -eq 2 ] && ok "attn --input '': exit 2" || { cat "$work/stderr"; bad "attn --input '': exit $rc"; }
 mkdir -p "$work/dirq/q.npy"
 expect_error "a directory where a file is expected" "q.npy: is a directory" --input "$work/dirq"
 mkdir -p "$work/empty"

@@ -377,11 +377,15 @@ expect 2 "--ranks must be in \[1, 96\]" -- "$LOOM" verify --input "$T/lib/input"
 expect 2 "--ranks must be in \[1, 96\]" -- "$LOOM" verify --input "$T/lib/input" \
   --candidate "$T/lib/correct" --ranks 97
 # Malformed command lines: exit 2, one line (docs/verify.md said 105-114).
-for args in "--bogus" "--input $T/lib/input" "--input $T/lib/input --candidate $T/cand --ranks abc"; do
+# Each names its own mistake: `--bogus` said "--input is required" (CLI11 checked the required
+# options first).
+for case in "--bogus|not expected: --bogus" "--input $T/lib/input|--candidate is required" \
+  "--input $T/lib/input --candidate $T/cand --ranks abc|--ranks"; do
+  args=${case%%|*} needle=${case#*|}
   out=$("$LOOM" verify $args 2>&1 >/dev/null)
   rc=$?
-  [ $rc = 2 ] && [ "$(printf '%s\n' "$out" | wc -l)" = 1 ] && grep -q "^loom: error: " <<<"$out" ||
-    fail "usage error '$args': exit $rc, '$out'"
+  [ $rc = 2 ] && [ "$(printf '%s\n' "$out" | wc -l)" = 1 ] && grep -q "^loom: error: " <<<"$out" &&
+    grep -qF -- "$needle" <<<"$out" || fail "usage error '$args': exit $rc, '$out' (want '$needle')"
 done
 # An output on a pseudo file system is refused before the run (root passed access()).
 expect 2 "--json /proc/version: cannot write into /proc" -- V --candidate "$T/lib/correct" \

@@ -442,6 +442,11 @@ double verify_mapped_bytes(std::string* what) {
 }
 
 int run_verify(const VerifyOptions& o) {
+  for (const auto& [option, value] :
+       {std::pair<const char*, const std::string*>{"--input", &o.input},
+        {"--candidate", &o.candidate}})
+    LOOM_CHECK(!value->empty(), InvalidArgument,
+               option << " is required (loom verify --input DIR --candidate DIR)");
   require_directory(o.input, "--input");
   require_directory(o.candidate, "--candidate");
   LOOM_CHECK(o.window >= 0, InvalidArgument, "--window must be >= 0, got " << o.window);
@@ -724,11 +729,13 @@ int run_verify(const VerifyOptions& o) {
 
 void declare_verify(CLI::App* c, VerifyOptions& opts) {
   VerifyOptions* o = &opts;
-  c->add_option("--input", o->input, "DIR with q.npy, k.npy, v.npy [, dout.npy, cu_seqlens.npy]")
-      ->required();
+  // Required, but checked in run_verify rather than by CLI11, which checks required options
+  // before unexpected arguments: `loom verify --bogus` said "--input is required".
+  c->add_option("--input", o->input,
+                "DIR with q.npy, k.npy, v.npy [, dout.npy, cu_seqlens.npy] (required)");
   c->add_option("--candidate", o->candidate,
-                "DIR with any of out, lse, dq, dk, dv (.npy global or .rank{r}.npy per rank)")
-      ->required();
+                "DIR with any of out, lse, dq, dk, dv (.npy global or .rank{r}.npy per rank) "
+                "(required)");
   c->add_option("--convention", o->convention,
                 "sharding: contiguous, zigzag, stripe, rfa-zigzag, te-thd, torch-headtail, "
                 "megatron")
