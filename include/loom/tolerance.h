@@ -10,6 +10,7 @@
 #include <string>
 
 #include "loom/attention.h"
+#include "loom/bf16.h"
 
 namespace loom {
 
@@ -453,15 +454,23 @@ std::string check_limits_hint(RegimeMiss miss);
 // wrong: `loom attn --check` says "cannot tell" and `loom verify` "cannot be verified" (q of 1e-42
 // made a correct dk "FAIL" at 0.006 against 1e-5). Where the intermediates are what falls below
 // (v of 1e-39: dp and ds subnormal, dq not), the floor takes subnormal_reference's values
-// (loom/attention.h) in place of the exact ones: add(exact, modelled).
+// (loom/attention.h) in place of the exact ones: add(exact, modelled). A tensor stored in bf16
+// (loom's bf16 out; a candidate of `loom verify --dtype bf16`) rounds its values below the normal
+// range to bf16, whose subnormals end at 2^-133, not 2^-149: Float32Floor(true) (a correct bf16
+// out of v = 3e-39 "failed" at 0.024 where rounding to bf16 alone errs as much). Normal values
+// count float32's rounding either way: bf16's 2^-9 there is inside every bf16 tolerance.
 class Float32Floor {
  public:
+  explicit Float32Floor(bool bf16_stored = false) : bf16_(bf16_stored) {}
   void add(double exact) { add(exact, exact); }
   // An exact value and what float32 arithmetic below the normal range makes of it
-  // (subnormal_reference), rounded to float32 as stored.
+  // (subnormal_reference), rounded as stored.
   void add(double exact, double modelled) {
     if (!(exact - exact == 0) || !(modelled - modelled == 0)) return;  // NaN or infinite
-    const double e = static_cast<double>(static_cast<float>(modelled)) - exact;
+    const double stored = bf16_ && std::fabs(modelled) < 0x1p-126
+                              ? static_cast<double>(to_float(to_bf16(modelled)))
+                              : static_cast<double>(static_cast<float>(modelled));
+    const double e = stored - exact;
     num_ += e * e;
     den_ += exact * exact;
     count_ += 1;
@@ -471,6 +480,7 @@ class Float32Floor {
   double count() const { return count_; }                // how many were added
 
  private:
+  bool bf16_ = false;
   double num_ = 0, den_ = 0, count_ = 0;
 };
 inline bool float32_floor_blocks(double floor, double tolerance) {

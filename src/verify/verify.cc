@@ -1535,7 +1535,9 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
     for (const auto& t : rep.tensors) {
       if (!t.compared || t.passed || t.non_finite > 0 || t.inf_mismatch > 0) continue;
       const Tensor<double>& r = reference_of(ref, t.name);
-      Float32Floor f32;
+      // A bf16 candidate's tensors are bf16 values (lse is float32 in every implementation).
+      const bool bf16_stored = o.dtype == "bf16" && t.name != "lse";
+      Float32Floor f32(bf16_stored);
       for (int64_t i = 0; i < r.numel(); ++i) f32.add(r[i]);
       double floor = f32.rel();
       const double moved = t.name == "out"  ? shift.out
@@ -1546,13 +1548,14 @@ Report verify(const Problem& p, const Candidate& cand, const Options& o) {
           subnormal_model_may_block(moved, f32, t.tolerance)) {
         if (!modelled) modelled = run_reference(c, c.scale, any_grad, /*subnormal=*/true);
         const Tensor<double>& m = reference_of(*modelled, t.name);
-        Float32Floor f;
+        Float32Floor f(bf16_stored);
         for (int64_t i = 0; i < r.numel(); ++i) f.add(r[i], m[i]);
         floor = std::max(floor, f.rel());
       }
       LOOM_CHECK(!float32_floor_blocks(floor, t.tolerance), InvalidArgument,
                  t.name << " cannot be verified: its exact values or the terms that sum to them "
-                           "lie below float32's normal range (float32 alone errs "
+                           "lie below float32's normal range ("
+                        << (bf16_stored ? "bf16" : "float32") << " alone errs "
                         << std::setprecision(3) << floor << ", over a quarter of the tolerance "
                         << t.tolerance << "): scale the inputs up to verify it");
     }

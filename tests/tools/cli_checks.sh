@@ -691,6 +691,28 @@ expect_error "v = 1e-39: the check cannot tell where the terms of dq lie below t
   "check cannot tell dq (float32 alone errs" --input "$work/subv1e-39" --backward --check
 "$loom" attn --input "$work/subv1e-30" --backward --check --quiet > "$work/subv.out" 2>&1 &&
   ok "v = 1e-30: the check passes" || { cat "$work/subv.out"; bad "v = 1e-30: the check passes"; }
+# bf16 stores out in bf16, whose subnormals end at 2^-133: a correct out of v = 3e-39 erred 0.024,
+# as much as rounding the exact out to bf16 alone, and was "check failed: out differs ... 0.0238
+# > 0.00781" (exit 1, nothing written). The floor rounds a bf16 tensor as bf16 below the normal
+# range; on every path.
+/usr/bin/python3 - "$work/bf16v" <<'PY'
+import numpy as np, os, sys, struct
+d = sys.argv[1]
+os.makedirs(d)
+r = np.random.default_rng(7)
+def bf16(a):  # the bf16 values (truncating is enough: any bf16 value will do)
+    return (a.astype(np.float32).view(np.uint32) & np.uint32(0xffff0000)).view(np.float32)
+for n, f, h in (("q", 1, 2), ("k", 1, 1), ("v", 3e-39, 1)):
+    np.save(f"{d}/{n}.npy", bf16(r.standard_normal((64, h, 16)) * f))
+PY
+for kernel in amx avx512bf16 avx512 avx2 sse4 scalar portable; do
+  if ! LOOM_KERNEL=$kernel "$loom" attn --seq 8 --iters 1 --warmup 0 --quiet > /dev/null 2>&1; then
+    echo "skip bf16 out of v = 3e-39 on $kernel: this CPU does not run it"
+    continue
+  fi
+  LOOM_KERNEL=$kernel expect_error "bf16 out of v = 3e-39 ($kernel): cannot tell" \
+    "check cannot tell out (bf16 alone errs" --input "$work/bf16v" --dtype bf16 --check
+done
 # 7. Sizes that overflow are refused.
 expect_error "--seq beyond int64" "out of range" --seq 99999999999999999999
 # Integers are decimal: a leading zero was octal to CLI11 (--seq 064 ran S = 52, exit 0).

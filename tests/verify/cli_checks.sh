@@ -488,6 +488,23 @@ PY
   fail "loom attn on values of 1e-39"
 expect2 "dq cannot be verified: its exact values or the terms that sum to them lie below float32's normal range" -- \
   "$LOOM" verify --input "$T/subv" --candidate "$T/subv_c"
+# A bf16 candidate's out of v = 3e-39 is bf16 values, whose subnormals end at 2^-133: loom's own
+# correct bf16 out "FAILED" at 0.025 (exit 1), where rounding the exact out to bf16 alone errs
+# 0.024.
+/usr/bin/python3 - "$T/bf16v" <<'PY'
+import numpy as np, os, sys
+d = sys.argv[1]
+os.makedirs(d)
+r = np.random.default_rng(7)
+def bf16(a):
+    return (a.astype(np.float32).view(np.uint32) & np.uint32(0xffff0000)).view(np.float32)
+for n, f, h in (("q", 1, 2), ("k", 1, 1), ("v", 3e-39, 1)):
+    np.save(f"{d}/{n}.npy", bf16(r.standard_normal((64, h, 16)) * f))
+PY
+"$LOOM" attn --input "$T/bf16v" --dtype bf16 --iters 1 --warmup 0 --quiet --output "$T/bf16v_c" \
+  >/dev/null || fail "loom attn --dtype bf16 on values of 3e-39"
+expect2 "out cannot be verified: .*(bf16 alone errs" -- \
+  "$LOOM" verify --input "$T/bf16v" --candidate "$T/bf16v_c" --dtype bf16
 
 # Above --full-check-max only sampled rows are compared, and dk, dv not at all: a NaN in an
 # unsampled row of out, and a dk and dv of NaN, PASSED (exit 0), as did dk and dv alone (nothing

@@ -264,9 +264,10 @@ struct Modelled {
 // explain it, and the model could (subnormal_model_may_block).
 void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref,
              const std::vector<int64_t>& rows, int64_t row_width, double tol, CheckReport& r,
-             const Modelled* modelled = nullptr) {
+             const Modelled* modelled = nullptr, bool bf16_stored = false) {
   double num = 0, den = 0, max_abs = 0;
-  Float32Floor floor;  // what rounding the exact values to float32 alone errs (subnormals)
+  // What rounding the exact values as stored alone errs (subnormals; bf16's out in bf16).
+  Float32Floor floor(bf16_stored);
   bool inf_mismatch = false, non_finite = false;
   // fn(i) for every compared element i of x and ref.
   const auto each_compared = [&](const auto& fn) {
@@ -314,13 +315,14 @@ void compare(const char* name, const Tensor<float>& x, const Tensor<double>& ref
   if (!inf_mismatch && !(rel <= tol) && !float32_floor_blocks(rel_f32, tol) && modelled &&
       subnormal_model_may_block(modelled->shift, floor, tol)) {
     const Tensor<double>& m = modelled->values();  // the terms' roundings below normal too
-    Float32Floor f;
+    Float32Floor f(bf16_stored);
     each_compared([&](int64_t i) { f.add(ref[i], m[i]); });
     rel_f32 = std::max(rel_f32, f.rel());
   }
   if (!inf_mismatch && !(rel <= tol) && float32_floor_blocks(rel_f32, tol)) {
     std::ostringstream os;
-    os << std::setprecision(2) << name << " (float32 alone errs " << rel_f32 << ")";
+    os << std::setprecision(2) << name << " (" << (bf16_stored ? "bf16" : "float32")
+       << " alone errs " << rel_f32 << ")";
     r.below_normal.push_back(os.str());
     r.done = true;
     return;
@@ -444,7 +446,7 @@ CheckReport run_check(const Problem& p, bool backward, const Tensor<float>& q,
   const SubnormalShift shift =
       subnormal_reference_shift(qd.view3(), kd.view3(), vd.view3(), dos_v, p.kernel.scale);
   const Modelled m_out{shift.out, [&]() -> const Tensor<double>& { return modelled().out; }};
-  compare("out", out, full_out, rows, w, bound.out, r, &m_out);
+  compare("out", out, full_out, rows, w, bound.out, r, &m_out, p.bf16);  // out is bf16 there
   compare("lse", lse_t, full_lse_t, rows, p.H, bound.lse, r);
   if (backward) {
     Tensor<double> rdq({n, p.H, p.D}), rdk(kd.shape()), rdv(vd.shape());
@@ -1160,7 +1162,7 @@ int run_attn(const AttnOptions& o) {
       for (const std::string& u : rep.check.below_normal) names += (names.empty() ? "" : ", ") + u;
       std::fprintf(stderr,
                    "loom: error: check cannot tell %s: its exact values or the terms that sum to "
-                   "them lie below float32's normal range, where no float32 result meets the "
+                   "them lie below float32's normal range, where no result as stored meets the "
                    "tolerance; scale the inputs up to check it\n",
                    names.c_str());
     } else if (rep.check.passed) {
