@@ -189,7 +189,7 @@ PY
   /usr/bin/python3 -c "import numpy as np, sys; o = np.load('$work/b16out/out.npy'); sys.exit(0 if (o == 1 + 2**-7).all() else 1)" &&
   ok "--dtype bf16: a float64 input rounded once" || bad "--dtype bf16: a float64 input rounded twice"
 expect_error "--dtype bf16: an input past bf16's range" \
-  "v.npy holds 3.4e+38 at flat index 0, which does not fit bf16" --input "$work/b16ov" --dtype bf16
+  "v.npy holds 3.4e+38 at flat index 0, which rounds past bf16's largest value" --input "$work/b16ov" --dtype bf16
 # A length past int64 was "not a positive integer".
 expect_error "docs length past int64" "the document length 99999999999999999999 is past 2^63 - 1" \
   --seq 64 --docs 99999999999999999999

@@ -127,10 +127,12 @@ void load_inputs(const AttnOptions& o, Problem& p) {
       t = Tensor<float>(d.shape());
       for (int64_t i = 0; i < d.numel(); ++i) {
         const float b = to_float(to_bf16(d[i]));
-        LOOM_CHECK(!std::isfinite(d[i]) || std::isfinite(b), IoError,
-                   path << " holds " << d[i] << " at flat index " << i
-                        << ", which does not fit bf16 (--dtype bf16: magnitude at most "
-                        << to_float(bf16{0x7f7f}) << ")");
+        LOOM_CHECK(
+            !std::isfinite(d[i]) || std::isfinite(b), IoError,
+            path << " holds " << d[i] << " at flat index " << i
+                 << ", which rounds past bf16's largest value " << to_float(bf16{0x7f7f})
+                 << " (--dtype bf16: values of smaller magnitude than 3.3961775e+38 round to "
+                    "a finite bf16)");
         t[i] = b;
       }
     } else {
