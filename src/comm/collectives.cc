@@ -19,12 +19,10 @@
 #include "collectives.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <sstream>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -48,16 +46,6 @@ void wait_by(Work& work, Deadline deadline) {
 
 void wait_all(std::vector<WorkPtr>& works, Deadline deadline) {
   for (auto& w : works) wait_by(*w, deadline);
-}
-
-// max, with a NaN on any rank the result on every rank (std::max(acc, NaN) kept acc, so the
-// answer hung on which rank held the NaN), as a sum carries it.
-template <typename T>
-T max_of(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) {
-    if (std::isnan(b)) return b;
-  }
-  return std::max(a, b);
 }
 
 template <typename T>

@@ -3,15 +3,29 @@
 // collectives but books the same traffic (traffic_*), so CommStats mean the same on both.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <new>
 #include <string>
+#include <type_traits>
 
 #include "loom/comm.h"
 
 namespace loom::detail {
+
+// ReduceOp::max of two values, with a NaN on any rank the result on every rank, as a sum carries
+// it (std::max(acc, NaN) kept acc, so the answer hung on which rank held the NaN). Every backend
+// reduces with it: the local and torch ones here, MPI in its own MPI_Op.
+template <typename T>
+T max_of(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) {
+    if (std::isnan(b)) return b;
+  }
+  return std::max(a, b);
+}
 
 // Internal tags: user tags are >= 0, so these never match a user message.
 constexpr int kTagAllToAll = -1;

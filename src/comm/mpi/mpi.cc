@@ -333,21 +333,15 @@ void finalize_at_exit() {
   within_deadline(limit_s, why.str(), [] { return MPI_Finalize(); });
 }
 
-// ReduceOp::max for float and double as the other backends compute it (collectives.cc): a NaN on
-// any rank makes the result NaN on every rank. MPI_MAX leaves NaN unspecified (Open MPI's keeps
-// whichever operand its order compares last), so a NaN a rank > 0 held could vanish. Integers
-// use MPI_MAX. Created once, after MPI_Init (ensure_initialized).
+// ReduceOp::max for float and double as the other backends compute it (detail::max_of): a NaN
+// on any rank makes the result NaN on every rank. MPI_MAX leaves NaN unspecified (Open MPI's
+// keeps whichever operand its order compares last), so a NaN a rank > 0 held could vanish.
+// Integers use MPI_MAX. Created once, after MPI_Init (ensure_initialized).
 MPI_Op g_max_nan = MPI_OP_NULL;
 
 template <typename T>
 void max_carrying_nan(const T* in, T* inout, int n) {
-  for (int i = 0; i < n; ++i) {
-    if (in[i] != in[i] || inout[i] != inout[i]) {
-      if (inout[i] == inout[i]) inout[i] = in[i];  // in[i] is the NaN
-    } else if (in[i] > inout[i]) {
-      inout[i] = in[i];
-    }
-  }
+  for (int i = 0; i < n; ++i) inout[i] = detail::max_of(inout[i], in[i]);
 }
 
 void max_nan_op(void* in, void* inout, int* len, MPI_Datatype* type) {
