@@ -219,7 +219,8 @@ struct Candidate {
   Layout layout = Layout::zigzag;
   bool checkpoint = false;
   bool fits = true;
-  std::string why_not;  // when !fits or invalid
+  std::string why_not;       // when !fits or invalid
+  bool over_memory = false;  // rejected for memory alone (why_not "needs ... GB per device")
   // Step breakdown (seconds, slowest rank).
   double step_s = 0, attn_s = 0, gemm_s = 0, recompute_s = 0;
   double exposed_cp_s = 0, tp_comm_s = 0, dp_comm_s = 0, cp_idle_s = 0;
@@ -276,6 +277,10 @@ struct TrainStepPrediction {
   double attention_scale = 1;  // measured / simulated one-rank attention
   AttnSim attention;           // one layer, one sequence, on the mesh's cp group
 };
+
+// Bytes as the plan's reports print GB (1e9 bytes): one decimal, or three significant digits
+// below 0.1 GB (a profile's memory of 1 byte read "limit 0.0 GB").
+std::string gb_text(double bytes);
 
 // Checks the case (InvalidArgument: mesh sizes, divisibility, a strategy the simulator knows)
 // and predicts its step from `one_rank` (measured with the same model, seq, batch, dtype and

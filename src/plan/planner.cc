@@ -138,15 +138,6 @@ std::string fmt(double x, int prec = 2) {
   return o.str();
 }
 
-// Bytes as GB: one decimal, or three significant digits below 0.1 GB (a profile's memory of 1
-// byte read "limit 0.0 GB").
-std::string gb_text(double bytes) {
-  if (bytes >= 0.1e9) return fmt(bytes / 1e9, 1);
-  std::ostringstream o;
-  o << std::setprecision(3) << bytes / 1e9;
-  return o.str();
-}
-
 // A duration with a unit that shows it: "5.525 s", "406 ms", "33.0 ms", "41.3 us" (a 40 us
 // step read "0.000 s"); 0 is "0 s".
 std::string duration(double s) {
@@ -159,6 +150,13 @@ std::string duration(double s) {
 }
 
 }  // namespace
+
+std::string gb_text(double bytes) {
+  if (bytes >= 0.1e9) return fmt(bytes / 1e9, 1);
+  std::ostringstream o;
+  o << std::setprecision(3) << bytes / 1e9;
+  return o.str();
+}
 
 PlanResult plan(const PlanRequest& req, const Profile& prof) {
   const auto t_start = std::chrono::steady_clock::now();
@@ -373,6 +371,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
         const double mem_base = mem + tokens * static_cast<double>(M.vocab) / tp * 4.0;
         if (mem_base > mem_limit) {
           c.fits = false;
+          c.over_memory = true;
           c.memory_bytes = mem_base;  // at least this (JSON memory_bytes read 0)
           c.why_not = "needs more than " + gb_text(mem_base) + " GB per device, limit " +
                       gb_text(mem_limit) + " GB";
@@ -456,6 +455,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
                                << " bytes per device; check its figures");
         if (mem > mem_limit) {
           c.fits = false;
+          c.over_memory = true;
           c.why_not =
               "needs " + gb_text(mem) + " GB per device, limit " + gb_text(mem_limit) + " GB";
           res.rejected.push_back(c);
@@ -562,8 +562,7 @@ PlanResult plan(const PlanRequest& req, const Profile& prof) {
       e << ").\n";
     }
     int no_fit = 0;
-    for (const Candidate& c : res.rejected)
-      no_fit += c.why_not.find("GB per device") != std::string::npos;
+    for (const Candidate& c : res.rejected) no_fit += c.over_memory;
     if (no_fit)
       e << "  " << no_fit << " candidates do not fit in memory (see the rejected list).\n";
     res.explain = e.str();

@@ -78,14 +78,6 @@ plan::ModelShape parse_model(const std::string& s) {
   return {v[0], v[1], v[2], v[3], v[4] > 0 ? v[4] : 4 * v[1], v[5]};
 }
 
-// Bytes as GB: one decimal, or three significant digits below 0.1 GB ("0.0 GB" for a memory of
-// 1 byte).
-std::string gb(double b) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, b >= 0.1e9 ? "%.1f" : "%.3g", b / 1e9);
-  return buf;
-}
-
 // The text report: standard output, unless an output is "-" (standard output): then the text
 // stays off it, so that it holds that output alone (docs/cli.md, "Files"), as in loom attn.
 // `--json -` mixed the table into the JSON.
@@ -820,7 +812,7 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
     const plan::Candidate& c = r.ranked[i];
     text(show, "  %-3d %-38s %9.3f %6.1f %11.0f %7s %9.3f %9.3f %9.3f %9.3f %7.3f\n", i + 1,
          c.name().c_str(), c.step_s * per_s, 100 * c.mfu, c.tokens_per_s,
-         gb(c.memory_bytes).c_str(), c.exposed_cp_s * per_s, c.tp_comm_s * per_s,
+         plan::gb_text(c.memory_bytes).c_str(), c.exposed_cp_s * per_s, c.tp_comm_s * per_s,
          c.dp_comm_s * per_s, c.recompute_s * per_s, c.balance);
   }
   if (!r.ranked.empty()) {  // a winner without a cp group has none (the line was left empty)
@@ -831,8 +823,7 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
     text(show, "\n");
   }
   int mem = 0;
-  for (const plan::Candidate& c : r.rejected)
-    mem += c.why_not.find("GB per device") != std::string::npos;
+  for (const plan::Candidate& c : r.rejected) mem += c.over_memory;
   if (!r.rejected.empty()) {
     text(show, "  rejected: %d do not fit in memory, %zu are invalid; for example:\n", mem,
          r.rejected.size() - mem);
@@ -844,8 +835,7 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
     for (const bool memory_pass : {true, false}) {
       const int room = memory_pass && !memory_first ? 3 : 4;
       for (const plan::Candidate& c : r.rejected) {
-        const bool is_mem = c.why_not.find("GB per device") != std::string::npos;
-        if (is_mem != memory_pass || c.why_not == last || shown >= room) continue;
+        if (c.over_memory != memory_pass || c.why_not == last || shown >= room) continue;
         last = c.why_not;
         text(show, "    %s: %s\n", c.name().c_str(), c.why_not.c_str());
         ++shown;
@@ -886,7 +876,7 @@ int run_plan(const CLI::App* app, const PlanOptions& o) {
     std::ostringstream why;
     if (mem > 0)
       why << "no configuration fits: " << mem << " candidate" << (mem > 1 ? "s need" : " needs")
-          << " more than " << gb(limit) << " GB per device"
+          << " more than " << plan::gb_text(limit) << " GB per device"
           << (invalid > 0
                   ? " and " + std::to_string(invalid) + (invalid > 1 ? " are" : " is") + " invalid"
                   : std::string())
